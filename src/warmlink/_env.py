@@ -1,0 +1,82 @@
+"""The only module that reads ``WARMLINK_*`` environment variables.
+
+Each variable is parsed once, validated, and cached. Precedence everywhere is
+argument > environment > default; callers write ``x if x is not None else _env.pool_enabled()``.
+
+Variables:
+    WARMLINK_POOL: ``1`` (default) pools every expensive resource; ``0`` makes every lease create
+        and every release destroy, and disables the registration, mapping and plan caches. This
+        is the A/B baseline every benchmark prints.
+    WARMLINK_BACKEND: default transport when none is given: ``auto`` (default), ``shm``,
+        ``cuda_ipc``. ``auto`` picks ``cuda_ipc`` when the tensors are on CUDA, else ``shm``.
+    WARMLINK_TIMEOUT_S: default timeout in seconds for store waits and transfers (default 60).
+    WARMLINK_LOG_LEVEL: level for the ``warmlink`` logger (default ``WARNING``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from warmlink.errors import ConfigError
+
+__all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "clear_cache"]
+
+_BACKENDS = ("auto", "shm", "cuda_ipc")
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+@functools.cache
+def pool_enabled() -> bool:
+    """``WARMLINK_POOL``: whether pooling and caching are on (default True)."""
+    value = _raw("WARMLINK_POOL")
+    if value is None:
+        return True
+    if value.lower() in ("1", "true", "on", "yes"):
+        return True
+    if value.lower() in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"WARMLINK_POOL={value!r} is not a switch; expected 0 or 1")
+
+
+@functools.cache
+def default_backend() -> str:
+    """``WARMLINK_BACKEND``: the transport used when none is passed (default ``auto``)."""
+    value = _raw("WARMLINK_BACKEND") or "auto"
+    if value not in _BACKENDS:
+        raise ConfigError(f"WARMLINK_BACKEND={value!r} is unknown; expected one of {list(_BACKENDS)}")
+    return value
+
+
+@functools.cache
+def default_timeout_s() -> float:
+    """``WARMLINK_TIMEOUT_S``: default timeout for waits and transfers, in seconds (default 60)."""
+    value = _raw("WARMLINK_TIMEOUT_S")
+    if value is None:
+        return 60.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"WARMLINK_TIMEOUT_S={value!r} is not a number; expected seconds > 0") from None
+    if not seconds > 0:
+        raise ConfigError(f"WARMLINK_TIMEOUT_S={value!r} must be > 0 seconds")
+    return seconds
+
+
+@functools.cache
+def log_level() -> str:
+    """``WARMLINK_LOG_LEVEL``: the ``warmlink`` logger's level (default ``WARNING``)."""
+    value = (_raw("WARMLINK_LOG_LEVEL") or "WARNING").upper()
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"WARMLINK_LOG_LEVEL={value!r} is unknown; expected DEBUG, INFO, WARNING or ERROR")
+    return value
+
+
+def clear_cache() -> None:
+    """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
+    for fn in (pool_enabled, default_backend, default_timeout_s, log_level):
+        fn.cache_clear()

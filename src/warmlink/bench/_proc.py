@@ -1,0 +1,98 @@
+"""Child processes for benchmarks: spawn, talk in plain dicts, never hang, never leak.
+
+Every child gets the multicast-off variables (see DESIGN: NVLink multicast can take a shared
+host's GPUs down). Every wait has a deadline; a child that dies or reports an error takes the
+whole group down and the parent raises with the child's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from typing import Callable
+
+__all__ = ["SAFE_ENV", "Group", "run_in_child"]
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _child(fn: Callable, kwargs: dict, control, results, tag: str) -> None:
+    os.environ.update(SAFE_ENV)
+    try:
+        fn(control=control, results=results, **kwargs)
+    except BaseException:
+        results.put({"tag": tag, "event": "error", "traceback": traceback.format_exc()})
+
+
+class Group:
+    """Processes started together; ``expect`` collects their messages in order of arrival."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import multiprocessing as mp
+
+        os.environ.update(SAFE_ENV)
+        self._ctx = mp.get_context("spawn")
+        self.results = self._ctx.Queue()
+        self.timeout_s = timeout_s
+        self.procs: dict[str, object] = {}
+        self.controls: dict[str, object] = {}
+
+    def start(self, tag: str, fn: Callable, **kwargs) -> None:
+        control = self._ctx.Queue()
+        proc = self._ctx.Process(target=_child, args=(fn, kwargs, control, self.results, tag), daemon=True, name=f"warmlink-{tag}")
+        proc.start()
+        self.procs[tag], self.controls[tag] = proc, control
+
+    def send(self, tag: str, msg) -> None:
+        self.controls[tag].put(msg)
+
+    def expect(self, event: str, count: int, timeout_s: float | None = None) -> list[dict]:
+        """Wait for ``count`` messages with ``event``; RuntimeError on a child error, death or timeout."""
+        deadline = time.perf_counter() + (timeout_s if timeout_s is not None else self.timeout_s)
+        got = []
+        while len(got) < count:
+            try:
+                msg = self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = {t: p.exitcode for t, p in self.procs.items() if not p.is_alive() and p.exitcode != 0}
+                if dead:
+                    raise RuntimeError(f"bench: child process(es) died: {dead}") from None
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"bench: timed out waiting for {count} x {event!r} (got {len(got)})") from None
+                continue
+            if msg.get("event") == "error":
+                raise RuntimeError(f"bench: {msg['tag']} failed:\n{msg['traceback']}")
+            if msg.get("event") == event:
+                got.append(msg)
+        return got
+
+    def close(self) -> None:
+        for tag in self.procs:
+            try:
+                self.controls[tag].put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs.values():
+            p.join(timeout=15)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _call(target: Callable, control, results, **kwargs) -> None:
+    results.put({"event": "result", "value": target(**kwargs)})
+
+
+def run_in_child(fn: Callable, timeout_s: float = 600, **kwargs):
+    """Run ``fn(**kwargs)`` in a fresh spawned process and return its (JSON-able) result."""
+    with Group(timeout_s) as group:
+        group.start("child", _call, target=fn, **kwargs)
+        return group.expect("result", 1)[0]["value"]

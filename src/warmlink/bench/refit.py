@@ -1,0 +1,153 @@
+"""Refit benchmark scenarios on warmlink: publishers and receivers as separate processes.
+
+Tensor values are generated from a seed per logical tensor, so each side builds its own shards
+and the receivers check every received byte against an independently built expectation after the
+last cycle.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+from warmlink.bench._proc import Group
+
+__all__ = ["run_warmlink_refit", "global_tensor", "build_physical"]
+
+
+def global_tensor(logical: str, shape, dtype: str, device, seed: int):
+    """The benchmark's value of a logical tensor: seeded normal values, same on every process."""
+    import torch
+
+    from warmlink._dtypes import torch_dtype
+
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003) ^ zlib.crc32(logical.encode()))
+    out = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32)
+    return out.to(torch_dtype(dtype))
+
+
+def build_physical(layout, device, seed: int):
+    """The physical tensor ``layout`` describes, sliced from seeded globals."""
+    import torch
+
+    pieces = []
+    for part in layout.parts:
+        full = global_tensor(part.logical, part.shard.global_shape, layout.dtype, device, seed)
+        pieces.append(full[tuple(slice(a, b) for a, b in part.shard.box())].contiguous())
+        del full
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.fuse_dim).contiguous()
+
+
+def _device(index: int):
+    import torch
+
+    if index < 0:
+        return torch.device("cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx, pool_on, backend, seed):
+    from warmlink import pool
+    from warmlink.refit import Publisher
+    from warmlink.rendezvous import Store
+
+    pool.set_enabled(pool_on)
+    device = _device(device_idx)
+    layouts = spec.layouts(tp, rank)
+    tensors = {name: build_physical(layout, device, seed) for name, layout in layouts.items()}
+    with Store.connect(address, prefix=prefix) as store, Publisher(store, rank=rank, world_size=tp, backend=backend) as pub:
+        for name, t in tensors.items():
+            pub.add(name, t, layouts[name])
+        t0 = time.perf_counter()
+        pub.export()
+        results.put({"tag": f"pub{rank}", "event": "ready", "export_s": time.perf_counter() - t0, "staged": pub._staging is not None})
+        while (msg := control.get(timeout=600)) is not None:
+            wait_s = pub.begin_update()  # values stay: the benchmark measures movement, not training
+            version = pub.publish()
+            results.put({"tag": f"pub{rank}", "event": "published", "version": version, "wait_s": wait_s})
+
+
+def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, device_idx, pool_on, backend, install, seed):
+    import torch
+
+    from warmlink import pool
+    from warmlink.refit import Receiver
+    from warmlink.rendezvous import Store
+
+    pool.set_enabled(pool_on)
+    device = _device(device_idx)
+    layouts = spec.layouts(dst_tp, rank)
+    with Store.connect(address, prefix=prefix) as store, Receiver(store, num_publishers=src_tp, backend=backend, install=install) as rec:
+        targets = {}
+        for name, layout in layouts.items():
+            targets[name] = torch.empty(layout.local_shape, dtype=getattr(torch, layout.dtype), device=device)
+            rec.add(name, layout, targets[name])
+        results.put({"tag": f"rec{rank}", "event": "ready"})
+        while (msg := control.get(timeout=600)) is not None:
+            if msg[0] == "refit":
+                report = rec.refit(version=msg[1])
+                results.put({"tag": f"rec{rank}", "event": "cycle", "report": report.as_dict()})
+            elif msg[0] == "verify":
+                bad = [n for n, layout in layouts.items() if not torch.equal(targets[n], build_physical(layout, device, seed))]
+                results.put({"tag": f"rec{rank}", "event": "verified", "bad": bad[:5], "num_bad": len(bad)})
+
+
+_PHASES = ("sync_s", "plan_s", "alloc_s", "register_s", "pull_s", "translate_s", "install_s", "total_s")
+
+
+def run_warmlink_refit(
+    spec,
+    *,
+    src_tp: int = 1,
+    dst_tp: int = 1,
+    cycles: int = 3,
+    pool_on: bool = True,
+    backend: str | None = None,
+    devices: tuple[int, int] = (0, 1),
+    install: str = "swap",
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    label: str = "",
+) -> dict:
+    """Run ``cycles`` refits from ``src_tp`` publisher processes on ``devices[0]`` into ``dst_tp``
+    receiver processes on ``devices[1]`` (-1 = CPU, shm).
+
+    Returns:
+        ``{"label", "src_tp", "dst_tp", "pool", "install", "nbytes", "cycles": [phase seconds per
+        cycle, the slowest receiver's], "created": [...], "correct": bool}``.
+    """
+    from warmlink.rendezvous import Store
+
+    prefix = f"bench-{label or 'refit'}-{time.monotonic_ns()}"
+    with Store("127.0.0.1", 0, is_server=True, prefix=prefix) as store, Group(timeout_s) as group:
+        common = dict(address=store.address, prefix=prefix, spec=spec, pool_on=pool_on, backend=backend, seed=seed)
+        for r in range(src_tp):
+            group.start(f"pub{r}", _publisher, tp=src_tp, rank=r, device_idx=devices[0], **common)
+        ready = group.expect("ready", src_tp)
+        for r in range(dst_tp):
+            group.start(f"rec{r}", _receiver, src_tp=src_tp, dst_tp=dst_tp, rank=r, device_idx=devices[1], install=install, **common)
+        group.expect("ready", dst_tp)
+        rows = []
+        for c in range(1, cycles + 1):
+            if c > 1:
+                for r in range(src_tp):
+                    group.send(f"pub{r}", ("update",))
+                group.expect("published", src_tp)
+            for r in range(dst_tp):
+                group.send(f"rec{r}", ("refit", c))
+            reports = [m["report"] for m in group.expect("cycle", dst_tp)]
+            row = {"cycle": c, **{p: max(rep[p] for rep in reports) for p in _PHASES}}
+            row["nbytes"] = sum(rep["nbytes"] for rep in reports)
+            row["num_copies"] = sum(rep["num_copies"] for rep in reports)
+            row["created"] = {k: sum(rep["created"].get(k, 0) for rep in reports) for k in reports[0]["created"]}
+            rows.append(row)
+        for r in range(dst_tp):
+            group.send(f"rec{r}", ("verify",))
+        verified = group.expect("verified", dst_tp)
+    return {
+        "label": label, "src_tp": src_tp, "dst_tp": dst_tp, "pool": pool_on, "install": install,
+        "backend": backend or "auto", "nbytes": spec.nbytes, "staged": any(m["staged"] for m in ready),
+        "export_s": max(m["export_s"] for m in ready), "cycles": rows,
+        "correct": all(v["num_bad"] == 0 for v in verified), "bad": [b for v in verified for b in v["bad"]],
+    }

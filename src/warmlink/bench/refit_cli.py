@@ -1,0 +1,189 @@
+"""``warmlink bench refit``: every refit method side by side in one run.
+
+Scenarios (each in fresh processes, same tensors, same machine, same run):
+
+* ``warm``     warmlink, pool on, matched layout (TP 1 -> 1)
+* ``cold``     warmlink, ``WARMLINK_POOL=0``: every cycle allocates, registers, opens and plans
+* ``nccl``     NCCL broadcast per tensor, trainer -> inference (what RL frameworks do today)
+* ``bucket``   NCCL broadcast of 1 GiB buckets with pack/unpack
+* ``tp21``     warmlink, pool on, trainer TP 2 -> inference TP 1 (fused QKV/gate-up re-cut)
+* ``tp12``     warmlink, pool on, trainer TP 1 -> inference TP 2
+* ``peak``     one large copy-engine peer copy (the ceiling), and 290 copies looped vs batched
+
+GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+__all__ = ["add_arguments", "run", "SCENARIOS"]
+
+SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12")
+_COLUMNS = ["cycle", "sync", "plan", "alloc", "register", "pull", "translate", "install", "total", "created"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale", type=float, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape (default 1.0)")
+    p.add_argument("--cycles", type=int, default=5, help="refit cycles per scenario (default 5)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list from {','.join(SCENARIOS)} (default: all)")
+    p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
+    p.add_argument("--install", choices=("swap", "copy"), default="swap", help="receiver install mode (default swap)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
+    p.add_argument("--plot", default=None, help="write a PNG chart here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any process may stall (default 600)")
+
+
+def _devices(arg: str | None) -> tuple[int, int]:
+    import torch
+
+    if arg is not None:
+        a, b = (int(x) for x in arg.split(","))
+        return a, b
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return 0, 1
+    return (0, 0) if torch.cuda.is_available() else (-1, -1)
+
+
+def _skip_reason(name: str, devices: tuple[int, int]) -> str | None:
+    if name in ("nccl", "bucket") and devices[0] >= 0 and devices[0] == devices[1]:
+        return "NCCL cannot place two ranks on one GPU"
+    return None
+
+
+def _peak(devices: tuple[int, int], nbytes: int) -> dict:
+    """The copy ceiling: one large peer copy on GPUs, one large memcpy on the CPU."""
+    from warmlink.bench._proc import run_in_child
+
+    if devices[0] < 0:
+        return run_in_child(_cpu_memcpy_peak, nbytes=max(64 << 20, min(nbytes, 1 << 30)))
+    from warmlink.bench.peak import batched_vs_loop, peer_copy_peak
+
+    out = run_in_child(peer_copy_peak, src_device=devices[0], dst_device=devices[1], nbytes=min(nbytes, 1 << 30))
+    out["gbps"] = out["one_way_gbps"]
+    out["batched_vs_loop"] = run_in_child(batched_vs_loop, num_tensors=290, total_nbytes=min(nbytes, 8 << 30),
+                                          src_device=devices[0], dst_device=devices[1])
+    return out
+
+
+def _cpu_memcpy_peak(nbytes: int, repeats: int = 5) -> dict:
+    import torch
+
+    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    b.copy_(a)  # fault the pages in before timing
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t)
+    return {"kind": "cpu memcpy", "nbytes": nbytes, "gbps": nbytes / statistics.median(times) / 1e9}
+
+
+def _nccl_rows(res: dict) -> list[dict]:
+    rows = []
+    for c in res["cycles"]:
+        setup = (res["init_s"] + res["first_collective_s"]) if c["cycle"] == 1 else 0.0
+        rows.append({
+            "cycle": c["cycle"], "sync": 0.0, "plan": 0.0, "alloc": c["alloc_s"], "register": setup,
+            "pull": c["transfer_s"], "translate": c["pack_s"] + c["unpack_s"], "install": 0.0,
+            "total": c["total_s"] + setup, "created": "group" if c["cycle"] == 1 else 0,
+        })
+    return rows
+
+
+def _warm_rows(res: dict) -> list[dict]:
+    return [{
+        "cycle": c["cycle"], "sync": c["sync_s"], "plan": c["plan_s"], "alloc": c["alloc_s"], "register": c["register_s"],
+        "pull": c["pull_s"], "translate": c["translate_s"], "install": c["install_s"], "total": c["total_s"],
+        "created": sum(c["created"].values()),
+    } for c in res["cycles"]]
+
+
+def run(args: argparse.Namespace) -> int:
+    from warmlink.bench.model_spec import qwen3_4b_like
+    from warmlink.bench.refit import run_warmlink_refit
+    from warmlink.bench.report import cycle_table, gbps, machine_info, write_record
+
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SCENARIOS))
+    if unknown:
+        print(f"warmlink bench refit: unknown scenarios {unknown}; expected some of {list(SCENARIOS)}", file=sys.stderr)
+        return 2
+    devices = _devices(args.devices)
+    spec = qwen3_4b_like(args.scale)
+    nbytes = spec.nbytes
+    layouts = spec.layouts(1, 0)
+    where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
+    print(f"warmlink bench refit: {len(layouts)} tensors, {nbytes / 1e9:.3f} GB ({spec.dtype}), {args.cycles} cycles, {where}")
+    record = {"bench": "refit", "spec": dict(spec.__dict__), "nbytes": nbytes, "num_tensors": len(layouts), "devices": devices,
+              "install": args.install, "cycles": args.cycles, "scenarios": {}, "machine": machine_info()}
+    peak_gbps = None
+    tables = []
+
+    def step(name: str, fn):
+        t = time.perf_counter()
+        print(f"  [{len(record['scenarios']) + 1}/{len(wanted)}] {name} ...", end="", flush=True)
+        res = fn()
+        print(f" {time.perf_counter() - t:.1f} s")
+        record["scenarios"][name] = res
+        return res
+
+    for name in list(wanted):
+        reason = _skip_reason(name, devices)
+        if reason:
+            print(f"  skipping {name}: {reason}")
+            wanted.remove(name)
+    for name in wanted:
+        if name == "peak":
+            res = step(name, lambda: _peak(devices, nbytes))
+            peak_gbps = res["gbps"]
+        elif name in ("warm", "cold", "tp21", "tp12"):
+            src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
+            res = step(name, lambda: run_warmlink_refit(
+                spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=name != "cold", devices=devices,
+                install=args.install, seed=args.seed, timeout_s=args.timeout, label=name))
+            tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if name == 'cold' else 'on'}"
+                                 f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _warm_rows(res)))
+        else:
+            from warmlink.bench.nccl_refit import run_nccl_refit
+
+            tensors = [(n, l.local_shape, l.dtype) for n, l in layouts.items()]
+            backend = "gloo" if devices[0] < 0 else "nccl"
+            res = step(name, lambda: run_nccl_refit(
+                tensors, mode="per_tensor" if name == "nccl" else "bucket", cycles=args.cycles,
+                devices=devices, backend=backend, timeout_s=args.timeout))
+            tables.append((name, f"{backend} broadcast {'per tensor' if name == 'nccl' else 'in 1 GiB buckets'}"
+                                 f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _nccl_rows(res)))
+
+    print()
+    for _name, title, rows in tables:
+        print(cycle_table(rows, _COLUMNS, title=title + " (ms)"))
+        print()
+    summary = []
+    for name, title, rows in tables:
+        warm = statistics.median(r["total"] for r in rows[1:]) if len(rows) > 1 else rows[0]["total"]
+        setup = statistics.median(r["plan"] + r["alloc"] + r["register"] for r in rows[1:]) if len(rows) > 1 else 0.0
+        row = {"method": title.split("  (")[0], "cycle 1": rows[0]["total"], "warm": warm, "GB/s": gbps(nbytes, warm),
+               "setup share": f"{100 * setup / warm:.2f}%"}
+        if peak_gbps:
+            row["of peak"] = f"{100 * (nbytes / (peak_gbps * 1e9)) / warm:.1f}%"
+        summary.append(row)
+        record["scenarios"][name]["summary"] = {k: v for k, v in row.items()}
+    if peak_gbps:
+        print(f"copy peak (same run): {peak_gbps:.1f} GB/s -> {nbytes / (peak_gbps * 1e9) * 1e3:.2f} ms for these bytes")
+    cols = ["method", "cycle 1", "warm", "GB/s", "setup share"] + (["of peak"] if peak_gbps else [])
+    print(cycle_table(summary, cols, title="summary (ms; warm = median of cycles >= 2)"))
+    ok = all(record["scenarios"][n].get("correct", True) for n in record["scenarios"])
+    if args.json_path:
+        write_record(args.json_path, record)
+        print(f"record: {args.json_path}")
+    if args.plot:
+        from warmlink.bench.report import plot_cycles
+
+        plot_cycles(record, args.plot)
+        print(f"chart: {args.plot}")
+    return 0 if ok else 1

@@ -1,0 +1,70 @@
+"""``warmlink doctor``: what this machine offers warmlink, and what it cannot load."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+
+__all__ = ["run_doctor", "collect"]
+
+
+def _backends() -> dict[str, str]:
+    out = {"shm": "ok" if os.path.isdir("/dev/shm") else "missing /dev/shm"}
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        out["cuda_ipc"] = "unavailable: pip install warmlink[cuda] (cuda-bindings)"
+    else:
+        import torch
+
+        out["cuda_ipc"] = "ok" if torch.cuda.is_available() else "unavailable: no CUDA device"
+    out["nixl"] = "importable" if importlib.util.find_spec("nixl") is not None else "not installed (optional)"
+    return out
+
+
+def collect(measure: bool = True) -> dict:
+    """Machine facts as a dict: versions, GPUs, peer access, NVLink, copy bandwidth, backends."""
+    import torch
+
+    info: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        info["cuda"] = torch.version.cuda
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+        info["peer_access"] = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
+        if shutil.which("nvidia-smi"):
+            try:
+                topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+                info["topology"] = topo.strip()
+            except (OSError, subprocess.SubprocessError) as exc:
+                info["topology"] = f"nvidia-smi failed: {exc}"
+        if measure and n >= 1:
+            from warmlink.bench.peak import peer_copy_peak
+
+            info["copy_engine"] = peer_copy_peak(0, min(1, n - 1), nbytes=256 << 20, repeats=5)
+    info["backends"] = _backends()
+    info["pool_env"] = os.environ.get("WARMLINK_POOL", "(unset: pool on)")
+    return info
+
+
+def run_doctor() -> int:
+    info = collect()
+    print("warmlink doctor")
+    print(f"  python {info['python']}, torch {info['torch']}")
+    if info["cuda_available"]:
+        print(f"  CUDA {info['cuda']}, NCCL {info['nccl']}, {len(info['gpus'])} GPU(s): {', '.join(info['gpus'])}")
+        for i, row in enumerate(info["peer_access"]):
+            print(f"  peer access from {i}: {''.join('Y' if x else '.' for x in row)}")
+        if "copy_engine" in info:
+            ce = info["copy_engine"]
+            print(f"  copy engine {ce.get('src_device')} -> {ce.get('dst_device')}: {ce.get('gbps', 0):.1f} GB/s (256 MiB copy)")
+        if "topology" in info:
+            print("  topology:\n    " + info["topology"].replace("\n", "\n    "))
+    else:
+        print("  no CUDA device: refit and the demo run on CPU over shared memory")
+    for name, state in info["backends"].items():
+        print(f"  backend {name:9s} {state}")
+    print(f"  WARMLINK_POOL {info['pool_env']}")
+    return 0

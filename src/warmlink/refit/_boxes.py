@@ -1,0 +1,334 @@
+"""Box geometry, covering and byte-run arithmetic for refit plans. Pure integer logic, no torch.
+
+A *box* is a tuple of ``(start, stop)`` per dimension, half-open, in element coordinates. A box is
+*empty* when any dimension has ``stop <= start``. Local tensors are C-contiguous, so the element
+stride of dimension ``d`` is the product of the extents after it.
+
+A *raw run* is ``(src_offset, dst_offset, row_nbytes, num_rows, src_pitch, dst_pitch)`` in bytes,
+with pitches 0 when ``num_rows == 1``; ``warmlink.refit.plan`` wraps them into ``Run`` objects.
+
+``index_sources`` and ``cover`` (last section) choose, for every element of every destination
+part, exactly one publisher part holding it. Internal to ``warmlink.refit``; not public API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from warmlink.errors import LayoutError
+from warmlink.refit.manifest import TensorLayout
+
+Box = tuple[tuple[int, int], ...]
+RawRun = tuple[int, int, int, int, int, int]
+
+__all__ = ["Box", "RawRun", "box_shape", "box_numel", "intersect", "subtract", "translate",
+           "c_strides", "merge_boxes", "count_runs", "box_runs", "normalize_run", "merge_runs",
+           "SourceLogical", "index_sources", "cover"]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """Extent of ``box`` per dimension, in elements (negative extents clamp to 0)."""
+    return tuple(max(0, stop - start) for start, stop in box)
+
+
+def box_numel(box: Box) -> int:
+    """Number of elements inside ``box`` (1 for the 0-d box ``()``)."""
+    n = 1
+    for d in box_shape(box):
+        n *= d
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """``a`` intersected with ``b``; ``None`` when the intersection is empty."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(stop <= start for start, stop in out) else out
+
+
+def subtract(a: Box, inner: Box) -> list[Box]:
+    """``a`` minus ``inner`` (``inner`` must lie inside ``a``) as at most ``2 * ndim`` disjoint boxes.
+
+    Slab decomposition: for each dimension in turn, the slabs before and after ``inner`` along it,
+    with the dimensions already handled restricted to ``inner``.
+    """
+    out: list[Box] = []
+    cur = list(a)
+    for d, ((a0, a1), (i0, i1)) in enumerate(zip(a, inner)):
+        if a0 < i0:
+            out.append(tuple(cur[:d] + [(a0, i0)] + cur[d + 1:]))
+        if i1 < a1:
+            out.append(tuple(cur[:d] + [(i1, a1)] + cur[d + 1:]))
+        cur[d] = (i0, i1)
+    return out
+
+
+def translate(box: Box, delta: Sequence[int]) -> Box:
+    """``box`` moved by ``delta`` elements per dimension."""
+    return tuple((start + s, stop + s) for (start, stop), s in zip(box, delta))
+
+
+def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def merge_boxes(pairs: list[tuple[Box, Box]]) -> list[tuple[Box, Box]]:
+    """Merge ``(src_box, dst_box)`` pairs that share one translation and abut along one dimension.
+
+    All pairs passed in must come from the same source tensor. Two pairs merge when
+    ``dst - src`` is the same vector for both and their source boxes are equal in every dimension
+    but one, where one ends where the other starts. Repeats until nothing merges; the result is
+    sorted, so it does not depend on the input order.
+    """
+    groups: dict[tuple[int, ...], list[Box]] = {}
+    for src, dst in pairs:
+        delta = tuple(d0 - s0 for (s0, _), (d0, _) in zip(src, dst))
+        groups.setdefault(delta, []).append(src)
+    out: list[tuple[Box, Box]] = []
+    for delta, boxes in groups.items():
+        changed = True
+        while changed and len(boxes) > 1:
+            changed = False
+            for d in range(len(delta)):
+                boxes.sort(key=lambda b: (b[:d] + b[d + 1:], b[d]))
+                merged = [boxes[0]]
+                for b in boxes[1:]:
+                    last = merged[-1]
+                    if last[:d] == b[:d] and last[d + 1:] == b[d + 1:] and last[d][1] == b[d][0]:
+                        merged[-1] = last[:d] + ((last[d][0], b[d][1]),) + last[d + 1:]
+                        changed = True
+                    else:
+                        merged.append(b)
+                boxes = merged
+        out.extend((b, translate(b, delta)) for b in boxes)
+    return sorted(out)
+
+
+def _groups(src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: Sequence[int]) -> list[list[int]]:
+    """Coalesced ``[extent, src_stride, dst_stride]`` groups, outermost first, strides in elements.
+
+    Dimensions of extent 1 only shift the offset and are dropped. An outer dimension folds into the
+    group inside it when its strides equal that group's extent times its strides on both sides
+    (the box spans the whole inner group on both sides), as torch coalesces dimensions.
+    """
+    ss, ds = c_strides(src_shape), c_strides(dst_shape)
+    groups: list[list[int]] = []  # innermost first while building
+    for d in reversed(range(len(src_box))):
+        ext = src_box[d][1] - src_box[d][0]
+        if ext == 1:
+            continue
+        if groups and ss[d] == groups[-1][0] * groups[-1][1] and ds[d] == groups[-1][0] * groups[-1][2]:
+            groups[-1][0] *= ext
+        else:
+            groups.append([ext, ss[d], ds[d]])
+    return groups[::-1]
+
+
+def _split(groups: list[list[int]]) -> tuple[int, list[int] | None, list[list[int]]]:
+    """(contiguous chunk in elements, row group or None, outer groups) of coalesced groups."""
+    if groups and groups[-1][1] == 1 and groups[-1][2] == 1:
+        chunk, rest = groups[-1][0], groups[:-1]
+    else:
+        chunk, rest = 1, groups
+    if rest:
+        return chunk, rest[-1], rest[:-1]
+    return chunk, None, []
+
+
+def count_runs(src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: Sequence[int]) -> int:
+    """How many raw runs ``box_runs`` yields for one box, without building them."""
+    _, _, outer = _split(_groups(src_box, src_shape, dst_box, dst_shape))
+    n = 1
+    for ext, _, _ in outer:
+        n *= ext
+    return n
+
+
+def box_runs(
+    src_box: Box, src_shape: Sequence[int], dst_box: Box, dst_shape: Sequence[int], itemsize: int
+) -> Iterator[RawRun]:
+    """Byte runs copying ``src_box`` of a C-contiguous source into ``dst_box`` of a destination.
+
+    Args:
+        src_box, dst_box: equally shaped non-empty boxes in each tensor's local element coordinates.
+        src_shape, dst_shape: local shapes of the two tensors, in elements.
+        itemsize: bytes per element.
+
+    Yields:
+        Raw runs: the contiguous chunk is the innermost coalesced group (one element when the
+        innermost dimension is cut on either side), the next group outward becomes rows (a 2-D
+        run), every further group multiplies into separate runs.
+    """
+    ss, ds = c_strides(src_shape), c_strides(dst_shape)
+    src_base = sum(b[0] * s for b, s in zip(src_box, ss)) * itemsize
+    dst_base = sum(b[0] * s for b, s in zip(dst_box, ds)) * itemsize
+    chunk, rows, outer = _split(_groups(src_box, src_shape, dst_box, dst_shape))
+    row_nbytes = chunk * itemsize
+    num_rows, sp, dp = (rows[0], rows[1] * itemsize, rows[2] * itemsize) if rows else (1, 0, 0)
+    for idx in itertools.product(*(range(g[0]) for g in outer)):
+        so = src_base + sum(i * g[1] for i, g in zip(idx, outer)) * itemsize
+        do = dst_base + sum(i * g[2] for i, g in zip(idx, outer)) * itemsize
+        yield normalize_run((so, do, row_nbytes, num_rows, sp, dp))
+
+
+def normalize_run(r: RawRun) -> RawRun:
+    """Canonical form: one row has zero pitches; rows that chain contiguously become one row."""
+    so, do, row, n, sp, dp = r
+    if n == 1:
+        return (so, do, row, 1, 0, 0)
+    if sp == row and dp == row:
+        return (so, do, row * n, 1, 0, 0)
+    return r
+
+
+def merge_runs(a: RawRun, b: RawRun) -> RawRun | None:
+    """``a`` followed by ``b`` as one run, or ``None``. Both read the same source, ``a`` first.
+
+    Two cases: two single rows contiguous on both sides (one longer row); equal rows where ``b``
+    continues the row sequence of a 2-D ``a`` or ``b`` with the same pitches (more rows). Two
+    unrelated single rows never become a 2-D run: 1-D copies batch better than strided ones.
+    """
+    aso, ado, arow, an, asp, adp = a
+    bso, bdo, brow, bn, bsp, bdp = b
+    if an == 1 and bn == 1 and aso + arow == bso and ado + arow == bdo:
+        return normalize_run((aso, ado, arow + brow, 1, 0, 0))
+    if arow != brow:
+        return None
+    if an > 1 and bn > 1 and (asp, adp) != (bsp, bdp):
+        return None
+    if an > 1:
+        sp, dp = asp, adp
+    elif bn > 1:
+        sp, dp = bsp, bdp
+    else:
+        return None
+    if aso + an * sp == bso and ado + an * dp == bdo:
+        return normalize_run((aso, ado, arow, an + bn, sp, dp))
+    return None
+
+
+# -- covering destination parts with publisher parts (See Note [Replica choice] in plan.py) -----
+@dataclass
+class SourceLogical:
+    """Everything the publishers hold of one logical tensor."""
+
+    global_shape: tuple[int, ...]
+    dtype: str
+    first: tuple[int, str]  # (rank, tensor) that fixed global_shape and dtype, for error messages
+    holders: dict[Box, list[tuple[int, str, int]]]  # sorted box -> sorted [(rank, tensor, part_idx)]
+    deltas: dict[tuple[int, str, int], tuple[int, ...]]  # (rank, tensor, part_idx) -> global-to-local shift
+
+
+def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, SourceLogical]:
+    """Group every publisher part by logical name; LayoutError when shapes or dtypes disagree."""
+    index: dict[str, SourceLogical] = {}
+    for rank in sorted(sources):
+        for t in sources[rank]:
+            offsets = t.part_offsets()
+            for pi, part in enumerate(t.parts):
+                gs = part.shard.global_shape
+                ent = index.setdefault(part.logical, SourceLogical(gs, t.dtype, (rank, t.name), {}, {}))
+                if ent.global_shape != gs:
+                    raise LayoutError(
+                        f"build_plan: global_shape={gs!r} of logical={part.logical!r} in rank={rank} tensor={t.name!r} "
+                        f"differs across publishers; expected {ent.global_shape!r} as in rank={ent.first[0]} "
+                        f"tensor={ent.first[1]!r}"
+                    )
+                if ent.dtype != t.dtype:
+                    raise LayoutError(
+                        f"build_plan: dtype={t.dtype!r} of logical={part.logical!r} in rank={rank} tensor={t.name!r} "
+                        f"differs across publishers; expected {ent.dtype!r} as in rank={ent.first[0]} "
+                        f"tensor={ent.first[1]!r} (publish one dtype per logical tensor)"
+                    )
+                box = part.shard.box()
+                ent.holders.setdefault(box, []).append((rank, t.name, pi))
+                ent.deltas[(rank, t.name, pi)] = _fuse_delta(t, offsets[pi], box)
+    for ent in index.values():
+        ent.holders = {box: sorted(ent.holders[box]) for box in sorted(ent.holders)}
+    return index
+
+
+def _fuse_delta(layout: TensorLayout, part_offset: int, box: Box) -> tuple[int, ...]:
+    """Global -> local element shift per dimension of the part at ``part_offset`` along fuse_dim."""
+    delta = [-start for start, _ in box]
+    if len(layout.parts) > 1:
+        delta[layout.fuse_dim] += part_offset
+    return tuple(delta)
+
+
+def cover(
+    ti: int, dst: TensorLayout, index: dict[str, SourceLogical], name_map: Mapping[str, str],
+) -> tuple[str, dict[tuple[int, str], list[tuple[Box, Box]]]]:
+    """(source dtype, {(rank, tensor): [(src_local_box, dst_local_box)]}) covering ``dst`` exactly once."""
+    src_dtype: str | None = None
+    by_src: dict[tuple[int, str], list[tuple[Box, Box]]] = {}
+    checked: list[tuple[str, SourceLogical]] = []
+    for part in dst.parts:
+        logical = name_map.get(part.logical, part.logical)
+        ent = index.get(logical)
+        where = f"dst tensor={dst.name!r} logical={part.logical!r}"
+        if ent is None:
+            known = sorted(index)
+            raise LayoutError(
+                f"build_plan: logical={logical!r} missing from every publisher ({where}); expected one of "
+                f"{known[:20]}{' ...' if len(known) > 20 else ''} (check the names or pass name_map)"
+            )
+        if ent.global_shape != part.shard.global_shape:
+            raise LayoutError(
+                f"build_plan: global_shape={part.shard.global_shape!r} does not match the publishers' "
+                f"{ent.global_shape!r} ({where}); expected equal global shapes"
+            )
+        if src_dtype is not None and ent.dtype != src_dtype:
+            raise LayoutError(
+                f"build_plan: dtype={ent.dtype!r} of source logical={logical!r} differs from {src_dtype!r} of an "
+                f"earlier part ({where}); expected one source dtype per destination tensor"
+            )
+        src_dtype = ent.dtype
+        checked.append((logical, ent))
+    # Sources this tensor must read anyway (sole holders of a box it needs): replicas prefer them.
+    used = {
+        hs[0][:2]: None
+        for part, (_, ent) in zip(dst.parts, checked)
+        for box, hs in ent.holders.items()
+        if len(hs) == 1 and intersect(part.shard.box(), box) is not None
+    }
+    dst_offsets = dst.part_offsets()
+    for dpi, (part, (logical, ent)) in enumerate(zip(dst.parts, checked)):
+        where = f"dst tensor={dst.name!r} logical={part.logical!r}"
+        dst_box = part.shard.box()
+        dst_delta = _fuse_delta(dst, dst_offsets[dpi], dst_box)
+        remaining = [] if box_numel(dst_box) == 0 else [dst_box]
+        for box, hs in ent.holders.items():
+            if not remaining:
+                break
+            if all(intersect(r, box) is None for r in remaining):
+                continue
+            preferred = [h for h in hs if h[:2] in used]  # See Note [Replica choice]
+            rank, name, spi = preferred[0] if preferred else hs[(ti + part.shard.shard_idx) % len(hs)]
+            used[(rank, name)] = None
+            src_delta = ent.deltas[(rank, name, spi)]
+            left = []
+            for r in remaining:
+                inter = intersect(r, box)
+                if inter is None:
+                    left.append(r)
+                    continue
+                pair = (translate(inter, src_delta), translate(inter, dst_delta))
+                by_src.setdefault((rank, name), []).append(pair)
+                left.extend(subtract(r, inter))
+            remaining = left
+        if remaining:
+            total = sum(box_numel(b) for b in remaining)
+            raise LayoutError(
+                f"build_plan: box={remaining[0]!r} uncovered by every publisher ({where}, global coordinates; "
+                f"{total} elements uncovered in {len(remaining)} boxes); expected the publishers' shards of "
+                f"{logical!r} to cover the destination shard (is a publisher rank missing?)"
+            )
+    assert src_dtype is not None, "TensorLayout guarantees at least one part"
+    return src_dtype, {k: merge_boxes(v) for k, v in by_src.items()}

@@ -1,0 +1,384 @@
+"""Refit plans: which bytes of which publisher tensors land where in each receiver tensor.
+
+``build_plan`` intersects the two sides' shard boxes in global coordinates (``refit.manifest``),
+picks one source for every destination element, and turns each intersection into byte runs
+(``_boxes``), coalesced, with a cap on runs per destination tensor past which whole source
+tensors are pulled into scratch and sliced locally. Pure logic: nothing here touches memory.
+
+# Note [Replica choice]
+Several publisher tensors may hold the same box of a logical tensor (replicated norms, GQA KV
+heads when TP > num_kv_heads). Holders of one box are sorted by (rank, tensor name, part index).
+A destination tensor first prefers a holder it already reads from (the sole holder of another box
+it needs, or a replica it chose earlier; the lowest such in that order), so a fused ``[q; k; v]``
+in a matching layout reads from one rank and coalesces. Otherwise the destination part of the
+``t``-th target tensor with ``shard_idx`` ``s`` reads from holder ``(t + s) % num_holders``, which
+spreads different tensors and different receiver shards over the holders. The choice depends only
+on the inputs, so it is the same in every process. Partly overlapping distinct boxes are taken in
+sorted box order, each covering only what the ones before it left.
+
+# Note [Run cap]
+A destination tensor may need at most ``max_runs_per_tensor`` link copies (runs plus staged pulls).
+Past that, source tensors are staged greedily, the one needing the most runs first (ties by rank,
+then name): one contiguous pull of the whole source tensor into scratch, then local slicing. A
+source needing more than the cap on its own is staged without building its runs. When a tensor
+reads from more source tensors than the cap, staging cannot help and it keeps one copy per source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from warmlink._dtypes import dtype_size
+from warmlink.errors import ConfigError, LayoutError
+from warmlink.refit import _boxes
+from warmlink.refit._boxes import Box
+from warmlink.refit.manifest import Shard, TensorLayout
+
+__all__ = ["Run", "StagedPull", "TensorPlan", "Plan", "build_plan", "layout_signature",
+           "qkv_layout", "gate_up_layout", "SCRATCH_ALIGN_BYTES"]
+
+#: Staged pulls start at multiples of this many bytes inside a tensor's scratch space.
+SCRATCH_ALIGN_BYTES = 256
+_SIGNATURE_VERSION = "warmlink.refit.plan/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Copy num_rows rows of row_nbytes bytes; row i goes from src_offset + i*src_pitch to dst_offset + i*dst_pitch.
+
+    Offsets and pitches are bytes: ``src_offset`` from the start of the publisher physical tensor,
+    ``dst_offset`` from the start of the destination receive buffer. Pitches are 0 when
+    ``num_rows == 1``; rows never overlap.
+    """
+
+    src_rank: int
+    src_tensor: str
+    src_offset: int
+    dst_offset: int
+    row_nbytes: int
+    num_rows: int = 1
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this run moves."""
+        return self.row_nbytes * self.num_rows
+
+
+@dataclass(frozen=True, slots=True)
+class StagedPull:
+    """Fallback when a tensor would need more runs than the cap: pull a whole source physical tensor
+    contiguously into scratch, then slice locally.
+
+    ``src_nbytes`` bytes go to ``scratch_offset`` of this destination tensor's scratch space; there
+    they form a C-contiguous tensor of ``src_local_shape`` in the source dtype. Each entry of
+    ``local_copies`` is ``(src_box, dst_box)``: ``(start, stop)`` element bounds per dimension in
+    that scratch tensor and in the receive buffer (shape ``dst_shape``, source dtype).
+    """
+
+    src_rank: int
+    src_tensor: str
+    src_nbytes: int
+    scratch_offset: int
+    local_copies: tuple[tuple[Box, Box], ...]
+    src_local_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    """How one destination physical tensor is filled: direct runs plus staged pulls.
+
+    The receive buffer is C-contiguous, shape ``dst_shape``, dtype ``src_dtype``; a cast to
+    ``dst_dtype`` happens later (``needs_cast``). ``scratch_nbytes`` is the scratch space the staged
+    pulls need (0 without any).
+    """
+
+    dst: str
+    dst_shape: tuple[int, ...]
+    src_dtype: str
+    dst_dtype: str
+    runs: tuple[Run, ...]
+    staged: tuple[StagedPull, ...]
+    scratch_nbytes: int
+
+    @property
+    def needs_cast(self) -> bool:
+        """Whether the bytes arrive in another dtype than the destination's."""
+        return self.src_dtype != self.dst_dtype
+
+    @property
+    def recv_nbytes(self) -> int:
+        """Size of the receive buffer in bytes: ``numel(dst_shape) * itemsize(src_dtype)``."""
+        n = 1
+        for d in self.dst_shape:
+            n *= d
+        return n * dtype_size(self.src_dtype)
+
+    @property
+    def link_nbytes(self) -> int:
+        """Bytes this tensor moves over the link (runs plus whole staged source tensors)."""
+        return sum(r.nbytes for r in self.runs) + sum(s.src_nbytes for s in self.staged)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A whole refit plan: one ``TensorPlan`` per target, in target order, and its layout signature."""
+
+    tensors: tuple[TensorPlan, ...]
+    signature: str
+
+    @property
+    def num_runs(self) -> int:
+        return sum(len(t.runs) for t in self.tensors)
+
+    @property
+    def num_staged(self) -> int:
+        return sum(len(t.staged) for t in self.tensors)
+
+    @property
+    def link_nbytes(self) -> int:
+        """Bytes moved over the link, runs plus staged pulls."""
+        return sum(t.link_nbytes for t in self.tensors)
+
+    @property
+    def recv_nbytes(self) -> int:
+        """Total bytes of all receive buffers."""
+        return sum(t.recv_nbytes for t in self.tensors)
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Total scratch bytes over all tensors (tensors processed one at a time need only the max)."""
+        return sum(t.scratch_nbytes for t in self.tensors)
+
+
+# -- validation ------------------------------------------------------------------------------------
+def _check_inputs(
+    sources: Mapping[int, Sequence[TensorLayout]],
+    targets: Sequence[TensorLayout],
+    max_runs_per_tensor: int,
+    name_map: Mapping[str, str] | None,
+) -> None:
+    if isinstance(max_runs_per_tensor, bool) or not isinstance(max_runs_per_tensor, int) or max_runs_per_tensor < 1:
+        raise ConfigError(f"build_plan: max_runs_per_tensor={max_runs_per_tensor!r} invalid; expected an int >= 1")
+    if not isinstance(sources, Mapping) or not sources:
+        raise LayoutError(f"build_plan: sources={sources!r} invalid; expected a non-empty mapping rank -> layouts")
+    for rank, layouts in sources.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise LayoutError(f"build_plan: rank={rank!r} out of range; expected an int >= 0")
+        _check_layouts(layouts, f"sources[{rank}]")
+    _check_layouts(targets, "targets")
+    if name_map is not None:
+        if not isinstance(name_map, Mapping):
+            raise LayoutError(f"build_plan: name_map={name_map!r} invalid; expected a mapping str -> str")
+        for k, v in name_map.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise LayoutError(f"build_plan: name_map[{k!r}]={v!r} invalid; expected str -> str")
+
+
+def _check_layouts(layouts: Sequence[TensorLayout], where: str) -> None:
+    if isinstance(layouts, (str, bytes)) or not isinstance(layouts, Sequence):
+        raise LayoutError(f"build_plan: {where}={layouts!r} invalid; expected a sequence of TensorLayout")
+    seen: set[str] = set()
+    for t in layouts:
+        if not isinstance(t, TensorLayout):
+            raise LayoutError(f"build_plan: {where} item={t!r} invalid; expected a TensorLayout")
+        if t.name in seen:
+            raise LayoutError(f"build_plan: {where} name={t.name!r} duplicate; expected unique tensor names")
+        seen.add(t.name)
+
+
+# -- signature -------------------------------------------------------------------------------------
+def layout_signature(
+    sources: Mapping[int, Sequence[TensorLayout]],
+    targets: Sequence[TensorLayout],
+    *,
+    max_runs_per_tensor: int = 64,
+    name_map: Mapping[str, str] | None = None,
+) -> str:
+    """Stable hex SHA-256 of everything a plan depends on; the key plans and buffers are cached by.
+
+    Covers every source rank's layouts (ranks sorted, tensors sorted by name), the targets in
+    their given order (the plan lists tensors in that order), ``max_runs_per_tensor`` and
+    ``name_map``. Identical inputs give identical signatures in every process.
+
+    Raises:
+        LayoutError, ConfigError: as ``build_plan`` for malformed inputs.
+    """
+    _check_inputs(sources, targets, max_runs_per_tensor, name_map)
+    canon = {
+        "version": _SIGNATURE_VERSION,
+        "sources": [[r, [t.to_json() for t in sorted(sources[r], key=lambda t: t.name)]] for r in sorted(sources)],
+        "targets": [t.to_json() for t in targets],
+        "max_runs_per_tensor": max_runs_per_tensor,
+        "name_map": sorted((name_map or {}).items()),
+    }
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# -- planning --------------------------------------------------------------------------------------
+def _tensor_plan(
+    ti: int,
+    dst: TensorLayout,
+    index: dict[str, _boxes.SourceLogical],
+    src_layouts: dict[tuple[int, str], TensorLayout],
+    src_shapes: dict[tuple[int, str], tuple[int, ...]],
+    name_map: Mapping[str, str],
+    cap: int,
+) -> TensorPlan:
+    """The ``ti``-th target's plan: cover, build and coalesce runs, then stage past ``cap`` (Note [Run cap])."""
+    src_dtype, by_src = _boxes.cover(ti, dst, index, name_map)
+    itemsize = dtype_size(src_dtype)
+    dst_shape = dst.local_shape
+    covered = sum(_boxes.box_numel(b) for pairs in by_src.values() for _, b in pairs)
+    assert covered == dst.numel, f"plan covers {covered} of {dst.numel} elements of {dst.name!r}"
+
+    runs: dict[tuple[int, str], list[_boxes.RawRun]] = {}
+    counts: dict[tuple[int, str], int] = {}
+    for key, pairs in by_src.items():
+        src_shape = src_shapes[key]
+        raw = sum(_boxes.count_runs(s, src_shape, d, dst_shape) for s, d in pairs)
+        if raw > cap:  # See Note [Run cap]: staged whatever else happens
+            counts[key] = raw
+            continue
+        out: list[_boxes.RawRun] = []
+        for r in sorted(rr for s, d in pairs for rr in _boxes.box_runs(s, src_shape, d, dst_shape, itemsize)):
+            merged = _boxes.merge_runs(out[-1], r) if out else None
+            if merged is None:
+                out.append(r)
+            else:
+                out[-1] = merged
+        runs[key], counts[key] = out, len(out)
+
+    staged_keys: list[tuple[int, str]] = []
+    total = sum(counts.values())
+    for key in sorted(counts, key=lambda k: (-counts[k], k)):
+        if total <= cap or counts[key] <= 1:
+            break
+        staged_keys.append(key)
+        total -= counts[key] - 1
+
+    staged, at = [], 0
+    for key in sorted(staged_keys):
+        src = src_layouts[key]
+        at = -(-at // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+        staged.append(StagedPull(key[0], key[1], src.nbytes, at, tuple(by_src[key]), src.local_shape))
+        at += src.nbytes
+    run_objs = tuple(
+        Run(key[0], key[1], *r) for key in sorted(runs) if key not in staged_keys for r in runs[key]
+    )
+    return TensorPlan(dst.name, dst_shape, src_dtype, dst.dtype, run_objs, tuple(staged), at)
+
+
+def build_plan(
+    sources: Mapping[int, Sequence[TensorLayout]],
+    targets: Sequence[TensorLayout],
+    *,
+    max_runs_per_tensor: int = 64,
+    name_map: Mapping[str, str] | None = None,
+) -> Plan:
+    """Plan which publisher bytes fill each receiver tensor.
+
+    Args:
+        sources: publisher rank (int >= 0) -> the physical tensors that rank exports. Tensor names
+            are unique per rank; one logical tensor has one global shape and one dtype everywhere.
+        targets: the receiver's physical tensors, unique names; their dtype may differ from the
+            source dtype (the plan moves source-dtype bytes and reports ``needs_cast``).
+        max_runs_per_tensor: most link copies (runs plus staged pulls) per target tensor, >= 1;
+            see Note [Run cap].
+        name_map: destination logical name -> publisher logical name; identity where absent.
+
+    Returns:
+        A ``Plan`` (immutable, owned by the caller) with one ``TensorPlan`` per target, in order.
+        Every destination element is written exactly once; replicated sources are chosen as in
+        Note [Replica choice]. Runs are sorted by (src_rank, src_tensor, src_offset).
+
+    Raises:
+        LayoutError: a logical tensor no publisher holds, a destination box no publisher covers,
+            global shapes or source dtypes that disagree, several source dtypes in one target,
+            a bad rank or duplicate tensor names.
+        ConfigError: ``max_runs_per_tensor`` is not an int >= 1.
+
+    Collective? No. Blocking? Host only, no device work. Warm path? No: this is the plan step; cache
+    the result by ``Plan.signature`` (``layout_signature``).
+    """
+    sig = layout_signature(sources, targets, max_runs_per_tensor=max_runs_per_tensor, name_map=name_map)
+    index = _boxes.index_sources(sources)
+    src_layouts = {(r, t.name): t for r, ts in sources.items() for t in ts}
+    src_shapes = {k: t.local_shape for k, t in src_layouts.items()}
+    nm = dict(name_map or {})
+    plans = tuple(
+        _tensor_plan(ti, t, index, src_layouts, src_shapes, nm, max_runs_per_tensor) for ti, t in enumerate(targets)
+    )
+    return Plan(plans, sig)
+
+
+# -- common fused layouts --------------------------------------------------------------------------
+def _positive(func: str, **values: int) -> None:
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LayoutError(f"{func}: {k}={v!r} invalid; expected an int >= 1")
+
+
+def _tp_shard(func: str, shape: tuple[int, int], tp: int, rank: int) -> Shard:
+    if not 0 <= rank < tp:
+        raise LayoutError(f"{func}: rank={rank!r} out of range; expected 0 <= rank < tp={tp}")
+    return Shard(shape) if tp == 1 else Shard(shape, 0, tp, rank)
+
+
+def qkv_layout(
+    name: str, dtype: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int, hidden: int, tp: int,
+    rank: int, logical: tuple[str, str, str] = ("q", "k", "v"),
+) -> TensorLayout:
+    """Fused ``[q; k; v]`` projection (along dim 0) held by tensor-parallel ``rank`` of ``tp``.
+
+    Logical shapes are ``q: [num_q_heads * head_dim, hidden]`` and ``k, v: [num_kv_heads *
+    head_dim, hidden]`` (elements). q is split ``tp`` ways by heads. k/v are split ``tp`` ways when
+    ``num_kv_heads >= tp``; otherwise each KV head is replicated on ``tp // num_kv_heads`` ranks and
+    ``rank`` holds head ``rank * num_kv_heads // tp`` (Megatron / vLLM GQA layout).
+
+    Raises:
+        LayoutError: non-positive sizes, ``rank`` outside ``[0, tp)``, ``num_q_heads % tp != 0``,
+            ``num_kv_heads % tp != 0`` (when ``num_kv_heads >= tp``) or ``tp % num_kv_heads != 0``.
+    """
+    f = "qkv_layout"
+    _positive(f, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden, tp=tp)
+    if num_q_heads % tp:
+        raise LayoutError(f"{f}: num_q_heads={num_q_heads} not divisible by tp={tp}; expected whole heads per rank")
+    q = _tp_shard(f, (num_q_heads * head_dim, hidden), tp, rank)
+    kv_shape = (num_kv_heads * head_dim, hidden)
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise LayoutError(
+                f"{f}: num_kv_heads={num_kv_heads} not divisible by tp={tp}; expected whole KV heads per rank"
+            )
+        kv = _tp_shard(f, kv_shape, tp, rank)
+    else:
+        if tp % num_kv_heads:
+            raise LayoutError(
+                f"{f}: tp={tp} not a multiple of num_kv_heads={num_kv_heads}; expected each KV head replicated "
+                "on the same number of ranks"
+            )
+        kv = Shard(kv_shape) if num_kv_heads == 1 else Shard(kv_shape, 0, num_kv_heads, rank * num_kv_heads // tp)
+    return TensorLayout.fused(name, dtype, [(logical[0], q), (logical[1], kv), (logical[2], kv)])
+
+
+def gate_up_layout(
+    name: str, dtype: str, *, intermediate: int, hidden: int, tp: int, rank: int,
+    logical: tuple[str, str] = ("gate", "up"),
+) -> TensorLayout:
+    """Fused ``[gate; up]`` MLP projection (along dim 0) held by tensor-parallel ``rank`` of ``tp``.
+
+    Each logical is ``[intermediate, hidden]`` (elements), split ``tp`` ways along dim 0; an uneven
+    split follows Note [Uneven shards] in ``refit.manifest``.
+
+    Raises:
+        LayoutError: non-positive sizes, ``rank`` outside ``[0, tp)`` or ``intermediate < tp``.
+    """
+    f = "gate_up_layout"
+    _positive(f, intermediate=intermediate, hidden=hidden, tp=tp)
+    shard = _tp_shard(f, (intermediate, hidden), tp, rank)
+    return TensorLayout.fused(name, dtype, [(logical[0], shard), (logical[1], shard)])

@@ -1,0 +1,244 @@
+"""The trainer side of refit: declare tensors once, export them once, announce versions.
+
+Where a tensor already sits in shareable memory (a CUDA tensor from PyTorch's default allocator,
+which uses plain ``cudaMalloc``), receivers read it in place: zero copies, zero extra memory. Other
+tensors (CPU tensors, expandable segments) are staged: one arena holds them all, and ``publish``
+copies them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from warmlink import _env
+from warmlink._dtypes import dtype_name
+from warmlink.errors import ConfigError, LayoutError, VersionError
+from warmlink.refit import protocol
+from warmlink.refit.manifest import TensorLayout
+from warmlink.transport import open_link
+from warmlink.transport.base import LocalRegion, local_identity
+
+__all__ = ["Publisher"]
+
+log = logging.getLogger("warmlink.refit")
+
+_ALIGN = 256  # staging offsets stay aligned for vector copies
+
+
+@dataclass
+class _Entry:
+    name: str
+    tensor: object
+    layout: TensorLayout
+    region_idx: int = -1
+    offset: int = 0
+    staged: bool = False
+
+
+class Publisher:
+    """One trainer rank's published tensors.
+
+    Args:
+        store: a ``warmlink.rendezvous.Store`` shared with the receivers.
+        rank: this publisher's rank among the publishers, ``0 <= rank < world_size``.
+        world_size: number of publisher ranks.
+        backend: ``"auto"`` (default: ``cuda_ipc`` for CUDA tensors, else ``shm``), ``"shm"``,
+            ``"cuda_ipc"``.
+        timeout_s: how long ``begin_update`` waits for readers, seconds (default ``WARMLINK_TIMEOUT_S``).
+
+    Usage::
+
+        pub = Publisher(store, rank=r, world_size=tp)
+        for name, t in shards.items():
+            pub.add(name, t, layout)
+        pub.export()                 # registers once, publishes version 1
+        with pub.update():           # waits until no receiver reads, then publishes v+1 on exit
+            optimizer.step()
+
+    Collective? No. Blocking? ``export`` and ``begin_update`` block on the store.
+    Warm path? ``update`` does no allocation or registration; staged tensors are copied.
+    """
+
+    def __init__(self, store, *, rank: int = 0, world_size: int = 1, backend: str | None = None, timeout_s: float | None = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"Publisher: rank={rank!r} out of range; expected 0 <= rank < world_size={world_size}")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s if timeout_s is not None else _env.default_timeout_s()
+        self._backend_arg = backend
+        self._entries: dict[str, _Entry] = {}
+        self._link = None
+        self._regions: list[LocalRegion] = []
+        self._staging: LocalRegion | None = None
+        self.generation = 0
+        self.version = 0
+        self._updating = False
+        self._closed = False
+
+    # -- declaration -------------------------------------------------------------------------
+    def add(self, name: str, tensor, layout: TensorLayout | None = None) -> None:
+        """Declare a tensor. ``layout`` defaults to a whole, unsharded tensor named ``name``.
+
+        Raises:
+            LayoutError: the tensor's shape or dtype differs from ``layout``, or ``name`` repeats.
+        """
+        if self._link is not None:
+            raise VersionError(f"Publisher.add: name={name!r} after export(); declare every tensor first")
+        if name in self._entries:
+            raise LayoutError(f"Publisher.add: name={name!r} declared twice")
+        dtype = dtype_name(tensor.dtype)
+        if layout is None:
+            layout = TensorLayout.plain(name, dtype, tuple(tensor.shape))
+        if layout.name != name:
+            raise LayoutError(f"Publisher.add: name={name!r} but layout.name={layout.name!r}")
+        if tuple(tensor.shape) != layout.local_shape:
+            raise LayoutError(f"Publisher.add: tensor {name!r} shape={tuple(tensor.shape)}; expected layout.local_shape={layout.local_shape}")
+        if dtype != layout.dtype:
+            raise LayoutError(f"Publisher.add: tensor {name!r} dtype={dtype!r}; expected layout.dtype={layout.dtype!r}")
+        if not tensor.is_contiguous():
+            raise LayoutError(f"Publisher.add: tensor {name!r} is not contiguous; expected a contiguous tensor")
+        self._entries[name] = _Entry(name, tensor, layout)
+
+    # -- export ------------------------------------------------------------------------------
+    def export(self) -> None:
+        """Register every tensor once, write the manifest and publish version 1."""
+        if self._link is not None:
+            raise VersionError("Publisher.export: called twice")
+        if not self._entries:
+            raise LayoutError("Publisher.export: no tensors declared; call add() first")
+        devices = {(-1 if e.tensor.device.type == "cpu" else e.tensor.device.index) for e in self._entries.values()}
+        if len(devices) != 1:
+            raise LayoutError(f"Publisher.export: tensors on several devices {sorted(devices)}; expected one")
+        device = devices.pop()
+        self._link = open_link(self._backend_arg, device, self.timeout_s)
+        self.device = device
+
+        to_stage: list[_Entry] = []
+        for e in self._entries.values():
+            try:
+                region = self._link.register(e.tensor)
+            except LayoutError:
+                to_stage.append(e)
+                continue
+            e.region_idx = len(self._regions)
+            self._regions.append(region)
+        if to_stage:
+            offsets, total = [], 0
+            for e in to_stage:
+                offsets.append(total)
+                total += (e.layout.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+            self._staging = self._link.allocate(total)
+            idx = len(self._regions)
+            self._regions.append(self._staging)
+            for e, off in zip(to_stage, offsets):
+                e.region_idx, e.offset, e.staged = idx, off, True
+            log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
+
+        self.generation = self.store.next_generation(f"pub/{self.rank}")
+        host, pid, start = local_identity()
+        manifest = {
+            "schema_version": 1,
+            "kind": "publisher_manifest",
+            "peer": {
+                "schema_version": 1, "kind": "peer_info", "role": "publisher", "rank": self.rank,
+                "world_size": self.world_size, "generation": self.generation, "host": host, "pid": pid,
+                "start_time": start, "device": device, "backend": self._link.backend,
+            },
+            "regions": [r.desc for r in self._regions],
+            "tensors": [
+                {**e.layout.to_json(), "region": e.region_idx, "offset": e.offset} for e in self._entries.values()
+            ],
+        }
+        self.store.set_json(protocol.manifest_key(self.rank, self.generation), manifest)
+        self._copy_staged()
+        self.version = 1
+        protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
+
+    def _copy_staged(self) -> None:
+        if self._staging is None:
+            return
+        import torch
+
+        buf = self._staging.tensor
+        for e in self._entries.values():
+            if e.staged:
+                n = e.layout.nbytes
+                buf[e.offset : e.offset + n].copy_(e.tensor.reshape(-1).view(torch.uint8))
+        if self.device >= 0:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- versions ----------------------------------------------------------------------------
+    def begin_update(self, timeout_s: float | None = None) -> float:
+        """Stop new readers and wait until current ones finish; then tensors may be written.
+
+        Returns:
+            Seconds spent waiting for readers.
+
+        Raises:
+            TransferTimeout: readers still inside after ``timeout_s`` (a receiver died mid-pull).
+        """
+        self._check_exported("begin_update")
+        if self._updating:
+            raise VersionError("Publisher.begin_update: already updating; call publish() first")
+        start = time.perf_counter()
+        protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
+        self._updating = True
+        protocol.wait_no_readers(self.store, self.rank, self.version, timeout_s if timeout_s is not None else self.timeout_s)
+        return time.perf_counter() - start
+
+    def publish(self) -> int:
+        """Announce the tensors' current contents as the next version; returns it.
+
+        On CUDA the caller's pending kernels are waited for first (the current stream is
+        synchronized), so receivers never read bytes still being written.
+        """
+        self._check_exported("publish")
+        if not self._updating:
+            raise VersionError("Publisher.publish: begin_update() was not called; tensors may be in use by receivers")
+        if self.device >= 0:
+            import torch
+
+            torch.cuda.current_stream(self.device).synchronize()
+        self._copy_staged()
+        self.version += 1
+        protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
+        self._updating = False
+        return self.version
+
+    @contextlib.contextmanager
+    def update(self, timeout_s: float | None = None):
+        """``begin_update()`` on entry, ``publish()`` on a clean exit (the old version stays on error)."""
+        self.begin_update(timeout_s)
+        yield self
+        self.publish()
+
+    def _check_exported(self, func: str) -> None:
+        if self._closed:
+            raise VersionError(f"Publisher.{func}: publisher is closed")
+        if self._link is None:
+            raise VersionError(f"Publisher.{func}: export() was not called")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release registrations and staging; receivers see the peer leave. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._link is not None:
+            for region in self._regions:
+                self._link.release(region)
+            self._regions.clear()
+            self._link.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Publisher(rank={self.rank}/{self.world_size}, tensors={len(self._entries)}, version={self.version}, generation={self.generation})"

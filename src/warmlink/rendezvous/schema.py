@@ -1,0 +1,474 @@
+"""Validation of every JSON payload that travels through the rendezvous store.
+
+Nothing read from the store is trusted: ``decode`` turns raw bytes into a plain ``dict`` only
+after checking every field, and raises ``MetadataError`` naming the peer and the field otherwise,
+e.g. ``"publisher manifest from peer='pub/1': tensors[3].parts[0].split_dim=7 out of range;
+expected 0 <= split_dim < 2"``. No other exception type escapes (parse errors, bad UTF-8, deep
+nesting, wrong types, missing keys). Nothing is unpickled, ever.
+
+Objects are closed: a missing key or an unexpected key is an error, so that ``schema_version``
+means something. The manifest's tensor entries are exactly ``warmlink.refit.manifest.TensorLayout
+.to_json()`` plus ``region`` and ``offset``; the shard math is re-implemented here (this module sits
+below ``refit`` and must not import it) and is tested against ``TensorLayout``.
+
+# Note [Region extent]
+Every region descriptor exports ``nbytes`` bytes, and a tensor's ``offset`` counts from the first
+of them: a tensor fits when ``offset + tensor nbytes <= region nbytes``. A region's own ``offset``
+says where those bytes start in what the peer opens: inside the ``/dev/shm`` segment ``name``
+for ``shm`` (whose size only the opener can check, with ``fstat``), inside the allocation of
+``alloc_nbytes`` for ``cuda_ipc`` (checked here). ``nixl`` regions are ``[addr, addr + nbytes)``.
+
+Imports neither torch nor anything above ``warmlink.errors`` and ``warmlink._dtypes``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from typing import Any, Callable, NoReturn
+
+from warmlink._dtypes import DTYPE_SIZES
+from warmlink.errors import MetadataError
+
+__all__ = [
+    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MAX_PAYLOAD_BYTES", "decode", "encode",
+    "validate_peer_info", "validate_region", "validate_socket_address", "validate_publisher_manifest",
+    "validate_version_state", "tensor_local_shape", "tensor_nbytes", "region_extent_bytes",
+]
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+MAX_PAYLOAD_BYTES = 64 << 20
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 8
+MAX_DIM = 1 << 40
+MAX_INT = 1 << 63  # byte counts, offsets, ids, generations: int64
+MAX_REGIONS = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_PARTS = 256
+MAX_WORLD_SIZE = 1 << 20
+MAX_DEVICE = 1 << 16
+_MAX_INT_DIGITS = 40
+
+ROLES = ("publisher", "receiver")
+BACKENDS = ("shm", "cuda_ipc", "nixl")
+VERSION_STATES = ("published", "updating")
+NIXL_MEMS = ("DRAM", "VRAM")
+FAMILIES = ("AF_INET", "AF_INET6")
+
+_SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_IPC_HANDLE = re.compile(r"[0-9a-fA-F]{128}")
+_PEER_INFO_KEYS = (
+    "schema_version", "kind", "role", "rank", "world_size", "generation", "host", "pid", "start_time",
+    "device", "backend",
+)
+_REGION_KEYS = {
+    "shm": ("kind", "name", "nbytes", "offset"),
+    "cuda_ipc": ("kind", "handle", "alloc_nbytes", "offset", "nbytes", "device", "buffer_id"),
+    "nixl": ("kind", "agent", "addr", "nbytes", "device", "mem"),
+}
+_TENSOR_KEYS = ("name", "dtype", "fuse_dim", "parts", "region", "offset")
+_PART_KEYS = ("logical", "global_shape", "split_dim", "num_shards", "shard_idx")
+
+
+def _short(value: Any) -> str:
+    """A bounded ``repr`` that cannot recurse or explode on hostile input."""
+    if isinstance(value, (dict, list, tuple)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    if isinstance(value, int) and value.bit_length() > 256:  # repr of huge ints is slow or refused
+        return f"<int of {value.bit_length()} bits>"
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:60] + f"...<{len(text)} chars>"
+
+
+def _bound(n: int) -> str:
+    return f"2**{n.bit_length() - 1}" if n >= 1 << 20 and n & (n - 1) == 0 else str(n)
+
+
+def _leaf(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "bool", int: "int", float: "float"}
+    return names.get(type(value), type(value).__name__) if value is not None else "null"
+
+
+class _V:
+    """Validation context: knows what is checked and from which peer, builds the messages."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, what: str, peer: Any) -> None:
+        self.prefix = f"{what} from peer={_short(peer)}"
+
+    def fail(self, msg: str) -> NoReturn:
+        raise MetadataError(f"{self.prefix}: {msg}")
+
+    def obj(self, x: Any, path: str, keys: tuple[str, ...]) -> dict:
+        where = path or "payload"
+        if type(x) is not dict:
+            self.fail(f"{where}={_short(x)} has type {_json_type(x)}; expected object with keys {list(keys)}")
+        for k in keys:
+            if k not in x:
+                self.fail(f"{where}: missing key {k!r}; expected keys {list(keys)}")
+        for k in x:
+            if k not in keys:
+                self.fail(f"{where}: unexpected key {_short(k)}; expected keys {list(keys)}")
+        return x
+
+    def int_(self, x: Any, path: str, lo: int, hi: int) -> int:
+        """An int (not bool) with ``lo <= x < hi``."""
+        if type(x) is not int:
+            self.fail(f"{path}={_short(x)} has type {_json_type(x)}; expected int")
+        if not lo <= x < hi:
+            self.fail(f"{path}={_short(x)} out of range; expected {lo} <= {_leaf(path)} < {_bound(hi)}")
+        return x
+
+    def str_(self, x: Any, path: str, pattern: re.Pattern | None = None) -> str:
+        if type(x) is not str:
+            self.fail(f"{path}={_short(x)} has type {_json_type(x)}; expected string")
+        if not 1 <= len(x) <= MAX_NAME_CHARS or not x.isprintable():
+            self.fail(f"{path}={_short(x)} invalid; expected 1 to {MAX_NAME_CHARS} printable characters")
+        if pattern is not None and not pattern.fullmatch(x):
+            self.fail(f"{path}={_short(x)} invalid; expected to match {pattern.pattern!r}")
+        return x
+
+    def enum(self, x: Any, path: str, choices: tuple[Any, ...]) -> Any:
+        if type(x) is not type(choices[0]) or x not in choices:
+            self.fail(f"{path}={_short(x)} is unknown; expected one of {list(choices)}")
+        return x
+
+    def list_(self, x: Any, path: str, lo: int, hi: int) -> list:
+        if type(x) is not list:
+            self.fail(f"{path}={_short(x)} has type {_json_type(x)}; expected array")
+        if not lo <= len(x) <= hi:
+            self.fail(f"{path} has {len(x)} items; expected {lo} to {hi}")
+        return x
+
+
+# -- leaf objects -------------------------------------------------------------------------------
+def _header(v: _V, x: Any, keys: tuple[str, ...], kind: str) -> dict:
+    if type(x) is not dict:
+        v.fail(f"payload={_short(x)} has type {_json_type(x)}; expected object")
+    if "schema_version" not in x:
+        v.fail(f"payload: missing key 'schema_version'; expected keys {list(keys)}")
+    version = x["schema_version"]
+    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
+        v.fail(f"schema_version={_short(version)} is not supported; expected one of {list(SUPPORTED_SCHEMA_VERSIONS)}")
+    if "kind" not in x:
+        v.fail(f"payload: missing key 'kind'; expected keys {list(keys)}")
+    if x["kind"] != kind:
+        v.fail(f"kind={_short(x.get('kind'))} is wrong; expected {kind!r}")
+    return v.obj(x, "", keys)
+
+
+def _peer_info(v: _V, x: Any, path: str, nested: bool) -> dict:
+    p = f"{path}." if path else ""
+    if nested:
+        v.obj(x, path, _PEER_INFO_KEYS)
+        v.enum(x["schema_version"], f"{p}schema_version", SUPPORTED_SCHEMA_VERSIONS)
+        v.enum(x["kind"], f"{p}kind", ("peer_info",))
+    else:
+        _header(v, x, _PEER_INFO_KEYS, "peer_info")
+    v.enum(x["role"], f"{p}role", ROLES)
+    world_size = v.int_(x["world_size"], f"{p}world_size", 1, MAX_WORLD_SIZE + 1)
+    v.int_(x["rank"], f"{p}rank", 0, world_size)
+    v.int_(x["generation"], f"{p}generation", 1, MAX_INT)
+    v.str_(x["host"], f"{p}host")
+    v.int_(x["pid"], f"{p}pid", 1, 1 << 31)
+    v.int_(x["start_time"], f"{p}start_time", 0, MAX_INT)
+    v.int_(x["device"], f"{p}device", -1, MAX_DEVICE)
+    v.enum(x["backend"], f"{p}backend", BACKENDS)
+    return x
+
+
+def _region(v: _V, x: Any, path: str) -> dict:
+    if type(x) is not dict or "kind" not in x:
+        v.obj(x, path, ("kind",))  # raises: not an object, or no kind
+    kind = x["kind"]
+    if type(kind) is not str or kind not in _REGION_KEYS:
+        v.fail(f"{path}.kind={_short(kind)} is unknown; expected one of {list(_REGION_KEYS)}")
+    v.obj(x, path, _REGION_KEYS[kind])
+    if kind == "shm":
+        name = v.str_(x["name"], f"{path}.name", _SHM_NAME)
+        if name.strip(".") == "":
+            v.fail(f"{path}.name={name!r} invalid; expected a name that is not only dots")
+        nbytes = v.int_(x["nbytes"], f"{path}.nbytes", 1, MAX_INT)
+        v.int_(x["offset"], f"{path}.offset", 0, MAX_INT - nbytes)
+    elif kind == "cuda_ipc":
+        handle = x["handle"]
+        if type(handle) is not str or not _IPC_HANDLE.fullmatch(handle):
+            v.fail(f"{path}.handle={_short(handle)} invalid; expected 128 hex characters (64-byte cudaIpcMemHandle_t)")
+        alloc = v.int_(x["alloc_nbytes"], f"{path}.alloc_nbytes", 1, MAX_INT)
+        offset = v.int_(x["offset"], f"{path}.offset", 0, MAX_INT)
+        nbytes = v.int_(x["nbytes"], f"{path}.nbytes", 1, MAX_INT)
+        if offset + nbytes > alloc:
+            v.fail(
+                f"{path}.offset={offset} + nbytes={nbytes} = {offset + nbytes} exceeds alloc_nbytes={alloc}; "
+                "expected offset + nbytes <= alloc_nbytes"
+            )
+        v.int_(x["device"], f"{path}.device", 0, MAX_DEVICE)
+        v.int_(x["buffer_id"], f"{path}.buffer_id", 0, MAX_INT)
+    else:
+        v.str_(x["agent"], f"{path}.agent")
+        addr = v.int_(x["addr"], f"{path}.addr", 0, 1 << 64)
+        nbytes = v.int_(x["nbytes"], f"{path}.nbytes", 1, MAX_INT)
+        if addr + nbytes > 1 << 64:
+            v.fail(f"{path}.addr={addr} + nbytes={nbytes} overflows 64 bits; expected addr + nbytes <= 2**64")
+        v.int_(x["device"], f"{path}.device", -1, MAX_DEVICE)
+        v.enum(x["mem"], f"{path}.mem", NIXL_MEMS)
+    return x
+
+
+def region_extent_bytes(region: dict) -> int:
+    """Bytes usable for tensors in a validated region descriptor. See Note [Region extent]."""
+    return region["nbytes"]
+
+
+# -- tensors ------------------------------------------------------------------------------------
+def _split_len(size: int, num_shards: int, shard_idx: int) -> int:
+    """Rows of shard ``shard_idx`` (``refit.manifest.split_bounds`` math; see Note [Uneven shards])."""
+    base, extra = divmod(size, num_shards)
+    return base + (1 if shard_idx < extra else 0)
+
+
+def _part_shape(v: _V, x: Any, path: str) -> tuple[int, ...]:
+    v.obj(x, path, _PART_KEYS)
+    v.str_(x["logical"], f"{path}.logical")
+    dims = v.list_(x["global_shape"], f"{path}.global_shape", 0, MAX_NDIM)
+    shape = [v.int_(d, f"{path}.global_shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims)]
+    split_dim = x["split_dim"]
+    num_shards = v.int_(x["num_shards"], f"{path}.num_shards", 1, MAX_DIM)
+    shard_idx = v.int_(x["shard_idx"], f"{path}.shard_idx", 0, num_shards)
+    if split_dim is None:
+        if num_shards != 1 or shard_idx != 0:
+            v.fail(
+                f"{path}.split_dim=None but num_shards={num_shards}, shard_idx={shard_idx}; "
+                "expected num_shards=1 and shard_idx=0 for a replicated tensor"
+            )
+        return tuple(shape)
+    v.int_(split_dim, f"{path}.split_dim", 0, len(shape))  # always fails for global_shape=[]
+    if shape[split_dim] < num_shards:
+        v.fail(
+            f"{path}.num_shards={num_shards} exceeds global_shape[{split_dim}]={shape[split_dim]}; "
+            "expected num_shards <= dim size (no empty shard)"
+        )
+    shape[split_dim] = _split_len(shape[split_dim], num_shards, shard_idx)
+    return tuple(shape)
+
+
+def _tensor_shape(v: _V, x: dict, path: str) -> tuple[int, ...]:
+    parts = v.list_(x["parts"], f"{path}.parts", 1, MAX_PARTS)
+    shapes = [_part_shape(v, p, f"{path}.parts[{i}]") for i, p in enumerate(parts)]
+    ndim = len(shapes[0])
+    for i, s in enumerate(shapes):
+        if len(s) != ndim:
+            v.fail(f"{path}.parts[{i}].global_shape has {len(s)} dims but parts[0] has {ndim}; expected equal ranks")
+    fuse_dim = v.int_(x["fuse_dim"], f"{path}.fuse_dim", 0, ndim if len(shapes) > 1 else MAX_NDIM)
+    for i, s in enumerate(shapes[1:], 1):
+        for d in range(ndim):
+            if d != fuse_dim and s[d] != shapes[0][d]:
+                v.fail(
+                    f"{path}.parts[{i}] local dim {d} is {s[d]} but parts[0] has {shapes[0][d]}; "
+                    f"expected fused parts to agree on every dim except fuse_dim={fuse_dim}"
+                )
+    logicals = [p["logical"] for p in parts]
+    if len(set(logicals)) != len(logicals):
+        v.fail(f"{path}.parts: a logical name appears twice; expected unique logical names")
+    if len(shapes) == 1:
+        return shapes[0]
+    out = list(shapes[0])
+    out[fuse_dim] = sum(s[fuse_dim] for s in shapes)
+    return tuple(out)
+
+
+def tensor_local_shape(tensor: dict) -> tuple[int, ...]:
+    """Local (this rank's) shape of a manifest tensor entry, as ``TensorLayout.local_shape``.
+
+    Raises:
+        MetadataError: the entry's parts are invalid.
+    """
+    v = _V("tensor entry", "local")
+    if type(tensor) is not dict or "parts" not in tensor or "fuse_dim" not in tensor:
+        v.fail(f"tensor={_short(tensor)} invalid; expected an object with 'parts' and 'fuse_dim'")
+    return _tensor_shape(v, tensor, "tensor")
+
+
+def tensor_nbytes(tensor: dict) -> int:
+    """Bytes of a manifest tensor entry: numel of its local shape times its dtype's size."""
+    dtype = tensor.get("dtype") if type(tensor) is dict else None
+    n = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+    if n is None:
+        raise MetadataError(f"tensor entry from peer='local': dtype={_short(dtype)} is unknown")
+    for d in tensor_local_shape(tensor):
+        n *= d
+    return n
+
+
+def _manifest(v: _V, x: Any) -> dict:
+    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors"), "publisher_manifest")
+    _peer_info(v, x["peer"], "peer", nested=True)
+    if x["peer"]["role"] != "publisher":
+        v.fail(f"peer.role={x['peer']['role']!r} is wrong; expected 'publisher'")
+    regions = v.list_(x["regions"], "regions", 0, MAX_REGIONS)
+    extents = [region_extent_bytes(_region(v, r, f"regions[{i}]")) for i, r in enumerate(regions)]
+    tensors = v.list_(x["tensors"], "tensors", 0, MAX_TENSORS)
+    names: set[str] = set()
+    for i, t in enumerate(tensors):
+        path = f"tensors[{i}]"
+        v.obj(t, path, _TENSOR_KEYS)
+        name = v.str_(t["name"], f"{path}.name")
+        if name in names:
+            v.fail(f"{path}.name={name!r} appears twice; expected unique tensor names")
+        names.add(name)
+        size = DTYPE_SIZES[v.enum(t["dtype"], f"{path}.dtype", tuple(DTYPE_SIZES))]
+        numel = 1
+        for d in _tensor_shape(v, t, path):
+            numel *= d
+        if not regions:
+            v.fail(f"{path}.region={_short(t['region'])} out of range; regions=[] is empty")
+        region_idx = v.int_(t["region"], f"{path}.region", 0, len(regions))
+        offset = v.int_(t["offset"], f"{path}.offset", 0, MAX_INT)
+        nbytes = numel * size
+        if offset + nbytes > extents[region_idx]:
+            v.fail(
+                f"{path}.offset={offset} + nbytes={nbytes} = {offset + nbytes} exceeds "
+                f"regions[{region_idx}] extent={extents[region_idx]} bytes; expected the tensor inside its region"
+            )
+    return x
+
+
+def _version_state(v: _V, x: Any) -> dict:
+    _header(v, x, ("schema_version", "kind", "version", "state", "generation"), "version_state")
+    v.int_(x["version"], "version", 0, MAX_INT)
+    v.enum(x["state"], "state", VERSION_STATES)
+    v.int_(x["generation"], "generation", 1, MAX_INT)
+    return x
+
+
+# -- public validators --------------------------------------------------------------------------
+def validate_peer_info(obj: Any, peer: str) -> dict:
+    """Check a parsed ``peer_info`` payload; returns it unchanged. Raises MetadataError."""
+    return _peer_info(_V("peer info", peer), obj, "", nested=False)
+
+
+def validate_region(obj: Any, peer: str, field: str = "region") -> dict:
+    """Check one region descriptor (``shm``, ``cuda_ipc`` or ``nixl``); ``field`` names it in errors."""
+    return _region(_V("region descriptor", peer), obj, field)
+
+
+def validate_socket_address(obj: Any, peer: str) -> dict:
+    """Check ``{"family": "AF_INET"|"AF_INET6", "host": <ip literal>, "port": 1..65535}``."""
+    v = _V("socket address", peer)
+    v.obj(obj, "", ("family", "host", "port"))
+    family = v.enum(obj["family"], "family", FAMILIES)
+    host = v.str_(obj["host"], "host")
+    try:
+        (ipaddress.IPv4Address if family == "AF_INET" else ipaddress.IPv6Address)(host)
+    except ValueError:
+        v.fail(f"host={host!r} invalid; expected an {'IPv4' if family == 'AF_INET' else 'IPv6'} address for {family}")
+    v.int_(obj["port"], "port", 1, 65536)
+    return obj
+
+
+def validate_publisher_manifest(obj: Any, peer: str) -> dict:
+    """Check a parsed ``publisher_manifest``: regions, shards, and every tensor inside its region."""
+    return _manifest(_V("publisher manifest", peer), obj)
+
+
+def validate_version_state(obj: Any, peer: str) -> dict:
+    """Check a parsed ``version_state`` payload; returns it unchanged. Raises MetadataError."""
+    return _version_state(_V("version state", peer), obj)
+
+
+_VALIDATORS: dict[str, Callable[[Any, str], dict]] = {
+    "peer_info": validate_peer_info,
+    "publisher_manifest": validate_publisher_manifest,
+    "version_state": validate_version_state,
+}
+
+
+# -- wire ---------------------------------------------------------------------------------------
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key in object")
+    return out
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > _MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(text)} digits")
+    return int(text)
+
+
+def _reject_constant(text: str) -> NoReturn:
+    raise ValueError(f"non-standard JSON constant {text}")
+
+
+def decode(raw: bytes | bytearray | memoryview | str, expected_kind: str, peer: str) -> dict:
+    """Parse and validate one payload read from the store.
+
+    Args:
+        raw: the bytes (UTF-8 JSON) or text read from the store, at most ``MAX_PAYLOAD_BYTES``.
+        expected_kind: ``"peer_info"``, ``"publisher_manifest"`` or ``"version_state"``.
+        peer: who wrote it (e.g. ``"pub/1"``), named in every error.
+
+    Returns:
+        The validated payload as a plain ``dict`` (JSON types only), owned by the caller.
+
+    Raises:
+        MetadataError: on any problem at all, naming the peer and the field.
+
+    Blocking? No (pure CPU). Warm path? Called once per peer join or version, not per byte.
+    """
+    v = _V(expected_kind.replace("_", " ") if isinstance(expected_kind, str) else "payload", peer)
+    validator = _VALIDATORS.get(expected_kind) if isinstance(expected_kind, str) else None
+    if validator is None:
+        v.fail(f"expected_kind={_short(expected_kind)} is unknown; expected one of {list(_VALIDATORS)}")
+    if not isinstance(raw, (bytes, bytearray, memoryview, str)):
+        v.fail(f"raw payload has type {type(raw).__name__}; expected bytes or str")
+    if len(raw) > MAX_PAYLOAD_BYTES:
+        v.fail(f"payload of {len(raw)} bytes exceeds the limit; expected at most {_bound(MAX_PAYLOAD_BYTES)} bytes")
+    try:
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int, parse_constant=_reject_constant)
+    except (ValueError, RecursionError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        v.fail(f"payload is not valid JSON ({type(e).__name__}: {str(e)[:200]})")
+    return validator(obj, peer)  # walks only the closed schema: no recursion into hostile nesting
+
+
+def encode(obj: dict) -> bytes:
+    """Serialize a payload as compact, key-sorted UTF-8 JSON for the store.
+
+    Known kinds are fully validated first (a bad payload is refused before it is published);
+    other kinds must still carry a supported ``schema_version`` and a string ``kind``.
+
+    Returns:
+        New ``bytes`` of at most ``MAX_PAYLOAD_BYTES``.
+
+    Raises:
+        MetadataError: missing/unsupported header, invalid content, or not JSON-serializable.
+    """
+    v = _V("outgoing payload", "local")
+    if type(obj) is not dict:
+        v.fail(f"payload has type {type(obj).__name__}; expected dict")
+    if obj.get("schema_version") not in SUPPORTED_SCHEMA_VERSIONS or type(obj.get("schema_version")) is not int:
+        v.fail(
+            f"schema_version={_short(obj.get('schema_version'))} is missing or unsupported; "
+            f"expected one of {list(SUPPORTED_SCHEMA_VERSIONS)}"
+        )
+    kind = obj.get("kind")
+    if type(kind) is not str or not kind:
+        v.fail(f"kind={_short(kind)} is missing; expected a non-empty string")
+    if kind in _VALIDATORS:
+        _VALIDATORS[kind](obj, "local")
+    try:
+        data = json.dumps(obj, separators=(",", ":"), sort_keys=True, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as e:
+        v.fail(f"payload of kind {kind!r} is not JSON-serializable ({type(e).__name__}: {str(e)[:200]})")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        v.fail(f"payload of kind {kind!r} is {len(data)} bytes; expected at most {_bound(MAX_PAYLOAD_BYTES)}")
+    return data

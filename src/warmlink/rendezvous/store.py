@@ -1,0 +1,339 @@
+"""The rendezvous key-value store: a thin, fail-closed wrapper over ``torch.distributed.TCPStore``.
+
+Every key lives under a per-job prefix (``torch.distributed.PrefixStore``), every wait has a
+timeout that raises ``TransferTimeout`` naming the key, and every torch or OS error becomes a
+warmlink error that names the store's address. JSON payloads go through ``rendezvous.schema``.
+
+# Note [TCPStore quirks]
+Found on torch 2.9+ (libuv backend) and worked around here:
+- ``get`` on a missing key blocks for the store-wide timeout and raises ``DistStoreError``; a
+  short per-call timeout would need ``set_timeout``, which changes it for every thread. We never
+  block in TCPStore: ``try_get`` is one atomic round trip, ``compare_set(key, S, S)`` with a
+  per-process random sentinel ``S`` (a missing key with a non-empty ``expected`` is left unset
+  and ``expected`` comes back), and ``get`` polls it with backoff.
+- ``add`` on a key holding a non-integer makes the *server* drop the client's connection; every
+  later call on that client fails. ``add`` therefore checks the current value first.
+- A client constructed against a dead port retries with randomized delays that can overshoot its
+  timeout by seconds, and logs each try. We probe the port with a plain socket until the deadline
+  and only then build the TCPStore client.
+- TCPStore has no ``close``: the server stops when the last reference to its object goes away.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from warmlink import _env
+from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferError, TransferTimeout
+from warmlink.rendezvous import schema
+
+__all__ = ["Store"]
+
+logger = logging.getLogger("warmlink.rendezvous")
+
+_MAX_KEY_CHARS = 1024
+_GENERATION_PREFIX = "__generation__/"
+
+
+def _timeout(value: float | None, func: str) -> float:
+    seconds = value if value is not None else _env.default_timeout_s()
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{func}: timeout_s={seconds!r} invalid; expected a finite number of seconds > 0")
+    return float(seconds)
+
+
+def _as_bytes(value: bytes | bytearray | memoryview | str, func: str, key: str) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise ConfigError(f"{func}: value for key={key!r} has type {type(value).__name__}; expected bytes or str")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
+
+
+class Store:
+    """Rendezvous key-value store. Owns the TCPStore server when ``is_server=True``.
+
+    Args:
+        host: address clients connect to (and, for the server, that it is reached at).
+        port: TCP port; ``0`` with ``is_server=True`` lets the OS pick a free one (see ``.port``).
+        is_server: start the TCPStore server in this process; it lives until ``close()``.
+        prefix: namespace of every key, e.g. one per job; two prefixes never see each other's keys
+            (unless one is a ``/``-extension of the other and keys are chosen to collide).
+        timeout_s: default timeout in seconds for connecting and every wait; ``None`` takes
+            ``WARMLINK_TIMEOUT_S`` (default 60).
+        world_size: number of processes expected to connect (informational for TCPStore; this
+            class never waits for workers).
+
+    Raises:
+        ConfigError: invalid argument, or the server port is already in use.
+        TransferTimeout: a client found no server at ``host:port`` within ``timeout_s``.
+
+    Collective? No. Blocking? A client blocks until it connects (at most ``timeout_s``).
+    Warm path? No: create one store per process and keep it.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        is_server: bool = False,
+        prefix: str = "warmlink",
+        timeout_s: float | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self._closed = True
+        self._tcp: Any = None
+        self._store: Any = None
+        self.timeout_s = _timeout(timeout_s, "Store")
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"Store: host={host!r} invalid; expected a non-empty host name or IP address")
+        if isinstance(port, bool) or not isinstance(port, int) or not (0 if is_server else 1) <= port <= 65535:
+            raise ConfigError(f"Store: port={port!r} out of range; expected {0 if is_server else 1} <= port <= 65535")
+        if not isinstance(prefix, str) or not prefix or len(prefix) > 256:
+            raise ConfigError(f"Store: prefix={prefix!r} invalid; expected 1 to 256 characters")
+        if world_size is not None and (type(world_size) is not int or world_size < 1):
+            raise ConfigError(f"Store: world_size={world_size!r} invalid; expected None or an int >= 1")
+        self.host, self.port, self.prefix, self.is_server = host, port, prefix, is_server
+        self._absent = b"\x00warmlink-absent\x00" + os.urandom(16)  # See Note [TCPStore quirks]
+        import torch.distributed as dist
+
+        deadline = time.monotonic() + self.timeout_s
+        if not is_server:
+            self._probe(deadline)
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            self._tcp = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=is_server,
+                timeout=datetime.timedelta(seconds=remaining if not is_server else self.timeout_s),
+                wait_for_workers=False,
+            )
+        except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
+            msg = _first_line(e)
+            if is_server:
+                raise ConfigError(
+                    f"Store: cannot start a store server on {host}:{port} ({msg}); expected a free port"
+                ) from None
+            raise TransferTimeout(
+                f"Store: cannot connect to the store at {host}:{port} within {self.timeout_s:.3g} s ({msg})"
+            ) from None
+        self.port = int(self._tcp.port)
+        self._store = dist.PrefixStore(prefix, self._tcp)
+        self._closed = False
+        logger.debug("store %s at %s prefix=%s", "server" if is_server else "client", self.address, prefix)
+
+    @classmethod
+    def connect(cls, address: str, *, prefix: str = "warmlink", timeout_s: float | None = None) -> "Store":
+        """Connect a client to the server at ``"host:port"`` (IPv6 as ``"[::1]:port"``).
+
+        Raises:
+            ConfigError: the address does not parse. TransferTimeout: no server within ``timeout_s``.
+        """
+        host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"Store.connect: address={address!r} invalid; expected 'host:port'")
+        return cls(host, int(port), is_server=False, prefix=prefix, timeout_s=timeout_s)
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` that clients pass to ``Store.connect``."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _probe(self, deadline: float) -> None:
+        """Wait until something accepts TCP connections at host:port. See Note [TCPStore quirks]."""
+        delay_s, last = 0.005, "no attempt"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeout(
+                    f"Store: no store server at {self.host}:{self.port} after {self.timeout_s:.3g} s "
+                    f"(last error: {last}); expected a Store(is_server=True) listening there"
+                )
+            try:
+                socket.create_connection((self.host, self.port), timeout=min(remaining, 1.0)).close()
+                return
+            except OSError as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(min(delay_s, max(deadline - time.monotonic(), 0)))
+            delay_s = min(delay_s * 2, 0.1)
+
+    def _call(self, op: str, key: str, method: str, *args: Any) -> Any:
+        """Run ``PrefixStore.<method>(*args)``, turning every torch/OS error into a warmlink error."""
+        store = self._store
+        if store is None:
+            raise PeerLostError(f"Store.{op}: key={key!r}: store {self.address} is closed")
+        import torch.distributed as dist
+
+        try:
+            return getattr(store, method)(*args)
+        except dist.DistNetworkError as e:
+            logger.debug("store %s op=%s key=%s failed", self.address, op, key, exc_info=True)
+            raise PeerLostError(
+                f"Store.{op}: key={key!r}: lost the connection to the store at {self.address} ({_first_line(e)}); "
+                "the server process may have exited"
+            ) from None
+        except dist.DistStoreError as e:
+            raise TransferTimeout(
+                f"Store.{op}: key={key!r}: store at {self.address} timed out ({_first_line(e)})"
+            ) from None
+        except (RuntimeError, OSError, ValueError, TypeError) as e:
+            raise TransferError(f"Store.{op}: key={key!r}: store at {self.address} failed ({_first_line(e)})") from None
+
+    @staticmethod
+    def _key(key: str, func: str) -> str:
+        if not isinstance(key, str) or not 1 <= len(key) <= _MAX_KEY_CHARS:
+            raise ConfigError(
+                f"Store.{func}: key={key!r} invalid; expected a string of 1 to {_MAX_KEY_CHARS} characters"
+            )
+        return key
+
+    # -- primitives -------------------------------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        """Store ``value`` (bytes, or str as UTF-8) under ``key``, replacing any old value."""
+        self._call("set", key, "set", self._key(key, "set"), _as_bytes(value, "Store.set", key))
+
+    def try_get(self, key: str) -> bytes | None:
+        """The value under ``key``, or ``None`` if it is absent. One round trip; never blocks."""
+        self._key(key, "try_get")
+        value = self._call("try_get", key, "compare_set", key, self._absent, self._absent)
+        return None if value == self._absent else bytes(value)
+
+    def get(self, key: str, *, timeout_s: float | None = None) -> bytes:
+        """Wait until ``key`` exists and return its value.
+
+        Args:
+            key: key under this store's prefix.
+            timeout_s: seconds to wait; ``None`` uses the store's ``timeout_s``.
+
+        Raises:
+            TransferTimeout: ``key`` did not appear in time (names the key).
+            PeerLostError: the server went away.
+        """
+        found: list[bytes] = []
+
+        def present() -> bool:
+            value = self.try_get(key)
+            if value is not None:
+                found.append(value)
+            return value is not None
+
+        self.wait_until(present, what=f"key={key!r}", timeout_s=timeout_s)
+        return found[0]
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer under ``key`` (absent counts as 0); returns the sum.
+
+        Raises:
+            MetadataError: ``key`` holds something that is not an integer. See Note [TCPStore quirks].
+        """
+        self._key(key, "add")
+        if isinstance(amount, bool) or not isinstance(amount, int) or not -(1 << 62) <= amount < 1 << 62:
+            raise ConfigError(f"Store.add: amount={amount!r} invalid; expected an int of magnitude < 2**62")
+        current = self.try_get(key)
+        if current is not None:
+            try:
+                int(current.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                raise MetadataError(
+                    f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key"
+                ) from None
+        return int(self._call("add", key, "add", key, amount))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected == b""``).
+
+        Returns:
+            The value now stored; the swap happened iff it equals ``desired``. (TCPStore returns
+            ``expected`` when the key is absent and ``expected`` is non-empty.)
+        """
+        self._key(key, "compare_set")
+        exp, des = _as_bytes(expected, "Store.compare_set", key), _as_bytes(desired, "Store.compare_set", key)
+        return bytes(self._call("compare_set", key, "compare_set", key, exp, des))
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; returns whether it existed."""
+        return bool(self._call("delete", key, "delete_key", self._key(key, "delete")))
+
+    def wait_until(
+        self, predicate: Callable[[], bool], *, what: str, timeout_s: float | None = None, poll_s: float = 0.005
+    ) -> None:
+        """Poll ``predicate`` until it returns True, sleeping 50 us first and doubling up to ``poll_s``.
+
+        Args:
+            predicate: called on this thread; its WarmlinkErrors propagate.
+            what: what is awaited, for the error message.
+            timeout_s: seconds; ``None`` uses the store's ``timeout_s``.
+            poll_s: longest sleep between polls, in seconds.
+
+        Raises:
+            TransferTimeout: ``"... waiting for {what} ..."`` after ``timeout_s``.
+        """
+        limit_s = _timeout(timeout_s if timeout_s is not None else self.timeout_s, "Store.wait_until")
+        if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 < poll_s <= 1:
+            raise ConfigError(f"Store.wait_until: poll_s={poll_s!r} invalid; expected 0 < poll_s <= 1 seconds")
+        deadline = time.monotonic() + limit_s
+        sleep_s = min(50e-6, poll_s)
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeout(
+                    f"Store.wait_until: timed out after {limit_s:.3g} s waiting for {what} "
+                    f"(store {self.address}, prefix={self.prefix!r}); the peer that writes it may be slow or dead"
+                )
+            time.sleep(min(sleep_s, remaining))
+            sleep_s = min(sleep_s * 2, poll_s)
+
+    # -- JSON and counters ------------------------------------------------------------------------
+    def set_json(self, key: str, obj: dict) -> None:
+        """Validate ``obj`` with ``schema.encode`` and store it under ``key``. Raises MetadataError."""
+        self.set(key, schema.encode(obj))
+
+    def get_json(self, key: str, expected_kind: str, peer: str, *, timeout_s: float | None = None) -> dict:
+        """Wait for ``key`` and return its payload, validated by ``schema.decode(raw, expected_kind, peer)``."""
+        return schema.decode(self.get(key, timeout_s=timeout_s), expected_kind, peer)
+
+    def next_generation(self, slot: str) -> int:
+        """Bump and return the generation counter of ``slot`` (e.g. ``"pub/1"``); the first call returns 1."""
+        return self.add(_GENERATION_PREFIX + self._key(slot, "next_generation"), 1)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the connection; a server store also stops serving every client. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._store = self._tcp = None  # TCPStore has no close(); dropping it stops the server
+        logger.debug("store %s closed", self.address)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"Store at {self.address} was not closed; call close()", ResourceWarning, stacklevel=2)
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("server" if self.is_server else "client")
+        return f"Store({self.address}, prefix={self.prefix!r}, {state})"
+

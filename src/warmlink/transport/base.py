@@ -1,0 +1,312 @@
+"""The ``Link`` interface: batched one-sided copies between registered memory regions.
+
+A ``Link`` connects this process to its peers. Local memory is *registered* once (exported in
+place, or allocated from an arena); a peer's memory is *opened* once per peer generation from the
+JSON descriptor the peer published. Copies are described as ``Copy`` records, validated and
+coalesced once by ``prepare`` into a ``Batch``, and replayed every cycle with ``read`` (pull:
+remote -> local) or ``write`` (push: local -> remote), which return a ``Transfer``.
+
+Backends: ``shm`` (host processes, POSIX shared memory), ``cuda_ipc`` (one node, copy engines).
+
+# Note [Peer identity and generation]
+A peer is known by a slot key (``"publisher/1"``) plus a generation number handed out by the
+rendezvous store each time a process takes that slot, and by ``(host, pid, start_time)``. Mappings
+are cached under ``(key, generation, region)``; when a slot's generation changes, the old
+generation's mappings are closed and every other peer's stay open. ``start_time`` (clock ticks
+since boot, from /proc) makes a recycled pid look like a different process.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
+
+__all__ = [
+    "PeerRef",
+    "LocalRegion",
+    "RemoteRegion",
+    "Copy",
+    "Batch",
+    "Transfer",
+    "Link",
+    "local_identity",
+    "process_start_time",
+]
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except PermissionError:
+        return -1
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])  # field 22 of stat; fields[] starts at field 3
+
+
+def local_identity() -> tuple[str, int, int]:
+    """``(host, pid, start_time)`` of this process."""
+    pid = os.getpid()
+    return socket.gethostname(), pid, process_start_time(pid) or 0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRef:
+    """Who a peer is. See Note [Peer identity and generation]."""
+
+    key: str
+    generation: int
+    host: str
+    pid: int
+    start_time: int
+
+    def alive(self) -> bool:
+        """False when the peer runs on this host and its process is gone or was replaced.
+
+        Peers on other hosts are reported alive; transports that reach them detect loss themselves.
+        """
+        if self.host != socket.gethostname():
+            return True
+        start = process_start_time(self.pid)
+        return start is not None and (start == -1 or self.start_time in (0, start))
+
+
+class LocalRegion:
+    """Memory of this process registered with a link.
+
+    Attributes:
+        tensor: 1-D ``uint8`` view of the region (host or device).
+        nbytes: size in bytes.
+        device: CUDA device index, or -1 for host memory.
+        ptr: address of byte 0 in this process.
+        desc: the JSON-able descriptor peers use to open it (see ``rendezvous.schema``).
+    """
+
+    __slots__ = ("tensor", "nbytes", "device", "ptr", "desc", "_owner", "_closed")
+
+    def __init__(self, tensor, nbytes: int, device: int, ptr: int, desc: dict, owner=None) -> None:
+        self.tensor = tensor
+        self.nbytes = nbytes
+        self.device = device
+        self.ptr = ptr
+        self.desc = desc
+        self._owner = owner
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"LocalRegion({self.desc.get('kind')}, nbytes={self.nbytes}, device={self.device}, closed={self._closed})"
+
+
+class RemoteRegion:
+    """A peer's region opened in this process (a mapping held in the pool)."""
+
+    __slots__ = ("peer", "desc", "nbytes", "device", "ptr", "tensor", "_token", "_closed")
+
+    def __init__(self, peer: PeerRef, desc: dict, nbytes: int, device: int, ptr: int, tensor, token=None) -> None:
+        self.peer = peer
+        self.desc = desc
+        self.nbytes = nbytes
+        self.device = device
+        self.ptr = ptr
+        self.tensor = tensor
+        self._token = token
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteRegion(peer={self.peer.key}#{self.peer.generation}, nbytes={self.nbytes}, closed={self._closed})"
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Move ``num_rows`` rows of ``row_nbytes`` between a local and a remote region.
+
+    Row ``i`` covers local bytes ``[local_offset + i*local_pitch, ... + row_nbytes)`` and remote
+    bytes ``[remote_offset + i*remote_pitch, ... + row_nbytes)``. Pitches are ignored when
+    ``num_rows == 1``.
+    """
+
+    local: LocalRegion
+    local_offset: int
+    remote: RemoteRegion
+    remote_offset: int
+    row_nbytes: int
+    num_rows: int = 1
+    local_pitch: int = 0
+    remote_pitch: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.row_nbytes * self.num_rows
+
+
+class Batch:
+    """Copies validated and coalesced once, replayed by ``Link.read`` / ``Link.write``.
+
+    ``flat`` holds 1-D copies, ``strided`` 2-D ones; ``prepared`` is backend data built once
+    (pointer arrays for a batched memcpy). Build with ``Link.prepare``.
+    """
+
+    __slots__ = ("flat", "strided", "nbytes", "peers", "prepared", "num_requested")
+
+    def __init__(self, flat: list[Copy], strided: list[Copy], num_requested: int) -> None:
+        self.flat = flat
+        self.strided = strided
+        self.nbytes = sum(c.nbytes for c in flat) + sum(c.nbytes for c in strided)
+        self.peers = tuple({c.remote.peer: None for c in (*flat, *strided)})
+        self.prepared = None
+        self.num_requested = num_requested
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.flat) + len(self.strided)
+
+    def __repr__(self) -> str:
+        return f"Batch(flat={len(self.flat)}, strided={len(self.strided)}, nbytes={self.nbytes}, requested={self.num_requested})"
+
+
+class Transfer(abc.ABC):
+    """An in-flight batch. ``wait`` raises on timeout, peer loss or transport error."""
+
+    def __init__(self, batch: Batch, timeout_s: float) -> None:
+        self.batch = batch
+        self.timeout_s = timeout_s
+        self.started_at = time.perf_counter()
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once every byte has landed (or the transfer failed: ``wait`` then raises)."""
+
+    @abc.abstractmethod
+    def _poll_error(self) -> BaseException | None:
+        """The failure, if the transfer failed."""
+
+    def cancel(self) -> None:
+        """Stop issuing further work (best effort)."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done.
+
+        Raises:
+            PeerLostError: a peer of the batch died or was replaced while bytes moved.
+            TransferTimeout: not done within ``timeout_s`` (default: the link's timeout).
+            TransferError: the transport failed.
+        """
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.perf_counter() + timeout
+        sleep_s = 20e-6
+        last_check = 0.0
+        while True:
+            if self.done():
+                err = self._poll_error()
+                if err is not None:
+                    raise err
+                return
+            now = time.perf_counter()
+            if now - last_check > 0.005:
+                last_check = now
+                for peer in self.batch.peers:
+                    if not peer.alive():
+                        self.cancel()
+                        raise PeerLostError(
+                            f"Transfer.wait: peer={peer.key!r} (generation {peer.generation}, pid {peer.pid}) "
+                            f"died with {self.batch.nbytes} bytes in flight"
+                        )
+            if now > deadline:
+                self.cancel()
+                raise TransferTimeout(
+                    f"Transfer.wait: {self.batch.nbytes} bytes in {self.batch.num_copies} copies not done "
+                    f"after {timeout:.3f} s; peers {[p.key for p in self.batch.peers]}"
+                )
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, 100e-6)  # a longer sleep would add up to itself to a 20 ms refit
+
+
+class Link(abc.ABC):
+    """One process's end of a transport. Every method names its cost; see the backends."""
+
+    backend: str = "?"
+
+    def __init__(self, device: int, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"Link: timeout_s={timeout_s!r} must be > 0 seconds")
+        self.device = device
+        self.timeout_s = timeout_s
+        self._closed = False
+
+    # -- local memory ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def register(self, tensor) -> LocalRegion:
+        """Export memory the caller owns, in place (zero copy). Cached by allocation identity.
+
+        Raises:
+            LayoutError: the memory cannot be shared by this backend (not contiguous, wrong device,
+                not in a shareable allocation); callers then stage into ``allocate``.
+        """
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> LocalRegion:
+        """A registered region of ``nbytes`` leased from the pool's arenas."""
+
+    @abc.abstractmethod
+    def release(self, region: LocalRegion) -> None:
+        """Give back a region from ``register`` or ``allocate``. Safe to call twice."""
+
+    # -- peers -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def open(self, peer: PeerRef, desc: dict) -> RemoteRegion:
+        """Map a peer's region (validated descriptor). Cached per peer generation."""
+
+    @abc.abstractmethod
+    def close_region(self, region: RemoteRegion) -> None:
+        """Drop this holder's reference to a mapping. Safe to call twice."""
+
+    @abc.abstractmethod
+    def forget_peer(self, peer_key: str, keep_generation: int | None = None) -> int:
+        """Close cached mappings of ``peer_key`` except ``keep_generation``; returns how many."""
+
+    # -- bytes -------------------------------------------------------------------------------
+    def prepare(self, copies: Sequence[Copy]) -> Batch:
+        """Validate bounds and coalesce once; the result is replayed each cycle.
+
+        Raises:
+            ConfigError: a copy reaches outside its regions or has a bad size or pitch.
+        """
+        from warmlink.transport._coalesce import coalesce, validate
+
+        for idx, c in enumerate(copies):
+            validate(c, idx)
+        flat, strided = coalesce(copies)
+        batch = Batch(flat, strided, len(copies))
+        batch.prepared = self._prepare_backend(batch)
+        return batch
+
+    def _prepare_backend(self, batch: Batch):
+        return None
+
+    @abc.abstractmethod
+    def read(self, batch: Batch) -> Transfer:
+        """Pull: copy remote -> local for every copy of ``batch``. Returns at once."""
+
+    @abc.abstractmethod
+    def write(self, batch: Batch) -> Transfer:
+        """Push: copy local -> remote for every copy of ``batch``. Returns at once."""
+
+    def close(self) -> None:
+        """Release this link's resources back to the pool. Idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> "Link":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,587 @@
+"""The ``cuda_ipc`` backend: one node, CUDA IPC handles, bytes moved by the copy engines (no SMs).
+
+Local memory is exported in place: the IPC handle of the *allocation* holding a tensor (a
+``cudaMalloc`` segment of torch's caching allocator, or a pool arena) is cached by
+``(device, base, buffer id)``. Peers' handles are opened once per peer generation and cached in
+``pool.peers``. Copies run on streams leased once per link from ``pool.streams``.
+
+# Note [Copy ordering]
+``read``/``write`` enqueue copies that start only after the work already queued on the *current
+torch stream of the link's device* at the time of the call: an event is recorded there and every
+copy stream waits on it on the GPU (no host sync). Data produced on other streams must be ordered
+onto the current stream by the caller first. The peer's side is not ordered by this link: the
+peer must have finished writing (or reading) its region before this process issues the copy; the
+refit version protocol guarantees that. Completion: ``Transfer.wait()`` blocks the host;
+``CudaIpcTransfer.stream_wait(stream)`` makes a torch stream wait on the GPU instead. Copies of
+one batch run in no particular order (``cudaMemcpyBatchAsync``): their destinations must not overlap.
+
+# Note [Mapping lifetime]
+An opened peer mapping stays valid until its last ``RemoteRegion`` is closed *and* the cache drops
+it (peer generation change, ``forget_peer``, or pooling off). Wait for transfers that use a region
+before closing it: unmapping memory under an in-flight copy is a use-after-free on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import warnings
+from typing import Callable
+
+from warmlink import _cuda
+from warmlink.errors import BackendUnavailable, ConfigError, LayoutError, MetadataError, TransferError, WarmlinkError
+from warmlink.pool import peers as _peers
+from warmlink.pool.arenas import lease_arena
+from warmlink.pool.events import lease_event
+from warmlink.pool.registrations import registration_cache
+from warmlink.pool.streams import lease_stream
+from warmlink.transport.base import Batch, Link, LocalRegion, PeerRef, RemoteRegion, Transfer
+
+__all__ = ["CudaIpcLink", "CudaIpcTransfer", "CudaIpcRemoteRegion", "COPY_METHODS", "build_descriptor",
+           "check_descriptor", "resolve_copy_method"]
+
+log = logging.getLogger("warmlink.transport")
+
+MAX_STREAMS = 16
+_LEGACY_STREAM = 1  # cudaStreamLegacy: torch's handle 0 is the legacy default stream, whatever
+# default-stream mode the bindings' runtime was built with
+COPY_METHODS = ("auto", "batch", "loop")
+_HEX = frozenset("0123456789abcdef")
+
+
+def resolve_copy_method(copy_method: str, batch_supported: Callable[[], bool]) -> str:
+    """``"batch"`` or ``"loop"`` for a ``copy_method`` argument; ``batch_supported()`` decides ``"auto"``.
+
+    Raises:
+        ConfigError: an unknown name, or ``"batch"`` where ``cudaMemcpyBatchAsync`` is unavailable.
+    """
+    if copy_method not in COPY_METHODS:
+        raise ConfigError(f"CudaIpcLink: copy_method={copy_method!r} is unknown; expected one of {list(COPY_METHODS)}")
+    if copy_method == "auto":
+        return "batch" if batch_supported() else "loop"
+    if copy_method == "batch" and not batch_supported():
+        raise ConfigError("CudaIpcLink: copy_method='batch' but cudaMemcpyBatchAsync is unavailable (needs "
+                          "cuda-bindings, runtime and driver >= 12.8); expected 'loop' or 'auto'")
+    return copy_method
+
+
+def build_descriptor(handle: bytes, alloc_nbytes: int, offset: int, nbytes: int, device: int, buffer_id: int) -> dict:
+    """The JSON descriptor of a registered region (the ``rendezvous.schema`` format).
+
+    Args:
+        handle: 64-byte IPC handle of the allocation's base; alloc_nbytes: allocation size in bytes;
+        offset: region start inside the allocation, bytes; nbytes: region size, bytes;
+        device: exporter's CUDA device index; buffer_id: the allocation's unique id.
+    """
+    desc = {"kind": "cuda_ipc", "handle": bytes(handle).hex(), "alloc_nbytes": int(alloc_nbytes),
+            "offset": int(offset), "nbytes": int(nbytes), "device": int(device), "buffer_id": int(buffer_id)}
+    check_descriptor(desc, "<local>")
+    return desc
+
+
+def check_descriptor(desc: dict, peer_key: str) -> None:
+    """Raise MetadataError unless ``desc`` is a well-formed ``cuda_ipc`` descriptor (fail closed)."""
+    where = f"CudaIpcLink.open: peer={peer_key!r}"
+    if not isinstance(desc, dict) or desc.get("kind") != "cuda_ipc":
+        kind = desc.get("kind") if isinstance(desc, dict) else type(desc).__name__
+        raise MetadataError(f"{where} desc.kind={kind!r}; expected 'cuda_ipc'")
+    handle = desc.get("handle")
+    if not isinstance(handle, str) or len(handle) != 2 * _cuda.IPC_HANDLE_BYTES or not set(handle) <= _HEX:
+        raise MetadataError(f"{where} desc.handle is not {2 * _cuda.IPC_HANDLE_BYTES} lowercase hex characters")
+    for field in ("alloc_nbytes", "offset", "nbytes", "device", "buffer_id"):
+        v = desc.get(field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise MetadataError(f"{where} desc.{field}={v!r}; expected an int >= 0")
+    if desc["nbytes"] == 0 or desc["offset"] + desc["nbytes"] > desc["alloc_nbytes"]:
+        raise MetadataError(f"{where} desc offset={desc['offset']} nbytes={desc['nbytes']} alloc_nbytes="
+                            f"{desc['alloc_nbytes']}; expected 0 < nbytes and offset + nbytes <= alloc_nbytes")
+
+
+# -- process-wide caches (pool.registrations / pool.peers) ----------------------------------------
+def _create_registration(key: tuple[int, int, int]) -> bytes:
+    device, base, bid = key
+    with _cuda.use_device(device):
+        if not _cuda.is_ipc_exportable(base):
+            raise LayoutError(f"CudaIpcLink.register: allocation at {base:#x} on cuda:{device} is not IPC-exportable "
+                              "(expandable segments, cudaMallocAsync or VMM); expected plain cudaMalloc memory "
+                              "(stage the tensor through Link.allocate())")
+        handle = _cuda.ipc_get_handle(base)
+    # Memory freed and re-allocated at the same address has a new buffer id: drop the stale keys.
+    _registrations.evict(lambda k: k[0] == device and k[1] == base and k[2] != bid)
+    return handle
+
+
+class _Mapping:
+    """A peer allocation opened in this process, in the context of ``device`` (the opener's)."""
+
+    __slots__ = ("base", "device", "size")
+
+    def __init__(self, base: int, device: int, size: int | None) -> None:
+        self.base, self.device, self.size = base, device, size
+
+
+def _create_mapping(key: tuple[str, int, str, int]) -> _Mapping:
+    _peer_key, _generation, handle_hex, device = key
+    base = _cuda.ipc_open_handle(bytes.fromhex(handle_hex), device)
+    try:
+        with _cuda.use_device(device):
+            size: int | None = _cuda.alloc_range(base)[1]
+    except TransferError:
+        size = None  # bounds then rest on the descriptor alone
+    return _Mapping(base, device, size)
+
+
+def _destroy_mapping(mapping: _Mapping) -> None:
+    _cuda.ipc_close_handle(mapping.base, mapping.device)
+
+
+# IPC handles need no release (the allocation's owner frees the memory): destroy is a no-op.
+_registrations = registration_cache("cuda_ipc", _create_registration, lambda _handle: None)
+_mappings = _peers.mapping_cache("cuda_ipc", _create_mapping, _destroy_mapping)
+
+
+class _Owner:
+    """What a LocalRegion holds: a registration token and, for ``allocate``, the arena lease."""
+
+    __slots__ = ("token", "lease")
+
+    def __init__(self, token, lease=None) -> None:
+        self.token, self.lease = token, lease
+
+    def release(self) -> None:
+        token, lease, self.token, self.lease = self.token, self.lease, None, None
+        if token is not None:
+            _registrations.release(token)
+        if lease is not None:
+            lease.release()
+
+
+_TENSOR_SLOT = RemoteRegion.__dict__["tensor"]
+
+
+class CudaIpcRemoteRegion(RemoteRegion):
+    """A peer's region mapped through CUDA IPC; ``tensor`` is made lazily (we mostly use ``ptr``)."""
+
+    __slots__ = ("_mapping",)
+
+    @property
+    def tensor(self):
+        """1-D ``uint8`` view of the peer's bytes, on the device whose context opened the mapping
+        (the link's); None once closed. Raises TransferError if torch cannot alias the pointer."""
+        t = _TENSOR_SLOT.__get__(self, type(self))
+        if t is None and not self._closed and getattr(self, "_mapping", None) is not None:
+            t = _cuda.tensor_from_ptr(self.ptr, self.nbytes, self._mapping.device, owner=self._mapping)
+            _TENSOR_SLOT.__set__(self, t)
+        return t
+
+    @tensor.setter
+    def tensor(self, value) -> None:
+        _TENSOR_SLOT.__set__(self, value)
+
+
+class Plan:
+    """Pointer lists of a batch (``Batch.prepared``), built once per direction and stream count."""
+
+    __slots__ = ("device", "flat", "strided", "_work")
+
+    def __init__(self, device: int, flat: list[tuple], strided: list[tuple]) -> None:
+        self.device = device
+        self.flat = flat  # (local_ptr, remote_ptr, nbytes)
+        self.strided = strided  # (local_ptr, local_pitch, remote_ptr, remote_pitch, row_nbytes, num_rows)
+        self._work: dict = {}
+
+    @classmethod
+    def build(cls, batch: Batch, device: int) -> "Plan":
+        for idx, c in enumerate((*batch.flat, *batch.strided)):
+            if c.local.desc.get("kind") != "cuda_ipc" or c.local._closed or c.local.device != device:
+                raise ConfigError(f"CudaIpcLink.prepare: copies[{idx}].local={c.local!r}; expected an open "
+                                  f"cuda_ipc region of cuda:{device}")
+            if not isinstance(c.remote, CudaIpcRemoteRegion) or c.remote._closed:
+                raise ConfigError(f"CudaIpcLink.prepare: copies[{idx}].remote={c.remote!r}; expected an open "
+                                  "region from CudaIpcLink.open")
+        flat = [(c.local.ptr + c.local_offset, c.remote.ptr + c.remote_offset, c.row_nbytes) for c in batch.flat]
+        strided = [(c.local.ptr + c.local_offset, c.local_pitch, c.remote.ptr + c.remote_offset, c.remote_pitch,
+                    c.row_nbytes, c.num_rows) for c in batch.strided]
+        return cls(device, flat, strided)
+
+    def work(self, direction: str, num_streams: int) -> list[tuple[list, list, list, list]]:
+        """Per stream ``(dsts, srcs, sizes, memcpy2d_args)``, balanced by bytes; cached."""
+        work = self._work.get((direction, num_streams))
+        if work is not None:
+            return work
+        read = direction == "read"
+        work = [([], [], [], []) for _ in range(num_streams)]
+        load = [0] * num_streams
+        for lp, rp, n in (self.flat if num_streams == 1 else sorted(self.flat, key=lambda f: -f[2])):
+            i = load.index(min(load))
+            work[i][0].append(lp if read else rp)
+            work[i][1].append(rp if read else lp)
+            work[i][2].append(n)
+            load[i] += n
+        for lp, lpitch, rp, rpitch, width, height in self.strided:
+            i = load.index(min(load))
+            work[i][3].append((lp, lpitch, rp, rpitch, width, height) if read else (rp, rpitch, lp, lpitch, width, height))
+            load[i] += width * height
+        self._work[(direction, num_streams)] = work
+        return work
+
+
+class CudaIpcTransfer(Transfer):
+    """Copies issued on a link's streams, complete when their event is; the event returns to the pool
+    as soon as ``done()`` sees it complete."""
+
+    def __init__(self, batch: Batch, timeout_s: float, event_lease, device: int, deferred: list) -> None:
+        super().__init__(batch, timeout_s)
+        self.device = device
+        self._lease = event_lease
+        self._event = event_lease.resource.handle
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._deferred = deferred
+
+    def done(self) -> bool:
+        """True once every copy has landed (or failed: ``wait`` then raises). Non-blocking."""
+        with self._lock:
+            if self._lease is None:
+                return True
+            try:
+                if not _cuda.event_query(self._event):
+                    return False
+            except TransferError as exc:
+                self._error = exc
+            lease, self._lease = self._lease, None
+        lease.release()  # complete, or broken (then the pool destroys it)
+        return True
+
+    def _poll_error(self) -> BaseException | None:
+        return self._error
+
+    def stream_wait(self, torch_stream=None) -> None:
+        """Make ``torch_stream`` (default: the current stream of the link's device) wait for the copies.
+
+        Enqueues ``cudaStreamWaitEvent``; the host does not block. Work queued later on that stream
+        sees every byte of this transfer. A no-op once ``done()`` returned True.
+
+        Raises:
+            TransferError: the transfer failed, or the wait could not be enqueued.
+        """
+        with self._lock:
+            if self._lease is None:
+                if self._error is not None:
+                    raise self._error
+                return
+            if torch_stream is None:
+                import torch
+
+                torch_stream = torch.cuda.current_stream(self.device)
+            handle = torch_stream.cuda_stream if hasattr(torch_stream, "cuda_stream") else int(torch_stream)
+            if handle:
+                _cuda.stream_wait_event(handle, self._event)
+                return
+            device = getattr(getattr(torch_stream, "device", None), "index", None)  # a default stream
+            with _cuda.use_device(self.device if device is None else device):
+                _cuda.stream_wait_event(_LEGACY_STREAM, self._event)
+
+    def __del__(self) -> None:
+        if getattr(self, "_lease", None) is None or sys.is_finalizing():
+            return
+        try:
+            if not self.done():  # still in flight: the link releases the event once complete
+                with self._lock:
+                    lease, self._lease = self._lease, None
+                if lease is not None:
+                    self._deferred.append(lease)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"CudaIpcTransfer(nbytes={self.batch.nbytes}, copies={self.batch.num_copies}, pending={self._lease is not None})"
+
+
+class CudaIpcLink(Link):
+    """One process's end of the CUDA IPC transport, on one device.
+
+    Args:
+        device: CUDA device index of this process's memory and copy streams.
+        timeout_s: default ``Transfer.wait`` timeout in seconds (> 0).
+        num_streams: copy streams (1 to 16); copies are spread over them by bytes. One copy-engine
+            stream already reaches the link peak (DESIGN.md hardware table).
+        copy_method: ``"auto"`` (``"batch"`` when ``cudaMemcpyBatchAsync`` is available, else
+            ``"loop"``), ``"batch"`` (one ``cudaMemcpyBatchAsync`` per stream and call) or ``"loop"``
+            (one ``cudaMemcpyAsync`` per copy). Strided copies always use ``cudaMemcpy2DAsync``.
+
+    Raises:
+        ConfigError: a bad argument (checked before any CUDA call).
+        BackendUnavailable: no CUDA device or ``cuda.bindings`` on this machine.
+
+    Collective? No. Warm path? The constructor leases streams and events once; ``close`` returns them.
+    """
+
+    backend = "cuda_ipc"
+
+    def __init__(self, device: int, timeout_s: float, *, num_streams: int = 1, copy_method: str = "auto") -> None:
+        self._closed = True  # until fully built: __del__ and close() then do nothing
+        if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+            raise ConfigError(f"CudaIpcLink: device={device!r}; expected a CUDA device index >= 0")
+        if not isinstance(num_streams, int) or isinstance(num_streams, bool) or not 1 <= num_streams <= MAX_STREAMS:
+            raise ConfigError(f"CudaIpcLink: num_streams={num_streams!r}; expected an int in [1, {MAX_STREAMS}]")
+        resolve_copy_method(copy_method, lambda: True)  # validate the name before touching CUDA
+        super().__init__(device, timeout_s)
+        self._closed = True
+        if not _cuda.available():
+            raise BackendUnavailable(f"CudaIpcLink: CUDA is unavailable ({_cuda.unavailable_reason()}); use the 'shm' backend")
+        self.copy_method = resolve_copy_method(copy_method, _cuda.batch_supported)
+        self.num_streams = num_streams
+        self._lock = threading.Lock()
+        self._locals: dict[int, LocalRegion] = {}
+        self._remotes: dict[int, RemoteRegion] = {}
+        self._deferred: list = []
+        self._leases: list = []
+        try:  # streams first so that close() drains them before anything else goes back
+            self._leases += [lease_stream(device) for _ in range(num_streams)]
+            self._leases += [lease_event(device) for _ in range(num_streams)]
+        except BaseException:
+            self._release_leases()
+            raise
+        self._streams = [lease.resource.handle for lease in self._leases[:num_streams]]
+        self._order = self._leases[num_streams].resource.handle
+        self._joins = [lease.resource.handle for lease in self._leases[num_streams + 1:]]
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"CudaIpcLink(device={self.device}, streams={getattr(self, 'num_streams', 0)}, "
+                f"copy_method={getattr(self, 'copy_method', None)!r}, closed={self._closed})")
+
+    def _check_open(self, func: str) -> None:
+        if self._closed:
+            raise TransferError(f"CudaIpcLink.{func}: the link on cuda:{self.device} is closed")
+
+    # -- local memory ------------------------------------------------------------------------
+    def _flat_view(self, tensor):
+        import torch
+
+        where = f"CudaIpcLink.register(cuda:{self.device})"
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"{where}: tensor is a {type(tensor).__name__}; expected a torch.Tensor")
+        if tensor.device.type != "cuda" or tensor.device.index != self.device:
+            raise LayoutError(f"{where}: tensor.device={tensor.device}; expected cuda:{self.device} "
+                              "(stage other tensors through allocate())")
+        if tensor.layout != torch.strided or not tensor.is_contiguous():
+            raise LayoutError(f"{where}: tensor of shape {tuple(tensor.shape)} with strides {tensor.stride()} is not "
+                              "contiguous; expected a contiguous tensor (.contiguous() or stage via allocate())")
+        if tensor.numel() == 0:
+            raise LayoutError(f"{where}: tensor has 0 elements; expected at least 1 byte")
+        return tensor.reshape(-1).view(torch.uint8)
+
+    def register(self, tensor) -> LocalRegion:
+        """Export a contiguous CUDA tensor in place (zero copy); the allocation's IPC handle is cached.
+
+        Args:
+            tensor: contiguous tensor on ``cuda:{device}`` in plain ``cudaMalloc`` memory (torch's
+                default caching allocator). The caller keeps owning it; the region holds a view.
+
+        Returns:
+            A ``LocalRegion``: ``tensor`` a flat ``uint8`` view, ``desc`` the descriptor for peers.
+
+        Raises:
+            LayoutError: not a CUDA tensor of this device, not contiguous, empty, or in memory that
+                cannot be exported (expandable segments, cudaMallocAsync): stage via ``allocate``.
+
+        Warm path? The first registration of an allocation costs a ``cudaIpcGetMemHandle``
+        (~37 us); later ones are cache hits (two pointer-attribute queries).
+        """
+        self._check_open("register")
+        flat = self._flat_view(tensor)
+        ptr, nbytes = flat.data_ptr(), flat.numel()
+        with _cuda.use_device(self.device):
+            try:
+                base, size = _cuda.alloc_range(ptr)
+                bid = _cuda.buffer_id(base)
+            except TransferError as exc:  # e.g. cudaMallocAsync pool memory
+                if not _cuda.is_ipc_exportable(ptr):
+                    raise LayoutError(f"CudaIpcLink.register: memory at {ptr:#x} on cuda:{self.device} is not "
+                                      "IPC-exportable; expected plain cudaMalloc memory (stage via allocate())") from exc
+                raise
+        handle, token = _registrations.acquire((self.device, base, bid))
+        try:
+            desc = build_descriptor(handle, size, ptr - base, nbytes, self.device, bid)
+        except BaseException:
+            _registrations.release(token)
+            raise
+        region = LocalRegion(flat, nbytes, self.device, ptr, desc, owner=_Owner(token))
+        self._locals[id(region)] = region
+        return region
+
+    def allocate(self, nbytes: int) -> LocalRegion:
+        """A registered region of ``nbytes`` bytes in a pool arena (contents undefined); ``release``
+        gives back both the registration and the arena."""
+        self._check_open("allocate")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ConfigError(f"CudaIpcLink.allocate: nbytes={nbytes!r}; expected an int > 0")
+        lease = lease_arena("cuda", nbytes, self.device)
+        try:
+            region = self.register(lease.resource.tensor[:nbytes])
+        except BaseException:
+            lease.release()
+            raise
+        region._owner.lease = lease
+        return region
+
+    def release(self, region: LocalRegion) -> None:
+        """Give back a region from ``register`` or ``allocate``. Safe to call twice."""
+        if region._closed:
+            return
+        if region.desc.get("kind") != "cuda_ipc":
+            raise ConfigError(f"CudaIpcLink.release: region kind={region.desc.get('kind')!r}; expected 'cuda_ipc'")
+        region._closed = True
+        self._locals.pop(id(region), None)
+        region.tensor = None
+        if region._owner is not None:
+            region._owner.release()
+
+    # -- peers -------------------------------------------------------------------------------
+    def open(self, peer: PeerRef, desc: dict) -> RemoteRegion:
+        """Map a peer's region; the IPC handle is opened once per peer generation and cached.
+
+        Returns:
+            A ``CudaIpcRemoteRegion``: ``ptr`` is its byte 0 in this process; ``tensor`` is made on
+            first access. Valid until ``close_region`` (see Note [Mapping lifetime]).
+
+        Raises:
+            MetadataError: malformed descriptor. TransferError: the handle could not be opened.
+
+        Warm path? The first open of a handle costs ``cudaIpcOpenMemHandle`` (~160 ms for 8.8 GB);
+        later opens for the same peer generation are cache hits.
+        """
+        self._check_open("open")
+        check_descriptor(desc, peer.key)
+        mapping, token = _mappings.acquire((peer.key, peer.generation, desc["handle"], self.device))
+        try:
+            end = desc["offset"] + desc["nbytes"]
+            if mapping.size is not None and end > mapping.size:
+                raise MetadataError(f"CudaIpcLink.open: peer={peer.key!r} desc offset + nbytes = {end} > mapped "
+                                    f"allocation size {mapping.size}; expected the region inside its allocation")
+            if desc["device"] != self.device:  # the exporter's index; same numbering on one node assumed
+                try:
+                    _cuda.enable_peer_access(self.device, desc["device"])
+                except WarmlinkError as exc:  # copies work without it; only kernels need it
+                    log.warning("peer access not enabled", extra={"device": self.device, "error": str(exc)})
+        except BaseException:
+            _mappings.release(token)
+            raise
+        region = CudaIpcRemoteRegion(peer, desc, desc["nbytes"], desc["device"], mapping.base + desc["offset"], None, token)
+        region._mapping = mapping
+        self._remotes[id(region)] = region
+        return region
+
+    def close_region(self, region: RemoteRegion) -> None:
+        """Drop this holder's reference to a mapping. Safe to call twice. See Note [Mapping lifetime]."""
+        if region._closed:
+            return
+        region._closed = True
+        self._remotes.pop(id(region), None)
+        region.tensor = None
+        if isinstance(region, CudaIpcRemoteRegion):
+            region._mapping = None
+        if region._token is not None:
+            _mappings.release(region._token)
+
+    def forget_peer(self, peer_key: str, keep_generation: int | None = None) -> int:
+        """Close cached mappings of ``peer_key`` except ``keep_generation`` (every backend); how many."""
+        return _peers.forget_peer(peer_key, keep_generation)
+
+    # -- bytes -------------------------------------------------------------------------------
+    def _prepare_backend(self, batch: Batch) -> Plan:
+        return Plan.build(batch, self.device)
+
+    def read(self, batch: Batch) -> CudaIpcTransfer:
+        """Pull remote -> local for every copy of ``batch``; returns at once. See Note [Copy ordering]."""
+        return self._issue(batch, "read")
+
+    def write(self, batch: Batch) -> CudaIpcTransfer:
+        """Push local -> remote for every copy of ``batch``; returns at once. See Note [Copy ordering]."""
+        return self._issue(batch, "write")
+
+    def _issue(self, batch: Batch, direction: str) -> CudaIpcTransfer:
+        import torch
+
+        plan = batch.prepared
+        if not isinstance(plan, Plan) or plan.device != self.device:
+            plan = batch.prepared = Plan.build(batch, self.device)
+        work = plan.work(direction, self.num_streams)
+        batched = self.copy_method == "batch"
+        with self._lock:
+            self._check_open(direction)
+            self._sweep_deferred()
+            done = lease_event(self.device)
+            try:
+                with _cuda.use_device(self.device):
+                    current = torch.cuda.current_stream(self.device).cuda_stream
+                    _cuda.event_record(self._order, current or _LEGACY_STREAM)
+                    primary = self._streams[0]
+                    for idx, (dsts, srcs, sizes, strided) in enumerate(work):
+                        stream = self._streams[idx]
+                        if idx and not sizes and not strided:
+                            continue
+                        _cuda.stream_wait_event(stream, self._order)
+                        if batched:
+                            _cuda.memcpy_batch_async(dsts, srcs, sizes, stream)
+                        else:
+                            for dst, src, nbytes in zip(dsts, srcs, sizes):
+                                _cuda.memcpy_async(dst, src, nbytes, stream)
+                        for args in strided:
+                            _cuda.memcpy_2d_async(*args, stream)
+                        if idx:  # join: the primary stream waits for this one
+                            _cuda.event_record(self._joins[idx - 1], stream)
+                            _cuda.stream_wait_event(primary, self._joins[idx - 1])
+                    _cuda.event_record(done.resource.handle, primary)
+            except BaseException:
+                done.release()
+                raise
+        return CudaIpcTransfer(batch, self.timeout_s, done, self.device, self._deferred)
+
+    def _sweep_deferred(self) -> None:
+        """Release events of transfers dropped before completion, once they complete."""
+        for _ in range(len(self._deferred)):  # pop/append are atomic: __del__ may append meanwhile
+            lease = self._deferred.pop(0)
+            if _cuda.event_query(lease.resource.handle):
+                lease.release()
+            else:
+                self._deferred.append(lease)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _release_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        for lease in leases:  # streams first: their drain lets in-flight copies finish
+            try:
+                lease.release()
+            except Exception as exc:
+                log.warning("release failed during close", extra={"lease": repr(lease), "error": str(exc)})
+
+    def close(self) -> None:
+        """Drain and return streams and events, then release every region still held. Idempotent.
+
+        Blocking? Waits for copies still in flight (bounded by ``pool.streams.DRAIN_TIMEOUT_S``).
+        """
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._release_leases()
+            while self._deferred:
+                self._deferred.pop().release()  # bounded wait for each pending event
+            for region in list(self._remotes.values()):
+                self.close_region(region)
+            for region in list(self._locals.values()):
+                self.release(region)
+        super().close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return
+        warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception:
+            pass

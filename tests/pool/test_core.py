@@ -1,0 +1,348 @@
+"""Tests for warmlink.pool.core: FreeList and SharedCache with fake create/reset/destroy.
+
+Every fake records what it made and what it destroyed, so "reused", "never handed out again" and
+"destroyed exactly once" are checked on the resources themselves, not only on the counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+from warmlink import pool
+from warmlink.errors import ConfigError, PoolError
+from warmlink.pool import core
+from warmlink.pool.core import FreeList, SharedCache, counters, stats
+
+_kinds = itertools.count()
+
+
+class Fake:
+    """A resource factory: ``create`` hands out fresh ints, ``reset`` obeys ``bad``/``raising``."""
+
+    def __init__(self) -> None:
+        self.ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.live: set[int] = set()
+        self.destroyed: list[int] = []
+        self.bad: set[int] = set()  # reset returns False
+        self.raising: set[int] = set()  # reset raises
+        self.num_resets = 0
+
+    def create(self, key):
+        with self.lock:
+            r = next(self.ids)
+            self.live.add(r)
+        return r
+
+    def reset(self, r) -> bool:
+        with self.lock:
+            self.num_resets += 1
+        if r in self.raising:
+            raise RuntimeError(f"reset of {r} exploded")
+        return r not in self.bad
+
+    def destroy(self, r) -> None:
+        with self.lock:
+            assert r in self.live, f"destroy({r}) of a resource not live (double destroy?)"
+            self.live.remove(r)
+            self.destroyed.append(r)
+
+
+def _kind(name: str) -> str:
+    return f"test-{name}-{next(_kinds)}"  # a fresh counters entry per test
+
+
+@pytest.fixture
+def pool_on():
+    pool.set_enabled(True)
+    yield
+    pool.set_enabled(None)
+
+
+@pytest.fixture
+def fake() -> Fake:
+    return Fake()
+
+
+def _freelist(fake: Fake, name: str = "fl", **kw) -> FreeList:
+    return FreeList(_kind(name), fake.create, fake.reset, fake.destroy, **kw)
+
+
+# -- FreeList ---------------------------------------------------------------------------------------
+def test_freelist_reuses_after_reset(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake)
+    with fl.lease("k") as a:
+        pass
+    with fl.lease("k") as b:
+        assert b == a
+    c = counters(fl.kind)
+    assert (c.created, c.reused, c.destroyed, c.failed_resets) == (1, 1, 0, 0)
+    assert fake.num_resets == 2 and c.live == 1 and c.idle == 1 and fl.num_idle() == 1
+
+
+def test_lease_release_twice_is_one_release(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake)
+    lease = fl.lease("k")
+    lease.release()
+    lease.release()
+    assert fl.num_idle() == 1 and fake.num_resets == 1
+    assert "released=True" in repr(lease)
+
+
+@pytest.mark.parametrize("how", ["false", "raise"])
+def test_failed_reset_destroys_and_never_hands_out(pool_on, fake: Fake, how: str) -> None:
+    fl = _freelist(fake)
+    lease = fl.lease("k")
+    r = lease.resource
+    (fake.bad if how == "false" else fake.raising).add(r)
+    lease.release()
+    assert r in fake.destroyed and r not in fake.live and fl.num_idle() == 0
+    c = counters(fl.kind)
+    assert c.failed_resets == 1 and c.destroyed == 1 and c.live == 0 and c.idle == 0
+    handed = {fl.lease("k").resource for _ in range(5)}  # five leases held at once
+    assert r not in handed
+
+
+def test_key_mismatch_never_reuses(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake)
+    with fl.lease(("cpu", 1, 4096)) as a:
+        pass
+    for other in [("cpu", 1, 8192), ("cpu", 0, 4096), ("gpu", 1, 4096)]:
+        with fl.lease(other) as b:
+            assert b != a
+    with fl.lease(("cpu", 1, 4096)) as again:
+        assert again == a
+    assert counters(fl.kind).created == 4
+
+
+def test_max_idle_bound(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake, max_idle_per_key=2)
+    leases = [fl.lease("k") for _ in range(5)]
+    for lease in leases:
+        lease.release()
+    assert fl.num_idle() == 2 and len(fake.live) == 2 and len(fake.destroyed) == 3
+    c = counters(fl.kind)
+    assert c.idle == 2 and c.live == 2 and c.destroyed == 3 and c.failed_resets == 0
+    fl.clear()
+    assert fl.num_idle() == 0 and not fake.live and counters(fl.kind).idle == 0
+
+
+def test_pool_off_creates_and_destroys_every_time(fake: Fake) -> None:
+    fl = _freelist(fake)
+    pool.set_enabled(True)
+    try:
+        fl.lease("k").release()  # one idle resource is left from pool-on times
+        pool.set_enabled(False)
+        seen = []
+        for _ in range(4):
+            with fl.lease("k") as r:
+                seen.append(r)
+        assert len(set(seen)) == 4
+        c = counters(fl.kind)
+        assert c.created == 5 and c.reused == 0 and c.destroyed == 4
+        assert fl.num_idle() == 1  # what was idle stays idle; off changes later leases only
+    finally:
+        pool.set_enabled(None)
+
+
+def test_create_failure_is_a_pool_error(pool_on) -> None:
+    def create(key):
+        raise OSError("no memory")
+
+    fl = FreeList(_kind("boom"), create, lambda r: True, lambda r: None)
+    with pytest.raises(PoolError, match=r"create\(key='k'\) failed: no memory"):
+        fl.lease("k")
+    assert counters(fl.kind).created == 0 and counters(fl.kind).live == 0
+
+
+def test_create_warmlink_error_passes_through(pool_on) -> None:
+    """A typed error from create (e.g. ConfigError for a bad key) reaches the caller as itself."""
+
+    def create(key):
+        raise ConfigError(f"create: key={key!r} unknown")
+
+    fl = FreeList(_kind("typed"), create, lambda r: True, lambda r: None)
+    with pytest.raises(ConfigError, match="unknown"):
+        fl.lease("k")
+
+
+def test_destroy_failure_is_counted_not_raised(pool_on, fake: Fake) -> None:
+    def destroy(r):
+        raise RuntimeError("destroy failed")
+
+    fl = FreeList(_kind("nodestroy"), fake.create, lambda r: False, destroy)
+    fl.lease("k").release()
+    c = counters(fl.kind)
+    assert c.destroyed == 1 and c.live == 0 and c.failed_resets == 1
+
+
+def test_concurrent_leases_never_share(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake, max_idle_per_key=4)
+    holders: set[int] = set()
+    lock = threading.Lock()
+    errors: list[str] = []
+    num_threads, rounds = 16, 200
+    start = threading.Barrier(num_threads)
+
+    def work(t: int) -> None:
+        start.wait(timeout=10)
+        for i in range(rounds):
+            key = ("a", "b")[(t + i) % 2]
+            with fl.lease(key) as r:
+                with lock:
+                    if r in holders:
+                        errors.append(f"resource {r} handed to two holders")
+                    holders.add(r)
+                time.sleep(0) if i % 7 else time.sleep(1e-4)
+                with lock:
+                    holders.remove(r)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(num_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    assert not any(th.is_alive() for th in threads), "a worker thread hung"
+    assert not errors, errors[:3]
+    c = counters(fl.kind)
+    assert c.created + c.reused == num_threads * rounds
+    assert c.live == c.created - c.destroyed == len(fake.live)
+    assert c.idle == fl.num_idle() <= 2 * 4
+    assert c.reused > 0
+
+
+def test_stats_keys_and_reset_stats(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake)
+    fl.lease("k").release()
+    s = stats()
+    assert fl.kind in s
+    assert set(s[fl.kind]) == {"created", "reused", "destroyed", "failed_resets", "create_s", "live", "idle"}
+    assert s[fl.kind]["created"] == 1 and s[fl.kind]["create_s"] >= 0.0
+    # stats() is a snapshot: mutating it changes nothing.
+    s[fl.kind]["created"] = 99
+    assert stats()[fl.kind]["created"] == 1
+    core.reset_stats()
+    after = stats()[fl.kind]
+    assert (after["created"], after["reused"], after["destroyed"], after["create_s"]) == (0, 0, 0, 0.0)
+    assert after["live"] == 1 and after["idle"] == 1  # live and idle stay
+
+
+def test_pool_stats_exported() -> None:
+    assert pool.stats is core.stats and pool.enabled is core.enabled
+
+
+# -- SharedCache ------------------------------------------------------------------------------------
+def _cache(fake: Fake) -> SharedCache:
+    return SharedCache(_kind("cache"), fake.create, fake.destroy)
+
+
+def test_cache_acquire_shares_and_release_keeps(pool_on, fake: Fake) -> None:
+    cache = _cache(fake)
+    r1, t1 = cache.acquire("k")
+    r2, t2 = cache.acquire("k")
+    assert r1 == r2
+    cache.release(t1)
+    cache.release(t2)
+    assert r1 in fake.live and cache.keys() == ["k"]  # cached at zero references until evict
+    r3, t3 = cache.acquire("k")
+    assert r3 == r1
+    cache.release(t3)
+    c = counters(cache.kind)
+    assert (c.created, c.reused, c.destroyed) == (1, 2, 0)
+    other, t4 = cache.acquire("other")
+    assert other != r1
+    cache.release(t4)
+
+
+def test_cache_evict_unheld_destroys_now(pool_on, fake: Fake) -> None:
+    cache = _cache(fake)
+    r, t = cache.acquire(("peer", 1, "x"))
+    cache.release(t)
+    assert cache.evict(lambda k: k[1] == 1) == 1
+    assert r in fake.destroyed and cache.keys() == []
+    r2, t2 = cache.acquire(("peer", 1, "x"))
+    assert r2 != r  # a fresh one, the evicted one is never handed out again
+    cache.release(t2)
+
+
+def test_cache_evict_held_destroys_on_last_release(pool_on, fake: Fake) -> None:
+    cache = _cache(fake)
+    r, t1 = cache.acquire("k")
+    _, t2 = cache.acquire("k")
+    keep, t3 = cache.acquire("keep")
+    assert cache.evict(lambda k: k == "k") == 1
+    assert r in fake.live  # still held twice
+    fresh, t4 = cache.acquire("k")
+    assert fresh != r
+    cache.release(t1)
+    assert r in fake.live
+    cache.release(t2)
+    assert r in fake.destroyed and fresh in fake.live and keep in fake.live
+    assert sorted(cache.keys()) == ["k", "keep"]
+    cache.release(t3)
+    cache.release(t4)
+    cache.clear()
+    assert not fake.live and cache.keys() == []
+    assert counters(cache.kind).live == 0
+
+
+def test_cache_pool_off_private_entries(fake: Fake) -> None:
+    cache = _cache(fake)
+    pool.set_enabled(False)
+    try:
+        r1, t1 = cache.acquire("k")
+        r2, t2 = cache.acquire("k")
+        assert r1 != r2 and cache.keys() == []
+        cache.release(t1)
+        assert r1 in fake.destroyed and r2 in fake.live
+        cache.release(t2)
+        assert not fake.live
+        c = counters(cache.kind)
+        assert (c.created, c.destroyed, c.reused, c.live) == (2, 2, 0, 0)
+    finally:
+        pool.set_enabled(None)
+
+
+def test_cache_create_errors(pool_on) -> None:
+    def create(key):
+        if key == "typed":
+            raise ConfigError("bad key")
+        raise OSError("boom")
+
+    cache = SharedCache(_kind("cerr"), create, lambda r: None)
+    with pytest.raises(ConfigError):
+        cache.acquire("typed")
+    with pytest.raises(PoolError, match="boom"):
+        cache.acquire("other")
+    assert cache.keys() == []
+
+
+def test_cache_concurrent_acquire_one_entry(pool_on, fake: Fake) -> None:
+    cache = _cache(fake)
+    got: list[int] = []
+    tokens: list = []
+    lock = threading.Lock()
+    start = threading.Barrier(16)
+
+    def work() -> None:
+        start.wait(timeout=10)
+        r, t = cache.acquire("same")
+        with lock:
+            got.append(r)
+            tokens.append(t)
+
+    threads = [threading.Thread(target=work) for _ in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=10)
+    assert len(got) == 16 and len(set(got)) == 1
+    for t in tokens:
+        cache.release(t)
+    assert len(fake.live) == 1  # racing creations were destroyed, one entry stays cached
+    c = counters(cache.kind)
+    assert c.live == 1 and c.created - c.destroyed == 1

@@ -1,0 +1,396 @@
+"""Tests for warmlink.rendezvous.schema: valid payloads, one-field corruptions, fuzzing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from warmlink.errors import LayoutError, MetadataError
+from warmlink.refit.manifest import Shard, TensorLayout
+from warmlink.rendezvous import schema
+
+HANDLE = "ab" * 64
+PEER = "pub/1"
+
+
+def peer_info(**over: Any) -> dict:
+    info = {
+        "schema_version": 1, "kind": "peer_info", "role": "publisher", "rank": 1, "world_size": 2,
+        "generation": 3, "host": "node-7", "pid": 4242, "start_time": 1_700_000_000, "device": 0, "backend": "cuda_ipc",
+    }
+    info.update(over)
+    return info
+
+
+def layouts() -> list[TensorLayout]:
+    q, k, v = Shard((32, 16), 0, 2, 1), Shard((8, 16), 0, 2, 1), Shard((8, 16), 0, 2, 1)
+    return [
+        TensorLayout.plain("embed.weight", "bfloat16", (100, 16)),  # replicated
+        TensorLayout.plain("down.weight", "float32", (16, 11), split_dim=1, num_shards=3, shard_idx=0),  # uneven: 4
+        TensorLayout.fused("qkv.weight", "bfloat16", [("q", q), ("k", k), ("v", v)], fuse_dim=0),  # [24, 16]
+        TensorLayout.fused("gate_up.weight", "float16", [("gate", Shard((7, 5), 0, 2, 1)), ("up", Shard((9, 5), 0, 2, 0))]),
+        TensorLayout.plain("模型.norm", "float32", ()),  # scalar, non-ASCII name
+    ]
+
+
+def manifest() -> dict:
+    regions = [
+        {"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 512, "nbytes": 8192, "device": 0, "buffer_id": 7},
+        {"kind": "shm", "name": "wl_pub_1.arena", "nbytes": 4096, "offset": 1024},
+        {"kind": "nixl", "agent": "pub-1", "addr": 1 << 40, "nbytes": 4096, "device": -1, "mem": "DRAM"},
+    ]
+    tensors, offsets = [], [(0, 0), (1, 0), (0, 3200), (2, 0), (1, 3000)]
+    for layout, (region, offset) in zip(layouts(), offsets):
+        tensors.append({**layout.to_json(), "region": region, "offset": offset})
+    return {"schema_version": 1, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors}
+
+
+def version_state() -> dict:
+    return {"schema_version": 1, "kind": "version_state", "version": 5, "state": "published", "generation": 1}
+
+
+VALID = {"peer_info": peer_info, "publisher_manifest": manifest, "version_state": version_state}
+
+
+# -- valid payloads ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(VALID))
+def test_round_trip(kind: str) -> None:
+    obj = VALID[kind]()
+    raw = schema.encode(obj)
+    assert raw == json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    assert schema.decode(raw, kind, PEER) == obj
+    assert schema.decode(raw.decode(), kind, PEER) == obj
+    assert schema.decode(bytearray(raw), kind, PEER) == obj
+
+
+def test_nbytes_match_tensor_layout() -> None:
+    obj = manifest()
+    for entry, layout in zip(obj["tensors"], layouts()):
+        assert schema.tensor_local_shape(entry) == layout.local_shape
+        assert schema.tensor_nbytes(entry) == layout.nbytes
+        assert TensorLayout.from_json(entry) == layout
+    assert [schema.region_extent_bytes(r) for r in obj["regions"]] == [8192, 4096, 4096]
+
+
+# -- targeted errors ------------------------------------------------------------------------------
+def test_example_message() -> None:
+    obj = manifest()
+    obj["tensors"][3]["parts"][0]["split_dim"] = 7
+    with pytest.raises(MetadataError) as e:
+        schema.decode(json.dumps(obj), "publisher_manifest", PEER)
+    assert str(e.value) == (
+        "publisher manifest from peer='pub/1': tensors[3].parts[0].split_dim=7 out of range; "
+        "expected 0 <= split_dim < 2"
+    )
+
+
+def _fails(obj: Any, kind: str, *needles: str) -> str:
+    with pytest.raises(MetadataError) as e:
+        schema.decode(json.dumps(obj), kind, PEER)
+    msg = str(e.value)
+    assert f"peer={PEER!r}" in msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    "path,value,needle",
+    [
+        (("tensors", 0, "offset"), 8192 - 3199, "tensors[0].offset=4993 + nbytes=3200"),  # past cuda_ipc nbytes
+        (("tensors", 1, "offset"), 4096 - 255, "exceeds regions[1] extent=4096"),  # shm: region offset is in the segment
+        (("tensors", 0, "region"), 3, "tensors[0].region=3 out of range; expected 0 <= region < 3"),
+        (("tensors", 1, "parts", 0, "num_shards"), 12, "num_shards=12 exceeds global_shape[1]=11"),
+        (("tensors", 1, "parts", 0, "shard_idx"), 3, "shard_idx=3 out of range; expected 0 <= shard_idx < 3"),
+        (("tensors", 0, "parts", 0, "num_shards"), 2, "split_dim=None but num_shards=2"),
+        (("tensors", 2, "parts", 1, "global_shape"), [8, 17], "parts[1] local dim 1 is 17"),
+        (("tensors", 2, "parts", 1, "logical"), "q", "a logical name appears twice"),
+        (("tensors", 2, "fuse_dim"), 2, "fuse_dim=2 out of range; expected 0 <= fuse_dim < 2"),
+        (("tensors", 2, "parts", 2, "global_shape"), [8, 16, 1], "has 3 dims but parts[0] has 2"),
+        (("tensors", 4, "name"), "embed.weight", "tensors[4].name='embed.weight' appears twice"),
+        (("tensors", 0, "parts", 0, "global_shape", 0), 1 << 40, "expected 0 <= global_shape[0] < 2**40"),
+        (("tensors", 0, "parts", 0, "global_shape"), [1] * 9, "global_shape has 9 items; expected 0 to 8"),
+        (("tensors", 0, "dtype"), "float128", "tensors[0].dtype='float128' is unknown"),
+        (("regions", 0, "offset"), (1 << 20) - 8191, "exceeds alloc_nbytes=1048576"),
+        (("regions", 0, "handle"), "ab" * 63 + "a", "regions[0].handle="),
+        (("regions", 0, "handle"), "zz" * 64, "expected 128 hex characters"),
+        (("regions", 1, "name"), "..", "not only dots"),
+        (("regions", 1, "name"), "a/b", "regions[1].name='a/b' invalid"),
+        (("regions", 1, "offset"), (1 << 63) - 4096, "regions[1].offset=9223372036854771712 out of range"),
+        (("regions", 2, "mem"), "V-RAM", "regions[2].mem='V-RAM' is unknown; expected one of ['DRAM', 'VRAM']"),
+        (("regions", 2, "addr"), (1 << 64) - 1, "overflows 64 bits"),
+        (("regions", 2, "kind"), "rdma", "regions[2].kind='rdma' is unknown"),
+        (("peer", "role"), "receiver", "peer.role='receiver' is wrong; expected 'publisher'"),
+        (("peer", "rank"), 2, "peer.rank=2 out of range; expected 0 <= rank < 2"),
+        (("peer", "host"), "a\nb", "peer.host="),
+        (("peer", "device"), True, "peer.device=True has type bool; expected int"),
+        (("schema_version",), 2, "schema_version=2 is not supported; expected one of [1]"),
+        (("kind",), "peer_info", "kind='peer_info' is wrong; expected 'publisher_manifest'"),
+    ],
+)
+def test_manifest_errors(path: tuple, value: Any, needle: str) -> None:
+    obj = manifest()
+    _set(obj, path, value)
+    _fails(obj, "publisher_manifest", needle)
+
+
+def test_unexpected_and_missing_keys() -> None:
+    obj = manifest()
+    obj["tensors"][2]["parts"][1]["stride"] = 1
+    _fails(obj, "publisher_manifest", "tensors[2].parts[1]: unexpected key 'stride'")
+    obj = peer_info()
+    del obj["pid"]
+    _fails(obj, "peer_info", "missing key 'pid'")
+
+
+def test_wire_errors() -> None:
+    good = schema.encode(version_state())
+    for raw, needle in [
+        (b"\xff" + good, "not valid JSON (UnicodeDecodeError"),
+        (good[:-1] + b',"version":6}', "not valid JSON"),  # duplicate key
+        (b'{"schema_version":1,"kind":"version_state","version":NaN,"state":"published","generation":1}', "NaN"),
+        (b'{"version":' + b"9" * 5000 + b"}", "digits"),
+        (b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b" " * (schema.MAX_PAYLOAD_BYTES + 1), "exceeds the limit"),
+        (b"[1]", "payload=<list of 1 items> has type array"),
+        (b'{"schema_version":"1"}', "schema_version='1' is not supported"),
+    ]:
+        with pytest.raises(MetadataError, match="version state from peer='pub/1'") as e:
+            schema.decode(raw, "version_state", PEER)
+        assert needle in str(e.value)
+    with pytest.raises(MetadataError, match="expected_kind='nope' is unknown"):
+        schema.decode(good, "nope", PEER)
+    with pytest.raises(MetadataError, match="expected bytes or str"):
+        schema.decode(123, "version_state", PEER)  # type: ignore[arg-type]
+
+
+def test_encode_checks() -> None:
+    assert schema.encode({"schema_version": 1, "kind": "ep_layout", "x": [1]}) == b'{"kind":"ep_layout","schema_version":1,"x":[1]}'
+    for bad, needle in [
+        ({"kind": "x"}, "schema_version=None is missing or unsupported"),
+        ({"schema_version": True, "kind": "x"}, "schema_version=True"),
+        ({"schema_version": 1}, "kind=None is missing"),
+        ({"schema_version": 1, "kind": "x", "v": {1, 2}}, "not JSON-serializable"),
+        ({"schema_version": 1, "kind": "x", "v": float("nan")}, "not JSON-serializable"),
+        ({**version_state(), "state": "stale"}, "state='stale' is unknown"),
+        ([1], "expected dict"),
+    ]:
+        with pytest.raises(MetadataError) as e:
+            schema.encode(bad)  # type: ignore[arg-type]
+        assert needle in str(e.value)
+
+
+def test_socket_address() -> None:
+    ok = [{"family": "AF_INET", "host": "10.0.0.1", "port": 1}, {"family": "AF_INET6", "host": "fe80::1", "port": 65535}]
+    for addr in ok:
+        assert schema.validate_socket_address(addr, PEER) is addr
+    for addr, needle in [
+        ({"family": "AF_INET", "host": "::1", "port": 80}, "host='::1' invalid; expected an IPv4 address"),
+        ({"family": "AF_INET6", "host": "10.0.0.1", "port": 80}, "expected an IPv6 address"),
+        ({"family": "AF_INET", "host": "999.0.0.1", "port": 80}, "host='999.0.0.1' invalid"),
+        ({"family": "AF_UNIX", "host": "10.0.0.1", "port": 80}, "family='AF_UNIX' is unknown"),
+        ({"family": "AF_INET", "host": "10.0.0.1", "port": 0}, "port=0 out of range; expected 1 <= port < 65536"),
+        ({"family": "AF_INET", "host": "10.0.0.1", "port": 65536}, "port=65536 out of range"),
+        ({"family": "AF_INET", "host": "10.0.0.1"}, "missing key 'port'"),
+        ("10.0.0.1:80", "has type string; expected object"),
+    ]:
+        with pytest.raises(MetadataError, match="socket address from peer='pub/1'") as e:
+            schema.validate_socket_address(addr, PEER)
+        assert needle in str(e.value)
+
+
+def test_validate_region_standalone() -> None:
+    region = manifest()["regions"][0]
+    assert schema.validate_region(region, PEER) is region
+    with pytest.raises(MetadataError, match=r"region\.device=-1 out of range"):
+        schema.validate_region({**region, "device": -1}, PEER)
+    with pytest.raises(MetadataError, match=r"region=None has type null"):
+        schema.validate_region(None, PEER)
+
+
+def test_schema_imports_no_torch_and_no_refit() -> None:
+    code = (
+        "import sys, warmlink.rendezvous, warmlink.rendezvous.schema, warmlink.rendezvous.store;"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'warmlink.refit'))];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- one field at a time --------------------------------------------------------------------------
+def _set(obj: Any, path: tuple, value: Any) -> None:
+    for p in path[:-1]:
+        obj = obj[p]
+    obj[path[-1]] = value
+
+
+def _fmt(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _paths(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    yield path, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _paths(v, path + (k,))
+
+
+def _corruptions(value: Any) -> list[Any]:
+    out: list[Any] = [{"bad": 1}]
+    if isinstance(value, bool) or value is None:
+        out.append("x")
+    elif isinstance(value, int):
+        out += [str(value), -2, 1 << 70, float(value), True]
+    elif isinstance(value, str):
+        out += [7, "", None, "x" * 1025]
+    elif isinstance(value, list):
+        out += ["x", None]
+    elif isinstance(value, dict):
+        out += [[], "x"]
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(VALID))
+def test_every_field_corrupted(kind: str) -> None:
+    for path, value in list(_paths(VALID[kind]())):
+        if not path:
+            continue
+        for bad in _corruptions(value):
+            obj = VALID[kind]()
+            _set(obj, path, bad)
+            _fails(obj, kind, _fmt(path))
+        if isinstance(path[-1], str):  # dropping a key names the key
+            obj = VALID[kind]()
+            parent = obj
+            for p in path[:-1]:
+                parent = parent[p]
+            del parent[path[-1]]
+            _fails(obj, kind, repr(path[-1]))
+
+
+def test_every_prefix_is_rejected() -> None:
+    raw = schema.encode(manifest())
+    assert "模型".encode() in raw or b"\\u" in raw
+    raw_utf8 = json.dumps(manifest(), ensure_ascii=False).encode()
+    for data in (raw, raw_utf8):
+        for n in range(len(data)):
+            with pytest.raises(MetadataError):
+                schema.decode(data[:n], "publisher_manifest", PEER)
+
+
+# -- fuzzing --------------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=10), kids, max_size=5),
+    max_leaves=15,
+)
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _decode_or_metadata_error(raw: Any, kind: str) -> None:
+    try:
+        out = schema.decode(raw, kind, PEER)
+    except MetadataError:
+        return
+    assert isinstance(out, dict)
+    assert schema.decode(schema.encode(out), kind, PEER) == out
+
+
+@FUZZ
+@given(st.binary(max_size=400), st.sampled_from(sorted(VALID)))
+def test_fuzz_bytes(raw: bytes, kind: str) -> None:
+    _decode_or_metadata_error(raw, kind)
+
+
+@FUZZ
+@given(json_values, st.sampled_from(sorted(VALID)))
+def test_fuzz_json(value: Any, kind: str) -> None:
+    _decode_or_metadata_error(json.dumps(value), kind)
+    if isinstance(value, dict):  # with a valid header, so validation goes past it
+        _decode_or_metadata_error(json.dumps({**value, "schema_version": 1, "kind": kind}), kind)
+
+
+MUTATIONS = ["drop", "json", "huge", "negative", "swap", "deep", "duplicate", "bool"]
+
+
+@FUZZ
+@given(st.data(), st.sampled_from(sorted(VALID)))
+def test_fuzz_mutations(data: st.DataObject, kind: str) -> None:
+    obj = VALID[kind]()
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = [p for p, _ in _paths(obj) if p]
+        path = data.draw(st.sampled_from(paths))
+        mutation = data.draw(st.sampled_from(MUTATIONS))
+        parent = obj
+        for p in path[:-1]:
+            parent = parent[p]
+        old = parent[path[-1]]
+        if mutation == "drop":
+            del parent[path[-1]]
+        elif mutation == "json":
+            parent[path[-1]] = data.draw(json_values)
+        elif mutation == "huge":
+            parent[path[-1]] = data.draw(st.sampled_from([1 << 40, 1 << 63, 1 << 64, 10**39, -(1 << 63)]))
+        elif mutation == "negative":
+            parent[path[-1]] = -data.draw(st.integers(1, 1 << 70))
+        elif mutation == "swap":
+            parent[path[-1]] = data.draw(st.sampled_from([str(old), [old], {"v": old}, None, 1.5]))
+        elif mutation == "bool":
+            parent[path[-1]] = data.draw(st.booleans())
+        elif mutation == "duplicate" and isinstance(parent, list):
+            parent.append(copy.deepcopy(old))
+        elif mutation == "deep":
+            parent[path[-1]] = "__DEEP__"
+            depth = data.draw(st.sampled_from([10, 1000, 100_000]))
+            raw = json.dumps(obj).replace('"__DEEP__"', "[" * depth + "]" * depth)
+            _decode_or_metadata_error(raw, kind)
+            return
+    _decode_or_metadata_error(json.dumps(obj), kind)
+    _decode_or_metadata_error(json.dumps(obj).encode(), kind)
+
+
+@st.composite
+def raw_tensor_entries(draw: st.DrawFn) -> dict:
+    ndim = draw(st.integers(0, 3))
+    num_parts = draw(st.integers(1, 3))
+    parts = []
+    for _ in range(num_parts):
+        shape = [draw(st.integers(0, 6)) for _ in range(ndim)]
+        split_dim = draw(st.none() | st.integers(-1, ndim))
+        parts.append({
+            "logical": draw(st.sampled_from(["q", "k", "v"])),
+            "global_shape": shape,
+            "split_dim": split_dim,
+            "num_shards": draw(st.integers(0, 4)),
+            "shard_idx": draw(st.integers(-1, 4)),
+        })
+    fuse_dim = draw(st.integers(-1, ndim) if num_parts > 1 else st.integers(0, max(ndim - 1, 0)))
+    return {"name": "t", "dtype": draw(st.sampled_from(["bfloat16", "float32", "int8"])), "fuse_dim": fuse_dim, "parts": parts}
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw_tensor_entries())
+def test_shard_math_matches_tensor_layout(entry: dict) -> None:
+    try:
+        layout = TensorLayout.from_json(entry)
+    except LayoutError:
+        layout = None
+    try:
+        nbytes = schema.tensor_nbytes(entry)
+    except MetadataError:
+        nbytes = None
+    assert (layout is None) == (nbytes is None), (entry, layout)
+    if layout is not None:
+        assert schema.tensor_local_shape(entry) == layout.local_shape
+        assert nbytes == layout.nbytes

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
+# Usage: tools/device_run.sh STAGE...   stages: env tests demo bench-small bench-full
+# Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset PYTORCH_CUDA_ALLOC_CONF
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+wl() { python3 -m warmlink.cli.main "$@"; }
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case "$stage" in
+    env)
+      nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+      nvidia-smi topo -m
+      python3 -c "import cuda.bindings as c, torch; print('cuda-bindings', c.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
+      timeout 120 python3 -m pip list 2>/dev/null | grep -i -E "^(transformers|hypothesis|pytest|rich|matplotlib|numpy) " ;;
+    tests)
+      timeout 420 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+    tests-all)
+      timeout 560 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/all_tests.log" | tail -40 ;;
+    demo)
+      timeout 240 python3 -m warmlink.cli.main demo 2>&1 | tee "$OUT/demo.log" | tail -25 ;;
+    doctor)
+      timeout 120 python3 -m warmlink.cli.main doctor 2>&1 | tee "$OUT/doctor.log" ;;
+    bench-small)
+      timeout 420 python3 -m warmlink.cli.main bench refit --scale 0.1 --cycles 3 --json "$OUT/refit_small.json" 2>&1 | tee "$OUT/refit_small.log" | tail -70 ;;
+    bench-full)
+      timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
