@@ -16,6 +16,16 @@ for stage in "$@"; do
       nvidia-smi topo -m
       python3 -c "import cuda.bindings as c, torch; print('cuda-bindings', c.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
       timeout 120 python3 -m pip list 2>/dev/null | grep -i -E "^(transformers|hypothesis|pytest|rich|matplotlib|numpy) " ;;
+    diag)
+      timeout 120 python3 -c "
+import torch
+from warmlink import _cuda
+for d in range(torch.cuda.device_count()):
+    t = torch.empty(1 << 20, device=d)
+    p = _cuda.malloc(1 << 21, d)
+    print('device', d, 'torch tensor on', _cuda.pointer_device(t.data_ptr()), 'malloc on', _cuda.pointer_device(p), 'batch', _cuda.batch_supported())
+    _cuda.free(p, d)
+" 2>&1 | tail -8 ;;
     tests)
       timeout 420 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
     tests-all)

@@ -139,14 +139,33 @@ class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
         self._guard = torch.cuda.device(self._device)
         self._guard.__enter__()
         try:
-            check((_rt or _load()).cudaSetDevice(self._device), f"cudaSetDevice({self._device})")
+            # The bindings' runtime keeps its own notion of the current device, which was seen not
+            # to follow cudaSetDevice into cudaMalloc (memory landed on device 0). Pushing the
+            # device's primary context through the driver makes every call below use it.
+            check(_driver().cuCtxPushCurrent(_primary_context(self._device)), f"cuCtxPushCurrent(cuda:{self._device})")
         except BaseException:
             self._guard.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._guard.__exit__(*exc)
+        try:
+            check(_drv.cuCtxPopCurrent(), f"cuCtxPopCurrent(cuda:{self._device})")
+        finally:
+            self._guard.__exit__(*exc)
+
+
+_primary: dict[int, object] = {}
+
+
+def _primary_context(device: int):
+    """The primary context of ``device`` (the one torch uses), retained once per process."""
+    ctx = _primary.get(device)
+    if ctx is None:
+        drv = _driver()
+        dev = check(drv.cuDeviceGet(device), f"cuDeviceGet({device})")
+        ctx = _primary[device] = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device})")
+    return ctx
 
 
 def current_device() -> int:
@@ -169,13 +188,18 @@ def malloc(nbytes: int, device: int) -> int:
         PoolError: the allocation failed (out of memory, bad device).
     """
     with use_device(device):
-        return int(check(_rt.cudaMalloc(nbytes), f"cudaMalloc({nbytes} bytes) on cuda:{device}", PoolError))
+        ptr = int(check(_driver().cuMemAlloc(nbytes), f"cuMemAlloc({nbytes} bytes) on cuda:{device}", PoolError))
+    actual = pointer_device(ptr)
+    if actual != device:
+        free(ptr, actual)
+        raise PoolError(f"malloc: {nbytes} bytes asked on cuda:{device} landed on cuda:{actual}")
+    return ptr
 
 
 def free(ptr: int, device: int) -> None:
     """``cudaFree`` a pointer from ``malloc`` (synchronizes the device)."""
     with use_device(device):
-        check(_rt.cudaFree(ptr), f"cudaFree({ptr:#x}) on cuda:{device}", PoolError)
+        check(_driver().cuMemFree(ptr), f"cuMemFree({ptr:#x}) on cuda:{device}", PoolError)
 
 
 class _CudaBuffer:

@@ -285,7 +285,7 @@ def _get(q, what: str):
 def _pub_exchange(device: int, qs: dict) -> dict:
     link = CudaIpcLink(device, 60.0)
     srcs = [t.to(device) for t in _random_tensors(1)]
-    dsts = [torch.zeros_like(t) for t in srcs]
+    dsts = [torch.zeros_like(t).to(device) for t in _random_tensors(2)]  # the receiver writes seed-2 tensors
     mat, wmat = _matrix(3).to(device), torch.zeros(64, 4096, dtype=torch.uint8, device=device)
     created0, reused0 = _stat("registration", "created"), _stat("registration", "reused")
     regs = [link.register(t) for t in srcs]

@@ -141,6 +141,9 @@ class Receiver:
         self._plans: dict[str, object] = {}
         self._buffers: dict[tuple, _Buffers] = {}
         self.cycle = 0
+        # swap: the half of the double buffer the next pull writes; the other half is installed.
+        # It flips only when an install succeeds, never with a failed cycle (see RefitHandle.wait).
+        self._pull_parity = 1
         self.installed_version = 0
         self._in_flight = False
         self._closed = False
@@ -230,7 +233,7 @@ class Receiver:
             report.alloc_s = t3 - t2
 
             batch = self._batch_for(plan, bufs)
-            twin = self._buffers.get((plan.signature, 1 - self.cycle % 2)) if self.install == "swap" else None
+            twin = self._buffers.get((plan.signature, 1 - self._pull_parity)) if self.install == "swap" else None
             if twin is not None:
                 self._batch_for(plan, twin)  # prepared now so that the next cycle prepares nothing
             t4 = time.perf_counter()
@@ -263,7 +266,14 @@ class Receiver:
                             break
                         entered.append(rank)
                     else:
-                        self._sources.refresh(states)
+                        try:
+                            self._sources.refresh(states)
+                        except BaseException:
+                            # A bad manifest fails this refit, not the publishers' next update:
+                            # leave every version entered above, so no reader count stays behind.
+                            for rank in entered:
+                                protocol.leave(self.store, rank, current)
+                            raise
                         return current
                     for rank in entered:
                         protocol.leave(self.store, rank, current)
@@ -301,7 +311,7 @@ class Receiver:
         return plan
 
     def _buffers_for(self, plan) -> _Buffers:
-        parity = self.cycle % 2 if self.install == "swap" else 0
+        parity = self._pull_parity if self.install == "swap" else 0
         key = (plan.signature, parity)
         bufs = self._buffers.get(key) if pool.enabled() else None
         if bufs is None:
@@ -428,6 +438,8 @@ class RefitHandle:
             rep.install_s = time.perf_counter() - t_translated
             r._last_named = dict(named)
             r.installed_version = rep.version
+            if r.install == "swap":
+                r._pull_parity = 1 - r._pull_parity  # targets now point at what was just pulled
         except BaseException:
             r._discard_uncached(bufs)
             raise
