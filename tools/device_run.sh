@@ -22,8 +22,9 @@ import torch
 from warmlink import _cuda
 for d in range(torch.cuda.device_count()):
     t = torch.empty(1 << 20, device=d)
+    print('device', d, 'torch tensor: attrs.device', _cuda.pointer_device(t.data_ptr()), 'DEVICE_ORDINAL', _cuda._pointer_attribute('CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL', t.data_ptr()))
     p = _cuda.malloc(1 << 21, d)
-    print('device', d, 'torch tensor on', _cuda.pointer_device(t.data_ptr()), 'malloc on', _cuda.pointer_device(p), 'batch', _cuda.batch_supported())
+    print('device', d, 'malloc on', _cuda.pointer_device(p), 'batch', _cuda.batch_supported())
     _cuda.free(p, d)
 " 2>&1 | tail -8 ;;
     tests)
@@ -37,7 +38,7 @@ for d in range(torch.cuda.device_count()):
     bench-small)
       timeout 420 python3 -m warmlink.cli.main bench refit --scale 0.1 --cycles 3 --json "$OUT/refit_small.json" 2>&1 | tee "$OUT/refit_small.log" | tail -70 ;;
     bench-full)
-      timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
+      timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

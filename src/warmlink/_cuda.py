@@ -272,8 +272,14 @@ def buffer_id(ptr: int) -> int:
 
 
 def pointer_device(ptr: int) -> int:
-    """Device ordinal (this process's numbering) where the memory at ``ptr`` lives."""
-    return int(_pointer_attribute("CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL", ptr))
+    """Device ordinal (this process's numbering) where the memory at ``ptr`` lives.
+
+    Read through ``cudaPointerGetAttributes``: the driver attribute DEVICE_ORDINAL read through
+    the bindings reported 0 for memory on cuda:1 (2 x H200, cuda-bindings 13.3).
+    """
+    _load()
+    attrs = check(_rt.cudaPointerGetAttributes(ptr), f"cudaPointerGetAttributes({ptr:#x})")
+    return int(attrs.device)
 
 
 def is_ipc_exportable(ptr: int) -> bool:

@@ -387,6 +387,32 @@ def test_pool_off_every_cycle_creates(session, install: str) -> None:
         assert rep.created["arena"] >= 1 and rep.created["peer_mapping"] >= 2 and rep.created["plan"] == 1, rep.created
 
 
+def test_publisher_restart_reopens_only_its_mappings(session) -> None:
+    """A publisher that restarts gets a new generation: its old mappings close, the other rank's stay,
+    the plan (same layouts) is not rebuilt."""
+    store, workers = session
+    infos = _start_publishers(store, workers, 2, lambda r: SPEC.layouts(2, r), seed=1)
+    layouts = SPEC.layouts(1, 0)
+    rec, targets = _receiver(store, 2, layouts)
+    with rec:
+        rec.refit(version=1)
+        assert bad_tensors(targets, layouts, 1) == []
+        restarted = workers[0].call("pub_start", address=store.address, prefix=store.prefix, rank=0, world_size=2,
+                                    layouts=SPEC.layouts(2, 0), seed=1)
+        assert restarted["generation"] == infos[0]["generation"] + 1
+        _update_publishers(workers, 2, seed=2)  # both ranks at version 2 again
+        destroyed = pool.stats()["peer_mapping"]["destroyed"]
+        report = rec.refit(version=2)
+        assert bad_tensors(targets, layouts, 2) == []
+        assert report.created["plan"] == 0 and report.created["arena"] == 0
+        # Rank 0 stages everything in one region: exactly that one is opened again; rank 1's stays.
+        assert report.created["peer_mapping"] == 1
+        assert pool.stats()["peer_mapping"]["destroyed"] > destroyed  # the old generation's closed
+        _update_publishers(workers, 2, seed=3)
+        assert rec.refit(version=3).created == {k: 0 for k in COUNTED}  # warm again
+        assert bad_tensors(targets, layouts, 3) == []
+
+
 # -- dtype cast, hook, callback ----------------------------------------------------------------------
 def test_cast_bf16_to_float32_is_exact(session) -> None:
     store, workers = session

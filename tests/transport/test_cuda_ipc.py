@@ -38,7 +38,7 @@ from warmlink.transport.cuda_ipc import (
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_cuda = pytest.mark.skipif(NUM_GPUS < 1, reason="needs CUDA")
 needs_2 = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA devices")
-CHILD_TIMEOUT_S = 120.0
+CHILD_TIMEOUT_S = 60.0
 HANDLE = bytes(range(64))
 
 
