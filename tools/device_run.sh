@@ -27,6 +27,8 @@ for d in range(torch.cuda.device_count()):
     print('device', d, 'malloc on', _cuda.pointer_device(p), 'batch', _cuda.batch_supported())
     _cuda.free(p, d)
 " 2>&1 | tail -8 ;;
+    probe)
+      timeout 200 python3 tools/ipc_open_probe.py 2>&1 | tail -20 ;;
     tests)
       timeout 420 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
     tests-all)

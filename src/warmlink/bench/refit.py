@@ -93,7 +93,7 @@ def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, 
                 results.put({"tag": f"rec{rank}", "event": "verified", "bad": bad[:5], "num_bad": len(bad)})
 
 
-_PHASES = ("sync_s", "plan_s", "alloc_s", "register_s", "pull_s", "translate_s", "install_s", "total_s")
+_PHASES = ("connect_s", "sync_s", "plan_s", "alloc_s", "register_s", "pull_s", "translate_s", "install_s", "total_s")
 
 
 def run_warmlink_refit(

@@ -48,6 +48,7 @@ RECORD_SCHEMA_VERSION = 1
 _MISSING = "-"
 # Bare column names that hold seconds in every warmlink table (phases of a cycle, summaries).
 SECONDS_COLUMNS = frozenset({
+    "connect",
     "sync", "plan", "alloc", "register", "pull", "pack", "transfer", "unpack", "translate", "install",
     "total", "warm", "cold", "setup", "export", "init", "first_collective", "group_init", "cycle 1",
 })

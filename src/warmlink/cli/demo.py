@@ -175,7 +175,7 @@ def run_demo(steps: int = 5, seed: int = 0, timeout_s: float = 120.0, echo=print
                 all_equal &= equal
                 rep = got["report"]
                 rows.append({
-                    "cycle": step, "loss": trainer["loss"], "alloc": rep["alloc_s"], "register": rep["register_s"],
+                    "cycle": step, "loss": trainer["loss"], "connect": rep["connect_s"], "alloc": rep["alloc_s"], "register": rep["register_s"],
                     "plan": rep["plan_s"], "pull": rep["pull_s"], "translate": rep["translate_s"],
                     "install": rep["install_s"], "total": rep["total_s"],
                     "created": sum(rep["created"].values()), "logits": "equal" if equal else f"DIFF {got['max_abs_diff']:.2e}",
@@ -189,7 +189,7 @@ def run_demo(steps: int = 5, seed: int = 0, timeout_s: float = 120.0, echo=print
                 if p.is_alive():
                     p.terminate()
     echo("")
-    echo(cycle_table(rows, ["cycle", "loss", "alloc", "register", "plan", "pull", "translate", "install", "total", "created", "logits"],
+    echo(cycle_table(rows, ["cycle", "loss", "connect", "alloc", "register", "plan", "pull", "translate", "install", "total", "created", "logits"],
                      title="refit cycles (ms; 'created' = allocations + registrations + plans + opens in that cycle)"))
     echo(f"\n{'OK' if all_equal else 'FAILED'}: {steps} refits, inference logits {'equal' if all_equal else 'differ from'} the trainer's; {time.perf_counter() - start:.1f} s")
     return all_equal

@@ -278,6 +278,9 @@ class Link(abc.ABC):
     def prepare(self, copies: Sequence[Copy]) -> Batch:
         """Validate bounds and coalesce once; the result is replayed each cycle.
 
+        Copies of one batch run in no particular order (as in ``cudaMemcpyBatchAsync``): their
+        destination bytes must not overlap.
+
         Raises:
             ConfigError: a copy reaches outside its regions or has a bad size or pitch.
         """
