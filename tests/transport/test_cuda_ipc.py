@@ -26,14 +26,8 @@ import torch
 from warmlink import pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError
 from warmlink.transport.base import Copy, PeerRef, local_identity
-from warmlink.transport.cuda_ipc import (
-    COPY_METHODS,
-    CudaIpcLink,
-    Plan,
-    build_descriptor,
-    check_descriptor,
-    resolve_copy_method,
-)
+from warmlink.transport._cuda_ipc_parts import COPY_METHODS, CopyPlan, build_descriptor, check_descriptor, resolve_copy_method
+from warmlink.transport.cuda_ipc import CudaIpcLink
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_cuda = pytest.mark.skipif(NUM_GPUS < 1, reason="needs CUDA")
@@ -100,7 +94,7 @@ def test_check_descriptor_fails_closed(change):
 
 
 def test_plan_directions_and_balance():
-    plan = Plan(0, flat=[(100, 900, 10), (200, 800, 30), (300, 700, 20)], strided=[(1, 16, 2, 64, 8, 4)])
+    plan = CopyPlan(0, flat=[(100, 900, 10), (200, 800, 30), (300, 700, 20)], strided=[(1, 16, 2, 64, 8, 4)])
     dsts, srcs, sizes, strided = plan.work("read", 1)[0]
     assert (dsts, srcs, sizes) == ([100, 200, 300], [900, 800, 700], [10, 30, 20])
     assert strided == [(1, 16, 2, 64, 8, 4)]

@@ -62,7 +62,7 @@ def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx,
         t0 = time.perf_counter()
         pub.export()
         results.put({"tag": f"pub{rank}", "event": "ready", "export_s": time.perf_counter() - t0, "staged": pub._staging is not None})
-        while (msg := control.get(timeout=600)) is not None:
+        while control.get(timeout=600) is not None:
             wait_s = pub.begin_update()  # values stay: the benchmark measures movement, not training
             version = pub.publish()
             results.put({"tag": f"pub{rank}", "event": "published", "version": version, "wait_s": wait_s})

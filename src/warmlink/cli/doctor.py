@@ -59,7 +59,8 @@ def run_doctor() -> int:
             print(f"  peer access from {i}: {''.join('Y' if x else '.' for x in row)}")
         if "copy_engine" in info:
             ce = info["copy_engine"]
-            print(f"  copy engine {ce.get('src_device')} -> {ce.get('dst_device')}: {ce.get('gbps', 0):.1f} GB/s (256 MiB copy)")
+            print(f"  copy engine {ce.get('src_device')} -> {ce.get('dst_device')}: {ce.get('one_way_gbps', 0):.1f} GB/s one way, "
+                  f"{ce.get('both_ways_total_gbps', 0):.1f} GB/s both ways (256 MiB copies)")
         if "topology" in info:
             print("  topology:\n    " + info["topology"].replace("\n", "\n    "))
     else:

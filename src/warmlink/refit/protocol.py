@@ -23,9 +23,9 @@ then fails with TransferTimeout naming the version and count instead of waiting 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
+from warmlink._backoff import Backoff
 from warmlink.errors import TransferTimeout, VersionError
 
 __all__ = ["VersionState", "read_state", "write_state", "enter", "leave", "wait_no_readers", "state_key", "manifest_key"]
@@ -81,16 +81,11 @@ def leave(store, rank: int, version: int) -> None:
 def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
     """Block until no receiver reads ``version`` of ``rank``; TransferTimeout after ``timeout_s``."""
     key = readers_key(rank, version)
-    deadline = time.perf_counter() + timeout_s
-    sleep_s = 50e-6
-    while True:
-        count = store.add(key, 0)
-        if count <= 0:
-            return
-        if time.perf_counter() > deadline:
+    backoff = Backoff(timeout_s)
+    while (count := store.add(key, 0)) > 0:
+        if backoff.expired():
             raise TransferTimeout(
                 f"Publisher.begin_update: publisher/{rank} version {version} still has {count} reader(s) "
                 f"after {timeout_s:.3f} s; a receiver died or stalled mid-pull"
             )
-        time.sleep(sleep_s)
-        sleep_s = min(2 * sleep_s, 5e-3)
+        backoff.sleep()

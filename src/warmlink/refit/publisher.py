@@ -119,6 +119,9 @@ class Publisher:
 
         to_stage: list[_Entry] = []
         for e in self._entries.values():
+            if e.layout.nbytes == 0:  # an empty region is no region: stage it (it moves no bytes)
+                to_stage.append(e)
+                continue
             try:
                 region = self._link.register(e.tensor)
             except LayoutError:
@@ -183,7 +186,9 @@ class Publisher:
         """
         self._check_exported("begin_update")
         if self._updating:
-            raise VersionError("Publisher.begin_update: already updating; call publish() first")
+            # Readers are already out (an update body that raised left us here): the tensors may be
+            # half written, so nothing is published until publish() is called.
+            return 0.0
         start = time.perf_counter()
         protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
         self._updating = True
@@ -211,7 +216,11 @@ class Publisher:
 
     @contextlib.contextmanager
     def update(self, timeout_s: float | None = None):
-        """``begin_update()`` on entry, ``publish()`` on a clean exit (the old version stays on error)."""
+        """``begin_update()`` on entry, ``publish()`` on a clean exit.
+
+        If the body raises, nothing is published and receivers keep waiting (they time out rather
+        than read half-written tensors); a later ``update()`` or ``publish()`` resumes.
+        """
         self.begin_update(timeout_s)
         yield self
         self.publish()

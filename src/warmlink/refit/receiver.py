@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from warmlink import _env, pool
+from warmlink._backoff import Backoff
 from warmlink._dtypes import dtype_name, torch_dtype
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError
 from warmlink.pool.core import counters
@@ -253,41 +254,48 @@ class Receiver:
         return RefitHandle(self, plan, bufs, transfer, report, before, t0, time.perf_counter(), timeout)
 
     def _enter(self, version: int | None, timeout_s: float) -> int:
-        deadline = time.perf_counter() + timeout_s
-        sleep_s = 50e-6
+        """Count in as a reader of every rank's current version (Note [Version protocol])."""
+        backoff = Backoff(timeout_s)
         while True:
             states = self._sources.states(timeout_s)
-            v = {s.version for s in states}
-            ready = all(s.state == "published" for s in states) and len(v) == 1
-            if ready:
-                (current,) = v
-                if version is not None and current > version:
-                    raise VersionError(f"Receiver.refit: version={version} was replaced by {current}; ask for {current} or None")
-                if version is None or current == version:
-                    entered = []
-                    for rank, s in enumerate(states):
-                        if not protocol.enter(self.store, rank, s):
-                            break
-                        entered.append(rank)
-                    else:
-                        try:
-                            self._sources.refresh(states)
-                        except BaseException:
-                            # A bad manifest fails this refit, not the publishers' next update:
-                            # leave every version entered above, so no reader count stays behind.
-                            for rank in entered:
-                                protocol.leave(self.store, rank, current)
-                            raise
-                        return current
-                    for rank in entered:
-                        protocol.leave(self.store, rank, current)
-            if time.perf_counter() > deadline:
+            entered = self._try_enter(states, version)
+            if entered is not None:
+                return entered
+            if backoff.expired():
                 raise TransferTimeout(
                     f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
                     f"states={[(s.version, s.state) for s in states]}"
                 )
-            time.sleep(sleep_s)
-            sleep_s = min(2 * sleep_s, 5e-3)
+            backoff.sleep()
+
+    def _try_enter(self, states: list, version: int | None) -> int | None:
+        """The version entered on every rank, or None (counted out again) when not ready yet."""
+        versions = {s.version for s in states}
+        if len(versions) != 1 or any(s.state != "published" for s in states):
+            return None
+        (current,) = versions
+        if version is not None and current > version:
+            raise VersionError(f"Receiver.refit: version={version} was replaced by {current}; ask for {current} or None")
+        if version is not None and current != version:
+            return None
+        entered = []
+        try:
+            for rank, s in enumerate(states):
+                if not protocol.enter(self.store, rank, s):
+                    break
+                entered.append(rank)
+            else:
+                # A bad manifest fails this refit, not the publishers' next update: the except
+                # below leaves every version entered, so no reader count stays behind.
+                self._sources.refresh(states)
+                return current
+        except BaseException:
+            for rank in entered:
+                protocol.leave(self.store, rank, current)
+            raise
+        for rank in entered:
+            protocol.leave(self.store, rank, current)
+        return None
 
     def _leave(self, version: int) -> None:
         for rank in range(self.num_publishers):

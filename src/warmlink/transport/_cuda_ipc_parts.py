@@ -1,0 +1,140 @@
+"""Pieces of the ``cuda_ipc`` backend that need no link: descriptors, copy method, pointer lists.
+
+Kept apart from ``cuda_ipc.py`` so the link itself stays readable; see that module's notes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from warmlink import _cuda
+from warmlink.errors import ConfigError, MetadataError
+from warmlink.transport.base import Batch, RemoteRegion
+
+__all__ = ["MAX_STREAMS", "COPY_METHODS", "resolve_copy_method", "build_descriptor", "check_descriptor",
+           "CudaIpcRemoteRegion", "CopyPlan"]
+
+MAX_STREAMS = 16
+_LEGACY_STREAM = 1  # cudaStreamLegacy: torch's handle 0 is the legacy default stream, whatever
+# default-stream mode the bindings' runtime was built with
+COPY_METHODS = ("auto", "batch", "loop")
+_HEX = frozenset("0123456789abcdef")
+
+
+def resolve_copy_method(copy_method: str, batch_supported: Callable[[], bool]) -> str:
+    """``"batch"`` or ``"loop"`` for a ``copy_method`` argument; ``batch_supported()`` decides ``"auto"``.
+
+    Raises:
+        ConfigError: an unknown name, or ``"batch"`` where ``cudaMemcpyBatchAsync`` is unavailable.
+    """
+    if copy_method not in COPY_METHODS:
+        raise ConfigError(f"CudaIpcLink: copy_method={copy_method!r} is unknown; expected one of {list(COPY_METHODS)}")
+    if copy_method == "auto":
+        return "batch" if batch_supported() else "loop"
+    if copy_method == "batch" and not batch_supported():
+        raise ConfigError("CudaIpcLink: copy_method='batch' but cudaMemcpyBatchAsync is unavailable (needs "
+                          "cuda-bindings, runtime and driver >= 12.8); expected 'loop' or 'auto'")
+    return copy_method
+
+
+def build_descriptor(handle: bytes, alloc_nbytes: int, offset: int, nbytes: int, device: int, buffer_id: int) -> dict:
+    """The JSON descriptor of a registered region (the ``rendezvous.schema`` format).
+
+    Args:
+        handle: 64-byte IPC handle of the allocation's base; alloc_nbytes: allocation size in bytes;
+        offset: region start inside the allocation, bytes; nbytes: region size, bytes;
+        device: exporter's CUDA device index; buffer_id: the allocation's unique id.
+    """
+    desc = {"kind": "cuda_ipc", "handle": bytes(handle).hex(), "alloc_nbytes": int(alloc_nbytes),
+            "offset": int(offset), "nbytes": int(nbytes), "device": int(device), "buffer_id": int(buffer_id)}
+    check_descriptor(desc, "<local>")
+    return desc
+
+
+def check_descriptor(desc: dict, peer_key: str) -> None:
+    """Raise MetadataError unless ``desc`` is a well-formed ``cuda_ipc`` descriptor (fail closed)."""
+    where = f"CudaIpcLink.open: peer={peer_key!r}"
+    if not isinstance(desc, dict) or desc.get("kind") != "cuda_ipc":
+        kind = desc.get("kind") if isinstance(desc, dict) else type(desc).__name__
+        raise MetadataError(f"{where} desc.kind={kind!r}; expected 'cuda_ipc'")
+    handle = desc.get("handle")
+    if not isinstance(handle, str) or len(handle) != 2 * _cuda.IPC_HANDLE_BYTES or not set(handle) <= _HEX:
+        raise MetadataError(f"{where} desc.handle is not {2 * _cuda.IPC_HANDLE_BYTES} lowercase hex characters")
+    for field in ("alloc_nbytes", "offset", "nbytes", "device", "buffer_id"):
+        v = desc.get(field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise MetadataError(f"{where} desc.{field}={v!r}; expected an int >= 0")
+    if desc["nbytes"] == 0 or desc["offset"] + desc["nbytes"] > desc["alloc_nbytes"]:
+        raise MetadataError(f"{where} desc offset={desc['offset']} nbytes={desc['nbytes']} alloc_nbytes="
+                            f"{desc['alloc_nbytes']}; expected 0 < nbytes and offset + nbytes <= alloc_nbytes")
+
+
+
+_TENSOR_SLOT = RemoteRegion.__dict__["tensor"]
+
+
+class CudaIpcRemoteRegion(RemoteRegion):
+    """A peer's region mapped through CUDA IPC; ``tensor`` is made lazily (we mostly use ``ptr``)."""
+
+    __slots__ = ("_mapping",)
+
+    @property
+    def tensor(self):
+        """1-D ``uint8`` view of the peer's bytes, on the device whose context opened the mapping
+        (the link's); None once closed. Raises TransferError if torch cannot alias the pointer."""
+        t = _TENSOR_SLOT.__get__(self, type(self))
+        if t is None and not self._closed and getattr(self, "_mapping", None) is not None:
+            t = _cuda.tensor_from_ptr(self.ptr, self.nbytes, self._mapping.device, owner=self._mapping)
+            _TENSOR_SLOT.__set__(self, t)
+        return t
+
+    @tensor.setter
+    def tensor(self, value) -> None:
+        _TENSOR_SLOT.__set__(self, value)
+
+
+class CopyPlan:
+    """Pointer lists of a batch (``Batch.prepared``), built once per direction and stream count."""
+
+    __slots__ = ("device", "flat", "strided", "_work")
+
+    def __init__(self, device: int, flat: list[tuple], strided: list[tuple]) -> None:
+        self.device = device
+        self.flat = flat  # (local_ptr, remote_ptr, nbytes)
+        self.strided = strided  # (local_ptr, local_pitch, remote_ptr, remote_pitch, row_nbytes, num_rows)
+        self._work: dict = {}
+
+    @classmethod
+    def build(cls, batch: Batch, device: int) -> "CopyPlan":
+        for idx, c in enumerate((*batch.flat, *batch.strided)):
+            if c.local.desc.get("kind") != "cuda_ipc" or c.local._closed or c.local.device != device:
+                raise ConfigError(f"CudaIpcLink.prepare: copies[{idx}].local={c.local!r}; expected an open "
+                                  f"cuda_ipc region of cuda:{device}")
+            if not isinstance(c.remote, CudaIpcRemoteRegion) or c.remote._closed:
+                raise ConfigError(f"CudaIpcLink.prepare: copies[{idx}].remote={c.remote!r}; expected an open "
+                                  "region from CudaIpcLink.open")
+        flat = [(c.local.ptr + c.local_offset, c.remote.ptr + c.remote_offset, c.row_nbytes) for c in batch.flat]
+        strided = [(c.local.ptr + c.local_offset, c.local_pitch, c.remote.ptr + c.remote_offset, c.remote_pitch,
+                    c.row_nbytes, c.num_rows) for c in batch.strided]
+        return cls(device, flat, strided)
+
+    def work(self, direction: str, num_streams: int) -> list[tuple[list, list, list, list]]:
+        """Per stream ``(dsts, srcs, sizes, memcpy2d_args)``, balanced by bytes; cached."""
+        work = self._work.get((direction, num_streams))
+        if work is not None:
+            return work
+        read = direction == "read"
+        work = [([], [], [], []) for _ in range(num_streams)]
+        load = [0] * num_streams
+        for lp, rp, n in (self.flat if num_streams == 1 else sorted(self.flat, key=lambda f: -f[2])):
+            i = load.index(min(load))
+            work[i][0].append(lp if read else rp)
+            work[i][1].append(rp if read else lp)
+            work[i][2].append(n)
+            load[i] += n
+        for lp, lpitch, rp, rpitch, width, height in self.strided:
+            i = load.index(min(load))
+            work[i][3].append((lp, lpitch, rp, rpitch, width, height) if read else (rp, rpitch, lp, lpitch, width, height))
+            load[i] += width * height
+        self._work[(direction, num_streams)] = work
+        return work
