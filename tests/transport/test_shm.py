@@ -317,29 +317,41 @@ def test_prepare_rejects_out_of_bounds(link: ShmLink) -> None:
         link.release(local)
 
 
-def test_forget_peer_closes_old_generations_only(link: ShmLink) -> None:
+def _process_peer(key: str, generation: int, start_time: int) -> PeerRef:
+    """A peer in a process of its own: this host and pid, but another start time."""
+    host, pid, _ = local_identity()
+    return PeerRef(key, generation, host, pid, start_time)
+
+
+def test_mappings_follow_the_peer_process(link: ShmLink) -> None:
     owner = link.allocate(4096)
     other_owner = link.allocate(4096)
     try:
-        r1 = link.open(_self_peer("forget/0", 1), owner.desc)
-        r2 = link.open(_self_peer("forget/0", 2), owner.desc)
-        r_other = link.open(_self_peer("forget/1", 1), other_owner.desc)
+        # Generations 1 and 2 of one process share a mapping (an engine re-created in place).
+        r1 = link.open(_process_peer("forget/0", 1, 111), owner.desc)
+        r2 = link.open(_process_peer("forget/0", 2, 111), owner.desc)
+        # Another process in the same slot gets its own.
+        r3 = link.open(_process_peer("forget/0", 3, 222), owner.desc)
+        r_other = link.open(_process_peer("forget/1", 1, 111), other_owner.desc)
         cache = shm._mappings
-        assert {k[:2] for k in cache.keys() if k[0].startswith("forget/")} == {("forget/0", 1), ("forget/0", 2), ("forget/1", 1)}
+
+        def slots():
+            return {(k[0], k[1].rsplit(":", 1)[1]) for k in cache.keys() if k[0].startswith("forget/")}
+
+        assert slots() == {("forget/0", "111"), ("forget/0", "222"), ("forget/1", "111")}
         n_before = open_mappings()
-        assert link.forget_peer("forget/0", keep_generation=2) == 1
-        keys = {k[:2] for k in cache.keys() if k[0].startswith("forget/")}
-        assert keys == {("forget/0", 2), ("forget/1", 1)}
+        assert link.forget_peer("forget/0", keep_process=r3.peer.process_id) == 1
+        assert slots() == {("forget/0", "222"), ("forget/1", "111")}
         assert open_mappings() == n_before - 1
-        # The evicted mapping is still held by r1: it keeps working until closed.
+        # The evicted mapping is still held by r1 and r2: it keeps working until they close it.
         owner.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
         assert r1.tensor[:4].tolist() == [1, 2, 3, 4] and r2.tensor[:4].tolist() == [1, 2, 3, 4]
-        link.close_region(r1)
-        link.close_region(r1)
-        # Forgetting every generation of a slot leaves the others alone.
-        assert link.forget_peer("forget/0") == 1
-        assert {k[:2] for k in cache.keys() if k[0].startswith("forget/")} == {("forget/1", 1)}
-        link.close_region(r2)
+        for r in (r1, r1, r2):
+            link.close_region(r)
+        # Regions the kept process no longer exports are closed too.
+        assert link.forget_peer("forget/0", keep_process=r3.peer.process_id, keep_regions={"not-this-one"}) == 1
+        assert slots() == {("forget/1", "111")}
+        link.close_region(r3)
         link.close_region(r_other)
         assert link.forget_peer("forget/1") == 1
     finally:

@@ -188,10 +188,14 @@ class FreeList(Generic[K, R]):
             else:
                 with self._lock:
                     idle = self._idle.setdefault(key, [])
-                    if len(idle) < self._max_idle:
-                        idle.append(resource)
-                        self._counters.idle += 1
-                        return
+                    # Full: drop the oldest idle one and keep this one, the most recently used,
+                    # whose peers' mappings and caches are the likeliest to be warm.
+                    evicted = idle.pop(0) if len(idle) >= self._max_idle else None
+                    idle.append(resource)
+                    self._counters.idle += 0 if evicted is not None else 1
+                if evicted is not None:
+                    self._destroy_one(evicted)
+                return
         self._destroy_one(resource)
 
     def _destroy_one(self, resource: R) -> None:

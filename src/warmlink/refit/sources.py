@@ -47,11 +47,15 @@ class SourceSet:
             src = self._sources[rank]
             if src is not None and src.peer.generation == state.generation:
                 continue
+            new = self._load(rank, state.generation)
             if src is not None:
+                # Mappings follow the process: a publisher re-created in the same process keeps
+                # those of regions it still exports; a new process gets fresh ones.
                 self._close(src)
-                self.link.forget_peer(src.peer.key, keep_generation=state.generation)
-                log.info("publisher restarted", extra={"rank": rank, "generation": state.generation})
-            self._sources[rank] = self._load(rank, state.generation)
+                keep = {self.link.region_id(d) for d in new.regions}
+                self.link.forget_peer(src.peer.key, keep_process=new.peer.process_id, keep_regions=keep)
+                log.info("publisher re-created", extra={"rank": rank, "generation": state.generation})
+            self._sources[rank] = new
 
     def _load(self, rank: int, generation: int) -> _Source:
         peer_name = f"publisher/{rank}"

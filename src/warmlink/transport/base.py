@@ -10,10 +10,12 @@ Backends: ``shm`` (host processes, POSIX shared memory), ``cuda_ipc`` (one node,
 
 # Note [Peer identity and generation]
 A peer is known by a slot key (``"publisher/1"``) plus a generation number handed out by the
-rendezvous store each time a process takes that slot, and by ``(host, pid, start_time)``. Mappings
-are cached under ``(key, generation, region)``; when a slot's generation changes, the old
-generation's mappings are closed and every other peer's stay open. ``start_time`` (clock ticks
-since boot, from /proc) makes a recycled pid look like a different process.
+rendezvous store each time an engine takes that slot, and by its process ``(host, pid,
+start_time)``. Mappings are cached under ``(key, process, region)``: an engine re-created in the
+same process (a new generation, the same memory) finds its mappings open, while a new process in
+the slot gets fresh ones and the old process's are closed; every other peer's stay open. When a
+peer's manifest changes, its mappings of regions the new manifest no longer names are closed too.
+``start_time`` (clock ticks since boot, from /proc) makes a recycled pid a different process.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class PeerRef:
     host: str
     pid: int
     start_time: int
+
+    @property
+    def process_id(self) -> str:
+        """``host:pid:start_time``: what mappings are cached under. See Note [Peer identity and generation]."""
+        return f"{self.host}:{self.pid}:{self.start_time}"
 
     def alive(self) -> bool:
         """False when the peer runs on this host and its process is gone or was replaced.
@@ -264,15 +271,22 @@ class Link(abc.ABC):
     # -- peers -------------------------------------------------------------------------------
     @abc.abstractmethod
     def open(self, peer: PeerRef, desc: dict) -> RemoteRegion:
-        """Map a peer's region (validated descriptor). Cached per peer generation."""
+        """Map a peer's region (validated descriptor). Cached per peer process."""
 
     @abc.abstractmethod
     def close_region(self, region: RemoteRegion) -> None:
         """Drop this holder's reference to a mapping. Safe to call twice."""
 
+    def forget_peer(self, peer_key: str, keep_process: str | None = None, keep_regions=None) -> int:
+        """Close cached mappings of ``peer_key`` except those of process ``keep_process`` whose region
+        id is in ``keep_regions`` (all of them when None); returns how many. Every backend's."""
+        from warmlink.pool.peers import forget_peer
+
+        return forget_peer(peer_key, keep_process, keep_regions)
+
     @abc.abstractmethod
-    def forget_peer(self, peer_key: str, keep_generation: int | None = None) -> int:
-        """Close cached mappings of ``peer_key`` except ``keep_generation``; returns how many."""
+    def region_id(self, desc: dict) -> str:
+        """What identifies a region's mapping in the cache (shm file name, IPC handle)."""
 
     # -- bytes -------------------------------------------------------------------------------
     def prepare(self, copies: Sequence[Copy]) -> Batch:

@@ -2,7 +2,7 @@
 
 Local memory is exported in place: the IPC handle of the *allocation* holding a tensor (a
 ``cudaMalloc`` segment of torch's caching allocator, or a pool arena) is cached by
-``(device, base, buffer id)``. Peers' handles are opened once per peer generation and cached in
+``(device, base, buffer id)``. Peers' handles are opened once per peer process and cached in
 ``pool.peers``. Copies run on streams leased once per link from ``pool.streams``.
 
 # Note [Copy ordering]
@@ -17,7 +17,7 @@ one batch run in no particular order (``cudaMemcpyBatchAsync``): their destinati
 
 # Note [Mapping lifetime]
 An opened peer mapping stays valid until its last ``RemoteRegion`` is closed *and* the cache drops
-it (peer generation change, ``forget_peer``, or pooling off). Wait for transfers that use a region
+it (the peer's process changes, ``forget_peer``, or pooling off). Wait for transfers that use a region
 before closing it: unmapping memory under an in-flight copy is a use-after-free on the GPU.
 """
 
@@ -331,7 +331,7 @@ class CudaIpcLink(Link):
 
     # -- peers -------------------------------------------------------------------------------
     def open(self, peer: PeerRef, desc: dict) -> RemoteRegion:
-        """Map a peer's region; the IPC handle is opened once per peer generation and cached.
+        """Map a peer's region; the IPC handle is opened once per peer process and cached.
 
         Returns:
             A ``CudaIpcRemoteRegion``: ``ptr`` is its byte 0 in this process; ``tensor`` is made on
@@ -342,11 +342,11 @@ class CudaIpcLink(Link):
 
         Warm path? The first open of a handle costs ``cudaIpcOpenMemHandle`` (measured on 2 x H200:
         10 ms for one 8.8 GB allocation, 25 ms for 290 allocations of the same total); later opens
-        for the same peer generation are cache hits.
+        for the same peer process are cache hits.
         """
         self._check_open("open")
         check_descriptor(desc, peer.key)
-        mapping, token = _mappings.acquire((peer.key, peer.generation, desc["handle"], self.device))
+        mapping, token = _mappings.acquire((peer.key, peer.process_id, desc["handle"], self.device))
         try:
             end = desc["offset"] + desc["nbytes"]
             if mapping.size is not None and end > mapping.size:
@@ -377,9 +377,8 @@ class CudaIpcLink(Link):
         if region._token is not None:
             _mappings.release(region._token)
 
-    def forget_peer(self, peer_key: str, keep_generation: int | None = None) -> int:
-        """Close cached mappings of ``peer_key`` except ``keep_generation`` (every backend); how many."""
-        return _peers.forget_peer(peer_key, keep_generation)
+    def region_id(self, desc: dict) -> str:
+        return desc["handle"]
 
     # -- bytes -------------------------------------------------------------------------------
     def _prepare_backend(self, batch: Batch) -> CopyPlan:

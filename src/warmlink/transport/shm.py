@@ -1,7 +1,7 @@
 """``shm``: the Link backend for CPU processes on one host, over POSIX shared memory.
 
 The same protocol as ``cuda_ipc``: regions are files in /dev/shm exported once by name, opened
-once per peer generation with ``mmap``, and bytes move as one-sided copies. A worker thread per
+once per peer process with ``mmap``, and bytes move as one-sided copies. A worker thread per
 link performs them (torch's ``copy_`` releases the GIL and uses its intra-op threads), in chunks,
 so that a transfer can notice a dead peer, a cancel or a fault between chunks.
 
@@ -19,7 +19,7 @@ from typing import Callable
 
 from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferError
 from warmlink.pool import arenas
-from warmlink.pool.peers import forget_peer, mapping_cache
+from warmlink.pool.peers import mapping_cache
 from warmlink.pool.registrations import registration_cache
 from warmlink.transport.base import Batch, Copy, Link, LocalRegion, PeerRef, RemoteRegion, Transfer
 
@@ -46,13 +46,13 @@ class _Mapping:
 def _open_mapping(key) -> _Mapping:
     import torch
 
-    peer_key, generation, name = key
+    peer_key, process, name = key
     path = os.path.join(arenas.SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         raise PeerLostError(
-            f"ShmLink.open: peer={peer_key!r} (generation {generation}) region {name!r} is gone; the peer exited"
+            f"ShmLink.open: peer={peer_key!r} (process {process}) region {name!r} is gone; the peer exited"
         ) from None
     try:
         nbytes = os.fstat(fd).st_size
@@ -203,7 +203,7 @@ class ShmLink(Link):
 
     # -- peers ---------------------------------------------------------------------------------
     def open(self, peer: PeerRef, desc: dict) -> RemoteRegion:
-        mapping, token = _mappings.acquire((peer.key, peer.generation, desc["name"]))
+        mapping, token = _mappings.acquire((peer.key, peer.process_id, desc["name"]))
         offset, nbytes = desc["offset"], desc["nbytes"]
         if offset + nbytes > mapping.nbytes:
             _mappings.release(token)
@@ -220,8 +220,8 @@ class ShmLink(Link):
             region.tensor = None
             _mappings.release(region._token)
 
-    def forget_peer(self, peer_key: str, keep_generation: int | None = None) -> int:
-        return forget_peer(peer_key, keep_generation)
+    def region_id(self, desc: dict) -> str:
+        return desc["name"]
 
     # -- bytes ---------------------------------------------------------------------------------
     def _submit(self, batch: Batch, push: bool) -> ShmTransfer:
