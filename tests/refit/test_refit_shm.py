@@ -365,8 +365,9 @@ def test_warm_cycles_create_nothing(session, install: str) -> None:
     finally:
         pool.set_enabled(None)
     assert set(reports[0].created) == set(COUNTED)
-    # Cycle 1 plans; its arenas and mappings may come warm from earlier receivers of this process.
-    assert reports[0].created["plan"] == 1
+    # Cycle 1 may find its plan, arenas and mappings warm from earlier receivers of this process
+    # (plans are cached process-wide by layout signature); it plans at most once.
+    assert reports[0].created["plan"] <= 1
     for rep in reports[1:]:
         assert rep.created == {k: 0 for k in COUNTED}, f"cycle {rep.cycle} created {rep.created}"
     if install == "swap":  # double buffer: targets alternate between two receiver buffers

@@ -193,7 +193,10 @@ def _create(key: tuple[str, int, int]) -> Arena:
 
 def _reset(arena: Arena) -> bool:
     arena.generation += 1
-    return arena.tensor is not None
+    if arena.tensor is None:
+        return False
+    # An shm file unlinked behind our back would be exported under a name peers cannot open.
+    return arena.kind != "shm" or os.path.exists(os.path.join(SHM_DIR, arena.name))
 
 
 def _destroy(arena: Arena) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 from warmlink import _env
@@ -18,7 +20,7 @@ from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, VersionError
 from warmlink.refit import protocol
 from warmlink.refit.manifest import TensorLayout
-from warmlink.transport import open_link
+from warmlink.transport import lease_link
 from warmlink.transport.base import LocalRegion, local_identity
 
 __all__ = ["Publisher"]
@@ -114,7 +116,8 @@ class Publisher:
         if len(devices) != 1:
             raise LayoutError(f"Publisher.export: tensors on several devices {sorted(devices)}; expected one")
         device = devices.pop()
-        self._link = open_link(self._backend_arg, device, self.timeout_s)
+        self._link_lease = lease_link(self._backend_arg, device, self.timeout_s)
+        self._link = self._link_lease.resource
         self.device = device
 
         to_stage: list[_Entry] = []
@@ -241,7 +244,16 @@ class Publisher:
             for region in self._regions:
                 self._link.release(region)
             self._regions.clear()
-            self._link.close()
+            self._link_lease.release()
+            self._link = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_link", None) is not None and not sys.is_finalizing():
+            warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
 
     def __enter__(self) -> "Publisher":
         return self

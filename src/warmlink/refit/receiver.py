@@ -9,7 +9,11 @@ cycle created, so "cycle 2 creates nothing" is a number, not a promise.
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -22,7 +26,7 @@ from warmlink.refit import protocol, translate
 from warmlink.refit.manifest import TensorLayout
 from warmlink.refit.plan import build_plan, layout_signature
 from warmlink.refit.sources import SourceSet
-from warmlink.transport import open_link
+from warmlink.transport import lease_link
 from warmlink.transport.base import Copy
 
 __all__ = ["Receiver", "RefitHandle", "CycleReport"]
@@ -87,6 +91,29 @@ class _Buffers:
         ]
         self.batch = None
         self.batch_key = None
+
+
+# Plans are pure functions of the layouts: one process-wide cache, so that a receiver re-created
+# with the same layout (an engine per test, a restarted inference worker thread) plans nothing.
+_PLAN_CACHE_SIZE = 16
+_plan_lock = threading.Lock()
+_plan_cache: "OrderedDict[str, object]" = OrderedDict()
+
+
+def _cached_plan(signature: str):
+    with _plan_lock:
+        plan = _plan_cache.get(signature)
+        if plan is not None:
+            _plan_cache.move_to_end(signature)
+            counters("plan").reused += 1
+        return plan
+
+
+def _remember_plan(plan) -> None:
+    with _plan_lock:
+        _plan_cache[plan.signature] = plan
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
 
 
 def _round(n: int) -> int:
@@ -218,7 +245,8 @@ class Receiver:
         t0 = time.perf_counter()
         if self._link is None:
             # Once per receiver: the backend's imports, its stream and events (reported apart).
-            self._link = open_link(self._backend_arg, self._resolve_device(), self.timeout_s)
+            self._link_lease = lease_link(self._backend_arg, self._resolve_device(), self.timeout_s)
+            self._link = self._link_lease.resource
             self._sources = SourceSet(self.store, self._link, self.num_publishers)
             report.connect_s = time.perf_counter() - t0
 
@@ -311,7 +339,7 @@ class Receiver:
         targets = list(self._layouts.values())
         sources = self._sources.layouts()
         sig = layout_signature(sources, targets, max_runs_per_tensor=self.max_runs_per_tensor, name_map=self.name_map)
-        plan = self._plans.get(sig) if pool.enabled() else None
+        plan = _cached_plan(sig) if pool.enabled() else None
         if plan is None:
             start = time.perf_counter()
             plan = build_plan(sources, targets, max_runs_per_tensor=self.max_runs_per_tensor, name_map=self.name_map,
@@ -320,7 +348,8 @@ class Receiver:
             c.created += 1
             c.create_s += time.perf_counter() - start
         if pool.enabled():
-            self._plans = {sig: plan, key: plan}  # one layout at a time: a new one drops the old plan
+            _remember_plan(plan)
+            self._plans = {key: plan}  # this receiver's current layout
         return plan
 
     def _buffers_for(self, plan) -> _Buffers:
@@ -384,7 +413,16 @@ class Receiver:
             if hold is not None:
                 self._link.release(hold.region)
             self._sources.close_regions()
-            self._link.close()
+            self._link_lease.release()
+            self._link = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_link", None) is not None and not sys.is_finalizing():
+            warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
 
     def __enter__(self) -> "Receiver":
         return self

@@ -318,6 +318,12 @@ class Link(abc.ABC):
     def write(self, batch: Batch) -> Transfer:
         """Push: copy local -> remote for every copy of ``batch``. Returns at once."""
 
+    def recycle(self) -> bool:
+        """Make the link ready for its next user: release what the last one left (regions,
+        mappings), wait (bounded) for work in flight, and report whether the link is healthy.
+        The pool destroys a link whose recycle returns False. See Note [Reset before reuse]."""
+        return False
+
     def close(self) -> None:
         """Release this link's resources back to the pool. Idempotent."""
         self._closed = True

@@ -448,6 +448,24 @@ class CudaIpcLink(Link):
             except Exception as exc:
                 log.warning("release failed during close", extra={"lease": repr(lease), "error": str(exc)})
 
+    def recycle(self) -> bool:
+        """Release what the last user held and check the streams drained (bounded); False if not."""
+        from warmlink.pool.streams import DRAIN_TIMEOUT_S, wait_until
+
+        if self._closed:
+            return False
+        with self._lock:
+            for region in list(self._remotes.values()):
+                self.close_region(region)
+            for region in list(self._locals.values()):
+                self.release(region)
+        try:
+            idle = all(wait_until(lambda s=s: _cuda.stream_query(s), DRAIN_TIMEOUT_S) for s in self._streams)
+        except WarmlinkError:
+            return False
+        self._sweep_deferred()
+        return idle
+
     def close(self) -> None:
         """Drain and return streams and events, then release every region still held. Idempotent.
 

@@ -15,6 +15,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferError
@@ -159,6 +160,9 @@ class ShmLink(Link):
             raise ConfigError(f"ShmLink: device={device}; expected -1 (host memory)")
         super().__init__(-1, timeout_s)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = 0  # transfers submitted and not finished (worker decrements)
+        self._busy_lock = threading.Lock()
+        self._held: dict[int, object] = {}  # regions handed out and not yet given back
         self._worker = threading.Thread(target=self._work, name="warmlink-shm-copy", daemon=True)
         self._worker.start()
 
@@ -167,7 +171,11 @@ class ShmLink(Link):
             transfer = self._queue.get()
             if transfer is None:
                 return
-            transfer._run()
+            try:
+                transfer._run()
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
 
     # -- local ---------------------------------------------------------------------------------
     def register(self, tensor) -> LocalRegion:
@@ -185,18 +193,23 @@ class ShmLink(Link):
             )
         desc, token = _registrations.acquire((arena.name, arena.generation, ptr - arena.ptr, nbytes))
         flat = tensor.reshape(-1).view(__import__("torch").uint8) if nbytes else tensor
-        return LocalRegion(flat, nbytes, -1, ptr, desc, owner=("registration", token))
+        return self._hold(LocalRegion(flat, nbytes, -1, ptr, desc, owner=("registration", token)))
 
     def allocate(self, nbytes: int) -> LocalRegion:
         lease = arenas.lease_arena("shm", nbytes)
         arena = lease.resource
         desc = {"kind": "shm", "name": arena.name, "offset": 0, "nbytes": nbytes}
-        return LocalRegion(arena.tensor[:nbytes], nbytes, -1, arena.ptr, desc, owner=("arena", lease))
+        return self._hold(LocalRegion(arena.tensor[:nbytes], nbytes, -1, arena.ptr, desc, owner=("arena", lease)))
+
+    def _hold(self, region):
+        self._held[id(region)] = region
+        return region
 
     def release(self, region: LocalRegion) -> None:
         if region._closed:
             return
         region._closed = True
+        self._held.pop(id(region), None)
         kind, handle = region._owner
         region.tensor = None
         (_registrations.release(handle) if kind == "registration" else handle.release())
@@ -212,11 +225,12 @@ class ShmLink(Link):
                 f"> file size {mapping.nbytes}"
             )
         view = mapping.tensor[offset : offset + nbytes]
-        return RemoteRegion(peer, desc, nbytes, -1, view.data_ptr(), view, token)
+        return self._hold(RemoteRegion(peer, desc, nbytes, -1, view.data_ptr(), view, token))
 
     def close_region(self, region: RemoteRegion) -> None:
         if not region._closed:
             region._closed = True
+            self._held.pop(id(region), None)
             region.tensor = None
             _mappings.release(region._token)
 
@@ -228,6 +242,8 @@ class ShmLink(Link):
         if self._closed:
             raise TransferError("ShmLink: link is closed")
         transfer = ShmTransfer(batch, self.timeout_s, push)
+        with self._busy_lock:
+            self._busy += 1
         self._queue.put(transfer)
         return transfer
 
@@ -237,8 +253,21 @@ class ShmLink(Link):
     def write(self, batch: Batch) -> ShmTransfer:
         return self._submit(batch, push=True)
 
+    def _release_held(self) -> None:
+        for region in list(self._held.values()):
+            (self.close_region if isinstance(region, RemoteRegion) else self.release)(region)
+
+    def recycle(self) -> bool:
+        """Idle, nothing held, worker alive: ready for the next user (bounded wait for transfers)."""
+        deadline = time.perf_counter() + self.timeout_s
+        while self._busy and time.perf_counter() < deadline:
+            time.sleep(50e-6)
+        self._release_held()
+        return not self._closed and self._busy == 0 and self._worker.is_alive()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._release_held()
             self._queue.put(None)
             self._worker.join(timeout=self.timeout_s)
