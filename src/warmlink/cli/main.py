@@ -1,4 +1,4 @@
-"""The ``warmlink`` command: ``demo``, ``bench refit`` and ``doctor``."""
+"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ examples:
   warmlink demo                          trainer (TP=2) -> inference (TP=1), refit after each step
   warmlink bench refit --scale 0.05      Qwen3-4B-shaped refit at 5%% size, pool on/off vs NCCL
   warmlink bench refit --cycles 5 --plot out/refit.png --json out/refit.json
+  warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
+  warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
   warmlink doctor                        GPUs, peer access, copy-engine bandwidth, backends
 
 environment (operational switches only; arguments win):
@@ -51,6 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
         "translate | total) for warmlink pool on, WARMLINK_POOL=0, NCCL broadcast per tensor and in 1 GiB buckets, "
         "all in one run, with the copy-engine peak measured in the same run.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
+    from warmlink.bench import lifecycle, reconfigure
+
+    lifecycle.add_arguments(bench_sub.add_parser(
+        "lifecycle", help="engine create -> first refit -> destroy, N times (seed 002): pool on / off",
+        description="N engine lifecycles in one trainer and one inference process (as a test suite that builds "
+        "a client per test): Publisher create + add + export, Receiver create + add + first refit, Receiver "
+        "close, Publisher close. Phases per lifecycle (median) for warmlink pool on and WARMLINK_POOL=0 in one "
+        "run, what each lifecycle created, and the total for N.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+    reconfigure.add_arguments(bench_sub.add_parser(
+        "reconfigure", help="a receiver process replaced (seed 001): init / reconfigure / destroy P50, vs a new NCCL group",
+        description="A publisher process serves for the whole run while receiver processes come and go: init (a "
+        "new process's first refit), reconfigure (that process killed and replaced by a new one, whose first refit "
+        "completes) and destroy (close and exit), each as P50 over --repeats, with the new process's phases "
+        "(process start + imports, CUDA context, connect, first refit) and the time the staying publisher spends. "
+        "warmlink pool on, WARMLINK_POOL=0 and the same change done with a new NCCL (gloo on CPU) group and its "
+        "first broadcast, in one run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
 
     sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -71,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from warmlink.bench.refit_cli import run
 
         return run(args)
+    if args.command == "bench" and args.bench in ("lifecycle", "reconfigure"):
+        from warmlink.bench import lifecycle, reconfigure
+
+        return (lifecycle if args.bench == "lifecycle" else reconfigure).run(args)
     if args.command == "doctor":
         from warmlink.cli.doctor import run_doctor
 

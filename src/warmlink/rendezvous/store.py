@@ -235,8 +235,14 @@ class Store:
         self.wait_until(present, what=f"key={key!r}", timeout_s=timeout_s)
         return found[0]
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, *, checked: bool = True) -> int:
         """Atomically add ``amount`` to the integer under ``key`` (absent counts as 0); returns the sum.
+
+        Args:
+            checked: first check that ``key`` holds an integer (one more round trip). Counters that
+                only warmlink's own protocol writes (reader counts, generations) pass False: a
+                corrupted one then costs this client its connection (PeerLostError on the next
+                call), which fails closed, instead of a round trip on every refit.
 
         Raises:
             MetadataError: ``key`` holds something that is not an integer. See Note [TCPStore quirks].
@@ -244,7 +250,7 @@ class Store:
         self._key(key, "add")
         if isinstance(amount, bool) or not isinstance(amount, int) or not -(1 << 62) <= amount < 1 << 62:
             raise ConfigError(f"Store.add: amount={amount!r} invalid; expected an int of magnitude < 2**62")
-        current = self.try_get(key)
+        current = self.try_get(key) if checked else None
         if current is not None:
             try:
                 int(current.decode("ascii"))
@@ -309,7 +315,7 @@ class Store:
 
     def next_generation(self, slot: str) -> int:
         """Bump and return the generation counter of ``slot`` (e.g. ``"pub/1"``); the first call returns 1."""
-        return self.add(_GENERATION_PREFIX + self._key(slot, "next_generation"), 1)
+        return self.add(_GENERATION_PREFIX + self._key(slot, "next_generation"), 1, checked=False)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
