@@ -79,6 +79,7 @@ class Publisher:
         self.generation = 0
         self.version = 0
         self._updating = False
+        self._drained = False
         self._closed = False
 
     # -- declaration -------------------------------------------------------------------------
@@ -188,14 +189,17 @@ class Publisher:
             TransferTimeout: readers still inside after ``timeout_s`` (a receiver died mid-pull).
         """
         self._check_exported("begin_update")
-        if self._updating:
+        if self._updating and self._drained:
             # Readers are already out (an update body that raised left us here): the tensors may be
             # half written, so nothing is published until publish() is called.
             return 0.0
         start = time.perf_counter()
-        protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
-        self._updating = True
+        if not self._updating:
+            protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
+            self._updating, self._drained = True, False
+        # A retry after a timeout waits again: the slow reader may still be inside.
         protocol.wait_no_readers(self.store, self.rank, self.version, timeout_s if timeout_s is not None else self.timeout_s)
+        self._drained = True
         return time.perf_counter() - start
 
     def publish(self) -> int:

@@ -49,12 +49,13 @@ class SourceSet:
                 continue
             new = self._load(rank, state.generation)
             if src is not None:
-                # Mappings follow the process: a publisher re-created in the same process keeps
-                # those of regions it still exports; a new process gets fresh ones.
                 self._close(src)
-                keep = {self.link.region_id(d) for d in new.regions}
-                self.link.forget_peer(src.peer.key, keep_process=new.peer.process_id, keep_regions=keep)
                 log.info("publisher re-created", extra={"rank": rank, "generation": state.generation})
+            # Mappings follow the process: a publisher re-created in the same process keeps those
+            # of regions it still exports; another process's (one that left while no receiver of
+            # this process watched, too) are closed.
+            keep = {self.link.region_id(d) for d in new.regions}
+            self.link.forget_peer(new.peer.key, keep_process=new.peer.process_id, keep_regions=keep)
             self._sources[rank] = new
 
     def _load(self, rank: int, generation: int) -> _Source:
@@ -76,11 +77,20 @@ class SourceSet:
                 f"Receiver: publisher/{rank} uses backend={info['backend']!r}, this receiver {self.link.backend!r}; "
                 "both sides must use the same backend"
             )
+        for i, region in enumerate(m["regions"]):
+            if region["kind"] != self.link.backend:
+                raise MetadataError(
+                    f"publisher manifest from peer={peer_name!r}: regions[{i}].kind={region['kind']!r}; "
+                    f"expected {self.link.backend!r} (this receiver's backend)"
+                )
         layouts, where = [], {}
         for t in m["tensors"]:
             layouts.append(TensorLayout.from_json(t))
             where[t["name"]] = (t["region"], t["offset"])
-        peer = PeerRef(peer_name, generation, info["host"], info["pid"], info["start_time"])
+        # The slot key carries the job's store prefix: two jobs in one process never share or evict
+        # each other's mappings.
+        key = f"{getattr(self.store, 'prefix', '')}:{peer_name}"
+        peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
         return _Source(peer, layouts, where, m["regions"])
 
     def layouts(self) -> dict[int, list[TensorLayout]]:

@@ -454,17 +454,20 @@ class CudaIpcLink(Link):
 
         if self._closed:
             return False
+        # Idle first: regions are released only once no copy can still touch them.
+        try:
+            idle = all(wait_until(lambda s=s: _cuda.stream_query(s), DRAIN_TIMEOUT_S) for s in self._streams)
+        except WarmlinkError:
+            return False
+        if not idle:
+            return False
         with self._lock:
             for region in list(self._remotes.values()):
                 self.close_region(region)
             for region in list(self._locals.values()):
                 self.release(region)
-        try:
-            idle = all(wait_until(lambda s=s: _cuda.stream_query(s), DRAIN_TIMEOUT_S) for s in self._streams)
-        except WarmlinkError:
-            return False
         self._sweep_deferred()
-        return idle
+        return True
 
     def close(self) -> None:
         """Drain and return streams and events, then release every region still held. Idempotent.

@@ -257,17 +257,31 @@ class ShmLink(Link):
         for region in list(self._held.values()):
             (self.close_region if isinstance(region, RemoteRegion) else self.release)(region)
 
-    def recycle(self) -> bool:
-        """Idle, nothing held, worker alive: ready for the next user (bounded wait for transfers)."""
+    def _drain(self) -> bool:
+        """Wait (bounded by the timeout) until no transfer runs; True when idle."""
         deadline = time.perf_counter() + self.timeout_s
         while self._busy and time.perf_counter() < deadline:
             time.sleep(50e-6)
+        return self._busy == 0
+
+    def recycle(self) -> bool:
+        """Idle, nothing held, worker alive: ready for the next user (bounded wait for transfers).
+
+        A link whose transfers outlive the wait keeps its regions: giving memory back to the pool
+        while a copy may still write into it would corrupt the next holder's bytes.
+        """
+        if not self._drain():
+            return False
         self._release_held()
-        return not self._closed and self._busy == 0 and self._worker.is_alive()
+        return not self._closed and self._worker.is_alive()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._release_held()
+            if self._drain():
+                self._release_held()
+            else:  # see recycle(): leak the regions rather than hand out memory still being written
+                log.warning("shm link closed with transfers in flight; its regions are not returned",
+                            extra={"num_held": len(self._held)})
             self._queue.put(None)
             self._worker.join(timeout=self.timeout_s)
