@@ -41,6 +41,10 @@ for d in range(torch.cuda.device_count()):
       timeout 420 python3 -m warmlink.cli.main bench refit --scale 0.1 --cycles 3 --json "$OUT/refit_small.json" 2>&1 | tee "$OUT/refit_small.log" | tail -70 ;;
     bench-full)
       timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
+    bench-lifecycle)
+      timeout 150 python3 -m warmlink.cli.main bench lifecycle --iterations ${ITERATIONS:-100} --json "$OUT/lifecycle.json" 2>&1 | tee "$OUT/lifecycle.log" | tail -40 ;;
+    bench-reconfigure)
+      timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
