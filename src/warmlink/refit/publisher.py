@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 from warmlink import _env
 from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, VersionError
 from warmlink.refit import protocol
+from warmlink.refit._closing import Closing
 from warmlink.refit.manifest import TensorLayout
 from warmlink.transport import lease_link
 from warmlink.transport.base import LocalRegion, local_identity
@@ -40,7 +39,7 @@ class _Entry:
     staged: bool = False
 
 
-class Publisher:
+class Publisher(Closing):
     """One trainer rank's published tensors.
 
     Args:
@@ -250,20 +249,6 @@ class Publisher:
             self._regions.clear()
             self._link_lease.release()
             self._link = None
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and getattr(self, "_link", None) is not None and not sys.is_finalizing():
-            warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __enter__(self) -> "Publisher":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"Publisher(rank={self.rank}/{self.world_size}, tensors={len(self._entries)}, version={self.version}, generation={self.generation})"

@@ -9,10 +9,8 @@ cycle created, so "cycle 2 creates nothing" is a number, not a promise.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -23,6 +21,7 @@ from warmlink._dtypes import dtype_name, torch_dtype
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError
 from warmlink.pool.core import counters
 from warmlink.refit import protocol, translate
+from warmlink.refit._closing import Closing
 from warmlink.refit.manifest import TensorLayout
 from warmlink.refit.plan import build_plan, layout_signature
 from warmlink.refit.sources import SourceSet
@@ -120,7 +119,7 @@ def _round(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class Receiver:
+class Receiver(Closing):
     """One inference rank's view of the published weights.
 
     Args:
@@ -415,20 +414,6 @@ class Receiver:
             self._sources.close_regions()
             self._link_lease.release()
             self._link = None
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and getattr(self, "_link", None) is not None and not sys.is_finalizing():
-            warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def __enter__(self) -> "Receiver":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class RefitHandle:
