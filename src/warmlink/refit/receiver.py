@@ -175,6 +175,8 @@ class Receiver(Closing):
         self._pull_parity = 1
         self.installed_version = 0
         self._in_flight = False
+        self._last_named: dict[str, object] = {}
+        self._swap_hold: _Buffers | None = None  # pool off + swap: the buffers the model points at
         self._closed = False
 
     # -- declaration -------------------------------------------------------------------------
@@ -250,7 +252,6 @@ class Receiver(Closing):
             report.connect_s = time.perf_counter() - t0
 
         versions = self._enter(version, timeout)
-        entered = True
         try:
             t1 = time.perf_counter()
             report.sync_s = t1 - t0 - report.connect_s
@@ -277,7 +278,7 @@ class Receiver(Closing):
             self._leave(versions)
             self._discard_uncached()
             raise
-        self._in_flight = entered
+        self._in_flight = True
         return RefitHandle(self, plan, bufs, transfer, report, before, t0, time.perf_counter(), timeout)
 
     def _enter(self, version: int | None, timeout_s: float) -> int:
@@ -389,14 +390,14 @@ class Receiver(Closing):
             return
         if bufs is not None:
             if installed and self.install == "swap":
-                bufs, self._swap_hold = getattr(self, "_swap_hold", None), bufs
+                bufs, self._swap_hold = self._swap_hold, bufs
             if bufs is not None:
                 self._link.release(bufs.region)
         self._sources.close_regions()
 
     def tensors(self) -> dict[str, object]:
         """The last installed tensors by name (views of receiver memory, valid until the next cycle)."""
-        return dict(getattr(self, "_last_named", {}))
+        return dict(self._last_named)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -408,7 +409,7 @@ class Receiver(Closing):
             for bufs in self._buffers.values():
                 self._link.release(bufs.region)
             self._buffers.clear()
-            hold = getattr(self, "_swap_hold", None)
+            hold = self._swap_hold
             if hold is not None:
                 self._link.release(hold.region)
             self._sources.close_regions()
