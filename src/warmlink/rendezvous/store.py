@@ -26,7 +26,9 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
+import warnings
 from typing import Any, Callable
 
 from warmlink import _env
@@ -333,11 +335,14 @@ class Store:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            import warnings
-
-            warnings.warn(f"Store at {self.address} was not closed; call close()", ResourceWarning, stacklevel=2)
+        # At interpreter exit modules are already torn down: nothing useful can be said then.
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return
+        warnings.warn(f"Store at {self.address} was not closed; call close()", ResourceWarning, stacklevel=2)
+        try:
             self.close()
+        except Exception:
+            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("server" if self.is_server else "client")
