@@ -131,6 +131,22 @@ def test_max_idle_bound(pool_on, fake: Fake) -> None:
     assert fl.num_idle() == 0 and not fake.live and counters(fl.kind).idle == 0
 
 
+def test_total_idle_bound_evicts_the_oldest_across_keys(pool_on, fake: Fake) -> None:
+    """However many distinct keys users ask for, at most max_idle_total resources stay idle, and
+    the one destroyed is the oldest idle; keys left without idle resources are dropped."""
+    fl = _freelist(fake, max_idle_per_key=4, max_idle_total=3)
+    leases = [fl.lease(f"k{i}") for i in range(6)]  # resources 1..6, one per key
+    for lease in leases:
+        lease.release()
+    assert fl.num_idle() == 3 and fake.live == {4, 5, 6} and fake.destroyed == [1, 2, 3]  # oldest first
+    assert counters(fl.kind).idle == 3
+    again = fl.lease("k5")  # the most recent survives and is reused
+    assert again.resource == 6 and counters(fl.kind).reused == 1
+    assert fl.lease("k0").resource == 7  # k0's idle resource was evicted: a new one is made
+    fl.clear()
+    assert fl.num_idle() == 0 and counters(fl.kind).idle == 0 and fake.live == {6, 7}
+
+
 def test_pool_off_creates_and_destroys_every_time(fake: Fake) -> None:
     fl = _freelist(fake)
     pool.set_enabled(True)

@@ -203,7 +203,9 @@ def _destroy(arena: Arena) -> None:
     (_destroy_shm if arena.kind == "shm" else _destroy_cuda)(arena)
 
 
-_arenas: FreeList[tuple[str, int, int], Arena] = FreeList("arena", _create, _reset, _destroy, max_idle_per_key=8)
+# Arenas are large: at most 8 idle of one size and 16 in all (the oldest idle one goes first).
+_arenas: FreeList[tuple[str, int, int], Arena] = FreeList("arena", _create, _reset, _destroy, max_idle_per_key=8,
+                                                          max_idle_total=16)
 
 
 def lease_arena(kind: str, nbytes: int, device: int = -1) -> Lease[Arena]:

@@ -131,8 +131,10 @@ class FreeList(Generic[K, R]):
         create: makes a resource for a key (the expensive call).
         reset: makes a returned resource ready for the next user; returns False if it cannot.
         destroy: frees a resource for good.
-        max_idle_per_key: idle resources kept per key; extra ones are destroyed on release so the
-            pool never grows without bound.
+        max_idle_per_key: idle resources kept per key.
+        max_idle_total: idle resources kept across all keys. Past either bound the oldest idle
+            resource is destroyed, so the pool never grows without bound however many distinct
+            keys (arena sizes, settings) its users ask for.
     """
 
     def __init__(
@@ -142,13 +144,17 @@ class FreeList(Generic[K, R]):
         reset: Callable[[R], bool],
         destroy: Callable[[R], None],
         max_idle_per_key: int = 64,
+        max_idle_total: int = 256,
     ) -> None:
         self.kind = kind
         self._create = create
         self._reset = reset
         self._destroy = destroy
         self._max_idle = max_idle_per_key
-        self._idle: dict[K, list[R]] = {}
+        self._max_idle_total = max_idle_total
+        self._idle: dict[K, list[tuple[int, R]]] = {}  # oldest first; (release sequence, resource)
+        self._num_idle = 0
+        self._seq = 0
         self._lock = threading.Lock()
         self._counters = counters(kind)
 
@@ -158,7 +164,10 @@ class FreeList(Generic[K, R]):
             with self._lock:
                 idle = self._idle.get(key)
                 if idle:
-                    resource = idle.pop()
+                    _, resource = idle.pop()
+                    if not idle:
+                        del self._idle[key]  # keys without idle resources are not kept either
+                    self._num_idle -= 1
                     self._counters.reused += 1
                     self._counters.idle -= 1
                     return Lease(self, key, resource)
@@ -187,14 +196,19 @@ class FreeList(Generic[K, R]):
                     self._counters.failed_resets += 1
             else:
                 with self._lock:
-                    idle = self._idle.setdefault(key, [])
+                    self._seq += 1
+                    self._idle.setdefault(key, []).append((self._seq, resource))
+                    self._num_idle += 1
+                    self._counters.idle += 1
                     # Full: drop the oldest idle one and keep this one, the most recently used,
                     # whose peers' mappings and caches are the likeliest to be warm.
-                    evicted = idle.pop(0) if len(idle) >= self._max_idle else None
-                    idle.append(resource)
-                    self._counters.idle += 0 if evicted is not None else 1
-                if evicted is not None:
-                    self._destroy_one(evicted)
+                    evicted = []
+                    if len(self._idle[key]) > self._max_idle:
+                        evicted.append(self._pop_oldest(key))
+                    while self._num_idle > self._max_idle_total:
+                        evicted.append(self._pop_oldest(min(self._idle, key=lambda k: self._idle[k][0][0])))
+                for old in evicted:
+                    self._destroy_one(old)
                 return
         self._destroy_one(resource)
 
@@ -207,17 +221,28 @@ class FreeList(Generic[K, R]):
             self._counters.destroyed += 1
             self._counters.live -= 1
 
+    def _pop_oldest(self, key: K) -> R:
+        """Remove and return the oldest idle resource of ``key`` (lock held)."""
+        idle = self._idle[key]
+        _, resource = idle.pop(0)
+        if not idle:
+            del self._idle[key]
+        self._num_idle -= 1
+        self._counters.idle -= 1
+        return resource
+
     def num_idle(self) -> int:
         with self._lock:
-            return sum(len(v) for v in self._idle.values())
+            return self._num_idle
 
     def clear(self) -> None:
         """Destroy every idle resource (leased ones are untouched)."""
         with self._lock:
             idle, self._idle = self._idle, {}
-            self._counters.idle -= sum(len(v) for v in idle.values())
+            self._counters.idle -= self._num_idle
+            self._num_idle = 0
         for resources in idle.values():
-            for r in resources:
+            for _, r in resources:
                 self._destroy_one(r)
 
 
