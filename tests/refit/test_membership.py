@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -30,6 +29,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from _spawned import CTX, SpawnedWorker
+
 from warmlink import pool
 from warmlink.bench.refit import build_physical
 from warmlink.errors import LayoutError, MetadataError, TransferTimeout
@@ -39,7 +40,6 @@ from warmlink.refit.manifest import Shard, TensorLayout
 from warmlink.rendezvous import Store
 from warmlink.transport import shm
 
-CTX = mp.get_context("spawn")
 TIMEOUT_S = 30.0
 
 
@@ -293,55 +293,12 @@ def _worker_main(control, results, pulling) -> None:
         _cmd_reset(state)
 
 
-class Worker:
-    """One spawned process running commands in order; ``result`` raises the worker's traceback."""
+class Worker(SpawnedWorker):
+    """A refit test worker; ``pulling`` is set while its receiver's copy runs (fault hook)."""
 
     def __init__(self) -> None:
-        self.control, self.results, self.pulling = CTX.Queue(), CTX.Queue(), CTX.Event()
-        self.proc = CTX.Process(target=_worker_main, args=(self.control, self.results, self.pulling), daemon=True)
-        self.proc.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def send(self, cmd: str, **kwargs) -> None:
-        self.control.put((cmd, kwargs))
-
-    def result(self, timeout_s: float = 60.0):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                status, value = self.results.get(timeout=0.25)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"worker {self.proc.pid} died (exit code {self.proc.exitcode})") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {self.proc.pid} gave no answer in {timeout_s} s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"worker {self.proc.pid} failed:\n{value}")
-            return value
-
-    def call(self, cmd: str, timeout_s: float = 60.0, **kwargs):
-        self.send(cmd, **kwargs)
-        return self.result(timeout_s)
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """Ask the process to exit normally (it closes what it holds); kill it if it does not."""
-        try:
-            self.control.put(None)
-        except (OSError, ValueError):
-            pass
-        self.proc.join(timeout=timeout_s)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
-        return self.proc.exitcode
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(timeout=10)
+        self.pulling = CTX.Event()
+        super().__init__(_worker_main, self.pulling)
 
 
 def spawn(n: int) -> list[Worker]:

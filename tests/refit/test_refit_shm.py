@@ -10,7 +10,6 @@ read has a deadline and a dead worker fails the test instead of hanging it.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -19,6 +18,8 @@ import uuid
 
 import pytest
 import torch
+
+from _spawned import SpawnedWorker
 
 from warmlink import pool
 from warmlink._dtypes import torch_dtype
@@ -30,7 +31,6 @@ from warmlink.refit.manifest import Part, TensorLayout
 from warmlink.rendezvous import Store
 from warmlink.transport import shm
 
-CTX = mp.get_context("spawn")
 SPEC = qwen3_4b_like(0.001)  # ~1 MB in 10 tensors, fused qkv / gate_up, bf16
 COUNTED = ("arena", "registration", "peer_mapping", "plan")
 TIMEOUT_S = 30.0
@@ -193,45 +193,11 @@ def _worker_main(control, results) -> None:
         _cmd_reset(state)
 
 
-class Worker:
-    """One spawned process that runs commands in order; ``result`` raises the worker's traceback."""
+class Worker(SpawnedWorker):
+    """A refit test worker running ``_worker_main``."""
 
     def __init__(self) -> None:
-        self.control, self.results = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=_worker_main, args=(self.control, self.results), daemon=True)
-        self.proc.start()
-
-    def send(self, cmd: str, **kwargs) -> None:
-        self.control.put((cmd, kwargs))
-
-    def result(self, timeout_s: float = 60.0):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                status, value = self.results.get(timeout=0.25)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"worker {self.proc.pid} died (exit code {self.proc.exitcode})") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {self.proc.pid} gave no answer in {timeout_s} s") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"worker {self.proc.pid} failed:\n{value}")
-            return value
-
-    def call(self, cmd: str, timeout_s: float = 60.0, **kwargs):
-        self.send(cmd, **kwargs)
-        return self.result(timeout_s)
-
-    def stop(self) -> None:
-        try:
-            self.control.put(None)
-        except (OSError, ValueError):
-            pass
-        self.proc.join(timeout=15)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+        super().__init__(_worker_main)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,65 @@
+"""A spawned worker process that runs test commands in order (shared by the refit test modules).
+
+Every wait is bounded: a worker that dies or stays silent fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+
+CTX = mp.get_context("spawn")
+
+
+class SpawnedWorker:
+    """``target(control, results, *extra)`` in a new process; ``result`` raises the worker's traceback."""
+
+    def __init__(self, target, *extra) -> None:
+        self.control, self.results = CTX.Queue(), CTX.Queue()
+        self.proc = CTX.Process(target=target, args=(self.control, self.results, *extra), daemon=True)
+        self.proc.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, cmd: str, **kwargs) -> None:
+        self.control.put((cmd, kwargs))
+
+    def result(self, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                status, value = self.results.get(timeout=0.25)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"worker {self.proc.pid} died (exit code {self.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {self.proc.pid} gave no answer in {timeout_s} s") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"worker {self.proc.pid} failed:\n{value}")
+            return value
+
+    def call(self, cmd: str, timeout_s: float = 60.0, **kwargs):
+        self.send(cmd, **kwargs)
+        return self.result(timeout_s)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """Ask the process to exit normally (it closes what it holds); kill it if it does not."""
+        try:
+            self.control.put(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(timeout=10)
