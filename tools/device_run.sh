@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
-# Usage: tools/device_run.sh STAGE...   stages: env tests demo bench-small bench-full
+# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep demo doctor bench-small
+#        bench-full bench-lifecycle bench-reconfigure bench-ep (env: CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,6 +46,12 @@ for d in range(torch.cuda.device_count()):
       timeout 150 python3 -m warmlink.cli.main bench lifecycle --iterations ${ITERATIONS:-100} --json "$OUT/lifecycle.json" 2>&1 | tee "$OUT/lifecycle.log" | tail -40 ;;
     bench-reconfigure)
       timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
+    tests-ep)
+      timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
+    bench-ep)
+      for i in $(seq 1 ${REPEATS_EP:-3}); do
+        timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_$i.json" 2>&1 | tee "$OUT/ep_$i.log" | tail -22
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

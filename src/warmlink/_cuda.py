@@ -26,7 +26,7 @@ from warmlink.errors import BackendUnavailable, MetadataError, PoolError, Transf
 __all__ = [
     "available", "unavailable_reason", "check", "use_device", "current_device", "device_count", "malloc", "free",
     "tensor_from_ptr", "alloc_range", "buffer_id", "pointer_device", "is_ipc_exportable",
-    "ipc_get_handle", "ipc_open_handle", "ipc_close_handle", "enable_peer_access",
+    "ipc_get_handle", "ipc_open_handle", "ipc_close_handle", "ipc_get_event_handle", "ipc_open_event_handle", "enable_peer_access",
     "stream_create", "stream_destroy", "stream_query", "stream_synchronize", "stream_wait_event",
     "stream_priority_range", "event_create", "event_record", "event_query", "event_synchronize",
     "event_elapsed_ms", "event_destroy", "memcpy_async", "memcpy_2d_async", "memcpy_batch_async",
@@ -387,11 +387,37 @@ def stream_wait_event(stream: int, event: int) -> None:
     check((_rt or _load()).cudaStreamWaitEvent(stream, event, 0), f"cudaStreamWaitEvent({stream:#x}, {event:#x})")
 
 
-def event_create(device: int, timing: bool = False) -> int:
-    """An event on ``device`` (``cudaEventDisableTiming`` unless ``timing``)."""
+def event_create(device: int, timing: bool = False, interprocess: bool = False) -> int:
+    """An event on ``device`` (``cudaEventDisableTiming`` unless ``timing``).
+
+    ``interprocess`` adds ``cudaEventInterprocess`` so that ``ipc_get_event_handle`` can export it;
+    CUDA requires such events to be made without timing.
+    """
+    if interprocess and timing:
+        raise PoolError("event_create: an interprocess event cannot record timing (CUDA requires cudaEventDisableTiming)")
     with use_device(device):
         flags = _rt.cudaEventDefault if timing else _rt.cudaEventDisableTiming
+        if interprocess:
+            flags = int(flags) | int(_rt.cudaEventInterprocess)
         return int(check(_rt.cudaEventCreateWithFlags(flags), f"cudaEventCreateWithFlags on cuda:{device}", PoolError))
+
+
+def ipc_get_event_handle(event: int) -> bytes:
+    """The 64-byte ``cudaIpcEventHandle_t`` of an event made with ``interprocess=True``."""
+    _load()
+    handle = check(_rt.cudaIpcGetEventHandle(event), f"cudaIpcGetEventHandle({event:#x})")
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def ipc_open_event_handle(handle: bytes, device: int) -> int:
+    """Open a peer's exported event in this process; query, synchronize or wait on it like a local
+    one (never record it). Destroy with ``event_destroy``."""
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != IPC_HANDLE_BYTES:
+        raise MetadataError(f"ipc_open_event_handle: handle has {len(handle) if handle else 0} bytes; expected {IPC_HANDLE_BYTES}")
+    with use_device(device):
+        h = _rt.cudaIpcEventHandle_t()
+        ctypes.memmove(h.getPtr(), bytes(handle), IPC_HANDLE_BYTES)
+        return int(check(_rt.cudaIpcOpenEventHandle(h), f"cudaIpcOpenEventHandle on cuda:{device}"))
 
 
 def event_record(event: int, stream: int) -> None:

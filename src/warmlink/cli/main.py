@@ -1,4 +1,4 @@
-"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure`` and ``doctor``."""
+"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure|ep`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ examples:
   warmlink bench refit --cycles 5 --plot out/refit.png --json out/refit.json
   warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
   warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
+  warmlink bench ep                      MoE dispatch/combine on every GPU: normal, hook, FP8 vs torch+NCCL
   warmlink doctor                        GPUs, peer access, copy-engine bandwidth, backends
 
 environment (operational switches only; arguments win):
@@ -72,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
         "first broadcast, in one run.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
+    from warmlink.bench import ep
+
+    ep.add_arguments(bench_sub.add_parser(
+        "ep", help="MoE dispatch/combine (issue 4): normal and hook mode, BF16 and FP8, vs torch + NCCL",
+        description="One process per GPU (CPU ranks over shm without a GPU) with random top-k routing: warmlink "
+        "dispatch (BF16, FP8, cached handle) and combine (BF16) in normal and hook mode, beside torch + NCCL "
+        "dispatch/combine and a bare all_to_all_single of the same bytes, plus a GEMM overlapped between send and "
+        "hook, in one run. Prints time and GB/s per rank (bytes that cross to other ranks) and checks that "
+        "warmlink's outputs equal the NCCL path's.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
     sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
@@ -91,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         from warmlink.bench.refit_cli import run
 
         return run(args)
+    if args.command == "bench" and args.bench == "ep":
+        from warmlink.bench import ep
+
+        return ep.run(args)
     if args.command == "bench" and args.bench in ("lifecycle", "reconfigure"):
         from warmlink.bench import lifecycle, reconfigure
 

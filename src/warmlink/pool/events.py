@@ -1,4 +1,4 @@
-"""Pooled CUDA events, keyed ``(device, timing)``.
+"""Pooled CUDA events, keyed ``(device, timing, interprocess)``.
 
 A released event is checked before reuse (see Note [Reset before reuse] in ``pool.core``): the
 work it captured must complete within ``DRAIN_TIMEOUT_S`` without error, else it is destroyed.
@@ -31,19 +31,22 @@ class Event:
         timing: whether ``cudaEventElapsedTime`` works on it.
     """
 
-    __slots__ = ("handle", "device", "timing")
+    __slots__ = ("handle", "device", "timing", "interprocess")
 
-    def __init__(self, handle: int, device: int, timing: bool) -> None:
+    def __init__(self, handle: int, device: int, timing: bool, interprocess: bool = False) -> None:
         self.handle = handle
         self.device = device
         self.timing = timing
+        self.interprocess = interprocess
 
     def __repr__(self) -> str:
-        return f"Event({self.handle:#x}, device={self.device}, timing={self.timing})"
+        return f"Event({self.handle:#x}, device={self.device}, timing={self.timing}, interprocess={self.interprocess})"
 
 
-def _create(key: tuple[int, bool]) -> Event:
-    device, timing = key
+def _create(key: tuple[int, bool, bool]) -> Event:
+    device, timing, interprocess = key
+    if interprocess:  # only exportable events pass the flag: fakes in tests take two arguments
+        return Event(_cuda.event_create(device, timing, interprocess=True), device, timing, True)
     return Event(_cuda.event_create(device, timing), device, timing)
 
 
@@ -59,15 +62,16 @@ def _destroy(event: Event) -> None:
     _cuda.event_destroy(event.handle)
 
 
-_events: FreeList[tuple[int, bool], Event] = FreeList("event", _create, _reset, _destroy, max_idle_per_key=256)
+_events: FreeList[tuple[int, bool, bool], Event] = FreeList("event", _create, _reset, _destroy, max_idle_per_key=256)
 
 
-def lease_event(device: int, timing: bool = False) -> Lease[Event]:
+def lease_event(device: int, timing: bool = False, interprocess: bool = False) -> Lease[Event]:
     """Lease an event on ``device``; complete (not pending) when handed out.
 
     Args:
         device: CUDA device index >= 0.
         timing: True for an event usable with ``cudaEventElapsedTime``.
+        interprocess: True for an event peers open with ``cudaIpcOpenEventHandle`` (no timing).
 
     Returns:
         A ``Lease`` whose ``resource`` is an ``Event``. ``release()`` waits (bounded) for its last
@@ -80,7 +84,9 @@ def lease_event(device: int, timing: bool = False) -> Lease[Event]:
     """
     if not isinstance(device, int) or device < 0:
         raise ConfigError(f"lease_event: device={device!r}; expected a CUDA device index >= 0")
-    return _events.lease((device, bool(timing)))
+    if interprocess and timing:
+        raise ConfigError("lease_event: interprocess=True needs timing=False (CUDA cannot export timing events)")
+    return _events.lease((device, bool(timing), bool(interprocess)))
 
 
 def clear_idle() -> None:

@@ -34,7 +34,7 @@ from warmlink.errors import MetadataError
 __all__ = [
     "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MAX_PAYLOAD_BYTES", "decode", "encode",
     "validate_peer_info", "validate_region", "validate_socket_address", "validate_publisher_manifest",
-    "validate_version_state", "tensor_local_shape", "tensor_nbytes", "region_extent_bytes",
+    "validate_version_state", "tensor_local_shape", "tensor_nbytes", "region_extent_bytes", "register_kind",
 ]
 
 SCHEMA_VERSION = 1
@@ -51,7 +51,7 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_DEVICE = 1 << 16
 _MAX_INT_DIGITS = 40
 
-ROLES = ("publisher", "receiver")
+ROLES = ("publisher", "receiver", "ep")
 BACKENDS = ("shm", "cuda_ipc", "nixl")
 VERSION_STATES = ("published", "updating")
 NIXL_MEMS = ("DRAM", "VRAM")
@@ -388,6 +388,14 @@ _VALIDATORS: dict[str, Callable[[Any, str], dict]] = {
     "publisher_manifest": validate_publisher_manifest,
     "version_state": validate_version_state,
 }
+
+
+def register_kind(kind: str, validator: Callable[[Any, str], dict]) -> None:
+    """Let a workload above this layer (ep) add a payload kind; ``decode`` and ``encode`` then
+    validate it like the built-in ones. ``validator(obj, peer)`` raises ``MetadataError``."""
+    if kind in _VALIDATORS and _VALIDATORS[kind] is not validator:
+        raise MetadataError(f"schema.register_kind: kind {kind!r} is already registered")
+    _VALIDATORS[kind] = validator
 
 
 # -- wire ---------------------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""What every engine (refit publisher and receiver, ep buffer) does at the end of its life (STYLE.md convention 6)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+__all__ = ["Closing"]
+
+
+class Closing:
+    """Context manager calling ``close()``; ``__del__`` warns (ResourceWarning) and closes.
+
+    Subclasses define ``close()`` (idempotent) and keep ``_closed`` and ``_link`` attributes: an
+    engine that never leased a link holds nothing and is collected silently.
+    """
+
+    def close(self) -> None:  # pragma: no cover - always overridden
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or getattr(self, "_link", None) is None or sys.is_finalizing():
+            return
+        warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,266 @@
+"""``warmlink bench ep``: MoE dispatch and combine, warmlink beside torch + NCCL, in one run.
+
+One process per GPU (or per CPU rank over shm when there is no GPU). Every rank draws a random
+routing (top-K of E experts, distinct per token), builds one ``warmlink.ep.Buffer`` and one
+torch.distributed group, and times, each as the median over ``--iterations``:
+
+- warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
+  the hook right away), and a cached-handle dispatch;
+- the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
+  permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
+  bytes;
+- overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together.
+
+Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
+counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. Time is the
+host clock around the operation, after an untimed alignment (one-element all-reduce and a device
+synchronization), stopped after a device synchronization. The received outputs of warmlink are
+checked against the NCCL path's in the same run (dispatch bit-exact, combine to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+
+from warmlink.bench._proc import Group
+
+__all__ = ["add_arguments", "run"]
+
+_OPS = ("dispatch_bf16", "dispatch_bf16_hook", "dispatch_fp8", "dispatch_fp8_hook", "dispatch_cached",
+        "combine_bf16", "combine_bf16_hook")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=None, help="ranks (default: every visible GPU, at most 8; 4 on CPU)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096 on GPU, 128 on CPU)")
+    p.add_argument("--hidden", type=int, default=None, help="channels per token (default 7168 on GPU, 512 on CPU)")
+    p.add_argument("--experts", type=int, default=None, help="experts in total (default 256 on GPU, 16 on CPU)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--iterations", type=int, default=20, help="timed runs of each operation (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs before them (default 5)")
+    p.add_argument("--gemm", type=int, default=6144, help="M=N=K of the overlap GEMM (default 6144; 0 skips overlap)")
+    p.add_argument("--json", default=None, help="write the record here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stalled run fails (default 300)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int, device):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    scores = torch.rand(tokens, experts, generator=gen)
+    weights, idx = scores.topk(topk, dim=1)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    return x.to(device), idx.to(device), (weights / weights.sum(1, keepdim=True)).float().to(device)
+
+
+def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, dist_port: int, cfg: dict) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from warmlink.bench.ep_nccl import nccl_combine, nccl_dispatch, time_nccl_ep
+    from warmlink.ep import Buffer
+    from warmlink.ep.fp8 import quantize
+    from warmlink.rendezvous import Store
+
+    cuda = cfg["cuda"]
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import datetime
+
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
+                            world_size=num_ranks, timeout=datetime.timedelta(seconds=cfg["timeout"]),
+                            **({"device_id": device} if cuda else {}))
+    flag = torch.zeros(1, device=device)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def timed(fn, iterations=cfg["iterations"], warmup=cfg["warmup"]):
+        samples = []
+        for i in range(warmup + iterations):
+            dist.all_reduce(flag)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
+    x, topk_idx, weights = _routing(rank, T, E, K, H, device)
+    x8 = quantize(x)
+    store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"])
+    t0 = time.perf_counter()
+    buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K, device=device.index if cuda else -1,
+                 backend="cuda_ipc" if cuda else "shm", timeout_s=cfg["timeout"])
+    init_s = time.perf_counter() - t0
+    out: dict = {"rank": rank, "init_s": init_s}
+
+    # Correctness against the NCCL path, same inputs, same run.
+    layout = buf.get_dispatch_layout(topk_idx, E)
+    kwargs = {"num_tokens_per_rank": layout[0], "is_token_in_rank": layout[3], "num_tokens_per_expert": layout[2],
+                  "topk_idx": topk_idx, "topk_weights": weights}
+    recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(x, **kwargs)
+    ref = nccl_dispatch(x, topk_idx, weights, E)
+    checks = {
+        "dispatch_x": bool(torch.equal(recv_x, ref.recv_x)),
+        "dispatch_idx": bool(torch.equal(recv_idx, ref.recv_topk_idx)),
+        "dispatch_w": bool(torch.equal(recv_w, ref.recv_topk_weights)),
+        "tokens_per_expert": per_expert == ref.num_recv_tokens_per_expert_list,
+    }
+    y = recv_x.clone()
+    combined, _, _ = buf.combine(y, handle)
+    ref_combined = nccl_combine(y, ref.handle)[0]
+    checks["combine"] = bool(torch.allclose(combined.float(), ref_combined.float(), rtol=1e-2, atol=1e-2))
+    r8 = buf.dispatch(x8, **kwargs)
+    ref8 = nccl_dispatch(x8, topk_idx, weights, E)
+    checks["dispatch_fp8"] = bool(torch.equal(r8[0][0].view(torch.uint8), ref8.recv_x[0].view(torch.uint8))
+                                  and torch.equal(r8[0][1], ref8.recv_x[1]))
+    out["checks"] = checks
+    cross = sum(n for d, n in enumerate(handle.send_counts) if d != rank)
+    out["cross_rows"] = cross
+    out["bytes"] = {"bf16": cross * H * 2, "fp8": cross * (H + H // 128 * 4)}
+    out["combine_bytes"] = sum(n for s, n in enumerate(handle.recv_counts) if s != rank) * H * 2
+
+    def dispatch(xx, hook=False):
+        r = buf.dispatch(xx, **kwargs, return_recv_hook=hook)
+        if hook:
+            r[-1]()
+        return r
+
+    y_keep = buf.dispatch(x, **kwargs)[0].clone()
+    h_keep = buf.dispatch(x, **kwargs)[4]
+
+    def combine(hook=False):
+        r = buf.combine(y_keep, h_keep, return_recv_hook=hook)
+        if hook:
+            r[-1]()
+
+    times = {
+        "dispatch_bf16": timed(lambda: dispatch(x)),
+        "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
+        "dispatch_fp8": timed(lambda: dispatch(x8)),
+        "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
+        "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
+    }
+    phases = {k: [] for k in ("layout", "handshake", "send", "receive")}
+    for _ in range(cfg["iterations"]):
+        dist.all_reduce(flag)
+        sync()
+        dispatch(x)
+        for k, samples in phases.items():
+            samples.append(buf.last_phases.get(k, 0.0))
+    out["dispatch_phases_s"] = {k: statistics.median(v) for k, v in phases.items()}
+    # combine reuses the routing of h_keep: dispatch once more so the receive area matches it
+    buf.dispatch(x, handle=h_keep)
+    times["combine_bf16"] = timed(lambda: combine())
+    times["combine_bf16_hook"] = timed(lambda: combine(True))
+    out["times_s"] = times
+    out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])
+    if cuda and cfg["gemm"]:
+        m = cfg["gemm"]
+        a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+        b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+
+        def overlapped():
+            r = buf.dispatch(x, **kwargs, return_recv_hook=True)
+            a @ b
+            r[-1]()
+
+        out["overlap_s"] = {"gemm": timed(lambda: a @ b), "dispatch_hook": times["dispatch_bf16_hook"],
+                            "send_gemm_hook": timed(overlapped)}
+    buf.close()
+    store.close()
+    dist.destroy_process_group()
+    results.put({"event": "result", "tag": f"rank{rank}", "value": out})
+
+
+def _defaults(args) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ranks = args.ranks or (min(torch.cuda.device_count(), 8) if cuda else 4)
+    return {
+        "cuda": cuda, "ranks": ranks,
+        "tokens": args.tokens or (4096 if cuda else 128), "hidden": args.hidden or (7168 if cuda else 512),
+        "experts": args.experts or (256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
+        "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
+    }
+
+
+def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
+    """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
+    def worst(get):
+        return max(get(r) for r in ranks)
+
+    lines = [(f"ep bench: {cfg['ranks']} ranks ({'GPU, cuda_ipc' if cfg['cuda'] else 'CPU, shm'}), {cfg['tokens']} tokens x "
+             f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts; medians of {cfg['iterations']}, slowest rank"),
+             f"bytes per rank that cross to other ranks (bf16 dispatch): {statistics.mean(r['bytes']['bf16'] for r in ranks) / 1e6:.1f} MB",
+             "", f"{'operation':<34}{'time (ms)':>11}{'GB/s per rank':>15}{'vs NCCL':>9}"]
+    summary: dict = {}
+    nccl = {"dispatch": worst(lambda r: r["nccl"]["dispatch_s"]), "combine": worst(lambda r: r["nccl"]["combine_s"]),
+            "a2a": worst(lambda r: r["nccl"]["a2a_s"])}
+
+    def row(name, t, nbytes, base):
+        gbs = nbytes / t / 1e9
+        summary[name] = {"ms": t * 1e3, "gb_s": gbs, **({"vs_nccl": base / t} if base else {})}
+        lines.append(f"{name:<34}{t * 1e3:>11.3f}{gbs:>15.1f}{(f'{base / t:.2f}x' if base else ''):>9}")
+
+    b16 = min(r["bytes"]["bf16"] for r in ranks)
+    b8 = min(r["bytes"]["fp8"] for r in ranks)
+    bc = min(r["combine_bytes"] for r in ranks)
+    for op in _OPS:
+        nbytes = bc if op.startswith("combine") else (b8 if "fp8" in op else b16)
+        base = nccl["combine"] if op.startswith("combine") else nccl["dispatch"]
+        row(f"warmlink {op.replace('_', ' ')}", worst(lambda r, op=op: r["times_s"][op]), nbytes, base)
+    row("torch+NCCL dispatch (bf16)", nccl["dispatch"], b16, None)
+    row("torch+NCCL combine (bf16)", nccl["combine"], bc, None)
+    row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, None)
+    ph = ranks[0]["dispatch_phases_s"]
+    lines.append("")
+    lines.append("dispatch phases, rank 0 (host ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ph.items()))
+    if "overlap_s" in ranks[0]:
+        g, d, both = (worst(lambda r, k=k: r["overlap_s"][k]) for k in ("gemm", "dispatch_hook", "send_gemm_hook"))
+        summary["overlap"] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}
+        lines.append(f"overlap: GEMM {g * 1e3:.3f} ms, hook dispatch {d * 1e3:.3f} ms, send -> GEMM -> hook {both * 1e3:.3f} ms "
+                     f"= {both / max(g, d):.2f} x the longer (goal <= 1.15)")
+    checks = {k: all(r["checks"][k] for r in ranks) for k in ranks[0]["checks"]}
+    summary["checks"] = checks
+    summary["init_s"] = max(r["init_s"] for r in ranks)
+    lines.append(f"outputs equal to the NCCL path's: {checks}; Buffer init (slowest rank) {summary['init_s'] * 1e3:.1f} ms")
+    return lines, summary
+
+
+def run(args) -> int:
+    from warmlink.rendezvous import Store
+
+    cfg = _defaults(args)
+    with Store(is_server=True, prefix="bench-ep", timeout_s=args.timeout) as server, Group(args.timeout) as group:
+        port = _free_port()
+        for r in range(cfg["ranks"]):
+            group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,
+                        dist_port=port, cfg=cfg)
+        ranks = sorted((m["value"] for m in group.expect("result", cfg["ranks"])), key=lambda r: r["rank"])
+    lines, summary = _table(cfg, ranks)
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "summary": summary, "ranks": ranks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                      f, indent=1)
+    return 0 if all(summary["checks"].values()) else 1

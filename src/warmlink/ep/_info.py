@@ -1,0 +1,85 @@
+"""The ``ep_rank`` payload: what one rank of an ep group tells its peers, validated on arrival.
+
+::
+
+    {"schema_version": 1, "kind": "ep_rank",
+     "peer": <peer_info payload, role "ep">,
+     "config": {"num_ranks": R, "max_tokens": T, "hidden": H, "num_topk": K},
+     "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>,
+     "events": {"dispatch": [R handles], "combine": [R handles]}}   (handles: 128 hex chars; [] on shm)
+
+A peer whose config differs from this rank's is refused with a ``ConfigError`` naming the field:
+regions laid out differently would put bytes in the wrong place.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from warmlink.errors import ConfigError, MetadataError
+from warmlink.rendezvous import schema
+
+__all__ = ["CONFIG_KEYS", "KIND", "check_config", "validate_ep_rank"]
+
+KIND = "ep_rank"
+CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
+_KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox", "events")
+_HANDLE = re.compile(r"[0-9a-f]{128}")
+_MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10}
+
+
+def _fail(peer: str, msg: str):
+    raise MetadataError(f"ep rank info from peer={peer!r}: {msg}")
+
+
+def _closed(obj: Any, keys: tuple[str, ...], path: str, peer: str) -> dict:
+    if type(obj) is not dict:
+        _fail(peer, f"{path} has type {type(obj).__name__}; expected object")
+    if set(obj) != set(keys):
+        _fail(peer, f"{path} keys {sorted(obj)}; expected exactly {sorted(keys)}")
+    return obj
+
+
+def validate_ep_rank(obj: Any, peer: str) -> dict:
+    """Check a parsed ``ep_rank`` payload; returns it unchanged. Raises ``MetadataError``."""
+    _closed(obj, _KEYS, "payload", peer)
+    if obj["schema_version"] not in schema.SUPPORTED_SCHEMA_VERSIONS or type(obj["schema_version"]) is not int:
+        _fail(peer, f"schema_version={obj['schema_version']!r} is not supported")
+    if obj["kind"] != KIND:
+        _fail(peer, f"kind={obj['kind']!r}; expected {KIND!r}")
+    info = schema.validate_peer_info(obj["peer"], peer)
+    if info["role"] != "ep":
+        _fail(peer, f"peer.role={info['role']!r}; expected 'ep'")
+    config = _closed(obj["config"], CONFIG_KEYS, "config", peer)
+    for key in CONFIG_KEYS:
+        value = config[key]
+        if type(value) is not int or not 1 <= value <= _MAX[key]:
+            _fail(peer, f"config.{key}={value!r}; expected an int in [1, {_MAX[key]}]")
+    if config["num_ranks"] != info["world_size"]:
+        _fail(peer, f"config.num_ranks={config['num_ranks']} differs from peer.world_size={info['world_size']}")
+    schema.validate_region(obj["data"], peer, "data")
+    mailbox = schema.validate_region(obj["mailbox"], peer, "mailbox")
+    if mailbox["kind"] != "shm":
+        _fail(peer, f"mailbox.kind={mailbox['kind']!r}; expected 'shm'")
+    events = _closed(obj["events"], ("dispatch", "combine"), "events", peer)
+    for phase, handles in events.items():
+        if type(handles) is not list or len(handles) not in (0, config["num_ranks"]):
+            _fail(peer, f"events.{phase} must be a list of 0 or {config['num_ranks']} handles")
+        for i, h in enumerate(handles):
+            if type(h) is not str or not _HANDLE.fullmatch(h):
+                _fail(peer, f"events.{phase}[{i}] invalid; expected 128 lowercase hex characters")
+    if (obj["data"]["kind"] == "cuda_ipc") != bool(events["dispatch"]) or len(events["dispatch"]) != len(events["combine"]):
+        _fail(peer, f"events do not match data.kind={obj['data']['kind']!r}; expected handles exactly for cuda_ipc")
+    return obj
+
+
+def check_config(mine: dict, theirs: dict, peer: str) -> None:
+    """Raise ``ConfigError`` naming the first field where a peer's config differs from this rank's."""
+    for key in CONFIG_KEYS:
+        if mine[key] != theirs[key]:
+            raise ConfigError(f"ep: peer={peer!r} has {key}={theirs[key]}, this rank {key}={mine[key]}; "
+                              "every rank of a group must build its Buffer with the same sizes")
+
+
+schema.register_kind(KIND, validate_ep_rank)

@@ -1,0 +1,131 @@
+"""Host mailboxes: the handshakes of dispatch and combine, in shared memory, without a kernel.
+
+Every rank owns one small ``/dev/shm`` segment and is its only writer; peers map it and read.
+A rank publishes what its peers need (its counts, "I am ready for round N", "round N is sent")
+and spins on the host, with a deadline and a liveness check, until every peer has published the
+same round. No SM polls anything, and no store round trip sits on the hot path.
+
+# Note [Mailbox rounds]
+Round numbers only grow. A reader waits for ``field >= round``, so a peer that is already one
+round ahead does not stall it. The counts of round ``n`` live in parity ``n % 2``: a peer can be
+at most one round ahead (it needs this rank's next round to pass its own handshake), so it never
+overwrites counts this rank has not read yet. A writer stores the payload before the round
+number; x86 keeps stores in order and loads in order, so a reader that sees the round sees the
+payload (an ARM host would need explicit fences here).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from warmlink.errors import PeerLostError, TransferTimeout
+
+__all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
+
+MAX_EXPERTS = 4096
+GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT = range(5)
+_HEADER = 8
+_FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
+_LIVENESS_PERIOD_S = 0.005
+_SPIN_S = 50e-6  # busy-wait this long before sleeping: a handshake between live ranks takes microseconds
+
+
+def _block(num_ranks: int) -> int:
+    """Words of one parity block: the call's config word, counts per rank, counts per expert."""
+    return 1 + num_ranks + MAX_EXPERTS
+
+
+def _words(num_ranks: int) -> int:
+    return _HEADER + 2 * _block(num_ranks)
+
+
+def mailbox_nbytes(num_ranks: int) -> int:
+    return _words(num_ranks) * 8
+
+
+class Mailbox:
+    """This rank's mailbox and read views of its peers'.
+
+    Args:
+        own: flat ``uint8`` CPU tensor of ``mailbox_nbytes(num_ranks)`` bytes in shared memory.
+        rank, num_ranks: this rank and the group size.
+    """
+
+    def __init__(self, own, rank: int, num_ranks: int) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self._own = own.numpy().view(np.int64)[: _words(num_ranks)]
+        self._own[:] = 0
+        self._peers: dict[int, np.ndarray] = {rank: self._own}
+        self._refs: dict[int, object] = {}
+
+    def attach(self, rank: int, view, peer_ref) -> None:
+        """Read ``rank``'s mailbox through ``view`` (its mapped segment); ``peer_ref.alive()`` is polled."""
+        self._peers[rank] = view.numpy().view(np.int64)[: _words(self.num_ranks)]
+        self._refs[rank] = peer_ref
+
+    def set_generation(self, generation: int) -> None:
+        self._own[GENERATION] = generation
+
+    # -- writing (own slot only) ----------------------------------------------------------------
+    def publish(self, field: int, round_: int) -> None:
+        self._own[field] = round_
+
+    def _base(self, round_: int) -> int:
+        return _HEADER + (round_ % 2) * _block(self.num_ranks)
+
+    def publish_dispatch(self, round_: int, config: int, per_rank=None, per_expert=None) -> None:
+        """The config word (and counts) of dispatch round ``round_``, then the round itself.
+        See Note [Mailbox rounds]."""
+        base = self._base(round_)
+        self._own[base] = config
+        if per_rank is not None:
+            r = self.num_ranks
+            self._own[base + 1:base + 1 + r] = per_rank
+            self._own[base + 1 + r:base + 1 + r + len(per_expert)] = per_expert
+        self._own[DISPATCH] = round_
+
+    # -- reading --------------------------------------------------------------------------------
+    def counts(self, rank: int, round_: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(per_rank [R], per_expert [E])`` that ``rank`` published for ``round_`` (copies)."""
+        base, r = self._base(round_) + 1, self.num_ranks
+        box = self._peers[rank]
+        return box[base:base + r].copy(), box[base + r:base + r + num_experts].copy()
+
+    def config(self, rank: int, round_: int) -> int:
+        return int(self._peers[rank][self._base(round_)])
+
+    def wait(self, field: int, round_: int, timeout_s: float, ranks=None) -> None:
+        """Block until every rank in ``ranks`` (default: all peers) has ``field >= round_``.
+
+        Raises:
+            PeerLostError: a peer's process died or was replaced.
+            TransferTimeout: not reached within ``timeout_s``; names the ranks still behind.
+        """
+        pending = [r for r in (ranks if ranks is not None else self._peers) if r != self.rank]
+        start = time.perf_counter()
+        last_check = start
+        sleep_s = 20e-6
+        while pending:
+            pending = [r for r in pending if self._peers[r][field] < round_]
+            if not pending:
+                return
+            now = time.perf_counter()
+            if now - last_check > _LIVENESS_PERIOD_S:
+                last_check = now
+                for r in pending:
+                    ref = self._refs.get(r)
+                    if ref is not None and not ref.alive():
+                        raise PeerLostError(f"ep: rank {r} (pid {ref.pid}) died before publishing "
+                                            f"{_FIELD_NAMES.get(field, field)} round {round_}")
+                if now - start > timeout_s:
+                    behind = {r: int(self._peers[r][field]) for r in pending}
+                    raise TransferTimeout(
+                        f"ep: ranks {sorted(behind)} did not reach {_FIELD_NAMES.get(field, field)} round {round_} "
+                        f"within {timeout_s:.3g} s (their rounds: {behind}); a peer is stalled, or the ranks "
+                        "called dispatch/combine a different number of times")
+            if now - start > _SPIN_S:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, 200e-6)

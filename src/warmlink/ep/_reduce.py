@@ -1,0 +1,70 @@
+"""Combine's last step: each token sums the copies its expert ranks sent back.
+
+``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
+``ep.layout.SendPlan``). Sums run in float32 in rank order, so results are identical run to run.
+On CUDA a Triton kernel reads each copy once (one pass over the received bytes); elsewhere, or
+without Triton, the same sum in torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["combine_sum"]
+
+
+def _torch_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    num_tokens, num_ranks = rows.shape
+    acc = torch.zeros(num_tokens, area.shape[1], dtype=torch.float32, device=area.device)
+    for d in range(num_ranks):  # rank order: deterministic
+        r = rows[:, d]
+        acc += area.index_select(0, r.clamp(min=0)).float() * (r >= 0).unsqueeze(1)
+    out.copy_(acc)
+
+
+@functools.cache
+def _triton_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def combine_kernel(area_ptr, rows_ptr, out_ptr, hidden, num_ranks: tl.constexpr, block: tl.constexpr):
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        in_row = cols < hidden
+        acc = tl.zeros([block], dtype=tl.float32)
+        for d in tl.static_range(num_ranks):
+            row = tl.load(rows_ptr + token * num_ranks + d)
+            valid = row >= 0
+            safe = tl.where(valid, row, 0).to(tl.int64)
+            acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+    return triton, combine_kernel
+
+
+def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, use_triton: bool = True) -> None:
+    """``out[t] = sum over d with rows[t, d] >= 0 of area[rows[t, d]]``: float32 sums in rank order,
+    stored in ``out``'s dtype (zeros for tokens that went nowhere).
+
+    Args:
+        area: ``[N, H]`` received rows (the combine area, typed).
+        rows: ``[T, R]`` int64 rows into ``area``, -1 where absent.
+        out: ``[T, H]`` contiguous result, written in full.
+        use_triton: use the Triton kernel on CUDA when it loads.
+    """
+    kernel = _triton_kernel() if use_triton and area.is_cuda else None
+    if kernel is None:
+        _torch_sum(area, rows, out)
+        return
+    triton, combine_kernel = kernel
+    num_tokens, num_ranks = rows.shape
+    hidden = area.shape[1]
+    if num_tokens:
+        block = 1024
+        combine_kernel[(num_tokens, triton.cdiv(hidden, block))](area, rows.contiguous(), out, hidden, num_ranks, block)

@@ -1,0 +1,105 @@
+"""The byte layout of one rank's ep region, the same in every rank of a group.
+
+One allocation per rank, leased from the pool and mapped once by every peer:
+
+    recv_x, recv_scales, recv_idx, recv_w   dispatch receive area: R * max_tokens rows, filled by
+                                            the sources in order (Note [Send order], ep.layout)
+    comb_x, comb_w                          combine receive area: one slot of max_tokens rows per
+                                            expert rank, slot d written only by rank d
+    stage_x, stage_scales, stage_idx, stage_w
+                                            send staging (local use): one slot of max_tokens rows
+                                            per destination, packed by a kernel and pushed by the
+                                            copy engines from there
+
+Every receiving row count is bounded by construction (a source sends at most max_tokens rows to
+each rank), so a peer can never write outside its slot or past the area.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warmlink.ep.fp8 import FP8_BLOCK
+from warmlink.errors import ConfigError
+
+__all__ = ["AREAS", "RegionLayout", "size_hint"]
+
+_ALIGN = 256
+# (area, bytes per row as a function of the layout); x rows are sized for the widest dtype (2 bytes).
+AREAS = (
+    "recv_x", "recv_scales", "recv_idx", "recv_w", "comb_x", "comb_w",
+    "stage_x", "stage_scales", "stage_idx", "stage_w",
+)
+
+
+def _check_positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"ep: {name}={value!r}; expected an int > 0")
+    return value
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Offsets of every area for ``num_ranks`` ranks of ``max_tokens`` tokens of ``hidden`` channels
+    with ``num_topk`` experts each."""
+
+    num_ranks: int
+    max_tokens: int
+    hidden: int
+    num_topk: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_ranks", "max_tokens", "hidden", "num_topk"):
+            _check_positive(name, getattr(self, name))
+        if self.hidden % FP8_BLOCK:
+            raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of {FP8_BLOCK} (FP8 scales are per 128 channels)")
+
+    @property
+    def rows(self) -> int:
+        """Rows of every area: one slot of ``max_tokens`` per rank."""
+        return self.num_ranks * self.max_tokens
+
+    def row_bytes(self, area: str) -> int:
+        kind = area.split("_", 1)[1]
+        return {
+            "x": self.hidden * 2,
+            "scales": self.hidden // FP8_BLOCK * 4,
+            "idx": self.num_topk * 8,
+            "w": self.num_topk * 4,
+        }[kind]
+
+    def offsets(self) -> dict[str, int]:
+        out, at = {}, 0
+        for area in AREAS:
+            out[area] = at
+            at += -(-self.rows * self.row_bytes(area) // _ALIGN) * _ALIGN
+        out["end"] = at
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets()["end"]
+
+    def view(self, region: torch.Tensor, area: str, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` view of ``area`` in a flat ``uint8`` region tensor, as ``dtype``."""
+        start = self.offsets()[area]
+        nbytes = self.rows * cols * dtype.itemsize
+        if cols * dtype.itemsize > self.row_bytes(area):
+            raise ConfigError(f"ep: {area} rows of {cols} x {dtype} exceed {self.row_bytes(area)} bytes per row")
+        return region[start:start + nbytes].view(dtype).view(self.rows, cols)
+
+
+def size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
+    """Bytes of device (or shared host) memory one rank's ep ``Buffer`` holds.
+
+    Args:
+        max_tokens_per_rank: the largest batch any rank dispatches.
+        hidden: channels per token (a multiple of 128).
+        num_ranks: ranks of the group.
+        num_topk: experts per token.
+
+    Example: 4 ranks, 4096 tokens of 7168 channels, top-8: about 0.70 GiB per rank.
+    """
+    return RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk).nbytes

@@ -1,0 +1,38 @@
+"""FP8 (e4m3) tokens with one float32 scale per 128 channels, the format DeepEP dispatches.
+
+A token row ``x[t]`` of ``hidden`` channels becomes ``(q[t], s[t])``: ``q`` is ``float8_e4m3fn``
+``[hidden]`` and ``s`` is float32 ``[hidden // 128]``, with ``x[t, j] ~= q[t, j] * s[t, j // 128]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warmlink.errors import ConfigError
+
+__all__ = ["FP8_BLOCK", "FP8_MAX", "dequantize", "quantize"]
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H]`` float tensor -> ``(float8_e4m3fn [T, H], float32 scales [T, H // 128])``.
+
+    Raises:
+        ConfigError: ``H`` is not a multiple of 128.
+    """
+    if x.dim() != 2 or x.shape[1] % FP8_BLOCK:
+        raise ConfigError(f"fp8.quantize: x.shape={tuple(x.shape)}; expected [tokens, hidden] with hidden % {FP8_BLOCK} == 0")
+    t, h = x.shape
+    blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
+    scales = amax / FP8_MAX
+    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
+    return q, scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of ``quantize`` (up to FP8 rounding)."""
+    t, h = q.shape
+    return (q.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.unsqueeze(2)).view(t, h).to(dtype)

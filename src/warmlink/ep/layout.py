@@ -1,0 +1,122 @@
+"""Where every token goes: the dispatch layout and the send plan built from it, in torch ops.
+
+Nothing here synchronizes with the host: out-of-range expert ids are routed to a dump column
+(and counted) instead of indexing out of bounds, so a bad id can never fault a kernel; ``dispatch``
+reads the count with the other counts it needs on the host and raises before any byte moves.
+
+# Note [Send order]
+Rank ``s`` sends to rank ``d`` the tokens ``t`` with ``is_token_in_rank[t, d]``, in ascending ``t``,
+and writes them at rows ``sum(counts[s'][d] for s' < s) + pos[t, d]`` of ``d``'s receive region,
+where ``pos[t, d]`` is ``t``'s rank among those tokens. So a receiver's rows come out ordered by
+source rank, then source token index (DeepEP's normal-mode order) with no unpack step, and the
+combine of token ``t`` finds its copy from ``d`` at row ``pos[t, d]`` of the slot ``d`` wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DispatchLayout", "SendPlan", "dispatch_layout", "local_topk", "send_plan"]
+
+
+@dataclass(frozen=True)
+class DispatchLayout:
+    """What ``get_dispatch_layout`` returns, on the device of ``topk_idx``.
+
+    Attributes:
+        num_tokens_per_rank: ``[R]`` int32, tokens with at least one expert on each rank.
+        num_tokens_per_expert: ``[E]`` int32, (token, expert) pairs per expert.
+        is_token_in_rank: ``[T, R]`` bool.
+        num_bad_ids: ``[1]`` int32, entries outside ``[-1, E)`` (routed nowhere).
+    """
+
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    num_bad_ids: torch.Tensor
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> DispatchLayout:
+    """Count tokens per rank and per expert; ``-1`` entries are masked (routed nowhere).
+
+    Args:
+        topk_idx: ``[T, K]`` integer expert ids in ``[-1, num_experts)``.
+        num_experts: total experts, a multiple of ``num_ranks``.
+        num_ranks: ranks of the group.
+
+    Returns:
+        A ``DispatchLayout``; ids outside ``[-1, num_experts)`` are counted in ``num_bad_ids`` only.
+    """
+    num_tokens = topk_idx.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    idx = topk_idx.long()
+    bad = (idx < -1) | (idx >= num_experts)
+    valid = (idx >= 0) & ~bad
+    dev = idx.device
+    # Masked and bad entries go to a dump column that is sliced off.
+    rank_of = torch.where(valid, idx // experts_per_rank, num_ranks)
+    in_rank = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=dev)
+    in_rank.scatter_(1, rank_of, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    expert = torch.where(valid, idx, num_experts).reshape(-1)
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+    per_expert.scatter_add_(0, expert, torch.ones_like(expert, dtype=torch.int32))
+    return DispatchLayout(
+        num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32),
+        num_tokens_per_expert=per_expert[:num_experts],
+        is_token_in_rank=in_rank,
+        num_bad_ids=bad.sum(dtype=torch.int32).reshape(1),
+    )
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Which local tokens go where; see Note [Send order].
+
+    Attributes:
+        send_index: ``[sum of counts]`` int64, token ids grouped by destination rank in ascending
+            rank order, ascending token id within a destination.
+        combine_rows: ``[T, R]`` int64, row of token ``t``'s copy from rank ``d`` in this rank's
+            combine region (``d * max_tokens + pos[t, d]``), or -1 where ``t`` did not go to ``d``.
+    """
+
+    send_index: torch.Tensor
+    combine_rows: torch.Tensor
+
+
+def send_plan(is_token_in_rank: torch.Tensor, send_starts: torch.Tensor, total: int, max_tokens: int) -> SendPlan:
+    """Build the ``SendPlan`` on the device, without a host synchronization.
+
+    Args:
+        is_token_in_rank: ``[T, R]`` bool.
+        send_starts: ``[R]`` int64 on the same device, exclusive prefix sum of tokens per rank.
+        total: sum of tokens per rank (known on the host).
+        max_tokens: rows per source slot of the combine region.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    dev = is_token_in_rank.device
+    pos = torch.cumsum(is_token_in_rank, 0, dtype=torch.int64) - 1
+    slot = torch.where(is_token_in_rank, send_starts.view(1, -1) + pos, total)  # `total` = dump slot
+    tokens = torch.arange(num_tokens, device=dev, dtype=torch.int64).view(-1, 1).expand(-1, num_ranks)
+    send_index = torch.empty(total + 1, dtype=torch.int64, device=dev)
+    send_index.scatter_(0, slot.reshape(-1), tokens.reshape(-1))
+    ranks = torch.arange(num_ranks, device=dev, dtype=torch.int64).view(1, -1)
+    combine_rows = torch.where(is_token_in_rank, ranks * max_tokens + pos, -1)
+    return SendPlan(send_index=send_index[:total], combine_rows=combine_rows)
+
+
+def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int, num_ranks: int):
+    """Top-k ids and weights as every destination sees them: ``[R, T, K]`` local expert ids (-1 where
+    the expert lives elsewhere or the slot is masked) and ``[R, T, K]`` float32 weights (0 there)."""
+    experts_per_rank = num_experts // num_ranks
+    idx = topk_idx.long().unsqueeze(0)
+    base = (torch.arange(num_ranks, device=idx.device, dtype=torch.int64) * experts_per_rank).view(-1, 1, 1)
+    local = idx - base
+    here = (idx >= 0) & (idx < num_experts) & (local >= 0) & (local < experts_per_rank)
+    ids = torch.where(here, local, -1)
+    if topk_weights is None:
+        return ids, None
+    weights = torch.where(here, topk_weights.float().unsqueeze(0), 0.0)
+    return ids, weights

@@ -1,0 +1,150 @@
+"""Rank-side scenarios of the ep tests, run by ``_group.run_ranks`` on shm (CPU) or cuda_ipc (GPU).
+
+Every rank builds every rank's inputs from the same seed (``case_inputs``), so the parent can
+run the oracle over all of them and compare each rank's outputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tests.ep._reference import random_routing, token_pattern
+
+
+def case_inputs(case: dict) -> list[dict]:
+    """Inputs of every rank: ``x`` (tensor or FP8 tuple), ``topk_idx``, ``topk_weights`` (CPU)."""
+    out = []
+    for r, tokens in enumerate(case["tokens"]):
+        gen = torch.Generator().manual_seed(case.get("seed", 0) * 1000 + r)
+        idx = random_routing(tokens, case["experts"], case["topk"], gen, case.get("mask_prob", 0.0))
+        w = torch.rand(tokens, case["topk"], generator=gen)
+        out.append({"x": token_pattern(r, tokens, case["hidden"], case.get("dtype", torch.bfloat16)), "topk_idx": idx,
+                    "topk_weights": w})
+    return out
+
+
+def _to(x, device):
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
+def _cpu(x):
+    if x is None:
+        return None
+    return tuple(t.cpu().clone() for t in x) if isinstance(x, tuple) else x.cpu().clone()
+
+
+def _buffer(rank, num_ranks, store, case):
+    from warmlink.ep import Buffer
+
+    device = rank if case.get("backend") == "cuda_ipc" else -1
+    if device >= 0:
+        torch.cuda.set_device(device)
+    return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"]) or 1),
+                  hidden=case["hidden"], num_topk=case["topk"], device=device, backend=case.get("backend", "shm"),
+                  timeout_s=case.get("timeout_s", 30.0))
+
+
+def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """``case["rounds"]`` dispatch + combine rounds; returns this rank's outputs of each round.
+
+    case keys: tokens (per rank), hidden, experts, topk, dtype, mask_prob, seed, backend, rounds,
+    hook_delay_s (None = normal mode), cached (re-dispatch with the handle), layout (pass
+    get_dispatch_layout's outputs), combine_dtype.
+    """
+    mine = case_inputs(case)[rank]
+    device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
+    x, idx, w = _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
+    delay = case.get("hook_delay_s")
+    results = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for _ in range(case.get("rounds", 1)):
+            kwargs = {"topk_idx": idx, "topk_weights": w}
+            if case.get("layout", True):
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, case["experts"])
+                kwargs.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            else:
+                kwargs["num_experts"] = case["experts"]
+            out = buf.dispatch(x, **kwargs, return_recv_hook=delay is not None)
+            if delay is not None:
+                time.sleep(delay)
+                out[-1]()
+            recv_x, recv_idx, recv_w, per_expert_list, handle = out[:5]
+            got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
+                   "num_recv_tokens_per_expert_list": per_expert_list}
+            if case.get("cached"):
+                again = buf.dispatch(x, handle=handle)
+                got["cached_x"] = _cpu(again[0])
+            y = recv_x[0].float().to(torch.bfloat16) if isinstance(recv_x, tuple) else recv_x.clone()
+            comb = buf.combine(y, handle, topk_weights=recv_w, return_recv_hook=delay is not None)
+            if delay is not None:
+                time.sleep(delay)
+                comb[-1]()
+            got["combined_x"], got["combined_w"] = _cpu(comb[0]), _cpu(comb[1])
+            got["y"] = _cpu(y)
+            results.append(got)
+    return results
+
+
+def lifecycle_counts(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Build, use and close a Buffer ``case["lifecycles"]`` times; pool objects created per lifecycle."""
+    from warmlink import pool
+    from warmlink.pool.peers import open_mappings
+
+    mine = case_inputs(case)[rank]
+    created, mappings = [], []
+    for _ in range(case["lifecycles"]):
+        before = {k: v["created"] for k, v in pool.stats().items()}
+        with _buffer(rank, num_ranks, store, case) as buf:
+            buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"], num_experts=case["experts"])
+        after = {k: v["created"] for k, v in pool.stats().items()}
+        created.append({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+        mappings.append(open_mappings())
+    return {"created": created, "mappings": mappings, "live": {k: v["live"] for k, v in pool.stats().items()}}
+
+
+def warm_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """Pool objects created by each dispatch + combine round of one Buffer (round 2 on: none)."""
+    from warmlink import pool
+
+    mine = case_inputs(case)[rank]
+    out = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for _ in range(3):
+            before = {k: v["created"] for k, v in pool.stats().items()}
+            r = buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"], num_experts=case["experts"])
+            buf.combine(r[0].clone(), r[4])
+            after = {k: v["created"] for k, v in pool.stats().items()}
+            out.append({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+    return out
+
+
+def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
+    """Run the faulty scenario ``case["fault"]`` and return the name and message of what this rank raised."""
+    mine = case_inputs(case)[rank]
+    fault = case["fault"]
+    try:
+        with _buffer(rank, num_ranks, store, dict(case, **case.get("per_rank", {}).get(rank, {}))) as buf:
+            x, idx = mine["x"], mine["topk_idx"]
+            if fault == "bad_expert" and rank == 0:
+                idx = idx.clone()
+                idx[0, 0] = case["experts"] + 3
+            if fault == "oversize" and rank == 0:
+                x = torch.cat([x, x])
+                idx = torch.cat([idx, idx])
+            if fault == "dead_peer" and rank == 1:
+                import os
+
+                os._exit(0)  # leaves without a word, as a crashed process does
+            if fault == "hook_skipped":
+                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=True)
+                try:
+                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                    out[-1]()
+                    return f"{type(exc).__name__}: {exc}"
+            buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+    except Exception as exc:  # noqa: BLE001 - the test compares the type name
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

@@ -1,0 +1,136 @@
+"""ep.Buffer over the shm backend in spawned rank processes, checked against the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ep._group import run_ranks
+from tests.ep._reference import (
+    decode_token_pattern,
+    reference_combine,
+    reference_dispatch,
+)
+from tests.ep._workers import (
+    case_inputs,
+    dispatch_combine,
+    expect_error,
+    lifecycle_counts,
+    warm_rounds,
+)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, tuple):
+        return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if a.dtype == torch.float8_e4m3fn:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def check_against_reference(case: dict, results: list[list[dict]]) -> None:
+    """Every round of every rank equals the oracle: rows, sources, ids, weights, counts, sums."""
+    inputs = case_inputs(case)
+    ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                             [i["topk_weights"] for i in inputs], case["experts"])
+    for rnd in range(case.get("rounds", 1)):
+        got = [results[r][rnd] for r in range(len(inputs))]
+        for d, (g, want) in enumerate(zip(got, ref, strict=True)):
+            assert _equal(g["recv_x"], want["recv_x"]), f"rank {d} round {rnd}: recv_x differs"
+            ranks, tokens = decode_token_pattern(g["recv_x"])
+            assert list(zip(ranks.tolist(), tokens.tolist(), strict=True)) == [tuple(p) for p in want["recv_src"]]
+            assert torch.equal(g["recv_topk_idx"], want["recv_topk_idx"]), f"rank {d}: recv_topk_idx differs"
+            assert torch.equal(g["recv_topk_weights"], want["recv_topk_weights"]), f"rank {d}: weights differ"
+            assert g["num_recv_tokens_per_expert_list"] == want["num_recv_tokens_per_expert_list"]
+            if "cached_x" in g:
+                assert _equal(g["cached_x"], want["recv_x"])
+        comb = reference_combine([g["y"] for g in got], [w["recv_src"] for w in ref], case["tokens"],
+                                 [g["recv_topk_weights"] for g in got])
+        for s, (g, want) in enumerate(zip(got, comb, strict=True)):
+            assert torch.equal(g["combined_x"], want["out"]), f"rank {s} round {rnd}: combined_x differs"
+            assert torch.allclose(g["combined_w"], want["combined_weights"]), f"rank {s}: combined weights differ"
+
+
+CASES = {
+    "2 ranks even": {"tokens": [16, 16], "hidden": 128, "experts": 8, "topk": 2},
+    "3 ranks uneven, masked": {"tokens": [9, 0, 23], "hidden": 256, "experts": 12, "topk": 3, "mask_prob": 0.3, "seed": 3},
+    "4 ranks, top-4 of 16": {"tokens": [31, 7, 12, 40], "hidden": 128, "experts": 16, "topk": 4, "mask_prob": 0.1, "seed": 5},
+    "fp8": {"tokens": [10, 17, 3], "hidden": 256, "experts": 6, "topk": 2, "dtype": torch.float8_e4m3fn, "seed": 7},
+    "no layout given, cached re-dispatch": {"tokens": [12, 5], "hidden": 128, "experts": 4, "topk": 2, "layout": False, "cached": True},
+    "all masked": {"tokens": [4, 6], "hidden": 128, "experts": 4, "topk": 2, "mask_prob": 1.0},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dispatch_combine_match_the_reference(name):
+    case = dict(CASES[name], rounds=2)
+    check_against_reference(case, run_ranks(dispatch_combine, len(case["tokens"]), case=case))
+
+
+@pytest.mark.parametrize("delay_s", [0.001, 0.01, 0.1])
+def test_late_hooks_are_still_correct(delay_s):
+    case = {"tokens": [20, 11, 6], "hidden": 128, "experts": 6, "topk": 2, "mask_prob": 0.2, "hook_delay_s": delay_s, "rounds": 2, "seed": 11}
+    check_against_reference(case, run_ranks(dispatch_combine, 3, case=case))
+
+
+def test_twenty_reruns_are_identical():
+    case = {"tokens": [25, 19], "hidden": 128, "experts": 8, "topk": 3, "rounds": 20, "seed": 13}
+    results = run_ranks(dispatch_combine, 2, case=case, timeout_s=120)
+    check_against_reference(case, results)
+    for rank in results:
+        for rnd in rank[1:]:
+            assert torch.equal(rnd["recv_x"], rank[0]["recv_x"]) and torch.equal(rnd["combined_x"], rank[0]["combined_x"])
+
+
+def test_rounds_after_the_first_create_nothing():
+    case = {"tokens": [8, 8], "hidden": 128, "experts": 4, "topk": 2}
+    for rounds in run_ranks(warm_rounds, 2, case=case):
+        assert rounds[1] == {} and rounds[2] == {}, rounds
+
+
+def test_buffer_lifecycles_reuse_everything_and_grow_nothing():
+    case = {"tokens": [8, 8], "hidden": 128, "experts": 4, "topk": 2, "lifecycles": 30}
+    for out in run_ranks(lifecycle_counts, 2, case=case, timeout_s=120):
+        assert out["created"][0], "the first lifecycle creates the buffer's resources"
+        assert all(c == {} for c in out["created"][2:]), out["created"]
+        assert len(set(out["mappings"][2:])) == 1, out["mappings"]
+
+
+def test_bad_expert_id_raises_before_any_byte_moves():
+    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "bad_expert", "timeout_s": 2.0}
+    errors = run_ranks(expect_error, 2, case=case)
+    assert errors[0].startswith("ConfigError") and "outside [-1, 4)" in errors[0], errors[0]
+    _peer_failed_closed(errors[1])
+
+
+def _peer_failed_closed(error: str) -> None:
+    """The peer of a rank that refused a call stops with a timeout (rank 0 stalled) or, when rank 0
+    already closed and exited, with PeerLostError; never a hang, never silently wrong data."""
+    assert (error.startswith("TransferTimeout") and "ranks [0]" in error) or (
+        error.startswith("PeerLostError") and ("ep/0" in error or "rank 0" in error)), error
+
+
+def test_oversize_batch_is_refused():
+    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "oversize", "timeout_s": 2.0}
+    errors = run_ranks(expect_error, 2, case=case)
+    assert errors[0].startswith("ConfigError") and "max_tokens_per_rank=6" in errors[0], errors[0]
+    _peer_failed_closed(errors[1])
+
+
+def test_dead_peer_raises_peer_lost_not_a_hang():
+    case = {"tokens": [6, 6, 6], "hidden": 128, "experts": 6, "topk": 2, "fault": "dead_peer", "timeout_s": 20.0}
+    errors = run_ranks(expect_error, 3, case=case, timeout_s=60)
+    for r in (0, 2):
+        assert errors[r].startswith("PeerLostError") and "rank 1" in errors[r], errors[r]
+
+
+def test_mismatched_sizes_are_refused_naming_the_peer():
+    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "none", "timeout_s": 5.0, "per_rank": {1: {"hidden": 256}}}
+    errors = run_ranks(expect_error, 2, case=case)
+    assert all(e.startswith("ConfigError") and "hidden" in e for e in errors), errors
+
+
+def test_skipping_a_hook_is_an_error_not_corruption():
+    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "hook_skipped", "timeout_s": 5.0}
+    errors = run_ranks(expect_error, 2, case=case)
+    assert all(e.startswith("ConfigError") and "hook" in e for e in errors), errors

@@ -1,0 +1,61 @@
+"""ep.Buffer over cuda_ipc: copy-engine dispatch and combine between GPU processes, against the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ep._group import run_ranks
+from tests.ep._workers import dispatch_combine, lifecycle_counts, warm_rounds
+from tests.ep.test_buffer import check_against_reference
+
+pytestmark = pytest.mark.multigpu
+
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_two = pytest.mark.skipif(_GPUS < 2, reason="needs at least 2 CUDA devices")
+RANKS = min(_GPUS, 4)
+
+
+def _tokens(*counts):
+    return [counts[r % len(counts)] for r in range(RANKS)]
+
+
+GPU_CASES = {
+    "bf16 uneven, masked": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8, "mask_prob": 0.1},
+    "fp8": {"tokens": _tokens(256, 129), "hidden": 2048, "experts": 16, "topk": 4, "dtype": torch.float8_e4m3fn, "seed": 2},
+    "deepseek hidden, cached": {"tokens": _tokens(128, 64), "hidden": 7168, "experts": 64, "topk": 8, "cached": True, "seed": 4},
+}
+
+
+@needs_two
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_dispatch_combine_match_the_reference(name):
+    case = dict(GPU_CASES[name], backend="cuda_ipc", rounds=2)
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+@needs_two
+@pytest.mark.parametrize("delay_s", [0.001, 0.01, 0.1])
+def test_gpu_late_hooks_are_still_correct(delay_s):
+    case = {"tokens": _tokens(200, 31), "hidden": 1024, "experts": 16, "topk": 4, "hook_delay_s": delay_s, "rounds": 2,
+                "backend": "cuda_ipc", "seed": 6}
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+@needs_two
+def test_gpu_twenty_reruns_are_identical():
+    case = {"tokens": _tokens(150, 90), "hidden": 1024, "experts": 16, "topk": 4, "rounds": 20, "backend": "cuda_ipc", "seed": 8}
+    results = run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180)
+    check_against_reference(case, results)
+    for rank in results:
+        assert all(torch.equal(r["combined_x"], rank[0]["combined_x"]) for r in rank[1:])
+
+
+@needs_two
+def test_gpu_rounds_and_lifecycles_create_nothing_when_warm():
+    case = {"tokens": _tokens(64, 32), "hidden": 1024, "experts": 16, "topk": 4, "backend": "cuda_ipc", "lifecycles": 20}
+    for rounds in run_ranks(warm_rounds, RANKS, case=case, timeout_s=180):
+        assert rounds[1] == {} and rounds[2] == {}, rounds
+    for out in run_ranks(lifecycle_counts, RANKS, case=case, timeout_s=180):
+        assert all(c == {} for c in out["created"][2:]), out["created"]
+        assert len(set(out["mappings"][2:])) == 1, out["mappings"]
