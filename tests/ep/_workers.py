@@ -87,12 +87,18 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     return results
 
 
+def _mine_on_device(rank: int, case: dict) -> dict:
+    mine = case_inputs(case)[rank]
+    device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
+    return {k: _to(v, device) for k, v in mine.items()}
+
+
 def lifecycle_counts(rank: int, num_ranks: int, store, case: dict) -> dict:
     """Build, use and close a Buffer ``case["lifecycles"]`` times; pool objects created per lifecycle."""
     from warmlink import pool
     from warmlink.pool.peers import open_mappings
 
-    mine = case_inputs(case)[rank]
+    mine = _mine_on_device(rank, case)
     created, mappings = [], []
     for _ in range(case["lifecycles"]):
         before = {k: v["created"] for k, v in pool.stats().items()}
@@ -108,7 +114,7 @@ def warm_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """Pool objects created by each dispatch + combine round of one Buffer (round 2 on: none)."""
     from warmlink import pool
 
-    mine = case_inputs(case)[rank]
+    mine = _mine_on_device(rank, case)
     out = []
     with _buffer(rank, num_ranks, store, case) as buf:
         for _ in range(3):

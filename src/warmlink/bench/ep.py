@@ -159,14 +159,36 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
     }
-    phases = {k: [] for k in ("layout", "handshake", "send", "receive")}
+    phases = {k: [] for k in ("layout", "stage", "handshake", "send", "receive")}
+    marks = []
     for _ in range(cfg["iterations"]):
         dist.all_reduce(flag)
         sync()
         dispatch(x)
         for k, samples in phases.items():
             samples.append(buf.last_phases.get(k, 0.0))
+        marks.append(dict(buf.last_marks))
     out["dispatch_phases_s"] = {k: statistics.median(v) for k, v in phases.items()}
+    out["dispatch_marks"] = marks
+    profile_dir = os.environ.get("WARMLINK_EP_PROFILE")
+    if profile_dir and rank == 0 and cuda:  # a kernel/copy timeline of a few dispatches, for diagnosis
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                dispatch(x)
+                sync()
+            for _ in range(3):
+                buf.dispatch(x, handle=h_keep)
+                sync()
+        prof.export_chrome_trace(os.path.join(profile_dir, "ep_rank0_trace.json"))
+        with open(os.path.join(profile_dir, "ep_rank0_profile.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    elif profile_dir:
+        for _ in range(3):
+            dispatch(x)
+        for _ in range(3):
+            buf.dispatch(x, handle=h_keep)
     # combine reuses the routing of h_keep: dispatch once more so the receive area matches it
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
@@ -232,9 +254,16 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL dispatch (bf16)", nccl["dispatch"], b16, None)
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, None)
-    ph = ranks[0]["dispatch_phases_s"]
     lines.append("")
-    lines.append("dispatch phases, rank 0 (host ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ph.items()))
+    for r in ranks:
+        lines.append(f"dispatch phases, rank {r['rank']} (host ms): "
+                     + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in r["dispatch_phases_s"].items()))
+    # the same marks on one clock: median over iterations of (mark - earliest start of any rank)
+    n = min(len(r["dispatch_marks"]) for r in ranks)
+    for r in ranks:
+        rel = {k: statistics.median(r["dispatch_marks"][i][k] - min(q["dispatch_marks"][i]["start"] for q in ranks)
+                                    for i in range(n)) for k in r["dispatch_marks"][0]}
+        lines.append(f"  rank {r['rank']} marks after the first start (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in rel.items()))
     if "overlap_s" in ranks[0]:
         g, d, both = (worst(lambda r, k=k: r["overlap_s"][k]) for k in ("gemm", "dispatch_hook", "send_gemm_hook"))
         summary["overlap"] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}

@@ -16,6 +16,7 @@ payload (an ARM host would need explicit fences here).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -29,7 +30,12 @@ GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT = range(5)
 _HEADER = 8
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
 _LIVENESS_PERIOD_S = 0.005
-_SPIN_S = 50e-6  # busy-wait this long before sleeping: a handshake between live ranks takes microseconds
+# Busy-wait this long before sleeping: ranks of one step reach a handshake within a few hundred
+# microseconds of each other, and a 100 us sleep (Linux wakes later than asked) would add itself to
+# every dispatch. One core per rank spins for at most this long per wait, and only when the host
+# has a spare core per rank (on a small CI machine spinning would starve the peer it waits for).
+_SPIN_S = 5e-3
+_SHORT_SPIN_S = 50e-6
 
 
 def _block(num_ranks: int) -> int:
@@ -60,6 +66,7 @@ class Mailbox:
         self._own[:] = 0
         self._peers: dict[int, np.ndarray] = {rank: self._own}
         self._refs: dict[int, object] = {}
+        self._spin_s = _SPIN_S if (os.cpu_count() or 1) >= 2 * num_ranks else _SHORT_SPIN_S
 
     def attach(self, rank: int, view, peer_ref) -> None:
         """Read ``rank``'s mailbox through ``view`` (its mapped segment); ``peer_ref.alive()`` is polled."""
@@ -107,7 +114,7 @@ class Mailbox:
         pending = [r for r in (ranks if ranks is not None else self._peers) if r != self.rank]
         start = time.perf_counter()
         last_check = start
-        sleep_s = 20e-6
+        sleep_s = 50e-6
         while pending:
             pending = [r for r in pending if self._peers[r][field] < round_]
             if not pending:
@@ -126,6 +133,6 @@ class Mailbox:
                         f"ep: ranks {sorted(behind)} did not reach {_FIELD_NAMES.get(field, field)} round {round_} "
                         f"within {timeout_s:.3g} s (their rounds: {behind}); a peer is stalled, or the ranks "
                         "called dispatch/combine a different number of times")
-            if now - start > _SPIN_S:
+            if now - start > self._spin_s:
                 time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, 200e-6)
+                sleep_s = min(2 * sleep_s, 500e-6)

@@ -2,14 +2,16 @@
 
 One allocation per rank, leased from the pool and mapped once by every peer:
 
-    recv_x, recv_scales, recv_idx, recv_w   dispatch receive area: R * max_tokens rows, filled by
-                                            the sources in order (Note [Send order], ep.layout)
-    comb_x, comb_w                          combine receive area: one slot of max_tokens rows per
-                                            expert rank, slot d written only by rank d
-    stage_x, stage_scales, stage_idx, stage_w
-                                            send staging (local use): one slot of max_tokens rows
-                                            per destination, packed by a kernel and pushed by the
-                                            copy engines from there
+    recv_x, recv_meta     dispatch receive area: R * max_tokens rows, filled by the sources in
+                          order (Note [Send order], ep.layout)
+    comb_x, comb_w        combine receive area: one slot of max_tokens rows per expert rank,
+                          slot d written only by rank d
+    stage_x, stage_meta   send staging (local use): one slot of max_tokens rows per destination,
+                          gathered by a kernel and pushed by the copy engines from there
+
+A meta row carries a token's routing next to it: top-k ids (int64, columns ``[0, K)``), top-k
+weights (float32 columns ``[2K, 3K)``) and FP8 scales (float32 columns ``[3K, 3K + H/128)``),
+with K the buffer's ``num_topk``; one gather and one copy move all three.
 
 Every receiving row count is bounded by construction (a source sends at most max_tokens rows to
 each rank), so a peer can never write outside its slot or past the area.
@@ -17,6 +19,7 @@ each rank), so a peer can never write outside its slot or past the area.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +30,8 @@ from warmlink.errors import ConfigError
 __all__ = ["AREAS", "RegionLayout", "size_hint"]
 
 _ALIGN = 256
-# (area, bytes per row as a function of the layout); x rows are sized for the widest dtype (2 bytes).
-AREAS = (
-    "recv_x", "recv_scales", "recv_idx", "recv_w", "comb_x", "comb_w",
-    "stage_x", "stage_scales", "stage_idx", "stage_w",
-)
+# x rows are sized for the widest token dtype (2 bytes).
+AREAS = ("recv_x", "recv_meta", "comb_x", "comb_w", "stage_x", "stage_meta")
 
 
 def _check_positive(name: str, value) -> int:
@@ -61,16 +61,20 @@ class RegionLayout:
         """Rows of every area: one slot of ``max_tokens`` per rank."""
         return self.num_ranks * self.max_tokens
 
+    @property
+    def meta_bytes(self) -> int:
+        """Bytes of one meta row: ids, weights and scales, padded to 16."""
+        return -(-(self.num_topk * 12 + self.hidden // FP8_BLOCK * 4) // 16) * 16
+
     def row_bytes(self, area: str) -> int:
         kind = area.split("_", 1)[1]
-        return {
-            "x": self.hidden * 2,
-            "scales": self.hidden // FP8_BLOCK * 4,
-            "idx": self.num_topk * 8,
-            "w": self.num_topk * 4,
-        }[kind]
+        return {"x": self.hidden * 2, "meta": self.meta_bytes, "w": self.num_topk * 4}[kind]
 
     def offsets(self) -> dict[str, int]:
+        return self._offsets
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, int]:
         out, at = {}, 0
         for area in AREAS:
             out[area] = at

@@ -37,6 +37,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from warmlink import _env
@@ -46,7 +47,7 @@ from warmlink.ep._info import KIND, check_config
 from warmlink.ep._movers import CudaMover, HostMover
 from warmlink.ep._reduce import combine_sum
 from warmlink.ep._regions import RegionLayout
-from warmlink.ep.layout import dispatch_layout, local_topk, send_plan
+from warmlink.ep.layout import dispatch_layout, send_plan
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Buffer", "Handle"]
@@ -147,7 +148,9 @@ class Buffer(Closing):
         self._event_tokens: list = []
         self._round = {"dispatch": 0, "combine": 0}
         self._pending: _Pending | None = None
-        self._reduced = None
+        self._meta = None
+        self._last_in_rank = None
+        self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
         self._store = store
         try:
@@ -208,13 +211,16 @@ class Buffer(Closing):
                     recv_events[phase][r] = self._open_event(ref, theirs["events"][phase][self.rank])
         self.peers = peers
         if self.backend == "cuda_ipc":
+            from warmlink.pool.events import lease_event
             from warmlink.pool.streams import lease_stream
 
             streams = [lease_stream(self.device) for _ in range(self.num_ranks)]
-            self._leases += streams
-            own = self._region.tensor
-            self._mover = CudaMover(self.layout, self.rank, self.device, own, {r: reg.ptr for r, reg in regions.items()},
-                                    [s.resource for s in streams], self._send_events, recv_events, peers)
+            local = [lease_event(self.device) for _ in range(self.num_ranks + 2)]
+            self._leases += streams + local
+            self._reduced_event = local[-1].resource.handle
+            self._mover = CudaMover(self.layout, self.rank, self.device, self._region.tensor,
+                                    {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
+                                    [e.resource.handle for e in local[:-1]], self._send_events, recv_events, peers)
         else:
             self._mover = HostMover(self.layout, self.rank, self._region.tensor, {r: reg.tensor for r, reg in regions.items()})
 
@@ -358,8 +364,9 @@ class Buffer(Closing):
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, None)``,
-            plus ``hook`` when asked. ``recv_x`` rows are ordered by source rank, then source token;
-            ``recv_topk_idx`` holds local expert ids (-1 elsewhere). Views valid until the next dispatch.
+            plus ``hook`` when asked (the tensors are filled when it returns). ``recv_x`` rows are
+            ordered by source rank, then source token, and are a view of the receive area valid until
+            the next dispatch; ``recv_topk_idx`` holds local expert ids (-1 elsewhere).
 
         Raises:
             ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves).
@@ -368,92 +375,68 @@ class Buffer(Closing):
         self._check_open("dispatch")
         if expert_alignment != 1 or num_worst_tokens:
             raise ConfigError("ep.Buffer.dispatch: expert_alignment must be 1 and num_worst_tokens 0 (not supported)")
-        phases = {}
         t0 = time.perf_counter()
         tokens, scales = self._check_x(x)
         num_tokens = tokens.shape[0]
         round_ = self._round["dispatch"] + 1
+        topk = weights = None
         if handle is not None:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
-            num_experts = handle.num_experts
-            self._sync_caller()
-            phases["layout"] = time.perf_counter() - t0
-            config = self._call_config(num_experts, 0, scales is not None, cached=True)
-            self._handshake("dispatch", round_, config=config)
-            idx_local = w_local = None
-            num_topk, weights_sent = 0, False
+            self._sync_caller()  # see Note [Round protocol], step 1
+            config = self._call_config(handle.num_experts, 0, scales is not None, True)
+            counts = None
         else:
-            if topk_idx is None:
-                raise ConfigError("ep.Buffer.dispatch: topk_idx is required without a handle")
-            topk = self._check_topk(topk_idx, "topk_idx", num_tokens)
-            weights = None
-            if topk_weights is not None:
-                weights = self._check_rows(topk_weights, "topk_weights", num_tokens)
-                if weights.shape != topk.shape or not weights.is_floating_point():
-                    raise ConfigError(f"ep: topk_weights {tuple(weights.shape)} {weights.dtype}; expected float of shape {tuple(topk.shape)}")
-            if num_experts is None:
-                if num_tokens_per_expert is None:
-                    raise ConfigError("ep.Buffer.dispatch: pass num_tokens_per_expert (from get_dispatch_layout) or num_experts")
-                num_experts = int(num_tokens_per_expert.numel())
-            self._check_experts(num_experts)
-            given = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            if any(t is None for t in given):
-                lay = dispatch_layout(topk, num_experts, self.num_ranks)
-                given = (lay.num_tokens_per_rank, lay.is_token_in_rank, lay.num_tokens_per_expert)
-                bad = lay.num_bad_ids
-            else:
-                bad = ((topk < -1) | (topk >= num_experts)).sum(dtype=torch.int64).reshape(1)
-            per_rank, in_rank, per_expert = given
-            self._check_layout(per_rank, in_rank, per_expert, num_tokens, num_experts)
-            host = torch.cat([per_rank.to(torch.int64).reshape(-1), per_expert.to(torch.int64).reshape(-1),
-                              bad.to(torch.int64)]).cpu()  # the one synchronization
-            phases["layout"] = time.perf_counter() - t0
-            if int(host[-1]):
-                raise ConfigError(f"ep.Buffer.dispatch: topk_idx has {int(host[-1])} entries outside [-1, {num_experts}); "
-                                  "nothing was sent")
+            topk, weights, num_experts, host, per_rank = self._layout_to_host(
+                tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+            in_rank = is_token_in_rank if is_token_in_rank is not None else self._last_in_rank
             send_counts = host[:self.num_ranks]
-            if send_counts.numel() != self.num_ranks or bool((send_counts > num_tokens).any()):
-                raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={send_counts.tolist()} does not fit {num_tokens} tokens")
-            config = self._call_config(num_experts, topk.shape[1], scales is not None, cached=False)
-            t1 = time.perf_counter()
-            self._handshake("dispatch", round_, (send_counts.numpy(), host[self.num_ranks:-1].numpy()), config)
-            phases["handshake"] = time.perf_counter() - t1
-            handle = self._build_handle(round_, num_experts, num_tokens, in_rank, send_counts.tolist())
-            idx_local, w_local = local_topk(topk, weights, num_experts, self.num_ranks)
-            num_topk = topk.shape[1]
-            weights_sent = weights is not None
-        if "handshake" not in phases:
-            phases["handshake"] = time.perf_counter() - t0 - phases["layout"]
-        t2 = time.perf_counter()
+            counts = (send_counts, host[self.num_ranks:self.num_ranks + num_experts])
+            config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
+            handle = self._local_plan(num_experts, num_tokens, in_rank, per_rank, send_counts.tolist(), topk.shape[1])
+        t1 = time.perf_counter()
+        # Rows bound for peers are gathered into staging before the handshake: that needs only this
+        # rank's own plan, so the kernels run while the ranks meet. See Note [Copy-engine sends].
+        meta = self._pack_meta(topk, weights, scales, num_tokens)
         mover = self._mover
         mover.begin()
-        for d in self._order():
+        order = self._order()
+        for d in order[:-1]:
             index = handle.send_index[handle.send_starts[d]:handle.send_starts[d] + handle.send_counts[d]]
-            row0 = handle.dst_rows[d]
-            mover.scatter(d, tokens, index, "recv_x", row0)
-            if scales is not None:
-                mover.scatter(d, scales, index, "recv_scales", row0)
-            if idx_local is not None:
-                mover.scatter(d, idx_local[d], index, "recv_idx", row0)
-                if weights_sent:
-                    mover.scatter(d, w_local[d], index, "recv_w", row0)
-            mover.sent(d, "dispatch")
+            mover.stage(d, tokens, index, "recv_x")
+            if meta is not None:
+                mover.stage(d, meta, index, "recv_meta")
+        t2 = time.perf_counter()
+        self._handshake("dispatch", round_, counts, config)
+        if counts is not None:
+            self._complete_plan(handle, round_)
+        t3 = time.perf_counter()
+        for d in order[:-1]:
+            mover.flush(d, "dispatch", handle.dst_rows[d])
+        me = self.rank
+        index = handle.send_index[handle.send_starts[me]:handle.send_starts[me] + handle.send_counts[me]]
+        mover.gather_local(tokens, index, "recv_x", handle.dst_rows[me])
+        if meta is not None:
+            mover.gather_local(meta, index, "recv_meta", handle.dst_rows[me])
+        mover.flush(me, "dispatch", handle.dst_rows[me])
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         self._round["dispatch"] = round_
-        phases["send"] = time.perf_counter() - t2
-        self.last_phases = phases
-        if idx_local is not None:
-            handle.num_topk = num_topk
-        views = self._recv_views(handle, tokens.dtype, scales is not None, num_topk, idx_local is not None and weights_sent)
-        result = (views[0], views[1], views[2], list(handle.num_recv_tokens_per_expert_list), handle, None)
+        t_sent = time.perf_counter()
+        self.last_phases = {"layout": t1 - t0, "stage": t2 - t1, "handshake": t3 - t2, "send": t_sent - t3}
+        # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
+        self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent}
+        recv_x, unpack = self._recv_outputs(handle, tokens.dtype, scales is not None, topk is not None,
+                                            weights is not None)
 
         def receive() -> None:
             t3 = time.perf_counter()
             self.mailbox.wait(mb.DISPATCH_SENT, round_, self.timeout_s)
             mover.arrived(range(self.num_ranks), "dispatch", self.timeout_s)
-            self.last_phases["receive"] = time.perf_counter() - t3
+            unpack()
+            self.last_marks["received"] = time.perf_counter()
+            self.last_phases["receive"] = self.last_marks["received"] - t3
 
+        result = (recv_x, *unpack.outputs, list(handle.num_recv_tokens_per_expert_list), handle, None)
         return self._finish("dispatch", round_, receive, return_recv_hook, result)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None, config=None,
@@ -485,10 +468,9 @@ class Buffer(Closing):
             if weights.shape[1] > self.layout.num_topk:
                 raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {self.layout.num_topk}")
         round_ = self._round["combine"] + 1
-        if self._reduced is not None:  # this rank's combine area is free once its last sum ran
-            self._wait_local(self._reduced, "the previous combine's sum")
+        if self._round["combine"]:  # this rank's combine area is free once its last sum ran
+            self._wait_reduced()
         self._handshake("combine", round_)
-        phases = {"handshake": time.perf_counter() - t0}
         t1 = time.perf_counter()
         mover = self._mover
         mover.begin()
@@ -501,9 +483,7 @@ class Buffer(Closing):
             mover.sent(s, "combine")
         self.mailbox.publish(mb.COMBINE_SENT, round_)
         self._round["combine"] = round_
-        phases["send"] = time.perf_counter() - t1
-        self.last_phases = phases
-
+        self.last_phases = {"handshake": t1 - t0, "send": time.perf_counter() - t1}
         out = torch.empty(handle.num_tokens, self.layout.hidden, dtype=rows.dtype, device=rows.device)
         out_w = None if weights is None else torch.empty(handle.num_tokens, weights.shape[1], dtype=torch.float32,
                                                          device=rows.device)
@@ -511,18 +491,103 @@ class Buffer(Closing):
         def receive() -> None:
             t2 = time.perf_counter()
             self.mailbox.wait(mb.COMBINE_SENT, round_, self.timeout_s)
-            mover.arrived(range(self.num_ranks), "combine", self.timeout_s)
+            mover.arrived(range(self.num_ranks), "combine", self.timeout_s)  # rows/weights stay referenced until here
             area = self.layout.view(self._region.tensor, "comb_x", rows.dtype, self.layout.hidden)
             combine_sum(area, handle.combine_rows, out)
             if out_w is not None:
-                warea = self.layout.view(self._region.tensor, "comb_w", torch.float32, out_w.shape[1])
-                combine_sum(warea, handle.combine_rows, out_w, use_triton=False)
-            self._reduced = self._mark_local()
+                combine_sum(self.layout.view(self._region.tensor, "comb_w", torch.float32, out_w.shape[1]),
+                            handle.combine_rows, out_w)
+            self._mark_reduced()
             self.last_phases["receive"] = time.perf_counter() - t2
 
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _layout_to_host(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
+        """Check the routing and bring the counts to the host: the dispatch's one synchronization.
+
+        Returns ``(topk, weights, num_experts, host counts [R + E] int64 numpy, per_rank on device)``.
+        """
+        num_tokens = tokens.shape[0]
+        if topk_idx is None:
+            raise ConfigError("ep.Buffer.dispatch: topk_idx is required without a handle")
+        topk = self._check_topk(topk_idx, "topk_idx", num_tokens)
+        weights = None
+        if topk_weights is not None:
+            weights = self._check_rows(topk_weights, "topk_weights", num_tokens)
+            if weights.shape != topk.shape or not weights.is_floating_point():
+                raise ConfigError(f"ep: topk_weights {tuple(weights.shape)} {weights.dtype}; expected float of shape {tuple(topk.shape)}")
+        if num_experts is None:
+            if per_expert is None:
+                raise ConfigError("ep.Buffer.dispatch: pass num_tokens_per_expert (from get_dispatch_layout) or num_experts")
+            num_experts = int(per_expert.numel())
+        self._check_experts(num_experts)
+        if per_rank is None or in_rank is None or per_expert is None:
+            lay = dispatch_layout(topk, num_experts, self.num_ranks)
+            per_rank, in_rank, per_expert = lay.num_tokens_per_rank, lay.is_token_in_rank, lay.num_tokens_per_expert
+        self._check_layout(per_rank, in_rank, per_expert, num_tokens, num_experts)
+        self._last_in_rank = in_rank
+        # ids are checked with one min/max pass, read with the counts in the same copy
+        lo, hi = (topk.aminmax() if topk.numel() else (topk.new_zeros(()), topk.new_zeros(())))
+        ints = (per_rank.reshape(-1), per_expert.reshape(-1), lo.reshape(1), hi.reshape(1))
+        # int64 unless everything is int32 already: a narrowing cast could turn a bad id into a good one
+        common = torch.int32 if all(t.dtype == torch.int32 for t in ints) else torch.int64
+        host = torch.cat([t if t.dtype == common else t.to(common) for t in ints]).cpu().numpy().astype(np.int64)
+        if host[-2] < -1 or host[-1] >= num_experts:
+            raise ConfigError(f"ep.Buffer.dispatch: topk_idx has entries in [{host[-2]}, {host[-1]}]; expected every "
+                              f"entry in [-1, {num_experts}) (outside [-1, {num_experts}); nothing was sent)")
+        send_counts = host[:self.num_ranks]
+        if (send_counts > num_tokens).any() or (send_counts < 0).any():
+            raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={send_counts.tolist()} does not fit {num_tokens} tokens")
+        return topk, weights, num_experts, host[:-2], per_rank
+
+    def _pack_meta(self, topk, weights, scales, num_tokens: int):
+        """One meta row per token: ids, weights and FP8 scales (see ``_regions``); None if nothing to send."""
+        if topk is None and scales is None:
+            return None
+        k = self.layout.num_topk
+        meta = self._meta_buffer(topk if topk is not None else scales)[:num_tokens]
+        if topk is not None:
+            meta.view(torch.int64)[:, :topk.shape[1]] = topk
+            if weights is not None:
+                meta.view(torch.float32)[:, 2 * k:2 * k + topk.shape[1]] = weights
+        if scales is not None:
+            meta.view(torch.float32)[:, 3 * k:3 * k + scales.shape[1]] = scales
+        return meta
+
+    def _meta_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self._meta is None:  # allocated once, on first use
+            self._meta = torch.zeros(self.layout.max_tokens, self.layout.meta_bytes, dtype=torch.uint8, device=like.device)
+        return self._meta
+
+    def _recv_outputs(self, handle: Handle, dtype, fp8: bool, with_topk: bool, with_weights: bool):
+        """``recv_x`` (a view of the receive area) and ``unpack``: the receive-phase step that turns
+        meta rows into ``recv_topk_idx``, ``recv_topk_weights`` (and FP8 scales), into tensors made now."""
+        total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
+        x = lay.view(region, "recv_x", torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
+        meta = lay.view(region, "recv_meta", torch.uint8, lay.meta_bytes)[:total]
+        k, kt, dev = lay.num_topk, handle.num_topk, x.device
+        idx = torch.empty(total, kt, dtype=torch.int64, device=dev) if with_topk else None
+        w = torch.empty(total, kt, dtype=torch.float32, device=dev) if with_weights else None
+        scales = torch.empty(total, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
+        epr = handle.num_experts // self.num_ranks
+        base = self.rank * epr
+
+        def unpack() -> None:
+            if idx is not None:
+                raw = meta.view(torch.int64)[:, :kt]
+                local = raw - base
+                here = (raw >= 0) & (local >= 0) & (local < epr)
+                torch.where(here, local, local.new_full((), -1), out=idx)
+                if w is not None:
+                    wraw = meta.view(torch.float32)[:, 2 * k:2 * k + kt]
+                    torch.where(here, wraw, wraw.new_zeros(()), out=w)
+            if scales is not None:
+                scales.copy_(meta.view(torch.float32)[:, 3 * k:3 * k + scales.shape[1]])
+
+        unpack.outputs = (idx, w)
+        return ((x, scales) if fp8 else x), unpack
+
     def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple):
         """Run the receive phase now, or return ``(*result, hook)`` whose hook runs it once."""
         if not return_recv_hook:
@@ -549,57 +614,51 @@ class Buffer(Closing):
                     f"fp8={bool(theirs & 2)}, cached={bool(theirs & 1)}), this rank with (num_experts={config >> 20}, "
                     f"num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, cached={bool(config & 1)})")
 
-    def _build_handle(self, round_: int, num_experts: int, num_tokens: int, in_rank, send_counts: list[int]) -> Handle:
-        num_ranks, me = self.num_ranks, self.rank
-        matrix, per_expert = [], []
-        for s in range(num_ranks):
-            if s == me:
-                row = send_counts
-                experts = self.mailbox.counts(s, round_, num_experts)[1]
-            else:
-                r, experts = self.mailbox.counts(s, round_, num_experts)
-                row = [int(v) for v in r]
-                if any(not 0 <= v <= self.layout.max_tokens for v in row):
-                    raise MetadataError(f"ep: rank {s} published counts {row}; expected each in [0, {self.layout.max_tokens}]")
-            matrix.append(row)
-            per_expert.append(experts)
-        epr = num_experts // num_ranks
-        recv_counts = [matrix[s][me] for s in range(num_ranks)]
-        recv_starts = [sum(recv_counts[:s]) for s in range(num_ranks)]
-        dst_rows = [sum(matrix[s][d] for s in range(me)) for d in range(num_ranks)]
-        send_starts = [sum(send_counts[:d]) for d in range(num_ranks)]
-        tokens_per_expert = [int(sum(int(per_expert[s][me * epr + j]) for s in range(num_ranks))) for j in range(epr)]
-        dev = in_rank.device
-        plan = send_plan(in_rank.to(torch.bool), torch.tensor(send_starts, dtype=torch.int64, device=dev),
-                         sum(send_counts), self.layout.max_tokens)
+    def _local_plan(self, num_experts: int, num_tokens: int, in_rank, per_rank, send_counts: list[int], num_topk: int) -> Handle:
+        """The part of a handle this rank knows alone: where its tokens go (peers' counts come later)."""
+        plan = send_plan(in_rank, sum(send_counts), self.layout.max_tokens)
+        send_starts = [0] * self.num_ranks
+        for d in range(1, self.num_ranks):
+            send_starts[d] = send_starts[d - 1] + send_counts[d - 1]
         return Handle(num_experts, num_tokens, in_rank, plan.send_index, plan.combine_rows, send_starts, list(send_counts),
-                      dst_rows, recv_starts, recv_counts, tokens_per_expert)
+                      [], [], [], [], num_topk)
 
-    def _recv_views(self, handle: Handle, dtype, fp8: bool, num_topk: int, with_weights: bool):
-        total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
-        if fp8:
-            x = (lay.view(region, "recv_x", torch.float8_e4m3fn, lay.hidden)[:total],
-                 lay.view(region, "recv_scales", torch.float32, lay.hidden // 128)[:total])
-        else:
-            x = lay.view(region, "recv_x", dtype, lay.hidden)[:total]
-        idx = lay.view(region, "recv_idx", torch.int64, num_topk)[:total] if num_topk else None
-        w = lay.view(region, "recv_w", torch.float32, num_topk)[:total] if with_weights else None
-        return x, idx, w
+    def _complete_plan(self, handle: Handle, round_: int) -> None:
+        """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
+        num_ranks, me = self.num_ranks, self.rank
+        matrix = np.empty((num_ranks, num_ranks), dtype=np.int64)
+        per_expert = np.empty((num_ranks, handle.num_experts), dtype=np.int64)
+        for s in range(num_ranks):
+            matrix[s], per_expert[s] = self.mailbox.counts(s, round_, handle.num_experts)
+        matrix[me] = handle.send_counts
+        if (matrix < 0).any() or (matrix > self.layout.max_tokens).any():
+            bad = int(np.argwhere((matrix < 0) | (matrix > self.layout.max_tokens))[0, 0])
+            raise MetadataError(f"ep: rank {bad} published counts {matrix[bad].tolist()}; expected each in "
+                                f"[0, {self.layout.max_tokens}]")
+        epr = handle.num_experts // num_ranks
+        handle.recv_counts = matrix[:, me].tolist()
+        handle.recv_starts = (np.cumsum(matrix[:, me]) - matrix[:, me]).tolist()
+        handle.dst_rows = matrix[:me].sum(0).tolist()
+        handle.num_recv_tokens_per_expert_list = per_expert[:, me * epr:(me + 1) * epr].sum(0).tolist()
 
-    def _mark_local(self):
+    def _mark_reduced(self) -> None:
+        if self.device >= 0:
+            from warmlink import _cuda
+
+            _cuda.event_record(self._reduced_event, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _wait_reduced(self) -> None:
+        """Block (bounded) until this rank's last combine sum finished reading its combine area."""
         if self.device < 0:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def _wait_local(self, event, what: str) -> None:
+            return
+        from warmlink import _cuda
         from warmlink.errors import TransferTimeout
 
         deadline = time.perf_counter() + self.timeout_s
-        while not event.query():
+        while not _cuda.event_query(self._reduced_event):
             if time.perf_counter() > deadline:
-                raise TransferTimeout(f"ep: {what} did not finish within {self.timeout_s:.3g} s on cuda:{self.device}")
+                raise TransferTimeout(f"ep: the previous combine's sum did not finish within {self.timeout_s:.3g} s "
+                                      f"on cuda:{self.device}")
             time.sleep(20e-6)
 
     # -- lifecycle ---------------------------------------------------------------------------------

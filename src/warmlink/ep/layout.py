@@ -86,25 +86,25 @@ class SendPlan:
     combine_rows: torch.Tensor
 
 
-def send_plan(is_token_in_rank: torch.Tensor, send_starts: torch.Tensor, total: int, max_tokens: int) -> SendPlan:
-    """Build the ``SendPlan`` on the device, without a host synchronization.
+def send_plan(is_token_in_rank: torch.Tensor, total: int, max_tokens: int) -> SendPlan:
+    """Build the ``SendPlan`` on the device, without a host synchronization (a handful of kernels).
 
     Args:
         is_token_in_rank: ``[T, R]`` bool.
-        send_starts: ``[R]`` int64 on the same device, exclusive prefix sum of tokens per rank.
-        total: sum of tokens per rank (known on the host).
+        total: number of True entries (known on the host from the counts).
         max_tokens: rows per source slot of the combine region.
     """
-    num_tokens, num_ranks = is_token_in_rank.shape
+    num_ranks = is_token_in_rank.shape[1]
     dev = is_token_in_rank.device
-    pos = torch.cumsum(is_token_in_rank, 0, dtype=torch.int64) - 1
-    slot = torch.where(is_token_in_rank, send_starts.view(1, -1) + pos, total)  # `total` = dump slot
-    tokens = torch.arange(num_tokens, device=dev, dtype=torch.int64).view(-1, 1).expand(-1, num_ranks)
-    send_index = torch.empty(total + 1, dtype=torch.int64, device=dev)
-    send_index.scatter_(0, slot.reshape(-1), tokens.reshape(-1))
-    ranks = torch.arange(num_ranks, device=dev, dtype=torch.int64).view(1, -1)
-    combine_rows = torch.where(is_token_in_rank, ranks * max_tokens + pos, -1)
-    return SendPlan(send_index=send_index[:total], combine_rows=combine_rows)
+    by_rank = is_token_in_rank.t().contiguous()  # [R, T]: scans and nonzero run along contiguous rows
+    # nonzero of [R, T] is row-major: destination, then token, ascending: the send order itself
+    send_index = torch.nonzero_static(by_rank, size=total)[:, 1]
+    # A scan along the contiguous axis: down dim 0 of a [T, R] tensor with few columns it ran one
+    # thread per column (0.63 ms for 4096 x 4 on H200).
+    pos = torch.cumsum(by_rank, 1, dtype=torch.int64)  # inclusive: pos[t] + 1
+    base = (torch.arange(num_ranks, device=dev, dtype=torch.int64) * max_tokens - 1).view(-1, 1)
+    combine_rows = torch.where(by_rank, pos + base, -1).t().contiguous()
+    return SendPlan(send_index=send_index, combine_rows=combine_rows)
 
 
 def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int, num_ranks: int):
