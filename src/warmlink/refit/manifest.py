@@ -15,6 +15,7 @@ shards one extra row, as ``torch.tensor_split`` does, so uneven splits are exact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 from warmlink._dtypes import dtype_size
@@ -83,7 +84,9 @@ class Shard:
             bounds[self.split_dim] = split_bounds(self.global_shape[self.split_dim], self.num_shards, self.shard_idx)
         return tuple(bounds)
 
-    @property
+    # Layouts are immutable: derived values are computed once (cached_property writes the
+    # instance __dict__, which a frozen dataclass allows; equality and hashing use fields only).
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.box())
 
@@ -133,6 +136,18 @@ class TensorLayout:
         if len(set(logicals)) != len(logicals):
             raise LayoutError(f"TensorLayout {self.name!r}: a logical tensor appears twice in parts {logicals}")
 
+    def __hash__(self) -> int:
+        # Kept by @dataclass (an explicit __hash__ wins). Layouts key plan and signature caches,
+        # and the generated hash would walk every part and shard on every lookup.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash((self.name, self.dtype, self.parts, self.fuse_dim))
+        return h
+
+    def __getstate__(self) -> dict:
+        # The cached hash is per process (str hashes are salted): never pickled to another one.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
     def plain(
@@ -146,8 +161,11 @@ class TensorLayout:
         logical: str | None = None,
     ) -> "TensorLayout":
         """A physical tensor holding one shard of one logical tensor (named ``logical or name``)."""
-        shard = Shard(tuple(global_shape), split_dim, num_shards, shard_idx)
-        return cls(name, dtype, (Part(logical or name, shard),))
+        args = (cls, name, dtype, tuple(global_shape), split_dim, num_shards, shard_idx, logical)
+        try:
+            return _plain(*args)
+        except TypeError:  # an unhashable argument: build it uncached (and report what is wrong)
+            return _plain.__wrapped__(*args)
 
     @classmethod
     def fused(
@@ -161,7 +179,7 @@ class TensorLayout:
         return cls(name, dtype, tuple(Part(logical, shard) for logical, shard in parts), fuse_dim)
 
     # -- derived ---------------------------------------------------------------------------------
-    @property
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
         shapes = [p.shard.local_shape for p in self.parts]
         if len(shapes) == 1:
@@ -170,14 +188,14 @@ class TensorLayout:
         out[self.fuse_dim] = sum(s[self.fuse_dim] for s in shapes)
         return tuple(out)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for d in self.local_shape:
             n *= d
         return n
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
 
@@ -217,3 +235,11 @@ class TensorLayout:
             for p in obj["parts"]
         )
         return cls(obj["name"], obj["dtype"], parts, obj.get("fuse_dim", 0))
+
+
+# Layouts are immutable and engines declare the same ones again and again (a publisher re-created
+# per test calls ``plain`` for every tensor): equal arguments share one validated object.
+@lru_cache(maxsize=4096, typed=True)
+def _plain(cls, name, dtype, global_shape, split_dim, num_shards, shard_idx, logical) -> TensorLayout:
+    shard = Shard(global_shape, split_dim, num_shards, shard_idx)
+    return cls(name, dtype, (Part(logical or name, shard),))

@@ -27,8 +27,14 @@ from dataclasses import dataclass
 
 from warmlink._backoff import Backoff
 from warmlink.errors import TransferTimeout, VersionError
+from warmlink.refit._memo import PerStore
 
-__all__ = ["VersionState", "read_state", "write_state", "enter", "leave", "wait_no_readers", "state_key", "manifest_key"]
+__all__ = ["VersionState", "read_state", "write_state", "enter", "leave", "wait_no_readers", "state_key", "manifest_key",
+           "last_state"]
+
+# rank -> the VersionState this process last read through a Store object: a new receiver's first
+# guess (Note [Warm metadata] in refit._memo). Never trusted: entering reads the state again.
+_last_read = PerStore()
 
 
 def state_key(rank: int) -> str:
@@ -59,7 +65,14 @@ def write_state(store, rank: int, state: VersionState) -> None:
 
 def read_state(store, rank: int, *, timeout_s: float | None = None) -> VersionState:
     obj = store.get_json(state_key(rank), "version_state", f"publisher/{rank}", timeout_s=timeout_s)
-    return VersionState(obj["version"], obj["state"], obj["generation"])
+    state = VersionState(obj["version"], obj["state"], obj["generation"])
+    _last_read.put(store, rank, state)
+    return state
+
+
+def last_state(store, rank: int) -> VersionState | None:
+    """The state of ``rank`` this process last read through ``store``, or None: a guess only."""
+    return _last_read.get(store, rank)
 
 
 def enter(store, rank: int, expected: VersionState) -> bool:

@@ -13,12 +13,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from warmlink import _env
+from warmlink import _env, pool
+from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, VersionError
 from warmlink.refit import protocol
-from warmlink.refit._closing import Closing
+from warmlink.refit._memo import PerStore
 from warmlink.refit.manifest import TensorLayout
+from warmlink.rendezvous import schema
 from warmlink.transport import lease_link
 from warmlink.transport.base import LocalRegion, local_identity
 
@@ -27,6 +29,10 @@ __all__ = ["Publisher"]
 log = logging.getLogger("warmlink.refit")
 
 _ALIGN = 256  # staging offsets stay aligned for vector copies
+
+# rank -> (generation, manifest dict, its bytes) last written through a Store object. See Note
+# [Warm metadata] in refit._memo.
+_exported = PerStore()
 
 
 @dataclass
@@ -107,7 +113,13 @@ class Publisher(Closing):
 
     # -- export ------------------------------------------------------------------------------
     def export(self) -> None:
-        """Register every tensor once, write the manifest and publish version 1."""
+        """Register every tensor once, write the manifest and publish version 1.
+
+        A publisher re-created in this process over the same memory, whose manifest equals the
+        last one written for its rank through the same store object, keeps that manifest and its
+        ``generation`` (receivers then find nothing changed); otherwise it takes a new generation.
+        See Note [Warm metadata] in ``refit._memo``.
+        """
         if self._link is not None:
             raise VersionError("Publisher.export: called twice")
         if not self._entries:
@@ -144,14 +156,13 @@ class Publisher(Closing):
                 e.region_idx, e.offset, e.staged = idx, off, True
             log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
 
-        self.generation = self.store.next_generation(f"pub/{self.rank}")
         host, pid, start = local_identity()
         manifest = {
             "schema_version": 1,
             "kind": "publisher_manifest",
             "peer": {
                 "schema_version": 1, "kind": "peer_info", "role": "publisher", "rank": self.rank,
-                "world_size": self.world_size, "generation": self.generation, "host": host, "pid": pid,
+                "world_size": self.world_size, "generation": 0, "host": host, "pid": pid,
                 "start_time": start, "device": device, "backend": self._link.backend,
             },
             "regions": [r.desc for r in self._regions],
@@ -159,10 +170,28 @@ class Publisher(Closing):
                 {**e.layout.to_json(), "region": e.region_idx, "offset": e.offset} for e in self._entries.values()
             ],
         }
-        self.store.set_json(protocol.manifest_key(self.rank, self.generation), manifest)
+        self.generation = self._write_manifest(manifest)
         self._copy_staged()
         self.version = 1
         protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
+
+    def _write_manifest(self, manifest: dict) -> int:
+        """Store ``manifest`` under a new generation, or keep the generation of an equal manifest
+        this process wrote before (Note [Warm metadata] in refit._memo); returns the generation."""
+        last = _exported.get(self.store, self.rank) if pool.enabled() else None
+        if last is not None:
+            generation, body, raw = last
+            manifest["peer"]["generation"] = generation
+            # Read back: a key overwritten since (a bad peer, a test) gets a fresh generation.
+            if manifest == body and self.store.try_get(protocol.manifest_key(self.rank, generation)) == raw:
+                return generation
+        generation = self.store.next_generation(f"pub/{self.rank}")
+        manifest["peer"]["generation"] = generation
+        raw = schema.encode(manifest)  # validated: a bad manifest is refused before it is published
+        self.store.set(protocol.manifest_key(self.rank, generation), raw)
+        if pool.enabled():
+            _exported.put(self.store, self.rank, (generation, manifest, raw))
+        return generation
 
     def _copy_staged(self) -> None:
         if self._staging is None:

@@ -1,16 +1,22 @@
 """What a receiver knows about the publishers: states, manifests and opened regions.
 
-Manifests are read once per publisher generation. When a publisher restarts (new generation), its
-old mappings are closed and its new manifest read; the other publishers' mappings stay open.
+Manifests are read once per publisher generation (and once more by a receiver that adopts parked
+state). When a publisher restarts (new generation), its old mappings are closed and its new
+manifest read; the other publishers' mappings stay open. Manifest bytes already validated in this
+process are not validated again (Note [Warm metadata] in ``refit._memo``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
+from warmlink import pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError
 from warmlink.refit import protocol
+from warmlink.refit._memo import Lru
 from warmlink.refit.manifest import TensorLayout
+from warmlink.rendezvous import schema
 from warmlink.transport.base import PeerRef, RemoteRegion
 
 __all__ = ["SourceSet"]
@@ -18,14 +24,42 @@ __all__ = ["SourceSet"]
 log = logging.getLogger("warmlink.refit")
 
 
-class _Source:
-    __slots__ = ("peer", "layouts", "where", "regions", "opened")
+class _Parsed:
+    """A validated manifest, parsed; shared read-only by every receiver of the process."""
 
-    def __init__(self, peer: PeerRef, layouts: list[TensorLayout], where: dict[str, tuple[int, int]], regions: list[dict]) -> None:
+    __slots__ = ("info", "regions", "layouts", "where", "digest")
+
+    def __init__(self, raw: bytes, m: dict) -> None:
+        self.info = m["peer"]
+        self.regions = tuple(m["regions"])
+        self.layouts = tuple(TensorLayout.from_json(t) for t in m["tensors"])
+        self.where = {t["name"]: (t["region"], t["offset"]) for t in m["tensors"]}  # (region index, offset bytes)
+        self.digest = hashlib.sha256(raw).hexdigest()  # names these exact layouts in plan keys
+
+
+# Exact manifest bytes -> their validated parse. See Note [Warm metadata] in refit._memo.
+_validated = Lru(32)
+
+
+def _parse(raw: bytes, peer_name: str) -> _Parsed:
+    """Decode and validate ``raw``, unless these exact bytes were validated before (pool on)."""
+    parsed = _validated.get(raw) if pool.enabled() else None
+    if parsed is None:
+        parsed = _Parsed(raw, schema.decode(raw, "publisher_manifest", peer_name))
+        if pool.enabled():
+            _validated.put(raw, parsed)
+    return parsed
+
+
+class _Source:
+    __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened")
+
+    def __init__(self, peer: PeerRef, parsed: _Parsed) -> None:
         self.peer = peer
-        self.layouts = layouts
-        self.where = where  # tensor name -> (region index, offset in bytes)
-        self.regions = regions
+        self.layouts = parsed.layouts
+        self.where = parsed.where
+        self.regions = parsed.regions
+        self.digest = parsed.digest
         self.opened: dict[int, RemoteRegion] = {}
 
 
@@ -37,17 +71,26 @@ class SourceSet:
         self.link = link
         self.num_publishers = num_publishers
         self._sources: list[_Source | None] = [None] * num_publishers
+        self._verified = True  # False: every manifest is read again once (see unverify)
 
     def states(self, timeout_s: float) -> list[protocol.VersionState]:
         return [protocol.read_state(self.store, rank, timeout_s=timeout_s) for rank in range(self.num_publishers)]
 
+    def unverify(self) -> None:
+        """Read every manifest again at the next ``refresh`` even if its generation is unchanged,
+        keeping what the bytes still say: a new owner checks what it adopted (Note [Parked
+        receive state] in refit._parked)."""
+        self._verified = False
+
     def refresh(self, states: list[protocol.VersionState]) -> None:
-        """Read the manifest of every rank whose generation changed."""
+        """Read the manifest of every rank whose generation changed (every rank after ``unverify``)."""
         for rank, state in enumerate(states):
             src = self._sources[rank]
-            if src is not None and src.peer.generation == state.generation:
+            if src is not None and src.peer.generation == state.generation and self._verified:
                 continue
             new = self._load(rank, state.generation)
+            if src is not None and src.digest == new.digest:
+                continue  # the same bytes: keep the source and its opened regions
             if src is not None:
                 self._close(src)
                 log.info("publisher re-created", extra={"rank": rank, "generation": state.generation})
@@ -57,11 +100,13 @@ class SourceSet:
             keep = {self.link.region_id(d) for d in new.regions}
             self.link.forget_peer(new.peer.key, keep_process=new.peer.process_id, keep_regions=keep)
             self._sources[rank] = new
+        self._verified = True
 
     def _load(self, rank: int, generation: int) -> _Source:
         peer_name = f"publisher/{rank}"
-        m = self.store.get_json(protocol.manifest_key(rank, generation), "publisher_manifest", peer_name)
-        info = m["peer"]
+        parsed = _parse(self.store.get(protocol.manifest_key(rank, generation)), peer_name)
+        # What the bytes must say for this slot is checked on every load, cached or not.
+        info = parsed.info
         if info["rank"] != rank or info["generation"] != generation:
             raise MetadataError(
                 f"publisher manifest from peer={peer_name!r}: peer.rank={info['rank']}, peer.generation={info['generation']}; "
@@ -77,27 +122,24 @@ class SourceSet:
                 f"Receiver: publisher/{rank} uses backend={info['backend']!r}, this receiver {self.link.backend!r}; "
                 "both sides must use the same backend"
             )
-        for i, region in enumerate(m["regions"]):
+        for i, region in enumerate(parsed.regions):
             if region["kind"] != self.link.backend:
                 raise MetadataError(
                     f"publisher manifest from peer={peer_name!r}: regions[{i}].kind={region['kind']!r}; "
                     f"expected {self.link.backend!r} (this receiver's backend)"
                 )
-        layouts, where = [], {}
-        for t in m["tensors"]:
-            layouts.append(TensorLayout.from_json(t))
-            where[t["name"]] = (t["region"], t["offset"])
         # The slot key carries the job's store prefix: two jobs in one process never share or evict
         # each other's mappings.
         key = f"{getattr(self.store, 'prefix', '')}:{peer_name}"
         peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
-        return _Source(peer, layouts, where, m["regions"])
+        return _Source(peer, parsed)
 
-    def layouts(self) -> dict[int, list[TensorLayout]]:
+    def layouts(self) -> dict[int, tuple[TensorLayout, ...]]:
         return {rank: src.layouts for rank, src in enumerate(self._sources)}
 
-    def generations(self) -> tuple[int, ...]:
-        return tuple(src.peer.generation for src in self._sources)
+    def digests(self) -> tuple[str, ...]:
+        """SHA-256 of each rank's manifest bytes: equal digests, equal source layouts."""
+        return tuple(src.digest for src in self._sources)
 
     def region_of(self, rank: int, tensor: str) -> tuple[RemoteRegion, int]:
         """The opened region holding ``tensor`` of ``rank`` and the tensor's offset in it (bytes)."""

@@ -56,10 +56,16 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of stat; fields[] starts at field 3
 
 
+_identity: tuple[str, int, int] | None = None
+
+
 def local_identity() -> tuple[str, int, int]:
-    """``(host, pid, start_time)`` of this process."""
+    """``(host, pid, start_time)`` of this process (computed once per process: every export asks)."""
+    global _identity
     pid = os.getpid()
-    return socket.gethostname(), pid, process_start_time(pid) or 0
+    if _identity is None or _identity[1] != pid:  # a forked child is another process
+        _identity = (socket.gethostname(), pid, process_start_time(pid) or 0)
+    return _identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +88,7 @@ class PeerRef:
 
         Peers on other hosts are reported alive; transports that reach them detect loss themselves.
         """
-        if self.host != socket.gethostname():
+        if self.host != local_identity()[0]:
             return True
         start = process_start_time(self.pid)
         return start is not None and (start == -1 or self.start_time in (0, start))
