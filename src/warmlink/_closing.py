@@ -24,8 +24,8 @@ class Closing:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True) or getattr(self, "_link", None) is None or sys.is_finalizing():
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
+        if getattr(self, "_closed", True) or getattr(self, "_link", None) is None or _finalizing():
             return
         warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
         try:

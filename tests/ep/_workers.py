@@ -154,3 +154,26 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
     except Exception as exc:  # noqa: BLE001 - the test compares the type name
         return f"{type(exc).__name__}: {exc}"
     return "ok"
+
+
+def hook_leaves_streams_idle(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """After the send phase of a hook-mode dispatch, the caller's stream drains with the hook not
+    called (no kernel waits for the bytes), and the hook still completes the same outputs."""
+    mine = _mine_on_device(rank, case)
+    with _buffer(rank, num_ranks, store, case) as buf:
+        normal = buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"], num_experts=case["experts"])
+        want = [_cpu(t) for t in normal[:3]]
+        out = buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"],
+                           num_experts=case["experts"], return_recv_hook=True)
+        stream = torch.cuda.current_stream()
+        deadline = time.monotonic() + 5.0
+        while not stream.query():
+            if time.monotonic() > deadline:
+                return {"idle": False}
+            time.sleep(1e-4)
+        idle_after_s = 5.0 - (deadline - time.monotonic())
+        time.sleep(0.02)
+        out[-1]()
+        got = [_cpu(t) for t in out[:3]]
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    return {"idle": True, "idle_after_s": idle_after_s, "same": same}

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
-from tests.ep._workers import dispatch_combine, lifecycle_counts, warm_rounds
+from tests.ep._workers import (
+    dispatch_combine,
+    hook_leaves_streams_idle,
+    lifecycle_counts,
+    warm_rounds,
+)
 from tests.ep.test_buffer import check_against_reference
 
 pytestmark = pytest.mark.multigpu
@@ -59,3 +64,10 @@ def test_gpu_rounds_and_lifecycles_create_nothing_when_warm():
     for out in run_ranks(lifecycle_counts, RANKS, case=case, timeout_s=180):
         assert all(c == {} for c in out["created"][2:]), out["created"]
         assert len(set(out["mappings"][2:])) == 1, out["mappings"]
+
+
+@needs_two
+def test_gpu_no_kernel_waits_between_send_and_hook():
+    case = {"tokens": _tokens(512, 300), "hidden": 7168, "experts": 32, "topk": 8, "backend": "cuda_ipc", "seed": 9}
+    for out in run_ranks(hook_leaves_streams_idle, RANKS, case=case, timeout_s=180):
+        assert out["idle"] and out["same"], out

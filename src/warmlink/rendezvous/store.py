@@ -334,9 +334,9 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
         # At interpreter exit modules are already torn down: nothing useful can be said then.
-        if getattr(self, "_closed", True) or sys.is_finalizing():
+        if getattr(self, "_closed", True) or _finalizing():
             return
         warnings.warn(f"Store at {self.address} was not closed; call close()", ResourceWarning, stacklevel=2)
         try:

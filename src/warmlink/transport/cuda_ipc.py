@@ -167,8 +167,8 @@ class CudaIpcTransfer(Transfer):
             with _cuda.use_device(self.device if device is None else device):
                 _cuda.stream_wait_event(_LEGACY_STREAM, self._event)
 
-    def __del__(self) -> None:
-        if getattr(self, "_lease", None) is None or sys.is_finalizing():
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
+        if getattr(self, "_lease", None) is None or _finalizing():
             return
         try:
             if not self.done():  # still in flight: the link releases the event once complete
@@ -487,8 +487,8 @@ class CudaIpcLink(Link):
                 self.release(region)
         super().close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True) or sys.is_finalizing():
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
+        if getattr(self, "_closed", True) or _finalizing():
             return
         warnings.warn(f"{self!r} was not closed; call close() or use it as a context manager", ResourceWarning, stacklevel=2)
         try:
