@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep demo doctor bench-small
-#        bench-full bench-lifecycle bench-reconfigure bench-ep (env: CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
+#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,6 +51,10 @@ for d in range(torch.cuda.device_count()):
     bench-ep)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_$i.json" 2>&1 | tee "$OUT/ep_$i.log" | tail -22
+      done ;;
+    bench-ep-life)
+      for i in $(seq 1 ${REPEATS_EP:-2}); do
+        timeout 280 python3 -m warmlink.cli.main bench ep --lifecycles ${LIFECYCLES:-30} --json "$OUT/ep_life_$i.json" 2>&1 | tee "$OUT/ep_life_$i.log" | tail -12
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=20, help="timed runs of each operation (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs before them (default 5)")
     p.add_argument("--gemm", type=int, default=6144, help="M=N=K of the overlap GEMM (default 6144; 0 skips overlap)")
+    p.add_argument("--lifecycles", type=int, default=0,
+                   help="instead: N Buffer lifecycles (create, first dispatch + combine, close) per rank, pool on vs "
+                   "WARMLINK_POOL=0 (seed 002 for the ep buffer); --max-tokens sizes the buffer")
+    p.add_argument("--max-tokens", type=int, default=None, help="Buffer capacity per rank (default --tokens)")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stalled run fails (default 300)")
 
@@ -223,6 +227,7 @@ def _defaults(args) -> dict:
         "tokens": args.tokens or (4096 if cuda else 128), "hidden": args.hidden or (7168 if cuda else 512),
         "experts": args.experts or (256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
+        "lifecycles": args.lifecycles,
     }
 
 
@@ -276,10 +281,29 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     return lines, summary
 
 
+def _run_lifecycles(cfg: dict, args) -> int:
+    from warmlink.bench.ep_lifecycle import lifecycle_table, run_ep_lifecycles
+
+    cfg["max_tokens"] = args.max_tokens or cfg["tokens"]
+    print(f"ep Buffer lifecycles: {cfg['ranks']} ranks, {cfg['lifecycles']} x (create -> dispatch + combine of "
+          f"{cfg['tokens']} tokens x {cfg['hidden']} -> close), buffer for {cfg['max_tokens']} tokens")
+    on = run_ep_lifecycles(cfg, pool_on=True)
+    off = run_ep_lifecycles(cfg, pool_on=False)
+    lines, summary = lifecycle_table(on, off)
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "summary": summary, "pool_on": on, "pool_off": off,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
+    return 0
+
+
 def run(args) -> int:
     from warmlink.rendezvous import Store
 
     cfg = _defaults(args)
+    if args.lifecycles:
+        return _run_lifecycles(cfg, args)
     with Store(is_server=True, prefix="bench-ep", timeout_s=args.timeout) as server, Group(args.timeout) as group:
         port = _free_port()
         for r in range(cfg["ranks"]):

@@ -1,0 +1,32 @@
+"""``warmlink bench ep`` end to end on CPU ranks over shm: tables, records, checks."""
+
+from __future__ import annotations
+
+import json
+
+from warmlink.cli.main import main
+
+SMALL = ["--ranks", "2", "--tokens", "48", "--hidden", "256", "--experts", "8", "--topk", "4", "--timeout", "120"]
+
+
+def test_bench_ep_prints_every_operation_and_checks_outputs(tmp_path, capsys):
+    out = tmp_path / "ep.json"
+    assert main(["bench", "ep", *SMALL, "--iterations", "2", "--warmup", "1", "--gemm", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for row in ("warmlink dispatch bf16", "warmlink dispatch fp8 hook", "warmlink dispatch cached", "warmlink combine bf16",
+                "torch+NCCL dispatch (bf16)", "NCCL all_to_all_single, same bytes"):
+        assert row in text
+    record = json.loads(out.read_text())
+    assert all(record["summary"]["checks"].values()), record["summary"]["checks"]
+    assert record["ranks"][0]["bytes"]["bf16"] == record["ranks"][0]["cross_rows"] * 256 * 2
+
+
+def test_bench_ep_lifecycles_reuse_everything_with_the_pool_on(tmp_path, capsys):
+    out = tmp_path / "life.json"
+    assert main(["bench", "ep", *SMALL, "--lifecycles", "4", "--json", str(out)]) == 0
+    assert "Buffer create" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert not any(record["summary"]["pool_on"]["created"].values()), record["summary"]["pool_on"]["created"]
+    assert record["summary"]["pool_off"]["created"].get("arena", 0) >= 1
+    for rank in record["pool_on"]:
+        assert all(not row["created"] for row in rank[1:]), rank
