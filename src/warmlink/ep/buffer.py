@@ -43,6 +43,8 @@ import torch
 from warmlink import _env
 from warmlink._closing import Closing
 from warmlink.ep import _mailbox as mb
+from warmlink.ep._checks import X_DTYPES as _X_DTYPES
+from warmlink.ep._checks import Checks
 from warmlink.ep._info import KIND, check_config
 from warmlink.ep._movers import CudaMover, HostMover
 from warmlink.ep._reduce import combine_sum
@@ -53,9 +55,6 @@ from warmlink.errors import ConfigError, MetadataError
 __all__ = ["Buffer", "Handle"]
 
 log = logging.getLogger("warmlink.ep")
-
-_X_DTYPES = (torch.bfloat16, torch.float16)
-
 
 @dataclass
 class Handle:
@@ -140,6 +139,7 @@ class Buffer(Closing):
         self.timeout_s = float(timeout_s) if timeout_s is not None else _env.default_timeout_s()
         self.device = _device_of(device, backend)
         self.backend = resolve_backend(backend, self.device)
+        self._checks = Checks(self.layout, num_ranks, self.device)
         if (self.backend == "shm") != (self.device < 0):
             raise ConfigError(f"ep.Buffer: backend={self.backend!r} does not fit device={self.device}")
         self._config = {"num_ranks": num_ranks, "max_tokens": max_tokens_per_rank, "hidden": hidden, "num_topk": num_topk}
@@ -149,7 +149,6 @@ class Buffer(Closing):
         self._round = {"dispatch": 0, "combine": 0}
         self._pending: _Pending | None = None
         self._meta = None
-        self._last_in_rank = None
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
         self._store = store
@@ -254,8 +253,8 @@ class Buffer(Closing):
 
         Entries outside ``[-1, num_experts)`` are routed nowhere here and refused by ``dispatch``.
         """
-        self._check_experts(num_experts)
-        lay = dispatch_layout(self._check_topk(topk_idx, "topk_idx"), num_experts, self.num_ranks)
+        self._checks.experts(num_experts)
+        lay = dispatch_layout(self._checks.topk(topk_idx, "topk_idx"), num_experts, self.num_ranks)
         return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, None
 
     # -- checks (host only, before any byte moves) -------------------------------------------------
@@ -265,62 +264,6 @@ class Buffer(Closing):
         if self._pending is not None and not self._pending.done:
             raise ConfigError(f"ep.Buffer.{func}: the receive hook of {self._pending.phase} round "
                               f"{self._pending.round} was not called; call it before the next operation")
-
-    def _check_experts(self, num_experts) -> None:
-        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % self.num_ranks:
-            raise ConfigError(f"ep: num_experts={num_experts!r}; expected a positive multiple of num_ranks={self.num_ranks}")
-        if num_experts > mb.MAX_EXPERTS:
-            raise ConfigError(f"ep: num_experts={num_experts} exceeds {mb.MAX_EXPERTS}")
-
-    def _check_rows(self, t: torch.Tensor, what: str, rows: int | None = None) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ConfigError(f"ep: {what} must be a 2-D tensor; got {type(t).__name__} of shape {tuple(getattr(t, 'shape', ()))}")
-        expected = torch.device("cpu") if self.device < 0 else torch.device("cuda", self.device)
-        if t.device != expected:
-            raise ConfigError(f"ep: {what} is on {t.device}; expected {expected}")
-        if rows is not None and t.shape[0] != rows:
-            raise ConfigError(f"ep: {what} has {t.shape[0]} rows; expected {rows}")
-        if t.shape[0] > self.layout.max_tokens and rows is None:
-            raise ConfigError(f"ep: {what} has {t.shape[0]} tokens; the buffer holds at most "
-                              f"max_tokens_per_rank={self.layout.max_tokens} (build it with a larger size_hint)")
-        return t.contiguous()
-
-    def _check_topk(self, topk_idx, what: str, rows: int | None = None) -> torch.Tensor:
-        t = self._check_rows(topk_idx, what, rows)
-        if t.dtype not in (torch.int64, torch.int32):
-            raise ConfigError(f"ep: {what}.dtype={t.dtype}; expected torch.int64 or torch.int32")
-        if t.shape[1] > self.layout.num_topk:
-            raise ConfigError(f"ep: {what} has {t.shape[1]} experts per token; the buffer holds num_topk={self.layout.num_topk}")
-        return t
-
-    def _check_layout(self, per_rank, in_rank, per_expert, num_tokens: int, num_experts: int) -> None:
-        shapes = {"num_tokens_per_rank": (per_rank, (self.num_ranks,)), "is_token_in_rank": (in_rank, (num_tokens, self.num_ranks)),
-                  "num_tokens_per_expert": (per_expert, (num_experts,))}
-        for name, (t, shape) in shapes.items():
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ConfigError(f"ep.Buffer.dispatch: {name} has shape {tuple(getattr(t, 'shape', ()))}; expected {shape} "
-                                  "(pass get_dispatch_layout's outputs for this topk_idx)")
-        if in_rank.dtype != torch.bool:
-            raise ConfigError(f"ep.Buffer.dispatch: is_token_in_rank.dtype={in_rank.dtype}; expected torch.bool")
-
-    def _check_x(self, x):
-        """``(tokens, scales or None)``; FP8 comes as ``(float8_e4m3fn [T, H], float32 [T, H // 128])``."""
-        if isinstance(x, tuple):
-            if len(x) != 2:
-                raise ConfigError(f"ep: FP8 x must be a (tokens, scales) pair; got {len(x)} elements")
-            q, s = self._check_rows(x[0], "x[0]"), self._check_rows(x[1], "x[1]", x[0].shape[0])
-            if q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32:
-                raise ConfigError(f"ep: FP8 x dtypes ({q.dtype}, {s.dtype}); expected (torch.float8_e4m3fn, torch.float32)")
-            if q.shape[1] != self.layout.hidden or s.shape[1] != self.layout.hidden // 128:
-                raise ConfigError(f"ep: FP8 x shapes {tuple(q.shape)}, {tuple(s.shape)}; expected [T, {self.layout.hidden}] "
-                                  f"and [T, {self.layout.hidden // 128}]")
-            return q, s
-        t = self._check_rows(x, "x")
-        if t.dtype not in _X_DTYPES:
-            raise ConfigError(f"ep: x.dtype={t.dtype}; expected one of {list(_X_DTYPES)} or an FP8 (tokens, scales) pair")
-        if t.shape[1] != self.layout.hidden:
-            raise ConfigError(f"ep: x has {t.shape[1]} channels; the buffer was built for hidden={self.layout.hidden}")
-        return t, None
 
     # -- the round protocol -----------------------------------------------------------------------
     def _sync_caller(self) -> None:
@@ -376,7 +319,7 @@ class Buffer(Closing):
         if expert_alignment != 1 or num_worst_tokens:
             raise ConfigError("ep.Buffer.dispatch: expert_alignment must be 1 and num_worst_tokens 0 (not supported)")
         t0 = time.perf_counter()
-        tokens, scales = self._check_x(x)
+        tokens, scales = self._checks.x(x)
         num_tokens = tokens.shape[0]
         round_ = self._round["dispatch"] + 1
         topk = weights = None
@@ -387,13 +330,12 @@ class Buffer(Closing):
             config = self._call_config(handle.num_experts, 0, scales is not None, True)
             counts = None
         else:
-            topk, weights, num_experts, host, per_rank = self._layout_to_host(
+            topk, weights, num_experts, host, in_rank = self._checks.routing_to_host(
                 tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            in_rank = is_token_in_rank if is_token_in_rank is not None else self._last_in_rank
             send_counts = host[:self.num_ranks]
             counts = (send_counts, host[self.num_ranks:self.num_ranks + num_experts])
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
-            handle = self._local_plan(num_experts, num_tokens, in_rank, per_rank, send_counts.tolist(), topk.shape[1])
+            handle = self._local_plan(num_experts, num_tokens, in_rank, send_counts.tolist(), topk.shape[1])
         t1 = time.perf_counter()
         # Rows bound for peers are gathered into staging before the handshake: that needs only this
         # rank's own plan, so the kernels run while the ranks meet. See Note [Copy-engine sends].
@@ -458,13 +400,13 @@ class Buffer(Closing):
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
         t0 = time.perf_counter()
-        rows = self._check_rows(x, "x", handle.num_recv_tokens)
+        rows = self._checks.rows(x, "x", handle.num_recv_tokens)
         if rows.dtype not in _X_DTYPES or rows.shape[1] != self.layout.hidden:
             raise ConfigError(f"ep.Buffer.combine: x is {rows.dtype} with {rows.shape[1]} channels; expected one of "
                               f"{list(_X_DTYPES)} with hidden={self.layout.hidden}")
         weights = None
         if topk_weights is not None:
-            weights = self._check_rows(topk_weights, "topk_weights", handle.num_recv_tokens).float()
+            weights = self._checks.rows(topk_weights, "topk_weights", handle.num_recv_tokens).float()
             if weights.shape[1] > self.layout.num_topk:
                 raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {self.layout.num_topk}")
         round_ = self._round["combine"] + 1
@@ -503,44 +445,6 @@ class Buffer(Closing):
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _layout_to_host(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
-        """Check the routing and bring the counts to the host: the dispatch's one synchronization.
-
-        Returns ``(topk, weights, num_experts, host counts [R + E] int64 numpy, per_rank on device)``.
-        """
-        num_tokens = tokens.shape[0]
-        if topk_idx is None:
-            raise ConfigError("ep.Buffer.dispatch: topk_idx is required without a handle")
-        topk = self._check_topk(topk_idx, "topk_idx", num_tokens)
-        weights = None
-        if topk_weights is not None:
-            weights = self._check_rows(topk_weights, "topk_weights", num_tokens)
-            if weights.shape != topk.shape or not weights.is_floating_point():
-                raise ConfigError(f"ep: topk_weights {tuple(weights.shape)} {weights.dtype}; expected float of shape {tuple(topk.shape)}")
-        if num_experts is None:
-            if per_expert is None:
-                raise ConfigError("ep.Buffer.dispatch: pass num_tokens_per_expert (from get_dispatch_layout) or num_experts")
-            num_experts = int(per_expert.numel())
-        self._check_experts(num_experts)
-        if per_rank is None or in_rank is None or per_expert is None:
-            lay = dispatch_layout(topk, num_experts, self.num_ranks)
-            per_rank, in_rank, per_expert = lay.num_tokens_per_rank, lay.is_token_in_rank, lay.num_tokens_per_expert
-        self._check_layout(per_rank, in_rank, per_expert, num_tokens, num_experts)
-        self._last_in_rank = in_rank
-        # ids are checked with one min/max pass, read with the counts in the same copy
-        lo, hi = (topk.aminmax() if topk.numel() else (topk.new_zeros(()), topk.new_zeros(())))
-        ints = (per_rank.reshape(-1), per_expert.reshape(-1), lo.reshape(1), hi.reshape(1))
-        # int64 unless everything is int32 already: a narrowing cast could turn a bad id into a good one
-        common = torch.int32 if all(t.dtype == torch.int32 for t in ints) else torch.int64
-        host = torch.cat([t if t.dtype == common else t.to(common) for t in ints]).cpu().numpy().astype(np.int64)
-        if host[-2] < -1 or host[-1] >= num_experts:
-            raise ConfigError(f"ep.Buffer.dispatch: topk_idx has entries in [{host[-2]}, {host[-1]}]; expected every "
-                              f"entry in [-1, {num_experts}) (outside [-1, {num_experts}); nothing was sent)")
-        send_counts = host[:self.num_ranks]
-        if (send_counts > num_tokens).any() or (send_counts < 0).any():
-            raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={send_counts.tolist()} does not fit {num_tokens} tokens")
-        return topk, weights, num_experts, host[:-2], per_rank
-
     def _pack_meta(self, topk, weights, scales, num_tokens: int):
         """One meta row per token: ids, weights and FP8 scales (see ``_regions``); None if nothing to send."""
         if topk is None and scales is None:
@@ -614,7 +518,7 @@ class Buffer(Closing):
                     f"fp8={bool(theirs & 2)}, cached={bool(theirs & 1)}), this rank with (num_experts={config >> 20}, "
                     f"num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, cached={bool(config & 1)})")
 
-    def _local_plan(self, num_experts: int, num_tokens: int, in_rank, per_rank, send_counts: list[int], num_topk: int) -> Handle:
+    def _local_plan(self, num_experts: int, num_tokens: int, in_rank, send_counts: list[int], num_topk: int) -> Handle:
         """The part of a handle this rank knows alone: where its tokens go (peers' counts come later)."""
         plan = send_plan(in_rank, sum(send_counts), self.layout.max_tokens)
         send_starts = [0] * self.num_ranks

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DispatchLayout", "SendPlan", "dispatch_layout", "local_topk", "send_plan"]
+__all__ = ["DispatchLayout", "SendPlan", "dispatch_layout", "send_plan"]
 
 
 @dataclass(frozen=True)
@@ -105,18 +105,3 @@ def send_plan(is_token_in_rank: torch.Tensor, total: int, max_tokens: int) -> Se
     base = (torch.arange(num_ranks, device=dev, dtype=torch.int64) * max_tokens - 1).view(-1, 1)
     combine_rows = torch.where(by_rank, pos + base, -1).t().contiguous()
     return SendPlan(send_index=send_index, combine_rows=combine_rows)
-
-
-def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int, num_ranks: int):
-    """Top-k ids and weights as every destination sees them: ``[R, T, K]`` local expert ids (-1 where
-    the expert lives elsewhere or the slot is masked) and ``[R, T, K]`` float32 weights (0 there)."""
-    experts_per_rank = num_experts // num_ranks
-    idx = topk_idx.long().unsqueeze(0)
-    base = (torch.arange(num_ranks, device=idx.device, dtype=torch.int64) * experts_per_rank).view(-1, 1, 1)
-    local = idx - base
-    here = (idx >= 0) & (idx < num_experts) & (local >= 0) & (local < experts_per_rank)
-    ids = torch.where(here, local, -1)
-    if topk_weights is None:
-        return ids, None
-    weights = torch.where(here, topk_weights.float().unsqueeze(0), 0.0)
-    return ids, weights
