@@ -506,3 +506,31 @@ def test_prepare_fuzz(fuzz_regions, fields: list[dict]) -> None:
             ref[lo : lo + f["row_nbytes"]] = remote_bytes[ro : ro + f["row_nbytes"]]
     link.read(batch).wait(5)
     assert torch.equal(local.tensor, ref)
+
+
+def test_slots_of_dead_processes_are_retired_so_begin_update_stays_cheap(store) -> None:
+    """Receiver processes come and go for a whole job: begin_update must not poll every slot ever
+    taken (Note [Reader slots]); slots of dead local processes are retired a few per update."""
+    import socket
+    import subprocess
+    import sys
+
+    from warmlink.transport.base import process_start_time
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(done.stdout)
+    assert process_start_time(dead_pid) is None
+    for _ in range(20):  # twenty receiver processes that read once and are gone
+        k = store.add("pub/0/reader_slots", 1, checked=False)
+        store.set(f"pub/0/reader_slot/{k}", f"{socket.gethostname()}:{dead_pid}:12345")
+    pubs = _publishers(store, [{"w": W}])
+    try:
+        polled = []
+        for _ in range(6):
+            pubs[0].begin_update(timeout_s=1.0)
+            pubs[0].publish()
+            polled.append(20 - len(protocol._retired.get(store, 0) or ()))
+        assert polled[-1] <= protocol._SWEEP_ABOVE, polled
+        assert polled == sorted(polled, reverse=True), polled
+    finally:
+        _close(*pubs)

@@ -17,20 +17,34 @@ read of ``readers/v`` saw 0, the receiver's increment came later, so its read of
 reading. A receiver installs only after every byte of every rank arrived (see receiver.py), so it
 holds the old version or the new one, never a mix.
 
-A receiver that dies inside a version leaves its count behind; the publisher's ``begin_update``
-then fails with TransferTimeout naming the version and count instead of waiting forever.
+# Note [Reader slots]
+Counts are kept per receiver *process*: the first time a process reads from rank r it takes a
+slot ``k = add(pub/{r}/reader_slots, 1)`` and writes its identity (``host:pid:start_time``) to
+``pub/{r}/reader_slot/{k}``; its enters and leaves then count on ``pub/{r}/readers/{v}/{k}``,
+one round trip each, as before. The publisher reads the slot count after setting ``updating``
+and sums the slots' counts; a slot taken after that read belongs to a receiver whose state read
+comes later still, so the argument above holds per slot. A count held by a process of this host
+that no longer exists (killed mid-pull) is reaped: the publisher subtracts it and logs a warning,
+and slots of dead processes are retired so that ``begin_update`` never polls them again (its cost
+follows the live receiver processes, not every process that ever joined). A count held by a live
+or remote process that never leaves still ends in TransferTimeout naming the version and count.
 """
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 from dataclasses import dataclass
 
 from warmlink._backoff import Backoff
 from warmlink.errors import TransferTimeout, VersionError
 from warmlink.refit._memo import PerStore
 
+log = logging.getLogger("warmlink.refit")
+
 __all__ = ["VersionState", "read_state", "write_state", "enter", "leave", "wait_no_readers", "state_key", "manifest_key",
-           "last_state"]
+           "last_state", "reader_count"]
 
 # rank -> the VersionState this process last read through a Store object: a new receiver's first
 # guess (Note [Warm metadata] in refit._memo). Never trusted: entering reads the state again.
@@ -45,8 +59,36 @@ def manifest_key(rank: int, generation: int) -> str:
     return f"pub/{rank}/manifest/{generation}"
 
 
-def readers_key(rank: int, version: int) -> str:
-    return f"pub/{rank}/readers/{version}"
+def readers_key(rank: int, version: int, slot: int) -> str:
+    return f"pub/{rank}/readers/{version}/{slot}"
+
+
+_slots = PerStore()  # (store, rank) -> this process's reader slot. See Note [Reader slots].
+_slot_lock = threading.Lock()
+_IDENTITY = re.compile(r"(?P<host>[^:]{1,255}):(?P<pid>[0-9]{1,10}):(?P<start>[0-9]{1,20})")
+
+
+def reader_slot(store, rank: int) -> int:
+    """This process's reader slot at publisher ``rank`` (taken on first use, then remembered)."""
+    slot = _slots.get(store, rank)
+    if slot is None:
+        from warmlink.transport.base import local_identity
+
+        with _slot_lock:
+            slot = _slots.get(store, rank)
+            if slot is None:
+                slot = store.add(f"pub/{rank}/reader_slots", 1, checked=False)
+                host, pid, start = local_identity()
+                store.set(f"pub/{rank}/reader_slot/{slot}", f"{host}:{pid}:{start}")
+                _slots.put(store, rank, slot)
+    return slot
+
+
+def reader_count(store, rank: int, version: int, slots=None) -> int:
+    """Receivers inside ``version`` of ``rank``, summed over reader slots (all, or ``slots``)."""
+    if slots is None:
+        slots = range(1, store.add(f"pub/{rank}/reader_slots", 0, checked=False) + 1)
+    return sum(store.add(readers_key(rank, version, k), 0, checked=False) for k in slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,26 +121,73 @@ def enter(store, rank: int, expected: VersionState) -> bool:
     """Count this receiver in as a reader of ``expected``; False (and counted out) if it moved on."""
     if expected.state != "published":
         raise VersionError(f"enter: publisher/{rank} state={expected.state!r}; expected 'published'")
-    store.add(readers_key(rank, expected.version), 1, checked=False)
+    key = readers_key(rank, expected.version, reader_slot(store, rank))
+    store.add(key, 1, checked=False)
     now = read_state(store, rank)
     if now == expected:
         return True
-    store.add(readers_key(rank, expected.version), -1, checked=False)
+    store.add(key, -1, checked=False)
     return False
 
 
 def leave(store, rank: int, version: int) -> None:
-    store.add(readers_key(rank, version), -1, checked=False)
+    store.add(readers_key(rank, version, reader_slot(store, rank)), -1, checked=False)
+
+
+def _slot_dead(store, rank: int, slot: int) -> bool:
+    """True when ``slot``'s process ran on this host and is gone (or was replaced). The identity
+    is peer metadata: anything malformed is treated as alive (never reaped)."""
+    import socket
+
+    from warmlink.transport.base import process_start_time
+
+    raw = store.try_get(f"pub/{rank}/reader_slot/{slot}")
+    m = _IDENTITY.fullmatch(raw.decode("utf-8", "replace")) if raw is not None else None
+    if m is None or m["host"] != socket.gethostname():
+        return False
+    start = process_start_time(int(m["pid"]))
+    return start is None or (start != -1 and int(m["start"]) not in (0, start))
+
+
+# rank -> slots whose processes were found dead: never polled again by this publisher process
+_retired = PerStore()
+_SWEEP_ABOVE = 8  # with more live slots than this, each begin_update checks a few for dead processes
+_SWEEP_PER_CALL = 4
 
 
 def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
-    """Block until no receiver reads ``version`` of ``rank``; TransferTimeout after ``timeout_s``."""
-    key = readers_key(rank, version)
+    """Block until no receiver reads ``version`` of ``rank``, reaping counts of dead local processes
+    (Note [Reader slots]); TransferTimeout after ``timeout_s``."""
+    retired = _retired.get(store, rank) or set()
     backoff = Backoff(timeout_s)
-    while (count := store.add(key, 0, checked=False)) > 0:
+    checked_dead = False
+    sweep = True
+    while True:
+        total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+        live = [k for k in range(1, total + 1) if k not in retired]
+        if sweep and len(live) > _SWEEP_ABOVE:  # retire a few idle dead slots per update, oldest first
+            sweep = False
+            for k in live[:_SWEEP_PER_CALL]:
+                if _slot_dead(store, rank, k):
+                    retired.add(k)
+            live = [k for k in live if k not in retired]
+        counts = {k: store.add(readers_key(rank, version, k), 0, checked=False) for k in live}
+        holding = {k: c for k, c in counts.items() if c}
+        if not holding:
+            break
+        if not checked_dead:  # once per wait: a slow reader is the common case, a dead one the rare
+            checked_dead = True
+            for k, count in holding.items():
+                if _slot_dead(store, rank, k):
+                    store.add(readers_key(rank, version, k), -count, checked=False)
+                    retired.add(k)
+                    log.warning("reaped %d reader(s) of publisher/%d version %d left by dead process in slot %d",
+                                count, rank, version, k)
+            continue
         if backoff.expired():
             raise TransferTimeout(
-                f"Publisher.begin_update: publisher/{rank} version {version} still has {count} reader(s) "
-                f"after {timeout_s:.3f} s; a receiver died or stalled mid-pull"
+                f"Publisher.begin_update: publisher/{rank} version {version} still has {sum(holding.values())} "
+                f"reader(s) after {timeout_s:.3f} s; a receiver died or stalled mid-pull"
             )
         backoff.sleep()
+    _retired.put(store, rank, retired)
