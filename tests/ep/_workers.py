@@ -150,6 +150,13 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 except Exception as exc:  # noqa: BLE001 - the test compares the type name
                     out[-1]()
                     return f"{type(exc).__name__}: {exc}"
+            if fault == "stale_handle":  # rank 0 combines with the first dispatch's handle, the others the second's
+                first = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                y_first, h_first = first[0].clone(), first[4]
+                second = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                y, h = (y_first, h_first) if rank == 0 else (second[0].clone(), second[4])
+                buf.combine(y, h)
+                return "ok"
             buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
     except Exception as exc:  # noqa: BLE001 - the test compares the type name
         return f"{type(exc).__name__}: {exc}"

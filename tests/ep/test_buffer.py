@@ -52,6 +52,7 @@ def check_against_reference(case: dict, results: list[list[dict]]) -> None:
 
 
 CASES = {
+    "1 rank": {"tokens": [16], "hidden": 128, "experts": 4, "topk": 2},
     "2 ranks even": {"tokens": [16, 16], "hidden": 128, "experts": 8, "topk": 2},
     "3 ranks uneven, masked": {"tokens": [9, 0, 23], "hidden": 256, "experts": 12, "topk": 3, "mask_prob": 0.3, "seed": 3},
     "4 ranks, top-4 of 16": {"tokens": [31, 7, 12, 40], "hidden": 128, "experts": 16, "topk": 4, "mask_prob": 0.1, "seed": 5},
@@ -134,3 +135,9 @@ def test_skipping_a_hook_is_an_error_not_corruption():
     case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "hook_skipped", "timeout_s": 5.0}
     errors = run_ranks(expect_error, 2, case=case)
     assert all(e.startswith("ConfigError") and "hook" in e for e in errors), errors
+
+
+def test_combining_with_different_dispatches_handles_is_refused():
+    case = dict(tokens=[6, 6], hidden=128, experts=4, topk=2, fault="stale_handle", timeout_s=5.0)
+    errors = run_ranks(expect_error, 2, case=case)
+    assert all(e.startswith("ConfigError") and "handle of dispatch round" in e for e in errors), errors

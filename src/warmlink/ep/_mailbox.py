@@ -26,7 +26,7 @@ from warmlink.errors import PeerLostError, TransferTimeout
 __all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
 
 MAX_EXPERTS = 4096
-GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT = range(5)
+GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
 _HEADER = 8
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
 _LIVENESS_PERIOD_S = 0.005
@@ -93,6 +93,14 @@ class Mailbox:
             self._own[base + 1:base + 1 + r] = per_rank
             self._own[base + 1 + r:base + 1 + r + len(per_expert)] = per_expert
         self._own[DISPATCH] = round_
+
+    def publish_combine(self, round_: int, handle_round: int) -> None:
+        """Which dispatch's handle this rank combines with in ``round_`` (parity word), then the round."""
+        self._own[COMBINE_HANDLE + round_ % 2] = handle_round
+        self._own[COMBINE] = round_
+
+    def combine_handle(self, rank: int, round_: int) -> int:
+        return int(self._peers[rank][COMBINE_HANDLE + round_ % 2])
 
     # -- reading --------------------------------------------------------------------------------
     def counts(self, rank: int, round_: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

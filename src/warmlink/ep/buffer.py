@@ -77,6 +77,7 @@ class Handle:
     recv_counts: list[int]
     num_recv_tokens_per_expert_list: list[int]
     num_topk: int = 0
+    round: int = 0  # the dispatch round that built it: every rank must combine with the same one
 
     @property
     def num_recv_tokens(self) -> int:
@@ -271,15 +272,20 @@ class Buffer(Closing):
             torch.cuda.current_stream(self.device).synchronize()
 
     def _handshake(self, phase: str, round_: int, counts=None, config: int = 0) -> None:
-        """Publish "ready for ``round_``" (with the dispatch config word and counts), then wait for
-        every peer's. See Note [Round protocol]."""
+        """Publish "ready for ``round_``" (with the dispatch config word and counts, or the combine's
+        handle), then wait for every peer's and check they match. See Note [Round protocol]."""
         if phase == "dispatch":
             self.mailbox.publish_dispatch(round_, config, *(counts or (None, None)))
             self.mailbox.wait(mb.DISPATCH, round_, self.timeout_s)
             self._check_peer_configs(round_, config)
-        else:
-            self.mailbox.publish(mb.COMBINE, round_)
-            self.mailbox.wait(mb.COMBINE, round_, self.timeout_s)
+            return
+        self.mailbox.publish_combine(round_, config)
+        self.mailbox.wait(mb.COMBINE, round_, self.timeout_s)
+        for r in range(self.num_ranks):  # rows are counted by the handle: all ranks must use the same dispatch's
+            theirs = self.mailbox.combine_handle(r, round_)
+            if theirs != config:
+                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round {theirs}, this "
+                                  f"rank with round {config}; every rank must pass the handle of the same dispatch")
 
     def _order(self) -> list[int]:
         """Destinations starting after this rank, self last: ranks start on different peers."""
@@ -336,6 +342,7 @@ class Buffer(Closing):
             counts = (send_counts, host[self.num_ranks:self.num_ranks + num_experts])
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
             handle = self._local_plan(num_experts, num_tokens, in_rank, send_counts.tolist(), topk.shape[1])
+            handle.round = round_
         t1 = time.perf_counter()
         # Rows bound for peers are gathered into staging before the handshake: that needs only this
         # rank's own plan, so the kernels run while the ranks meet. See Note [Copy-engine sends].
@@ -412,7 +419,7 @@ class Buffer(Closing):
         round_ = self._round["combine"] + 1
         if self._round["combine"]:  # this rank's combine area is free once its last sum ran
             self._wait_reduced()
-        self._handshake("combine", round_)
+        self._handshake("combine", round_, config=handle.round)
         t1 = time.perf_counter()
         mover = self._mover
         mover.begin()
