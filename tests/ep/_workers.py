@@ -184,3 +184,29 @@ def hook_leaves_streams_idle(rank: int, num_ranks: int, store, case: dict) -> di
         got = [_cpu(t) for t in out[:3]]
         same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     return {"idle": True, "idle_after_s": idle_after_s, "same": same}
+
+
+def from_group_round(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """``Buffer.from_group`` over a gloo group (no store passed in): one dispatch + combine round."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from warmlink.ep import Buffer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{case['dist_port']}", rank=rank, world_size=num_ranks,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        mine = case_inputs(case)[rank]
+        with Buffer.from_group(max_tokens_per_rank=max(case["tokens"]), hidden=case["hidden"], num_topk=case["topk"],
+                               backend="shm", timeout_s=30) as buf:
+            assert buf._owned_store is not None
+            recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(
+                mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"], num_experts=case["experts"])
+            got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
+                   "num_recv_tokens_per_expert_list": per_expert, "y": _cpu(recv_x)}
+            out, out_w, _ = buf.combine(recv_x.clone(), handle, topk_weights=recv_w)
+            got["combined_x"], got["combined_w"] = _cpu(out), _cpu(out_w)
+        return [got]
+    finally:
+        dist.destroy_process_group()

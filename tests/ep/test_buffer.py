@@ -141,3 +141,15 @@ def test_combining_with_different_dispatches_handles_is_refused():
     case = dict(tokens=[6, 6], hidden=128, experts=4, topk=2, fault="stale_handle", timeout_s=5.0)
     errors = run_ranks(expect_error, 2, case=case)
     assert all(e.startswith("ConfigError") and "handle of dispatch round" in e for e in errors), errors
+
+
+def test_buffer_from_a_torch_distributed_group():
+    import socket
+
+    from tests.ep._workers import from_group_round
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    case = {"tokens": [9, 14], "hidden": 128, "experts": 4, "topk": 2, "seed": 21, "dist_port": port}
+    check_against_reference(case, run_ranks(from_group_round, 2, case=case))

@@ -166,6 +166,36 @@ class Buffer(Closing):
             self.close()
             raise
 
+    @classmethod
+    def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,
+                   backend: str | None = None, timeout_s: float | None = None) -> "Buffer":
+        """A Buffer for the ranks of a ``torch.distributed`` group, as DeepEP's ``Buffer(group, ...)``.
+
+        Rank 0 of the group starts a rendezvous store on this host (ep runs within one node) and
+        sends its port to the others with one ``broadcast`` of an int64 tensor (nothing pickled);
+        the Buffer owns that store and closes it with itself. Collective over ``group``.
+        """
+        import torch.distributed as dist
+
+        from warmlink.rendezvous import Store
+
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        limit = timeout_s if timeout_s is not None else _env.default_timeout_s()
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        store = Store("127.0.0.1", 0, is_server=True, prefix="ep-group", timeout_s=limit) if rank == 0 else None
+        port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64, device=on)
+        dist.broadcast(port, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        if store is None:
+            store = Store.connect(f"127.0.0.1:{int(port.item())}", prefix="ep-group", timeout_s=limit)
+        try:
+            buf = cls(store, rank, world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+                      device=device, backend=backend, timeout_s=timeout_s)
+        except BaseException:
+            store.close()
+            raise
+        buf._owned_store = store
+        return buf
+
     # -- setup ------------------------------------------------------------------------------------
     def _connect(self, store) -> None:
         from warmlink.rendezvous import schema
@@ -581,6 +611,7 @@ class Buffer(Closing):
         if getattr(self, "_closed", True) and getattr(self, "_link", None) is None:
             return
         self._closed = True
+        owned, self._owned_store = getattr(self, "_owned_store", None), None
         mover = getattr(self, "_mover", None)
         if mover is not None:
             if self.device >= 0:
@@ -608,6 +639,8 @@ class Buffer(Closing):
                 lease.release()
                 setattr(self, name, None)
         self._link = None
+        if owned is not None:
+            owned.close()
 
     def __repr__(self) -> str:
         return (f"ep.Buffer(rank={self.rank}/{self.num_ranks}, backend={getattr(self, 'backend', '?')!r}, "
