@@ -22,7 +22,7 @@ from warmlink.errors import ConfigError
 
 __all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "clear_cache"]
 
-_BACKENDS = ("auto", "shm", "cuda_ipc")
+_BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
 
 
 def _raw(name: str) -> str | None:

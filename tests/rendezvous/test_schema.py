@@ -44,7 +44,8 @@ def manifest() -> dict:
     regions = [
         {"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 512, "nbytes": 8192, "device": 0, "buffer_id": 7},
         {"kind": "shm", "name": "wl_pub_1.arena", "nbytes": 4096, "offset": 1024},
-        {"kind": "nixl", "agent": "pub-1", "addr": 1 << 40, "nbytes": 4096, "device": -1, "mem": "DRAM"},
+        {"kind": "nixl", "agent": "pub-1", "addr": 1 << 40, "nbytes": 4096, "device": -1, "mem": "DRAM",
+         "agent_meta": "0a1b" * 100},
     ]
     tensors, offsets = [], [(0, 0), (1, 0), (0, 3200), (2, 0), (1, 3000)]
     for layout, (region, offset) in zip(layouts(), offsets):
@@ -127,6 +128,14 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("regions", 2, "mem"), "V-RAM", "regions[2].mem='V-RAM' is unknown; expected one of ['DRAM', 'VRAM']"),
         (("regions", 2, "addr"), (1 << 64) - 1, "overflows 64 bits"),
         (("regions", 2, "kind"), "rdma", "regions[2].kind='rdma' is unknown"),
+        (("regions", 2, "agent"), "pub 1", "regions[2].agent='pub 1' invalid; expected to match"),
+        (("regions", 2, "agent"), "a" * 129, "regions[2].agent="),
+        (("regions", 2, "device"), 0, "regions[2].device=0 does not fit mem='DRAM'"),
+        (("regions", 2, "agent_meta"), "abc", "regions[2].agent_meta='abc' invalid; expected an even number"),
+        (("regions", 2, "agent_meta"), "AB", "regions[2].agent_meta='AB' invalid"),
+        (("regions", 2, "agent_meta"), "", "regions[2].agent_meta='' invalid"),
+        (("regions", 2, "agent_meta"), 7, "regions[2].agent_meta=7 invalid"),
+        (("regions", 2, "agent_meta"), "ab" * ((1 << 19) + 1), "regions[2].agent_meta="),
         (("peer", "role"), "receiver", "peer.role='receiver' is wrong; expected 'publisher'"),
         (("peer", "rank"), 2, "peer.rank=2 out of range; expected 0 <= rank < 2"),
         (("peer", "host"), "a\nb", "peer.host="),
@@ -214,6 +223,19 @@ def test_validate_region_standalone() -> None:
         schema.validate_region({**region, "device": -1}, PEER)
     with pytest.raises(MetadataError, match=r"region=None has type null"):
         schema.validate_region(None, PEER)
+
+
+def test_nixl_region_agent_meta_and_mem() -> None:
+    region = manifest()["regions"][2]
+    vram = {**region, "mem": "VRAM", "device": 3}
+    assert schema.validate_region(vram, PEER) is vram
+    with pytest.raises(MetadataError, match=r"region\.device=-1 does not fit mem='VRAM'"):
+        schema.validate_region({**vram, "device": -1}, PEER)
+    old_form = {k: v for k, v in region.items() if k != "agent_meta"}  # a descriptor without metadata
+    with pytest.raises(MetadataError, match=r"peer='pub/1'.*missing key 'agent_meta'"):
+        schema.validate_region(old_form, PEER)
+    longest = {**region, "agent_meta": "ab" * (schema.MAX_NIXL_META_HEX // 2)}
+    assert schema.validate_region(longest, PEER) is longest
 
 
 def test_schema_imports_no_torch_and_no_refit() -> None:

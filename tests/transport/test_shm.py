@@ -3,23 +3,27 @@ coalescing, peer generations, peer loss, timeouts and cancel. CPU only."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import time
 
 import pytest
 import torch
 
+from tests.transport._child import Child as _Child
 from warmlink import pool
-from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferError, TransferTimeout
+from warmlink.errors import (
+    ConfigError,
+    LayoutError,
+    PeerLostError,
+    TransferError,
+    TransferTimeout,
+)
 from warmlink.pool import arenas
 from warmlink.pool.peers import open_mappings
 from warmlink.transport import shm
 from warmlink.transport.base import Copy, PeerRef, local_identity
 from warmlink.transport.shm import ShmLink
 
-CTX = mp.get_context("spawn")
 CHILD_NBYTES = 64 << 10
 
 
@@ -48,36 +52,9 @@ def _child_main(control, results, nbytes: int) -> None:
         results.put({"error": repr(exc)})
 
 
-class Child:
+class Child(_Child):
     def __init__(self, nbytes: int = CHILD_NBYTES) -> None:
-        self.control, self.results = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=_child_main, args=(self.control, self.results, nbytes), daemon=True)
-        self.proc.start()
-
-    def get(self, timeout: float = 60):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                msg = self.results.get(timeout=0.5)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"child died with exit code {self.proc.exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError("child did not answer") from None
-                continue
-            if isinstance(msg, dict) and "error" in msg:
-                raise RuntimeError(f"child failed: {msg['error']}")
-            return msg
-
-    def stop(self) -> None:
-        try:
-            self.control.put(None)
-        except (OSError, ValueError):
-            pass
-        self.proc.join(timeout=15)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
+        super().__init__(_child_main, nbytes)
 
 
 @pytest.fixture(scope="module")

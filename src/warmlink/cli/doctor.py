@@ -19,7 +19,8 @@ def _backends() -> dict[str, str]:
         import torch
 
         out["cuda_ipc"] = "ok" if torch.cuda.is_available() else "unavailable: no CUDA device"
-    out["nixl"] = "importable" if importlib.util.find_spec("nixl") is not None else "not installed (optional)"
+    nixl = next((m for m in ("nixl_cu13", "nixl") if importlib.util.find_spec(m) is not None), None)
+    out["nixl"] = f"importable ({nixl})" if nixl else "not installed (optional: pip install warmlink[nixl])"
     return out
 
 

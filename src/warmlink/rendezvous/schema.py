@@ -16,7 +16,10 @@ Every region descriptor exports ``nbytes`` bytes, and a tensor's ``offset`` coun
 of them: a tensor fits when ``offset + tensor nbytes <= region nbytes``. A region's own ``offset``
 says where those bytes start in what the peer opens: inside the ``/dev/shm`` segment ``name``
 for ``shm`` (whose size only the opener can check, with ``fstat``), inside the allocation of
-``alloc_nbytes`` for ``cuda_ipc`` (checked here). ``nixl`` regions are ``[addr, addr + nbytes)``.
+``alloc_nbytes`` for ``cuda_ipc`` (checked here). ``nixl`` regions are ``[addr, addr + nbytes)``
+in the address space of the peer's agent ``agent``; ``agent_meta`` is that agent's (partial) NIXL
+metadata as hex, which the opener loads with ``add_remote_agent``: at most ``MAX_NIXL_META_HEX``
+characters. ``mem="DRAM"`` goes with ``device=-1``, ``mem="VRAM"`` with a device index >= 0.
 
 Imports neither torch nor anything above ``warmlink.errors`` and ``warmlink._dtypes``.
 """
@@ -59,6 +62,9 @@ FAMILIES = ("AF_INET", "AF_INET6")
 
 _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _IPC_HANDLE = re.compile(r"[0-9a-fA-F]{128}")
+NIXL_AGENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+MAX_NIXL_META_HEX = 1 << 20  # 512 KiB of agent metadata; one region's partial metadata is ~0.5 KiB
+_HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _PEER_INFO_KEYS = (
     "schema_version", "kind", "role", "rank", "world_size", "generation", "host", "pid", "start_time",
     "device", "backend",
@@ -66,7 +72,7 @@ _PEER_INFO_KEYS = (
 _REGION_KEYS = {
     "shm": ("kind", "name", "nbytes", "offset"),
     "cuda_ipc": ("kind", "handle", "alloc_nbytes", "offset", "nbytes", "device", "buffer_id"),
-    "nixl": ("kind", "agent", "addr", "nbytes", "device", "mem"),
+    "nixl": ("kind", "agent", "addr", "nbytes", "device", "mem", "agent_meta"),
 }
 _TENSOR_KEYS = ("name", "dtype", "fuse_dim", "parts", "region", "offset")
 _PART_KEYS = ("logical", "global_shape", "split_dim", "num_shards", "shard_idx")
@@ -212,13 +218,21 @@ def _region(v: _V, x: Any, path: str) -> dict:
         v.int_(x["device"], f"{path}.device", 0, MAX_DEVICE)
         v.int_(x["buffer_id"], f"{path}.buffer_id", 0, MAX_INT)
     else:
-        v.str_(x["agent"], f"{path}.agent")
+        v.str_(x["agent"], f"{path}.agent", NIXL_AGENT_NAME)
         addr = v.int_(x["addr"], f"{path}.addr", 0, 1 << 64)
         nbytes = v.int_(x["nbytes"], f"{path}.nbytes", 1, MAX_INT)
         if addr + nbytes > 1 << 64:
             v.fail(f"{path}.addr={addr} + nbytes={nbytes} overflows 64 bits; expected addr + nbytes <= 2**64")
-        v.int_(x["device"], f"{path}.device", -1, MAX_DEVICE)
-        v.enum(x["mem"], f"{path}.mem", NIXL_MEMS)
+        device = v.int_(x["device"], f"{path}.device", -1, MAX_DEVICE)
+        mem = v.enum(x["mem"], f"{path}.mem", NIXL_MEMS)
+        if (mem == "DRAM") != (device == -1):
+            v.fail(f"{path}.device={device} does not fit mem={mem!r}; expected device=-1 for DRAM, >= 0 for VRAM")
+        meta = x["agent_meta"]
+        if type(meta) is not str or not 2 <= len(meta) <= MAX_NIXL_META_HEX or not _HEX.fullmatch(meta):
+            v.fail(
+                f"{path}.agent_meta={_short(meta)} invalid; expected an even number (2 to {MAX_NIXL_META_HEX}) "
+                "of lowercase hex characters (NIXL agent metadata)"
+            )
     return x
 
 

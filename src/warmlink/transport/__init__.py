@@ -7,7 +7,7 @@ from warmlink.transport.base import Batch, Copy, Link, LocalRegion, PeerRef, Rem
 __all__ = ["Link", "Copy", "Batch", "Transfer", "LocalRegion", "RemoteRegion", "PeerRef", "open_link", "lease_link",
            "BACKENDS"]
 
-BACKENDS = ("shm", "cuda_ipc")
+BACKENDS = ("shm", "cuda_ipc", "nixl")
 
 
 def resolve_backend(backend: str | None, device: int) -> str:
@@ -51,6 +51,11 @@ def _construct(name: str, device: int, timeout_s: float, options: dict) -> Link:
         from warmlink.transport.shm import ShmLink
 
         return ShmLink(timeout_s, device, **options)
+    if name == "nixl":
+        # Importing the module imports no NIXL; the constructor does (BackendUnavailable if missing).
+        from warmlink.transport.nixl import NixlLink
+
+        return NixlLink(device, timeout_s, **options)
     try:
         from warmlink.transport.cuda_ipc import CudaIpcLink
     except ImportError as exc:

@@ -1,0 +1,62 @@
+"""Refit between processes over the nixl backend on host memory (issue 5, CPU): bit-exact across
+versions, and cycles after the first register and create nothing."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install warmlink[nixl])")
+
+from tests.ep._group import run_ranks
+
+SHAPES = {"w0": (256, 128), "w1": (64, 64), "w2": (1024,), "w3": (8, 16, 32)}
+VERSIONS = 3
+
+
+def _values(name: str, version: int, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{version}".encode()))  # same in every process
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def _rank(rank: int, num_ranks: int, store) -> object:
+    from warmlink.refit import Publisher, Receiver
+    from warmlink.refit.manifest import TensorLayout
+
+    layouts = {n: TensorLayout.plain(n, "bfloat16", s) for n, s in SHAPES.items()}
+    if rank == 0:
+        with Publisher(store, rank=0, world_size=1, backend="nixl", timeout_s=30) as pub:
+            tensors = {n: _values(n, 1, s) for n, s in SHAPES.items()}
+            for n, t in tensors.items():
+                pub.add(n, t, layouts[n])
+            pub.export()
+            for version in range(2, VERSIONS + 1):
+                store.get(f"pulled/{version - 1}", timeout_s=60)
+                with pub.update(timeout_s=30):
+                    for n, t in tensors.items():
+                        t.copy_(_values(n, version, SHAPES[n]))
+            store.get(f"pulled/{VERSIONS}", timeout_s=60)
+        return "published"
+    targets = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    reports = []
+    with Receiver(store, num_publishers=1, backend="nixl", timeout_s=30) as rec:
+        for n, t in targets.items():
+            rec.add(n, layouts[n], t)
+        for version in range(1, VERSIONS + 1):
+            report = rec.refit(version=version, timeout_s=30)
+            exact = all(torch.equal(targets[n].view(torch.int16), _values(n, version, SHAPES[n]).view(torch.int16))
+                        for n in SHAPES)
+            reports.append({"version": report.version, "exact": exact, "created": dict(report.as_dict()["created"])})
+            store.set(f"pulled/{version}", b"1")
+    return reports
+
+
+def test_refit_over_nixl_is_bit_exact_and_warm_after_the_first_cycle():
+    _, reports = run_ranks(_rank, 2, timeout_s=120, prefix="refit-nixl")
+    assert [r["version"] for r in reports] == list(range(1, VERSIONS + 1))
+    assert all(r["exact"] for r in reports), reports
+    assert reports[0]["created"].get("registration", 0) >= 1
+    for r in reports[1:]:
+        assert not any(r["created"].values()), r  # no registration, mapping, arena or plan after cycle 1
