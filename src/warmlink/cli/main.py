@@ -20,7 +20,7 @@ examples:
 
 environment (operational switches only; arguments win):
   WARMLINK_POOL=0        turn every pool and cache off (the A/B baseline)
-  WARMLINK_BACKEND       default transport: auto | shm | cuda_ipc
+  WARMLINK_BACKEND       default transport: auto | shm | cuda_ipc | nixl
   WARMLINK_TIMEOUT_S     default timeout of waits and transfers, seconds (60)
   WARMLINK_LOG_LEVEL     DEBUG | INFO | WARNING (default) | ERROR
 """
