@@ -11,7 +11,7 @@ import sys
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "warmlink"
 
 # Lower number = lower layer. Top-level private modules (errors, _env, _dtypes, _cuda) are the base.
-LAYERS = {"pool": 1, "transport": 2, "rendezvous": 3, "refit": 4, "ep": 4, "bench": 5, "cli": 6}
+LAYERS = {"pool": 1, "transport": 2, "rendezvous": 3, "refit": 4, "ep": 4, "bench": 5, "cli": 6, "integrations": 6}
 
 
 def _layer(module: str) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 from warmlink._backoff import Backoff
@@ -153,6 +154,7 @@ def _slot_dead(store, rank: int, slot: int) -> bool:
 _retired = PerStore()
 _SWEEP_ABOVE = 8  # with more live slots than this, each begin_update checks a few for dead processes
 _SWEEP_PER_CALL = 4
+_DEAD_CHECK_S = 0.25
 
 
 def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
@@ -160,8 +162,8 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
     (Note [Reader slots]); TransferTimeout after ``timeout_s``."""
     retired = _retired.get(store, rank) or set()
     backoff = Backoff(timeout_s)
-    checked_dead = False
-    sweep = True
+    next_check = 0.0  # look for dead holders now, then every _DEAD_CHECK_S: a killed process may
+    sweep = True      # still be exiting (Ray reports an actor dead before its process is gone)
     while True:
         total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
         live = [k for k in range(1, total + 1) if k not in retired]
@@ -175,15 +177,19 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
         holding = {k: c for k, c in counts.items() if c}
         if not holding:
             break
-        if not checked_dead:  # once per wait: a slow reader is the common case, a dead one the rare
-            checked_dead = True
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + _DEAD_CHECK_S
+            reaped = False
             for k, count in holding.items():
                 if _slot_dead(store, rank, k):
                     store.add(readers_key(rank, version, k), -count, checked=False)
                     retired.add(k)
                     log.warning("reaped %d reader(s) of publisher/%d version %d left by dead process in slot %d",
                                 count, rank, version, k)
-            continue
+                    reaped = True
+            if reaped:
+                continue
         if backoff.expired():
             raise TransferTimeout(
                 f"Publisher.begin_update: publisher/{rank} version {version} still has {sum(holding.values())} "
