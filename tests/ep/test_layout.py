@@ -59,3 +59,20 @@ def test_ids_out_of_range_are_counted_and_routed_nowhere(values, num_ranks):
     assert int(lay.num_bad_ids) == bad
     good = [v for v in values if 0 <= v < num_experts]
     assert int(lay.num_tokens_per_expert.sum()) == len(good)
+
+
+def test_size_hint_matches_the_buffer_region_and_refuses_other_dtypes():
+    import pytest
+
+    from warmlink.ep import size_hint
+    from warmlink.ep._regions import RegionLayout
+    from warmlink.errors import ConfigError
+
+    nbytes = size_hint(4096, 7168, torch.bfloat16, num_ranks=4)
+    assert nbytes == RegionLayout(4, 4096, 7168, 8).nbytes
+    assert 0.66 * 2**30 < nbytes < 0.67 * 2**30  # the figure the docstring quotes
+    assert size_hint(4096, 7168, torch.float8_e4m3fn, num_ranks=4) == nbytes
+    with pytest.raises(ConfigError, match="dtype"):
+        size_hint(4096, 7168, torch.float32, num_ranks=4)
+    with pytest.raises(ConfigError, match="hidden"):
+        size_hint(4096, 100, num_ranks=4)

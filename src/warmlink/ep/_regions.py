@@ -95,15 +95,23 @@ class RegionLayout:
         return region[start:start + nbytes].view(dtype).view(self.rows, cols)
 
 
-def size_hint(max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
+def size_hint(max_tokens_per_rank: int, hidden: int, dtype: torch.dtype = torch.bfloat16, num_ranks: int = 8,
+              num_topk: int = 8) -> int:
     """Bytes of device (or shared host) memory one rank's ep ``Buffer`` holds.
 
     Args:
         max_tokens_per_rank: the largest batch any rank dispatches.
         hidden: channels per token (a multiple of 128).
+        dtype: token dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float8_e4m3fn``
+            (regions are sized for 2-byte tokens, so FP8 needs no more).
         num_ranks: ranks of the group.
         num_topk: experts per token.
 
-    Example: 4 ranks, 4096 tokens of 7168 channels, top-8: about 0.70 GiB per rank.
+    Raises:
+        ConfigError: a dtype dispatch does not take, or a size that is not a positive int.
+
+    Example: ``size_hint(4096, 7168, torch.bfloat16, num_ranks=4)``: 0.67 GiB (0.72 GB) per rank.
     """
+    if dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        raise ConfigError(f"ep.size_hint: dtype={dtype!r}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn")
     return RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk).nbytes
