@@ -80,6 +80,18 @@ def _no_readers_left(pubs: list[Publisher]) -> None:
         pub.publish()
 
 
+def _refit_refused(rec, targets: dict, pubs: list, error: type, match: str, readers_left: bool = True):
+    """A refit that must fail closed: the typed error, targets untouched and (by default) no reader
+    count left behind on any publisher. Returns the pytest ExceptionInfo."""
+    snap = _snapshot(targets)
+    with pytest.raises(error, match=match) as info:
+        rec.refit(timeout_s=2)
+    assert _untouched(targets, snap)
+    if readers_left:
+        _no_readers_left(pubs)
+    return info
+
+
 def _close(*objs) -> None:
     for o in objs:
         o.close()
@@ -103,12 +115,8 @@ def test_shape_mismatch(store) -> None:
     pubs = _publishers(store, [{"w": W}])
     wrong = TensorLayout.plain("w", F32, (64, 16))  # the publisher's w is (64, 32)
     rec, targets = _receiver(store, {"w": wrong})
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(LayoutError, match="'w'"):
-            rec.refit(timeout_s=2)
-        assert _untouched(targets, snap)
-        _no_readers_left(pubs)
+        _refit_refused(rec, targets, pubs, LayoutError, "'w'")
         with pytest.raises(LayoutError, match=r"shape=\(64, 16\)"):
             rec.add("w2", TensorLayout.plain("w2", F32, (64, 32)), torch.zeros(64, 16))
     finally:
@@ -130,12 +138,8 @@ def test_uncovered_sharding(store) -> None:
     half = TensorLayout.plain("w", F32, (64, 32), split_dim=0, num_shards=2, shard_idx=0)
     pubs = _publishers(store, [{"w": half}])  # one publisher holding only rows 0..32
     rec, targets = _receiver(store, {"w": W})
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(LayoutError, match="'w'"):
-            rec.refit(timeout_s=2)
-        assert _untouched(targets, snap)
-        _no_readers_left(pubs)
+        _refit_refused(rec, targets, pubs, LayoutError, "'w'")
     finally:
         _close(rec, *pubs)
 
@@ -144,12 +148,8 @@ def test_num_publishers_mismatch(store) -> None:
     layouts = [{"w": TensorLayout.plain("w", F32, (64, 32), 0, 2, r)} for r in range(2)]
     pubs = _publishers(store, layouts)
     rec, targets = _receiver(store, {"w": W}, num_publishers=1)
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(LayoutError, match="world_size=2.*num_publishers=1"):
-            rec.refit(timeout_s=2)
-        assert _untouched(targets, snap)
-        _no_readers_left(pubs)
+        _refit_refused(rec, targets, pubs, LayoutError, "world_size=2.*num_publishers=1")
     finally:
         _close(rec, *pubs)
 
@@ -171,12 +171,8 @@ def test_backend_mismatch(store) -> None:
     pubs = _publishers(store, [{"w": W}])
     _tamper_manifest(store, pubs[0], lambda m: m["peer"].update(backend="cuda_ipc"))
     rec, targets = _receiver(store, {"w": W}, backend="shm")
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(ConfigError, match="backend='cuda_ipc'"):
-            rec.refit(timeout_s=2)
-        assert _untouched(targets, snap)
-        _no_readers_left(pubs)
+        _refit_refused(rec, targets, pubs, ConfigError, "backend='cuda_ipc'")
     finally:
         _close(rec, *pubs)
 
@@ -211,13 +207,9 @@ def test_corrupt_manifest(store, corrupt, match) -> None:
     assert bad != raw
     store.set(key, bad)
     rec, targets = _receiver(store, {"w": W, "b": B})
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(MetadataError, match="publisher/0") as info:
-            rec.refit(timeout_s=2)
+        info = _refit_refused(rec, targets, pubs, MetadataError, "publisher/0")
         assert info.match(match)
-        assert _untouched(targets, snap)
-        _no_readers_left(pubs)
     finally:
         _close(rec, *pubs)
 
@@ -226,11 +218,8 @@ def test_corrupt_version_state(store) -> None:
     pubs = _publishers(store, [{"w": W}])
     store.set(protocol.state_key(0), b'{"schema_version":1,"kind":"version_state","version":"x"}')
     rec, targets = _receiver(store, {"w": W})
-    snap = _snapshot(targets)
     try:
-        with pytest.raises(MetadataError, match="publisher/0"):
-            rec.refit(timeout_s=2)
-        assert _untouched(targets, snap)
+        _refit_refused(rec, targets, pubs, MetadataError, "publisher/0", readers_left=False)
     finally:
         _close(rec, *pubs)
 
