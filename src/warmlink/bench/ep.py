@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: N Buffer lifecycles (create, first dispatch + combine, close) per rank, pool on vs "
                    "WARMLINK_POOL=0 (seed 002 for the ep buffer); --max-tokens sizes the buffer")
     p.add_argument("--max-tokens", type=int, default=None, help="Buffer capacity per rank (default --tokens)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also write a torch profiler trace and table of rank 0's dispatches to DIR (diagnosis)")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stalled run fails (default 300)")
 
@@ -82,7 +84,6 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     import datetime
 
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
@@ -174,7 +175,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         marks.append(dict(buf.last_marks))
     out["dispatch_phases_s"] = {k: statistics.median(v) for k, v in phases.items()}
     out["dispatch_marks"] = marks
-    profile_dir = os.environ.get("WARMLINK_EP_PROFILE")
+    profile_dir = cfg["profile"]
     if profile_dir and rank == 0 and cuda:  # a kernel/copy timeline of a few dispatches, for diagnosis
         from torch.profiler import ProfilerActivity, profile
 
@@ -227,7 +228,7 @@ def _defaults(args) -> dict:
         "tokens": args.tokens or (4096 if cuda else 128), "hidden": args.hidden or (7168 if cuda else 512),
         "experts": args.experts or (256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
-        "lifecycles": args.lifecycles,
+        "lifecycles": args.lifecycles, "profile": args.profile,
     }
 
 

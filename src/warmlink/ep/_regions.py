@@ -56,6 +56,10 @@ class RegionLayout:
         if self.hidden % FP8_BLOCK:
             raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of {FP8_BLOCK} (FP8 scales are per 128 channels)")
 
+    def config(self) -> dict[str, int]:
+        """The sizes every rank of a group must share (the ``config`` of its rank info)."""
+        return {"num_ranks": self.num_ranks, "max_tokens": self.max_tokens, "hidden": self.hidden, "num_topk": self.num_topk}
+
     @property
     def rows(self) -> int:
         """Rows of every area: one slot of ``max_tokens`` per rank."""

@@ -143,16 +143,18 @@ class Buffer(Closing):
         self._checks = Checks(self.layout, num_ranks, self.device)
         if (self.backend == "shm") != (self.device < 0):
             raise ConfigError(f"ep.Buffer: backend={self.backend!r} does not fit device={self.device}")
-        self._config = {"num_ranks": num_ranks, "max_tokens": max_tokens_per_rank, "hidden": hidden, "num_topk": num_topk}
         self._leases: list = []
         self._remotes: list = []
         self._event_tokens: list = []
         self._round = {"dispatch": 0, "combine": 0}
         self._pending: _Pending | None = None
         self._meta = None
+        # fill values of the receive-side unpack, made once rather than per dispatch
+        on = torch.device("cpu") if self.device < 0 else torch.device("cuda", self.device)
+        self._no_expert = torch.tensor(-1, dtype=torch.int64, device=on)
+        self._no_weight = torch.tensor(0.0, dtype=torch.float32, device=on)
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
-        self._store = store
         try:
             self._link_lease = lease_link(self.backend, self.device, self.timeout_s)
             self._link = self._link_lease.resource
@@ -212,7 +214,7 @@ class Buffer(Closing):
             "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": self.rank,
                      "world_size": self.num_ranks, "generation": generation, "host": host, "pid": pid,
                      "start_time": start, "device": self.device, "backend": self.backend},
-            "config": dict(self._config), "data": self._region.desc, "mailbox": self._mail_region.desc,
+            "config": self.layout.config(), "data": self._region.desc, "mailbox": self._mail_region.desc,
             "events": events,
         }
         store.set(f"ep/{epoch}/{self.rank}", schema.encode(info))
@@ -222,7 +224,7 @@ class Buffer(Closing):
                 continue
             name = f"ep/{r}"
             theirs = schema.decode(store.get(f"ep/{epoch}/{r}", timeout_s=self.timeout_s), KIND, name)
-            check_config(self._config, theirs["config"], name)
+            check_config(self.layout.config(), theirs["config"], name)
             p = theirs["peer"]
             if p["rank"] != r:
                 raise MetadataError(f"ep rank info from peer={name!r}: peer.rank={p['rank']}; expected {r}")
@@ -404,8 +406,8 @@ class Buffer(Closing):
         self.last_phases = {"layout": t1 - t0, "stage": t2 - t1, "handshake": t3 - t2, "send": t_sent - t3}
         # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
         self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent}
-        recv_x, unpack = self._recv_outputs(handle, tokens.dtype, scales is not None, topk is not None,
-                                            weights is not None)
+        recv_x, recv_idx, recv_w, unpack = self._recv_outputs(handle, tokens.dtype, scales is not None, topk is not None,
+                                                              weights is not None)
 
         def receive() -> None:
             t3 = time.perf_counter()
@@ -415,7 +417,7 @@ class Buffer(Closing):
             self.last_marks["received"] = time.perf_counter()
             self.last_phases["receive"] = self.last_marks["received"] - t3
 
-        result = (recv_x, *unpack.outputs, list(handle.num_recv_tokens_per_expert_list), handle, None)
+        result = (recv_x, recv_idx, recv_w, list(handle.num_recv_tokens_per_expert_list), handle, None)
         return self._finish("dispatch", round_, receive, return_recv_hook, result)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None, config=None,
@@ -502,8 +504,9 @@ class Buffer(Closing):
         return self._meta
 
     def _recv_outputs(self, handle: Handle, dtype, fp8: bool, with_topk: bool, with_weights: bool):
-        """``recv_x`` (a view of the receive area) and ``unpack``: the receive-phase step that turns
-        meta rows into ``recv_topk_idx``, ``recv_topk_weights`` (and FP8 scales), into tensors made now."""
+        """``(recv_x, recv_topk_idx, recv_topk_weights, unpack)``: ``recv_x`` is a view of the receive
+        area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales), made now
+        so that hook mode can return them before the bytes land."""
         total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
         x = lay.view(region, "recv_x", torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
         meta = lay.view(region, "recv_meta", torch.uint8, lay.meta_bytes)[:total]
@@ -519,15 +522,14 @@ class Buffer(Closing):
                 raw = meta.view(torch.int64)[:, :kt]
                 local = raw - base
                 here = (raw >= 0) & (local >= 0) & (local < epr)
-                torch.where(here, local, local.new_full((), -1), out=idx)
+                torch.where(here, local, self._no_expert, out=idx)
                 if w is not None:
                     wraw = meta.view(torch.float32)[:, 2 * k:2 * k + kt]
-                    torch.where(here, wraw, wraw.new_zeros(()), out=w)
+                    torch.where(here, wraw, self._no_weight, out=w)
             if scales is not None:
                 scales.copy_(meta.view(torch.float32)[:, 3 * k:3 * k + scales.shape[1]])
 
-        unpack.outputs = (idx, w)
-        return ((x, scales) if fp8 else x), unpack
+        return ((x, scales) if fp8 else x), idx, w, unpack
 
     def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple):
         """Run the receive phase now, or return ``(*result, hook)`` whose hook runs it once."""
