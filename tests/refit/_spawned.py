@@ -63,3 +63,26 @@ class SpawnedWorker:
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(timeout=10)
+
+
+def serve(control, results, commands: dict, state: dict, reset) -> None:
+    """A worker's loop: run ``commands[cmd](state, **kwargs)`` for each message until ``None`` (or
+    five idle minutes), send ``("ok", value)`` or ``("error", traceback)``, and ``reset(state)`` at
+    the end whatever happened."""
+    import traceback
+
+    try:
+        while True:
+            try:
+                msg = control.get(timeout=300)
+            except queue.Empty:
+                break
+            if msg is None:
+                break
+            cmd, kwargs = msg
+            try:
+                results.put(("ok", commands[cmd](state, **kwargs)))
+            except BaseException:  # noqa: BLE001 - sent to the test, which raises it
+                results.put(("error", traceback.format_exc()))
+    finally:
+        reset(state)

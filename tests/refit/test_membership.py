@@ -17,11 +17,9 @@ from __future__ import annotations
 import gc
 import json
 import os
-import queue
 import signal
 import threading
 import time
-import traceback
 import uuid
 
 import pytest
@@ -29,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from _spawned import CTX, SpawnedWorker
+from _spawned import CTX, SpawnedWorker, serve
 
 from warmlink import pool
 from warmlink.bench.refit import build_physical
@@ -276,21 +274,7 @@ _COMMANDS = {
 def _worker_main(control, results, pulling) -> None:
     state: dict = {"pulling": pulling}
     pool.set_enabled(True)
-    try:
-        while True:
-            try:
-                msg = control.get(timeout=300)
-            except queue.Empty:
-                break
-            if msg is None:
-                break
-            cmd, kwargs = msg
-            try:
-                results.put(("ok", _COMMANDS[cmd](state, **kwargs)))
-            except BaseException:  # noqa: BLE001 - sent to the test, which raises it
-                results.put(("error", traceback.format_exc()))
-    finally:
-        _cmd_reset(state)
+    serve(control, results, _COMMANDS, state, _cmd_reset)
 
 
 class Worker(SpawnedWorker):

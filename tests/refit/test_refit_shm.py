@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import time
-import traceback
 import uuid
 
 import pytest
 import torch
 
-from _spawned import SpawnedWorker
+from _spawned import SpawnedWorker, serve
 
 from warmlink import pool
 from warmlink._dtypes import torch_dtype
@@ -176,21 +174,7 @@ _COMMANDS = {
 
 def _worker_main(control, results) -> None:
     state: dict = {}
-    try:
-        while True:
-            try:
-                msg = control.get(timeout=300)
-            except queue.Empty:
-                break
-            if msg is None:
-                break
-            cmd, kwargs = msg
-            try:
-                results.put(("ok", _COMMANDS[cmd](state, **kwargs)))
-            except BaseException:
-                results.put(("error", traceback.format_exc()))
-    finally:
-        _cmd_reset(state)
+    serve(control, results, _COMMANDS, state, _cmd_reset)
 
 
 class Worker(SpawnedWorker):
