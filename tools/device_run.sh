@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep demo doctor bench-small
-#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
+#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life
+#        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-lifecycle-nixl
+#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -55,6 +57,20 @@ for d in range(torch.cuda.device_count()):
     bench-ep-life)
       for i in $(seq 1 ${REPEATS_EP:-2}); do
         timeout 280 python3 -m warmlink.cli.main bench ep --lifecycles ${LIFECYCLES:-30} --json "$OUT/ep_life_$i.json" 2>&1 | tee "$OUT/ep_life_$i.log" | tail -12
+      done ;;
+    nixl)
+      timeout 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nixl*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site" && python3 -c "import nixl_cu13; print('nixl-cu13 loads')" ;;
+    tests-nixl)
+      timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -s tests/transport/test_nixl_gpu.py tests/refit/test_refit_nixl.py \
+        tests/transport/test_nixl_probe.py 2>&1 | grep -v "UCX  WARN" | tee "$OUT/nixl_tests.log" | tail -30 ;;
+    bench-nixl)
+      timeout 400 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-6} --backend nixl --scenarios peak,warm \
+        --timeout 150 --json "$OUT/refit_nixl.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/refit_nixl.log" | tail -60 ;;
+    bench-lifecycle-nixl)
+      for i in $(seq 1 ${REPEATS:-2}); do
+        timeout 200 python3 -m warmlink.cli.main bench lifecycle --backend nixl --iterations ${ITERATIONS:-20} \
+          --json "$OUT/lifecycle_nixl_$i.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/lifecycle_nixl_$i.log" | tail -30
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

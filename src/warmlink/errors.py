@@ -18,6 +18,8 @@ __all__ = [
     "BackendUnavailable",
     "PoolError",
     "VersionError",
+    "SlowTransportError",
+    "SlowTransportWarning",
 ]
 
 
@@ -49,6 +51,11 @@ class TransferError(WarmlinkError):
     """The transport reported a failure while moving bytes."""
 
 
+class SlowTransportError(TransferError):
+    """Bytes moved far below what the path should give (a transport fell back, e.g. UCX to TCP),
+    and the link was told to fail rather than warn."""
+
+
 class BackendUnavailable(WarmlinkError, ImportError):
     """A transport backend was asked for but cannot load on this machine."""
 
@@ -59,3 +66,8 @@ class PoolError(WarmlinkError):
 
 class VersionError(WarmlinkError):
     """The refit version protocol was used out of order (e.g. publish without begin_update)."""
+
+
+class SlowTransportWarning(UserWarning):
+    """Bytes moved far below what the path should give: a transport probably fell back (e.g. UCX
+    chose TCP where CUDA IPC was expected). The message says why it may have happened."""

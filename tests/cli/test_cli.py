@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from warmlink.cli.main import build_parser, main
+from warmlink.cli.main import main
 
 
 def test_help_explains_commands_and_switches(capsys):

@@ -53,7 +53,10 @@ def _child_main(control, results, sizes) -> None:
             msg = control.get(timeout=120)
             if msg is None:
                 break
-            results.put(regions[msg[1]].tensor.numpy().tobytes())
+            if msg[0] == "notification":
+                results.put(link.wait_notification(msg[1], timeout_s=10))
+            else:
+                results.put(regions[msg[1]].tensor.numpy().tobytes())
         for r in regions:
             link.release(r)
         link.close()
@@ -64,6 +67,11 @@ def _child_main(control, results, sizes) -> None:
 class Child(_Child):
     def __init__(self, sizes=SIZES) -> None:
         super().__init__(_child_main, sizes)
+
+    def notification(self, tag: bytes) -> str:
+        """The sending agent of the next notification ``tag`` this child's link receives."""
+        self.control.put(("notification", tag))
+        return self.get()
 
     def dump(self, idx: int) -> torch.Tensor:
         self.control.put(("dump", idx))
@@ -158,8 +166,9 @@ def test_write_is_seen_by_child(link: NixlLink, child: Child, child_info: dict) 
             Copy(local, 0, remote, 32768, 512),
             Copy(local, 1024, remote, 40000, 16, num_rows=4, local_pitch=16, remote_pitch=100),
         ])
-        for _ in range(2):  # the second write reposts the same NIXL request
-            link.write(batch).wait(10)
+        for i in range(2):  # the second write reposts the same NIXL request, with another tag
+            link.write(batch, notify=b"v%d" % i).wait(10)
+        assert child.notification(b"v0") == link.agent_name and child.notification(b"v1") == link.agent_name
         seen = child.dump(0)
         expect = _pattern(SIZES[0], salt=1).clone()
         expect[32768 : 32768 + 512] = src[:512]
@@ -227,12 +236,80 @@ def test_malformed_descriptor_raises_metadata_error(link: NixlLink, child_info: 
     assert "peer='bad/7'" in str(e.value) and needle in str(e.value), str(e.value)
 
 
-def test_vram_region_and_device_are_refused(link: NixlLink, child_info: dict) -> None:
+def test_vram_claim_for_host_memory_is_refused(link: NixlLink, child_info: dict) -> None:
     desc = dict(child_info["descs"][1], mem="VRAM", device=0)
-    with pytest.raises(LayoutError, match="only DRAM"):
+    with pytest.raises(MetadataError, match="is not memory that agent"):
         link.open(_peer(child_info), desc)
-    with pytest.raises(ConfigError, match="device=0"):
-        NixlLink(device=0, timeout_s=1)
+    with pytest.raises(LayoutError, match="this link registers host memory"):
+        link.register(torch.zeros(16, device="cuda") if torch.cuda.is_available() else _FakeCuda())
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="CUDA is unavailable"):
+            NixlLink(device=0, timeout_s=1)
+    for bad in ({"device": -2}, {"on_slow": "maybe"}, {"min_gbps": -1}):
+        with pytest.raises(ConfigError):
+            NixlLink(**bad)
+    with pytest.raises(ConfigError, match="notify"):
+        link.write(None, notify=b"")
+
+
+class _FakeCuda:
+    """Stands for a CUDA tensor on a machine without one: register checks the device first."""
+
+    device = torch.device("cuda", 0)
+
+
+def test_notification_wait_times_out(link: NixlLink) -> None:
+    with pytest.raises(TransferTimeout, match="not received"):
+        link.wait_notification(b"never", timeout_s=0.05)
+
+
+# -- Note [Loud fallbacks] --------------------------------------------------------------------------
+@pytest.fixture
+def loopback():
+    """A second agent in this process serving one region of SPEED_CHECK_BYTES."""
+    other = NixlLink(timeout_s=10)
+    region = other.allocate(nixl.SPEED_CHECK_BYTES)
+    region.tensor.fill_(5)
+    yield PeerRef("self/0", 1, *local_identity()), region.desc
+    other.release(region)
+    other.close()
+
+
+def _read_once(lk: NixlLink, peer: PeerRef, desc: dict, nbytes: int):
+    remote, local = lk.open(peer, desc), lk.allocate(nbytes)
+    batch = lk.prepare([Copy(local, 0, remote, 0, nbytes)])
+    return batch, local
+
+
+def test_slow_first_transfer_warns_once_and_names_causes(loopback, monkeypatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # read when the warning is written, not by this agent
+    lk = NixlLink(timeout_s=10, min_gbps=1e6)  # nothing on this machine reaches a petabyte per second
+    try:
+        batch, local = _read_once(lk, *loopback, nixl.SPEED_CHECK_BYTES)
+        with pytest.warns(nixl.SlowTransportWarning, match="below min_gbps=1e[+]06") as got:
+            lk.read(batch).wait(10)
+        assert "UCX_TLS='tcp,self' leaves out shared-memory transports" in str(got[0].message)
+        assert int(local.tensor.sum()) == 5 * nixl.SPEED_CHECK_BYTES  # the bytes still landed
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same batch is checked once, the link warns once
+            lk.read(batch).wait(10)
+            lk.read(lk.prepare([b for b in batch.flat])).wait(10)
+    finally:
+        lk.close()
+
+
+def test_slow_transfer_raises_when_asked_and_small_batches_are_not_judged(loopback) -> None:
+    lk = NixlLink(timeout_s=10, min_gbps=1e6, on_slow="raise")
+    try:
+        small, _ = _read_once(lk, *loopback, nixl.SPEED_CHECK_BYTES - 1)
+        lk.read(small).wait(10)
+        batch, _ = _read_once(lk, *loopback, nixl.SPEED_CHECK_BYTES)
+        with pytest.raises(nixl.SlowTransportError, match="GB/s, below min_gbps"):
+            lk.read(batch).wait(10)
+    finally:
+        lk.close()
 
 
 def test_register_refuses_what_it_cannot_share(link: NixlLink) -> None:

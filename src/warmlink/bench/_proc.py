@@ -38,6 +38,7 @@ class Group:
         self.timeout_s = timeout_s
         self.procs: dict[str, object] = {}
         self.controls: dict[str, object] = {}
+        self._backlog: list[dict] = []  # messages of other events, kept for a later expect
 
     def start(self, tag: str, fn: Callable, **kwargs) -> None:
         control = self._ctx.Queue()
@@ -49,9 +50,11 @@ class Group:
         self.controls[tag].put(msg)
 
     def expect(self, event: str, count: int, timeout_s: float | None = None) -> list[dict]:
-        """Wait for ``count`` messages with ``event``; RuntimeError on a child error, death or timeout."""
+        """Wait for ``count`` messages with ``event`` (earlier messages of other events are kept for
+        their own ``expect``); RuntimeError on a child error, death or timeout."""
         deadline = time.perf_counter() + (timeout_s if timeout_s is not None else self.timeout_s)
-        got = []
+        got = [m for m in self._backlog if m.get("event") == event][:count]
+        self._backlog = [m for m in self._backlog if not any(m is g for g in got)]
         while len(got) < count:
             try:
                 msg = self.results.get(timeout=0.5)
@@ -64,8 +67,7 @@ class Group:
                 continue
             if msg.get("event") == "error":
                 raise RuntimeError(f"bench: {msg['tag']} failed:\n{msg['traceback']}")
-            if msg.get("event") == event:
-                got.append(msg)
+            (got if msg.get("event") == event else self._backlog).append(msg)
         return got
 
     def close(self) -> None:

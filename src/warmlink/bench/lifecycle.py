@@ -245,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-mib", type=float, default=4.0, help="MiB per bf16 tensor (default 4)")
     p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
+    p.add_argument("--backend", choices=("auto", "shm", "cuda_ipc", "nixl"), default="auto",
+                   help="transport of both engines (default auto: cuda_ipc on GPUs, shm on CPU); nixl makes a NIXL agent "
+                        "per link, the costliest endpoint to create")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart (first lifecycles, phases stacked) here")
     p.add_argument("--seed", type=int, default=0)
@@ -295,13 +298,16 @@ def run(args: argparse.Namespace) -> int:
         print("warmlink bench lifecycle: --iterations, --tensors and --tensor-mib must be positive", file=sys.stderr)
         return 2
     devices = _devices(args.devices)
-    where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
+    backend = getattr(args, "backend", "auto")
+    where = "CPU" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
+    where += f" over {backend if backend != 'auto' else ('shm' if devices[0] < 0 else 'cuda_ipc')}"
     rows, cols = tensor_shape(args.tensor_mib)
     nbytes = args.tensors * rows * cols * 2
     print(f"warmlink bench lifecycle: {args.iterations} lifecycles x (publisher + receiver create -> first refit -> "
           f"close), {args.tensors} bf16 tensors, {nbytes / 2**20:.2f} MiB, {where}")
     record = {"bench": "lifecycle", "iterations": args.iterations, "num_tensors": args.tensors, "tensor_shape": [rows, cols],
-              "nbytes": nbytes, "devices": list(devices), "install": args.install, "modes": {}, "machine": machine_info()}
+              "nbytes": nbytes, "devices": list(devices), "install": args.install, "backend": backend, "modes": {},
+              "machine": machine_info()}
     for name, pool_on in (("pool_on", True), ("pool_off", False)):
         t = time.perf_counter()
         label = f"  pool {'on ' if pool_on else 'off'}"
@@ -312,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
 
         record["modes"][name] = run_lifecycles(
             iterations=args.iterations, num_tensors=args.tensors, tensor_mib=args.tensor_mib, pool_on=pool_on,
-            devices=devices, install=args.install, seed=args.seed, timeout_s=args.timeout, progress=progress)
+            devices=devices, backend=None if backend == "auto" else backend, install=args.install, seed=args.seed,
+            timeout_s=args.timeout, progress=progress)
     on, off = record["modes"]["pool_on"], record["modes"]["pool_off"]
     table = _phase_rows(on, off)
     record["summary"] = table

@@ -9,6 +9,11 @@ Scenarios (each in fresh processes, same tensors, same machine, same run):
 * ``tp21``     warmlink, pool on, trainer TP 2 -> inference TP 1 (fused QKV/gate-up re-cut)
 * ``tp12``     warmlink, pool on, trainer TP 1 -> inference TP 2
 * ``peak``     one large copy-engine peer copy (the ceiling), and 290 copies looped vs batched
+* ``nixl``     warmlink over the nixl backend (NIXL + UCX), pool on, TP 1 -> 1
+* ``nixl_cold`` the same with ``WARMLINK_POOL=0`` (a NIXL agent made and dropped every cycle)
+* ``nixl_rw``  NIXL READ vs WRITE vs WRITE + notification of the same tensors (``bench.nixl_rw``)
+
+``--backend nixl`` adds the three nixl scenarios to the run, beside the default transport's.
 
 GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
 """
@@ -22,14 +27,19 @@ import time
 
 __all__ = ["add_arguments", "run", "SCENARIOS"]
 
-SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12")
+SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12", "nixl", "nixl_cold", "nixl_rw")
+_NIXL = ("nixl", "nixl_cold", "nixl_rw")
 _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "translate", "install", "total", "created"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape (default 1.0)")
     p.add_argument("--cycles", type=int, default=5, help="refit cycles per scenario (default 5)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list from {','.join(SCENARIOS)} (default: all)")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma list from {','.join(SCENARIOS)} (default: all but the nixl ones)")
+    p.add_argument("--backend", choices=("auto", "nixl"), default="auto",
+                   help="nixl: also run warmlink over NIXL (scenarios nixl, nixl_cold, nixl_rw) beside the default "
+                        "transport (cuda_ipc on GPUs, shm on CPU), in the same run (needs warmlink[nixl])")
     p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("swap", "copy"), default="swap", help="receiver install mode (default swap)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
@@ -103,12 +113,35 @@ def _warm_rows(res: dict) -> list[dict]:
     } for c in res["cycles"]]
 
 
+def _print_nixl(sc: dict, nbytes: int, peak_gbps: float | None, record: dict) -> None:
+    """The nixl figures of the run: READ/WRITE and the warm cycle against the default transport's."""
+    rw = sc.get("nixl_rw")
+    if rw:
+        print(f"NIXL on the same {rw['num_descs']} descriptors ({rw['nbytes'] / 1e9:.3f} GB; median of {rw['read']['runs']}):")
+        for key, label in (("read", "READ (pull)"), ("write", "WRITE (push)"), ("write_notify", "WRITE, target notified")):
+            r = rw[key]
+            peak = f", {100 * r['gbps'] / peak_gbps:.0f}% of peak" if peak_gbps else ""
+            print(f"  {label:24s} {r['median_s'] * 1e3:9.2f} ms  {r['gbps']:7.1f} GB/s{peak}")
+    if "nixl" in sc and "warm" in sc:
+        ours, base = sc["nixl"]["summary"]["warm"], sc["warm"]["summary"]["warm"]
+        record["nixl_vs_default"] = base / ours
+        default = "shm" if record["devices"][0] < 0 else "cuda_ipc"
+        print(f"nixl warm cycle {ours * 1e3:.2f} ms vs {default} {base * 1e3:.2f} ms: "
+              f"{base / ours:.2f} of its speed (goal >= 0.8)")
+    if "nixl" in sc and "nixl_cold" in sc:
+        ours, off = sc["nixl"]["summary"]["warm"], sc["nixl_cold"]["summary"]["warm"]
+        print(f"nixl pool on vs off (warm cycles): {off / ours:.1f}x")
+
+
 def run(args: argparse.Namespace) -> int:
     from warmlink.bench.model_spec import qwen3_4b_like
     from warmlink.bench.refit import run_warmlink_refit
     from warmlink.bench.report import cycle_table, gbps, machine_info, write_record
 
-    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    default = [s for s in SCENARIOS if s not in _NIXL]
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else default
+    if args.backend == "nixl":
+        wanted += [s for s in _NIXL if s not in wanted]
     unknown = sorted(set(wanted) - set(SCENARIOS))
     if unknown:
         print(f"warmlink bench refit: unknown scenarios {unknown}; expected some of {list(SCENARIOS)}", file=sys.stderr)
@@ -141,13 +174,21 @@ def run(args: argparse.Namespace) -> int:
         if name == "peak":
             res = step(name, lambda: _peak(devices, nbytes))
             peak_gbps = res["gbps"]
-        elif name in ("warm", "cold", "tp21", "tp12"):
+        elif name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold"):
             src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
+            cold, backend = name.endswith("cold"), "nixl" if name.startswith("nixl") else None
             res = step(name, lambda: run_warmlink_refit(
-                spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=name != "cold", devices=devices,
+                spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=not cold, devices=devices, backend=backend,
                 install=args.install, seed=args.seed, timeout_s=args.timeout, label=name))
-            tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if name == 'cold' else 'on'}"
+            tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if cold else 'on'}"
+                                 f"{', over NIXL' if backend else ''}"
                                  f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _warm_rows(res)))
+        elif name == "nixl_rw":
+            from warmlink.bench.nixl_rw import run_nixl_rw
+
+            sizes = [layout.nbytes for layout in layouts.values()]
+            res = step(name, lambda: run_nixl_rw(sizes, devices=devices, repeats=max(3, args.cycles),
+                                                 timeout_s=args.timeout))
         else:
             from warmlink.bench.nccl_refit import run_nccl_refit
 
@@ -178,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     cols = ["method", "cycle 1", "warm", "GB/s", "setup share"] + (["of peak"] if peak_gbps else [])
     print(cycle_table(summary, cols, title="summary (ms; warm = median of cycles >= 2)"))
     sc = record["scenarios"]
+    _print_nixl(sc, nbytes, peak_gbps, record)
     if "warm" in sc and "nccl" in sc:
         ours = sc["warm"]["export_s"] + sc["warm"]["cycles"][0]["total_s"]
         theirs = sc["nccl"]["init_s"] + sc["nccl"]["first_collective_s"] + sc["nccl"]["cycles"][0]["total_s"]

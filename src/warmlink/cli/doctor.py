@@ -8,7 +8,7 @@ import platform
 import shutil
 import subprocess
 
-__all__ = ["run_doctor", "collect"]
+__all__ = ["collect", "run_doctor"]
 
 
 def _backends() -> dict[str, str]:
@@ -25,7 +25,8 @@ def _backends() -> dict[str, str]:
 
 
 def collect(measure: bool = True) -> dict:
-    """Machine facts as a dict: versions, GPUs, peer access, NVLink, copy bandwidth, backends."""
+    """Machine facts as a dict: versions, GPUs, peer access, NVLink, copy bandwidth, backends, and
+    (``measure``, NIXL installed) the NIXL probe: a few seconds in a subprocess."""
     import torch
 
     info: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
@@ -37,7 +38,7 @@ def collect(measure: bool = True) -> dict:
         info["peer_access"] = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
         if shutil.which("nvidia-smi"):
             try:
-                topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+                topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20, check=False).stdout
                 info["topology"] = topo.strip()
             except (OSError, subprocess.SubprocessError) as exc:
                 info["topology"] = f"nvidia-smi failed: {exc}"
@@ -46,6 +47,11 @@ def collect(measure: bool = True) -> dict:
 
             info["copy_engine"] = peer_copy_peak(0, min(1, n - 1), nbytes=256 << 20, repeats=5)
     info["backends"] = _backends()
+    if measure and any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl")):
+        # A subprocess (UCX prints its protocol choice from C, and a crash there must not end the doctor).
+        from warmlink.transport._nixl_probe import probe
+
+        info["nixl"] = probe()
     info["pool_env"] = os.environ.get("WARMLINK_POOL", "(unset: pool on)")
     return info
 
@@ -68,5 +74,25 @@ def run_doctor() -> int:
         print("  no CUDA device: refit and the demo run on CPU over shared memory")
     for name, state in info["backends"].items():
         print(f"  backend {name:9s} {state}")
+    if "nixl" in info:
+        for line in _nixl_lines(info["nixl"]):
+            print(line)
     print(f"  WARMLINK_POOL {info['pool_env']}")
     return 0
+
+
+def _nixl_lines(nx: dict) -> list[str]:
+    """One line for NIXL (loads? which UCX transports would carry put/get?), plus loud warnings."""
+    if not nx.get("loads"):
+        return [f"  NIXL: does not load: {nx.get('error')}"] + [f"  WARNING: {w}" for w in nx.get("warnings", [])]
+    parts = []
+    for kind, tag in (("dram", ""), ("vram", "VRAM ")):
+        res = nx.get(kind)
+        if not isinstance(res, dict):
+            continue
+        if not res.get("ok"):
+            parts.append(f"{tag or 'DRAM '}transfer FAILED: {res.get('error')}")
+        parts += [f"{tag}{op}: {', '.join(tls)}" for op, tls in res.get("transports", {}).items()]
+    tls = "" if nx.get("ucx_tls") in (None, "(unset)") else f", UCX_TLS={nx['ucx_tls']}"
+    lines = [f"  NIXL: loads (agent {nx.get('agent_create_s', 0):.1f} s{tls}); UCX transports: " + ("; ".join(parts) or "(none seen)")]
+    return lines + [f"  WARNING: {w}" for w in nx.get("warnings", [])]

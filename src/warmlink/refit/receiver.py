@@ -295,14 +295,14 @@ class Receiver(Closing):
             t4 = time.perf_counter()
             report.register_s = t4 - t3
 
-            transfer = self._link.read(batch)
+            transfer = self._link.read(batch)  # pull counts from here: some transports copy while posting
             report.nbytes, report.num_copies = batch.nbytes, batch.num_copies
         except BaseException:
             self._leave(versions)
             self._discard_uncached()
             raise
         self._in_flight = True
-        return RefitHandle(self, plan, bufs, transfer, report, before, t0, time.perf_counter(), timeout)
+        return RefitHandle(self, plan, bufs, transfer, report, before, t0, t4, timeout)
 
     def _park_key(self, device: int) -> tuple | None:
         """What parked state must match to be adopted (Note [Parked receive state]); None: never park."""

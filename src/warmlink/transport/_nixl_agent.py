@@ -24,6 +24,7 @@ link is made.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import threading
@@ -54,9 +55,13 @@ def load_nixl():
     problems = []
     for name in _MODULES:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError as exc:  # also OSError-like loader failures surface as ImportError
             problems.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent at INFO; its variable still rules
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
     raise BackendUnavailable(
         "NixlLink: NIXL cannot load (" + "; ".join(problems) + "); install it with "
         "`pip install warmlink[nixl]` (the nixl-cu13 package)"
@@ -65,8 +70,6 @@ def load_nixl():
 
 def make_agent_name() -> str:
     """``wl-<host>-<pid>-<random>``: unique per link across a cluster, within the schema's pattern."""
-    import os
-
     host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
     return f"wl-{host}-{os.getpid()}-{token_hex(6)}"
 
@@ -90,7 +93,7 @@ class Agent:
     def __init__(self, name: str) -> None:
         api = load_nixl()
         try:
-            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], capture_telemetry=True))
         except Exception as exc:
             raise BackendUnavailable(f"NixlLink: cannot create NIXL agent {name!r}: {type(exc).__name__}: {exc}") from exc
         if "UCX" not in self._agent.backends:
@@ -103,15 +106,16 @@ class Agent:
         self.closed = False
 
     # -- local memory ------------------------------------------------------------------------------
-    def register_dram(self, addr: int, nbytes: int) -> tuple[object, str]:
-        """Register ``[addr, addr + nbytes)`` of host memory; returns (registration, metadata hex).
+    def register(self, addr: int, nbytes: int, mem: str = "DRAM", device: int = 0) -> tuple[object, str]:
+        """Register ``[addr, addr + nbytes)`` of ``mem`` (``"DRAM"``, or ``"VRAM"`` on ``device``);
+        returns (registration, metadata hex).
 
         The metadata is this agent's partial metadata for that one registration plus its
         connection info: what a peer needs to reach exactly this memory.
         """
         with self.lock:
             try:
-                reg = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+                reg = self._agent.register_memory([(addr, nbytes, device, "")], mem)
                 meta = self._agent.get_partial_agent_metadata(reg, True)
             except Exception as exc:
                 raise _wrap(exc, "register") from exc
@@ -164,11 +168,11 @@ class Agent:
                 except Exception as exc:  # noqa: BLE001  never loaded (metadata refused) or already gone
                     log.debug("nixl remove_remote_agent failed", extra={"agent": name, "error": repr(exc)})
 
-    def check_remote(self, name: str, addr: int, nbytes: int, peer_key: str) -> None:
-        """Raise MetadataError unless agent ``name`` registered ``[addr, addr + nbytes)`` with us."""
+    def check_remote(self, name: str, addr: int, nbytes: int, mem: str, device: int, peer_key: str) -> None:
+        """Raise MetadataError unless agent ``name`` registered ``[addr, addr + nbytes)`` of ``mem``."""
         with self.lock:
             try:
-                handle = self._agent.prep_xfer_dlist(name, [(addr, nbytes, 0)], "DRAM")
+                handle = self._agent.prep_xfer_dlist(name, [(addr, nbytes, max(device, 0))], mem)
             except Exception as exc:
                 raise MetadataError(
                     f"region descriptor from peer={peer_key!r}: region.addr={addr} nbytes={nbytes} is not memory "
@@ -177,11 +181,12 @@ class Agent:
             handle.release()
 
     # -- transfers ---------------------------------------------------------------------------------
-    def prep_dlist(self, agent: str, rows) -> object:
-        """A prepared DRAM descriptor list: ``agent`` is ``""`` for local memory, else a remote name."""
+    def prep_dlist(self, agent: str, rows, mem: str) -> object:
+        """A prepared descriptor list of ``mem`` rows ``(addr, nbytes, device)``: ``agent`` is ``""``
+        for local memory, else a remote agent's name."""
         with self.lock:
             try:
-                return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", rows, "DRAM")
+                return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", rows, mem)
             except Exception as exc:
                 raise _wrap(exc, "prepare", agent or None) from exc
 
@@ -193,11 +198,12 @@ class Agent:
             except Exception as exc:
                 raise _wrap(exc, op.lower(), peer) from exc
 
-    def post(self, xfer, peer: str) -> bool:
-        """Start (or restart) a transfer; True when it already finished."""
+    def post(self, xfer, peer: str, notify: bytes = b"") -> bool:
+        """Start (or restart) a transfer; True when it already finished. A non-empty ``notify``
+        reaches the peer agent as a notification once the transfer's bytes have landed."""
         with self.lock:
             try:
-                state = self._agent.transfer(xfer)
+                state = self._agent.transfer(xfer, notify)
             except Exception as exc:
                 raise _wrap(exc, "post", peer) from exc
         if state == "ERR":
@@ -214,6 +220,24 @@ class Agent:
         if state == "ERR":
             raise TransferError(f"NixlLink.wait: NIXL reports the transfer with peer agent {peer!r} failed")
         return state == "DONE"
+
+    def duration_s(self, xfer) -> float | None:
+        """How long the last run of ``xfer`` took, by NIXL's telemetry (post to completion);
+        None when NIXL cannot say."""
+        with self.lock:
+            try:
+                return self._agent.get_xfer_telemetry(xfer).xferDuration * 1e-6
+            except Exception:  # noqa: BLE001  telemetry is advisory
+                return None
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call, by sending agent name."""
+        with self.lock:
+            try:
+                got = self._agent.get_new_notifs()
+            except Exception as exc:
+                raise _wrap(exc, "notifications") from exc
+        return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in got.items()}
 
     def release(self, handle) -> None:
         """Release a prepared list or transfer handle (NIXL cancels a transfer still running)."""

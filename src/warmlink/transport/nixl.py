@@ -1,8 +1,9 @@
 """``nixl``: the Link backend over NIXL (UCX underneath), for peers on other nodes.
 
-This first form moves host memory (DRAM) only; VRAM regions are refused with LayoutError. It is
-tested on CPU between two processes (see Note [UCX settings on a host without GPU] in
-``warmlink.transport._nixl_agent``).
+A link for ``device=-1`` moves host memory (DRAM), one for a CUDA device moves that GPU's memory
+(VRAM); a batch may read a peer's DRAM into local VRAM and back. Tested on CPU between two
+processes, and on GPUs of one host, where UCX moves VRAM with ``cuda_ipc`` (see Note [UCX
+settings on a host without GPU] in ``warmlink.transport._nixl_agent`` and docs/nixl.md).
 
 What is paid once, and where it is kept:
 
@@ -20,17 +21,40 @@ What is paid once, and where it is kept:
 
 Completion is polled (``check_xfer_state``) by ``Transfer.done``; ``Transfer.wait`` adds the
 timeout and, for peers on this host, process liveness. A peer whose agent disconnects raises
-PeerLostError.
+PeerLostError. ``write(batch, notify=tag)`` also tells the target: its link's
+``wait_notification(tag)`` returns once the bytes have landed (NIXL notifications).
+
+# Note [Loud fallbacks]
+UCX picks a transport per memory type and peer, and when the fast one cannot serve (memory that
+is not plain ``cudaMalloc``, ``UCX_TLS`` without ``cuda_ipc``, no GPUDirect RDMA across nodes) it
+falls back to staging through host memory over TCP and runs 100-1000x slower, silently. So the
+first transfer of every batch of at least ``SPEED_CHECK_BYTES`` is timed with NIXL's telemetry;
+below ``min_gbps`` (default: ``DEFAULT_MIN_GBPS`` when GPU memory is on either side, no check for
+host-only batches) the link warns with ``SlowTransportWarning`` once, saying which of the known
+causes apply, or raises ``SlowTransportError`` with ``on_slow="raise"``. ``warmlink doctor``
+prints the transports UCX selects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
+import warnings
 import weakref
 
-from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferError
+from warmlink.errors import (
+    BackendUnavailable,
+    ConfigError,
+    LayoutError,
+    PeerLostError,
+    SlowTransportError,
+    SlowTransportWarning,
+    TransferError,
+    TransferTimeout,
+)
 from warmlink.pool import arenas
 from warmlink.pool.peers import mapping_cache
 from warmlink.pool.registrations import registration_cache
@@ -44,7 +68,12 @@ from warmlink.transport.base import (
     Transfer,
 )
 
-__all__ = ["NixlLink", "NixlTransfer"]
+__all__ = ["NixlLink", "NixlTransfer", "DEFAULT_MIN_GBPS", "SPEED_CHECK_BYTES"]
+
+# Note [Loud fallbacks]: CUDA IPC over NVLink gives ~270 GB/s, PCIe peer copies ~25, a 100 Gb/s
+# NIC ~12; UCX's TCP staging of GPU memory gives ~1-3. 5 GB/s separates them with margin.
+DEFAULT_MIN_GBPS = 5.0
+SPEED_CHECK_BYTES = 64 << 20
 
 log = logging.getLogger("warmlink.transport")
 
@@ -60,14 +89,21 @@ class _Registration:
 
 
 class _RegKey(tuple):
-    """``(agent, base, nbytes, owner)``; ``keep`` (the memory's owner, held alive) is not compared."""
+    """``(agent, base, nbytes, owner)``; ``keep`` (the memory's owner, held alive) is not compared.
+
+    ``owner`` is ``("arena", name)`` or ``"storage"`` for host memory, ``("vram", device, buffer
+    id)`` for a ``cudaMalloc`` allocation (see ``warmlink.pool.registrations``).
+    """
 
     keep = None
 
 
 def _register(key: _RegKey) -> _Registration:
-    agent = _agents[key[0]]
-    reg, meta_hex = agent.register_dram(key[1], key[2])
+    agent, base, nbytes, owner = _agents[key[0]], key[1], key[2], key[3]
+    if isinstance(owner, tuple) and owner[0] == "vram":
+        reg, meta_hex = agent.register(base, nbytes, "VRAM", owner[1])
+    else:
+        reg, meta_hex = agent.register(base, nbytes, "DRAM", 0)
     return _Registration(agent, reg, meta_hex, key.keep)
 
 
@@ -84,7 +120,7 @@ class _Remote:
     def __init__(self, agent, name: str) -> None:
         self.agent, self.name = agent, name
         self.loaded: set[str] = set()
-        self.checked: set[tuple[int, int]] = set()
+        self.checked: set[tuple[int, int, str, int]] = set()  # (addr, nbytes, mem, device)
 
 
 def _open_remote(key) -> _Remote:
@@ -109,34 +145,48 @@ _mappings = mapping_cache("nixl", _open_remote, _close_remote)
 
 
 class _Prepared:
-    """Per peer agent: (agent name, peer key, local list, remote list, descriptor count, requests)."""
+    """Per (peer agent, local mem, remote mem): [agent name, peer key, local list, remote list,
+    descriptor count, requests by op]. ``speed_checked``: see Note [Loud fallbacks]."""
 
-    __slots__ = ("__weakref__", "active", "groups", "released")
+    __slots__ = ("__weakref__", "active", "groups", "released", "speed_checked", "vram", "remote_host")
 
-    def __init__(self, groups: list) -> None:
+    def __init__(self, groups: list, vram: bool, remote_host: bool) -> None:
         self.groups = groups
         self.released = False
         self.active: NixlTransfer | None = None
+        self.speed_checked = False
+        self.vram = vram
+        self.remote_host = remote_host
 
 
 class NixlTransfer(Transfer):
-    """One NIXL request per peer agent of the batch, polled by ``done``."""
+    """One NIXL request per group of the batch, polled by ``done``."""
 
-    def __init__(self, batch: Batch, timeout_s: float, agent, xfers: list, finished: list[bool]) -> None:
+    def __init__(self, batch: Batch, timeout_s: float, link: "NixlLink", xfers: list, finished: list[bool]) -> None:
         super().__init__(batch, timeout_s)
-        self._agent = agent
+        self._link = link
+        self._agent = link._agent
+        self._xfers = xfers
         self._pending = [(x, peer) for (x, peer), done in zip(xfers, finished) if not done]
         self._error: BaseException | None = None
+        self._finished = False
 
     def done(self) -> bool:
         if self._error is not None:
             return True
+        if self._finished:
+            return True
         try:
-            self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
+            with self._link._context():
+                self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
         except (PeerLostError, TransferError) as exc:
             self._error = exc
             return True
-        return not self._pending
+        if self._pending:
+            return False
+        self._finished = True
+        self._error = self._link._check_speed(self)
+        return True
 
     def _poll_error(self) -> BaseException | None:
         return self._error
@@ -146,74 +196,146 @@ class NixlTransfer(Transfer):
 
 
 class NixlLink(Link):
-    """Link over NIXL with the UCX backend; host memory only in this version.
+    """Link over NIXL with the UCX backend, for host memory (``device=-1``) or one GPU's memory.
 
     Args:
-        device: -1 (host memory). CUDA devices are not supported yet (ConfigError).
+        device: -1 for host memory, or the CUDA device whose memory this link registers.
         timeout_s: default timeout of ``Transfer.wait``, seconds.
+        min_gbps: the slowest first transfer of a batch (>= 64 MiB) that is not reported; None
+            means 5 GB/s when GPU memory is involved, no check for host memory. See Note [Loud
+            fallbacks].
+        on_slow: ``"warn"`` (SlowTransportWarning, once per link), ``"raise"``
+            (SlowTransportError from ``wait``) or ``"ignore"``.
 
     Raises:
-        BackendUnavailable: NIXL is not installed or cannot make an agent with UCX.
+        BackendUnavailable: NIXL is not installed or cannot make an agent with UCX, or CUDA is
+            unavailable for a device link.
 
-    Owns one NIXL agent. ``register`` of a tensor outside a shm arena keeps that tensor's storage
-    alive and registered until the link closes (its registration is cached by address): prefer
-    ``allocate`` for memory that comes and goes.
+    Owns one NIXL agent, made with the device's primary CUDA context current (UCX looks for it
+    then). ``register`` of a host tensor outside a shm arena keeps that tensor's storage alive
+    and registered until the link closes (its registration is cached by address): prefer
+    ``allocate`` for memory that comes and goes. A CUDA tensor's whole ``cudaMalloc`` allocation
+    is registered once and cached by its buffer id, as ``cuda_ipc`` does.
     """
 
     backend = "nixl"
 
-    def __init__(self, device: int = -1, timeout_s: float = 60.0) -> None:
-        if device != -1:
-            raise ConfigError(f"NixlLink: device={device}; expected -1 (host memory; VRAM is not supported yet)")
-        super().__init__(-1, timeout_s)
+    def __init__(self, device: int = -1, timeout_s: float = 60.0, *, min_gbps: float | None = None,
+                 on_slow: str = "warn") -> None:
+        if not isinstance(device, int) or isinstance(device, bool) or device < -1:
+            raise ConfigError(f"NixlLink: device={device!r}; expected -1 (host memory) or a CUDA device index")
+        if on_slow not in ("warn", "raise", "ignore"):
+            raise ConfigError(f"NixlLink: on_slow={on_slow!r}; expected 'warn', 'raise' or 'ignore'")
+        if min_gbps is not None and not (isinstance(min_gbps, (int, float)) and min_gbps >= 0):
+            raise ConfigError(f"NixlLink: min_gbps={min_gbps!r}; expected a number >= 0 or None")
+        super().__init__(device, timeout_s)
+        self.min_gbps, self.on_slow = min_gbps, on_slow
+        self._warned_slow = False
+        if device >= 0:
+            from warmlink import _cuda
+
+            if not _cuda.available():
+                raise BackendUnavailable(f"NixlLink: device={device} but CUDA is unavailable ({_cuda.unavailable_reason()})")
         from warmlink.transport._nixl_agent import Agent, make_agent_name
 
-        self._agent = Agent(make_agent_name())
+        with self._context():
+            self._agent = Agent(make_agent_name())
         _agents[self._agent.name] = self._agent
         self._held: dict[int, object] = {}
         self._prepared: weakref.WeakSet[_Prepared] = weakref.WeakSet()
         self._inflight: list[NixlTransfer] = []
+        self._notes: dict[str, list[bytes]] = {}
+        self._not_ipc: set[int] = set()  # local VRAM allocations UCX cannot map by CUDA IPC
 
     @property
     def agent_name(self) -> str:
         return self._agent.name
 
+    def _context(self):
+        """The device's primary CUDA context made current around NIXL calls (UCX's CUDA
+        transports act in the caller's context); nothing for a host link."""
+        if self.device < 0:
+            return contextlib.nullcontext()
+        from warmlink import _cuda
+
+        return _cuda.use_device(self.device)
+
     # -- local ---------------------------------------------------------------------------------
     def _acquire_reg(self, base: int, nbytes: int, owner, keep) -> tuple[_Registration, object]:
         key = _RegKey((self._agent.name, base, nbytes, owner))
         key.keep = keep
-        return _registrations.acquire(key)
+        with self._context():
+            return _registrations.acquire(key)
 
-    def _desc(self, addr: int, nbytes: int, meta_hex: str) -> dict:
-        return {"kind": "nixl", "agent": self._agent.name, "addr": addr, "nbytes": nbytes, "device": -1,
-                "mem": "DRAM", "agent_meta": meta_hex}
+    def _desc(self, addr: int, nbytes: int, meta_hex: str, device: int) -> dict:
+        return {"kind": "nixl", "agent": self._agent.name, "addr": addr, "nbytes": nbytes, "device": device,
+                "mem": "DRAM" if device < 0 else "VRAM", "agent_meta": meta_hex}
 
     def register(self, tensor) -> LocalRegion:
-        """Register a contiguous CPU tensor in place (its shm arena, or its whole storage), cached."""
+        """Register a contiguous tensor in place, cached: a host tensor's shm arena or storage, or
+        a CUDA tensor's whole allocation (``tensor`` must be on this link's device).
+
+        Raises:
+            LayoutError: not contiguous, empty, or on another device than the link's.
+        """
         import torch
 
         self._check_open()
-        if tensor.device.type != "cpu":
-            raise LayoutError(f"NixlLink.register: tensor on device={tensor.device}; expected cpu (host memory only)")
+        if tensor.device.type == "cuda":
+            if tensor.device.index != self.device:
+                raise LayoutError(f"NixlLink.register: tensor on device={tensor.device}; this link registers "
+                                  f"{'host memory' if self.device < 0 else f'cuda:{self.device}'}")
+        elif tensor.device.type != "cpu":
+            raise LayoutError(f"NixlLink.register: tensor on device={tensor.device}; expected cpu or cuda")
         if not tensor.is_contiguous():
             raise LayoutError(f"NixlLink.register: tensor of shape {tuple(tensor.shape)} is not contiguous")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             raise LayoutError("NixlLink.register: tensor has 0 bytes; expected at least 1")
         ptr = tensor.data_ptr()
-        arena = arenas.find_shm_arena(ptr, nbytes)
-        if arena is not None:
-            reg, token = self._acquire_reg(arena.ptr, arena.nbytes, ("arena", arena.name), None)
+        device = -1
+        if tensor.device.type == "cuda":
+            device = self.device
+            reg, token = self._register_vram(ptr)
         else:
-            storage = tensor.untyped_storage()
-            reg, token = self._acquire_reg(storage.data_ptr(), storage.nbytes(), "storage", storage)
+            arena = arenas.find_shm_arena(ptr, nbytes)
+            if arena is not None:
+                reg, token = self._acquire_reg(arena.ptr, arena.nbytes, ("arena", arena.name), None)
+            else:
+                storage = tensor.untyped_storage()
+                reg, token = self._acquire_reg(storage.data_ptr(), storage.nbytes(), "storage", storage)
         flat = tensor.reshape(-1).view(torch.uint8)
-        region = LocalRegion(flat, nbytes, -1, ptr, self._desc(ptr, nbytes, reg.meta_hex), owner=(token, None))
+        region = LocalRegion(flat, nbytes, device, ptr, self._desc(ptr, nbytes, reg.meta_hex, device), owner=(token, None))
         return self._hold(region)
 
+    def _register_vram(self, ptr: int):
+        from warmlink import _cuda
+
+        with _cuda.use_device(self.device):
+            base, size = _cuda.alloc_range(ptr)
+            bid = _cuda.buffer_id(base)
+            if bid not in self._not_ipc and not _cuda.is_ipc_exportable(base):
+                self._not_ipc.add(bid)
+                log.warning("nixl: GPU memory at %#x on cuda:%d is not plain cudaMalloc memory (expandable segments, "
+                            "cudaMallocAsync or VMM); UCX's cuda_ipc may not map it and fall back to a slow path",
+                            ptr, self.device)
+        return self._acquire_reg(base, size, ("vram", self.device, bid), None)
+
     def allocate(self, nbytes: int) -> LocalRegion:
-        """``nbytes`` of host memory from a pooled shm arena, registered with the agent once per arena."""
+        """``nbytes`` from a pooled arena (host shm, or ``cudaMalloc`` on the link's device),
+        registered with the agent once per arena."""
         self._check_open()
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ConfigError(f"NixlLink.allocate: nbytes={nbytes!r}; expected an int > 0")
+        if self.device >= 0:
+            lease = arenas.lease_arena("cuda", nbytes, self.device)
+            try:
+                region = self.register(lease.resource.tensor[:nbytes])
+            except BaseException:
+                lease.release()
+                raise
+            region._owner = (region._owner[0], lease)
+            return region
         lease = arenas.lease_arena("shm", nbytes)
         arena = lease.resource
         try:
@@ -221,7 +343,7 @@ class NixlLink(Link):
         except BaseException:
             lease.release()
             raise
-        desc = self._desc(arena.ptr, nbytes, reg.meta_hex)
+        desc = self._desc(arena.ptr, nbytes, reg.meta_hex, -1)
         return self._hold(LocalRegion(arena.tensor[:nbytes], nbytes, -1, arena.ptr, desc, owner=(token, lease)))
 
     def _hold(self, region):
@@ -235,7 +357,8 @@ class NixlLink(Link):
         self._held.pop(id(region), None)
         token, lease = region._owner
         region.tensor = None
-        _registrations.release(token)
+        with self._context():
+            _registrations.release(token)
         if lease is not None:
             lease.release()
 
@@ -246,29 +369,28 @@ class NixlLink(Link):
         Raises:
             MetadataError: a field of ``desc`` is invalid, its metadata does not parse or names
                 another agent, or the range is not registered by that agent (names peer and field).
-            LayoutError: a VRAM region (not supported yet).
         """
         self._check_open()
         check_desc(desc, peer.key)
-        if desc["mem"] != "DRAM":
-            raise LayoutError(f"NixlLink.open: peer={peer.key!r} region mem={desc['mem']!r}; only DRAM is supported yet")
         name, meta_hex, addr, nbytes = desc["agent"], desc["agent_meta"], desc["addr"], desc["nbytes"]
-        _loading.meta_hex = meta_hex
-        try:
-            remote, token = _mappings.acquire((peer.key, peer.process_id, name, self._agent.name))
-        finally:
-            _loading.meta_hex = None
-        try:
-            if meta_hex not in remote.loaded:  # another registration of the same peer agent
-                self._agent.load_remote(meta_hex, name, peer.key)
-                remote.loaded.add(meta_hex)
-            if (addr, nbytes) not in remote.checked:
-                self._agent.check_remote(name, addr, nbytes, peer.key)
-                remote.checked.add((addr, nbytes))
-        except BaseException:
-            _mappings.release(token)
-            raise
-        return self._hold(RemoteRegion(peer, desc, nbytes, -1, addr, None, token))
+        with self._context():
+            _loading.meta_hex = meta_hex
+            try:
+                remote, token = _mappings.acquire((peer.key, peer.process_id, name, self._agent.name))
+            finally:
+                _loading.meta_hex = None
+            try:
+                if meta_hex not in remote.loaded:  # another registration of the same peer agent
+                    self._agent.load_remote(meta_hex, name, peer.key)
+                    remote.loaded.add(meta_hex)
+                span = (addr, nbytes, desc["mem"], desc["device"])
+                if span not in remote.checked:
+                    self._agent.check_remote(name, addr, nbytes, desc["mem"], desc["device"], peer.key)
+                    remote.checked.add(span)
+            except BaseException:
+                _mappings.release(token)
+                raise
+        return self._hold(RemoteRegion(peer, desc, nbytes, desc["device"], addr, None, token))
 
     def close_region(self, region: RemoteRegion) -> None:
         if not region._closed:
@@ -282,29 +404,37 @@ class NixlLink(Link):
 
     # -- bytes ---------------------------------------------------------------------------------
     def _prepare_backend(self, batch: Batch) -> _Prepared:
-        """One local and one remote descriptor list per peer agent; rows of 2-D copies are descriptors."""
+        """One local and one remote descriptor list per (peer agent, local mem, remote mem); rows
+        of 2-D copies are descriptors."""
         self._check_open()
-        rows: dict[str, tuple[str, list, list]] = {}
+        rows: dict[tuple[str, str, str], tuple[str, list, list]] = {}
         for c in (*batch.flat, *batch.strided):
-            name = c.remote.desc["agent"]
-            _, local, remote = rows.setdefault(name, (c.remote.peer.key, [], []))
+            rdesc = c.remote.desc
+            lmem = "DRAM" if c.local.device < 0 else "VRAM"
+            ldev, rdev = max(c.local.device, 0), max(rdesc["device"], 0)
+            _, local, remote = rows.setdefault((rdesc["agent"], lmem, rdesc["mem"]), (c.remote.peer.key, [], []))
             for i in range(c.num_rows):
-                local.append((c.local.ptr + c.local_offset + i * c.local_pitch, c.row_nbytes, 0))
-                remote.append((c.remote.ptr + c.remote_offset + i * c.remote_pitch, c.row_nbytes, 0))
+                local.append((c.local.ptr + c.local_offset + i * c.local_pitch, c.row_nbytes, ldev))
+                remote.append((c.remote.ptr + c.remote_offset + i * c.remote_pitch, c.row_nbytes, rdev))
         groups = []
         try:
-            for name, (peer_key, local, remote) in rows.items():
-                lh = self._agent.prep_dlist("", local)
-                groups.append([name, peer_key, lh, None, len(local), {}])
-                groups[-1][3] = self._agent.prep_dlist(name, remote)
+            with self._context():
+                for (name, lmem, rmem), (peer_key, local, remote) in rows.items():
+                    lh = self._agent.prep_dlist("", local, lmem)
+                    groups.append([name, peer_key, lh, None, len(local), {}])
+                    groups[-1][3] = self._agent.prep_dlist(name, remote, rmem)
         except BaseException:
             self._release_groups(groups)
             raise
-        prepared = _Prepared(groups)
+        vram = any(k[1] == "VRAM" or k[2] == "VRAM" for k in rows)
+        from warmlink.transport.base import local_identity
+
+        remote_host = any(p.host != local_identity()[0] for p in batch.peers)
+        prepared = _Prepared(groups, vram, remote_host)
         self._prepared.add(prepared)
         return prepared
 
-    def _submit(self, batch: Batch, op: str) -> NixlTransfer:
+    def _submit(self, batch: Batch, op: str, notify: bytes = b"") -> NixlTransfer:
         self._check_open()
         prepared = batch.prepared
         if not isinstance(prepared, _Prepared) or prepared.released:
@@ -313,13 +443,14 @@ class NixlLink(Link):
         if prepared.active is not None and not prepared.active.done():
             raise TransferError(f"NixlLink.{op.lower()}: the batch's previous transfer is still in flight; wait for it")
         xfers = []
-        for name, _peer_key, lh, rh, num_descs, requests in prepared.groups:
-            x = requests.get(op)
-            if x is None:
-                x = requests[op] = self._agent.make_xfer(op, lh, rh, num_descs, name)
-            xfers.append((x, name))
-        finished = [self._agent.post(x, name) for x, name in xfers]
-        transfer = NixlTransfer(batch, self.timeout_s, self._agent, xfers, finished)
+        with self._context():
+            for name, _peer_key, lh, rh, num_descs, requests in prepared.groups:
+                x = requests.get(op)
+                if x is None:
+                    x = requests[op] = self._agent.make_xfer(op, lh, rh, num_descs, name)
+                xfers.append((x, name))
+            finished = [self._agent.post(x, name, notify) for x, name in xfers]
+        transfer = NixlTransfer(batch, self.timeout_s, self, xfers, finished)
         prepared.active = transfer
         self._inflight = [t for t in self._inflight if not t.done()]
         self._inflight.append(transfer)
@@ -329,9 +460,88 @@ class NixlLink(Link):
         """Pull with NIXL READ: one request per peer agent, reposted on every later read."""
         return self._submit(batch, "READ")
 
-    def write(self, batch: Batch) -> NixlTransfer:
-        """Push with NIXL WRITE: one request per peer agent, reposted on every later write."""
-        return self._submit(batch, "WRITE")
+    def write(self, batch: Batch, notify: bytes | None = None) -> NixlTransfer:
+        """Push with NIXL WRITE: one request per peer agent, reposted on every later write.
+
+        Args:
+            notify: when given (1 to 1024 bytes), every target agent of the batch receives it as a
+                notification after the bytes have landed: see ``wait_notification``.
+        """
+        if notify is not None and not (isinstance(notify, bytes) and 0 < len(notify) <= 1024):
+            raise ConfigError(f"NixlLink.write: notify={notify!r:.60}; expected 1 to 1024 bytes")
+        return self._submit(batch, "WRITE", notify or b"")
+
+    def wait_notification(self, tag: bytes, peer_agent: str | None = None, timeout_s: float | None = None) -> str:
+        """Block until a notification equal to ``tag`` arrives (from ``peer_agent`` when given);
+        returns the sending agent's name. Each notification is consumed once.
+
+        Raises:
+            TransferTimeout: none arrived within ``timeout_s`` (default: the link's timeout).
+        """
+        self._check_open()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.perf_counter() + timeout
+        sleep_s = 20e-6
+        while True:
+            for sender, notes in self._agent.notifications().items():
+                self._notes.setdefault(sender, []).extend(notes)
+            for sender, notes in self._notes.items():
+                if (peer_agent is None or sender == peer_agent) and tag in notes:
+                    notes.remove(tag)
+                    return sender
+            if time.perf_counter() > deadline:
+                raise TransferTimeout(f"NixlLink.wait_notification: tag={tag!r:.60} from "
+                                      f"{peer_agent or 'any agent'} not received after {timeout:.3f} s")
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, 200e-6)
+
+    # -- loud fallbacks (Note [Loud fallbacks]) ------------------------------------------------
+    def _check_speed(self, transfer: NixlTransfer) -> BaseException | None:
+        prepared = transfer.batch.prepared
+        if not isinstance(prepared, _Prepared) or prepared.speed_checked or transfer.batch.nbytes < SPEED_CHECK_BYTES:
+            return None
+        prepared.speed_checked = True
+        floor = self.min_gbps if self.min_gbps is not None else (DEFAULT_MIN_GBPS if prepared.vram else 0.0)
+        if floor <= 0 or self.on_slow == "ignore":
+            return None
+        took = [self._agent.duration_s(x) for x, _ in transfer._xfers]
+        took = [t for t in took if t is not None]
+        seconds = max(took) if took else time.perf_counter() - transfer.started_at
+        gbps = transfer.batch.nbytes / max(seconds, 1e-9) / 1e9
+        if gbps >= floor:
+            return None
+        msg = (f"NixlLink: {transfer.batch.nbytes / 1e6:.1f} MB moved at {gbps:.2f} GB/s, below min_gbps={floor:g}: "
+               f"UCX probably fell back to a slow transport. Likely causes: {'; '.join(self._slow_causes(prepared))}. "
+               "Run `warmlink doctor` or set UCX_PROTO_INFO=y to see the transports UCX selected")
+        if self.on_slow == "raise":
+            return SlowTransportError(msg)
+        if not self._warned_slow:
+            self._warned_slow = True
+            log.warning(msg)
+            warnings.warn(msg, SlowTransportWarning, stacklevel=4)
+        return None
+
+    def _slow_causes(self, prepared: _Prepared) -> list[str]:
+        causes = []
+        tls = os.environ.get("UCX_TLS", "")
+        if tls and not tls.startswith("^") and "all" not in tls.split(","):
+            if prepared.remote_host:
+                wanted = ("RDMA transports (rc, dc, ud)", ("rc", "dc", "ud", "ib"))
+            elif prepared.vram:
+                wanted = ("cuda_ipc", ("cuda_ipc",))
+            else:
+                wanted = ("shared-memory transports (sm, cma)", ("sm", "cma", "posix", "sysv", "xpmem", "knem"))
+            if not any(t in tls for t in wanted[1]):
+                causes.append(f"UCX_TLS={tls!r} leaves out {wanted[0]}")
+        if self._not_ipc:
+            causes.append(f"{len(self._not_ipc)} local GPU allocation(s) are not plain cudaMalloc memory (expandable "
+                          "segments, cudaMallocAsync or VMM); stage through NixlLink.allocate")
+        if prepared.remote_host:
+            causes.append("the peer is on another host: check that UCX_NET_DEVICES names an RDMA NIC and that "
+                          "GPUDirect RDMA (nvidia-peermem or dma-buf) is available")
+        if not causes:
+            causes.append("UCX found no direct path between these memories (check UCX_TLS and the memory types)")
+        return causes
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -1,0 +1,133 @@
+"""NixlLink on GPU memory (issue 5): two processes on two GPUs (one when the machine has one),
+VRAM moved by UCX. Bit-exact READ and WRITE, notifications, nothing registered after the first
+cycle, and memory that UCX may not map by CUDA IPC (expandable segments) never silently slow.
+Runs on the device machine; skipped without CUDA or nixl-cu13."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests.transport._child import Child
+
+pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install warmlink[nixl])")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from warmlink import pool
+from warmlink.errors import SlowTransportWarning
+from warmlink.transport.base import Copy, PeerRef
+from warmlink.transport.nixl import DEFAULT_MIN_GBPS, SPEED_CHECK_BYTES, NixlLink
+
+NBYTES = 256 << 20
+
+
+def _pattern(n: int, salt: int, device) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64, device=device) * 13 + salt) % 251).to(torch.uint8)
+
+
+def _peer_main(control, results, device: int, expandable: bool) -> None:
+    """A GPU peer: one allocated region and one registered torch tensor, both filled."""
+    try:
+        if expandable:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        torch.cuda.set_device(device)
+        from warmlink.transport.base import local_identity
+
+        link = NixlLink(device, timeout_s=30)
+        arena = link.allocate(NBYTES)
+        arena.tensor.copy_(_pattern(NBYTES, 1, device))
+        plain = torch.empty(NBYTES, dtype=torch.uint8, device=device)
+        plain.copy_(_pattern(NBYTES, 2, device))
+        registered = link.register(plain)
+        torch.cuda.synchronize()
+        regions = [arena, registered]
+        results.put({"descs": [dict(r.desc) for r in regions], "identity": local_identity()})
+        while True:
+            msg = control.get(timeout=120)
+            if msg is None:
+                break
+            if msg[0] == "notification":
+                results.put(link.wait_notification(msg[1], timeout_s=30))
+            else:  # a digest of the region: sum of bytes and a strided sample
+                t = regions[msg[1]].tensor
+                results.put([int(t.sum(dtype=torch.int64)), t[:: 1 << 16].cpu().tolist()])
+        for r in regions:
+            link.release(r)
+        link.close()
+    except BaseException as exc:  # noqa: BLE001  reported, never hangs the parent
+        results.put({"error": repr(exc)})
+
+
+def _devices() -> tuple[int, int]:
+    return 0, (1 if torch.cuda.device_count() > 1 else 0)
+
+
+def _digest(t: torch.Tensor) -> list:
+    return [int(t.sum(dtype=torch.int64)), t[:: 1 << 16].cpu().tolist()]
+
+
+def test_vram_read_write_notify_and_warm_cycles():
+    here, there = _devices()
+    child = Child(_peer_main, there, False)
+    pool.set_enabled(True)
+    link = NixlLink(here, timeout_s=30)
+    try:
+        info = child.get(timeout=120)
+        peer = PeerRef("gpu/0", 1, *info["identity"])
+        remotes = [link.open(peer, d) for d in info["descs"]]
+        assert all(d["mem"] == "VRAM" and d["device"] == there for d in info["descs"])
+        local = link.allocate(2 * NBYTES)
+        batch = link.prepare([Copy(local, 0, remotes[0], 0, NBYTES), Copy(local, NBYTES, remotes[1], 0, NBYTES)])
+        created = []
+        for cycle in range(3):
+            before = pool.stats().get("registration", {}).get("created", 0)
+            local.tensor.zero_()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", SlowTransportWarning)  # plain cudaMalloc memory is never slow
+                link.read(batch).wait(30)
+            created.append(pool.stats().get("registration", {}).get("created", 0) - before)
+            assert torch.equal(local.tensor[:NBYTES], _pattern(NBYTES, 1, here))
+            assert torch.equal(local.tensor[NBYTES:], _pattern(NBYTES, 2, here))
+        assert created[1:] == [0, 0], created
+
+        src = link.register(_pattern(NBYTES, 7, here))
+        push = link.prepare([Copy(src, 0, remotes[1], 0, NBYTES)])
+        torch.cuda.synchronize()
+        link.write(push, notify=b"pushed-1").wait(30)
+        assert child.notification(b"pushed-1") == link.agent_name
+        child.control.put(("digest", 1))
+        assert child.get() == _digest(_pattern(NBYTES, 7, here))
+    finally:
+        link.close()
+        child.stop()
+        pool.set_enabled(None)
+
+
+def test_expandable_segments_memory_is_fast_or_reported():
+    """UCX may not map cuMemCreate memory by CUDA IPC: then the first big transfer must warn."""
+    here, there = _devices()
+    child = Child(_peer_main, there, True)
+    link = NixlLink(here, timeout_s=60)
+    try:
+        info = child.get(timeout=120)
+        peer = PeerRef("gpu/1", 1, *info["identity"])
+        remote = link.open(peer, info["descs"][1])  # the torch tensor, in an expandable segment
+        local = link.allocate(NBYTES)
+        batch = link.prepare([Copy(local, 0, remote, 0, NBYTES)])
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            transfer = link.read(batch)
+            transfer.wait(60)
+        slow = [w for w in got if issubclass(w.category, SlowTransportWarning)]
+        gbps = NBYTES / max(1e-9, link._agent.duration_s(batch.prepared.groups[0][5]["READ"]) or 1e-9) / 1e9
+        print(f"expandable-segments VRAM read: {gbps:.1f} GB/s, warned: {bool(slow)}")
+        assert NBYTES >= SPEED_CHECK_BYTES
+        assert gbps >= DEFAULT_MIN_GBPS or slow, f"{gbps:.2f} GB/s and no SlowTransportWarning"
+        assert torch.equal(local.tensor, _pattern(NBYTES, 2, here))
+    finally:
+        link.close()
+        child.stop()
