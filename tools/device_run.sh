@@ -65,7 +65,7 @@ for d in range(torch.cuda.device_count()):
       timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -s tests/transport/test_nixl_gpu.py tests/refit/test_refit_nixl.py \
         tests/transport/test_nixl_probe.py 2>&1 | grep -v "UCX  WARN" | tee "$OUT/nixl_tests.log" | tail -30 ;;
     bench-nixl)
-      timeout 400 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-6} --backend nixl --scenarios peak,warm \
+      timeout 400 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-6} --backend nixl --scenarios ${SCENARIOS:-peak,warm} \
         --timeout 150 --json "$OUT/refit_nixl.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/refit_nixl.log" | tail -60 ;;
     bench-lifecycle-nixl)
       for i in $(seq 1 ${REPEATS:-2}); do

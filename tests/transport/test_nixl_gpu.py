@@ -98,7 +98,8 @@ def test_vram_read_write_notify_and_warm_cycles():
         push = link.prepare([Copy(src, 0, remotes[1], 0, NBYTES)])
         torch.cuda.synchronize()
         link.write(push, notify=b"pushed-1").wait(30)
-        assert child.notification(b"pushed-1") == link.agent_name
+        child.control.put(("notification", b"pushed-1"))
+        assert child.get() == link.agent_name
         child.control.put(("digest", 1))
         assert child.get() == _digest(_pattern(NBYTES, 7, here))
     finally:

@@ -74,6 +74,7 @@ __all__ = ["NixlLink", "NixlTransfer", "DEFAULT_MIN_GBPS", "SPEED_CHECK_BYTES"]
 # NIC ~12; UCX's TCP staging of GPU memory gives ~1-3. 5 GB/s separates them with margin.
 DEFAULT_MIN_GBPS = 5.0
 SPEED_CHECK_BYTES = 64 << 20
+_POLLS_PER_DONE = 8
 
 log = logging.getLogger("warmlink.transport")
 
@@ -172,13 +173,16 @@ class NixlTransfer(Transfer):
         self._finished = False
 
     def done(self) -> bool:
-        if self._error is not None:
-            return True
-        if self._finished:
+        if self._error is not None or self._finished:
             return True
         try:
             with self._link._context():
-                self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
+                # Each state query also drives UCX's progress, which completes a bounded number
+                # of copies per call: a few queries per poll keep a long descriptor list moving.
+                for _ in range(_POLLS_PER_DONE):
+                    self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
+                    if not self._pending:
+                        break
         except (PeerLostError, TransferError) as exc:
             self._error = exc
             return True
@@ -296,7 +300,7 @@ class NixlLink(Link):
         device = -1
         if tensor.device.type == "cuda":
             device = self.device
-            reg, token = self._register_vram(ptr)
+            reg, token = self._register_vram(ptr, nbytes)
         else:
             arena = arenas.find_shm_arena(ptr, nbytes)
             if arena is not None:
@@ -308,18 +312,24 @@ class NixlLink(Link):
         region = LocalRegion(flat, nbytes, device, ptr, self._desc(ptr, nbytes, reg.meta_hex, device), owner=(token, None))
         return self._hold(region)
 
-    def _register_vram(self, ptr: int):
+    def _register_vram(self, ptr: int, nbytes: int):
+        """Register the whole ``cudaMalloc`` allocation under ``ptr`` (cached by buffer id). Memory
+        of the VMM API (expandable segments, cudaMallocAsync) is mapped in chunks, so only the
+        tensor's own range is registered, and the link says UCX may not move it fast."""
         from warmlink import _cuda
 
         with _cuda.use_device(self.device):
             base, size = _cuda.alloc_range(ptr)
             bid = _cuda.buffer_id(base)
-            if bid not in self._not_ipc and not _cuda.is_ipc_exportable(base):
-                self._not_ipc.add(bid)
-                log.warning("nixl: GPU memory at %#x on cuda:%d is not plain cudaMalloc memory (expandable segments, "
-                            "cudaMallocAsync or VMM); UCX's cuda_ipc may not map it and fall back to a slow path",
-                            ptr, self.device)
-        return self._acquire_reg(base, size, ("vram", self.device, bid), None)
+            plain = _cuda.is_ipc_exportable(base)
+        if plain:
+            return self._acquire_reg(base, size, ("vram", self.device, bid), None)
+        if bid not in self._not_ipc:
+            self._not_ipc.add(bid)
+            log.warning("nixl: GPU memory at %#x on cuda:%d is not plain cudaMalloc memory (expandable segments, "
+                        "cudaMallocAsync or VMM); UCX's cuda_ipc may not map it and fall back to a slow path",
+                        ptr, self.device)
+        return self._acquire_reg(ptr, nbytes, ("vram", self.device, bid, "range"), None)
 
     def allocate(self, nbytes: int) -> LocalRegion:
         """``nbytes`` from a pooled arena (host shm, or ``cudaMalloc`` on the link's device),
