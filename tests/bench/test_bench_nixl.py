@@ -28,7 +28,7 @@ def test_bench_refit_backend_nixl_runs_beside_the_default_transport(tmp_path, ca
     assert all(c["created"].get("registration", 0) == 0 for c in nixl["cycles"][1:]), nixl["cycles"]
     rw = record["scenarios"]["nixl_rw"]
     assert rw["num_descs"] == record["num_tensors"]  # one descriptor per tensor: the gaps keep them apart
-    for key in ("read", "read_sleep", "write", "write_notify"):
+    for key in ("read", "write", "write_notify"):
         assert rw[key]["median_s"] > 0 and rw[key]["runs"] == 3
     assert record["nixl_vs_default"] > 0
     assert "READ (pull)" in out and "of its speed (goal >= 0.8)" in out

@@ -3,9 +3,8 @@
 Two processes, the *initiator* on ``devices[0]`` and the *target* on ``devices[1]``, each hold one
 region from ``NixlLink.allocate``. The initiator prepares one batch of the model's tensors (one
 descriptor each; a 4 KiB gap between neighbours keeps them from coalescing, like tensors of
-separate allocations) and moves it by READ (pull; waited by spinning and by sleeping between
-queries, see Note [Polling NIXL]), by WRITE (push), and by WRITE with a notification, which the
-target waits for: the time from the initiator's post to the target
+separate allocations) and moves it by READ (pull), by WRITE (push), and by WRITE with a
+notification, which the target waits for: the time from the initiator's post to the target
 seeing the notification is what a push-based refit's receiver would wait. Clocks are
 ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for the processes of a host).
 """
@@ -69,8 +68,7 @@ def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, 
     prepare_s = time.perf_counter() - t
     out = {"tag": "initiator", "event": "done", "open_s": open_s, "prepare_s": prepare_s,
            "num_descs": sum(c.num_rows for c in (*batch.flat, *batch.strided)), "nbytes": batch.nbytes}
-    for key, op, poll in (("read", "READ", "spin"), ("read_sleep", "READ", "sleep"), ("write", "WRITE", "spin")):
-        link.poll = poll  # see Note [Polling NIXL] in warmlink.transport.nixl
+    for key, op in (("read", "READ"), ("write", "WRITE")):
         times = []
         for r in range(repeats + 1):  # the first run makes the NIXL request and warms UCX
             t = time.perf_counter()
@@ -78,7 +76,6 @@ def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, 
             if r:
                 times.append(time.perf_counter() - t)
         out[key] = times
-    link.poll = "spin"
     posts = []
     while (msg := control.get(timeout=timeout_s)) is not None:
         posts.append(time.perf_counter())
@@ -113,8 +110,7 @@ def run_nixl_rw(sizes: list[int], *, devices: tuple[int, int] = (0, 1), repeats:
     notify = [s - p for s, p in zip(seen[1:], done["notify_posts"][1:])]
     out = {"nbytes": nbytes, "num_descs": done["num_descs"], "open_s": done["open_s"], "prepare_s": done["prepare_s"],
            "devices": list(devices)}
-    for name, times in (("read", done["read"]), ("read_sleep", done["read_sleep"]), ("write", done["write"]),
-                        ("write_notify", notify)):
+    for name, times in (("read", done["read"]), ("write", done["write"]), ("write_notify", notify)):
         med = statistics.median(times)
         out[name] = {"median_s": med, "min_s": min(times), "gbps": nbytes / med / 1e9, "runs": len(times)}
     return out

@@ -118,8 +118,7 @@ def _print_nixl(sc: dict, nbytes: int, peak_gbps: float | None, record: dict) ->
     rw = sc.get("nixl_rw")
     if rw:
         print(f"NIXL on the same {rw['num_descs']} descriptors ({rw['nbytes'] / 1e9:.3f} GB; median of {rw['read']['runs']}):")
-        for key, label in (("read", "READ (pull)"), ("read_sleep", "READ, sleeping waits"), ("write", "WRITE (push)"),
-                           ("write_notify", "WRITE, target notified")):
+        for key, label in (("read", "READ (pull)"), ("write", "WRITE (push)"), ("write_notify", "WRITE, target notified")):
             r = rw[key]
             peak = f", {100 * r['gbps'] / peak_gbps:.0f}% of peak" if peak_gbps else ""
             print(f"  {label:24s} {r['median_s'] * 1e3:9.2f} ms  {r['gbps']:7.1f} GB/s{peak}")

@@ -25,11 +25,11 @@ PeerLostError. ``write(batch, notify=tag)`` also tells the target: its link's
 ``wait_notification(tag)`` returns once the bytes have landed (NIXL notifications).
 
 # Note [Polling NIXL]
-A NIXL request of many descriptors completes only as fast as its initiator drives UCX: each
-``check_xfer_state`` progresses the worker, which retires a bounded number of CUDA IPC copies.
-On two H200s a 290-descriptor refit pull took 36 ms when ``wait`` slept up to 100 us between
-single queries and 33 ms with eight queries per poll; ``poll="spin"`` (the default) queries
-without sleeping, as RDMA libraries' progress loops do. See BENCHMARKS.md for the figures.
+Each ``check_xfer_state`` also drives UCX's progress, which retires a bounded number of CUDA IPC
+copies per call, so ``done`` queries up to eight times before ``Transfer.wait`` sleeps (20 to
+100 us). Waiting by spinning instead was measured on two H200s and gained nothing (a
+290-descriptor READ of 8.8 GB: 35.5 ms spinning, 35.2 ms sleeping; BENCHMARKS.md), so the link
+spares the core.
 
 # Note [Loud fallbacks]
 UCX picks a transport per memory type and peer, and when the fast one cannot serve (memory that
@@ -184,8 +184,7 @@ class NixlTransfer(Transfer):
             return True
         try:
             with self._link._context():
-                # Each state query also drives UCX's progress, which completes a bounded number
-                # of copies per call: a few queries per poll keep a long descriptor list moving.
+                # Each query also drives UCX's progress: see Note [Polling NIXL].
                 for _ in range(_POLLS_PER_DONE):
                     self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
                     if not self._pending:
@@ -202,32 +201,6 @@ class NixlTransfer(Transfer):
     def _poll_error(self) -> BaseException | None:
         return self._error
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """As ``Transfer.wait``; with the link's ``poll="spin"`` it queries without sleeping (see
-        Note [Polling NIXL]), checking the deadline and the peers' liveness as often."""
-        if self._link.poll != "spin":
-            return super().wait(timeout_s)
-        timeout = timeout_s if timeout_s is not None else self.timeout_s
-        deadline = time.perf_counter() + timeout
-        next_check = 0.0
-        while not self.done():
-            now = time.perf_counter()
-            if now > next_check:
-                next_check = now + 0.005
-                self._check_peers()
-                if now > deadline:
-                    raise TransferTimeout(f"NixlTransfer.wait: {self.batch.nbytes} bytes not done after {timeout:.3f} s; "
-                                          f"peers {[p.key for p in self.batch.peers]}")
-            time.sleep(0)  # yields the GIL: other threads of the engine keep running
-        if self._error is not None:
-            raise self._error
-
-    def _check_peers(self) -> None:
-        for peer in self.batch.peers:
-            if not peer.alive():
-                raise PeerLostError(f"NixlTransfer.wait: peer={peer.key!r} (generation {peer.generation}, pid "
-                                    f"{peer.pid}) died with {self.batch.nbytes} bytes in flight")
-
     def cancel(self) -> None:
         """NIXL cancels a request only by releasing it; the link does that at recycle or close."""
 
@@ -243,9 +216,6 @@ class NixlLink(Link):
             fallbacks].
         on_slow: ``"warn"`` (SlowTransportWarning, once per link), ``"raise"``
             (SlowTransportError from ``wait``) or ``"ignore"``.
-        poll: ``"spin"`` (default): ``Transfer.wait`` queries NIXL without sleeping; ``"sleep"``:
-            backs off to 100 us between queries, sparing a core at some cost in bandwidth. See
-            Note [Polling NIXL].
 
     Raises:
         BackendUnavailable: NIXL is not installed or cannot make an agent with UCX, or CUDA is
@@ -261,17 +231,15 @@ class NixlLink(Link):
     backend = "nixl"
 
     def __init__(self, device: int = -1, timeout_s: float = 60.0, *, min_gbps: float | None = None,
-                 on_slow: str = "warn", poll: str = "spin") -> None:
+                 on_slow: str = "warn") -> None:
         if not isinstance(device, int) or isinstance(device, bool) or device < -1:
             raise ConfigError(f"NixlLink: device={device!r}; expected -1 (host memory) or a CUDA device index")
         if on_slow not in ("warn", "raise", "ignore"):
             raise ConfigError(f"NixlLink: on_slow={on_slow!r}; expected 'warn', 'raise' or 'ignore'")
-        if poll not in ("spin", "sleep"):
-            raise ConfigError(f"NixlLink: poll={poll!r}; expected 'spin' or 'sleep'")
         if min_gbps is not None and not (isinstance(min_gbps, (int, float)) and min_gbps >= 0):
             raise ConfigError(f"NixlLink: min_gbps={min_gbps!r}; expected a number >= 0 or None")
         super().__init__(device, timeout_s)
-        self.min_gbps, self.on_slow, self.poll = min_gbps, on_slow, poll
+        self.min_gbps, self.on_slow = min_gbps, on_slow
         self._warned_slow = False
         if device >= 0:
             from warmlink import _cuda
