@@ -90,10 +90,10 @@ _loading = threading.local()  # the metadata hex an open() is about to load (see
 
 
 class _Registration:
-    __slots__ = ("agent", "keep", "meta_hex", "reg")
+    __slots__ = ("agent", "device", "keep", "meta_hex", "reg")
 
-    def __init__(self, agent, reg, meta_hex: str, keep) -> None:
-        self.agent, self.reg, self.meta_hex, self.keep = agent, reg, meta_hex, keep
+    def __init__(self, agent, reg, meta_hex: str, keep, device: int) -> None:
+        self.agent, self.reg, self.meta_hex, self.keep, self.device = agent, reg, meta_hex, keep, device
 
 
 class _RegKey(tuple):
@@ -106,18 +106,31 @@ class _RegKey(tuple):
     keep = None
 
 
+def _vram_device(owner) -> int:
+    """The CUDA device of a registration key's owner, -1 for host memory."""
+    return owner[1] if isinstance(owner, tuple) and owner[0] == "vram" else -1
+
+
+def _in_device(device: int):
+    """The device's primary context current (UCX registers GPU memory in it); a cache hit needs none."""
+    if device < 0:
+        return contextlib.nullcontext()
+    from warmlink import _cuda
+
+    return _cuda.use_device(device)
+
+
 def _register(key: _RegKey) -> _Registration:
-    agent, base, nbytes, owner = _agents[key[0]], key[1], key[2], key[3]
-    if isinstance(owner, tuple) and owner[0] == "vram":
-        reg, meta_hex = agent.register(base, nbytes, "VRAM", owner[1])
-    else:
-        reg, meta_hex = agent.register(base, nbytes, "DRAM", 0)
-    return _Registration(agent, reg, meta_hex, key.keep)
+    agent, base, nbytes, device = _agents[key[0]], key[1], key[2], _vram_device(key[3])
+    with _in_device(device):
+        reg, meta_hex = agent.register(base, nbytes, "VRAM" if device >= 0 else "DRAM", max(device, 0))
+    return _Registration(agent, reg, meta_hex, key.keep, device)
 
 
 def _deregister(r: _Registration) -> None:
     r.keep = None
-    r.agent.deregister(r.reg)
+    with _in_device(r.device):
+        r.agent.deregister(r.reg)
 
 
 class _Remote:
@@ -264,18 +277,13 @@ class NixlLink(Link):
     def _context(self):
         """The device's primary CUDA context made current around NIXL calls (UCX's CUDA
         transports act in the caller's context); nothing for a host link."""
-        if self.device < 0:
-            return contextlib.nullcontext()
-        from warmlink import _cuda
-
-        return _cuda.use_device(self.device)
+        return _in_device(self.device)
 
     # -- local ---------------------------------------------------------------------------------
     def _acquire_reg(self, base: int, nbytes: int, owner, keep) -> tuple[_Registration, object]:
         key = _RegKey((self._agent.name, base, nbytes, owner))
         key.keep = keep
-        with self._context():
-            return _registrations.acquire(key)
+        return _registrations.acquire(key)
 
     def _desc(self, addr: int, nbytes: int, meta_hex: str, device: int) -> dict:
         return {"kind": "nixl", "agent": self._agent.name, "addr": addr, "nbytes": nbytes, "device": device,
@@ -373,8 +381,7 @@ class NixlLink(Link):
         self._held.pop(id(region), None)
         token, lease = region._owner
         region.tensor = None
-        with self._context():
-            _registrations.release(token)
+        _registrations.release(token)
         if lease is not None:
             lease.release()
 
