@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from warmlink import _env, pool
 from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
-from warmlink.errors import ConfigError, LayoutError, VersionError
+from warmlink.errors import (
+    ConfigError,
+    LayoutError,
+    PeerLostError,
+    TransferError,
+    TransferTimeout,
+    VersionError,
+)
 from warmlink.refit import protocol
 from warmlink.refit._memo import PerStore
 from warmlink.refit.manifest import TensorLayout
@@ -268,16 +275,43 @@ class Publisher(Closing):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Release registrations and staging; receivers see the peer leave. Idempotent."""
+        """Withdraw the published version, wait (up to the timeout) for readers still inside,
+        then release registrations and staging. Idempotent.
+
+        New receivers see ``updating`` and wait for a successor instead of reading memory this
+        publisher gives back. If readers stay past the timeout, the memory is kept (never handed
+        to another user while a peer may read it) and a warning is logged.
+        """
         if self._closed:
             return
         self._closed = True
-        if self._link is not None:
-            for region in self._regions:
-                self._link.release(region)
-            self._regions.clear()
-            self._link_lease.release()
-            self._link = None
+        if self._link is None:
+            return
+        if not self._withdraw():
+            log.warning("publisher closed with readers inside; its regions are kept until the process exits",
+                        extra={"rank": self.rank, "version": self.version})
+            return
+        for region in self._regions:
+            self._link.release(region)
+        self._regions.clear()
+        self._link_lease.release()
+        self._link = None
+
+    def _withdraw(self) -> bool:
+        """Set ``updating`` and wait for readers (Note [Version protocol]); False if some stayed.
+        A store that cannot be reached cannot let anyone in either: that counts as withdrawn."""
+        try:
+            if not self._updating:
+                protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
+                self._updating, self._drained = True, False
+            if not self._drained:
+                protocol.wait_no_readers(self.store, self.rank, self.version, self.timeout_s)
+                self._drained = True
+        except TransferTimeout:
+            return False
+        except (PeerLostError, TransferError) as exc:  # the store's server is gone (shutdown order)
+            log.warning("publisher close could not reach the store", extra={"rank": self.rank, "error": repr(exc)})
+        return True
 
     def __repr__(self) -> str:
         return f"Publisher(rank={self.rank}/{self.world_size}, tensors={len(self._entries)}, version={self.version}, generation={self.generation})"
