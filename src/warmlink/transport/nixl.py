@@ -31,15 +31,7 @@ copies per call, so ``done`` queries up to eight times before ``Transfer.wait`` 
 290-descriptor READ of 8.8 GB: 35.5 ms spinning, 35.2 ms sleeping; BENCHMARKS.md), so the link
 spares the core.
 
-# Note [Loud fallbacks]
-UCX picks a transport per memory type and peer, and when the fast one cannot serve (memory that
-is not plain ``cudaMalloc``, ``UCX_TLS`` without ``cuda_ipc``, no GPUDirect RDMA across nodes) it
-falls back to staging through host memory over TCP and runs 100-1000x slower, silently. So the
-first transfer of every batch of at least ``SPEED_CHECK_BYTES`` is timed with NIXL's telemetry;
-below ``min_gbps`` (default: ``DEFAULT_MIN_GBPS`` when GPU memory is on either side, no check for
-host-only batches) the link warns with ``SlowTransportWarning`` once, saying which of the known
-causes apply, or raises ``SlowTransportError`` with ``on_slow="raise"``. ``warmlink doctor``
-prints the transports UCX selects.
+See Note [Loud fallbacks] in ``warmlink.transport._nixl_speed`` for how slow paths are caught.
 """
 
 from __future__ import annotations
@@ -66,6 +58,13 @@ from warmlink.pool import arenas
 from warmlink.pool.peers import mapping_cache
 from warmlink.pool.registrations import registration_cache
 from warmlink.transport._nixl_desc import check_desc
+from warmlink.transport._nixl_speed import (
+    DEFAULT_MIN_GBPS,
+    SPEED_CHECK_BYTES,
+    floor_gbps,
+    slow_causes,
+    slow_message,
+)
 from warmlink.transport.base import (
     Batch,
     Link,
@@ -77,10 +76,6 @@ from warmlink.transport.base import (
 
 __all__ = ["NixlLink", "NixlTransfer", "DEFAULT_MIN_GBPS", "SPEED_CHECK_BYTES"]
 
-# Note [Loud fallbacks]: CUDA IPC over NVLink gives ~270 GB/s, PCIe peer copies ~25, a 100 Gb/s
-# NIC ~12; UCX's TCP staging of GPU memory gives ~1-3. 5 GB/s separates them with margin.
-DEFAULT_MIN_GBPS = 5.0
-SPEED_CHECK_BYTES = 64 << 20
 _POLLS_PER_DONE = 8
 
 log = logging.getLogger("warmlink.transport")
@@ -524,7 +519,7 @@ class NixlLink(Link):
         if not isinstance(prepared, _Prepared) or prepared.speed_checked or transfer.batch.nbytes < SPEED_CHECK_BYTES:
             return None
         prepared.speed_checked = True
-        floor = self.min_gbps if self.min_gbps is not None else (DEFAULT_MIN_GBPS if prepared.vram else 0.0)
+        floor = floor_gbps(self.min_gbps, prepared.vram)
         if floor <= 0 or self.on_slow == "ignore":
             return None
         took = [self._agent.duration_s(x) for x, _ in transfer._xfers]
@@ -533,9 +528,9 @@ class NixlLink(Link):
         gbps = transfer.batch.nbytes / max(seconds, 1e-9) / 1e9
         if gbps >= floor:
             return None
-        msg = (f"NixlLink: {transfer.batch.nbytes / 1e6:.1f} MB moved at {gbps:.2f} GB/s, below min_gbps={floor:g}: "
-               f"UCX probably fell back to a slow transport. Likely causes: {'; '.join(self._slow_causes(prepared))}. "
-               "Run `warmlink doctor` or set UCX_PROTO_INFO=y to see the transports UCX selected")
+        causes = slow_causes(vram=prepared.vram, remote_host=prepared.remote_host, num_not_ipc=len(self._not_ipc),
+                             ucx_tls=os.environ.get("UCX_TLS", ""))
+        msg = slow_message(transfer.batch.nbytes, gbps, floor, causes)
         if self.on_slow == "raise":
             return SlowTransportError(msg)
         if not self._warned_slow:
@@ -543,28 +538,6 @@ class NixlLink(Link):
             log.warning(msg)
             warnings.warn(msg, SlowTransportWarning, stacklevel=4)
         return None
-
-    def _slow_causes(self, prepared: _Prepared) -> list[str]:
-        causes = []
-        tls = os.environ.get("UCX_TLS", "")
-        if tls and not tls.startswith("^") and "all" not in tls.split(","):
-            if prepared.remote_host:
-                wanted = ("RDMA transports (rc, dc, ud)", ("rc", "dc", "ud", "ib"))
-            elif prepared.vram:
-                wanted = ("cuda_ipc", ("cuda_ipc",))
-            else:
-                wanted = ("shared-memory transports (sm, cma)", ("sm", "cma", "posix", "sysv", "xpmem", "knem"))
-            if not any(t in tls for t in wanted[1]):
-                causes.append(f"UCX_TLS={tls!r} leaves out {wanted[0]}")
-        if self._not_ipc:
-            causes.append(f"{len(self._not_ipc)} local GPU allocation(s) are not plain cudaMalloc memory (expandable "
-                          "segments, cudaMallocAsync or VMM); stage through NixlLink.allocate")
-        if prepared.remote_host:
-            causes.append("the peer is on another host: check that UCX_NET_DEVICES names an RDMA NIC and that "
-                          "GPUDirect RDMA (nvidia-peermem or dma-buf) is available")
-        if not causes:
-            causes.append("UCX found no direct path between these memories (check UCX_TLS and the memory types)")
-        return causes
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _check_open(self) -> None:
