@@ -85,7 +85,9 @@ def test_parser_never_raises_on_junk(text):
 
 
 def test_not_installed_starts_no_subprocess(monkeypatch):
-    monkeypatch.setattr(_nixl_probe, "_nixl_installed", lambda: False)
+    from warmlink.transport import _nixl_agent
+
+    monkeypatch.setattr(_nixl_agent, "installed_package", lambda: None)
     monkeypatch.setattr(_nixl_probe.subprocess, "Popen", lambda *a, **k: pytest.fail("started a subprocess"))
     out = probe()
     assert out["loads"] is False and "pip install warmlink[nixl]" in out["error"]

@@ -19,7 +19,9 @@ def _backends() -> dict[str, str]:
         import torch
 
         out["cuda_ipc"] = "ok" if torch.cuda.is_available() else "unavailable: no CUDA device"
-    nixl = next((m for m in ("nixl_cu13", "nixl") if importlib.util.find_spec(m) is not None), None)
+    from warmlink.transport._nixl_agent import installed_package
+
+    nixl = installed_package()
     out["nixl"] = f"importable ({nixl})" if nixl else "not installed (optional: pip install warmlink[nixl])"
     return out
 
@@ -46,8 +48,10 @@ def collect(measure: bool = True) -> dict:
             from warmlink.bench.peak import peer_copy_peak
 
             info["copy_engine"] = peer_copy_peak(0, min(1, n - 1), nbytes=256 << 20, repeats=5)
+    from warmlink.transport._nixl_agent import installed_package
+
     info["backends"] = _backends()
-    if measure and any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl")):
+    if measure and installed_package() is not None:
         # A subprocess (UCX prints its protocol choice from C, and a crash there must not end the doctor).
         from warmlink.transport._nixl_probe import probe
 

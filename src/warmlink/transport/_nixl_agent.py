@@ -39,9 +39,24 @@ from warmlink.errors import (
 
 log = logging.getLogger("warmlink.transport")
 
-__all__ = ["Agent", "load_nixl", "make_agent_name"]
+__all__ = ["Agent", "installed_package", "load_nixl", "make_agent_name"]
 
 _MODULES = ("nixl_cu13._api", "nixl._api")
+
+
+def installed_package() -> str | None:
+    """The NIXL package that is installed (``nixl_cu13`` or ``nixl``), without importing it; None
+    when neither is."""
+    import importlib.util
+
+    for name in _MODULES:
+        package = name.split(".")[0]
+        try:
+            if importlib.util.find_spec(package) is not None:
+                return package
+        except (ImportError, ValueError):
+            continue
+    return None
 
 
 def load_nixl():

@@ -327,24 +327,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- the parent ------------------------------------------------------------------------------------
-def _nixl_installed() -> bool:
-    import importlib.util
-
-    for name in ("nixl_cu13", "nixl"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return False
-
-
 def probe(timeout_s: float = 60) -> dict:
     """Run the probe subprocess; {"loads", "error", "agent_create_s", "dram", "vram"?, "ucx_tls",
     "warnings", "transports"}. ``dram``/``vram`` carry ``ok``, ``error`` and ``transports``
     ({"put host->host": ["cma"], ...}, the transports UCX chose for the largest messages)."""
     ucx_tls = os.environ.get("UCX_TLS", "(unset)")
-    if not _nixl_installed():
+    from warmlink.transport._nixl_agent import installed_package
+
+    if installed_package() is None:
         return {"loads": False, "error": "not installed (pip install warmlink[nixl])", "ucx_tls": ucx_tls, "warnings": []}
     env = {**os.environ, "UCX_PROTO_INFO": "y", **_NO_MULTICAST}
     warnings: list[str] = []
