@@ -2,8 +2,8 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep demo doctor bench-small
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life
-#        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-lifecycle-nixl
-#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP)
+#        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
+#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,6 +67,14 @@ for d in range(torch.cuda.device_count()):
     bench-nixl)
       timeout 400 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-6} --backend nixl --scenarios ${SCENARIOS:-peak,warm} \
         --timeout 150 --json "$OUT/refit_nixl.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/refit_nixl.log" | tail -60 ;;
+    bench-nixl-threads)
+      # NIXL READ/WRITE per UCX thread count (Note [UCX threads]), then REPEATS refit runs at the default.
+      timeout 300 python3 -m warmlink.cli.main bench refit --scale 1 --cycles 6 --scenarios peak,warm,nixl_rw \
+        --nixl-sweep ${SWEEP:-0,1,2,4,8} --timeout 150 --json "$OUT/nixl_sweep.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/nixl_sweep.log" | tail -14
+      for i in $(seq 1 ${REPEATS:-3}); do
+        timeout 300 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-6} --scenarios peak,warm,nixl,nixl_rw \
+          --timeout 150 --json "$OUT/refit_nixl_$i.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/refit_nixl_$i.log" | tail -12
+      done ;;
     bench-lifecycle-nixl)
       for i in $(seq 1 ${REPEATS:-2}); do
         timeout 200 python3 -m warmlink.cli.main bench lifecycle --backend nixl --iterations ${ITERATIONS:-20} \

@@ -11,6 +11,8 @@ Variables:
         ``cuda_ipc``. ``auto`` picks ``cuda_ipc`` when the tensors are on CUDA, else ``shm``.
     WARMLINK_TIMEOUT_S: default timeout in seconds for store waits and transfers (default 60).
     WARMLINK_LOG_LEVEL: level for the ``warmlink`` logger (default ``WARNING``).
+    WARMLINK_NIXL_THREADS: UCX threads of each NIXL agent (``NixlLink(ucx_threads=...)``); unset
+        means the link's default (see ``warmlink.transport.nixl``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 
 from warmlink.errors import ConfigError
 
-__all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "clear_cache"]
+__all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "clear_cache"]
 
 _BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
 
@@ -76,7 +78,18 @@ def log_level() -> str:
     return value
 
 
+@functools.cache
+def nixl_threads() -> int | None:
+    """``WARMLINK_NIXL_THREADS``: UCX threads per NIXL agent, or None when unset."""
+    value = _raw("WARMLINK_NIXL_THREADS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) > 64:
+        raise ConfigError(f"WARMLINK_NIXL_THREADS={value!r}; expected an integer from 0 to 64")
+    return int(value)
+
+
 def clear_cache() -> None:
     """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
-    for fn in (pool_enabled, default_backend, default_timeout_s, log_level):
+    for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads):
         fn.cache_clear()

@@ -180,6 +180,63 @@ def test_write_is_seen_by_child(link: NixlLink, child: Child, child_info: dict) 
         link.release(local)
 
 
+def test_ucx_threads_split_a_batch_and_stay_bit_exact(child: Child, child_info: dict) -> None:
+    """A link with UCX threads hands every batch to them, split in one chunk per thread (Note
+    [UCX threads]): READ and WRITE with a notification land exactly as with one worker, and so
+    does a batch of one descriptor."""
+    lk = NixlLink(timeout_s=10, ucx_threads=2)
+    assert lk.ucx_threads == 2
+    local = lk.allocate(8192)
+    try:
+        tensor_region, arena = (lk.open(_peer(child_info), child_info["descs"][i]) for i in (2, 0))
+        rows = 32  # 256-byte slices of the child's registered tensor, read in reverse order
+        batch = lk.prepare([Copy(local, 256 * i, tensor_region, 256 * (rows - 1 - i), 256) for i in range(rows)])
+        for _ in range(2):  # the second read reposts the split request
+            local.tensor.zero_()
+            lk.read(batch).wait(10)
+            expect = _pattern(SIZES[2], salt=3)
+            for i in range(rows):
+                assert torch.equal(local.tensor[256 * i : 256 * (i + 1)], expect[256 * (rows - 1 - i) : 256 * (rows - i)])
+
+        one = lk.prepare([Copy(local, 0, tensor_region, 100, 1000)])
+        local.tensor.zero_()
+        lk.read(one).wait(10)
+        assert torch.equal(local.tensor[:1000], _pattern(SIZES[2], salt=3)[100:1100])
+
+        local.tensor.copy_(_pattern(8192, salt=42))
+        push = lk.prepare([Copy(local, 64 * i, arena, 50000 + 64 * i, 64) for i in range(rows)])
+        lk.write(push, notify=b"threads").wait(10)
+        assert child.notification(b"threads") == lk.agent_name
+        assert torch.equal(child.dump(0)[50000 : 50000 + 64 * rows], local.tensor[: 64 * rows])
+    finally:
+        lk.close()
+
+
+def test_ucx_threads_come_from_argument_then_environment_then_default(monkeypatch) -> None:
+    from warmlink import _env
+
+    for bad in (-1, 65, True, 2.0):
+        with pytest.raises(ConfigError, match="ucx_threads"):
+            NixlLink(timeout_s=1, ucx_threads=bad)
+    assert nixl._ucx_params(0) == {}
+    assert nixl._ucx_params(4) == {"num_threads": "4", "split_batch_size": str(nixl._SPLIT_DESCS)}
+    try:
+        monkeypatch.setenv("WARMLINK_NIXL_THREADS", "3")
+        _env.clear_cache()
+        assert nixl._resolve_threads(None, 0) == 3 and nixl._resolve_threads(None, -1) == 3
+        assert nixl._resolve_threads(1, 0) == 1
+        monkeypatch.setenv("WARMLINK_NIXL_THREADS", "many")
+        _env.clear_cache()
+        with pytest.raises(ConfigError, match="WARMLINK_NIXL_THREADS='many'"):
+            nixl._resolve_threads(None, 0)
+        monkeypatch.delenv("WARMLINK_NIXL_THREADS")
+        _env.clear_cache()
+        assert nixl._resolve_threads(None, 0) == nixl.DEFAULT_GPU_UCX_THREADS
+        assert nixl._resolve_threads(None, -1) == 0
+    finally:
+        _env.clear_cache()
+
+
 def test_peer_killed_mid_wait_raises_within_timeout(link: NixlLink, children) -> None:
     c = children[1]
     info = c.get()
@@ -368,6 +425,9 @@ def test_lease_link_keeps_the_agent() -> None:
         first.release()  # recycled, kept idle with its agent
         second = lease_link("nixl", -1, 7.0)
         assert second.resource is link and link.agent_name == name and link.timeout_s == 7.0
+        threaded = lease_link("nixl", -1, 7.0, ucx_threads=1)  # another setting never gets that agent
+        assert threaded.resource is not link and threaded.resource.ucx_threads == 1
+        threaded.release()
         second.release()
     finally:
         pool.set_enabled(None)

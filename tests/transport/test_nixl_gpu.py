@@ -28,7 +28,7 @@ def _pattern(n: int, salt: int, device) -> torch.Tensor:
     return ((torch.arange(n, dtype=torch.int64, device=device) * 13 + salt) % 251).to(torch.uint8)
 
 
-def _peer_main(control, results, device: int, expandable: bool) -> None:
+def _peer_main(control, results, device: int, expandable: bool, ucx_threads: int | None = None) -> None:
     """A GPU peer: one allocated region and one registered torch tensor, both filled."""
     try:
         if expandable:
@@ -36,7 +36,7 @@ def _peer_main(control, results, device: int, expandable: bool) -> None:
         torch.cuda.set_device(device)
         from warmlink.transport.base import local_identity
 
-        link = NixlLink(device, timeout_s=30)
+        link = NixlLink(device, timeout_s=30, ucx_threads=ucx_threads)
         arena = link.allocate(NBYTES)
         arena.tensor.copy_(_pattern(NBYTES, 1, device))
         plain = torch.empty(NBYTES, dtype=torch.uint8, device=device)
@@ -69,6 +69,17 @@ def _digest(t: torch.Tensor) -> list:
     return [int(t.sum(dtype=torch.int64)), t[:: 1 << 16].cpu().tolist()]
 
 
+def _push_and_check(link: NixlLink, child: Child, copies: list, region_idx: int, expect: torch.Tensor) -> None:
+    """WRITE ``copies`` with a notification; the child names this link's agent as its sender and
+    its region ``region_idx`` then holds ``expect``."""
+    torch.cuda.synchronize()
+    link.write(link.prepare(copies), notify=b"pushed").wait(30)
+    child.control.put(("notification", b"pushed"))
+    assert child.get() == link.agent_name
+    child.control.put(("digest", region_idx))
+    assert child.get() == _digest(expect)
+
+
 def test_vram_read_write_notify_and_warm_cycles():
     here, there = _devices()
     child = Child(_peer_main, there, False)
@@ -95,17 +106,37 @@ def test_vram_read_write_notify_and_warm_cycles():
         assert created[1:] == [0, 0], created
 
         src = link.register(_pattern(NBYTES, 7, here))
-        push = link.prepare([Copy(src, 0, remotes[1], 0, NBYTES)])
-        torch.cuda.synchronize()
-        link.write(push, notify=b"pushed-1").wait(30)
-        child.control.put(("notification", b"pushed-1"))
-        assert child.get() == link.agent_name
-        child.control.put(("digest", 1))
-        assert child.get() == _digest(_pattern(NBYTES, 7, here))
+        _push_and_check(link, child, [Copy(src, 0, remotes[1], 0, NBYTES)], 1, _pattern(NBYTES, 7, here))
     finally:
         link.close()
         child.stop()
         pool.set_enabled(None)
+
+
+def test_ucx_threads_split_vram_batches_bit_exact():
+    """Note [UCX threads]: a 64-descriptor batch split across 4 UCX threads, READ and WRITE with
+    a notification, lands exactly; the repost of the split request too."""
+    here, there = _devices()
+    child = Child(_peer_main, there, False, 4)
+    link = NixlLink(here, timeout_s=30, ucx_threads=4)
+    try:
+        info = child.get(timeout=120)
+        arena = link.open(PeerRef("gpu/2", 1, *info["identity"]), info["descs"][0])
+        rows, n = 64, NBYTES // 64
+        local = link.allocate(NBYTES)
+        batch = link.prepare([Copy(local, n * i, arena, n * (rows - 1 - i), n) for i in range(rows)])
+        expect = _pattern(NBYTES, 1, here).view(rows, n).flip(0).reshape(-1)
+        for _ in range(2):
+            local.tensor.zero_()
+            torch.cuda.synchronize()
+            link.read(batch).wait(30)
+            assert torch.equal(local.tensor, expect)
+        local.tensor.copy_(_pattern(NBYTES, 9, here))
+        _push_and_check(link, child, [Copy(local, n * i, arena, n * i, n) for i in range(rows)], 0,
+                        _pattern(NBYTES, 9, here))
+    finally:
+        link.close()
+        child.stop()
 
 
 def test_expandable_segments_memory_is_fast_or_reported():

@@ -29,7 +29,7 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, at
 
 
-def _target(*, control, results, device_idx, sizes, timeout_s):
+def _target(*, control, results, device_idx, sizes, ucx_threads, timeout_s):
     import torch
 
     from warmlink.transport.base import local_identity
@@ -37,10 +37,11 @@ def _target(*, control, results, device_idx, sizes, timeout_s):
 
     if device_idx >= 0:
         torch.cuda.set_device(device_idx)
-    link = NixlLink(device_idx, timeout_s=timeout_s)
+    link = NixlLink(device_idx, timeout_s=timeout_s, ucx_threads=ucx_threads)
     region = link.allocate(_offsets(sizes)[1])
     region.tensor.fill_(3)
-    results.put({"tag": "target", "event": "ready", "desc": dict(region.desc), "identity": local_identity()})
+    results.put({"tag": "target", "event": "ready", "desc": dict(region.desc), "identity": local_identity(),
+                 "ucx_threads": link.ucx_threads})
     while (msg := control.get(timeout=timeout_s)) is not None:
         link.wait_notification(msg[1], timeout_s=timeout_s)
         results.put({"tag": "target", "event": "notified", "at": time.perf_counter()})
@@ -48,7 +49,7 @@ def _target(*, control, results, device_idx, sizes, timeout_s):
     link.close()
 
 
-def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, timeout_s):
+def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, ucx_threads, timeout_s):
     import torch
 
     from warmlink.transport.base import Copy, PeerRef
@@ -56,7 +57,7 @@ def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, 
 
     if device_idx >= 0:
         torch.cuda.set_device(device_idx)
-    link = NixlLink(device_idx, timeout_s=timeout_s)
+    link = NixlLink(device_idx, timeout_s=timeout_s, ucx_threads=ucx_threads)
     offsets, total = _offsets(sizes)
     local = link.allocate(total)
     local.tensor.fill_(5)
@@ -88,14 +89,16 @@ def _initiator(*, control, results, device_idx, sizes, desc, identity, repeats, 
     link.close()
 
 
-def run_nixl_rw(sizes: list[int], *, devices: tuple[int, int] = (0, 1), repeats: int = 5, timeout_s: float = 300.0) -> dict:
+def run_nixl_rw(sizes: list[int], *, devices: tuple[int, int] = (0, 1), repeats: int = 5,
+                ucx_threads: int | None = None, timeout_s: float = 300.0) -> dict:
     """Median times of READ, WRITE and WRITE + target notification for ``sizes`` (one descriptor
-    each), in fresh processes. Returns seconds and GB/s (10^9 bytes) per direction."""
+    each), in fresh processes, both links made with ``ucx_threads`` (None: their default).
+    Returns seconds and GB/s (10^9 bytes) per direction."""
     with Group(timeout_s) as group:
-        group.start("target", _target, device_idx=devices[1], sizes=sizes, timeout_s=timeout_s)
+        group.start("target", _target, device_idx=devices[1], sizes=sizes, ucx_threads=ucx_threads, timeout_s=timeout_s)
         ready = group.expect("ready", 1)[0]
         group.start("initiator", _initiator, device_idx=devices[0], sizes=sizes, desc=ready["desc"],
-                    identity=ready["identity"], repeats=repeats, timeout_s=timeout_s)
+                    identity=ready["identity"], repeats=repeats, ucx_threads=ucx_threads, timeout_s=timeout_s)
         seen = []
         for i in range(repeats + 1):
             tag = b"rw-%d" % i
@@ -109,7 +112,7 @@ def run_nixl_rw(sizes: list[int], *, devices: tuple[int, int] = (0, 1), repeats:
     nbytes = done["nbytes"]
     notify = [s - p for s, p in zip(seen[1:], done["notify_posts"][1:])]
     out = {"nbytes": nbytes, "num_descs": done["num_descs"], "open_s": done["open_s"], "prepare_s": done["prepare_s"],
-           "devices": list(devices)}
+           "devices": list(devices), "ucx_threads": ready["ucx_threads"]}
     for name, times in (("read", done["read"]), ("write", done["write"]), ("write_notify", notify)):
         med = statistics.median(times)
         out[name] = {"median_s": med, "min_s": min(times), "gbps": nbytes / med / 1e9, "runs": len(times)}

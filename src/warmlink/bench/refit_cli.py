@@ -21,6 +21,8 @@ GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -40,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "nixl"), default="auto",
                    help="nixl: also run warmlink over NIXL (scenarios nixl, nixl_cold, nixl_rw) beside the default "
                         "transport (cuda_ipc on GPUs, shm on CPU), in the same run (needs warmlink[nixl])")
+    p.add_argument("--nixl-threads", type=int, default=None, metavar="N",
+                   help="UCX threads per NIXL agent in the nixl scenarios (default: the link's default; "
+                        "see NixlLink ucx_threads)")
+    p.add_argument("--nixl-sweep", default=None, metavar="LIST",
+                   help="nixl_rw also runs once per UCX thread count of this comma list, e.g. 0,2,4,8")
     p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("swap", "copy"), default="swap", help="receiver install mode (default swap)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
@@ -113,15 +120,37 @@ def _warm_rows(res: dict) -> list[dict]:
     } for c in res["cycles"]]
 
 
+@contextlib.contextmanager
+def _nixl_threads_env(threads: int | None):
+    """``WARMLINK_NIXL_THREADS`` set for the processes started inside (they inherit it)."""
+    if threads is None:
+        yield
+        return
+    before = os.environ.get("WARMLINK_NIXL_THREADS")
+    os.environ["WARMLINK_NIXL_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("WARMLINK_NIXL_THREADS", None)
+        else:
+            os.environ["WARMLINK_NIXL_THREADS"] = before
+
+
 def _print_nixl(sc: dict, nbytes: int, peak_gbps: float | None, record: dict) -> None:
     """The nixl figures of the run: READ/WRITE and the warm cycle against the default transport's."""
     rw = sc.get("nixl_rw")
     if rw:
-        print(f"NIXL on the same {rw['num_descs']} descriptors ({rw['nbytes'] / 1e9:.3f} GB; median of {rw['read']['runs']}):")
+        print(f"NIXL on the same {rw['num_descs']} descriptors ({rw['nbytes'] / 1e9:.3f} GB; median of {rw['read']['runs']}; "
+              f"UCX threads {rw['ucx_threads']}):")
         for key, label in (("read", "READ (pull)"), ("write", "WRITE (push)"), ("write_notify", "WRITE, target notified")):
             r = rw[key]
             peak = f", {100 * r['gbps'] / peak_gbps:.0f}% of peak" if peak_gbps else ""
             print(f"  {label:24s} {r['median_s'] * 1e3:9.2f} ms  {r['gbps']:7.1f} GB/s{peak}")
+        for r in rw.get("sweep", []):
+            peak = f" ({100 * r['read']['gbps'] / peak_gbps:.0f}% of peak)" if peak_gbps else ""
+            print(f"  UCX threads {r['ucx_threads']:2d}: READ {r['read']['median_s'] * 1e3:8.2f} ms {r['read']['gbps']:6.1f} GB/s"
+                  f"{peak}, WRITE {r['write']['median_s'] * 1e3:8.2f} ms {r['write']['gbps']:6.1f} GB/s")
     if "nixl" in sc and "warm" in sc:
         ours, base = sc["nixl"]["summary"]["warm"], sc["warm"]["summary"]["warm"]
         record["nixl_vs_default"] = base / ours
@@ -146,6 +175,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"warmlink bench refit: unknown scenarios {unknown}; expected some of {list(SCENARIOS)}", file=sys.stderr)
         return 2
+    try:
+        sweep = [int(x) for x in args.nixl_sweep.split(",") if x.strip()] if args.nixl_sweep else []
+    except ValueError:
+        print(f"warmlink bench refit: --nixl-sweep {args.nixl_sweep!r} is not a comma list of integers", file=sys.stderr)
+        return 2
+    if sweep and "nixl_rw" not in wanted:
+        print("warmlink bench refit: --nixl-sweep needs the nixl_rw scenario (--backend nixl)", file=sys.stderr)
+        return 2
     devices = _devices(args.devices)
     spec = qwen3_4b_like(args.scale)
     nbytes = spec.nbytes
@@ -153,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench refit: {len(layouts)} tensors, {nbytes / 1e9:.3f} GB ({spec.dtype}), {args.cycles} cycles, {where}")
     record = {"bench": "refit", "spec": dict(spec.__dict__), "nbytes": nbytes, "num_tensors": len(layouts), "devices": devices,
-              "install": args.install, "cycles": args.cycles, "scenarios": {}, "machine": machine_info()}
+              "install": args.install, "cycles": args.cycles, "nixl_threads": args.nixl_threads, "scenarios": {},
+              "machine": machine_info()}
     peak_gbps = None
     tables = []
 
@@ -177,9 +215,10 @@ def run(args: argparse.Namespace) -> int:
         elif name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold"):
             src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
             cold, backend = name.endswith("cold"), "nixl" if name.startswith("nixl") else None
-            res = step(name, lambda: run_warmlink_refit(
-                spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=not cold, devices=devices, backend=backend,
-                install=args.install, seed=args.seed, timeout_s=args.timeout, label=name))
+            with _nixl_threads_env(args.nixl_threads if backend else None):
+                res = step(name, lambda: run_warmlink_refit(
+                    spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=not cold, devices=devices,
+                    backend=backend, install=args.install, seed=args.seed, timeout_s=args.timeout, label=name))
             tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if cold else 'on'}"
                                  f"{', over NIXL' if backend else ''}"
                                  f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _warm_rows(res)))
@@ -188,7 +227,13 @@ def run(args: argparse.Namespace) -> int:
 
             sizes = [layout.nbytes for layout in layouts.values()]
             res = step(name, lambda: run_nixl_rw(sizes, devices=devices, repeats=max(3, args.cycles),
-                                                 timeout_s=args.timeout))
+                                                 ucx_threads=args.nixl_threads, timeout_s=args.timeout))
+            for threads in sweep:
+                t = time.perf_counter()
+                print(f"        nixl_rw with {threads} UCX threads ...", end="", flush=True)
+                res.setdefault("sweep", []).append(run_nixl_rw(
+                    sizes, devices=devices, repeats=max(3, args.cycles), ucx_threads=threads, timeout_s=args.timeout))
+                print(f" {time.perf_counter() - t:.1f} s")
         else:
             from warmlink.bench.nccl_refit import run_nccl_refit
 

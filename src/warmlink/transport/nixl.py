@@ -25,11 +25,11 @@ PeerLostError. ``write(batch, notify=tag)`` also tells the target: its link's
 ``wait_notification(tag)`` returns once the bytes have landed (NIXL notifications).
 
 # Note [Polling NIXL]
-Each ``check_xfer_state`` also drives UCX's progress, which retires a bounded number of CUDA IPC
-copies per call, so ``done`` queries up to eight times before ``Transfer.wait`` sleeps (20 to
-100 us). Waiting by spinning instead was measured on two H200s and gained nothing (a
-290-descriptor READ of 8.8 GB: 35.5 ms spinning, 35.2 ms sleeping; BENCHMARKS.md), so the link
-spares the core.
+Each ``check_xfer_state`` retires what UCX has finished, so ``done`` queries up to eight times
+before ``Transfer.wait`` sleeps (20 to 100 us). Waiting by spinning instead was measured on two
+H200s and gained nothing (a 290-descriptor READ of 8.8 GB: 35.5 ms spinning, 35.2 ms sleeping),
+so the link spares the core. What did help is UCX threads that progress the transfer themselves:
+see Note [UCX threads].
 
 See Note [Loud fallbacks] in ``warmlink.transport._nixl_speed`` for how slow paths are caught.
 """
@@ -44,6 +44,7 @@ import time
 import warnings
 import weakref
 
+from warmlink import _env
 from warmlink.errors import (
     BackendUnavailable,
     ConfigError,
@@ -175,6 +176,35 @@ class _Prepared:
         self.remote_host = remote_host
 
 
+# Note [UCX threads]
+# NIXL's UCX plugin takes ``num_threads``: that many extra UCX workers, each driven by a thread of
+# its own, and a batch of at least ``split_batch_size`` descriptors is cut into one chunk per
+# thread. On two H200s a 290-descriptor READ of 8.8 GB took 37.5 ms (60% of the copy-engine
+# peak) with NIXL's default single worker and 23.4 ms (95%) with 1, 2, 4 or 8 threads
+# (BENCHMARKS.md, "Refit over NIXL"). One thread is as fast as eight, so the gain is not more
+# CUDA streams but progress: a dedicated thread polls its worker without pause while a request
+# is out, where the default worker belongs to NIXL's shared progress thread, which sleeps in
+# poll() between CUDA IPC completions (our own polling did not help: Note [Polling NIXL]).
+# Device links therefore default to 2 threads (room for two batches at once; idle threads
+# block) and every batch goes to them. Host memory keeps the single worker: there UCX copies
+# inline (cma) when the transfer is posted.
+DEFAULT_GPU_UCX_THREADS = 2
+_SPLIT_DESCS = 1  # every batch goes to the UCX threads
+
+
+def _resolve_threads(ucx_threads: int | None, device: int) -> int:
+    if ucx_threads is not None:
+        return ucx_threads
+    env = _env.nixl_threads()
+    if env is not None:
+        return env
+    return DEFAULT_GPU_UCX_THREADS if device >= 0 else 0
+
+
+def _ucx_params(threads: int) -> dict[str, str]:
+    return {"num_threads": str(threads), "split_batch_size": str(_SPLIT_DESCS)} if threads else {}
+
+
 class NixlTransfer(Transfer):
     """One NIXL request per group of the batch, polled by ``done``."""
 
@@ -224,6 +254,10 @@ class NixlLink(Link):
             fallbacks].
         on_slow: ``"warn"`` (SlowTransportWarning, once per link), ``"raise"``
             (SlowTransportError from ``wait``) or ``"ignore"``.
+        ucx_threads: UCX threads of the agent, each driving a UCX worker of its own; batches are
+            split across them. None: ``WARMLINK_NIXL_THREADS``, else ``DEFAULT_GPU_UCX_THREADS``
+            (2) for a device link and 0 (NIXL's single worker) for host memory. 0 on GPUs costs
+            about a third of the bandwidth (Note [UCX threads]).
 
     Raises:
         BackendUnavailable: NIXL is not installed or cannot make an agent with UCX, or CUDA is
@@ -239,15 +273,19 @@ class NixlLink(Link):
     backend = "nixl"
 
     def __init__(self, device: int = -1, timeout_s: float = 60.0, *, min_gbps: float | None = None,
-                 on_slow: str = "warn") -> None:
+                 on_slow: str = "warn", ucx_threads: int | None = None) -> None:
         if not isinstance(device, int) or isinstance(device, bool) or device < -1:
             raise ConfigError(f"NixlLink: device={device!r}; expected -1 (host memory) or a CUDA device index")
         if on_slow not in ("warn", "raise", "ignore"):
             raise ConfigError(f"NixlLink: on_slow={on_slow!r}; expected 'warn', 'raise' or 'ignore'")
         if min_gbps is not None and not (isinstance(min_gbps, (int, float)) and min_gbps >= 0):
             raise ConfigError(f"NixlLink: min_gbps={min_gbps!r}; expected a number >= 0 or None")
+        if ucx_threads is not None and (not isinstance(ucx_threads, int) or isinstance(ucx_threads, bool)
+                                        or not 0 <= ucx_threads <= 64):
+            raise ConfigError(f"NixlLink: ucx_threads={ucx_threads!r}; expected an integer from 0 to 64 or None")
         super().__init__(device, timeout_s)
         self.min_gbps, self.on_slow = min_gbps, on_slow
+        self.ucx_threads = _resolve_threads(ucx_threads, device)
         self._warned_slow = False
         if device >= 0:
             from warmlink import _cuda
@@ -257,7 +295,7 @@ class NixlLink(Link):
         from warmlink.transport._nixl_agent import Agent, make_agent_name
 
         with self._context():
-            self._agent = Agent(make_agent_name())
+            self._agent = Agent(make_agent_name(), _ucx_params(self.ucx_threads))
         _agents[self._agent.name] = self._agent
         self._held: dict[int, object] = {}
         self._prepared: weakref.WeakSet[_Prepared] = weakref.WeakSet()
