@@ -25,7 +25,7 @@ from warmlink.errors import BackendUnavailable, MetadataError, PoolError, Transf
 
 __all__ = [
     "available", "unavailable_reason", "check", "use_device", "current_device", "device_count", "malloc", "free",
-    "tensor_from_ptr", "alloc_range", "buffer_id", "pointer_device", "is_ipc_exportable",
+    "tensor_from_ptr", "Allocation", "allocation", "alloc_range", "buffer_id", "pointer_device", "is_ipc_exportable",
     "ipc_get_handle", "ipc_open_handle", "ipc_close_handle", "ipc_get_event_handle", "ipc_open_event_handle", "enable_peer_access",
     "stream_create", "stream_destroy", "stream_query", "stream_synchronize", "stream_wait_event",
     "stream_priority_range", "event_create", "event_record", "event_query", "event_synchronize",
@@ -123,16 +123,26 @@ def _ensure_torch(device: int) -> None:
         _torch_ready.add(device)
 
 
-class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
-    """Make ``device`` current for torch and for the bindings' runtime. See Note [One primary context]."""
+_inside = threading.local()  # .device: the device of this thread's outermost open use_device
 
-    __slots__ = ("_device", "_guard")
+
+class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
+    """Make ``device`` current for torch and for the bindings' runtime. See Note [One primary context].
+
+    Nested inside a ``use_device`` of the same device on the same thread, it does nothing: a
+    caller that registers many tensors enters once instead of four driver calls per tensor.
+    """
+
+    __slots__ = ("_device", "_guard", "_outer")
 
     def __init__(self, device: int) -> None:
         self._device = device
         self._guard = None
+        self._outer = False
 
     def __enter__(self) -> "use_device":
+        if getattr(_inside, "device", None) == self._device:
+            return self
         import torch
 
         _ensure_torch(self._device)
@@ -146,9 +156,13 @@ class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
         except BaseException:
             self._guard.__exit__(None, None, None)
             raise
+        self._outer, _inside.device = getattr(_inside, "device", None), self._device
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._guard is None:
+            return
+        _inside.device = self._outer
         try:
             check(_drv.cuCtxPopCurrent(), f"cuCtxPopCurrent(cuda:{self._device})")
         finally:
@@ -280,6 +294,46 @@ def pointer_device(ptr: int) -> int:
     _load()
     attrs = check(_rt.cudaPointerGetAttributes(ptr), f"cudaPointerGetAttributes({ptr:#x})")
     return int(attrs.device)
+
+
+class Allocation(tuple):
+    """``(base, size, buffer_id, ipc_capable)`` of the allocation holding a pointer."""
+
+    __slots__ = ()
+    base = property(lambda self: self[0])
+    size = property(lambda self: self[1])
+    buffer_id = property(lambda self: self[2])
+    ipc_capable = property(lambda self: self[3])
+
+
+def allocation(ptr: int) -> Allocation:
+    """The allocation holding ``ptr``, in one ``cuPointerGetAttributes`` call (where
+    ``alloc_range`` + ``buffer_id`` + ``is_ipc_exportable`` make three): its base and size, its
+    buffer id (new for every allocation) and whether ``cudaIpcGetMemHandle`` works on it (False
+    for VMM memory: expandable segments, cudaMallocAsync pools).
+
+    Raises:
+        TransferError: ``ptr`` is not memory CUDA knows.
+    """
+    drv = _driver()
+    attrs = _allocation_attrs()
+    if attrs is None:  # a driver without IS_LEGACY_CUDA_IPC_CAPABLE
+        base, size = alloc_range(ptr)
+        return Allocation((base, size, buffer_id(base), is_ipc_exportable(base)))
+    base, size, bid, ipc = check(drv.cuPointerGetAttributes(len(attrs), attrs, ptr), f"cuPointerGetAttributes({ptr:#x})")
+    base, size = int(base), int(size)
+    if not base <= ptr < base + size:  # the plural query answers NULL for memory it does not know
+        raise TransferError(f"cuPointerGetAttributes({ptr:#x}): not memory CUDA allocated, mapped or registered")
+    return Allocation((base, size, int(bid), bool(ipc)))
+
+
+@functools.cache
+def _allocation_attrs() -> list | None:
+    a = _driver().CUpointer_attribute
+    if not hasattr(a, "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE"):
+        return None
+    return [a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            a.CU_POINTER_ATTRIBUTE_BUFFER_ID, a.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE]
 
 
 def is_ipc_exportable(ptr: int) -> bool:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from warmlink import pool
-from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError
+from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError
 from warmlink.transport.base import Copy, PeerRef, local_identity
 from warmlink.transport._cuda_ipc_parts import COPY_METHODS, CopyPlan, build_descriptor, check_descriptor, resolve_copy_method
 from warmlink.transport.cuda_ipc import CudaIpcLink
@@ -157,6 +157,7 @@ class _HostCuda:
                 ("batch", [ctypes.memmove(d, s, n) for d, s, n in zip(ds, ss, ns)] and len(ns), st)),
             memcpy_2d_async=self.memcpy_2d, alloc_range=lambda p: self.find(p)[:2],
             buffer_id=lambda p: self.find(p)[2], is_ipc_exportable=lambda p: True,
+            allocation=lambda p: _cuda.Allocation((*self.find(p), True)),
             ipc_get_handle=lambda base: base.to_bytes(8, "little") * 8,
             ipc_open_handle=lambda h, d: int.from_bytes(h[:8], "little"),
             ipc_close_handle=lambda p, d: self.log.append(("close", p)), enable_peer_access=lambda a, b: True,
@@ -583,6 +584,25 @@ def test_cuda_malloc_async_memory_is_not_exportable():
         with _cuda.use_device(0):
             _cuda.check(rt.cudaFreeAsync(ptr, stream), "cudaFreeAsync")
         torch.cuda.synchronize(0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_allocation_answers_the_single_queries_and_nested_use_device_enters_nothing():
+    from warmlink import _cuda
+
+    t = torch.empty(3 << 20, dtype=torch.uint8, device="cuda:0")
+    ptr = t.data_ptr() + 4096  # an interior pointer, as a tensor of a caching-allocator block is
+    with _cuda.use_device(0):
+        info = _cuda.allocation(ptr)
+        base, size = _cuda.alloc_range(ptr)
+        assert info == (base, size, _cuda.buffer_id(base), _cuda.is_ipc_exportable(base))
+        assert info.ipc_capable and info.base <= ptr < info.base + info.size
+        with _cuda.use_device(0) as inner:
+            assert inner._guard is None  # same device on this thread: no guard, no context push
+        assert _cuda.current_device() == 0
+        with pytest.raises(TransferError, match="cuPointerGetAttributes"):
+            _cuda.allocation(4096)  # no allocation: the plural query answers NULL
 
 
 @pytest.mark.gpu

@@ -140,17 +140,18 @@ class Publisher(Closing):
         self.device = device
 
         to_stage: list[_Entry] = []
-        for e in self._entries.values():
-            if e.layout.nbytes == 0:  # an empty region is no region: stage it (it moves no bytes)
-                to_stage.append(e)
-                continue
-            try:
-                region = self._link.register(e.tensor)
-            except LayoutError:
-                to_stage.append(e)
-                continue
-            e.region_idx = len(self._regions)
-            self._regions.append(region)
+        with self._link.device_scope():
+            for e in self._entries.values():
+                if e.layout.nbytes == 0:  # an empty region is no region: stage it (it moves no bytes)
+                    to_stage.append(e)
+                    continue
+                try:
+                    region = self._link.register(e.tensor)
+                except LayoutError:
+                    to_stage.append(e)
+                    continue
+                e.region_idx = len(self._regions)
+                self._regions.append(region)
         if to_stage:
             offsets, total = [], 0
             for e in to_stage:

@@ -21,6 +21,7 @@ peer's manifest changes, its mappings of regions the new manifest no longer name
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import socket
 import time
@@ -265,6 +266,15 @@ class Link(abc.ABC):
             LayoutError: the memory cannot be shared by this backend (not contiguous, wrong device,
                 not in a shareable allocation); callers then stage into ``allocate``.
         """
+
+    def device_scope(self):
+        """A context to hold around many calls in a row (``register`` over a model's tensors): a
+        GPU link makes its device current once instead of once per call. Nothing on host memory."""
+        if self.device < 0:
+            return contextlib.nullcontext()
+        from warmlink import _cuda
+
+        return _cuda.use_device(self.device)
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> LocalRegion:

@@ -278,20 +278,20 @@ class CudaIpcLink(Link):
                 cannot be exported (expandable segments, cudaMallocAsync): stage via ``allocate``.
 
         Warm path? The first registration of an allocation costs a ``cudaIpcGetMemHandle``
-        (~37 us); later ones are cache hits (two pointer-attribute queries).
+        (~37 us); later ones are cache hits (one pointer-attributes query).
         """
         self._check_open("register")
         flat = self._flat_view(tensor)
         ptr, nbytes = flat.data_ptr(), flat.numel()
+        cause = None
         with _cuda.use_device(self.device):
             try:
-                base, size = _cuda.alloc_range(ptr)
-                bid = _cuda.buffer_id(base)
-            except TransferError as exc:  # e.g. cudaMallocAsync pool memory
-                if not _cuda.is_ipc_exportable(ptr):
-                    raise LayoutError(f"CudaIpcLink.register: memory at {ptr:#x} on cuda:{self.device} is not "
-                                      "IPC-exportable; expected plain cudaMalloc memory (stage via allocate())") from exc
-                raise
+                base, size, bid, ipc_capable = _cuda.allocation(ptr)
+            except TransferError as exc:  # a range CUDA does not report (seen with cudaMallocAsync pools)
+                ipc_capable, cause = False, exc
+        if not ipc_capable:  # cudaMallocAsync pools, expandable segments (VMM)
+            raise LayoutError(f"CudaIpcLink.register: memory at {ptr:#x} on cuda:{self.device} is not "
+                              "IPC-exportable; expected plain cudaMalloc memory (stage via allocate())") from cause
         handle, token = _registrations.acquire((self.device, base, bid))
         try:
             desc = build_descriptor(handle, size, ptr - base, nbytes, self.device, bid)

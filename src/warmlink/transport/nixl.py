@@ -366,9 +366,7 @@ class NixlLink(Link):
         from warmlink import _cuda
 
         with _cuda.use_device(self.device):
-            base, size = _cuda.alloc_range(ptr)
-            bid = _cuda.buffer_id(base)
-            plain = _cuda.is_ipc_exportable(base)
+            base, size, bid, plain = _cuda.allocation(ptr)
         if plain:
             return self._acquire_reg(base, size, ("vram", self.device, bid), None)
         if bid not in self._not_ipc:
