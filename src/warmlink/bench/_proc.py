@@ -7,8 +7,10 @@ whole group down and the parent raises with the child's traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import time
 import traceback
 from typing import Callable
@@ -20,6 +22,8 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 def _child(fn: Callable, kwargs: dict, control, results, tag: str) -> None:
     os.environ.update(SAFE_ENV)
+    if hasattr(signal, "SIGUSR1"):  # a parent that times out asks for every thread's stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         fn(control=control, results=results, **kwargs)
     except BaseException:
@@ -63,12 +67,26 @@ class Group:
                 if dead:
                     raise RuntimeError(f"bench: child process(es) died: {dead}") from None
                 if time.perf_counter() > deadline:
-                    raise RuntimeError(f"bench: timed out waiting for {count} x {event!r} (got {len(got)})") from None
+                    where = self._dump_stacks()
+                    raise RuntimeError(f"bench: timed out waiting for {count} x {event!r} (got {len(got)}){where}") from None
                 continue
             if msg.get("event") == "error":
                 raise RuntimeError(f"bench: {msg['tag']} failed:\n{msg['traceback']}")
             (got if msg.get("event") == event else self._backlog).append(msg)
         return got
+
+    def _dump_stacks(self) -> str:
+        """Ask every live child to write its threads' stacks to stderr: a hang says where it is."""
+        if not hasattr(signal, "SIGUSR1"):
+            return ""
+        alive = [t for t, p in self.procs.items() if p.is_alive()]
+        for tag in alive:
+            try:
+                os.kill(self.procs[tag].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(0.5)  # let them write before the parent's error follows
+        return f"; stacks of {alive} written to stderr" if alive else ""
 
     def close(self) -> None:
         for tag in self.procs:
