@@ -134,6 +134,21 @@ def test_target_dtype_mismatch() -> None:
         rec.add("w", W)
 
 
+def test_add_in_the_other_class_order_is_a_layout_error() -> None:
+    """Publisher.add(name, tensor, layout) and Receiver.add(name, layout, target): swapped
+    arguments get a LayoutError naming the order, not an AttributeError from deep inside."""
+    t = torch.zeros(64, 32)
+    rec = Receiver(object(), num_publishers=1, timeout_s=1)
+    with pytest.raises(LayoutError, match=r"layout is a Tensor; expected a TensorLayout \(the order is add\(name, layout, target\)"):
+        rec.add("w", t, W)
+    pub = Publisher(object(), rank=0, world_size=1, timeout_s=1)
+    with pytest.raises(LayoutError, match=r"tensor is a TensorLayout; expected a torch.Tensor \(the order is add\(name, tensor, layout\)"):
+        pub.add("w", W, t)
+    with pytest.raises(LayoutError, match="layout is a dict; expected a TensorLayout or None"):
+        pub.add("w", t, {"name": "w"})
+    pub.add("w", t, W)  # the right order still works
+
+
 def test_uncovered_sharding(store) -> None:
     half = TensorLayout.plain("w", F32, (64, 32), split_dim=0, num_shards=2, shard_idx=0)
     pubs = _publishers(store, [{"w": half}])  # one publisher holding only rows 0..32

@@ -103,6 +103,11 @@ class Publisher(Closing):
         """
         if self._link is not None:
             raise VersionError(f"Publisher.add: name={name!r} after export(); declare every tensor first")
+        if isinstance(tensor, TensorLayout) or not hasattr(tensor, "is_contiguous"):
+            raise LayoutError(f"Publisher.add: name={name!r}: tensor is a {type(tensor).__name__}; expected a torch.Tensor "
+                              "(the order is add(name, tensor, layout), where Receiver.add takes (name, layout, target))")
+        if layout is not None and not isinstance(layout, TensorLayout):
+            raise LayoutError(f"Publisher.add: name={name!r}: layout is a {type(layout).__name__}; expected a TensorLayout or None")
         if name in self._entries:
             raise LayoutError(f"Publisher.add: name={name!r} declared twice")
         dtype = dtype_name(tensor.dtype)

@@ -204,7 +204,15 @@ class Receiver(Closing):
 
     # -- declaration -------------------------------------------------------------------------
     def add(self, name: str, layout: TensorLayout, target=None) -> None:
-        """Declare a tensor this rank needs, and optionally the tensor to install it into."""
+        """Declare a tensor this rank needs, and optionally the tensor to install it into.
+
+        Raises:
+            LayoutError: ``layout`` is not a TensorLayout (``Publisher.add`` takes the tensor
+                second; here it is third), names another tensor, or ``target`` does not fit it.
+        """
+        if not isinstance(layout, TensorLayout):
+            raise LayoutError(f"Receiver.add: name={name!r}: layout is a {type(layout).__name__}; expected a TensorLayout "
+                              "(the order is add(name, layout, target), where Publisher.add takes (name, tensor, layout))")
         if name != layout.name:
             raise LayoutError(f"Receiver.add: name={name!r} but layout.name={layout.name!r}")
         if name in self._layouts:
