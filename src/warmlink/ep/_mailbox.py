@@ -11,17 +11,19 @@ round ahead does not stall it. The counts of round ``n`` live in parity ``n % 2`
 at most one round ahead (it needs this rank's next round to pass its own handshake), so it never
 overwrites counts this rank has not read yet. A writer stores the payload before the round
 number; x86 keeps stores in order and loads in order, so a reader that sees the round sees the
-payload (an ARM host would need explicit fences here).
+payload. An ARM host (Grace) would need explicit fences, which Python cannot issue here, so a
+mailbox refuses to open on any other architecture instead of racing.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import time
 
 import numpy as np
 
-from warmlink.errors import PeerLostError, TransferTimeout
+from warmlink.errors import BackendUnavailable, PeerLostError, TransferTimeout
 
 __all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
 
@@ -29,6 +31,7 @@ MAX_EXPERTS = 4096
 GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
 _HEADER = 8
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
+_STORE_ORDERED = ("x86_64", "amd64")  # total store order: see Note [Mailbox rounds]
 _LIVENESS_PERIOD_S = 0.005
 # Busy-wait this long before sleeping: ranks of one step reach a handshake within a few hundred
 # microseconds of each other, and a 100 us sleep (Linux wakes later than asked) would add itself to
@@ -60,6 +63,11 @@ class Mailbox:
     """
 
     def __init__(self, own, rank: int, num_ranks: int) -> None:
+        machine = platform.machine()
+        if machine.lower() not in _STORE_ORDERED:
+            raise BackendUnavailable(
+                f"ep mailbox: this host is {machine!r}; the handshake relies on x86's store and load order "
+                "(Note [Mailbox rounds] in warmlink.ep._mailbox) and has no memory fences for other CPUs yet")
         self.rank = rank
         self.num_ranks = num_ranks
         self._own = own.numpy().view(np.int64)[: _words(num_ranks)]

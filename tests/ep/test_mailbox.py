@@ -1,0 +1,29 @@
+"""``ep._mailbox``: the host handshake refuses CPUs whose memory order it does not handle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warmlink.ep import _mailbox
+from warmlink.errors import BackendUnavailable
+
+
+def _own(num_ranks: int) -> torch.Tensor:
+    return torch.zeros(_mailbox.mailbox_nbytes(num_ranks), dtype=torch.uint8)
+
+
+def test_mailbox_refuses_a_cpu_without_x86_store_order(monkeypatch) -> None:
+    monkeypatch.setattr(_mailbox.platform, "machine", lambda: "aarch64")
+    with pytest.raises(BackendUnavailable, match="this host is 'aarch64'.*Note \\[Mailbox rounds\\]"):
+        _mailbox.Mailbox(_own(2), 0, 2)
+
+
+def test_mailbox_round_trip_on_x86(monkeypatch) -> None:
+    monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
+    box = _mailbox.Mailbox(_own(2), 0, 2)
+    box.publish_dispatch(3, config=7, per_rank=[5, 6], per_expert=[1, 2, 3, 4])
+    base = _mailbox._HEADER + (3 % 2) * _mailbox._block(2)
+    own = box._own
+    assert own[_mailbox.DISPATCH] == 3 and own[base] == 7
+    assert list(own[base + 1:base + 3]) == [5, 6] and list(own[base + 3:base + 7]) == [1, 2, 3, 4]
