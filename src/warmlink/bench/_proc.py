@@ -9,15 +9,39 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import queue
 import signal
+import threading
 import time
 import traceback
 from typing import Callable
 
-__all__ = ["SAFE_ENV", "Group", "run_in_child"]
+__all__ = ["SAFE_ENV", "Group", "Outbox", "run_in_child"]
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class Outbox:
+    """A child's end of its own pipe to the parent; ``put(msg)`` sends one dict.
+
+    One pipe per child, not one queue for all: a ``multiprocessing.Queue``'s writers share one
+    lock, and a child SIGKILLed while its feeder thread still held it (the parent had already read
+    the child's last message) froze every other child's messages for good. ``bench reconfigure``
+    kills replaced processes and timed out that way in 2 of 13 runs.
+    """
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"conn": self._conn}
+
+    def __setstate__(self, state) -> None:
+        self._conn, self._lock = state["conn"], threading.Lock()
+
+    def put(self, msg: dict) -> None:
+        with self._lock:  # several threads of a child may report
+            self._conn.send(msg)
 
 
 def _child(fn: Callable, kwargs: dict, control, results, tag: str) -> None:
@@ -38,17 +62,37 @@ class Group:
 
         os.environ.update(SAFE_ENV)
         self._ctx = mp.get_context("spawn")
-        self.results = self._ctx.Queue()
         self.timeout_s = timeout_s
         self.procs: dict[str, object] = {}
         self.controls: dict[str, object] = {}
+        self._inbox: dict[str, object] = {}  # tag -> the read end of that child's Outbox
         self._backlog: list[dict] = []  # messages of other events, kept for a later expect
 
     def start(self, tag: str, fn: Callable, **kwargs) -> None:
         control = self._ctx.Queue()
-        proc = self._ctx.Process(target=_child, args=(fn, kwargs, control, self.results, tag), daemon=True, name=f"warmlink-{tag}")
+        reader, writer = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=_child, args=(fn, kwargs, control, Outbox(writer), tag), daemon=True,
+                                 name=f"warmlink-{tag}")
         proc.start()
-        self.procs[tag], self.controls[tag] = proc, control
+        writer.close()  # the child holds the only write end: its exit reads as end of file
+        self.procs[tag], self.controls[tag], self._inbox[tag] = proc, control, reader
+
+    def _receive(self, timeout_s: float) -> list[dict]:
+        """Messages that arrive within ``timeout_s``, from any child; a closed pipe is dropped."""
+        from multiprocessing.connection import wait
+
+        readers = {conn: tag for tag, conn in self._inbox.items()}
+        if not readers:
+            time.sleep(timeout_s)
+            return []
+        out = []
+        for conn in wait(list(readers), timeout=timeout_s):
+            try:
+                out.append(conn.recv())
+            except (EOFError, OSError):  # that child exited (or was killed): nothing more will come
+                self._inbox.pop(readers[conn], None)
+                conn.close()
+        return out
 
     def send(self, tag: str, msg) -> None:
         self.controls[tag].put(msg)
@@ -60,19 +104,19 @@ class Group:
         got = [m for m in self._backlog if m.get("event") == event][:count]
         self._backlog = [m for m in self._backlog if not any(m is g for g in got)]
         while len(got) < count:
-            try:
-                msg = self.results.get(timeout=0.5)
-            except queue.Empty:
+            msgs = self._receive(0.5)
+            if not msgs:
                 dead = {t: p.exitcode for t, p in self.procs.items() if not p.is_alive() and p.exitcode != 0}
                 if dead:
-                    raise RuntimeError(f"bench: child process(es) died: {dead}") from None
+                    raise RuntimeError(f"bench: child process(es) died: {dead}")
                 if time.perf_counter() > deadline:
                     where = self._dump_stacks()
-                    raise RuntimeError(f"bench: timed out waiting for {count} x {event!r} (got {len(got)}){where}") from None
+                    raise RuntimeError(f"bench: timed out waiting for {count} x {event!r} (got {len(got)}){where}")
                 continue
-            if msg.get("event") == "error":
-                raise RuntimeError(f"bench: {msg['tag']} failed:\n{msg['traceback']}")
-            (got if msg.get("event") == event else self._backlog).append(msg)
+            for msg in msgs:
+                if msg.get("event") == "error":
+                    raise RuntimeError(f"bench: {msg['tag']} failed:\n{msg['traceback']}")
+                (got if msg.get("event") == event and len(got) < count else self._backlog).append(msg)
         return got
 
     def _dump_stacks(self) -> str:
@@ -94,11 +138,18 @@ class Group:
                 self.controls[tag].put(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 15
+        while any(p.is_alive() for p in self.procs.values()) and time.monotonic() < deadline:
+            self._receive(0.05)  # drained, so that no child blocks on a full pipe while it exits
         for p in self.procs.values():
-            p.join(timeout=15)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+            else:
+                p.join()
+        for conn in self._inbox.values():
+            conn.close()
+        self._inbox.clear()
 
     def __enter__(self) -> "Group":
         return self
