@@ -26,6 +26,7 @@ import uuid
 import pytest
 import torch
 
+from tests import _growth
 from warmlink import pool
 from warmlink.pool import arenas, lease_arena, peers
 from warmlink.refit import Publisher, Receiver
@@ -80,15 +81,7 @@ def snapshot() -> dict:
 
 def growth(before: dict, after: dict) -> dict:
     """What grew (or shrank) between two snapshots, RSS left out; empty when nothing did."""
-    out = {}
-    for kind in sorted(set(before["pool"]) | set(after["pool"])):
-        b, a = before["pool"].get(kind, (0, 0)), after["pool"].get(kind, (0, 0))
-        if a != b:
-            out[f"pool[{kind}] (live, idle)"] = (b, a)
-    for key in ("open_mappings", "shm_files", "threads", "fds"):
-        if after[key] != before[key]:
-            out[key] = (before[key], after[key])
-    return out
+    return _growth.growth(before, after, ("open_mappings", "shm_files", "threads", "fds"))
 
 
 # -- one lifecycle ----------------------------------------------------------------------------------

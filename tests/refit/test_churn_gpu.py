@@ -33,6 +33,7 @@ import torch
 
 from _spawned import SpawnedWorker, serve
 
+from tests import _growth
 from warmlink import pool
 from warmlink._dtypes import dtype_name
 from warmlink.pool import peers
@@ -189,17 +190,7 @@ def workers():
 
 def growth(before: dict, after: dict) -> dict:
     """What grew between two snapshots: exact for this process's counts, device memory may only shrink."""
-    out = {}
-    for kind in sorted(set(before["pool"]) | set(after["pool"])):
-        b, a = before["pool"].get(kind, (0, 0)), after["pool"].get(kind, (0, 0))
-        if a != b:
-            out[f"pool[{kind}] (live, idle)"] = (b, a)
-    for key in ("open_mappings", "allocated", "reserved", "fds"):
-        if after[key] != before[key]:
-            out[key] = (before[key], after[key])
-    if after["device_used"] > before["device_used"]:
-        out["device_used"] = (before["device_used"], after["device_used"])
-    return out
+    return _growth.growth(before, after, ("open_mappings", "allocated", "reserved", "fds"), ("device_used",))
 
 
 def settled_snapshot(worker: SpawnedWorker, baseline: dict | None) -> dict:
