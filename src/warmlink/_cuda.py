@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 import threading
+from typing import NamedTuple
 
 from warmlink.errors import BackendUnavailable, MetadataError, PoolError, TransferError
 
@@ -123,7 +124,7 @@ def _ensure_torch(device: int) -> None:
         _torch_ready.add(device)
 
 
-_inside = threading.local()  # .device: the device of this thread's outermost open use_device
+_inside = threading.local()  # .device: the device of the use_device this thread is inside, if any
 
 
 class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
@@ -133,12 +134,12 @@ class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
     caller that registers many tensors enters once instead of four driver calls per tensor.
     """
 
-    __slots__ = ("_device", "_guard", "_outer")
+    __slots__ = ("_device", "_guard", "_previous")
 
     def __init__(self, device: int) -> None:
         self._device = device
-        self._guard = None
-        self._outer = False
+        self._guard = None  # stays None when nested: nothing to undo
+        self._previous = None  # the device of the use_device this one is nested in, if any
 
     def __enter__(self) -> "use_device":
         if getattr(_inside, "device", None) == self._device:
@@ -156,13 +157,13 @@ class use_device:  # noqa: N801 - used like a function: ``with use_device(d):``
         except BaseException:
             self._guard.__exit__(None, None, None)
             raise
-        self._outer, _inside.device = getattr(_inside, "device", None), self._device
+        self._previous, _inside.device = getattr(_inside, "device", None), self._device
         return self
 
     def __exit__(self, *exc) -> None:
         if self._guard is None:
             return
-        _inside.device = self._outer
+        _inside.device = self._previous
         try:
             check(_drv.cuCtxPopCurrent(), f"cuCtxPopCurrent(cuda:{self._device})")
         finally:
@@ -296,14 +297,13 @@ def pointer_device(ptr: int) -> int:
     return int(attrs.device)
 
 
-class Allocation(tuple):
-    """``(base, size, buffer_id, ipc_capable)`` of the allocation holding a pointer."""
+class Allocation(NamedTuple):
+    """The allocation holding a pointer (see ``allocation``)."""
 
-    __slots__ = ()
-    base = property(lambda self: self[0])
-    size = property(lambda self: self[1])
-    buffer_id = property(lambda self: self[2])
-    ipc_capable = property(lambda self: self[3])
+    base: int
+    size: int
+    buffer_id: int
+    ipc_capable: bool
 
 
 def allocation(ptr: int) -> Allocation:
@@ -319,12 +319,12 @@ def allocation(ptr: int) -> Allocation:
     attrs = _allocation_attrs()
     if attrs is None:  # a driver without IS_LEGACY_CUDA_IPC_CAPABLE
         base, size = alloc_range(ptr)
-        return Allocation((base, size, buffer_id(base), is_ipc_exportable(base)))
+        return Allocation(base, size, buffer_id(base), is_ipc_exportable(base))
     base, size, bid, ipc = check(drv.cuPointerGetAttributes(len(attrs), attrs, ptr), f"cuPointerGetAttributes({ptr:#x})")
     base, size = int(base), int(size)
     if not base <= ptr < base + size:  # the plural query answers NULL for memory it does not know
         raise TransferError(f"cuPointerGetAttributes({ptr:#x}): not memory CUDA allocated, mapped or registered")
-    return Allocation((base, size, int(bid), bool(ipc)))
+    return Allocation(base, size, int(bid), bool(ipc))
 
 
 @functools.cache

@@ -157,7 +157,7 @@ class _HostCuda:
                 ("batch", [ctypes.memmove(d, s, n) for d, s, n in zip(ds, ss, ns)] and len(ns), st)),
             memcpy_2d_async=self.memcpy_2d, alloc_range=lambda p: self.find(p)[:2],
             buffer_id=lambda p: self.find(p)[2], is_ipc_exportable=lambda p: True,
-            allocation=lambda p: _cuda.Allocation((*self.find(p), True)),
+            allocation=lambda p: _cuda.Allocation(*self.find(p), True),
             ipc_get_handle=lambda base: base.to_bytes(8, "little") * 8,
             ipc_open_handle=lambda h, d: int.from_bytes(h[:8], "little"),
             ipc_close_handle=lambda p, d: self.log.append(("close", p)), enable_peer_access=lambda a, b: True,

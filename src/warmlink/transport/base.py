@@ -256,6 +256,31 @@ class Link(abc.ABC):
         self.device = device
         self.timeout_s = timeout_s
         self._closed = False
+        self._held: dict[int, LocalRegion | RemoteRegion] = {}  # regions handed out, not yet given back
+
+    # -- regions handed out (every backend tracks them the same way) -----------------------------
+    def _hold(self, region):
+        self._held[id(region)] = region
+        return region
+
+    def _forget(self, region) -> bool:
+        """Mark ``region`` closed and stop tracking it; False when it already was (a second
+        ``release`` or ``close_region`` does nothing)."""
+        if region._closed:
+            return False
+        region._closed = True
+        self._held.pop(id(region), None)
+        return True
+
+    def _release_held(self) -> None:
+        """Give back what the last user left: peer mappings first, then local regions."""
+        held = list(self._held.values())
+        for region in held:
+            if isinstance(region, RemoteRegion):
+                self.close_region(region)
+        for region in held:
+            if not isinstance(region, RemoteRegion):
+                self.release(region)
 
     # -- local memory ------------------------------------------------------------------------
     @abc.abstractmethod

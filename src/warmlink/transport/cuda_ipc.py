@@ -223,8 +223,6 @@ class CudaIpcLink(Link):
         self.copy_method = resolve_copy_method(copy_method, _cuda.batch_supported)
         self.num_streams = num_streams
         self._lock = threading.Lock()
-        self._locals: dict[int, LocalRegion] = {}
-        self._remotes: dict[int, RemoteRegion] = {}
         self._deferred: list = []
         self._leases: list = []
         try:  # streams first so that close() drains them before anything else goes back
@@ -298,9 +296,7 @@ class CudaIpcLink(Link):
         except BaseException:
             _registrations.release(token)
             raise
-        region = LocalRegion(flat, nbytes, self.device, ptr, desc, owner=_Owner(token))
-        self._locals[id(region)] = region
-        return region
+        return self._hold(LocalRegion(flat, nbytes, self.device, ptr, desc, owner=_Owner(token)))
 
     def allocate(self, nbytes: int) -> LocalRegion:
         """A registered region of ``nbytes`` bytes in a pool arena (contents undefined); ``release``
@@ -323,8 +319,7 @@ class CudaIpcLink(Link):
             return
         if region.desc.get("kind") != "cuda_ipc":
             raise ConfigError(f"CudaIpcLink.release: region kind={region.desc.get('kind')!r}; expected 'cuda_ipc'")
-        region._closed = True
-        self._locals.pop(id(region), None)
+        self._forget(region)
         region.tensor = None
         if region._owner is not None:
             region._owner.release()
@@ -362,15 +357,12 @@ class CudaIpcLink(Link):
             raise
         region = CudaIpcRemoteRegion(peer, desc, desc["nbytes"], desc["device"], mapping.base + desc["offset"], None, token)
         region._mapping = mapping
-        self._remotes[id(region)] = region
-        return region
+        return self._hold(region)
 
     def close_region(self, region: RemoteRegion) -> None:
         """Drop this holder's reference to a mapping. Safe to call twice. See Note [Mapping lifetime]."""
-        if region._closed:
+        if not self._forget(region):
             return
-        region._closed = True
-        self._remotes.pop(id(region), None)
         region.tensor = None
         if isinstance(region, CudaIpcRemoteRegion):
             region._mapping = None
@@ -462,10 +454,7 @@ class CudaIpcLink(Link):
         if not idle:
             return False
         with self._lock:
-            for region in list(self._remotes.values()):
-                self.close_region(region)
-            for region in list(self._locals.values()):
-                self.release(region)
+            self._release_held()
         self._sweep_deferred()
         return True
 
@@ -481,10 +470,7 @@ class CudaIpcLink(Link):
             self._release_leases()
             while self._deferred:
                 self._deferred.pop().release()  # bounded wait for each pending event
-            for region in list(self._remotes.values()):
-                self.close_region(region)
-            for region in list(self._locals.values()):
-                self.release(region)
+            self._release_held()
         super().close()
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit

@@ -221,7 +221,7 @@ class NixlTransfer(Transfer):
         if self._error is not None or self._finished:
             return True
         try:
-            with self._link._context():
+            with self._link.device_scope():
                 # Each query also drives UCX's progress: see Note [Polling NIXL].
                 for _ in range(_POLLS_PER_DONE):
                     self._pending = [(x, peer) for x, peer in self._pending if not self._agent.state(x, peer)]
@@ -294,10 +294,9 @@ class NixlLink(Link):
                 raise BackendUnavailable(f"NixlLink: device={device} but CUDA is unavailable ({_cuda.unavailable_reason()})")
         from warmlink.transport._nixl_agent import Agent, make_agent_name
 
-        with self._context():
+        with self.device_scope():
             self._agent = Agent(make_agent_name(), _ucx_params(self.ucx_threads))
         _agents[self._agent.name] = self._agent
-        self._held: dict[int, object] = {}
         self._prepared: weakref.WeakSet[_Prepared] = weakref.WeakSet()
         self._inflight: list[NixlTransfer] = []
         self._notes: dict[str, list[bytes]] = {}
@@ -306,11 +305,6 @@ class NixlLink(Link):
     @property
     def agent_name(self) -> str:
         return self._agent.name
-
-    def _context(self):
-        """The device's primary CUDA context made current around NIXL calls (UCX's CUDA
-        transports act in the caller's context); nothing for a host link."""
-        return _in_device(self.device)
 
     # -- local ---------------------------------------------------------------------------------
     def _acquire_reg(self, base: int, nbytes: int, owner, keep) -> tuple[_Registration, object]:
@@ -401,15 +395,9 @@ class NixlLink(Link):
         desc = self._desc(arena.ptr, nbytes, reg.meta_hex, -1)
         return self._hold(LocalRegion(arena.tensor[:nbytes], nbytes, -1, arena.ptr, desc, owner=(token, lease)))
 
-    def _hold(self, region):
-        self._held[id(region)] = region
-        return region
-
     def release(self, region: LocalRegion) -> None:
-        if region._closed:
+        if not self._forget(region):
             return
-        region._closed = True
-        self._held.pop(id(region), None)
         token, lease = region._owner
         region.tensor = None
         _registrations.release(token)
@@ -427,7 +415,7 @@ class NixlLink(Link):
         self._check_open()
         check_desc(desc, peer.key)
         name, meta_hex, addr, nbytes = desc["agent"], desc["agent_meta"], desc["addr"], desc["nbytes"]
-        with self._context():
+        with self.device_scope():
             _loading.meta_hex = meta_hex
             try:
                 remote, token = _mappings.acquire((peer.key, peer.process_id, name, self._agent.name))
@@ -447,9 +435,7 @@ class NixlLink(Link):
         return self._hold(RemoteRegion(peer, desc, nbytes, desc["device"], addr, None, token))
 
     def close_region(self, region: RemoteRegion) -> None:
-        if not region._closed:
-            region._closed = True
-            self._held.pop(id(region), None)
+        if self._forget(region):
             _mappings.release(region._token)
 
     def region_id(self, desc: dict) -> str:
@@ -472,7 +458,7 @@ class NixlLink(Link):
                 remote.append((c.remote.ptr + c.remote_offset + i * c.remote_pitch, c.row_nbytes, rdev))
         groups = []
         try:
-            with self._context():
+            with self.device_scope():
                 for (name, lmem, rmem), (peer_key, local, remote) in rows.items():
                     lh = self._agent.prep_dlist("", local, lmem)
                     groups.append([name, peer_key, lh, None, len(local), {}])
@@ -497,7 +483,7 @@ class NixlLink(Link):
         if prepared.active is not None and not prepared.active.done():
             raise TransferError(f"NixlLink.{op.lower()}: the batch's previous transfer is still in flight; wait for it")
         xfers = []
-        with self._context():
+        with self.device_scope():
             for name, _peer_key, lh, rh, num_descs, requests in prepared.groups:
                 x = requests.get(op)
                 if x is None:
@@ -595,10 +581,6 @@ class NixlLink(Link):
                 prepared.released = True
                 self._release_groups(prepared.groups)
         self._prepared = weakref.WeakSet()
-
-    def _release_held(self) -> None:
-        for region in list(self._held.values()):
-            (self.close_region if isinstance(region, RemoteRegion) else self.release)(region)
 
     def _drain(self) -> bool:
         """Wait (bounded by the timeout) until no transfer runs; True when idle."""

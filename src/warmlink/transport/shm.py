@@ -162,7 +162,6 @@ class ShmLink(Link):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0  # transfers submitted and not finished (worker decrements)
         self._busy_lock = threading.Lock()
-        self._held: dict[int, object] = {}  # regions handed out and not yet given back
         self._worker = threading.Thread(target=self._work, name="warmlink-shm-copy", daemon=True)
         self._worker.start()
 
@@ -201,15 +200,9 @@ class ShmLink(Link):
         desc = {"kind": "shm", "name": arena.name, "offset": 0, "nbytes": nbytes}
         return self._hold(LocalRegion(arena.tensor[:nbytes], nbytes, -1, arena.ptr, desc, owner=("arena", lease)))
 
-    def _hold(self, region):
-        self._held[id(region)] = region
-        return region
-
     def release(self, region: LocalRegion) -> None:
-        if region._closed:
+        if not self._forget(region):
             return
-        region._closed = True
-        self._held.pop(id(region), None)
         kind, handle = region._owner
         region.tensor = None
         (_registrations.release(handle) if kind == "registration" else handle.release())
@@ -228,9 +221,7 @@ class ShmLink(Link):
         return self._hold(RemoteRegion(peer, desc, nbytes, -1, view.data_ptr(), view, token))
 
     def close_region(self, region: RemoteRegion) -> None:
-        if not region._closed:
-            region._closed = True
-            self._held.pop(id(region), None)
+        if self._forget(region):
             region.tensor = None
             _mappings.release(region._token)
 
@@ -252,10 +243,6 @@ class ShmLink(Link):
 
     def write(self, batch: Batch) -> ShmTransfer:
         return self._submit(batch, push=True)
-
-    def _release_held(self) -> None:
-        for region in list(self._held.values()):
-            (self.close_region if isinstance(region, RemoteRegion) else self.release)(region)
 
     def _drain(self) -> bool:
         """Wait (bounded by the timeout) until no transfer runs; True when idle."""
