@@ -89,6 +89,15 @@ def nixl_threads() -> int | None:
     return int(value)
 
 
+def ep_copy_streams() -> str:
+    """``WARMLINK_EP_COPY_STREAMS``: ``"one"`` (default: every destination's copies on one stream,
+    in issue order) or ``"per-peer"`` (one copy stream per destination)."""
+    value = _raw("WARMLINK_EP_COPY_STREAMS") or "one"
+    if value not in ("per-peer", "one"):
+        raise ConfigError(f"WARMLINK_EP_COPY_STREAMS={value!r}; expected 'per-peer' or 'one'")
+    return value
+
+
 def clear_cache() -> None:
     """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
     for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads):

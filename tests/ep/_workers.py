@@ -50,14 +50,21 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     """``case["rounds"]`` dispatch + combine rounds; returns this rank's outputs of each round.
 
     case keys: tokens (per rank), hidden, experts, topk, dtype, mask_prob, seed, backend, rounds,
-    hook_delay_s (None = normal mode), cached (re-dispatch with the handle), layout (pass
-    get_dispatch_layout's outputs), combine_dtype.
+    hook_delay_s (None = normal mode), cached (re-dispatch with the handle, ``cached_repeats``
+    times), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
+    outputs and start the next call after different sleeps, so fast ranks run ahead).
     """
     mine = case_inputs(case)[rank]
     device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
     x, idx, w = _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
     delay = case.get("hook_delay_s")
     results = []
+    calls = iter(range(1 << 30))
+
+    def skew() -> None:  # rank r sleeps skew_s * ((r + call) % R): a different rank is slowest each call
+        if case.get("skew_s"):
+            time.sleep(case["skew_s"] * ((rank + next(calls)) % num_ranks))
+
     with _buffer(rank, num_ranks, store, case) as buf:
         for _ in range(case.get("rounds", 1)):
             kwargs = {"topk_idx": idx, "topk_weights": w}
@@ -71,12 +78,17 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
                 time.sleep(delay)
                 out[-1]()
             recv_x, recv_idx, recv_w, per_expert_list, handle = out[:5]
+            skew()
             got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
                    "num_recv_tokens_per_expert_list": per_expert_list}
             if case.get("cached"):
-                again = buf.dispatch(x, handle=handle)
-                got["cached_x"] = _cpu(again[0])
+                got["cached_x"] = []
+                for j in range(case.get("cached_repeats", 1)):  # odd repeats send -x: rounds differ in every byte
+                    again = buf.dispatch(-x if j % 2 and not isinstance(x, tuple) else x, handle=handle)
+                    skew()
+                    got["cached_x"].append(_cpu(again[0]))
             y = recv_x[0].float().to(torch.bfloat16) if isinstance(recv_x, tuple) else recv_x.clone()
+            skew()
             comb = buf.combine(y, handle, topk_weights=recv_w, return_recv_hook=delay is not None)
             if delay is not None:
                 time.sleep(delay)
@@ -139,6 +151,10 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
             if fault == "oversize" and rank == 0:
                 x = torch.cat([x, x])
                 idx = torch.cat([idx, idx])
+            if fault == "bad_counts" and rank == 0:  # num_tokens_per_rank that is_token_in_rank contradicts
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, case["experts"])
+                buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank + 1, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert)
             if fault == "dead_peer" and rank == 1:
                 import os
 

@@ -71,3 +71,10 @@ def test_gpu_no_kernel_waits_between_send_and_hook():
     case = {"tokens": _tokens(512, 300), "hidden": 7168, "experts": 32, "topk": 8, "backend": "cuda_ipc", "seed": 9}
     for out in run_ranks(hook_leaves_streams_idle, RANKS, case=case, timeout_s=180):
         assert out["idle"] and out["same"], out
+
+
+@needs_two
+def test_gpu_skewed_ranks_running_ahead_never_overwrite_what_a_peer_reads():
+    case = {"tokens": _tokens(256, 100, 333), "hidden": 2048, "experts": 16, "topk": 4, "rounds": 3, "seed": 10,
+            "cached": True, "cached_repeats": 4, "skew_s": 0.01, "backend": "cuda_ipc"}
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))

@@ -19,7 +19,7 @@ HANDLE = "ab" * 64
 def good(kind: str = "cuda_ipc") -> dict:
     data = ({"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 0, "nbytes": 1 << 20, "device": 1,
              "buffer_id": 7} if kind == "cuda_ipc" else {"kind": "shm", "name": "wl-1-ab-0", "offset": 0, "nbytes": 4096})
-    events = [HANDLE] * 2 if kind == "cuda_ipc" else []
+    events = [HANDLE] * 4 if kind == "cuda_ipc" else []
     return {
         "schema_version": 1, "kind": "ep_rank",
         "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": 1, "world_size": 2, "generation": 3,
@@ -39,7 +39,7 @@ def test_valid_payloads_round_trip(kind):
 @pytest.mark.parametrize("mutate, field", [
     (lambda p: p["config"].update(hidden=0), "config.hidden"),
     (lambda p: p["config"].update(num_ranks=3), "num_ranks"),
-    (lambda p: p["events"].update(dispatch=["zz"] * 2), "events.dispatch[0]"),
+    (lambda p: p["events"].update(dispatch=["zz"] * 4), "events.dispatch[0]"),
     (lambda p: p["events"].update(combine=[HANDLE]), "events.combine"),
     (lambda p: p["mailbox"].update(kind="cuda_ipc"), "mailbox"),
     (lambda p: p["peer"].update(role="publisher"), "peer.role"),
@@ -101,3 +101,15 @@ def test_config_mismatch_names_the_field():
     theirs = dict(mine, num_topk=4)
     with pytest.raises(ConfigError, match="num_topk"):
         check_config(mine, theirs, "ep/1")
+
+
+def test_copy_stream_setting_is_validated(monkeypatch):
+    from warmlink import _env
+
+    monkeypatch.delenv("WARMLINK_EP_COPY_STREAMS", raising=False)
+    assert _env.ep_copy_streams() == "one"
+    monkeypatch.setenv("WARMLINK_EP_COPY_STREAMS", "per-peer")
+    assert _env.ep_copy_streams() == "per-peer"
+    monkeypatch.setenv("WARMLINK_EP_COPY_STREAMS", "two")
+    with pytest.raises(ConfigError, match="WARMLINK_EP_COPY_STREAMS='two'"):
+        _env.ep_copy_streams()

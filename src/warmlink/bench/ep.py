@@ -164,17 +164,23 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
     }
-    phases = {k: [] for k in ("layout", "stage", "handshake", "send", "receive")}
-    marks = []
-    for _ in range(cfg["iterations"]):
-        dist.all_reduce(flag)
-        sync()
-        dispatch(x)
-        for k, samples in phases.items():
-            samples.append(buf.last_phases.get(k, 0.0))
-        marks.append(dict(buf.last_marks))
-    out["dispatch_phases_s"] = {k: statistics.median(v) for k, v in phases.items()}
+    def phases_of(fn, marks=None) -> dict:
+        """Median host time of each phase ``fn``'s call reports in ``buf.last_phases``."""
+        samples: dict = {}
+        for _ in range(cfg["iterations"]):
+            dist.all_reduce(flag)
+            sync()
+            fn()
+            for k, v in buf.last_phases.items():
+                samples.setdefault(k, []).append(v)
+            if marks is not None:
+                marks.append(dict(buf.last_marks))
+        return {k: statistics.median(v) for k, v in samples.items()}
+
+    marks: list = []
+    out["dispatch_phases_s"] = phases_of(lambda: dispatch(x), marks)
     out["dispatch_marks"] = marks
+    out["cached_phases_s"] = phases_of(lambda: buf.dispatch(x, handle=h_keep))
     profile_dir = cfg["profile"]
     if profile_dir and rank == 0 and cuda:  # a kernel/copy timeline of a few dispatches, for diagnosis
         from torch.profiler import ProfilerActivity, profile
@@ -198,6 +204,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
     times["combine_bf16_hook"] = timed(lambda: combine(True))
+    out["combine_phases_s"] = phases_of(combine)
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])
     if cuda and cfg["gemm"]:
@@ -261,9 +268,12 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, None)
     lines.append("")
-    for r in ranks:
-        lines.append(f"dispatch phases, rank {r['rank']} (host ms): "
-                     + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in r["dispatch_phases_s"].items()))
+    for key, what in (("dispatch_phases_s", "dispatch"), ("cached_phases_s", "cached dispatch"),
+                      ("combine_phases_s", "combine")):
+        for r in ranks:
+            if key in r:
+                lines.append(f"{what} phases, rank {r['rank']} (host ms): "
+                             + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in r[key].items()))
     # the same marks on one clock: median over iterations of (mark - earliest start of any rank)
     n = min(len(r["dispatch_marks"]) for r in ranks)
     for r in ranks:

@@ -1,7 +1,7 @@
 """Every check ``ep.Buffer`` runs on its inputs, on the host, before any byte moves.
 
 A bad shape, dtype, device, size or expert id raises ``ConfigError`` naming the argument; expert
-ids are checked on the device with one min/max pass whose result rides on the one copy of the
+ids are checked on the device by the plan kernel, whose min/max rides on the one copy of the
 counts to the host that dispatch needs anyway (Note [Round protocol] in ``ep.buffer``).
 """
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from warmlink.ep import _mailbox as mb
+from warmlink.ep._kernels import words_layout
 from warmlink.ep._regions import RegionLayout
 from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError
@@ -84,11 +85,9 @@ class Checks:
             raise ConfigError(f"ep: x has {t.shape[1]} channels; the buffer was built for hidden={self._layout.hidden}")
         return t, None
 
-    def routing_to_host(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
-        """Check the routing and bring the counts to the host: the dispatch's one synchronization.
-
-        Returns ``(topk, weights, num_experts, host counts [R + E] int64 numpy, is_token_in_rank)``.
-        """
+    def routing(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
+        """Check the routing arguments' shapes and types (host only; the layout is computed here
+        when not given). Returns ``(topk, weights, num_experts, per_rank, in_rank, per_expert)``."""
         num_tokens = tokens.shape[0]
         if topk_idx is None:
             raise ConfigError("ep.Buffer.dispatch: topk_idx is required without a handle")
@@ -107,17 +106,25 @@ class Checks:
             lay = dispatch_layout(topk, num_experts, self._num_ranks)
             per_rank, in_rank, per_expert = lay.num_tokens_per_rank, lay.is_token_in_rank, lay.num_tokens_per_expert
         self.layout(per_rank, in_rank, per_expert, num_tokens, num_experts)
-        # ids are checked with one min/max pass, read with the counts in the same copy
-        lo, hi = (topk.aminmax() if topk.numel() else (topk.new_zeros(()), topk.new_zeros(())))
-        ints = (per_rank.reshape(-1), per_expert.reshape(-1), lo.reshape(1), hi.reshape(1))
-        # int64 unless everything is int32 already: a narrowing cast could turn a bad id into a good one
-        common = torch.int32 if all(t.dtype == torch.int32 for t in ints) else torch.int64
-        host = torch.cat([t if t.dtype == common else t.to(common) for t in ints]).cpu().numpy().astype(np.int64)
-        if host[-2] < -1 or host[-1] >= num_experts:
-            raise ConfigError(f"ep.Buffer.dispatch: topk_idx has entries in [{host[-2]}, {host[-1]}]; expected every "
-                              f"entry in [-1, {num_experts}) (outside [-1, {num_experts}); nothing was sent)")
-        send_counts = host[:self._num_ranks]
-        if (send_counts > num_tokens).any() or (send_counts < 0).any():
-            raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={send_counts.tolist()} does not fit {num_tokens} tokens")
-        return topk, weights, num_experts, host[:-2], in_rank
+        for name, t in (("num_tokens_per_rank", per_rank), ("num_tokens_per_expert", per_expert)):
+            if t.dtype not in (torch.int32, torch.int64) or t.device != in_rank.device or in_rank.device != topk.device:
+                raise ConfigError(f"ep.Buffer.dispatch: {name} is {t.dtype} on {t.device}; expected int32 or int64 on "
+                                  f"{topk.device} (get_dispatch_layout's outputs)")
+        return topk, weights, num_experts, per_rank, in_rank, per_expert
 
+    def counts(self, words: np.ndarray, num_tokens: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+        """Check the plan's words (ep._kernels.plan) on the host: ``(send counts [R], per-expert [E])``.
+
+        Raises ``ConfigError`` for expert ids outside ``[-1, num_experts)`` and for counts per rank
+        that differ from ``is_token_in_rank``: nothing was sent yet.
+        """
+        parts = words_layout(self._num_ranks, num_experts)
+        lo, hi = int(words[parts["lo"]][0]), int(words[parts["hi"]][0])
+        if num_tokens and (lo < -1 or hi >= num_experts):
+            raise ConfigError(f"ep.Buffer.dispatch: topk_idx has entries in [{lo}, {hi}]; expected every "
+                              f"entry in [-1, {num_experts}) (outside [-1, {num_experts}); nothing was sent)")
+        sent, given = words[parts["sent"]], words[parts["per_rank"]]
+        if not np.array_equal(sent, given):
+            raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={given.tolist()} but is_token_in_rank holds "
+                              f"{sent.tolist()} tokens per rank; pass get_dispatch_layout's outputs for this topk_idx")
+        return sent, words[parts["per_expert"]]

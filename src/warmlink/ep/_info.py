@@ -6,7 +6,10 @@
      "peer": <peer_info payload, role "ep">,
      "config": {"num_ranks": R, "max_tokens": T, "hidden": H, "num_topk": K},
      "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>,
-     "events": {"dispatch": [R handles], "combine": [R handles]}}   (handles: 128 hex chars; [] on shm)
+     "events": {"dispatch": [2R handles], "combine": [2R handles]}}   (128 hex chars each; [] on shm)
+
+``events[phase][p * R + d]`` is the interprocess event this rank records once its ``phase`` bytes
+of a round of parity ``p`` toward rank ``d`` are issued (ep._regions, Note [Two parities]).
 
 A peer whose config differs from this rank's is refused with a ``ConfigError`` naming the field:
 regions laid out differently would put bytes in the wrong place.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from warmlink.ep._regions import PARITIES
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
@@ -64,8 +68,8 @@ def validate_ep_rank(obj: Any, peer: str) -> dict:
         _fail(peer, f"mailbox.kind={mailbox['kind']!r}; expected 'shm'")
     events = _closed(obj["events"], ("dispatch", "combine"), "events", peer)
     for phase, handles in events.items():
-        if type(handles) is not list or len(handles) not in (0, config["num_ranks"]):
-            _fail(peer, f"events.{phase} must be a list of 0 or {config['num_ranks']} handles")
+        if type(handles) is not list or len(handles) not in (0, PARITIES * config["num_ranks"]):
+            _fail(peer, f"events.{phase} must be a list of 0 or {PARITIES * config['num_ranks']} handles")
         for i, h in enumerate(handles):
             if type(h) is not str or not _HANDLE.fullmatch(h):
                 _fail(peer, f"events.{phase}[{i}] invalid; expected 128 lowercase hex characters")

@@ -3,25 +3,31 @@
 Both movers offer the same operations, so ``Buffer`` holds one protocol for both backends:
 
 - ``begin()``: later pushes are ordered after the caller's stream;
-- ``stage(dest, src, index, area)``: rows ``src[index]`` are bound for ``dest``'s ``area``;
-  ``flush(dest, phase, row0)`` sends everything staged for ``dest`` to rows ``row0...`` and marks
-  it (staging needs no peer; the rows' place in the peer is known only after the handshake);
-- ``gather_local(src, index, area, row0)``: the same into this rank's own area;
+- ``gather(rows, src, dests, skip)``: the rows (and meta rows) of ``src`` bound for ``dests``
+  (but ``skip``) go into this rank's staging slots (ep._kernels.gather); staging needs no peer,
+  and a row's place in the peer may be known only after the handshake;
+- ``flush(dest, phase, row0, count, parts)``: ``count`` staged rows of ``dest``'s slot go to rows
+  ``row0...`` of its areas ``parts``, then are marked sent;
+- ``place_local(rows, src, parts, shift)``: this rank's own rows straight into its own areas;
 - ``copy(dest, rows, area, row0)``: contiguous ``rows`` go there directly; ``sent(dest, phase)``
   marks them;
+- ``start_to_host(words)`` / ``wait_host(timeout_s)``: a small device vector on the host (the
+  dispatch's one wait for the device), with work queued in between;
 - ``arrived(sources, phase, timeout_s)``: block until the marks of ``sources`` toward this rank
   are complete, then order the caller's stream after this rank's own pushes.
 
+``phase`` names the marks of one phase and parity (``"dispatch.0"``, ...; ep._regions, Note [Two
+parities]).
+
 # Note [Copy-engine sends]
-On CUDA a remote gather is an ``index_select`` on the caller's stream into this rank's staging
-slot for ``dest``; ``flush`` records an event there, makes ``dest``'s copy stream wait for it and
-issues one ``cudaMemcpyAsync`` per gathered area into the peer's mapped region: the gathers run
-for microseconds on the SMs, the copy engines move the bytes while no SM waits, and each
-destination's copies overlap the next destination's gather. ``sent``/``flush`` record an
+On CUDA a gather is one kernel on the caller's stream (ep._kernels) into this rank's staging
+slots; ``gather`` then records an event per destination, and ``flush`` makes ``dest``'s copy
+stream wait for it and issues one ``cudaMemcpyAsync`` per area into the peer's mapped region: the
+gathers run for microseconds on the SMs, the copy engines move the bytes while no SM waits, and
+a destination's copies can overlap the next destination's gather. ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
-never a hung stream). The self destination gathers straight into this rank's own area. Rows move
-as int64 words when their size allows: ``index_select`` is fastest on wide elements.
+never a hung stream). Rows move as int64 words: a row is a multiple of 128 channels.
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
+from warmlink.ep import _kernels
+from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._regions import RegionLayout
 from warmlink.errors import PeerLostError, TransferTimeout
 
@@ -54,12 +63,25 @@ class _Views:
         self.regions = regions
         self._cache: dict[tuple, torch.Tensor] = {}
 
-    def get(self, rank: int, area: str, like: torch.Tensor) -> torch.Tensor:
-        key = (rank, area, like.dtype, like.shape[1])
+    def get(self, rank: int, area: str, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        key = (rank, area, dtype, cols)
         view = self._cache.get(key)
         if view is None:
-            view = self._cache[key] = self.layout.view(self.regions[rank], area, like.dtype, like.shape[1])
+            view = self._cache[key] = self.layout.view(self.regions[rank], area, dtype, cols)
         return view
+
+    def parts(self, rank: int, src: _kernels.Sources, parts: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x rows as int64 words, meta rows as bytes or None)`` of ``rank``'s areas ``parts``."""
+        x = self.get(rank, parts[0], torch.int64, src.x.shape[1])
+        meta = self.get(rank, parts[1], torch.uint8, self.layout.meta_bytes) if src.has_meta else None
+        return x, meta
+
+
+STAGE = ("stage_x", "stage_meta")
+
+
+def _row_nbytes(layout: RegionLayout, src: _kernels.Sources, part: int) -> int:
+    return src.x.shape[1] * 8 if part == 0 else layout.meta_bytes
 
 
 class HostMover:
@@ -69,34 +91,49 @@ class HostMover:
         self.layout = layout
         self.rank = rank
         self._views = _Views(layout, {rank: own, **peers})
-        self._staged: dict[int, list] = {}
+        self._src: _kernels.Sources | None = None
+        self._words: torch.Tensor | None = None
 
     def begin(self) -> None:
         pass
 
-    def stage(self, dest: int, src: torch.Tensor, index: torch.Tensor, area: str) -> None:
-        self._staged.setdefault(dest, []).append((as_words(src), index, area))  # written at flush
+    def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
+        self._src = src
+        x, meta = self._views.parts(self.rank, src, STAGE)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
 
-    def flush(self, dest: int, phase: str, row0: int) -> None:
-        for words, index, area in self._staged.pop(dest, ()):
-            torch.index_select(words, 0, index, out=self._views.get(dest, area, words)[row0:row0 + index.numel()])
+    def flush(self, dest: int, phase: str, row0: int, count: int, parts: tuple[str, ...]) -> None:
+        if dest == self.rank or not count:
+            return
+        slot = dest * self.layout.max_tokens
+        for staged, there in zip(self._views.parts(self.rank, self._src, STAGE), self._views.parts(dest, self._src, parts)):
+            if staged is not None:
+                there[row0:row0 + count].copy_(staged[slot:slot + count])
 
-    def gather_local(self, src: torch.Tensor, index: torch.Tensor, area: str, row0: int) -> None:
-        self.stage(self.rank, src, index, area)
-        self.flush(self.rank, "", row0)
+    def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
+        x, meta = self._views.parts(self.rank, src, parts)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def copy(self, dest: int, rows: torch.Tensor, area: str, row0: int) -> None:
         words = as_words(rows)
-        self._views.get(dest, area, words)[row0:row0 + words.shape[0]].copy_(words)
+        self._views.get(dest, area, words.dtype, words.shape[1])[row0:row0 + words.shape[0]].copy_(words)
 
     def sent(self, dest: int, phase: str) -> None:
         pass
+
+    def start_to_host(self, words: torch.Tensor) -> None:
+        self._words = words
+
+    def wait_host(self, timeout_s: float) -> np.ndarray:
+        words, self._words = self._words, None
+        return words.numpy().copy()
 
     def arrived(self, sources, phase: str, timeout_s: float) -> None:
         pass  # the mailbox's "sent" round already orders them
 
     def close(self) -> None:
         self._views = None
+        self._src = None
 
 
 class CudaMover:
@@ -107,9 +144,9 @@ class CudaMover:
         rank, device: this rank and its CUDA device.
         own: flat ``uint8`` device tensor of this rank's region.
         peer_ptrs: ``{rank: address of byte 0 of that peer's region in this process}``.
-        streams: one pooled ``Stream`` per rank (index = destination).
-        local_events: ``R + 1`` pooled event handles: one per destination ("gathered") and one
-            for ``begin``.
+        streams: the pooled ``Stream`` of each destination (one stream may serve them all).
+        local_events: ``R + 2`` pooled event handles: one per destination ("gathered"), one for
+            ``begin`` and one for ``to_host``.
         send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
         recv_events: ``{phase: {source: opened event handle}}`` (the sources' events toward this rank).
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
@@ -128,12 +165,15 @@ class CudaMover:
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
         self._streams = [s.handle for s in streams]
-        self._gathered = local_events[:-1]
-        self._begun = local_events[-1]
+        self._gathered = local_events[:-2]
+        self._begun, self._counted = local_events[-2:]
         self._send_events = send_events
         self._recv_events = recv_events
         self._refs = peer_refs
-        self._queued: dict[int, list] = {}
+        self._src: _kernels.Sources | None = None
+        # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
+        self._host = torch.empty(2 * layout.num_ranks + MAX_EXPERTS + 2, dtype=torch.int64, pin_memory=True)
+        self._host_words = 0
 
     def _current(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -144,36 +184,38 @@ class CudaMover:
         for s in self._streams:
             self._cuda.stream_wait_event(s, self._begun)
 
-    def stage(self, dest: int, src: torch.Tensor, index: torch.Tensor, area: str) -> None:
-        """Gather ``src[index]`` on the current stream into the staging slot of ``dest`` (a peer)."""
-        words = as_words(src)
-        count = index.numel()
-        stage = self._views.get(self.rank, "stage_" + area.split("_", 1)[1], words)
-        slot = stage[dest * self.layout.max_tokens:dest * self.layout.max_tokens + count]
-        torch.index_select(words, 0, index, out=slot)
-        # the copy of this destination may start as soon as its own gathers ran
-        self._cuda.event_record(self._gathered[dest], self._current())
-        if count:
-            row_nbytes = words.shape[1] * words.element_size()
-            self._queued.setdefault(dest, []).append((area, slot.data_ptr(), count * row_nbytes, row_nbytes))
+    def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
+        """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); each
+        destination's copy may start as soon as it ran."""
+        self._src = src
+        x, meta = self._views.parts(self.rank, src, STAGE)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
+        current = self._current()
+        for d in dests:
+            if d != skip:
+                self._cuda.event_record(self._gathered[d], current)
 
-    def gather_local(self, src: torch.Tensor, index: torch.Tensor, area: str, row0: int) -> None:
-        words = as_words(src)
-        count = index.numel()
-        torch.index_select(words, 0, index, out=self._views.get(self.rank, area, words)[row0:row0 + count])
-
-    def flush(self, dest: int, phase: str, row0: int) -> None:
-        """Copy what was staged for ``dest`` to rows ``row0...`` once the gathers ran, then mark it sent."""
-        queued = self._queued.pop(dest, ())
-        if dest == self.rank:  # gathered on the current stream straight into place
+    def flush(self, dest: int, phase: str, row0: int, count: int, parts: tuple[str, ...]) -> None:
+        """Copy ``count`` staged rows of ``dest`` to rows ``row0...`` of its ``parts`` once gathered,
+        then mark them sent (this rank's own rows were placed on the current stream)."""
+        if dest == self.rank:
             self._cuda.event_record(self._send_events[phase][dest], self._current())
             return
         stream = self._streams[dest]
-        if queued:
+        if count:
             self._cuda.stream_wait_event(stream, self._gathered[dest])
-            for area, src, nbytes, row_nbytes in queued:
-                self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes, src, nbytes, stream)
+            slot = dest * self.layout.max_tokens
+            for i, (stage, area) in enumerate(zip(STAGE, parts)):
+                if i and not self._src.has_meta:
+                    break
+                row = _row_nbytes(self.layout, self._src, i)
+                self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row,
+                                        self._own.data_ptr() + self._offsets[stage] + slot * row, count * row, stream)
         self._cuda.event_record(self._send_events[phase][dest], stream)
+
+    def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
+        x, meta = self._views.parts(self.rank, src, parts)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def copy(self, dest: int, rows: torch.Tensor, area: str, row0: int) -> None:
         """Copy contiguous ``rows`` (kept alive by the caller until ``arrived``) on ``dest``'s stream."""
@@ -185,6 +227,22 @@ class CudaMover:
 
     def sent(self, dest: int, phase: str) -> None:
         self._cuda.event_record(self._send_events[phase][dest], self._streams[dest])
+
+    def start_to_host(self, words: torch.Tensor) -> None:
+        """Queue the copy of ``words`` (int64) to pinned host memory on the current stream."""
+        self._host_words = words.numel()
+        self._host[:self._host_words].copy_(words, non_blocking=True)
+        self._cuda.event_record(self._counted, self._current())
+
+    def wait_host(self, timeout_s: float) -> np.ndarray:
+        """The words of ``start_to_host``, host-polled with a deadline; everything queued on the
+        stream before them has finished too (Note [Round protocol], step 1)."""
+        query, deadline = self._cuda.event_query, time.perf_counter() + timeout_s
+        while not query(self._counted):
+            if time.perf_counter() > deadline:
+                raise TransferTimeout(f"ep: the caller's stream on cuda:{self.device} did not reach the dispatch's "
+                                      f"count copy within {timeout_s:.3g} s")
+        return self._host[:self._host_words].numpy().copy()
 
     def arrived(self, sources, phase: str, timeout_s: float) -> None:
         """Host-poll the peers' events (deadline, liveness), then order the current stream after this
@@ -211,4 +269,4 @@ class CudaMover:
     def close(self) -> None:
         self._ptrs = {}
         self._views = None
-        self._queued = {}
+        self._src = None

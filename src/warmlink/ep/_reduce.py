@@ -1,7 +1,7 @@
 """Combine's last step: each token sums the copies its expert ranks sent back.
 
 ``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
-``ep.layout.SendPlan``). Sums run in float32 in rank order, so results are identical run to run.
+``ep._kernels.plan``). Sums run in float32 in rank order, so results are identical run to run.
 On CUDA a Triton kernel reads each copy once (one pass over the received bytes); elsewhere, or
 without Triton, the same sum in torch ops.
 """
@@ -15,12 +15,17 @@ import torch
 __all__ = ["combine_sum"]
 
 
-def _torch_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+def _torch_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local) -> None:
     num_tokens, num_ranks = rows.shape
     acc = torch.zeros(num_tokens, area.shape[1], dtype=torch.float32, device=area.device)
     for d in range(num_ranks):  # rank order: deterministic
         r = rows[:, d]
-        acc += area.index_select(0, r.clamp(min=0)).float() * (r >= 0).unsqueeze(1)
+        src = area
+        if local is not None and d == local[1]:
+            src, r = local[0], torch.where(r >= 0, r + local[2], -1)
+        if not src.shape[0]:  # nothing came from there (index_select refuses an empty source)
+            continue
+        acc += src.index_select(0, r.clamp(min=0)).float() * (r >= 0).unsqueeze(1)
     out.copy_(acc)
 
 
@@ -33,7 +38,8 @@ def _triton_kernel():
         return None
 
     @triton.jit
-    def combine_kernel(area_ptr, rows_ptr, out_ptr, hidden, num_ranks: tl.constexpr, block: tl.constexpr):
+    def combine_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, num_ranks: tl.constexpr,
+                       block: tl.constexpr):
         token = tl.program_id(0)
         cols = tl.program_id(1) * block + tl.arange(0, block)
         in_row = cols < hidden
@@ -42,13 +48,18 @@ def _triton_kernel():
             row = tl.load(rows_ptr + token * num_ranks + d)
             valid = row >= 0
             safe = tl.where(valid, row, 0).to(tl.int64)
-            acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+            if d == local_rank:  # this rank's own copy, read where it lies (no copy into the area)
+                acc += tl.load(local_ptr + (safe + local_shift) * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
         tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
-    return triton, combine_kernel
+    from warmlink.ep._launch import FastLaunch
+
+    return triton, FastLaunch(combine_kernel)
 
 
-def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, use_triton: bool = True) -> None:
+def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=None, use_triton: bool = True) -> None:
     """``out[t] = sum over d with rows[t, d] >= 0 of area[rows[t, d]]``: float32 sums in rank order,
     stored in ``out``'s dtype (zeros for tokens that went nowhere).
 
@@ -56,15 +67,19 @@ def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, use_t
         area: ``[N, H]`` received rows (the combine area, typed).
         rows: ``[T, R]`` int64 rows into ``area``, -1 where absent.
         out: ``[T, H]`` contiguous result, written in full.
+        local: ``(rows_here [M, H], rank, shift)``: column ``rank`` reads ``rows_here[rows[t, rank] +
+            shift]`` instead (this rank's own contribution, never copied into the area), or None.
         use_triton: use the Triton kernel on CUDA when it loads.
     """
     kernel = _triton_kernel() if use_triton and area.is_cuda else None
     if kernel is None:
-        _torch_sum(area, rows, out)
+        _torch_sum(area, rows, out, local)
         return
     triton, combine_kernel = kernel
     num_tokens, num_ranks = rows.shape
     hidden = area.shape[1]
     if num_tokens:
         block = 1024
-        combine_kernel[(num_tokens, triton.cdiv(hidden, block))](area, rows.contiguous(), out, hidden, num_ranks, block)
+        here, rank, shift = local if local is not None else (area, -1, 0)
+        combine_kernel((num_tokens, triton.cdiv(hidden, block)), (area, rows.contiguous(), out, here.contiguous(), rank,
+                                                                  shift, hidden), {"num_ranks": num_ranks, "block": block})

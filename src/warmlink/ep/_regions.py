@@ -2,12 +2,14 @@
 
 One allocation per rank, leased from the pool and mapped once by every peer:
 
-    recv_x, recv_meta     dispatch receive area: R * max_tokens rows, filled by the sources in
-                          order (Note [Send order], ep.layout)
-    comb_x, comb_w        combine receive area: one slot of max_tokens rows per expert rank,
-                          slot d written only by rank d
+    recv_x.p, recv_meta.p dispatch receive area of parity p (0, 1): R * max_tokens rows, filled
+                          by the sources in order (Note [Send order], ep.layout)
+    comb_x.p, comb_w.p    combine receive area of parity p: one slot of max_tokens rows per
+                          expert rank, slot d written only by rank d
     stage_x, stage_meta   send staging (local use): one slot of max_tokens rows per destination,
                           gathered by a kernel and pushed by the copy engines from there
+
+Round n of dispatch (and of combine) lands in parity ``n % 2``. See Note [Two parities].
 
 A meta row carries a token's routing next to it: top-k ids (int64, columns ``[0, K)``), top-k
 weights (float32 columns ``[2K, 3K)``) and FP8 scales (float32 columns ``[3K, 3K + H/128)``),
@@ -15,6 +17,15 @@ with K the buffer's ``num_topk``; one gather and one copy move all three.
 
 Every receiving row count is bounded by construction (a source sends at most max_tokens rows to
 each rank), so a peer can never write outside its slot or past the area.
+
+# Note [Two parities]
+A source may write round ``n`` into a peer as soon as it has its own plan, without waiting for
+that peer to reach round ``n``: round ``n`` lands in parity ``n % 2``, whose last user was round
+``n - 2``. The source finished round ``n - 1``, whose receive waited for every peer's "round
+``n - 1`` sent"; a peer publishes that only after its round ``n - 1`` began, and a round begins by
+proving on the host that the caller's stream finished with the outputs of the round before
+(ep.buffer, Note [Round protocol]). So parity ``n % 2`` is free everywhere, and the copy engines
+start right after the gathers. The price is twice the receive memory.
 """
 
 from __future__ import annotations
@@ -27,11 +38,18 @@ import torch
 from warmlink.ep.fp8 import FP8_BLOCK
 from warmlink.errors import ConfigError
 
-__all__ = ["AREAS", "RegionLayout", "size_hint"]
+__all__ = ["AREAS", "PARITIES", "RegionLayout", "area", "size_hint"]
 
 _ALIGN = 256
 # x rows are sized for the widest token dtype (2 bytes).
-AREAS = ("recv_x", "recv_meta", "comb_x", "comb_w", "stage_x", "stage_meta")
+PARITIES = 2
+AREAS = tuple(f"{kind}.{p}" for kind in ("recv_x", "recv_meta", "comb_x", "comb_w") for p in range(PARITIES)) + (
+    "stage_x", "stage_meta")
+
+
+def area(kind: str, round_: int) -> str:
+    """The name of ``kind``'s area (``"recv_x"``, ``"recv_meta"``, ``"comb_x"``, ``"comb_w"``) for ``round_``."""
+    return f"{kind}.{round_ % PARITIES}"
 
 
 def _check_positive(name: str, value) -> int:
@@ -71,7 +89,7 @@ class RegionLayout:
         return -(-(self.num_topk * 12 + self.hidden // FP8_BLOCK * 4) // 16) * 16
 
     def row_bytes(self, area: str) -> int:
-        kind = area.split("_", 1)[1]
+        kind = area.split("_", 1)[1].split(".", 1)[0]
         return {"x": self.hidden * 2, "meta": self.meta_bytes, "w": self.num_topk * 4}[kind]
 
     def offsets(self) -> dict[str, int]:
@@ -114,7 +132,7 @@ def size_hint(max_tokens_per_rank: int, hidden: int, dtype: torch.dtype = torch.
     Raises:
         ConfigError: a dtype dispatch does not take, or a size that is not a positive int.
 
-    Example: ``size_hint(4096, 7168, torch.bfloat16, num_ranks=4)``: 0.67 GiB (0.72 GB) per rank.
+    Example: ``size_hint(4096, 7168, torch.bfloat16, num_ranks=4)``: 1.11 GiB (1.19 GB) per rank.
     """
     if dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise ConfigError(f"ep.size_hint: dtype={dtype!r}; expected torch.bfloat16, torch.float16 or torch.float8_e4m3fn")

@@ -17,18 +17,22 @@ destination, the bytes handed to the copy engines, the round marked sent) with o
 # Note [Round protocol]
 A dispatch (and likewise a combine) is one round ``n`` of a handshake in the host mailboxes:
 
-1. layout counts come to the host (one synchronization of the caller's stream; it also proves
-   that every earlier reader of this rank's receive area, on that stream, has finished);
-2. publish counts and "ready for round n"; wait until every peer has done the same;
-3. every source computes where its rows go in every destination (Note [Send order], ep.layout),
-   issues them, marks them sent, and publishes "round n sent";
-4. the receive phase (inline or in the hook) waits for every source's "round n sent" and its
+1. the round begins with one wait of the host for the caller's stream: for the counts of a fresh
+   dispatch (one kernel plans the whole send, ep._kernels), a stream synchronization otherwise. It
+   proves that every earlier reader of this rank's receive areas, on that stream, has finished;
+2. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
+3. a fresh dispatch waits until every peer published the same (it needs their counts to know
+   where its rows go, Note [Send order] in ep.layout). A cached dispatch and a combine do not
+   wait: round n lands in the receive areas of parity n % 2, which no one still reads (ep._regions,
+   Note [Two parities]);
+4. every source issues its rows, marks them sent, and publishes "round n sent";
+5. the receive phase (inline or in the hook) checks every peer's "ready" word for round n (the
+   same config, the same dispatch's handle), waits for every source's "round n sent" and its
    copies, then returns views of the receive area.
 
-No rank writes into a peer's area before that peer published "ready for round n", so a slow
-reader is never overwritten. Outputs of ``dispatch`` are views of this rank's receive area, valid
-until the next ``dispatch`` on this buffer (as DeepEP's low-latency outputs are); copy them to
-keep them longer. Every wait has the buffer's timeout; a dead peer raises ``PeerLostError``.
+Outputs of ``dispatch`` are views of this rank's receive area, valid until the next ``dispatch`` on
+this buffer (as DeepEP's low-latency outputs are); copy them to keep them longer. Every wait has
+the buffer's timeout; a dead peer raises ``PeerLostError``.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
 from warmlink.ep._info import KIND, check_config
-from warmlink.ep._movers import CudaMover, HostMover
+from warmlink.ep._kernels import Sources, plan
+from warmlink.ep._kernels import unpack as unpack_meta
+from warmlink.ep._movers import CudaMover, HostMover, as_words
 from warmlink.ep._reduce import combine_sum
-from warmlink.ep._regions import RegionLayout
-from warmlink.ep.layout import dispatch_layout, send_plan
+from warmlink.ep._regions import PARITIES, RegionLayout, area
+from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Buffer", "Handle"]
@@ -60,22 +66,21 @@ log = logging.getLogger("warmlink.ep")
 class Handle:
     """What a dispatch leaves for its combine and for a cached re-dispatch (opaque to users).
 
-    Counts are host ints (the round protocol brought them there); ``recv_starts[s]`` /
-    ``recv_counts[s]`` locate source ``s``'s rows in this rank's output, ``dst_rows[d]`` where this
-    rank's rows start in ``d``'s receive area.
+    Counts are host ints (the round protocol brought them there); ``combine_rows[t, d]`` is token
+    ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep._kernels.plan), ``dst_rows[d]``
+    where this rank's rows start in ``d``'s receive area, ``recv_starts[s]`` / ``recv_counts[s]``
+    where source ``s``'s rows lie in this rank's output.
     """
 
     num_experts: int
     num_tokens: int
     is_token_in_rank: torch.Tensor
-    send_index: torch.Tensor
     combine_rows: torch.Tensor
-    send_starts: list[int]
     send_counts: list[int]
-    dst_rows: list[int]
-    recv_starts: list[int]
-    recv_counts: list[int]
-    num_recv_tokens_per_expert_list: list[int]
+    dst_rows: list[int] = None
+    recv_starts: list[int] = None
+    recv_counts: list[int] = None
+    num_recv_tokens_per_expert_list: list[int] = None
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
 
@@ -218,7 +223,8 @@ class Buffer(Closing):
             "events": events,
         }
         store.set(f"ep/{epoch}/{self.rank}", schema.encode(info))
-        peers, regions, recv_events = {}, {}, {"dispatch": {}, "combine": {}}
+        peers, regions = {}, {}
+        recv_events = {f"{phase}.{p}": {} for phase in ("dispatch", "combine") for p in range(PARITIES)}
         for r in range(self.num_ranks):
             if r == self.rank:
                 continue
@@ -239,16 +245,22 @@ class Buffer(Closing):
             regions[r] = data
             self.mailbox.attach(r, mail.tensor, ref)
             for phase in ("dispatch", "combine"):
-                if theirs["events"][phase]:
-                    recv_events[phase][r] = self._open_event(ref, theirs["events"][phase][self.rank])
+                for p, handle_hex in enumerate(theirs["events"][phase][self.rank::self.num_ranks]):
+                    recv_events[f"{phase}.{p}"][r] = self._open_event(ref, handle_hex)
         self.peers = peers
         if self.backend == "cuda_ipc":
             from warmlink.pool.events import lease_event
             from warmlink.pool.streams import lease_stream
 
-            streams = [lease_stream(self.device) for _ in range(self.num_ranks)]
-            local = [lease_event(self.device) for _ in range(self.num_ranks + 2)]
-            self._leases += streams + local
+            # One stream runs the destinations' copies back to back in issue order, each at the
+            # full rate of one copy engine; per-peer streams let them share the sender's egress.
+            # On 4 x H200 one stream was faster in 4 of 5 paired bench runs (BENCHMARKS.md), so it
+            # is the default; WARMLINK_EP_COPY_STREAMS=per-peer restores the other.
+            own = self.num_ranks if _env.ep_copy_streams() == "per-peer" else 1
+            leased = [lease_stream(self.device) for _ in range(own)]
+            streams = [leased[d % own] for d in range(self.num_ranks)]
+            local = [lease_event(self.device) for _ in range(self.num_ranks + 3)]
+            self._leases += leased + local
             self._reduced_event = local[-1].resource.handle
             self._mover = CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                                     {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
@@ -262,11 +274,13 @@ class Buffer(Closing):
 
         self._send_events = {}
         out = {}
-        for phase in ("dispatch", "combine"):
-            leases = [lease_event(self.device, interprocess=True) for _ in range(self.num_ranks)]
-            self._leases += leases
-            self._send_events[phase] = [lease.resource.handle for lease in leases]
-            out[phase] = [_cuda.ipc_get_event_handle(h).hex() for h in self._send_events[phase]]
+        for phase in ("dispatch", "combine"):  # the rank info's events[phase][p * R + d] (ep._info)
+            out[phase] = []
+            for p in range(PARITIES):
+                leases = [lease_event(self.device, interprocess=True) for _ in range(self.num_ranks)]
+                self._leases += leases
+                self._send_events[f"{phase}.{p}"] = [lease.resource.handle for lease in leases]
+                out[phase] += [_cuda.ipc_get_event_handle(lease.resource.handle).hex() for lease in leases]
         return out
 
     def _open_event(self, ref, handle_hex: str) -> int:
@@ -303,25 +317,23 @@ class Buffer(Closing):
         if self.device >= 0:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _handshake(self, phase: str, round_: int, counts=None, config: int = 0) -> None:
-        """Publish "ready for ``round_``" (with the dispatch config word and counts, or the combine's
-        handle), then wait for every peer's and check they match. See Note [Round protocol]."""
-        if phase == "dispatch":
-            self.mailbox.publish_dispatch(round_, config, *(counts or (None, None)))
-            self.mailbox.wait(mb.DISPATCH, round_, self.timeout_s)
-            self._check_peer_configs(round_, config)
+    def _meet(self, field: int, round_: int) -> None:
+        """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
+        for ``round_``, then check it called with the same config (dispatch) or handle (combine)."""
+        self.mailbox.wait(field, round_, self.timeout_s)
+        if field == mb.DISPATCH:
+            self._check_peer_configs(round_, self.mailbox.config(self.rank, round_))
             return
-        self.mailbox.publish_combine(round_, config)
-        self.mailbox.wait(mb.COMBINE, round_, self.timeout_s)
+        mine = self.mailbox.combine_handle(self.rank, round_)
         for r in range(self.num_ranks):  # rows are counted by the handle: all ranks must use the same dispatch's
             theirs = self.mailbox.combine_handle(r, round_)
-            if theirs != config:
+            if theirs != mine:
                 raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round {theirs}, this "
-                                  f"rank with round {config}; every rank must pass the handle of the same dispatch")
+                                  f"rank with round {mine}; every rank must pass the handle of the same dispatch")
 
     def _order(self) -> list[int]:
-        """Destinations starting after this rank, self last: ranks start on different peers."""
-        return [(self.rank + i) % self.num_ranks for i in range(1, self.num_ranks + 1)]
+        """Peers starting after this rank: ranks start on different peers."""
+        return [(self.rank + i) % self.num_ranks for i in range(1, self.num_ranks)]
 
     def dispatch(self, x, handle: Handle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -350,7 +362,8 @@ class Buffer(Closing):
             the next dispatch; ``recv_topk_idx`` holds local expert ids (-1 elsewhere).
 
         Raises:
-            ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves).
+            ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves), or peers
+                that called with another configuration.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("dispatch")
@@ -360,59 +373,63 @@ class Buffer(Closing):
         tokens, scales = self._checks.x(x)
         num_tokens = tokens.shape[0]
         round_ = self._round["dispatch"] + 1
-        topk = weights = None
+        phase = f"dispatch.{round_ % PARITIES}"
+        parts = (area("recv_x", round_), area("recv_meta", round_))
+        mover, me, peers = self._mover, self.rank, self._order()
         if handle is not None:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
             self._sync_caller()  # see Note [Round protocol], step 1
             config = self._call_config(handle.num_experts, 0, scales is not None, True)
-            counts = None
+            src = Sources(as_words(tokens), scales=scales)
+            self.mailbox.publish_dispatch(round_, config)
+            t1 = time.perf_counter()
+            # No wait for the peers (ep._regions, Note [Two parities]): each peer's copies start
+            # as soon as its rows are gathered.
+            mover.begin()
+            for d in peers:
+                mover.gather(handle.combine_rows, src, range(d, d + 1), -1)
+                mover.flush(d, phase, handle.dst_rows[d], handle.send_counts[d], parts)
+            t2 = t3 = time.perf_counter()
         else:
-            topk, weights, num_experts, host, in_rank = self._checks.routing_to_host(
+            topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
                 tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            send_counts = host[:self.num_ranks]
-            counts = (send_counts, host[self.num_ranks:self.num_ranks + num_experts])
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
-            handle = self._local_plan(num_experts, num_tokens, in_rank, send_counts.tolist(), topk.shape[1])
-            handle.round = round_
-        t1 = time.perf_counter()
-        # Rows bound for peers are gathered into staging before the handshake: that needs only this
-        # rank's own plan, so the kernels run while the ranks meet. See Note [Copy-engine sends].
-        meta = self._pack_meta(topk, weights, scales, num_tokens)
-        mover = self._mover
-        mover.begin()
-        order = self._order()
-        for d in order[:-1]:
-            index = handle.send_index[handle.send_starts[d]:handle.send_starts[d] + handle.send_counts[d]]
-            mover.stage(d, tokens, index, "recv_x")
-            if meta is not None:
-                mover.stage(d, meta, index, "recv_meta")
-        t2 = time.perf_counter()
-        self._handshake("dispatch", round_, counts, config)
-        if counts is not None:
+            rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
+            mover.start_to_host(words)
+            # The peers' rows are gathered into staging while the counts travel to the host and the
+            # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
+            src = Sources(as_words(tokens), topk, weights, scales)
+            mover.begin()
+            mover.gather(rows, src, range(self.num_ranks), me)
+            send_counts, expert_counts = self._checks.counts(mover.wait_host(self.timeout_s), num_tokens, num_experts)
+            handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=topk.shape[1],
+                            round=round_)
+            t1 = t2 = time.perf_counter()
+            self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
+            self._meet(mb.DISPATCH, round_)
             self._complete_plan(handle, round_)
-        t3 = time.perf_counter()
-        for d in order[:-1]:
-            mover.flush(d, "dispatch", handle.dst_rows[d])
-        me = self.rank
-        index = handle.send_index[handle.send_starts[me]:handle.send_starts[me] + handle.send_counts[me]]
-        mover.gather_local(tokens, index, "recv_x", handle.dst_rows[me])
-        if meta is not None:
-            mover.gather_local(meta, index, "recv_meta", handle.dst_rows[me])
-        mover.flush(me, "dispatch", handle.dst_rows[me])
+            t3 = time.perf_counter()
+            for d in peers:
+                mover.flush(d, phase, handle.dst_rows[d], handle.send_counts[d], parts)
+        mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
+        mover.flush(me, phase, 0, 0, parts)
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         self._round["dispatch"] = round_
         t_sent = time.perf_counter()
         self.last_phases = {"layout": t1 - t0, "stage": t2 - t1, "handshake": t3 - t2, "send": t_sent - t3}
         # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
         self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent}
-        recv_x, recv_idx, recv_w, unpack = self._recv_outputs(handle, tokens.dtype, scales is not None, topk is not None,
-                                                              weights is not None)
+        recv_x, recv_idx, recv_w, unpack = self._recv_outputs(handle, parts, tokens.dtype, scales is not None,
+                                                              src.topk is not None, src.weights is not None)
+        cached = src.topk is None
 
         def receive() -> None:
             t3 = time.perf_counter()
+            if cached:  # a fresh dispatch met the peers before sending
+                self._meet(mb.DISPATCH, round_)
             self.mailbox.wait(mb.DISPATCH_SENT, round_, self.timeout_s)
-            mover.arrived(range(self.num_ranks), "dispatch", self.timeout_s)
+            mover.arrived(range(self.num_ranks), phase, self.timeout_s)
             unpack()
             self.last_marks["received"] = time.perf_counter()
             self.last_phases["receive"] = self.last_marks["received"] - t3
@@ -449,19 +466,22 @@ class Buffer(Closing):
             if weights.shape[1] > self.layout.num_topk:
                 raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {self.layout.num_topk}")
         round_ = self._round["combine"] + 1
-        if self._round["combine"]:  # this rank's combine area is free once its last sum ran
+        phase = f"combine.{round_ % PARITIES}"
+        comb_x, comb_w = area("comb_x", round_), area("comb_w", round_)
+        if self._round["combine"]:  # the sum of the round before last read this parity: see Note [Two parities]
             self._wait_reduced()
-        self._handshake("combine", round_, config=handle.round)
+        self.mailbox.publish_combine(round_, handle.round)  # no wait for the peers: Note [Two parities]
         t1 = time.perf_counter()
         mover = self._mover
         mover.begin()
         slot = self.rank * self.layout.max_tokens
         for s in self._order():
             start, count = handle.recv_starts[s], handle.recv_counts[s]
-            mover.copy(s, rows[start:start + count], "comb_x", slot)
+            mover.copy(s, rows[start:start + count], comb_x, slot)
             if weights is not None:
-                mover.copy(s, weights[start:start + count], "comb_w", slot)
-            mover.sent(s, "combine")
+                mover.copy(s, weights[start:start + count], comb_w, slot)
+            mover.sent(s, phase)
+        mover.flush(self.rank, phase, 0, 0, ())  # this rank's own rows are summed where they lie
         self.mailbox.publish(mb.COMBINE_SENT, round_)
         self._round["combine"] = round_
         self.last_phases = {"handshake": t1 - t0, "send": time.perf_counter() - t1}
@@ -471,63 +491,37 @@ class Buffer(Closing):
 
         def receive() -> None:
             t2 = time.perf_counter()
+            self._meet(mb.COMBINE, round_)
             self.mailbox.wait(mb.COMBINE_SENT, round_, self.timeout_s)
-            mover.arrived(range(self.num_ranks), "combine", self.timeout_s)  # rows/weights stay referenced until here
-            area = self.layout.view(self._region.tensor, "comb_x", rows.dtype, self.layout.hidden)
-            combine_sum(area, handle.combine_rows, out)
+            mover.arrived(range(self.num_ranks), phase, self.timeout_s)  # rows/weights stay referenced until here
+            # this rank's own copy of token t is row combine_rows[t, me] - me * max_tokens + recv_starts[me] of x
+            shift = handle.recv_starts[self.rank] - self.rank * self.layout.max_tokens
+            combine_sum(self.layout.view(self._region.tensor, comb_x, rows.dtype, self.layout.hidden), handle.combine_rows,
+                        out, local=(rows, self.rank, shift))
             if out_w is not None:
-                combine_sum(self.layout.view(self._region.tensor, "comb_w", torch.float32, out_w.shape[1]),
-                            handle.combine_rows, out_w)
+                combine_sum(self.layout.view(self._region.tensor, comb_w, torch.float32, out_w.shape[1]),
+                            handle.combine_rows, out_w, local=(weights, self.rank, shift))
             self._mark_reduced()
             self.last_phases["receive"] = time.perf_counter() - t2
 
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _pack_meta(self, topk, weights, scales, num_tokens: int):
-        """One meta row per token: ids, weights and FP8 scales (see ``_regions``); None if nothing to send."""
-        if topk is None and scales is None:
-            return None
-        k = self.layout.num_topk
-        meta = self._meta_buffer(topk if topk is not None else scales)[:num_tokens]
-        if topk is not None:
-            meta.view(torch.int64)[:, :topk.shape[1]] = topk
-            if weights is not None:
-                meta.view(torch.float32)[:, 2 * k:2 * k + topk.shape[1]] = weights
-        if scales is not None:
-            meta.view(torch.float32)[:, 3 * k:3 * k + scales.shape[1]] = scales
-        return meta
-
-    def _meta_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        if self._meta is None:  # allocated once, on first use
-            self._meta = torch.zeros(self.layout.max_tokens, self.layout.meta_bytes, dtype=torch.uint8, device=like.device)
-        return self._meta
-
-    def _recv_outputs(self, handle: Handle, dtype, fp8: bool, with_topk: bool, with_weights: bool):
+    def _recv_outputs(self, handle: Handle, parts: tuple[str, str], dtype, fp8: bool, with_topk: bool, with_weights: bool):
         """``(recv_x, recv_topk_idx, recv_topk_weights, unpack)``: ``recv_x`` is a view of the receive
         area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales), made now
         so that hook mode can return them before the bytes land."""
         total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
-        x = lay.view(region, "recv_x", torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
-        meta = lay.view(region, "recv_meta", torch.uint8, lay.meta_bytes)[:total]
-        k, kt, dev = lay.num_topk, handle.num_topk, x.device
+        x = lay.view(region, parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
+        meta = lay.view(region, parts[1], torch.uint8, lay.meta_bytes)[:total]
+        kt, dev = handle.num_topk, x.device
         idx = torch.empty(total, kt, dtype=torch.int64, device=dev) if with_topk else None
         w = torch.empty(total, kt, dtype=torch.float32, device=dev) if with_weights else None
         scales = torch.empty(total, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
         epr = handle.num_experts // self.num_ranks
-        base = self.rank * epr
 
         def unpack() -> None:
-            if idx is not None:
-                raw = meta.view(torch.int64)[:, :kt]
-                local = raw - base
-                here = (raw >= 0) & (local >= 0) & (local < epr)
-                torch.where(here, local, self._no_expert, out=idx)
-                if w is not None:
-                    wraw = meta.view(torch.float32)[:, 2 * k:2 * k + kt]
-                    torch.where(here, wraw, self._no_weight, out=w)
-            if scales is not None:
-                scales.copy_(meta.view(torch.float32)[:, 3 * k:3 * k + scales.shape[1]])
+            unpack_meta(meta, lay.num_topk, idx, w, scales, self.rank * epr, epr)
 
         return ((x, scales) if fp8 else x), idx, w, unpack
 
@@ -556,15 +550,6 @@ class Buffer(Closing):
                     f"ep.Buffer.dispatch: rank {r} dispatches with (num_experts={theirs >> 20}, num_topk={(theirs >> 4) & 0xFFFF}, "
                     f"fp8={bool(theirs & 2)}, cached={bool(theirs & 1)}), this rank with (num_experts={config >> 20}, "
                     f"num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, cached={bool(config & 1)})")
-
-    def _local_plan(self, num_experts: int, num_tokens: int, in_rank, send_counts: list[int], num_topk: int) -> Handle:
-        """The part of a handle this rank knows alone: where its tokens go (peers' counts come later)."""
-        plan = send_plan(in_rank, sum(send_counts), self.layout.max_tokens)
-        send_starts = [0] * self.num_ranks
-        for d in range(1, self.num_ranks):
-            send_starts[d] = send_starts[d - 1] + send_counts[d - 1]
-        return Handle(num_experts, num_tokens, in_rank, plan.send_index, plan.combine_rows, send_starts, list(send_counts),
-                      [], [], [], [], num_topk)
 
     def _complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""

@@ -1,0 +1,57 @@
+"""Launch a Triton kernel again without Triton's per-call argument binding.
+
+``JITFunction.run`` binds the arguments, specializes each one, hashes a key and looks the compiled
+kernel up on every call: 26-47 us of host time per launch on the bench host, where a torch launch
+costs 18 (``tools/ep_launch_cost.py``). ep launches up to five kernels per call, some of them on
+the path to the first copy. ``FastLaunch`` keys the compiled kernel by the same specialization
+Triton computes (its native ``specialize_impl`` on every runtime argument), the constexprs and the
+device; the first call of a key compiles and launches through Triton, later ones launch that
+compiled kernel directly, as ``JITFunction.run`` itself does once it has found it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FastLaunch", "launch"]
+
+
+class FastLaunch:
+    """A ``triton.jit`` kernel whose constexpr parameters come last in its signature."""
+
+    def __init__(self, jit) -> None:
+        from triton import knobs
+        from triton._C.libtriton import native_specialize_impl
+
+        self.jit = jit
+        self._knobs = knobs
+        self._specialize = native_specialize_impl
+        self._cache: dict[tuple, object] = {}
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict) -> None:
+        device = torch.cuda.current_device()
+        backend = self.jit.device_caches[device][3]
+        spec = self._specialize
+        key = (device, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            names = self.jit.arg_names[len(args):]
+            if list(constexprs) != names:
+                raise TypeError(f"FastLaunch({getattr(self.jit, '__name__', 'kernel')}): constexprs {list(constexprs)}; expected {names} in order")
+            compiled = self.jit[grid](*args, **constexprs)
+            self._cache[key] = compiled.result() if hasattr(compiled, "result") else compiled
+            return
+        g = (*grid, 1, 1)
+        values = (*args, *constexprs.values())
+        stream = torch.cuda.current_stream(device).cuda_stream
+        enter, exit_ = self._knobs.runtime.launch_enter_hook, self._knobs.runtime.launch_exit_hook
+        meta = compiled.launch_metadata(g[:3], stream, *values) if enter is not None else None
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *values)
+
+
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
+    """Launch ``kernel`` (a ``FastLaunch`` or a plain, e.g. interpreted, Triton kernel)."""
+    if isinstance(kernel, FastLaunch):
+        kernel(grid, args, constexprs)
+    else:
+        kernel[grid](*args, **constexprs)

@@ -1,0 +1,124 @@
+"""The dispatch's Triton kernels equal their torch versions, through Triton's interpreter.
+
+Run by ``test_kernels.py`` in a child pytest with ``TRITON_INTERPRET=1``: the interpreter must be
+chosen before Triton is imported. The kernels run on the GPU in the ep GPU tests; here every
+branch (ids, weights, FP8 scales, a range of destinations, a shift, rows wider than one program's
+chunk) runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warmlink.ep import _kernels
+from warmlink.ep.layout import dispatch_layout
+
+pytest.importorskip("triton")
+
+
+def _numpy_scalars_in_the_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with ``int(array of shape [1])``, which
+    NumPy >= 2.5 refuses; loops over a runtime bound then fail. Read the one element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    import triton
+
+    assert triton.knobs.runtime.interpret, "run with TRITON_INTERPRET=1 (test_kernels.py does)"
+    _numpy_scalars_in_the_interpreter()
+    return _kernels._build()
+
+
+def _routing(seed: int, tokens: int, num_ranks: int, num_experts: int, k: int):
+    gen = torch.Generator().manual_seed(seed)
+    topk = torch.rand(tokens, num_experts, generator=gen).argsort(1)[:, :k]
+    topk[torch.rand(tokens, k, generator=gen) < 0.2] = -1  # masked entries
+    return topk
+
+
+@pytest.mark.parametrize("seed,tokens,num_ranks,num_experts,k", [(0, 37, 4, 16, 3), (1, 1100, 2, 8, 2), (2, 0, 3, 6, 2)])
+def test_plan_kernel_equals_torch(kernels, seed, tokens, num_ranks, num_experts, k):
+    topk = _routing(seed, tokens, num_ranks, num_experts, k)
+    lay = dispatch_layout(topk, num_experts, num_ranks)
+    want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, 50)
+    rows, words = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, 50,
+                                kernels=kernels)
+    assert torch.equal(rows, want_rows)
+    assert torch.equal(words, want_words)
+    parts = _kernels.words_layout(num_ranks, num_experts)
+    assert words[parts["sent"]].tolist() == lay.num_tokens_per_rank.tolist()
+    if tokens:
+        assert words[parts["lo"]].item() == topk.min().item() and words[parts["hi"]].item() == topk.max().item()
+
+
+@pytest.mark.parametrize("meta", ["ids+weights", "ids", "scales", "all", "none"])
+@pytest.mark.parametrize("dests,shift,skip", [(range(0, 4), 0, -1), (range(2, 3), -5, -1), (range(1, 3), 3, -1),
+                                              (range(0, 4), 0, 1)])
+def test_gather_kernel_equals_torch(kernels, meta, dests, shift, skip):
+    num_ranks, tokens, max_tokens, words, meta_k = 4, 29, 32, 600, 3  # 600 words: two programs per row
+    topk = _routing(7, tokens, num_ranks, 16, 2)
+    lay = dispatch_layout(topk, 16, num_ranks)
+    rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
+    gen = torch.Generator().manual_seed(3)
+    src = _kernels.Sources(
+        x=torch.randint(-2**62, 2**62, (tokens, words), generator=gen),
+        topk=topk if "ids" in meta or meta == "all" else None,
+        weights=torch.rand(tokens, 2, generator=gen) if "weights" in meta or meta == "all" else None,
+        scales=torch.rand(tokens, 5, generator=gen) if meta in ("scales", "all") else None)
+    meta_bytes = 64
+    n = num_ranks * max_tokens + 8  # rows + shift stay in [0, n) for these ranges
+    outs = []
+    for k in (None, kernels):
+        x_out = torch.full((n, words), -7, dtype=torch.int64)
+        meta_out = torch.full((n, meta_bytes), 0xAB, dtype=torch.uint8) if src.has_meta else None
+        _kernels.gather(rows, src, x_out, meta_out, meta_k, dests, shift=shift, skip=skip, kernels=k)
+        outs.append((x_out, meta_out))
+    (want_x, want_meta), (x_out, meta_out) = outs
+    assert torch.equal(x_out, want_x)
+    if src.has_meta:
+        assert torch.equal(meta_out, want_meta)
+    # and the torch version itself places what it should
+    d = dests.start
+    t = int(torch.nonzero(rows[:, d] >= 0)[0, 0]) if (rows[:, d] >= 0).any() else None
+    if t is not None:
+        assert torch.equal(want_x[rows[t, d] + shift], src.x[t])
+    untouched = torch.ones(n, dtype=torch.bool)
+    for d in (d for d in dests if d != skip):
+        untouched[rows[:, d][rows[:, d] >= 0] + shift] = False
+    assert (want_x[untouched] == -7).all()
+
+
+@pytest.mark.parametrize("parts", ["ids+weights", "ids", "scales", "all"])
+def test_unpack_kernel_equals_torch(kernels, parts):
+    gen = torch.Generator().manual_seed(11)
+    total, meta_k, k, num_scales = 45, 4, 3, 6
+    meta = torch.randint(0, 256, (total, 80), dtype=torch.uint8, generator=gen)
+    ids = meta.view(torch.int64)
+    ids[:, :k] = torch.randint(-1, 16, (total, k), generator=gen)
+    outs = []
+    for kern in (None, kernels):
+        idx = torch.full((total, k), 99, dtype=torch.int64) if parts != "scales" else None
+        w = torch.full((total, k), 9.0) if "weights" in parts or parts == "all" else None
+        scales = torch.full((total, num_scales), 9.0) if parts in ("scales", "all") else None
+        _kernels.unpack(meta, meta_k, idx, w, scales, base=4, experts_per_rank=4, kernels=kern)
+        outs.append((idx, w, scales))
+    for want, got in zip(*outs):
+        assert (want is None) == (got is None)
+        if want is not None:  # bit-exact: random meta bytes include NaNs
+            assert torch.equal(want.view(torch.int32) if want.is_floating_point() else want,
+                               got.view(torch.int32) if got.is_floating_point() else got)
+    idx = outs[0][0]
+    if idx is not None:  # local ids of experts 4..7, -1 for the rest
+        raw = ids[:, :k]
+        assert torch.equal(idx, torch.where((raw >= 4) & (raw < 8), raw - 4, -1))

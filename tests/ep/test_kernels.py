@@ -1,0 +1,67 @@
+"""Runs ``interpreted_kernels.py`` (the ep kernels against their torch versions) in a child pytest
+with Triton's interpreter, which must be chosen before Triton is imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_ep_kernels_equal_their_torch_versions_in_the_interpreter():
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "interpreted_kernels.py")],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=here.parent.parent)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
+    import torch
+
+    from warmlink.ep import _kernels
+    from warmlink.ep.layout import dispatch_layout
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, num_ranks, num_experts, k, hidden, max_tokens, meta_k = 4096, 4, 256, 8, 7168, 4096, 8
+    topk = torch.rand(tokens, num_experts, generator=gen).argsort(1)[:, :k].contiguous()
+    topk[torch.rand(tokens, k, generator=gen) < 0.05] = -1
+    weights = torch.rand(tokens, k, generator=gen)
+    scales = torch.rand(tokens, hidden // 128, generator=gen)
+    x = torch.randint(-2**62, 2**62, (tokens, hidden * 2 // 8), generator=gen)
+    lay = dispatch_layout(topk, num_experts, num_ranks)
+    want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
+    dev = torch.device("cuda", 0)
+    cuda = [t.to(dev) for t in (lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert)]
+    for _ in range(2):
+        rows, words = _kernels.plan(*cuda, max_tokens)
+        assert torch.equal(rows.cpu(), want_rows) and torch.equal(words.cpu(), want_words)
+    meta_bytes = 320
+    src = _kernels.Sources(x, topk, weights, scales)
+    src_gpu = _kernels.Sources(*(t.to(dev) for t in (x, topk, weights, scales)))
+    for dests, skip, shift in ((range(num_ranks), 1, 0), (range(2, 3), -1, -2 * max_tokens + 7)):
+        want_x = torch.full((num_ranks * max_tokens, x.shape[1]), -7, dtype=torch.int64)
+        want_m = torch.full((num_ranks * max_tokens, meta_bytes), 0xAB, dtype=torch.uint8)
+        got_x, got_m = want_x.to(dev), want_m.to(dev)
+        _kernels.gather(want_rows, src, want_x, want_m, meta_k, dests, shift=shift, skip=skip)
+        for _ in range(2):  # the first launch compiles through Triton, the second goes straight in (ep._launch)
+            got_x.fill_(-7)
+            got_m.fill_(0xAB)
+            _kernels.gather(rows, src_gpu, got_x, got_m, meta_k, dests, shift=shift, skip=skip)
+            assert torch.equal(got_x.cpu(), want_x) and torch.equal(got_m.cpu(), want_m)
+        idx = [torch.full((want_m.shape[0], k), 5, dtype=torch.int64, device=d) for d in ("cpu", dev)]
+        w = [torch.full((want_m.shape[0], k), 5.0, device=d) for d in ("cpu", dev)]
+        sc = [torch.full((want_m.shape[0], hidden // 128), 5.0, device=d) for d in ("cpu", dev)]
+        _kernels.unpack(want_m, meta_k, idx[0], w[0], sc[0], 64, 64)
+        _kernels.unpack(got_m, meta_k, idx[1], w[1], sc[1], 64, 64)
+        assert torch.equal(idx[1].cpu(), idx[0])
+        assert torch.equal(w[1].cpu().view(torch.int32), w[0].view(torch.int32))
+        assert torch.equal(sc[1].cpu().view(torch.int32), sc[0].view(torch.int32))
