@@ -170,7 +170,6 @@ def _build():
         row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
         kc = tl.arange(0, K_BLOCK)
         sc = tl.arange(0, S_BLOCK)
-        first = chunk == 0  # the first chunk's program also moves the meta row
         if HAS_TOPK:
             ids = tl.load(topk_ptr + t * num_k + kc, mask=kc < num_k).to(tl.int64)
         if HAS_W:
@@ -183,13 +182,13 @@ def _build():
                 if at >= 0:
                     at += shift
                     tl.store(x_out_ptr + at * x_words + cols, row, mask=in_row)
-                    if HAS_TOPK:
-                        tl.store(ids_out_ptr + at * meta_words + kc, ids, mask=(kc < num_k) & first)
-                    if HAS_W:
-                        tl.store(floats_out_ptr + at * 2 * meta_words + 2 * meta_k + kc, ws, mask=(kc < num_k) & first)
-                    if HAS_S:
-                        tl.store(floats_out_ptr + at * 2 * meta_words + 3 * meta_k + sc, ss,
-                                 mask=(sc < num_scales) & first)
+                    if chunk == 0:  # the first chunk's program also moves the meta row
+                        if HAS_TOPK:
+                            tl.store(ids_out_ptr + at * meta_words + kc, ids, mask=kc < num_k)
+                        if HAS_W:
+                            tl.store(floats_out_ptr + at * 2 * meta_words + 2 * meta_k + kc, ws, mask=kc < num_k)
+                        if HAS_S:
+                            tl.store(floats_out_ptr + at * 2 * meta_words + 3 * meta_k + sc, ss, mask=sc < num_scales)
 
     @triton.jit
     def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_scales, meta_words, meta_k,

@@ -77,10 +77,10 @@ class Handle:
     is_token_in_rank: torch.Tensor
     combine_rows: torch.Tensor
     send_counts: list[int]
-    dst_rows: list[int] = None
-    recv_starts: list[int] = None
-    recv_counts: list[int] = None
-    num_recv_tokens_per_expert_list: list[int] = None
+    dst_rows: list[int] | None = None
+    recv_starts: list[int] | None = None
+    recv_counts: list[int] | None = None
+    num_recv_tokens_per_expert_list: list[int] | None = None
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
 
