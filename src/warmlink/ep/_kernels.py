@@ -54,10 +54,6 @@ class Sources:
         return self.topk is not None or self.scales is not None
 
 
-def _use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and _kernels() is not None
-
-
 # -- torch versions (the reference, and the host path) ------------------------------------------
 def _plan_torch(in_rank, topk, per_rank, per_expert, max_tokens):
     num_tokens, num_ranks = in_rank.shape

@@ -6,8 +6,8 @@ Both movers offer the same operations, so ``Buffer`` holds one protocol for both
 - ``gather(rows, src, dests, skip)``: the rows (and meta rows) of ``src`` bound for ``dests``
   (but ``skip``) go into this rank's staging slots (ep._kernels.gather); staging needs no peer,
   and a row's place in the peer may be known only after the handshake;
-- ``flush(dest, phase, row0, count, parts)``: ``count`` staged rows of ``dest``'s slot go to rows
-  ``row0...`` of its areas ``parts``, then are marked sent;
+- ``flush(dest, phase, src, row0, count, parts)``: ``count`` staged rows of ``src`` in ``dest``'s
+  slot go to rows ``row0...`` of its areas ``parts``, then are marked sent;
 - ``place_local(rows, src, parts, shift)``: this rank's own rows straight into its own areas;
 - ``copy(dest, rows, area, row0)``: contiguous ``rows`` go there directly; ``sent(dest, phase)``
   marks them;
@@ -80,39 +80,44 @@ class _Views:
 STAGE = ("stage_x", "stage_meta")
 
 
-def _row_nbytes(layout: RegionLayout, src: _kernels.Sources, part: int) -> int:
-    return src.x.shape[1] * 8 if part == 0 else layout.meta_bytes
+class _Gathers:
+    """The gathers both movers share: into this rank's staging slots, or into its own areas."""
+
+    layout: RegionLayout
+    rank: int
+    _views: _Views
+
+    def _stage(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
+        x, meta = self._views.parts(self.rank, src, STAGE)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
+
+    def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
+        x, meta = self._views.parts(self.rank, src, parts)
+        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
 
-class HostMover:
+class HostMover(_Gathers):
     """Shared-memory regions written directly by this process's CPU (the shm backend)."""
 
     def __init__(self, layout: RegionLayout, rank: int, own: torch.Tensor, peers: dict[int, torch.Tensor]) -> None:
         self.layout = layout
         self.rank = rank
         self._views = _Views(layout, {rank: own, **peers})
-        self._src: _kernels.Sources | None = None
         self._words: torch.Tensor | None = None
 
     def begin(self) -> None:
         pass
 
     def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
-        self._src = src
-        x, meta = self._views.parts(self.rank, src, STAGE)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
+        self._stage(rows, src, dests, skip)
 
-    def flush(self, dest: int, phase: str, row0: int, count: int, parts: tuple[str, ...]) -> None:
+    def flush(self, dest: int, phase: str, src: _kernels.Sources, row0: int, count: int, parts: tuple[str, ...]) -> None:
         if dest == self.rank or not count:
             return
         slot = dest * self.layout.max_tokens
-        for staged, there in zip(self._views.parts(self.rank, self._src, STAGE), self._views.parts(dest, self._src, parts)):
+        for staged, there in zip(self._views.parts(self.rank, src, STAGE), self._views.parts(dest, src, parts)):
             if staged is not None:
                 there[row0:row0 + count].copy_(staged[slot:slot + count])
-
-    def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
-        x, meta = self._views.parts(self.rank, src, parts)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def copy(self, dest: int, rows: torch.Tensor, area: str, row0: int) -> None:
         words = as_words(rows)
@@ -133,10 +138,9 @@ class HostMover:
 
     def close(self) -> None:
         self._views = None
-        self._src = None
 
 
-class CudaMover:
+class CudaMover(_Gathers):
     """Copy-engine pushes into peers' IPC-mapped regions. See Note [Copy-engine sends].
 
     Args:
@@ -170,7 +174,6 @@ class CudaMover:
         self._send_events = send_events
         self._recv_events = recv_events
         self._refs = peer_refs
-        self._src: _kernels.Sources | None = None
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
         self._host = torch.empty(2 * layout.num_ranks + MAX_EXPERTS + 2, dtype=torch.int64, pin_memory=True)
         self._host_words = 0
@@ -187,15 +190,13 @@ class CudaMover:
     def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
         """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); each
         destination's copy may start as soon as it ran."""
-        self._src = src
-        x, meta = self._views.parts(self.rank, src, STAGE)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
+        self._stage(rows, src, dests, skip)
         current = self._current()
         for d in dests:
             if d != skip:
                 self._cuda.event_record(self._gathered[d], current)
 
-    def flush(self, dest: int, phase: str, row0: int, count: int, parts: tuple[str, ...]) -> None:
+    def flush(self, dest: int, phase: str, src: _kernels.Sources, row0: int, count: int, parts: tuple[str, ...]) -> None:
         """Copy ``count`` staged rows of ``dest`` to rows ``row0...`` of its ``parts`` once gathered,
         then mark them sent (this rank's own rows were placed on the current stream)."""
         if dest == self.rank:
@@ -205,17 +206,12 @@ class CudaMover:
         if count:
             self._cuda.stream_wait_event(stream, self._gathered[dest])
             slot = dest * self.layout.max_tokens
-            for i, (stage, area) in enumerate(zip(STAGE, parts)):
-                if i and not self._src.has_meta:
-                    break
-                row = _row_nbytes(self.layout, self._src, i)
-                self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row,
-                                        self._own.data_ptr() + self._offsets[stage] + slot * row, count * row, stream)
+            for staged, area in zip(self._views.parts(self.rank, src, STAGE), parts):
+                if staged is not None:
+                    row = staged.shape[1] * staged.element_size()
+                    self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row,
+                                            staged.data_ptr() + slot * row, count * row, stream)
         self._cuda.event_record(self._send_events[phase][dest], stream)
-
-    def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
-        x, meta = self._views.parts(self.rank, src, parts)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def copy(self, dest: int, rows: torch.Tensor, area: str, row0: int) -> None:
         """Copy contiguous ``rows`` (kept alive by the caller until ``arrived``) on ``dest``'s stream."""
@@ -269,4 +265,3 @@ class CudaMover:
     def close(self) -> None:
         self._ptrs = {}
         self._views = None
-        self._src = None

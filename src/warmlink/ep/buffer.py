@@ -389,7 +389,7 @@ class Buffer(Closing):
             mover.begin()
             for d in peers:
                 mover.gather(handle.combine_rows, src, range(d, d + 1), -1)
-                mover.flush(d, phase, handle.dst_rows[d], handle.send_counts[d], parts)
+                mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
             t2 = t3 = time.perf_counter()
         else:
             topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
@@ -411,9 +411,9 @@ class Buffer(Closing):
             self._complete_plan(handle, round_)
             t3 = time.perf_counter()
             for d in peers:
-                mover.flush(d, phase, handle.dst_rows[d], handle.send_counts[d], parts)
+                mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
         mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
-        mover.flush(me, phase, 0, 0, parts)
+        mover.flush(me, phase, src, 0, 0, parts)
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         self._round["dispatch"] = round_
         t_sent = time.perf_counter()
@@ -481,7 +481,7 @@ class Buffer(Closing):
             if weights is not None:
                 mover.copy(s, weights[start:start + count], comb_w, slot)
             mover.sent(s, phase)
-        mover.flush(self.rank, phase, 0, 0, ())  # this rank's own rows are summed where they lie
+        mover.sent(self.rank, phase)  # nothing to copy: this rank's own rows are summed where they lie
         self.mailbox.publish(mb.COMBINE_SENT, round_)
         self._round["combine"] = round_
         self.last_phases = {"handshake": t1 - t0, "send": time.perf_counter() - t1}
