@@ -41,6 +41,7 @@ def test_valid_payloads_round_trip(kind):
     (lambda p: p["config"].update(num_ranks=3), "num_ranks"),
     (lambda p: p["events"].update(dispatch=["zz"] * 4), "events.dispatch[0]"),
     (lambda p: p["events"].update(combine=[HANDLE]), "events.combine"),
+    (lambda p: p["events"].pop("combine"), "events"),
     (lambda p: p["mailbox"].update(kind="cuda_ipc"), "mailbox"),
     (lambda p: p["peer"].update(role="publisher"), "peer.role"),
     (lambda p: p.update(extra=1), "keys"),

@@ -9,7 +9,10 @@ torch.distributed group, and times, each as the median over ``--iterations``:
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
-- overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together.
+- overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together, for a
+  fresh dispatch and for a cached one;
+- on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), the floor that
+  the exchange's host work and kernels add to.
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. Time is the
@@ -48,9 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "WARMLINK_POOL=0 (seed 002 for the ep buffer); --max-tokens sizes the buffer")
     p.add_argument("--max-tokens", type=int, default=None, help="Buffer capacity per rank (default --tokens)")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also write a torch profiler trace and table of rank 0's dispatches to DIR (diagnosis)")
+                   help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stalled run fails (default 300)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank process to its own share of the CPU cores (when there are at least two per "
+                   "rank); off by default: on 4 x H200 it did not make the runs faster or steadier")
 
 
 def _free_port() -> int:
@@ -69,9 +75,64 @@ def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int, devic
     return x.to(device), idx.to(device), (weights / weights.sum(1, keepdim=True)).float().to(device)
 
 
+_FLOOR_SCHEDULES = ("one stream", "per-peer streams", "one stream, halves")
+
+
+def _copy_floor(buf, send_counts: list[int], timed) -> dict:
+    """The copy-engine floor of the dispatch's exchange, in the same run: the same x bytes to each
+    peer as raw ``cudaMemcpyAsync`` copies from this rank's staging area to the peers' receive
+    areas, with nothing else (no plan, gathers, handshake or unpack), under the same timing.
+
+    Schedules: every destination in turn on one stream (rotated, as ep sends), one stream per
+    destination, and one stream with each destination's bytes in two halves, all first halves
+    first. Collective; it overwrites the peers' receive areas, so it runs after the last ep call.
+    """
+    import torch
+
+    from warmlink import _cuda
+
+    lay, me, mover = buf.layout, buf.rank, buf._mover
+    row = lay.row_bytes("recv_x.0")
+    offsets = lay.offsets()
+    src = buf._region.tensor.data_ptr() + offsets["stage_x"]
+    streams = [torch.cuda.Stream(buf.device) for _ in range(buf.num_ranks)]
+    peers = [(me + i) % buf.num_ranks for i in range(1, buf.num_ranks)]
+    jobs = {name: [] for name in _FLOOR_SCHEDULES}
+    for i, d in enumerate(peers):
+        n = send_counts[d] * row
+        dst, at = mover._ptrs[d] + offsets["recv_x.0"] + me * lay.max_tokens * row, src + d * lay.max_tokens * row
+        jobs["one stream"].append((0, dst, at, n))
+        jobs["per-peer streams"].append((i, dst, at, n))
+        half = n // 2
+        jobs["one stream, halves"].insert(i, (0, dst, at, half))
+        jobs["one stream, halves"].append((0, dst + half, at + half, n - half))
+
+    def run(job):
+        for s, dst, at, n in job:
+            _cuda.memcpy_async(dst, at, n, streams[s].cuda_stream)
+        for s in streams:
+            s.synchronize()
+
+    return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
+
+
+def _pin(rank: int, num_ranks: int) -> list[int] | None:
+    """Pin this process to its own contiguous share of the usable cores; the cores, or None."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(cores) // num_ranks
+    if share < 2:
+        return None
+    mine = cores[rank * share:(rank + 1) * share]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, dist_port: int, cfg: dict) -> None:
     import os
 
+    pinned = _pin(rank, num_ranks) if cfg["pin"] else None
     import torch
     import torch.distributed as dist
 
@@ -115,7 +176,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K, device=device.index if cuda else -1,
                  backend="cuda_ipc" if cuda else "shm", timeout_s=cfg["timeout"])
     init_s = time.perf_counter() - t0
-    out: dict = {"rank": rank, "init_s": init_s}
+    out: dict = {"rank": rank, "init_s": init_s, "cores": pinned}
 
     # Correctness against the NCCL path, same inputs, same run.
     layout = buf.get_dispatch_layout(topk_idx, E)
@@ -192,6 +253,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             for _ in range(3):
                 buf.dispatch(x, handle=h_keep)
                 sync()
+            for _ in range(3):
+                combine()
+                sync()
         prof.export_chrome_trace(os.path.join(profile_dir, "ep_rank0_trace.json"))
         with open(os.path.join(profile_dir, "ep_rank0_profile.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
@@ -200,6 +264,8 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             dispatch(x)
         for _ in range(3):
             buf.dispatch(x, handle=h_keep)
+        for _ in range(3):
+            combine()
     # combine reuses the routing of h_keep: dispatch once more so the receive area matches it
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
@@ -212,13 +278,20 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
         b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
 
-        def overlapped():
-            r = buf.dispatch(x, **kwargs, return_recv_hook=True)
+        def overlapped(cached: bool = False):
+            r = buf.dispatch(x, handle=h_keep, return_recv_hook=True) if cached else buf.dispatch(
+                x, **kwargs, return_recv_hook=True)
             a @ b
             r[-1]()
 
+        def cached_hook():
+            buf.dispatch(x, handle=h_keep, return_recv_hook=True)[-1]()
+
         out["overlap_s"] = {"gemm": timed(lambda: a @ b), "dispatch_hook": times["dispatch_bf16_hook"],
-                            "send_gemm_hook": timed(overlapped)}
+                            "send_gemm_hook": timed(overlapped), "cached_hook": timed(cached_hook),
+                            "send_gemm_hook_cached": timed(lambda: overlapped(True))}
+    if cuda:  # last: it overwrites the peers' receive areas
+        out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
     buf.close()
     store.close()
     dist.destroy_process_group()
@@ -235,7 +308,7 @@ def _defaults(args) -> dict:
         "tokens": args.tokens or (4096 if cuda else 128), "hidden": args.hidden or (7168 if cuda else 512),
         "experts": args.experts or (256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
-        "lifecycles": args.lifecycles, "profile": args.profile,
+        "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin,
     }
 
 
@@ -247,6 +320,8 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     lines = [(f"ep bench: {cfg['ranks']} ranks ({'GPU, cuda_ipc' if cfg['cuda'] else 'CPU, shm'}), {cfg['tokens']} tokens x "
              f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts; medians of {cfg['iterations']}, slowest rank"),
              f"bytes per rank that cross to other ranks (bf16 dispatch): {statistics.mean(r['bytes']['bf16'] for r in ranks) / 1e6:.1f} MB",
+             "rank processes: " + (f"each pinned to {len(ranks[0]['cores'])} cores of its own" if ranks[0].get("cores")
+                                   else "not pinned"),
              "", f"{'operation':<34}{'time (ms)':>11}{'GB/s per rank':>15}{'vs NCCL':>9}"]
     summary: dict = {}
     nccl = {"dispatch": worst(lambda r: r["nccl"]["dispatch_s"]), "combine": worst(lambda r: r["nccl"]["combine_s"]),
@@ -267,6 +342,9 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL dispatch (bf16)", nccl["dispatch"], b16, None)
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, None)
+    if "floor_s" in ranks[0]:
+        for name in _FLOOR_SCHEDULES:
+            row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, None)
     lines.append("")
     for key, what in (("dispatch_phases_s", "dispatch"), ("cached_phases_s", "cached dispatch"),
                       ("combine_phases_s", "combine")):
@@ -281,10 +359,13 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
                                     for i in range(n)) for k in r["dispatch_marks"][0]}
         lines.append(f"  rank {r['rank']} marks after the first start (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in rel.items()))
     if "overlap_s" in ranks[0]:
-        g, d, both = (worst(lambda r, k=k: r["overlap_s"][k]) for k in ("gemm", "dispatch_hook", "send_gemm_hook"))
-        summary["overlap"] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}
-        lines.append(f"overlap: GEMM {g * 1e3:.3f} ms, hook dispatch {d * 1e3:.3f} ms, send -> GEMM -> hook {both * 1e3:.3f} ms "
-                     f"= {both / max(g, d):.2f} x the longer (goal <= 1.15)")
+        for name, which, alone, together in (("overlap", "hook dispatch", "dispatch_hook", "send_gemm_hook"),
+                                             ("overlap_cached", "hook cached dispatch", "cached_hook",
+                                              "send_gemm_hook_cached")):
+            g, d, both = (worst(lambda r, k=k: r["overlap_s"][k]) for k in ("gemm", alone, together))
+            summary[name] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}
+            lines.append(f"{name.replace('_', ', ')}: GEMM {g * 1e3:.3f} ms, {which} {d * 1e3:.3f} ms, send -> GEMM -> hook "
+                         f"{both * 1e3:.3f} ms = {both / max(g, d):.2f} x the longer (goal <= 1.15)")
     checks = {k: all(r["checks"][k] for r in ranks) for k in ranks[0]["checks"]}
     summary["checks"] = checks
     summary["init_s"] = max(r["init_s"] for r in ranks)

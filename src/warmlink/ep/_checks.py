@@ -119,7 +119,7 @@ class Checks:
         that differ from ``is_token_in_rank``: nothing was sent yet.
         """
         parts = words_layout(self._num_ranks, num_experts)
-        lo, hi = int(words[parts["lo"]][0]), int(words[parts["hi"]][0])
+        lo, hi = int(words[parts["lo"]].min()), int(words[parts["hi"]].max())
         if num_tokens and (lo < -1 or hi >= num_experts):
             raise ConfigError(f"ep.Buffer.dispatch: topk_idx has entries in [{lo}, {hi}]; expected every "
                               f"entry in [-1, {num_experts}) (outside [-1, {num_experts}); nothing was sent)")

@@ -24,10 +24,11 @@ from warmlink.ep._regions import PARITIES
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
-__all__ = ["CONFIG_KEYS", "KIND", "check_config", "validate_ep_rank"]
+__all__ = ["CONFIG_KEYS", "EVENT_PHASES", "KIND", "check_config", "validate_ep_rank"]
 
 KIND = "ep_rank"
 CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
+EVENT_PHASES = ("dispatch", "combine")
 _KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox", "events")
 _HANDLE = re.compile(r"[0-9a-f]{128}")
 _MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10}
@@ -66,14 +67,14 @@ def validate_ep_rank(obj: Any, peer: str) -> dict:
     mailbox = schema.validate_region(obj["mailbox"], peer, "mailbox")
     if mailbox["kind"] != "shm":
         _fail(peer, f"mailbox.kind={mailbox['kind']!r}; expected 'shm'")
-    events = _closed(obj["events"], ("dispatch", "combine"), "events", peer)
+    events = _closed(obj["events"], EVENT_PHASES, "events", peer)
     for phase, handles in events.items():
         if type(handles) is not list or len(handles) not in (0, PARITIES * config["num_ranks"]):
             _fail(peer, f"events.{phase} must be a list of 0 or {PARITIES * config['num_ranks']} handles")
         for i, h in enumerate(handles):
             if type(h) is not str or not _HANDLE.fullmatch(h):
                 _fail(peer, f"events.{phase}[{i}] invalid; expected 128 lowercase hex characters")
-    if (obj["data"]["kind"] == "cuda_ipc") != bool(events["dispatch"]) or len(events["dispatch"]) != len(events["combine"]):
+    if any((obj["data"]["kind"] == "cuda_ipc") != bool(handles) for handles in events.values()):
         _fail(peer, f"events do not match data.kind={obj['data']['kind']!r}; expected handles exactly for cuda_ipc")
     return obj
 

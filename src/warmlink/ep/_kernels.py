@@ -8,7 +8,7 @@ the same outputs: tests run both on the CPU, the kernels through Triton's interp
 - ``plan``: from ``is_token_in_rank``, every token's row in every destination's slot (the
   handle's ``combine_rows``, Note [Send order] in ep.layout), plus one int64 word vector for the
   host: the counts per destination recounted from the mask, the caller's counts per rank and per
-  expert, and the smallest and largest expert id. The dispatch reads it with one copy.
+  expert, and the smallest and largest expert id of each part. The dispatch reads it with one copy.
 - ``gather``: every token's row, and its meta row (ids, weights, FP8 scales; ep._regions), into
   the rows ``plan`` gave it, for a range of destinations: the staging slots of the peers before
   the copy engines push them, or this rank's own receive area.
@@ -24,19 +24,26 @@ import torch
 
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["Sources", "gather", "plan", "unpack", "words_layout"]
+__all__ = ["RANGE_PARTS", "Sources", "gather", "plan", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
 _X_BLOCK = 512  # int64 words of a row per program: 4 KiB
 _UNPACK_ROWS = 32
+# Programs that scan the expert ids for their range, each over one part: one program over all 32K
+# ids of the bench took 30 us, the longest part of the plan; the host takes the min of the parts.
+RANGE_PARTS = 8
 
 
 def words_layout(num_ranks: int, num_experts: int) -> dict[str, slice]:
     """Where each part lies in ``plan``'s word vector."""
-    r, e = num_ranks, num_experts
+    r, e, p = num_ranks, num_experts, RANGE_PARTS
     return {"sent": slice(0, r), "per_rank": slice(r, 2 * r), "per_expert": slice(2 * r, 2 * r + e),
-            "lo": slice(2 * r + e, 2 * r + e + 1), "hi": slice(2 * r + e + 1, 2 * r + e + 2)}
+            "lo": slice(2 * r + e, 2 * r + e + p), "hi": slice(2 * r + e + p, 2 * r + e + 2 * p)}
+
+
+def words_size(num_ranks: int, num_experts: int) -> int:
+    return 2 * num_ranks + num_experts + 2 * RANGE_PARTS
 
 
 @dataclass(frozen=True)
@@ -62,11 +69,13 @@ def _plan_torch(in_rank, topk, per_rank, per_expert, max_tokens):
     pos = torch.cumsum(by_rank, 1, dtype=torch.int64)  # inclusive: pos[t] + 1
     base = (torch.arange(num_ranks, device=dev, dtype=torch.int64) * max_tokens - 1).view(-1, 1)
     rows = torch.where(by_rank, pos + base, -1).t().contiguous()
-    if topk.numel():
-        lo, hi = topk.aminmax()
-    else:
-        lo, hi = topk.new_full((), _BIG), topk.new_full((), -_BIG)
-    parts = (by_rank.sum(1), per_rank.reshape(-1), per_expert.reshape(-1), lo.reshape(1), hi.reshape(1))
+    flat, lo, hi = topk.reshape(-1).to(torch.int64), [], []
+    part = -(-flat.numel() // RANGE_PARTS)
+    for j in range(RANGE_PARTS):  # the kernel's parts, so that both give the same words
+        ids = flat[j * part:(j + 1) * part]
+        lo.append(int(ids.min()) if ids.numel() else _BIG)
+        hi.append(int(ids.max()) if ids.numel() else -_BIG)
+    parts = (by_rank.sum(1), per_rank.reshape(-1), per_expert.reshape(-1), torch.tensor(lo + hi, device=dev))
     return rows, torch.cat([p.to(torch.int64) for p in parts])
 
 
@@ -123,7 +132,7 @@ def _build():
     @triton.jit
     def plan_kernel(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr,
                     num_tokens, num_entries, num_experts, max_tokens,
-                    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr):
+                    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
         pid = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         if pid < NUM_RANKS:  # one program scans one destination's column
@@ -138,21 +147,25 @@ def _build():
                 carry += tl.sum(flag, 0).to(tl.int64)
             tl.store(words_ptr + pid, carry)
             tl.store(words_ptr + NUM_RANKS + pid, tl.load(per_rank_ptr + pid).to(tl.int64))
-        else:  # the last program: per-expert counts and the range of expert ids
+        elif pid == NUM_RANKS:  # the per-expert counts
             for start in range(0, num_experts, BLOCK):
                 e = start + offs
                 v = tl.load(per_expert_ptr + e, mask=e < num_experts, other=0).to(tl.int64)
                 tl.store(words_ptr + 2 * NUM_RANKS + e, v, mask=e < num_experts)
+        else:  # the range of the expert ids in one part
+            j = pid - NUM_RANKS - 1
+            part = tl.cdiv(num_entries, PARTS)
+            end = tl.minimum(num_entries, (j + 1) * part)
             lo = tl.full([], BIG, dtype=tl.int64)
             hi = tl.full([], -BIG, dtype=tl.int64)
-            for start in range(0, num_entries, BLOCK):
+            for start in range(j * part, end, BLOCK):
                 e = (start + offs).to(tl.int64)
-                m = e < num_entries
+                m = e < end
                 v = tl.load(topk_ptr + e, mask=m, other=0).to(tl.int64)
                 lo = tl.minimum(lo, tl.min(tl.where(m, v, BIG), 0))
                 hi = tl.maximum(hi, tl.max(tl.where(m, v, -BIG), 0))
-            tl.store(words_ptr + 2 * NUM_RANKS + num_experts, lo)
-            tl.store(words_ptr + 2 * NUM_RANKS + num_experts + 1, hi)
+            tl.store(words_ptr + 2 * NUM_RANKS + num_experts + j, lo)
+            tl.store(words_ptr + 2 * NUM_RANKS + num_experts + PARTS + j, hi)
 
     @triton.jit
     def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, ids_out_ptr, floats_out_ptr,
@@ -217,7 +230,7 @@ def _pow2(n: int) -> int:
 # -- the entry points -------------------------------------------------------------------------------
 def plan(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor, max_tokens: int,
          kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [T, R] int64, words [2R + E + 2] int64)``, both on the device, no host synchronization.
+    """``(rows [T, R] int64, words [words_size(R, E)] int64)``, both on the device, no host synchronization.
 
     ``rows[t, d]`` is ``d * max_tokens + pos[t, d]`` where token ``t`` goes to ``d`` (``pos``: its
     rank among the tokens that go there), else -1. ``words``: see ``words_layout``.
@@ -230,10 +243,10 @@ def plan(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_
     num_tokens, num_ranks = in_rank.shape
     num_experts = per_expert.numel()
     rows = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=in_rank.device)
-    words = torch.empty(2 * num_ranks + num_experts + 2, dtype=torch.int64, device=in_rank.device)
-    launch(plan_kernel, (num_ranks + 1,), (in_rank.view(torch.uint8), topk, per_rank, per_expert, rows, words, num_tokens,
+    words = torch.empty(words_size(num_ranks, num_experts), dtype=torch.int64, device=in_rank.device)
+    launch(plan_kernel, (num_ranks + 1 + RANGE_PARTS,), (in_rank.view(torch.uint8), topk, per_rank, per_expert, rows, words, num_tokens,
                                            topk.numel(), num_experts, max_tokens),
-           {"NUM_RANKS": num_ranks, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG})
+           {"NUM_RANKS": num_ranks, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS})
     return rows, words
 
 

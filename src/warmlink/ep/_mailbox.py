@@ -111,11 +111,11 @@ class Mailbox:
         return int(self._peers[rank][COMBINE_HANDLE + round_ % 2])
 
     # -- reading --------------------------------------------------------------------------------
-    def counts(self, rank: int, round_: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(per_rank [R], per_expert [E])`` that ``rank`` published for ``round_`` (copies)."""
+    def counts(self, rank: int, round_: int, experts: slice) -> tuple[np.ndarray, np.ndarray]:
+        """``(per_rank [R], per_expert[experts])`` that ``rank`` published for ``round_`` (copies)."""
         base, r = self._base(round_) + 1, self.num_ranks
         box = self._peers[rank]
-        return box[base:base + r].copy(), box[base + r:base + r + num_experts].copy()
+        return box[base:base + r].copy(), box[base + r + experts.start:base + r + experts.stop].copy()
 
     def config(self, rank: int, round_: int) -> int:
         return int(self._peers[rank][self._base(round_)])

@@ -13,8 +13,11 @@ Both movers offer the same operations, so ``Buffer`` holds one protocol for both
   marks them;
 - ``start_to_host(words)`` / ``wait_host(timeout_s)``: a small device vector on the host (the
   dispatch's one wait for the device), with work queued in between;
-- ``arrived(sources, phase, timeout_s)``: block until the marks of ``sources`` toward this rank
-  are complete, then order the caller's stream after this rank's own pushes.
+- ``wait_begun(timeout_s)``: block until the caller's stream reached ``begin``;
+- ``send_done()``: the end of a send phase on the caller's stream (what the receive work follows);
+- ``arrived(sources, phase, timeout_s, then, writes)``: run ``then`` (the receive work: the
+  unpack, the combine's sum) once the marks of ``sources`` toward this rank are complete, block
+  until they are, then order the caller's stream after it and after this rank's own pushes.
 
 ``phase`` names the marks of one phase and parity (``"dispatch.0"``, ...; ep._regions, Note [Two
 parities]).
@@ -27,7 +30,17 @@ gathers run for microseconds on the SMs, the copy engines move the bytes while n
 a destination's copies can overlap the next destination's gather. ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
-never a hung stream). Rows move as int64 words: a row is a multiple of 128 channels.
+never a hung caller's stream). Rows move as int64 words: a row is a multiple of 128 channels.
+
+# Note [Receive work on its own stream]
+The receive work (the unpack, the combine's sum) is launched before the bytes land, on this
+rank's receive stream, behind stream waits on the sources' events: it starts the moment the last
+byte is in, not a host poll and a 20-30 us launch later. The host still polls the same events
+(deadline, liveness) and only then makes the caller's stream wait for the receive stream, so a
+dead sender can block the receive stream, never the caller's. Outputs the receive work writes are
+marked with ``record_stream``, so the allocator never hands their memory out while it may still
+run; a Buffer whose receive failed gives the stream back to the pool, which destroys a stream that
+does not drain (pool.streams).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import numpy as np
 import torch
 
 from warmlink.ep import _kernels
+from warmlink.ep._launch import current_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._regions import RegionLayout
 from warmlink.errors import PeerLostError, TransferTimeout
@@ -133,8 +147,15 @@ class HostMover(_Gathers):
         words, self._words = self._words, None
         return words.numpy().copy()
 
-    def arrived(self, sources, phase: str, timeout_s: float) -> None:
-        pass  # the mailbox's "sent" round already orders them
+    def wait_begun(self, timeout_s: float) -> None:
+        pass
+
+    def send_done(self) -> None:
+        pass
+
+    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=()) -> None:
+        if then is not None:  # the mailbox's "sent" round already ordered the copies
+            then()
 
     def close(self) -> None:
         self._views = None
@@ -149,15 +170,17 @@ class CudaMover(_Gathers):
         own: flat ``uint8`` device tensor of this rank's region.
         peer_ptrs: ``{rank: address of byte 0 of that peer's region in this process}``.
         streams: the pooled ``Stream`` of each destination (one stream may serve them all).
-        local_events: ``R + 2`` pooled event handles: one per destination ("gathered"), one for
-            ``begin`` and one for ``to_host``.
+        recv_stream: the pooled ``Stream`` of the receive work (Note [Receive work on its own stream]).
+        local_events: ``R + 4`` pooled event handles: one per destination ("gathered"), and one each
+            for ``begin``, ``to_host``, ``send_done`` and the end of the receive work.
         send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
         recv_events: ``{phase: {source: opened event handle}}`` (the sources' events toward this rank).
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
     """
 
     def __init__(self, layout: RegionLayout, rank: int, device: int, own: torch.Tensor, peer_ptrs: dict[int, int],
-                 streams: list, local_events: list[int], send_events: dict, recv_events: dict, peer_refs: dict) -> None:
+                 streams: list, recv_stream, local_events: list[int], send_events: dict, recv_events: dict,
+                 peer_refs: dict) -> None:
         from warmlink import _cuda
 
         self._cuda = _cuda
@@ -169,17 +192,20 @@ class CudaMover(_Gathers):
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
         self._streams = [s.handle for s in streams]
-        self._gathered = local_events[:-2]
-        self._begun, self._counted = local_events[-2:]
+        self._gathered = local_events[:-4]
+        self._begun, self._counted, self._send_done, self._received = local_events[-4:]
+        self._recv_stream = recv_stream.torch_stream()
         self._send_events = send_events
         self._recv_events = recv_events
         self._refs = peer_refs
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
-        self._host = torch.empty(2 * layout.num_ranks + MAX_EXPERTS + 2, dtype=torch.int64, pin_memory=True)
+        # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
+        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64,
+                                 pin_memory=torch.cuda.is_available())
         self._host_words = 0
 
     def _current(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        return current_stream(self.device)
 
     def begin(self) -> None:
         """Order every destination's copy stream after the caller's current stream."""
@@ -227,8 +253,9 @@ class CudaMover(_Gathers):
     def start_to_host(self, words: torch.Tensor) -> None:
         """Queue the copy of ``words`` (int64) to pinned host memory on the current stream."""
         self._host_words = words.numel()
-        self._host[:self._host_words].copy_(words, non_blocking=True)
-        self._cuda.event_record(self._counted, self._current())
+        current = self._current()  # one raw copy: torch's copy_ costs ~30 us of host time here
+        self._cuda.memcpy_async(self._host.data_ptr(), words.data_ptr(), self._host_words * 8, current)
+        self._cuda.event_record(self._counted, current)
 
     def wait_host(self, timeout_s: float) -> np.ndarray:
         """The words of ``start_to_host``, host-polled with a deadline; everything queued on the
@@ -240,11 +267,36 @@ class CudaMover(_Gathers):
                                       f"count copy within {timeout_s:.3g} s")
         return self._host[:self._host_words].numpy().copy()
 
-    def arrived(self, sources, phase: str, timeout_s: float) -> None:
-        """Host-poll the peers' events (deadline, liveness), then order the current stream after this
-        rank's own pushes of ``phase`` (so the caller may reuse its inputs)."""
-        query = self._cuda.event_query
+    def wait_begun(self, timeout_s: float) -> None:
+        """Host-poll, with a deadline, until the caller's stream ran everything queued before ``begin``."""
+        query, deadline = self._cuda.event_query, time.perf_counter() + timeout_s
+        while not query(self._begun):
+            if time.perf_counter() > deadline:
+                raise TransferTimeout(f"ep: the caller's stream on cuda:{self.device} did not reach the round's start "
+                                      f"within {timeout_s:.3g} s")
+
+    def send_done(self) -> None:
+        self._cuda.event_record(self._send_done, self._current())
+
+    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=()) -> None:
+        """Launch ``then`` on the receive stream behind the peers' events (Note [Receive work on its
+        own stream]), host-poll those events (deadline, liveness), then order the current stream
+        after the receive work and after this rank's own pushes of ``phase`` (so the caller may
+        reuse its inputs). ``writes``: the tensors ``then`` writes."""
         pending = [s for s in sources if s != self.rank]
+        current = self._current()
+        if then is not None:
+            side = self._recv_stream
+            self._cuda.stream_wait_event(side.cuda_stream, self._send_done)
+            for s in pending:
+                self._cuda.stream_wait_event(side.cuda_stream, self._recv_events[phase][s])
+            for t in writes:
+                if t is not None:
+                    t.record_stream(side)
+            with torch.cuda.stream(side):
+                then()
+            self._cuda.event_record(self._received, side.cuda_stream)
+        query = self._cuda.event_query
         start = last = time.perf_counter()
         while pending:
             pending = [s for s in pending if not query(self._recv_events[phase][s])]
@@ -258,9 +310,10 @@ class CudaMover(_Gathers):
                         raise PeerLostError(f"ep: rank {s} (pid {self._refs[s].pid}) died with its {phase} bytes in flight")
                 if now - start > timeout_s:
                     raise TransferTimeout(f"ep: {phase} bytes from ranks {pending} not complete after {timeout_s:.3g} s")
-        current = self._current()
         for event in self._send_events[phase]:
             self._cuda.stream_wait_event(current, event)
+        if then is not None:
+            self._cuda.stream_wait_event(current, self._received)
 
     def close(self) -> None:
         self._ptrs = {}

@@ -22,9 +22,8 @@ each rank), so a peer can never write outside its slot or past the area.
 A source may write round ``n`` into a peer as soon as it has its own plan, without waiting for
 that peer to reach round ``n``: round ``n`` lands in parity ``n % 2``, whose last user was round
 ``n - 2``. The source finished round ``n - 1``, whose receive waited for every peer's "round
-``n - 1`` sent"; a peer publishes that only after its round ``n - 1`` began, and a round begins by
-proving on the host that the caller's stream finished with the outputs of the round before
-(ep.buffer, Note [Round protocol]). So parity ``n % 2`` is free everywhere, and the copy engines
+``n - 1`` sent"; a peer publishes that only after proving on the host that its caller's stream
+finished with the outputs of the round before (ep.buffer, Note [Round protocol], step 1). So parity ``n % 2`` is free everywhere, and the copy engines
 start right after the gathers. The price is twice the receive memory.
 """
 

@@ -17,9 +17,10 @@ destination, the bytes handed to the copy engines, the round marked sent) with o
 # Note [Round protocol]
 A dispatch (and likewise a combine) is one round ``n`` of a handshake in the host mailboxes:
 
-1. the round begins with one wait of the host for the caller's stream: for the counts of a fresh
-   dispatch (one kernel plans the whole send, ep._kernels), a stream synchronization otherwise. It
-   proves that every earlier reader of this rank's receive areas, on that stream, has finished;
+1. before step 4, the host waits once for the caller's stream to reach the start of the round:
+   for the counts of a fresh dispatch (one kernel plans the whole send, ep._kernels), for an event
+   recorded at the start otherwise (a cached dispatch gathers and copies first). It proves that
+   every earlier reader of this rank's receive areas, on that stream, has finished;
 2. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
 3. a fresh dispatch waits until every peer published the same (it needs their counts to know
    where its rows go, Note [Send order] in ep.layout). A cached dispatch and a combine do not
@@ -49,7 +50,7 @@ from warmlink._closing import Closing
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
-from warmlink.ep._info import KIND, check_config
+from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._kernels import Sources, plan
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
@@ -149,6 +150,8 @@ class Buffer(Closing):
         if (self.backend == "shm") != (self.device < 0):
             raise ConfigError(f"ep.Buffer: backend={self.backend!r} does not fit device={self.device}")
         self._leases: list = []
+        self._recv_stream = None
+        self._recv_failed = False
         self._remotes: list = []
         self._event_tokens: list = []
         self._round = {"dispatch": 0, "combine": 0}
@@ -213,7 +216,7 @@ class Buffer(Closing):
         # Buffers are built collectively: the n-th build of every rank forms epoch n.
         epoch = (store.add("ep/joins", 1, checked=False) - 1) // self.num_ranks + 1
         host, pid, start = local_identity()
-        events = self._lease_events() if self.backend == "cuda_ipc" else {"dispatch": [], "combine": []}
+        events = self._lease_events() if self.backend == "cuda_ipc" else {phase: [] for phase in EVENT_PHASES}
         info = {
             "schema_version": 1, "kind": KIND,
             "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": self.rank,
@@ -224,7 +227,7 @@ class Buffer(Closing):
         }
         store.set(f"ep/{epoch}/{self.rank}", schema.encode(info))
         peers, regions = {}, {}
-        recv_events = {f"{phase}.{p}": {} for phase in ("dispatch", "combine") for p in range(PARITIES)}
+        recv_events = {f"{phase}.{p}": {} for phase in EVENT_PHASES for p in range(PARITIES)}
         for r in range(self.num_ranks):
             if r == self.rank:
                 continue
@@ -244,7 +247,7 @@ class Buffer(Closing):
                 raise MetadataError(f"ep rank info from peer={name!r}: data.nbytes={data.nbytes}; expected >= {self.layout.nbytes}")
             regions[r] = data
             self.mailbox.attach(r, mail.tensor, ref)
-            for phase in ("dispatch", "combine"):
+            for phase in EVENT_PHASES:
                 for p, handle_hex in enumerate(theirs["events"][phase][self.rank::self.num_ranks]):
                     recv_events[f"{phase}.{p}"][r] = self._open_event(ref, handle_hex)
         self.peers = peers
@@ -259,12 +262,16 @@ class Buffer(Closing):
             own = self.num_ranks if _env.ep_copy_streams() == "per-peer" else 1
             leased = [lease_stream(self.device) for _ in range(own)]
             streams = [leased[d % own] for d in range(self.num_ranks)]
-            local = [lease_event(self.device) for _ in range(self.num_ranks + 3)]
+            local = [lease_event(self.device) for _ in range(self.num_ranks + 5)]
             self._leases += leased + local
+            # not among self._leases: close() must not order the caller's stream after it (it may
+            # wait on a dead peer; ep._movers, Note [Receive work on its own stream])
+            self._recv_stream = lease_stream(self.device)
             self._reduced_event = local[-1].resource.handle
             self._mover = CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                                     {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
-                                    [e.resource.handle for e in local[:-1]], self._send_events, recv_events, peers)
+                                    self._recv_stream.resource, [e.resource.handle for e in local[:-1]],
+                                    self._send_events, recv_events, peers)
         else:
             self._mover = HostMover(self.layout, self.rank, self._region.tensor, {r: reg.tensor for r, reg in regions.items()})
 
@@ -274,7 +281,7 @@ class Buffer(Closing):
 
         self._send_events = {}
         out = {}
-        for phase in ("dispatch", "combine"):  # the rank info's events[phase][p * R + d] (ep._info)
+        for phase in EVENT_PHASES:  # the rank info's events[phase][p * R + d] (ep._info)
             out[phase] = []
             for p in range(PARITIES):
                 leases = [lease_event(self.device, interprocess=True) for _ in range(self.num_ranks)]
@@ -313,10 +320,6 @@ class Buffer(Closing):
                               f"{self._pending.round} was not called; call it before the next operation")
 
     # -- the round protocol -----------------------------------------------------------------------
-    def _sync_caller(self) -> None:
-        if self.device >= 0:
-            torch.cuda.current_stream(self.device).synchronize()
-
     def _meet(self, field: int, round_: int) -> None:
         """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
         for ``round_``, then check it called with the same config (dispatch) or handle (combine)."""
@@ -376,61 +379,68 @@ class Buffer(Closing):
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
         mover, me, peers = self._mover, self.rank, self._order()
-        if handle is not None:
+        cached = handle is not None
+        if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
-            self._sync_caller()  # see Note [Round protocol], step 1
             config = self._call_config(handle.num_experts, 0, scales is not None, True)
             src = Sources(as_words(tokens), scales=scales)
             self.mailbox.publish_dispatch(round_, config)
             t1 = time.perf_counter()
-            # No wait for the peers (ep._regions, Note [Two parities]): each peer's copies start
-            # as soon as its rows are gathered.
+            # No wait for the peers (ep._regions, Note [Two parities]): the copies start as soon as
+            # the rows are gathered. One gather for every peer: a launch per peer cost a slow rank's
+            # host up to 0.15 ms more before its last copy, and every peer waits for that copy.
             mover.begin()
+            mover.gather(handle.combine_rows, src, range(self.num_ranks), me)
             for d in peers:
-                mover.gather(handle.combine_rows, src, range(d, d + 1), -1)
                 mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
             t2 = t3 = time.perf_counter()
         else:
             topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
                 tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
+            t_checked = time.perf_counter()
             rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
             mover.start_to_host(words)
+            t_planned = time.perf_counter()
             # The peers' rows are gathered into staging while the counts travel to the host and the
             # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
             src = Sources(as_words(tokens), topk, weights, scales)
             mover.begin()
             mover.gather(rows, src, range(self.num_ranks), me)
+            t_launched = time.perf_counter()
             send_counts, expert_counts = self._checks.counts(mover.wait_host(self.timeout_s), num_tokens, num_experts)
             handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=topk.shape[1],
                             round=round_)
             t1 = t2 = time.perf_counter()
             self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
             self._meet(mb.DISPATCH, round_)
+            t_met = time.perf_counter()
             self._complete_plan(handle, round_)
             t3 = time.perf_counter()
             for d in peers:
                 mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
         mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
         mover.flush(me, phase, src, 0, 0, parts)
+        mover.send_done()
+        if cached:  # see Note [Round protocol], step 1 (a fresh dispatch waited for its counts)
+            mover.wait_begun(self.timeout_s)
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         self._round["dispatch"] = round_
         t_sent = time.perf_counter()
         self.last_phases = {"layout": t1 - t0, "stage": t2 - t1, "handshake": t3 - t2, "send": t_sent - t3}
         # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
-        self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent}
-        recv_x, recv_idx, recv_w, unpack = self._recv_outputs(handle, parts, tokens.dtype, scales is not None,
+        self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent} if cached else {
+            "start": t0, "checked": t_checked, "planned": t_planned, "launched": t_launched, "counts": t1, "met": t_met,
+            "ready": t3, "sent": t_sent}
+        recv_x, recv_idx, recv_w, unpack, unpacked = self._recv_outputs(handle, parts, tokens.dtype, scales is not None,
                                                               src.topk is not None, src.weights is not None)
-        cached = src.topk is None
-
         def receive() -> None:
             t3 = time.perf_counter()
             if cached:  # a fresh dispatch met the peers before sending
                 self._meet(mb.DISPATCH, round_)
             self.mailbox.wait(mb.DISPATCH_SENT, round_, self.timeout_s)
-            mover.arrived(range(self.num_ranks), phase, self.timeout_s)
-            unpack()
+            self._arrived(phase, unpack, unpacked)
             self.last_marks["received"] = time.perf_counter()
             self.last_phases["receive"] = self.last_marks["received"] - t3
 
@@ -482,6 +492,7 @@ class Buffer(Closing):
                 mover.copy(s, weights[start:start + count], comb_w, slot)
             mover.sent(s, phase)
         mover.sent(self.rank, phase)  # nothing to copy: this rank's own rows are summed where they lie
+        mover.send_done()
         self.mailbox.publish(mb.COMBINE_SENT, round_)
         self._round["combine"] = round_
         self.last_phases = {"handshake": t1 - t0, "send": time.perf_counter() - t1}
@@ -493,14 +504,18 @@ class Buffer(Closing):
             t2 = time.perf_counter()
             self._meet(mb.COMBINE, round_)
             self.mailbox.wait(mb.COMBINE_SENT, round_, self.timeout_s)
-            mover.arrived(range(self.num_ranks), phase, self.timeout_s)  # rows/weights stay referenced until here
             # this rank's own copy of token t is row combine_rows[t, me] - me * max_tokens + recv_starts[me] of x
             shift = handle.recv_starts[self.rank] - self.rank * self.layout.max_tokens
-            combine_sum(self.layout.view(self._region.tensor, comb_x, rows.dtype, self.layout.hidden), handle.combine_rows,
-                        out, local=(rows, self.rank, shift))
-            if out_w is not None:
-                combine_sum(self.layout.view(self._region.tensor, comb_w, torch.float32, out_w.shape[1]),
-                            handle.combine_rows, out_w, local=(weights, self.rank, shift))
+
+            def sums() -> None:
+                combine_sum(self.layout.view(self._region.tensor, comb_x, rows.dtype, self.layout.hidden),
+                            handle.combine_rows, out, local=(rows, self.rank, shift))
+                if out_w is not None:
+                    combine_sum(self.layout.view(self._region.tensor, comb_w, torch.float32, out_w.shape[1]),
+                                handle.combine_rows, out_w, local=(weights, self.rank, shift))
+
+            # rows/weights stay referenced until this returns
+            self._arrived(phase, sums, (out, out_w))
             self._mark_reduced()
             self.last_phases["receive"] = time.perf_counter() - t2
 
@@ -508,9 +523,10 @@ class Buffer(Closing):
 
     # -- helpers ----------------------------------------------------------------------------------
     def _recv_outputs(self, handle: Handle, parts: tuple[str, str], dtype, fp8: bool, with_topk: bool, with_weights: bool):
-        """``(recv_x, recv_topk_idx, recv_topk_weights, unpack)``: ``recv_x`` is a view of the receive
-        area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales), made now
-        so that hook mode can return them before the bytes land."""
+        """``(recv_x, recv_topk_idx, recv_topk_weights, unpack, writes)``: ``recv_x`` is a view of the
+        receive area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales),
+        ``writes``, made now so that hook mode can return them before the bytes land (None when
+        there is nothing to unpack)."""
         total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
         x = lay.view(region, parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
         meta = lay.view(region, parts[1], torch.uint8, lay.meta_bytes)[:total]
@@ -523,7 +539,8 @@ class Buffer(Closing):
         def unpack() -> None:
             unpack_meta(meta, lay.num_topk, idx, w, scales, self.rank * epr, epr)
 
-        return ((x, scales) if fp8 else x), idx, w, unpack
+        busy = total and (idx is not None or scales is not None)
+        return ((x, scales) if fp8 else x), idx, w, (unpack if busy else None), (idx, w, scales)
 
     def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple):
         """Run the receive phase now, or return ``(*result, hook)`` whose hook runs it once."""
@@ -553,21 +570,30 @@ class Buffer(Closing):
 
     def _complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
-        num_ranks, me = self.num_ranks, self.rank
-        matrix = np.empty((num_ranks, num_ranks), dtype=np.int64)
-        per_expert = np.empty((num_ranks, handle.num_experts), dtype=np.int64)
-        for s in range(num_ranks):
-            matrix[s], per_expert[s] = self.mailbox.counts(s, round_, handle.num_experts)
-        matrix[me] = handle.send_counts
-        if (matrix < 0).any() or (matrix > self.layout.max_tokens).any():
-            bad = int(np.argwhere((matrix < 0) | (matrix > self.layout.max_tokens))[0, 0])
-            raise MetadataError(f"ep: rank {bad} published counts {matrix[bad].tolist()}; expected each in "
-                                f"[0, {self.layout.max_tokens}]")
+        num_ranks, me, cap = self.num_ranks, self.rank, self.layout.max_tokens
         epr = handle.num_experts // num_ranks
-        handle.recv_counts = matrix[:, me].tolist()
-        handle.recv_starts = (np.cumsum(matrix[:, me]) - matrix[:, me]).tolist()
-        handle.dst_rows = matrix[:me].sum(0).tolist()
-        handle.num_recv_tokens_per_expert_list = per_expert[:, me * epr:(me + 1) * epr].sum(0).tolist()
+        mine = slice(me * epr, (me + 1) * epr)  # only this rank's experts are read
+        matrix, per_expert = [], np.zeros(epr, dtype=np.int64)
+        for s in range(num_ranks):  # plain lists: R is small, and this sits before the first copy
+            per_rank, experts = self.mailbox.counts(s, round_, mine)
+            row = handle.send_counts if s == me else per_rank.tolist()
+            if min(row) < 0 or max(row) > cap:
+                raise MetadataError(f"ep: rank {s} published counts {row}; expected each in [0, {cap}]")
+            matrix.append(row)
+            per_expert += experts
+        handle.recv_counts = [row[me] for row in matrix]
+        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
+        handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(num_ranks)]
+        handle.num_recv_tokens_per_expert_list = per_expert.tolist()
+
+    def _arrived(self, phase: str, then, writes) -> None:
+        """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
+        dead peer for good, so ``close`` stops ordering the caller's stream after it."""
+        try:
+            self._mover.arrived(range(self.num_ranks), phase, self.timeout_s, then=then, writes=writes)
+        except BaseException:
+            self._recv_failed = True
+            raise
 
     def _mark_reduced(self) -> None:
         if self.device >= 0:
@@ -615,6 +641,12 @@ class Buffer(Closing):
         for lease in reversed(self._leases):
             lease.release()
         self._leases = []
+        if self._recv_stream is not None:  # drained by the pool, or destroyed if it cannot drain
+            if not self._recv_failed:  # its last reads of the region come before the region's reuse
+                torch.cuda.current_stream(self.device).wait_stream(self._recv_stream.resource.torch_stream())
+            self._recv_stream.release()
+            self._recv_stream = None
+        self._recv_failed = False
         for name in ("_region", "_mail_region"):
             region = getattr(self, name, None)
             if region is not None:

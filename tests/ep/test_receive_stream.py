@@ -1,0 +1,109 @@
+"""The receive work on its own stream (Note [Receive work on its own stream] in ep._movers), with a
+fake CUDA: the work waits for the peers' events, and the caller's stream is ordered after it only
+once the host saw the bytes arrive; a stalled or dead sender raises and leaves the caller's stream
+untouched."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from warmlink.ep import _movers
+from warmlink.ep._regions import RegionLayout
+from warmlink.ep.buffer import Buffer
+from warmlink.errors import PeerLostError, TransferTimeout
+
+CALLER, COPY, SIDE = 11, 12, 13  # stream handles
+PEER_EVENT = 201
+SEND_EVENTS = [100, 101]
+LOCAL = [300, 301, 302, 303, 304, 305]  # gathered x2, begun, counted, send_done, received
+SEND_DONE, RECEIVED = LOCAL[-2], LOCAL[-1]
+
+
+class FakeCuda:
+    """Records stream waits, event records and queries; the peer's event completes after ``ready_after`` polls."""
+
+    def __init__(self, ready_after: int | None) -> None:
+        self.calls: list[tuple] = []
+        self.ready_after = ready_after
+        self.polls = 0
+
+    def event_record(self, event, stream):
+        self.calls.append(("record", event, stream))
+
+    def stream_wait_event(self, stream, event):
+        self.calls.append(("wait", stream, event))
+
+    def event_query(self, event):
+        if event != PEER_EVENT:
+            return True
+        self.polls += 1
+        self.calls.append(("query", event))
+        return self.ready_after is not None and self.polls > self.ready_after
+
+
+class FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+        self.cuda_stream = handle
+
+    def torch_stream(self):
+        return self
+
+
+class Ref:
+    def __init__(self, alive: bool) -> None:
+        self.pid = 4242
+        self._alive = alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+
+def _mover(monkeypatch, fake: FakeCuda, alive: bool = True) -> _movers.CudaMover:
+    layout = RegionLayout(2, 4, 128, 2)
+    mover = _movers.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
+                              [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL, {"dispatch.0": SEND_EVENTS},
+                              {"dispatch.0": {1: PEER_EVENT}}, {1: Ref(alive)})
+    mover._cuda = fake
+    monkeypatch.setattr(_movers, "current_stream", lambda device: CALLER)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    return mover
+
+
+def test_receive_work_waits_for_the_peers_and_the_caller_waits_for_it_after_the_poll(monkeypatch):
+    fake = FakeCuda(ready_after=3)
+    mover = _mover(monkeypatch, fake)
+    ran = []
+    mover.arrived(range(2), "dispatch.0", 5.0, then=lambda: ran.append(len(fake.calls)))
+    calls = fake.calls
+    assert ran == [2]  # launched after its two waits, before any poll
+    assert calls[:2] == [("wait", SIDE, SEND_DONE), ("wait", SIDE, PEER_EVENT)]
+    assert calls[2] == ("record", RECEIVED, SIDE)
+    last_poll = max(i for i, c in enumerate(calls) if c[0] == "query")
+    caller_waits = [i for i, c in enumerate(calls) if c[:2] == ("wait", CALLER)]
+    assert fake.polls == 4 and min(caller_waits) > last_poll
+    assert [calls[i][2] for i in caller_waits] == [*SEND_EVENTS, RECEIVED]
+
+
+@pytest.mark.parametrize("alive, error", [(True, TransferTimeout), (False, PeerLostError)])
+def test_a_stalled_or_dead_sender_never_reaches_the_callers_stream(monkeypatch, alive, error):
+    fake = FakeCuda(ready_after=None)
+    mover = _mover(monkeypatch, fake, alive=alive)
+    with pytest.raises(error):
+        mover.arrived(range(2), "dispatch.0", 0.02, then=lambda: None)
+    assert not [c for c in fake.calls if c[:2] == ("wait", CALLER)]
+
+
+def test_buffer_marks_its_receive_stream_failed():
+    class Failing:
+        def arrived(self, *args, **kwargs):
+            raise TransferTimeout("stalled")
+
+    buf = Buffer.__new__(Buffer)
+    buf._mover, buf.num_ranks, buf.timeout_s, buf._recv_failed = Failing(), 2, 0.01, False
+    with pytest.raises(TransferTimeout):
+        buf._arrived("dispatch.0", lambda: None, ())
+    assert buf._recv_failed

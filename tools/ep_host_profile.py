@@ -1,0 +1,77 @@
+"""Where the host time of one ep call goes: cProfile of a one-rank Buffer on one GPU.
+
+A one-rank group runs the same host path as a larger one up to the peer loops (checks, plan,
+gathers, the count copy, the unpack, the sums), so the functions that cost host time before the
+first copy show here without the peers' noise. Prints the top functions by own time for fresh
+dispatches, cached dispatches and combines, and the median wall time of each call::
+
+    python tools/ep_host_profile.py [--calls 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from warmlink.ep import Buffer
+from warmlink.rendezvous import Store
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    torch.cuda.set_device(0)
+    T, H, E, K = args.tokens, args.hidden, 256, 8
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(T, E, generator=gen).topk(K, 1).indices.cuda()
+    w = torch.rand(T, K).cuda()
+    x = torch.randn(T, H).bfloat16().cuda()
+    store = Store(is_server=True, prefix="ep-host-profile", timeout_s=30)
+    buf = Buffer(store, 0, 1, max_tokens_per_rank=T, hidden=H, num_topk=K, timeout_s=30)
+    lay = buf.get_dispatch_layout(idx, E)
+    kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2], "topk_idx": idx,
+          "topk_weights": w}
+    y, _, _, _, handle, _ = buf.dispatch(x, **kw)
+    y = y.clone()
+    calls = {
+        "fresh dispatch": lambda: buf.dispatch(x, **kw),
+        "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+        "combine": lambda: buf.combine(y, handle),
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        wall = []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+            torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        print(f"=== {name}: host wall {statistics.median(wall) * 1e6:.1f} us median of {args.calls} (one rank); "
+              f"phases {({k: round(v * 1e6, 1) for k, v in buf.last_phases.items()})} us")
+        print(text.getvalue())
+    buf.close()
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
