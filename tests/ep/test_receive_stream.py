@@ -18,7 +18,7 @@ from warmlink.errors import PeerLostError, TransferTimeout
 CALLER, COPY, SIDE = 11, 12, 13  # stream handles
 PEER_EVENT = 201
 SEND_EVENTS = [100, 101]
-LOCAL = [300, 301, 302, 303, 304, 305]  # gathered x2, begun, counted, send_done, received
+LOCAL = [300, 301, 302, 303, 304]  # gathered, begun, counted, send_done, received
 SEND_DONE, RECEIVED = LOCAL[-2], LOCAL[-1]
 
 

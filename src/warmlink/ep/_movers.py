@@ -24,10 +24,11 @@ parities]).
 
 # Note [Copy-engine sends]
 On CUDA a gather is one kernel on the caller's stream (ep._kernels) into this rank's staging
-slots; ``gather`` then records an event per destination, and ``flush`` makes ``dest``'s copy
-stream wait for it and issues one ``cudaMemcpyAsync`` per area into the peer's mapped region: the
-gathers run for microseconds on the SMs, the copy engines move the bytes while no SM waits, and
-a destination's copies can overlap the next destination's gather. ``sent``/``flush`` record an
+slots, for every peer at once; ``gather`` then records one event that the copy streams wait for,
+and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped region: the gather
+runs for tens of microseconds on the SMs, and the copy engines move the bytes while no SM waits.
+(A gather per destination let the first copy start sooner, but cost a launch per peer on the
+host, and a slow rank's host then delayed its last copy; BENCHMARKS.md.) ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
 never a hung caller's stream). Rows move as int64 words: a row is a multiple of 128 channels.
@@ -171,8 +172,8 @@ class CudaMover(_Gathers):
         peer_ptrs: ``{rank: address of byte 0 of that peer's region in this process}``.
         streams: the pooled ``Stream`` of each destination (one stream may serve them all).
         recv_stream: the pooled ``Stream`` of the receive work (Note [Receive work on its own stream]).
-        local_events: ``R + 4`` pooled event handles: one per destination ("gathered"), and one each
-            for ``begin``, ``to_host``, ``send_done`` and the end of the receive work.
+        local_events: 5 pooled event handles: for ``gather``, ``begin``, ``to_host``, ``send_done``
+            and the end of the receive work.
         send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
         recv_events: ``{phase: {source: opened event handle}}`` (the sources' events toward this rank).
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
@@ -192,8 +193,8 @@ class CudaMover(_Gathers):
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
         self._streams = [s.handle for s in streams]
-        self._gathered = local_events[:-4]
-        self._begun, self._counted, self._send_done, self._received = local_events[-4:]
+        self._copy_streams = list(dict.fromkeys(self._streams))  # each once: one stream may serve every peer
+        self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
         self._recv_stream = recv_stream.torch_stream()
         self._send_events = send_events
         self._recv_events = recv_events
@@ -210,17 +211,16 @@ class CudaMover(_Gathers):
     def begin(self) -> None:
         """Order every destination's copy stream after the caller's current stream."""
         self._cuda.event_record(self._begun, self._current())
-        for s in self._streams:
+        for s in self._copy_streams:
             self._cuda.stream_wait_event(s, self._begun)
 
     def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
-        """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); each
-        destination's copy may start as soon as it ran."""
+        """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); the copies
+        flushed after it start once it ran."""
         self._stage(rows, src, dests, skip)
-        current = self._current()
-        for d in dests:
-            if d != skip:
-                self._cuda.event_record(self._gathered[d], current)
+        self._cuda.event_record(self._gathered, self._current())
+        for s in self._copy_streams:
+            self._cuda.stream_wait_event(s, self._gathered)
 
     def flush(self, dest: int, phase: str, src: _kernels.Sources, row0: int, count: int, parts: tuple[str, ...]) -> None:
         """Copy ``count`` staged rows of ``dest`` to rows ``row0...`` of its ``parts`` once gathered,
@@ -230,7 +230,6 @@ class CudaMover(_Gathers):
             return
         stream = self._streams[dest]
         if count:
-            self._cuda.stream_wait_event(stream, self._gathered[dest])
             slot = dest * self.layout.max_tokens
             for staged, area in zip(self._views.parts(self.rank, src, STAGE), parts):
                 if staged is not None:
