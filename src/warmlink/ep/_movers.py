@@ -172,12 +172,14 @@ class CudaMover(_Gathers):
         peer_ptrs: ``{rank: address of byte 0 of that peer's region in this process}``.
         streams: the pooled ``Stream`` of each destination (one stream may serve them all).
         recv_stream: the pooled ``Stream`` of the receive work (Note [Receive work on its own stream]).
-        local_events: 5 pooled event handles: for ``gather``, ``begin``, ``to_host``, ``send_done``
-            and the end of the receive work.
+        local_events: ``LOCAL_EVENTS`` pooled event handles: for ``gather``, ``begin``,
+            ``to_host``, ``send_done`` and the end of the receive work.
         send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
         recv_events: ``{phase: {source: opened event handle}}`` (the sources' events toward this rank).
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
     """
+
+    LOCAL_EVENTS = 5
 
     def __init__(self, layout: RegionLayout, rank: int, device: int, own: torch.Tensor, peer_ptrs: dict[int, int],
                  streams: list, recv_stream, local_events: list[int], send_events: dict, recv_events: dict,

@@ -262,7 +262,7 @@ class Buffer(Closing):
             own = self.num_ranks if _env.ep_copy_streams() == "per-peer" else 1
             leased = [lease_stream(self.device) for _ in range(own)]
             streams = [leased[d % own] for d in range(self.num_ranks)]
-            local = [lease_event(self.device) for _ in range(6)]
+            local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS + 1)]  # + the combine's "reduced"
             self._leases += leased + local
             # not among self._leases: close() must not order the caller's stream after it (it may
             # wait on a dead peer; ep._movers, Note [Receive work on its own stream])
