@@ -60,6 +60,9 @@ CASES = {
     "fp8": {"tokens": [10, 17, 3], "hidden": 256, "experts": 6, "topk": 2, "dtype": torch.float8_e4m3fn, "seed": 7},
     "no layout given, cached re-dispatch": {"tokens": [12, 5], "hidden": 128, "experts": 4, "topk": 2, "layout": False, "cached": True},
     "all masked": {"tokens": [4, 6], "hidden": 128, "experts": 4, "topk": 2, "mask_prob": 1.0},
+    # the largest group ep takes on one node (issue 6 runs it on 8 GPUs)
+    "8 ranks, top-8 of 32, cached re-dispatch": {"tokens": [5, 0, 9, 3, 12, 1, 7, 4], "hidden": 128, "experts": 32,
+                                                 "topk": 8, "mask_prob": 0.1, "seed": 11, "cached": True},
 }
 
 
