@@ -63,6 +63,7 @@ class Ref:
 
 
 def _mover(monkeypatch, fake: FakeCuda, alive: bool = True) -> _movers.CudaMover:
+    assert len(LOCAL) == _movers.CudaMover.LOCAL_EVENTS  # what Buffer leases for it
     layout = RegionLayout(2, 4, 128, 2)
     mover = _movers.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
                               [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL, {"dispatch.0": SEND_EVENTS},

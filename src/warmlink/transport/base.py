@@ -38,6 +38,7 @@ __all__ = [
     "Batch",
     "Transfer",
     "Link",
+    "device_scope",
     "local_identity",
     "process_start_time",
 ]
@@ -245,6 +246,16 @@ class Transfer(abc.ABC):
             sleep_s = min(sleep_s * 2, 100e-6)  # a longer sleep would add up to itself to a 20 ms refit
 
 
+def device_scope(device: int):
+    """``device``'s primary context current (``_cuda.use_device``) for a GPU; nothing for host
+    memory (``device < 0``)."""
+    if device < 0:
+        return contextlib.nullcontext()
+    from warmlink import _cuda
+
+    return _cuda.use_device(device)
+
+
 class Link(abc.ABC):
     """One process's end of a transport. Every method names its cost; see the backends."""
 
@@ -295,11 +306,7 @@ class Link(abc.ABC):
     def device_scope(self):
         """A context to hold around many calls in a row (``register`` over a model's tensors): a
         GPU link makes its device current once instead of once per call. Nothing on host memory."""
-        if self.device < 0:
-            return contextlib.nullcontext()
-        from warmlink import _cuda
-
-        return _cuda.use_device(self.device)
+        return device_scope(self.device)
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> LocalRegion:

@@ -36,7 +36,6 @@ See Note [Loud fallbacks] in ``warmlink.transport._nixl_speed`` for how slow pat
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -73,6 +72,7 @@ from warmlink.transport.base import (
     PeerRef,
     RemoteRegion,
     Transfer,
+    device_scope,
 )
 
 __all__ = ["NixlLink", "NixlTransfer", "DEFAULT_MIN_GBPS", "SPEED_CHECK_BYTES"]
@@ -107,25 +107,16 @@ def _vram_device(owner) -> int:
     return owner[1] if isinstance(owner, tuple) and owner[0] == "vram" else -1
 
 
-def _in_device(device: int):
-    """The device's primary context current (UCX registers GPU memory in it); a cache hit needs none."""
-    if device < 0:
-        return contextlib.nullcontext()
-    from warmlink import _cuda
-
-    return _cuda.use_device(device)
-
-
 def _register(key: _RegKey) -> _Registration:
     agent, base, nbytes, device = _agents[key[0]], key[1], key[2], _vram_device(key[3])
-    with _in_device(device):
+    with device_scope(device):  # UCX registers GPU memory in the device's primary context
         reg, meta_hex = agent.register(base, nbytes, "VRAM" if device >= 0 else "DRAM", max(device, 0))
     return _Registration(agent, reg, meta_hex, key.keep, device)
 
 
 def _deregister(r: _Registration) -> None:
     r.keep = None
-    with _in_device(r.device):
+    with device_scope(r.device):
         r.agent.deregister(r.reg)
 
 
