@@ -43,8 +43,16 @@ def main() -> None:
           "topk_weights": w}
     y, _, _, _, handle, _ = buf.dispatch(x, **kw)
     y = y.clone()
+    def with_copy_engines():
+        buf._sm_sends = False
+        try:
+            return buf.dispatch(x, **kw)
+        finally:
+            buf._sm_sends = True
+
     calls = {
         "fresh dispatch": lambda: buf.dispatch(x, **kw),
+        "fresh dispatch, copy engines": with_copy_engines,
         "cached dispatch": lambda: buf.dispatch(x, handle=handle),
         "combine": lambda: buf.combine(y, handle),
     }
@@ -52,12 +60,13 @@ def main() -> None:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        wall = []
+        wall, marks = [], []
         for _ in range(args.calls):
             t0 = time.perf_counter()
             fn()
             wall.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
+            marks.append({k: v - buf.last_marks["start"] for k, v in buf.last_marks.items()})
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
@@ -68,6 +77,8 @@ def main() -> None:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
         print(f"=== {name}: host wall {statistics.median(wall) * 1e6:.1f} us median of {args.calls} (one rank); "
               f"phases {({k: round(v * 1e6, 1) for k, v in buf.last_phases.items()})} us")
+        print("marks after start (us, median): " + ", ".join(
+            f"{k} {statistics.median(m[k] for m in marks) * 1e6:.1f}" for k in marks[0]))
         print(text.getvalue())
     buf.close()
     store.close()

@@ -98,6 +98,16 @@ def ep_copy_streams() -> str:
     return value
 
 
+def ep_send() -> str:
+    """``WARMLINK_EP_SEND``: how a fresh dispatch without a receive hook moves its rows: ``"sm"``
+    (default: kernels trade the counts and store the rows into the peers, ep._kernels Note [SM
+    sends]) or ``"copy"`` (the host meets the peers, then the copy engines push)."""
+    value = _raw("WARMLINK_EP_SEND") or "sm"
+    if value not in ("sm", "copy"):
+        raise ConfigError(f"WARMLINK_EP_SEND={value!r}; expected 'sm' or 'copy'")
+    return value
+
+
 def clear_cache() -> None:
     """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
     for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads):

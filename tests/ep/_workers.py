@@ -142,9 +142,11 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
     """Run the faulty scenario ``case["fault"]`` and return the name and message of what this rank raised."""
     mine = case_inputs(case)[rank]
     fault = case["fault"]
+    gpu = case.get("backend") == "cuda_ipc"
     try:
         with _buffer(rank, num_ranks, store, dict(case, **case.get("per_rank", {}).get(rank, {}))) as buf:
-            x, idx = mine["x"], mine["topk_idx"]
+            device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+            x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
             if fault == "bad_expert" and rank == 0:
                 idx = idx.clone()
                 idx[0, 0] = case["experts"] + 3
@@ -173,9 +175,26 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 y, h = (y_first, h_first) if rank == 0 else (second[0].clone(), second[4])
                 buf.combine(y, h)
                 return "ok"
+            if fault == "refused_then_valid":  # rank 0's bad id spends the round on every rank; the next works
+                bad = idx.clone()
+                bad[0, 0] = case["experts"] + 3
+                try:
+                    buf.dispatch(x, topk_idx=bad if rank == 0 else idx, num_experts=case["experts"])
+                except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                    first = f"{type(exc).__name__}: {exc}"
+                else:
+                    first = "ok"
+                recv_x = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])[0]
+                return first, _cpu(recv_x)
             buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
     except Exception as exc:  # noqa: BLE001 - the test compares the type name
-        return f"{type(exc).__name__}: {exc}"
+        message = f"{type(exc).__name__}: {exc}"
+        if gpu:  # no kernel may be left waiting on the peers: the device drains at once
+            start = time.perf_counter()
+            torch.cuda.synchronize(rank)
+            if time.perf_counter() - start > 1.0:
+                message += f" [the device took {time.perf_counter() - start:.1f} s to drain]"
+        return message
     return "ok"
 
 

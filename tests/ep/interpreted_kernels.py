@@ -62,6 +62,16 @@ def test_plan_kernel_equals_torch(kernels, seed, tokens, num_ranks, num_experts,
         assert words[parts["lo"]].min().item() == topk.min().item() and words[parts["hi"]].max().item() == topk.max().item()
 
 
+def _sources(seed: int, tokens: int, words: int, topk, meta: str) -> _kernels.Sources:
+    """Random rows and the meta parts ``meta`` names ("ids", "ids+weights", "scales", "all", "none")."""
+    gen = torch.Generator().manual_seed(seed)
+    return _kernels.Sources(
+        x=torch.randint(-2**62, 2**62, (tokens, words), generator=gen),
+        topk=topk if "ids" in meta or meta == "all" else None,
+        weights=torch.rand(tokens, 2, generator=gen) if "weights" in meta or meta == "all" else None,
+        scales=torch.rand(tokens, 5, generator=gen) if meta in ("scales", "all") else None)
+
+
 @pytest.mark.parametrize("meta", ["ids+weights", "ids", "scales", "all", "none"])
 @pytest.mark.parametrize("dests,shift,skip", [(range(0, 4), 0, -1), (range(2, 3), -5, -1), (range(1, 3), 3, -1),
                                               (range(0, 4), 0, 1)])
@@ -70,12 +80,7 @@ def test_gather_kernel_equals_torch(kernels, meta, dests, shift, skip):
     topk = _routing(7, tokens, num_ranks, 16, 2)
     lay = dispatch_layout(topk, 16, num_ranks)
     rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
-    gen = torch.Generator().manual_seed(3)
-    src = _kernels.Sources(
-        x=torch.randint(-2**62, 2**62, (tokens, words), generator=gen),
-        topk=topk if "ids" in meta or meta == "all" else None,
-        weights=torch.rand(tokens, 2, generator=gen) if "weights" in meta or meta == "all" else None,
-        scales=torch.rand(tokens, 5, generator=gen) if meta in ("scales", "all") else None)
+    src = _sources(3, tokens, words, topk, meta)
     meta_bytes = 64
     n = num_ranks * max_tokens + 8  # rows + shift stay in [0, n) for these ranges
     outs = []
@@ -122,3 +127,32 @@ def test_unpack_kernel_equals_torch(kernels, parts):
     if idx is not None:  # local ids of experts 4..7, -1 for the rest
         raw = ids[:, :k]
         assert torch.equal(idx, torch.where((raw >= 4) & (raw < 8), raw - 4, -1))
+
+
+@pytest.mark.parametrize("meta", ["ids+weights", "scales", "all", "none"])
+@pytest.mark.parametrize("skip,unsent", [(-1, None), (1, None), (-1, 2)])
+def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta, skip, unsent):
+    """push's per-destination bases (ep._kernels, Note [SM sends]) land every row where a gather
+    into that destination's own area, shifted, puts it; a 0 base and ``skip`` leave it untouched."""
+    num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 4, 29, 32, 600, 3, 64
+    topk = _routing(5, tokens, num_ranks, 16, 2)
+    lay = dispatch_layout(topk, 16, num_ranks)
+    rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
+    src = _sources(4, tokens, words, topk, meta)
+    shifts = [3, 0, 7, 1]  # where this rank's rows start in each destination's area
+    n = max_tokens + 8
+    areas = [(torch.full((n, words), -7, dtype=torch.int64), torch.full((n, meta_bytes), 0xAB, dtype=torch.uint8))
+             for _ in range(num_ranks)]
+    x_bases = torch.tensor([0 if d == unsent else areas[d][0].data_ptr() + (shifts[d] - d * max_tokens) * words * 8
+                            for d in range(num_ranks)], dtype=torch.int64)
+    meta_bases = torch.tensor([0 if d == unsent else areas[d][1].data_ptr() + (shifts[d] - d * max_tokens) * meta_bytes
+                               for d in range(num_ranks)], dtype=torch.int64)
+    _kernels.push(rows, src, x_bases, meta_bases, meta_k, meta_bytes, skip=skip, kernels=kernels)
+    for d in range(num_ranks):
+        want_x = torch.full((n, words), -7, dtype=torch.int64)
+        want_meta = torch.full((n, meta_bytes), 0xAB, dtype=torch.uint8)
+        if d not in (skip, unsent):
+            _kernels.gather(rows, src, want_x, want_meta if src.has_meta else None, meta_k, range(d, d + 1),
+                            shift=shifts[d] - d * max_tokens)
+        assert torch.equal(areas[d][0], want_x), d
+        assert torch.equal(areas[d][1], want_meta), d

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
+from tests.ep._reference import reference_dispatch
 from tests.ep._workers import (
+    case_inputs,
     dispatch_combine,
+    expect_error,
     hook_leaves_streams_idle,
     lifecycle_counts,
     warm_rounds,
@@ -78,3 +81,36 @@ def test_gpu_skewed_ranks_running_ahead_never_overwrite_what_a_peer_reads():
     case = {"tokens": _tokens(256, 100, 333), "hidden": 2048, "experts": 16, "topk": 4, "rounds": 3, "seed": 10,
             "cached": True, "cached_repeats": 4, "skew_s": 0.01, "backend": "cuda_ipc"}
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+# -- the SM sends' failure paths (ep._kernels, Note [SM sends]) -----------------------------------
+_FAULT = {"hidden": 256, "experts": 8, "topk": 2, "backend": "cuda_ipc", "timeout_s": 10.0}
+
+
+@needs_two
+def test_gpu_a_refused_input_stops_every_push_and_spends_the_round():
+    case = dict(_FAULT, tokens=_tokens(6, 9), fault="refused_then_valid", seed=12)
+    results = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
+    first = [r[0] for r in results]
+    assert first[0].startswith("ConfigError") and "outside [-1, 8)" in first[0], first[0]
+    assert all(e.startswith("ConfigError") and "ranks [0] refused" in e for e in first[1:]), first
+    ref = reference_dispatch([i["x"] for i in case_inputs(case)], [i["topk_idx"] for i in case_inputs(case)], None,
+                             case["experts"])
+    for d, (_, recv_x) in enumerate(results):
+        assert torch.equal(recv_x, ref[d]["recv_x"]), f"rank {d}: the dispatch after the refused one differs"
+
+
+@needs_two
+@pytest.mark.parametrize("fault", ["oversize", "dead_peer"])
+def test_gpu_a_missing_peer_ends_the_count_exchange_without_a_stuck_kernel(fault):
+    if fault == "dead_peer" and RANKS < 3:
+        pytest.skip("needs 3 GPUs: rank 1 dies, ranks 0 and 2 report it")
+    case = dict(_FAULT, tokens=_tokens(6), fault=fault)
+    errors = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
+    if fault == "oversize":
+        assert errors[0].startswith("ConfigError") and "max_tokens_per_rank=6" in errors[0], errors[0]
+        waiting = errors[1:]
+    else:
+        waiting = [e for r, e in enumerate(errors) if r != 1]
+    for e in waiting:  # rank 0 (1) never posted: a timeout, or its exit seen; the device drained at once
+        assert e.startswith(("TransferTimeout", "PeerLostError")) and "drain" not in e, e

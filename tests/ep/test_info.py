@@ -104,13 +104,17 @@ def test_config_mismatch_names_the_field():
         check_config(mine, theirs, "ep/1")
 
 
-def test_copy_stream_setting_is_validated(monkeypatch):
+@pytest.mark.parametrize("variable,read,default,other", [
+    ("WARMLINK_EP_COPY_STREAMS", "ep_copy_streams", "one", "per-peer"),
+    ("WARMLINK_EP_SEND", "ep_send", "sm", "copy"),
+])
+def test_ep_settings_are_validated(monkeypatch, variable, read, default, other):
     from warmlink import _env
 
-    monkeypatch.delenv("WARMLINK_EP_COPY_STREAMS", raising=False)
-    assert _env.ep_copy_streams() == "one"
-    monkeypatch.setenv("WARMLINK_EP_COPY_STREAMS", "per-peer")
-    assert _env.ep_copy_streams() == "per-peer"
-    monkeypatch.setenv("WARMLINK_EP_COPY_STREAMS", "two")
-    with pytest.raises(ConfigError, match="WARMLINK_EP_COPY_STREAMS='two'"):
-        _env.ep_copy_streams()
+    monkeypatch.delenv(variable, raising=False)
+    assert getattr(_env, read)() == default
+    monkeypatch.setenv(variable, other)
+    assert getattr(_env, read)() == other
+    monkeypatch.setenv(variable, "two")
+    with pytest.raises(ConfigError, match=f"{variable}='two'"):
+        getattr(_env, read)()

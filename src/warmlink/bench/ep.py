@@ -33,8 +33,9 @@ from warmlink.bench._proc import Group
 
 __all__ = ["add_arguments", "run"]
 
-_OPS = ("dispatch_bf16", "dispatch_bf16_hook", "dispatch_fp8", "dispatch_fp8_hook", "dispatch_cached",
-        "combine_bf16", "combine_bf16_hook")
+# "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
+_OPS = ("dispatch_bf16", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8", "dispatch_fp8_hook",
+        "dispatch_cached", "dispatch_cached_copy", "combine_bf16", "combine_bf16_hook")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +115,30 @@ def _copy_floor(buf, send_counts: list[int], timed) -> dict:
             s.synchronize()
 
     return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
+
+
+_PUSH_SCHEDULES = {"a program per SM": 1, "2 per SM": 2}  # programs per SM of the push
+
+
+def _push_floor(buf, handle, x, timed) -> dict:
+    """SM stores instead of copy engines: the push kernel alone (ep._kernels, Note [SM sends]) stores
+    every token's row straight into each peer's receive area, with nothing else, same timing.
+    Collective; it overwrites the peers' receive areas, so it runs after the last ep call."""
+    import torch
+
+    from warmlink.ep import _kernels
+    from warmlink.ep._movers import as_words
+
+    lay, me, mover = buf.layout, buf.rank, buf._mover
+    row = lay.row_bytes("recv_x.0")
+    at = lay.offsets()["recv_x.0"]
+    bases = torch.tensor([0 if d == me else mover._ptrs[d] + at + (handle.dst_rows[d] - d * lay.max_tokens) * row
+                          for d in range(buf.num_ranks)], dtype=torch.int64, device=x.device)
+    src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return {name: timed(lambda n=n: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk, lay.meta_bytes,
+                                                  programs=n * sms))
+            for name, n in _PUSH_SCHEDULES.items()}
 
 
 def _pin(rank: int, num_ranks: int) -> list[int] | None:
@@ -210,6 +235,16 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             r[-1]()
         return r
 
+    def with_copy_engines(fn):  # the normal mode's other send path (WARMLINK_EP_SEND=copy), same run
+        sm, buf._sm_sends = buf._sm_sends, False
+        try:
+            return fn()
+        finally:
+            buf._sm_sends = sm
+
+    if cuda:
+        checks["dispatch_x_copy"] = bool(torch.equal(with_copy_engines(lambda: dispatch(x))[0], ref.recv_x))
+
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
 
@@ -221,9 +256,11 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     times = {
         "dispatch_bf16": timed(lambda: dispatch(x)),
         "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
+        "dispatch_bf16_copy": timed(lambda: with_copy_engines(lambda: dispatch(x))),
         "dispatch_fp8": timed(lambda: dispatch(x8)),
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
+        "dispatch_cached_copy": timed(lambda: with_copy_engines(lambda: buf.dispatch(x, handle=h_keep))),
     }
     def phases_of(fn, marks=None) -> dict:
         """Median host time of each phase ``fn``'s call reports in ``buf.last_phases``."""
@@ -292,6 +329,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
                             "send_gemm_hook_cached": timed(lambda: overlapped(True))}
     if cuda:  # last: it overwrites the peers' receive areas
         out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
+        out["push_s"] = _push_floor(buf, handle, x, timed)
     buf.close()
     store.close()
     dist.destroy_process_group()
@@ -345,6 +383,9 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     if "floor_s" in ranks[0]:
         for name in _FLOOR_SCHEDULES:
             row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, None)
+    if "push_s" in ranks[0]:
+        for name in _PUSH_SCHEDULES:
+            row(f"SM stores alone, {name}", worst(lambda r, name=name: r["push_s"][name]), b16, None)
     lines.append("")
     for key, what in (("dispatch_phases_s", "dispatch"), ("cached_phases_s", "cached dispatch"),
                       ("combine_phases_s", "combine")):

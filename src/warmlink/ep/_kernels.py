@@ -13,6 +13,37 @@ the same outputs: tests run both on the CPU, the kernels through Triton's interp
   the rows ``plan`` gave it, for a range of destinations: the staging slots of the peers before
   the copy engines push them, or this rank's own receive area.
 - ``unpack``: meta rows to local expert ids (-1 elsewhere), weights and scales.
+- ``exchange`` and ``push``: a fresh dispatch's send without the host (Note [SM sends]).
+
+# Note [SM sends]
+A fresh dispatch must learn every peer's counts before its rows can land (Note [Send order] in
+ep.layout). Through the host that costs a count copy, a mailbox meeting that waits for the
+slowest rank's host, and the copy issue: 0.3-0.5 ms on 4 x H200 before the first byte, while the
+bytes then take ~0.47 ms whether copy engines or SM stores move them (BENCHMARKS.md, "SM stores
+alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's normal mode does:
+
+1. ``exchange``, one program per destination ``d``, right after ``plan`` on the caller's stream:
+   it writes this rank's row into ``d``'s count board of the round's parity (ep._regions): its
+   counts per destination, its counts for ``d``'s experts and a valid flag (the plan's expert-id
+   range and counts agree: the host's check, ep._checks), then the round number as a tag, with
+   release semantics at system scope. It then waits (acquire) for every source's tag in this
+   rank's own board and writes where this rank's rows start in ``d``: after the rows of the ranks
+   below it. The base is 0 (nothing is stored) when any rank refused its input or the wait ended.
+2. The board and the plan words are copied to the host, queued before the push.
+3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
+   peers' mapped regions and this rank's own. One interprocess event per destination follows it,
+   and the receive side is the copy-engine path's (ep._movers).
+
+A cached dispatch already knows where its rows go (its handle): without a hook it launches only
+``push``, at bases made once per handle and parity.
+
+The host waits for the board with a deadline, checking the peers' liveness and the configs they
+published; when it gives up it writes the round into a pinned host word the exchange polls, so no
+kernel is left waiting on a dead or absent peer (the kernel's own backstop is twice the timeout).
+A refused input on any rank stops every push: no byte moves, every rank raises ``ConfigError``, and
+the round is spent on all of them. Round ``n``'s board rows and rows land in parity ``n % 2``, so
+the copy-engine path's reasoning holds (ep._regions, Note [Two parities]). With a receive hook the
+copy engines keep the send: a push kernel would hold SMs between the send and the hook.
 """
 
 from __future__ import annotations
@@ -24,12 +55,13 @@ import torch
 
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["RANGE_PARTS", "Sources", "gather", "plan", "unpack", "words_layout", "words_size"]
+__all__ = ["RANGE_PARTS", "Sources", "exchange", "gather", "plan", "push", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
 _X_BLOCK = 512  # int64 words of a row per program: 4 KiB
 _UNPACK_ROWS = 32
+_PUSH_BLOCK = 1024  # int64 words of a row per step of a push program: 8 KiB
 # Programs that scan the expert ids for their range, each over one part: one program over all 32K
 # ids of the bench took 30 us, the longest part of the plan; the host takes the min of the parts.
 RANGE_PARTS = 8
@@ -125,102 +157,14 @@ def _kernels():
 
 
 def _build():
-    """Define the kernels (separate from ``_kernels`` so tests can build them for the interpreter)."""
+    """The kernels (ep._triton, imported here so that the package needs no Triton; tests build
+    them for the interpreter)."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def plan_kernel(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr,
-                    num_tokens, num_entries, num_experts, max_tokens,
-                    NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
-        if pid < NUM_RANKS:  # one program scans one destination's column
-            carry = tl.zeros([], dtype=tl.int64)
-            for start in range(0, num_tokens, BLOCK):
-                t = (start + offs).to(tl.int64)
-                m = t < num_tokens
-                flag = (tl.load(in_rank_ptr + t * NUM_RANKS + pid, mask=m, other=0) != 0).to(tl.int32)
-                incl = tl.cumsum(flag, 0).to(tl.int64)
-                row = pid * max_tokens + carry + incl - 1
-                tl.store(rows_ptr + t * NUM_RANKS + pid, tl.where(flag != 0, row, -1), mask=m)
-                carry += tl.sum(flag, 0).to(tl.int64)
-            tl.store(words_ptr + pid, carry)
-            tl.store(words_ptr + NUM_RANKS + pid, tl.load(per_rank_ptr + pid).to(tl.int64))
-        elif pid == NUM_RANKS:  # the per-expert counts
-            for start in range(0, num_experts, BLOCK):
-                e = start + offs
-                v = tl.load(per_expert_ptr + e, mask=e < num_experts, other=0).to(tl.int64)
-                tl.store(words_ptr + 2 * NUM_RANKS + e, v, mask=e < num_experts)
-        else:  # the range of the expert ids in one part
-            j = pid - NUM_RANKS - 1
-            part = tl.cdiv(num_entries, PARTS)
-            end = tl.minimum(num_entries, (j + 1) * part)
-            lo = tl.full([], BIG, dtype=tl.int64)
-            hi = tl.full([], -BIG, dtype=tl.int64)
-            for start in range(j * part, end, BLOCK):
-                e = (start + offs).to(tl.int64)
-                m = e < end
-                v = tl.load(topk_ptr + e, mask=m, other=0).to(tl.int64)
-                lo = tl.minimum(lo, tl.min(tl.where(m, v, BIG), 0))
-                hi = tl.maximum(hi, tl.max(tl.where(m, v, -BIG), 0))
-            tl.store(words_ptr + 2 * NUM_RANKS + num_experts + j, lo)
-            tl.store(words_ptr + 2 * NUM_RANKS + num_experts + PARTS + j, hi)
+    from warmlink.ep import _triton
 
-    @triton.jit
-    def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, ids_out_ptr, floats_out_ptr,
-                      num_k, num_scales, meta_words, meta_k, shift, d_lo, d_hi, skip,
-                      NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                      HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        cols = chunk * X_BLOCK + tl.arange(0, X_BLOCK)
-        in_row = cols < x_words
-        row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
-        kc = tl.arange(0, K_BLOCK)
-        sc = tl.arange(0, S_BLOCK)
-        if HAS_TOPK:
-            ids = tl.load(topk_ptr + t * num_k + kc, mask=kc < num_k).to(tl.int64)
-        if HAS_W:
-            ws = tl.load(w_ptr + t * num_k + kc, mask=kc < num_k).to(tl.float32)
-        if HAS_S:
-            ss = tl.load(s_ptr + t * num_scales + sc, mask=sc < num_scales)
-        for d in tl.static_range(NUM_RANKS):
-            if (d >= d_lo) & (d < d_hi) & (d != skip):
-                at = tl.load(rows_ptr + t * NUM_RANKS + d)
-                if at >= 0:
-                    at += shift
-                    tl.store(x_out_ptr + at * x_words + cols, row, mask=in_row)
-                    if chunk == 0:  # the first chunk's program also moves the meta row
-                        if HAS_TOPK:
-                            tl.store(ids_out_ptr + at * meta_words + kc, ids, mask=kc < num_k)
-                        if HAS_W:
-                            tl.store(floats_out_ptr + at * 2 * meta_words + 2 * meta_k + kc, ws, mask=kc < num_k)
-                        if HAS_S:
-                            tl.store(floats_out_ptr + at * 2 * meta_words + 3 * meta_k + sc, ss, mask=sc < num_scales)
-
-    @triton.jit
-    def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_scales, meta_words, meta_k,
-                      base, experts_per_rank, ROWS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                      HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
-        r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-        live = r < total
-        if HAS_TOPK:
-            k = tl.arange(0, K_BLOCK)[None, :]
-            m = live & (k < num_k)
-            raw = tl.load(ids_ptr + r * meta_words + k, mask=m, other=-1)
-            local = raw - base
-            here = (raw >= 0) & (local >= 0) & (local < experts_per_rank)
-            tl.store(idx_ptr + r * num_k + k, tl.where(here, local, -1), mask=m)
-            if HAS_W:
-                w = tl.load(floats_ptr + r * 2 * meta_words + 2 * meta_k + k, mask=m, other=0.0)
-                tl.store(w_ptr + r * num_k + k, tl.where(here, w, 0.0), mask=m)
-        if HAS_S:
-            s = tl.arange(0, S_BLOCK)[None, :]
-            m = live & (s < num_scales)
-            tl.store(s_ptr + r * num_scales + s, tl.load(floats_ptr + r * 2 * meta_words + 3 * meta_k + s, mask=m), mask=m)
-
-    return triton, plan_kernel, gather_kernel, unpack_kernel
+    return (triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
+            _triton.exchange_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -238,7 +182,7 @@ def plan(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_
     kernels = kernels or (_kernels() if in_rank.is_cuda else None)
     if kernels is None:
         return _plan_torch(in_rank, topk, per_rank, per_expert, max_tokens)
-    _, plan_kernel, _, _ = kernels
+    _, plan_kernel, *_ = kernels
     in_rank, topk, per_rank, per_expert = (t.contiguous() for t in (in_rank, topk, per_rank, per_expert))
     num_tokens, num_ranks = in_rank.shape
     num_experts = per_expert.numel()
@@ -266,7 +210,7 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     if kernels is None:
         _gather_torch(rows, src, x_out, meta_out, meta_k, shift, dests, skip)
         return
-    triton, _, gather_kernel, _ = kernels
+    triton, _, gather_kernel, *_ = kernels
     num_tokens, num_ranks = rows.shape
     if not num_tokens or not len(dests):
         return
@@ -293,7 +237,7 @@ def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.T
     if kernels is None:
         _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank)
         return
-    triton, _, _, unpack_kernel = kernels
+    triton, _, _, unpack_kernel, *_ = kernels
     total = meta.shape[0]
     if not total or (idx is None and scales is None):
         return
@@ -306,3 +250,58 @@ def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.T
     launch(unpack_kernel, (triton.cdiv(total, _UNPACK_ROWS),), args, {
         "ROWS": _UNPACK_ROWS, "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales), "HAS_TOPK": idx is not None,
         "HAS_W": w is not None, "HAS_S": scales is not None})
+
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: torch.Tensor, meta_k: int,
+         meta_bytes: int, skip: int = -1, programs: int = 0, kernels=None) -> None:
+    """SM stores: ``src.x[t]`` to byte address ``x_bases[d] + rows[t, d] * row_bytes`` (and its meta
+    row to ``meta_bases[d]``, rows of ``meta_bytes``) for every ``d != skip`` with ``rows[t, d] >= 0``
+    and a base that is not 0. Bases may point into peers' mapped regions (Note [SM sends]).
+
+    Args:
+        rows: ``plan``'s rows. src: the tokens and their meta parts.
+        x_bases, meta_bases: ``[R]`` int64 device tensors of byte addresses (0: skip that destination).
+        meta_k: the buffer's ``num_topk``. programs: the persistent grid (default: one per SM).
+    """
+    kernels = kernels or _kernels()
+    triton, *_, push_kernel, _ = kernels
+    num_tokens, num_ranks = rows.shape
+    if not num_tokens:
+        return
+    src = Sources(*(t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights, src.scales)))
+    x_words = src.x.shape[1]
+    num_k = src.topk.shape[1] if src.topk is not None else 0
+    num_scales = src.scales.shape[1] if src.scales is not None else 0
+    block = min(_PUSH_BLOCK, _pow2(x_words))
+    grid = (programs or (_sm_count(rows.device.index) if rows.is_cuda else 4),)
+    args = (rows, src.x, x_bases, meta_bases, x_words, num_tokens, src.topk if src.topk is not None else rows,
+            src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
+            num_k, num_scales, meta_bytes // 8, meta_k, skip)
+    launch(push_kernel, grid, args, {
+        "NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
+        "S_BLOCK": _pow2(num_scales), "HAS_TOPK": src.topk is not None, "HAS_W": src.weights is not None,
+        "HAS_S": src.scales is not None})
+
+
+def exchange(words: torch.Tensor, tables: torch.Tensor, abort: int, round_: int, me: int, num_experts: int,
+             max_tokens: int, x_row_bytes: int, meta_row_bytes: int, timeout_s: float, board_row: int) -> None:
+    """The device side of a fresh SM dispatch's count exchange (Note [SM sends]); CUDA only.
+
+    ``tables``: ``[5, R]`` int64 device tensor: rows 0-2 are inputs (every rank's board, receive x
+    and receive meta area of this round's parity, as byte addresses in this process), rows 3-4 the
+    outputs (``push``'s x and meta bases; 0 everywhere when any rank's input was refused, or the wait
+    ended by ``abort``: the byte address of a host int64 that the host sets to ``round_``, or by the
+    timeout). ``words``: this rank's ``plan`` words. ``board_row``: int64 words of a board row.
+    """
+    _, *_, exchange_kernel = _kernels()
+    num_ranks = tables.shape[1]
+    args = (words, tables, abort, round_, me, num_experts, num_experts // num_ranks, max_tokens, x_row_bytes,
+            meta_row_bytes, int(timeout_s * 1e9))
+    launch(exchange_kernel, (num_ranks,), args, {
+        "NUM_RANKS": num_ranks, "R_BLOCK": _pow2(num_ranks), "ROW": board_row, "E_BLOCK": 256, "PARTS": RANGE_PARTS})

@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
+from warmlink.ep._regions import MAX_EXPERTS
 from warmlink.errors import BackendUnavailable, PeerLostError, TransferTimeout
 
 __all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
 
-MAX_EXPERTS = 4096
 GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
 _HEADER = 8
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
@@ -116,6 +116,10 @@ class Mailbox:
         base, r = self._base(round_) + 1, self.num_ranks
         box = self._peers[rank]
         return box[base:base + r].copy(), box[base + r + experts.start:base + r + experts.stop].copy()
+
+    def published(self, field: int, round_: int) -> list[int]:
+        """The ranks (this one included) whose ``field`` has reached ``round_``, without waiting."""
+        return [r for r, box in self._peers.items() if box[field] >= round_]
 
     def config(self, rank: int, round_: int) -> int:
         return int(self._peers[rank][self._base(round_)])

@@ -55,7 +55,7 @@ import torch
 from warmlink.ep import _kernels
 from warmlink.ep._launch import current_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
-from warmlink.ep._regions import RegionLayout
+from warmlink.ep._regions import PARITIES, RegionLayout, board_words
 from warmlink.errors import PeerLostError, TransferTimeout
 
 __all__ = ["CudaMover", "HostMover", "as_words"]
@@ -203,18 +203,28 @@ class CudaMover(_Gathers):
         self._refs = peer_refs
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
         # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
-        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64,
-                                 pin_memory=torch.cuda.is_available())
+        pinned = torch.cuda.is_available()
+        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, pin_memory=pinned)
         self._host_words = 0
+        # SM sends (Note [SM sends]): the board's landing place, the host word that ends a wait, and
+        # per parity the exchange's address tables (every rank's board, receive x and meta areas;
+        # then the push's bases, which the exchange writes), made once
+        self._board_row = board_words(layout.num_ranks)
+        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, pin_memory=pinned)
+        self._abort = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _current(self) -> int:
         return current_stream(self.device)
 
-    def begin(self) -> None:
-        """Order every destination's copy stream after the caller's current stream."""
+    def begin(self, copies: bool = True) -> None:
+        """Mark the start of a round on the caller's current stream (``wait_begun``), and order
+        every destination's copy stream after it (unless the SMs send: ``copies=False``)."""
         self._cuda.event_record(self._begun, self._current())
-        for s in self._copy_streams:
-            self._cuda.stream_wait_event(s, self._begun)
+        if copies:
+            for s in self._copy_streams:
+                self._cuda.stream_wait_event(s, self._begun)
 
     def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
         """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); the copies
@@ -315,6 +325,83 @@ class CudaMover(_Gathers):
             self._cuda.stream_wait_event(current, event)
         if then is not None:
             self._cuda.stream_wait_event(current, self._received)
+
+    def _sm_tables(self, parity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tables [5, R], x bases, meta bases)`` of ``parity`` (ep._kernels.exchange), made once."""
+        tables = self._tables.get(parity)
+        if tables is None:
+            ranks = range(self.layout.num_ranks)
+            at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("board", "recv_x", "recv_meta")}
+            rows = [[self._ptrs[r] + at[kind] for r in ranks] for kind in ("board", "recv_x", "recv_meta")]
+            t = torch.tensor(rows + [[0] * len(ranks)] * 2, dtype=torch.int64, device=self._own.device)
+            tables = self._tables[parity] = (t, t[3], t[4])
+        return tables
+
+    def send_sm(self, rows: torch.Tensor, src: _kernels.Sources, words: torch.Tensor, round_: int, phase: str,
+                num_experts: int, timeout_s: float) -> None:
+        """A fresh dispatch's whole send on the current stream, with no host wait: the exchange
+        kernel trades counts with the peers' exchange kernels through the boards, the board comes
+        to the host, and the push kernel stores every row in its destination; then every
+        destination's event. See Note [SM sends]."""
+        lay, cuda, current = self.layout, self._cuda, self._current()
+        tables, x_bases, meta_bases = self._sm_tables(round_ % PARITIES)
+        self._abort_word[0] = 0
+        # the device's own backstop; the host aborts sooner (wait_board)
+        _kernels.exchange(words, tables, self._abort_ptr, round_, self.rank, num_experts, lay.max_tokens,
+                          src.x.shape[1] * src.x.element_size(), lay.meta_bytes, 2 * timeout_s + 1, self._board_row)
+        self._host_words = words.numel()
+        cuda.memcpy_async(self._host.data_ptr(), words.data_ptr(), self._host_words * 8, current)
+        board = self._ptrs[self.rank] + self._offsets[f"board.{round_ % PARITIES}"]
+        cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
+        cuda.event_record(self._counted, current)
+        _kernels.push(rows, src, x_bases, meta_bases, lay.num_topk, lay.meta_bytes)
+        for event in self._send_events[phase]:
+            cuda.event_record(event, current)
+
+    def sm_bases(self, dst_rows: list[int], parity: int, x_row_bytes: int) -> torch.Tensor:
+        """``[2, R]`` device tensor of ``push``'s x and meta bases for rows that start at
+        ``dst_rows[d]`` in each destination's areas of ``parity`` (a cached dispatch's)."""
+        cap, meta = self.layout.max_tokens, self.layout.meta_bytes
+        at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("recv_x", "recv_meta")}
+        rows = [[self._ptrs[d] + at[kind] + (dst_rows[d] - d * cap) * size for d in range(self.layout.num_ranks)]
+                for kind, size in (("recv_x", x_row_bytes), ("recv_meta", meta))]
+        return torch.tensor(rows, dtype=torch.int64, device=self._own.device)
+
+    def send_sm_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: torch.Tensor, phase: str) -> None:
+        """A cached dispatch's send on the current stream: the push kernel stores every row at
+        ``bases`` (``sm_bases``), then every destination's event (Note [SM sends])."""
+        _kernels.push(rows, src, bases[0], bases[1], self.layout.num_topk, self.layout.meta_bytes)
+        current = self._current()
+        for event in self._send_events[phase]:
+            self._cuda.event_record(event, current)
+
+    def wait_board(self, round_: int, timeout_s: float, check=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(plan words, board [R, board_words])`` of ``send_sm``'s round, host-polled with a
+        deadline; every 5 ms the peers' liveness and ``check()`` (which raises to give up). Giving
+        up ends the exchange kernel's wait first, so no kernel is left waiting on a peer."""
+        query, counted = self._cuda.event_query, self._counted
+        start = last = time.perf_counter()
+        try:
+            while not query(counted):
+                now = time.perf_counter()
+                if now - last > 0.005:
+                    last = now
+                    for s, ref in self._refs.items():
+                        if not ref.alive():
+                            raise PeerLostError(f"ep: rank {s} (pid {ref.pid}) died before the dispatch's count exchange")
+                    if check is not None:
+                        check()
+                    if now - start > timeout_s:
+                        raise TransferTimeout(f"ep: the dispatch's count exchange on cuda:{self.device} did not "
+                                              f"complete within {timeout_s:.3g} s")
+        except BaseException:
+            self._abort_word[0] = round_
+            deadline = time.perf_counter() + 5.0
+            while not query(counted) and time.perf_counter() < deadline:
+                time.sleep(1e-4)
+            raise
+        board = self._board_host.numpy().reshape(self.layout.num_ranks, self._board_row)
+        return self._host[:self._host_words].numpy().copy(), board.copy()
 
     def close(self) -> None:
         self._ptrs = {}

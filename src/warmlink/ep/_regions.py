@@ -8,6 +8,8 @@ One allocation per rank, leased from the pool and mapped once by every peer:
                           expert rank, slot d written only by rank d
     stage_x, stage_meta   send staging (local use): one slot of max_tokens rows per destination,
                           gathered by a kernel and pushed by the copy engines from there
+    board.p               count board of parity p: one row per source rank, written by that
+                          source's exchange kernel (ep._kernels, Note [SM sends])
 
 Round n of dispatch (and of combine) lands in parity ``n % 2``. See Note [Two parities].
 
@@ -44,7 +46,15 @@ _ALIGN = 256
 # x rows are sized for the widest token dtype (2 bytes).
 PARITIES = 2
 AREAS = tuple(f"{kind}.{p}" for kind in ("recv_x", "recv_meta", "comb_x", "comb_w") for p in range(PARITIES)) + (
-    "stage_x", "stage_meta")
+    "stage_x", "stage_meta") + tuple(f"board.{p}" for p in range(PARITIES))
+# the most experts a call may name (the mailbox's counts are sized for it too)
+MAX_EXPERTS = 4096
+
+
+def board_words(num_ranks: int) -> int:
+    """int64 words of one board row: round tag, valid flag, the source's counts per destination,
+    and its counts for each of the destination's experts (at most MAX_EXPERTS / num_ranks)."""
+    return 2 + num_ranks + -(-MAX_EXPERTS // num_ranks)
 
 
 def area(kind: str, round_: int) -> str:
@@ -89,8 +99,14 @@ class RegionLayout:
         return -(-(self.num_topk * 12 + self.hidden // FP8_BLOCK * 4) // 16) * 16
 
     def row_bytes(self, area: str) -> int:
+        if area.startswith("board"):
+            return board_words(self.num_ranks) * 8
         kind = area.split("_", 1)[1].split(".", 1)[0]
         return {"x": self.hidden * 2, "meta": self.meta_bytes, "w": self.num_topk * 4}[kind]
+
+    def area_rows(self, area: str) -> int:
+        """Rows of ``area``: a board has one per source, every other area ``rows``."""
+        return self.num_ranks if area.startswith("board") else self.rows
 
     def offsets(self) -> dict[str, int]:
         return self._offsets
@@ -100,7 +116,7 @@ class RegionLayout:
         out, at = {}, 0
         for area in AREAS:
             out[area] = at
-            at += -(-self.rows * self.row_bytes(area) // _ALIGN) * _ALIGN
+            at += -(-self.area_rows(area) * self.row_bytes(area) // _ALIGN) * _ALIGN
         out["end"] = at
         return out
 
@@ -110,11 +126,11 @@ class RegionLayout:
 
     def view(self, region: torch.Tensor, area: str, dtype: torch.dtype, cols: int) -> torch.Tensor:
         """``[rows, cols]`` view of ``area`` in a flat ``uint8`` region tensor, as ``dtype``."""
-        start = self.offsets()[area]
-        nbytes = self.rows * cols * dtype.itemsize
+        start, rows = self.offsets()[area], self.area_rows(area)
+        nbytes = rows * cols * dtype.itemsize
         if cols * dtype.itemsize > self.row_bytes(area):
             raise ConfigError(f"ep: {area} rows of {cols} x {dtype} exceed {self.row_bytes(area)} bytes per row")
-        return region[start:start + nbytes].view(dtype).view(self.rows, cols)
+        return region[start:start + nbytes].view(dtype).view(rows, cols)
 
 
 def size_hint(max_tokens_per_rank: int, hidden: int, dtype: torch.dtype = torch.bfloat16, num_ranks: int = 8,

@@ -23,7 +23,9 @@ A dispatch (and likewise a combine) is one round ``n`` of a handshake in the hos
    every earlier reader of this rank's receive areas, on that stream, has finished;
 2. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
 3. a fresh dispatch waits until every peer published the same (it needs their counts to know
-   where its rows go, Note [Send order] in ep.layout). A cached dispatch and a combine do not
+   where its rows go, Note [Send order] in ep.layout); on CUDA without a hook, kernels trade the
+   counts and store the rows instead, and the host meets the peers after (ep._kernels, Note [SM
+   sends]). A cached dispatch and a combine do not
    wait: round n lands in the receive areas of parity n % 2, which no one still reads (ep._regions,
    Note [Two parities]);
 4. every source issues its rows, marks them sent, and publishes "round n sent";
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,7 +59,7 @@ from warmlink.ep._movers import CudaMover, HostMover, as_words
 from warmlink.ep._reduce import combine_sum
 from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.layout import dispatch_layout
-from warmlink.errors import ConfigError, MetadataError
+from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 __all__ = ["Buffer", "Handle"]
 
@@ -84,6 +86,8 @@ class Handle:
     num_recv_tokens_per_expert_list: list[int] | None = None
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
+    # push bases of cached SM dispatches, per (parity, row words), made on first use (ep._movers)
+    sm_bases: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -152,6 +156,7 @@ class Buffer(Closing):
         self._leases: list = []
         self._recv_stream = None
         self._recv_failed = False
+        self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
         self._remotes: list = []
         self._event_tokens: list = []
         self._round = {"dispatch": 0, "combine": 0}
@@ -268,6 +273,7 @@ class Buffer(Closing):
             # wait on a dead peer; ep._movers, Note [Receive work on its own stream])
             self._recv_stream = lease_stream(self.device)
             self._reduced_event = local[-1].resource.handle
+            self._sm_sends = _env.ep_send() == "sm"
             self._mover = CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                                     {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
                                     self._recv_stream.resource, [e.resource.handle for e in local[:-1]],
@@ -387,13 +393,23 @@ class Buffer(Closing):
             src = Sources(as_words(tokens), scales=scales)
             self.mailbox.publish_dispatch(round_, config)
             t1 = time.perf_counter()
-            # No wait for the peers (ep._regions, Note [Two parities]): the copies start as soon as
-            # the rows are gathered. One gather for every peer: a launch per peer cost a slow rank's
-            # host up to 0.15 ms more before its last copy, and every peer waits for that copy.
-            mover.begin()
-            mover.gather(handle.combine_rows, src, range(self.num_ranks), me)
-            for d in peers:
-                mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+            # No wait for the peers (ep._regions, Note [Two parities]): the bytes move at once.
+            sm = self._sm_sends and not return_recv_hook
+            if sm:  # one push kernel stores every row where the handle says (Note [SM sends])
+                mover.begin(copies=False)
+                key = (round_ % PARITIES, src.x.shape[1])
+                bases = handle.sm_bases.get(key)
+                if bases is None:
+                    bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[0],
+                                                                  src.x.shape[1] * src.x.element_size())
+                mover.send_sm_cached(handle.combine_rows, src, bases, phase)
+            else:
+                # One gather for every peer: a launch per peer cost a slow rank's host up to 0.15 ms
+                # more before its last copy, and every peer waits for that copy.
+                mover.begin()
+                mover.gather(handle.combine_rows, src, range(self.num_ranks), me)
+                for d in peers:
+                    mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
             t2 = t3 = time.perf_counter()
         else:
             topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
@@ -401,27 +417,48 @@ class Buffer(Closing):
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
             t_checked = time.perf_counter()
             rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
-            mover.start_to_host(words)
-            t_planned = time.perf_counter()
-            # The peers' rows are gathered into staging while the counts travel to the host and the
-            # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
             src = Sources(as_words(tokens), topk, weights, scales)
-            mover.begin()
-            mover.gather(rows, src, range(self.num_ranks), me)
-            t_launched = time.perf_counter()
-            send_counts, expert_counts = self._checks.counts(mover.wait_host(self.timeout_s), num_tokens, num_experts)
-            handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=topk.shape[1],
-                            round=round_)
-            t1 = t2 = time.perf_counter()
-            self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
-            self._meet(mb.DISPATCH, round_)
-            t_met = time.perf_counter()
-            self._complete_plan(handle, round_)
-            t3 = time.perf_counter()
-            for d in peers:
-                mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
-        mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
-        mover.flush(me, phase, src, 0, 0, parts)
+            sm = self._sm_sends and not return_recv_hook
+            if sm:  # Note [SM sends] in ep._kernels: kernels trade the counts and store the rows
+                self.mailbox.publish_dispatch(round_, config)
+                mover.send_sm(rows, src, words, round_, phase, num_experts, self.timeout_s)
+                t_planned = t_launched = time.perf_counter()
+                words_h, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
+                    round_, config, self.mailbox.published(mb.DISPATCH, round_)))
+            else:
+                mover.start_to_host(words)
+                t_planned = time.perf_counter()
+                # The peers' rows are gathered into staging while the counts travel to the host and the
+                # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
+                mover.begin()
+                mover.gather(rows, src, range(self.num_ranks), me)
+                t_launched = time.perf_counter()
+                words_h = mover.wait_host(self.timeout_s)
+            try:
+                send_counts, expert_counts = self._checks.counts(words_h, num_tokens, num_experts)
+                handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=topk.shape[1],
+                                round=round_)
+                t1 = t2 = time.perf_counter()
+                if sm:
+                    self._meet(mb.DISPATCH, round_)
+                    t_met = time.perf_counter()
+                    self._plan_from_board(handle, board, round_)
+                    t3 = time.perf_counter()
+            except ConfigError:
+                if sm:  # every rank's board showed the same refusal: the round is spent everywhere
+                    self._round["dispatch"] = round_
+                raise
+            if not sm:
+                self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
+                self._meet(mb.DISPATCH, round_)
+                t_met = time.perf_counter()
+                self._complete_plan(handle, round_)
+                t3 = time.perf_counter()
+                for d in peers:
+                    mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+        if not sm:  # (the push stored this rank's own rows too)
+            mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
+            mover.flush(me, phase, src, 0, 0, parts)
         mover.send_done()
         if cached:  # see Note [Round protocol], step 1 (a fresh dispatch waited for its counts)
             mover.wait_begun(self.timeout_s)
@@ -559,8 +596,8 @@ class Buffer(Closing):
     def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool) -> int:
         return (num_experts << 20) | (num_topk << 4) | (int(fp8) << 1) | int(cached)
 
-    def _check_peer_configs(self, round_: int, config: int) -> None:
-        for r in range(self.num_ranks):
+    def _check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
+        for r in (range(self.num_ranks) if ranks is None else ranks):
             theirs = self.mailbox.config(r, round_)
             if r != self.rank and theirs != config:
                 raise ConfigError(
@@ -586,6 +623,28 @@ class Buffer(Closing):
         handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(num_ranks)]
         handle.num_recv_tokens_per_expert_list = per_expert.tolist()
 
+    def _plan_from_board(self, handle: Handle, board: np.ndarray, round_: int) -> None:
+        """``_complete_plan`` from this rank's count board of an SM dispatch (Note [SM sends]): row
+        ``s`` holds the round tag, whether ``s``'s input was valid, its counts per destination and
+        its counts for this rank's experts. A refused input stopped every push: nothing was sent."""
+        num_ranks, me, cap = self.num_ranks, self.rank, self.layout.max_tokens
+        epr = handle.num_experts // num_ranks
+        late = [s for s in range(num_ranks) if board[s, 0] != round_]
+        if late:
+            raise TransferTimeout(f"ep: the count exchange of dispatch round {round_} ended without the counts of "
+                                  f"ranks {late}")
+        refused = [s for s in range(num_ranks) if not board[s, 1]]
+        if refused:
+            raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
+                              "layout; see their errors); nothing was sent")
+        matrix = board[:, 2:2 + num_ranks]
+        if matrix.min() < 0 or matrix.max() > cap:
+            raise MetadataError(f"ep: the count board holds {matrix.tolist()}; expected each count in [0, {cap}]")
+        handle.recv_counts = matrix[:, me].tolist()
+        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
+        handle.dst_rows = matrix[:me].sum(0).tolist()
+        handle.num_recv_tokens_per_expert_list = board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist()
+
     def _arrived(self, phase: str, then, writes) -> None:
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
         dead peer for good, so ``close`` stops ordering the caller's stream after it."""
@@ -606,7 +665,6 @@ class Buffer(Closing):
         if self.device < 0:
             return
         from warmlink import _cuda
-        from warmlink.errors import TransferTimeout
 
         deadline = time.perf_counter() + self.timeout_s
         while not _cuda.event_query(self._reduced_event):
@@ -647,6 +705,7 @@ class Buffer(Closing):
             self._recv_stream.release()
             self._recv_stream = None
         self._recv_failed = False
+        self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
         for name in ("_region", "_mail_region"):
             region = getattr(self, name, None)
             if region is not None:

@@ -1,0 +1,210 @@
+"""The Triton kernels of ep's device steps (ep._kernels holds their entry points and torch twins).
+
+Imported only where Triton is (ep._kernels._build); kept apart so that a kernel can call a
+``triton.jit`` helper of this module, which the interpreter resolves through module globals.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def plan_kernel(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr,
+                num_tokens, num_entries, num_experts, max_tokens,
+                NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if pid < NUM_RANKS:  # one program scans one destination's column
+        carry = tl.zeros([], dtype=tl.int64)
+        for start in range(0, num_tokens, BLOCK):
+            t = (start + offs).to(tl.int64)
+            m = t < num_tokens
+            flag = (tl.load(in_rank_ptr + t * NUM_RANKS + pid, mask=m, other=0) != 0).to(tl.int32)
+            incl = tl.cumsum(flag, 0).to(tl.int64)
+            row = pid * max_tokens + carry + incl - 1
+            tl.store(rows_ptr + t * NUM_RANKS + pid, tl.where(flag != 0, row, -1), mask=m)
+            carry += tl.sum(flag, 0).to(tl.int64)
+        tl.store(words_ptr + pid, carry)
+        tl.store(words_ptr + NUM_RANKS + pid, tl.load(per_rank_ptr + pid).to(tl.int64))
+    elif pid == NUM_RANKS:  # the per-expert counts
+        for start in range(0, num_experts, BLOCK):
+            e = start + offs
+            v = tl.load(per_expert_ptr + e, mask=e < num_experts, other=0).to(tl.int64)
+            tl.store(words_ptr + 2 * NUM_RANKS + e, v, mask=e < num_experts)
+    else:  # the range of the expert ids in one part
+        j = pid - NUM_RANKS - 1
+        part = tl.cdiv(num_entries, PARTS)
+        end = tl.minimum(num_entries, (j + 1) * part)
+        lo = tl.full([], BIG, dtype=tl.int64)
+        hi = tl.full([], -BIG, dtype=tl.int64)
+        for start in range(j * part, end, BLOCK):
+            e = (start + offs).to(tl.int64)
+            m = e < end
+            v = tl.load(topk_ptr + e, mask=m, other=0).to(tl.int64)
+            lo = tl.minimum(lo, tl.min(tl.where(m, v, BIG), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(m, v, -BIG), 0))
+        tl.store(words_ptr + 2 * NUM_RANKS + num_experts + j, lo)
+        tl.store(words_ptr + 2 * NUM_RANKS + num_experts + PARTS + j, hi)
+
+
+@triton.jit
+def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
+               HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    # token t's meta parts (zeros for the parts it does not have)
+    ids = tl.zeros(kc.shape, dtype=tl.int64)
+    ws = tl.zeros(kc.shape, dtype=tl.float32)
+    ss = tl.zeros(sc.shape, dtype=tl.float32)
+    if HAS_TOPK:
+        ids = tl.load(topk_ptr + t * num_k + kc, mask=kc < num_k).to(tl.int64)
+    if HAS_W:
+        ws = tl.load(w_ptr + t * num_k + kc, mask=kc < num_k).to(tl.float32)
+    if HAS_S:
+        ss = tl.load(s_ptr + t * num_scales + sc, mask=sc < num_scales)
+    return ids, ws, ss
+
+
+@triton.jit
+def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, ids_out_ptr, floats_out_ptr,
+                  num_k, num_scales, meta_words, meta_k, shift, d_lo, d_hi, skip,
+                  NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                  HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * X_BLOCK + tl.arange(0, X_BLOCK)
+    in_row = cols < x_words
+    row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
+    kc = tl.arange(0, K_BLOCK)
+    sc = tl.arange(0, S_BLOCK)
+    ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+    for d in tl.static_range(NUM_RANKS):
+        if (d >= d_lo) & (d < d_hi) & (d != skip):
+            at = tl.load(rows_ptr + t * NUM_RANKS + d)
+            if at >= 0:
+                at += shift
+                tl.store(x_out_ptr + at * x_words + cols, row, mask=in_row)
+                if chunk == 0:  # the first chunk's program also moves the meta row
+                    if HAS_TOPK:
+                        tl.store(ids_out_ptr + at * meta_words + kc, ids, mask=kc < num_k)
+                    if HAS_W:
+                        tl.store(floats_out_ptr + at * 2 * meta_words + 2 * meta_k + kc, ws, mask=kc < num_k)
+                    if HAS_S:
+                        tl.store(floats_out_ptr + at * 2 * meta_words + 3 * meta_k + sc, ss, mask=sc < num_scales)
+
+
+@triton.jit
+def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_scales, meta_words, meta_k,
+                  base, experts_per_rank, ROWS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                  HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    live = r < total
+    if HAS_TOPK:
+        k = tl.arange(0, K_BLOCK)[None, :]
+        m = live & (k < num_k)
+        raw = tl.load(ids_ptr + r * meta_words + k, mask=m, other=-1)
+        local = raw - base
+        here = (raw >= 0) & (local >= 0) & (local < experts_per_rank)
+        tl.store(idx_ptr + r * num_k + k, tl.where(here, local, -1), mask=m)
+        if HAS_W:
+            w = tl.load(floats_ptr + r * 2 * meta_words + 2 * meta_k + k, mask=m, other=0.0)
+            tl.store(w_ptr + r * num_k + k, tl.where(here, w, 0.0), mask=m)
+    if HAS_S:
+        s = tl.arange(0, S_BLOCK)[None, :]
+        m = live & (s < num_scales)
+        tl.store(s_ptr + r * num_scales + s, tl.load(floats_ptr + r * 2 * meta_words + 3 * meta_k + s, mask=m), mask=m)
+
+
+@triton.jit
+def exchange_kernel(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, experts_per_rank, max_tokens,
+                    x_row_bytes, meta_row_bytes, timeout_ns,
+                    NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
+                    PARTS: tl.constexpr):
+    # program d: post this rank's counts to d's board, wait for every source's row in this
+    # rank's own board, then write where this rank's rows start in d (0: do not send);
+    # tables_ptr: [5, R] (exchange()), one argument rather than five views on the host path
+    d = tl.program_id(0)
+    boards_ptr = tables_ptr
+    recv_x_ptr = tables_ptr + NUM_RANKS
+    recv_meta_ptr = tables_ptr + 2 * NUM_RANKS
+    x_bases_ptr = tables_ptr + 3 * NUM_RANKS
+    meta_bases_ptr = tables_ptr + 4 * NUM_RANKS
+    r = tl.arange(0, R_BLOCK)
+    m = r < NUM_RANKS
+    sent = tl.load(words_ptr + r, mask=m, other=0)
+    given = tl.load(words_ptr + NUM_RANKS + r, mask=m, other=0)
+    q = tl.arange(0, PARTS)
+    lo = tl.min(tl.load(words_ptr + 2 * NUM_RANKS + num_experts + q), 0)
+    hi = tl.max(tl.load(words_ptr + 2 * NUM_RANKS + num_experts + PARTS + q), 0)
+    valid = ((tl.sum((sent != given).to(tl.int32), 0) == 0) & (lo >= -1) & (hi < num_experts)).to(tl.int64)
+    there = tl.load(boards_ptr + d).to(tl.pointer_type(tl.int64)) + me * ROW
+    tl.store(there + 2 + r, sent, mask=m)
+    for e0 in range(0, experts_per_rank, E_BLOCK):
+        e = e0 + tl.arange(0, E_BLOCK)
+        v = tl.load(words_ptr + 2 * NUM_RANKS + d * experts_per_rank + e, mask=e < experts_per_rank)
+        tl.store(there + 2 + NUM_RANKS + e, v, mask=e < experts_per_rank)
+    tl.store(there + 1, valid)
+    # every thread's stores reach the system before the tag does
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    tl.atomic_xchg(there, round_, sem="release", scope="sys")
+
+    own = tl.load(boards_ptr + me).to(tl.pointer_type(tl.int64))
+    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    failed = tl.zeros([], dtype=tl.int32)
+    ok = tl.full([], 1, dtype=tl.int64)
+    below = tl.zeros([], dtype=tl.int64)
+    for s in tl.static_range(NUM_RANKS):
+        tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
+        while (tag != round_) & (failed == 0):
+            tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
+            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                            pack=1)
+            late = (now - start) > timeout_ns
+            stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) == round_
+            failed = (late | stop).to(tl.int32)
+        ok = ok & tl.load(own + s * ROW + 1, volatile=True)
+        count = tl.load(own + s * ROW + 2 + d, volatile=True)
+        below += tl.where(s < me, count, 0)
+    ok = ok & (failed == 0).to(tl.int64)
+    shift = below - d * max_tokens  # rows[t, d] counts from d * max_tokens
+    x_base = tl.load(recv_x_ptr + d) + shift * x_row_bytes
+    meta_base = tl.load(recv_meta_ptr + d) + shift * meta_row_bytes
+    tl.store(x_bases_ptr + d, tl.where(ok != 0, x_base, 0))
+    tl.store(meta_bases_ptr + d, tl.where(ok != 0, meta_base, 0))
+
+
+@triton.jit
+def push_kernel(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
+                num_k, num_scales, meta_words, meta_k, skip,
+                NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
+                S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    # gather_kernel's rows, stored by the SMs straight into each destination's area: byte
+    # address bases[d] (a peer's mapped region, or this rank's own) is row 0 of rows[:, d]; 0
+    # means "not this destination". Each program loops over tokens (a persistent grid).
+    kc = tl.arange(0, K_BLOCK)
+    sc = tl.arange(0, S_BLOCK)
+    for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
+        t = t + tl.zeros([], dtype=tl.int64)  # 64-bit offsets (a Python int in the interpreter)
+        for c in tl.static_range(CHUNKS):
+            cols = c * X_BLOCK + tl.arange(0, X_BLOCK)
+            in_row = cols < x_words
+            row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
+            for d in tl.static_range(NUM_RANKS):
+                if d != skip:
+                    at = tl.load(rows_ptr + t * NUM_RANKS + d)
+                    base = tl.load(x_bases_ptr + d)
+                    if (at >= 0) & (base != 0):
+                        tl.store(base.to(tl.pointer_type(tl.int64)) + at * x_words + cols, row, mask=in_row)
+        ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+        for d in tl.static_range(NUM_RANKS):
+            if d != skip:
+                at = tl.load(rows_ptr + t * NUM_RANKS + d)
+                base = tl.load(meta_bases_ptr + d)
+                if (at >= 0) & (base != 0):
+                    if HAS_TOPK:
+                        tl.store(base.to(tl.pointer_type(tl.int64)) + at * meta_words + kc, ids, mask=kc < num_k)
+                    if HAS_W:
+                        floats = base.to(tl.pointer_type(tl.float32)) + at * 2 * meta_words
+                        tl.store(floats + 2 * meta_k + kc, ws, mask=kc < num_k)
+                    if HAS_S:
+                        floats = base.to(tl.pointer_type(tl.float32)) + at * 2 * meta_words
+                        tl.store(floats + 3 * meta_k + sc, ss, mask=sc < num_scales)
