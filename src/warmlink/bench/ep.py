@@ -94,14 +94,13 @@ def _copy_floor(buf, send_counts: list[int], timed) -> dict:
 
     lay, me, mover = buf.layout, buf.rank, buf._mover
     row = lay.row_bytes("recv_x.0")
-    offsets = lay.offsets()
-    src = buf._region.tensor.data_ptr() + offsets["stage_x"]
+    src = mover.area_address(me, "stage_x")
     streams = [torch.cuda.Stream(buf.device) for _ in range(buf.num_ranks)]
     peers = [(me + i) % buf.num_ranks for i in range(1, buf.num_ranks)]
     jobs = {name: [] for name in _FLOOR_SCHEDULES}
     for i, d in enumerate(peers):
         n = send_counts[d] * row
-        dst, at = mover._ptrs[d] + offsets["recv_x.0"] + me * lay.max_tokens * row, src + d * lay.max_tokens * row
+        dst, at = mover.area_address(d, "recv_x.0") + me * lay.max_tokens * row, src + d * lay.max_tokens * row
         jobs["one stream"].append((0, dst, at, n))
         jobs["per-peer streams"].append((i, dst, at, n))
         half = n // 2
@@ -131,8 +130,7 @@ def _push_floor(buf, handle, x, timed) -> dict:
 
     lay, me, mover = buf.layout, buf.rank, buf._mover
     row = lay.row_bytes("recv_x.0")
-    at = lay.offsets()["recv_x.0"]
-    bases = torch.tensor([0 if d == me else mover._ptrs[d] + at + (handle.dst_rows[d] - d * lay.max_tokens) * row
+    bases = torch.tensor([0 if d == me else mover.area_address(d, "recv_x.0") + (handle.dst_rows[d] - d * lay.max_tokens) * row
                           for d in range(buf.num_ranks)], dtype=torch.int64, device=x.device)
     src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count

@@ -218,6 +218,11 @@ class CudaMover(_Gathers):
     def _current(self) -> int:
         return current_stream(self.device)
 
+    def area_address(self, rank: int, area: str) -> int:
+        """Byte address, in this process, of ``area`` in ``rank``'s region (this rank's or a peer's
+        mapping): for diagnostics that move the same bytes outside the protocol (bench ep)."""
+        return self._ptrs[rank] + self._offsets[area]
+
     def begin(self, copies: bool = True) -> None:
         """Mark the start of a round on the caller's current stream (``wait_begun``), and order
         every destination's copy stream after it (unless the SMs send: ``copies=False``)."""

@@ -54,6 +54,7 @@ from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._kernels import Sources, plan
+from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
 from warmlink.ep._reduce import combine_sum
@@ -658,7 +659,7 @@ class Buffer(Closing):
         if self.device >= 0:
             from warmlink import _cuda
 
-            _cuda.event_record(self._reduced_event, torch.cuda.current_stream(self.device).cuda_stream)
+            _cuda.event_record(self._reduced_event, current_stream(self.device))
 
     def _wait_reduced(self) -> None:
         """Block (bounded) until this rank's last combine sum finished reading its combine area."""
