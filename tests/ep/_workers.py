@@ -175,6 +175,11 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 y, h = (y_first, h_first) if rank == 0 else (second[0].clone(), second[4])
                 buf.combine(y, h)
                 return "ok"
+            if fault == "mixed_hook":  # rank 0 asks for a hook (copy engines), the others do not (SMs)
+                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=rank == 0)
+                if rank == 0:
+                    out[-1]()
+                return "ok"
             if fault == "refused_then_valid":  # rank 0's bad id spends the round on every rank; the next works
                 bad = idx.clone()
                 bad[0, 0] = case["experts"] + 3

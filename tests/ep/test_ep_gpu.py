@@ -114,3 +114,11 @@ def test_gpu_a_missing_peer_ends_the_count_exchange_without_a_stuck_kernel(fault
         waiting = [e for r, e in enumerate(errors) if r != 1]
     for e in waiting:  # rank 0 (1) never posted: a timeout, or its exit seen; the device drained at once
         assert e.startswith(("TransferTimeout", "PeerLostError")) and "drain" not in e, e
+
+
+@needs_two
+def test_gpu_ranks_mixing_hook_and_normal_mode_are_refused_not_corrupted():
+    case = dict(_FAULT, tokens=_tokens(6, 9), fault="mixed_hook")
+    errors = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
+    for e in errors:  # rank 0 meets in the mailboxes, the others trade counts on the device: each sees the other kind
+        assert e.startswith("ConfigError") and "sm_sends" in e and "drain" not in e, e

@@ -40,6 +40,7 @@ the buffer's timeout; a dead peer raises ``PeerLostError``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 __all__ = ["Buffer", "Handle"]
 
 log = logging.getLogger("warmlink.ep")
+_SERIALS = itertools.count()  # one per Buffer: keys what a handle caches about a Buffer's mappings
 
 @dataclass
 class Handle:
@@ -87,7 +89,7 @@ class Handle:
     num_recv_tokens_per_expert_list: list[int] | None = None
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
-    # push bases of cached SM dispatches, per (parity, row words), made on first use (ep._movers)
+    # push bases of cached SM dispatches, per (Buffer, parity, row words), made on first use (ep._movers)
     sm_bases: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -158,6 +160,7 @@ class Buffer(Closing):
         self._recv_stream = None
         self._recv_failed = False
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
+        self._serial = next(_SERIALS)
         self._remotes: list = []
         self._event_tokens: list = []
         self._round = {"dispatch": 0, "combine": 0}
@@ -398,10 +401,10 @@ class Buffer(Closing):
             sm = self._sm_sends and not return_recv_hook
             if sm:  # one push kernel stores every row where the handle says (Note [SM sends])
                 mover.begin(copies=False)
-                key = (round_ % PARITIES, src.x.shape[1])
+                key = (self._serial, round_ % PARITIES, src.x.shape[1])  # addresses of this Buffer's mappings
                 bases = handle.sm_bases.get(key)
                 if bases is None:
-                    bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[0],
+                    bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1],
                                                                   src.x.shape[1] * src.x.element_size())
                 mover.send_sm_cached(handle.combine_rows, src, bases, phase)
             else:
@@ -415,11 +418,13 @@ class Buffer(Closing):
         else:
             topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
                 tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            config = self._call_config(num_experts, topk.shape[1], scales is not None, False)
+            sm = self._sm_sends and not return_recv_hook
+            # the send path is part of the config: a rank that meets in the mailbox while another
+            # trades counts on the device would read counts that were never published
+            config = self._call_config(num_experts, topk.shape[1], scales is not None, False, sm)
             t_checked = time.perf_counter()
             rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
             src = Sources(as_words(tokens), topk, weights, scales)
-            sm = self._sm_sends and not return_recv_hook
             if sm:  # Note [SM sends] in ep._kernels: kernels trade the counts and store the rows
                 self.mailbox.publish_dispatch(round_, config)
                 mover.send_sm(rows, src, words, round_, phase, num_experts, self.timeout_s)
@@ -594,17 +599,21 @@ class Buffer(Closing):
 
         return (*result, hook)
 
-    def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool) -> int:
-        return (num_experts << 20) | (num_topk << 4) | (int(fp8) << 1) | int(cached)
+    def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False) -> int:
+        return (num_experts << 20) | (num_topk << 4) | (int(sm) << 2) | (int(fp8) << 1) | int(cached)
 
     def _check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
         for r in (range(self.num_ranks) if ranks is None else ranks):
             theirs = self.mailbox.config(r, round_)
             if r != self.rank and theirs != config:
-                raise ConfigError(
-                    f"ep.Buffer.dispatch: rank {r} dispatches with (num_experts={theirs >> 20}, num_topk={(theirs >> 4) & 0xFFFF}, "
-                    f"fp8={bool(theirs & 2)}, cached={bool(theirs & 1)}), this rank with (num_experts={config >> 20}, "
-                    f"num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, cached={bool(config & 1)})")
+                raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {self._describe(theirs)}, this rank with "
+                                  f"{self._describe(config)}; every rank must pass the same kind of call (a fresh "
+                                  "dispatch with a hook sends through the copy engines, one without through the SMs)")
+
+    @staticmethod
+    def _describe(config: int) -> str:
+        return (f"(num_experts={config >> 20}, num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, "
+                f"cached={bool(config & 1)}, sm_sends={bool(config & 4)})")
 
     def _complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
@@ -707,6 +716,7 @@ class Buffer(Closing):
             self._recv_stream = None
         self._recv_failed = False
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
+        self._serial = next(_SERIALS)
         for name in ("_region", "_mail_region"):
             region = getattr(self, name, None)
             if region is not None:
