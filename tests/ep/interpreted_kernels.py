@@ -14,7 +14,8 @@ import torch
 from warmlink.ep import _kernels
 from warmlink.ep.layout import dispatch_layout
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = triton.language  # visible to the jit'd fakes below, as the interpreter requires
 
 
 def _numpy_scalars_in_the_interpreter() -> None:
@@ -156,3 +157,88 @@ def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta
                             shift=shifts[d] - d * max_tokens)
         assert torch.equal(areas[d][0], want_x), d
         assert torch.equal(areas[d][1], want_meta), d
+
+
+# -- the count exchange (ep._kernels, Note [SM sends]) ---------------------------------------------
+_CLOCK = [0]
+
+
+def _advance_clock() -> int:
+    _CLOCK[0] += 1_000_000  # every read of the device clock is a millisecond later
+    return _CLOCK[0]
+
+
+@triton.jit
+def _fake_clock():
+    return _advance_clock()
+
+
+@triton.jit
+def _no_fence():
+    pass
+
+
+@pytest.fixture
+def exchange_kernels(kernels, monkeypatch):
+    """The kernels with the exchange's PTX helpers (clock, system fence) swapped for Python ones."""
+    from warmlink.ep import _triton
+
+    monkeypatch.setattr(_triton, "device_clock_ns", _fake_clock)
+    monkeypatch.setattr(_triton, "fence_system", _no_fence)
+    return kernels
+
+
+def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0, timeout_s: float = 0.05):
+    """Rank 2 of 4 runs its exchange for round 7 after ``peers`` (rank -> (tag, valid, counts))
+    posted their rows in its board. Returns (boards, x bases, meta bases, the expected own row)."""
+    from warmlink.ep._regions import board_words
+
+    num_ranks, me, round_, num_experts, cap, x_row, meta_row = 4, 2, 7, 16, 50, 256, 64
+    row = board_words(num_ranks)
+    epr = num_experts // num_ranks
+    sent = [3, 5, 0, 4]
+    per_expert = list(range(10, 10 + num_experts))
+    hi = num_experts - 1 if own_valid else num_experts + 2  # an expert id out of range refuses the input
+    words = torch.tensor(sent + sent + per_expert + [-1] * 8 + [hi] * 8, dtype=torch.int64)
+    boards = [torch.zeros(num_ranks, row, dtype=torch.int64) for _ in range(num_ranks)]
+    recv_x = [1 << 40 | d << 32 for d in range(num_ranks)]  # only their arithmetic matters
+    recv_meta = [1 << 41 | d << 32 for d in range(num_ranks)]
+    tables = torch.tensor([[b.data_ptr() for b in boards], recv_x, recv_meta, [0] * num_ranks, [0] * num_ranks],
+                          dtype=torch.int64)
+    for s, (tag, valid, counts) in peers.items():
+        boards[me][s, :2 + num_ranks] = torch.tensor([tag, valid] + counts)
+    # the programs run one after another here: this rank's own row is in its board before any waits
+    own = [round_, int(own_valid)] + sent
+    boards[me][me, :2 + num_ranks] = torch.tensor(own)
+    abort = torch.tensor([abort_round], dtype=torch.int64)
+    _kernels.exchange(words, tables, abort.data_ptr(), round_, me, num_experts, cap, x_row, meta_row, timeout_s, row,
+                      kernels=kernels)
+    own_rows = [own + per_expert[d * epr:(d + 1) * epr] for d in range(num_ranks)]
+    return boards, tables[3].tolist(), tables[4].tolist(), own_rows, (recv_x, recv_meta, cap, x_row, meta_row)
+
+
+def test_exchange_posts_this_ranks_row_everywhere_and_starts_its_rows_after_the_ranks_below(exchange_kernels):
+    peers = {0: (7, 1, [2, 1, 6, 0]), 1: (7, 1, [1, 0, 3, 2]), 3: (7, 1, [4, 4, 4, 4])}
+    boards, x_bases, meta_bases, own_rows, (recv_x, recv_meta, cap, x_row, meta_row) = _exchange(exchange_kernels, peers)
+    for d, board in enumerate(boards):  # program d wrote this rank's row into d's board
+        assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
+    for d in range(4):  # after the rows of ranks 0 and 1 in d, counted from d's slot (rows[t, d] >= d * cap)
+        below = peers[0][2][d] + peers[1][2][d]
+        assert x_bases[d] == recv_x[d] + (below - d * cap) * x_row, d
+        assert meta_bases[d] == recv_meta[d] + (below - d * cap) * meta_row, d
+
+
+@pytest.mark.parametrize("fault", ["a peer refused", "this rank refused", "a peer never posted", "the host aborted"])
+def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange_kernels, fault):
+    peers = {0: (7, 1, [2, 1, 6, 0]), 1: (7, 0 if fault == "a peer refused" else 1, [1, 0, 3, 2]), 3: (7, 1, [4, 4, 4, 4])}
+    if fault in ("a peer never posted", "the host aborted"):
+        peers[3] = (5, 1, [9, 9, 9, 9])  # its row of round 5: stale
+    aborted = fault == "the host aborted"
+    start = _CLOCK[0]
+    boards, x_bases, meta_bases, own_rows, _ = _exchange(exchange_kernels, peers, own_valid=fault != "this rank refused",
+                                                         abort_round=7 if aborted else 3, timeout_s=10.0 if aborted else 0.05)
+    assert x_bases == [0] * 4 and meta_bases == [0] * 4
+    if aborted:  # the abort word ended every program's wait at once, long before its 10 s deadline
+        assert _CLOCK[0] - start < 0.1e9, (_CLOCK[0] - start) / 1e9
+    for d, board in enumerate(boards):  # its own row still went out, flagged as it was
+        assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d

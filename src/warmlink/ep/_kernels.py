@@ -290,8 +290,10 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
 
 
 def exchange(words: torch.Tensor, tables: torch.Tensor, abort: int, round_: int, me: int, num_experts: int,
-             max_tokens: int, x_row_bytes: int, meta_row_bytes: int, timeout_s: float, board_row: int) -> None:
-    """The device side of a fresh SM dispatch's count exchange (Note [SM sends]); CUDA only.
+             max_tokens: int, x_row_bytes: int, meta_row_bytes: int, timeout_s: float, board_row: int,
+             kernels=None) -> None:
+    """The device side of a fresh SM dispatch's count exchange (Note [SM sends]): CUDA, or the
+    interpreter in tests (with ep._triton's clock and fence swapped out).
 
     ``tables``: ``[5, R]`` int64 device tensor: rows 0-2 are inputs (every rank's board, receive x
     and receive meta area of this round's parity, as byte addresses in this process), rows 3-4 the
@@ -299,7 +301,7 @@ def exchange(words: torch.Tensor, tables: torch.Tensor, abort: int, round_: int,
     ended by ``abort``: the byte address of a host int64 that the host sets to ``round_``, or by the
     timeout). ``words``: this rank's ``plan`` words. ``board_row``: int64 words of a board row.
     """
-    _, *_, exchange_kernel = _kernels()
+    _, *_, exchange_kernel = kernels or _kernels()
     num_ranks = tables.shape[1]
     args = (words, tables, abort, round_, me, num_experts, num_experts // num_ranks, max_tokens, x_row_bytes,
             meta_row_bytes, int(timeout_s * 1e9))

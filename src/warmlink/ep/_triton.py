@@ -114,6 +114,18 @@ def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_
 
 
 @triton.jit
+def device_clock_ns():
+    # the GPU's global nanosecond timer (tests swap this helper out: the interpreter has no PTX)
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_system():
+    # this thread's earlier stores become visible to the whole system (other GPUs, the host) first
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def exchange_kernel(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, experts_per_rank, max_tokens,
                     x_row_bytes, meta_row_bytes, timeout_ns,
                     NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
@@ -142,13 +154,12 @@ def exchange_kernel(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, e
         v = tl.load(words_ptr + 2 * NUM_RANKS + d * experts_per_rank + e, mask=e < experts_per_rank)
         tl.store(there + 2 + NUM_RANKS + e, v, mask=e < experts_per_rank)
     tl.store(there + 1, valid)
-    # every thread's stores reach the system before the tag does
-    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    fence_system()  # every thread's stores reach the system before the tag does
     tl.debug_barrier()
     tl.atomic_xchg(there, round_, sem="release", scope="sys")
 
     own = tl.load(boards_ptr + me).to(tl.pointer_type(tl.int64))
-    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    start = device_clock_ns()
     failed = tl.zeros([], dtype=tl.int32)
     ok = tl.full([], 1, dtype=tl.int64)
     below = tl.zeros([], dtype=tl.int64)
@@ -156,9 +167,7 @@ def exchange_kernel(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, e
         tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
         while (tag != round_) & (failed == 0):
             tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
-            now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                            pack=1)
-            late = (now - start) > timeout_ns
+            late = (device_clock_ns() - start) > timeout_ns
             stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) == round_
             failed = (late | stop).to(tl.int32)
         ok = ok & tl.load(own + s * ROW + 1, volatile=True)
