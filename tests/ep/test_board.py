@@ -1,0 +1,111 @@
+"""The host half of SM sends (ep._kernels, Note [SM sends]): a rank's count board yields the same
+handle as the copy-engine path's mailbox meeting, and refuses late, refused or impossible rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from warmlink.ep import _mailbox
+from warmlink.ep._regions import RegionLayout, board_words
+from warmlink.ep.buffer import Buffer, Handle
+from warmlink.errors import ConfigError, MetadataError, TransferTimeout
+
+ROUND = 5
+
+
+def _host_side(num_ranks: int, rank: int, max_tokens: int) -> Buffer:
+    """A Buffer's host state without regions or peers: all that completing a plan reads."""
+    buf = Buffer.__new__(Buffer)
+    buf.num_ranks, buf.rank = num_ranks, rank
+    buf.layout = RegionLayout(num_ranks, max_tokens, 128, 2)
+    return buf
+
+
+def _handle(num_experts: int, send_counts: list[int]) -> Handle:
+    empty = torch.zeros(0, len(send_counts), dtype=torch.int64)
+    return Handle(num_experts, 0, empty.bool(), empty, list(send_counts), num_topk=2, round=ROUND)
+
+
+def _board(counts: np.ndarray, per_expert: np.ndarray, rank: int, tags=None, valid=None) -> np.ndarray:
+    """Rank ``rank``'s board as its peers' exchange programs fill it."""
+    num_ranks = counts.shape[0]
+    epr = per_expert.shape[1] // num_ranks
+    board = np.zeros((num_ranks, board_words(num_ranks)), dtype=np.int64)
+    for s in range(num_ranks):
+        board[s, 0] = ROUND if tags is None else tags[s]
+        board[s, 1] = 1 if valid is None else valid[s]
+        board[s, 2:2 + num_ranks] = counts[s]
+        board[s, 2 + num_ranks:2 + num_ranks + epr] = per_expert[s, rank * epr:(rank + 1) * epr]
+    return board
+
+
+def _from_mailboxes(buf: Buffer, counts: np.ndarray, per_expert: np.ndarray) -> Handle:
+    """The copy-engine path's plan completion, every rank having published its counts."""
+    num_ranks = buf.num_ranks
+    owns = [torch.zeros(_mailbox.mailbox_nbytes(num_ranks), dtype=torch.uint8) for _ in range(num_ranks)]
+    with pytest.MonkeyPatch.context() as mp:  # (the mailbox's own CPU check is tested in test_mailbox)
+        mp.setattr(_mailbox.platform, "machine", lambda: "x86_64")
+        boxes = [_mailbox.Mailbox(own, r, num_ranks) for r, own in enumerate(owns)]
+    for r, box in enumerate(boxes):
+        box.publish_dispatch(ROUND, 0, counts[r].tolist(), per_expert[r].tolist())
+    buf.mailbox = boxes[buf.rank]
+    for r in range(num_ranks):
+        if r != buf.rank:
+            buf.mailbox.attach(r, owns[r], peer_ref=None)
+    handle = _handle(per_expert.shape[1], counts[buf.rank].tolist())
+    buf._complete_plan(handle, ROUND)
+    return handle
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_board_gives_the_mailbox_meetings_handle(data):
+    num_ranks = data.draw(st.integers(1, 8), label="ranks")
+    rank = data.draw(st.integers(0, num_ranks - 1), label="rank")
+    epr = data.draw(st.integers(1, 4), label="experts per rank")
+    cap = data.draw(st.integers(1, 40), label="max tokens")
+    counts = np.array(data.draw(st.lists(st.lists(st.integers(0, cap), min_size=num_ranks, max_size=num_ranks),
+                                         min_size=num_ranks, max_size=num_ranks)), dtype=np.int64).reshape(num_ranks, num_ranks)
+    per_expert = np.array(data.draw(st.lists(st.integers(0, 100), min_size=num_ranks * num_ranks * epr,
+                                             max_size=num_ranks * num_ranks * epr)), dtype=np.int64)
+    per_expert = per_expert.reshape(num_ranks, num_ranks * epr)
+    buf = _host_side(num_ranks, rank, cap)
+    want = _from_mailboxes(buf, counts, per_expert)
+    got = _handle(num_ranks * epr, counts[rank].tolist())
+    buf._plan_from_board(got, _board(counts, per_expert, rank), ROUND)
+    for name in ("recv_counts", "recv_starts", "dst_rows", "num_recv_tokens_per_expert_list"):
+        assert getattr(got, name) == getattr(want, name), name
+        assert all(type(v) is int for v in getattr(got, name)), name  # plain ints, as the mailbox path gives
+    # the rows of this rank in d start after those of the ranks below it (Note [Send order])
+    assert got.dst_rows == [int(counts[:rank, d].sum()) for d in range(num_ranks)]
+
+
+def _refusal(num_ranks=4, rank=1, **board_kw):
+    counts = np.full((num_ranks, num_ranks), 2, dtype=np.int64)
+    per_expert = np.ones((num_ranks, 2 * num_ranks), dtype=np.int64)
+    buf = _host_side(num_ranks, rank, 8)
+    overrides = board_kw.pop("counts", None)
+    if overrides is not None:
+        counts = overrides
+    buf._plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), _board(counts, per_expert, rank, **board_kw), ROUND)
+
+
+def test_a_board_without_every_rank_of_this_round_is_a_timeout():
+    with pytest.raises(TransferTimeout, match=r"round 5 ended without the counts of ranks \[0, 3\]"):
+        _refusal(tags=[ROUND - 2, ROUND, ROUND, 0])
+
+
+def test_a_refused_input_is_named_and_nothing_was_sent():
+    with pytest.raises(ConfigError, match=r"ranks \[2\] refused their dispatch input.*nothing was sent"):
+        _refusal(valid=[1, 1, 0, 1])
+
+
+def test_counts_beyond_a_slot_are_refused_as_corrupt():
+    counts = np.full((4, 4), 2, dtype=np.int64)
+    counts[3, 0] = 9  # more rows than max_tokens=8
+    with pytest.raises(MetadataError, match="expected each count in \\[0, 8\\]"):
+        _refusal(counts=counts)
