@@ -5,14 +5,17 @@ routing (top-K of E experts, distinct per token), builds one ``warmlink.ep.Buffe
 torch.distributed group, and times, each as the median over ``--iterations``:
 
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
-  the hook right away), and a cached-handle dispatch;
+  the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
+  (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
+  (``WARMLINK_EP_SEND=copy``), in the same run;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
 - overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together, for a
   fresh dispatch and for a cached one;
-- on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), the floor that
-  the exchange's host work and kernels add to.
+- on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), and the push
+  kernel alone storing them (``_push_floor``): the floors that the exchange's host work and other
+  kernels add to.
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. Time is the
