@@ -365,6 +365,8 @@ class Buffer(Closing):
             topk_weights: ``[T, K]`` float32.
             num_experts: needed only when ``num_tokens_per_expert`` is omitted.
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
+                Every rank must pass the same value to a fresh dispatch: without a hook the SMs send
+                (Note [SM sends] in ep._kernels), with one the copy engines do.
             The remaining DeepEP arguments are accepted for compatibility; ``expert_alignment`` must
             be 1 and ``num_worst_tokens`` 0.
 
