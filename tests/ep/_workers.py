@@ -157,10 +157,15 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, case["experts"])
                 buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank + 1, is_token_in_rank=in_rank,
                              num_tokens_per_expert=per_expert)
-            if fault == "dead_peer" and rank == 1:
-                import os
+            if fault == "dead_peer":  # rank 1 dies once every rank has its Buffer: the peers then see
+                # its death in a dispatch, not a peer's exit while they still open its region
+                store.add("built", 1, checked=False)
+                if rank == 1:
+                    import os
 
-                os._exit(0)  # leaves without a word, as a crashed process does
+                    store.wait_until(lambda: store.add("built", 0, checked=False) >= num_ranks, what="every Buffer",
+                                     timeout_s=case.get("timeout_s", 30.0))
+                    os._exit(0)  # leaves without a word, as a crashed process does
             if fault == "hook_skipped":
                 out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=True)
                 try:
