@@ -68,8 +68,9 @@ def test_the_board_gives_the_mailbox_meetings_handle(data):
     rank = data.draw(st.integers(0, num_ranks - 1), label="rank")
     epr = data.draw(st.integers(1, 4), label="experts per rank")
     cap = data.draw(st.integers(1, 40), label="max tokens")
-    counts = np.array(data.draw(st.lists(st.lists(st.integers(0, cap), min_size=num_ranks, max_size=num_ranks),
-                                         min_size=num_ranks, max_size=num_ranks)), dtype=np.int64).reshape(num_ranks, num_ranks)
+    row = st.lists(st.integers(0, cap), min_size=num_ranks, max_size=num_ranks)
+    counts = np.array(data.draw(st.lists(row, min_size=num_ranks, max_size=num_ranks)), dtype=np.int64)
+    counts = counts.reshape(num_ranks, num_ranks)
     per_expert = np.array(data.draw(st.lists(st.integers(0, 100), min_size=num_ranks * num_ranks * epr,
                                              max_size=num_ranks * num_ranks * epr)), dtype=np.int64)
     per_expert = per_expert.reshape(num_ranks, num_ranks * epr)
@@ -91,7 +92,8 @@ def _refusal(num_ranks=4, rank=1, **board_kw):
     overrides = board_kw.pop("counts", None)
     if overrides is not None:
         counts = overrides
-    buf._plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), _board(counts, per_expert, rank, **board_kw), ROUND)
+    board = _board(counts, per_expert, rank, **board_kw)
+    buf._plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), board, ROUND)
 
 
 def test_a_board_without_every_rank_of_this_round_is_a_timeout():

@@ -133,8 +133,9 @@ def _push_floor(buf, handle, x, timed) -> dict:
 
     lay, me, mover = buf.layout, buf.rank, buf._mover
     row = lay.row_bytes("recv_x.0")
-    bases = torch.tensor([0 if d == me else mover.area_address(d, "recv_x.0") + (handle.dst_rows[d] - d * lay.max_tokens) * row
-                          for d in range(buf.num_ranks)], dtype=torch.int64, device=x.device)
+    starts = [mover.area_address(d, "recv_x.0") + (handle.dst_rows[d] - d * lay.max_tokens) * row
+              for d in range(buf.num_ranks)]
+    bases = torch.tensor([0 if d == me else at for d, at in enumerate(starts)], dtype=torch.int64, device=x.device)
     src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     return {name: timed(lambda n=n: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk, lay.meta_bytes,
