@@ -25,9 +25,8 @@ A dispatch (and likewise a combine) is one round ``n`` of a handshake in the hos
 3. a fresh dispatch waits until every peer published the same (it needs their counts to know
    where its rows go, Note [Send order] in ep.layout); on CUDA without a hook, kernels trade the
    counts and store the rows instead, and the host meets the peers after (ep._kernels, Note [SM
-   sends]). A cached dispatch and a combine do not
-   wait: round n lands in the receive areas of parity n % 2, which no one still reads (ep._regions,
-   Note [Two parities]);
+   sends]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
+   parity n % 2, which no one still reads (ep._regions, Note [Two parities]);
 4. every source issues its rows, marks them sent, and publishes "round n sent";
 5. the receive phase (inline or in the hook) checks every peer's "ready" word for round n (the
    same config, the same dispatch's handle), waits for every source's "round n sent" and its
@@ -630,16 +629,13 @@ class Buffer(Closing):
                 raise MetadataError(f"ep: rank {s} published counts {row}; expected each in [0, {cap}]")
             matrix.append(row)
             per_expert += experts
-        handle.recv_counts = [row[me] for row in matrix]
-        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
-        handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(num_ranks)]
-        handle.num_recv_tokens_per_expert_list = per_expert.tolist()
+        self._fill_plan(handle, matrix, per_expert.tolist())
 
     def _plan_from_board(self, handle: Handle, board: np.ndarray, round_: int) -> None:
         """``_complete_plan`` from this rank's count board of an SM dispatch (Note [SM sends]): row
         ``s`` holds the round tag, whether ``s``'s input was valid, its counts per destination and
         its counts for this rank's experts. A refused input stopped every push: nothing was sent."""
-        num_ranks, me, cap = self.num_ranks, self.rank, self.layout.max_tokens
+        num_ranks, cap = self.num_ranks, self.layout.max_tokens
         epr = handle.num_experts // num_ranks
         late = [s for s in range(num_ranks) if board[s, 0] != round_]
         if late:
@@ -652,10 +648,16 @@ class Buffer(Closing):
         matrix = board[:, 2:2 + num_ranks]
         if matrix.min() < 0 or matrix.max() > cap:
             raise MetadataError(f"ep: the count board holds {matrix.tolist()}; expected each count in [0, {cap}]")
-        handle.recv_counts = matrix[:, me].tolist()
-        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
-        handle.dst_rows = matrix[:me].sum(0).tolist()
-        handle.num_recv_tokens_per_expert_list = board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist()
+        self._fill_plan(handle, matrix.tolist(), board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist())
+
+    def _fill_plan(self, handle: Handle, matrix: list[list[int]], per_expert: list[int]) -> None:
+        """The handle's receive counts and starts, and this rank's rows in each destination, from
+        ``matrix[s][d]`` (rows ``s`` sends ``d``): ``d``'s rows come by source (Note [Send order])."""
+        me = self.rank
+        handle.recv_counts = [row[me] for row in matrix]
+        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(self.num_ranks)]
+        handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(self.num_ranks)]
+        handle.num_recv_tokens_per_expert_list = per_expert
 
     def _arrived(self, phase: str, then, writes) -> None:
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
