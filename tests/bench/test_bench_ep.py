@@ -19,6 +19,12 @@ def test_bench_ep_prints_every_operation_and_checks_outputs(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert all(record["summary"]["checks"].values()), record["summary"]["checks"]
     assert record["ranks"][0]["bytes"]["bf16"] == record["ranks"][0]["cross_rows"] * 256 * 2
+    # DeepEP's count: every received row, a rank's own included; rows are conserved across ranks
+    ranks = record["ranks"]
+    assert sum(r["recv_rows"] for r in ranks) >= sum(r["cross_rows"] for r in ranks)
+    row = record["summary"]["warmlink dispatch bf16"]
+    received = min(r["recv_rows"] for r in ranks) * 256 * 2
+    assert abs(row["gb_s_deepep_count"] / row["gb_s"] - received / min(r["bytes"]["bf16"] for r in ranks)) < 1e-9
 
 
 def test_bench_ep_lifecycles_reuse_everything_with_the_pool_on(tmp_path, capsys):
