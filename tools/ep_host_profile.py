@@ -43,16 +43,21 @@ def main() -> None:
           "topk_weights": w}
     y, _, _, _, handle, _ = buf.dispatch(x, **kw)
     y = y.clone()
-    def with_copy_engines():
-        buf._sm_sends = False
-        try:
-            return buf.dispatch(x, **kw)
-        finally:
-            buf._sm_sends = True
+
+    def with_flag(name: str, value: bool):  # a fresh dispatch with one of the Buffer's send switches flipped
+        def call():
+            old = getattr(buf, name)
+            setattr(buf, name, value)
+            try:
+                return buf.dispatch(x, **kw)
+            finally:
+                setattr(buf, name, old)
+        return call
 
     calls = {
         "fresh dispatch": lambda: buf.dispatch(x, **kw),
-        "fresh dispatch, copy engines": with_copy_engines,
+        "fresh dispatch, eager launches": with_flag("_graphs", False),
+        "fresh dispatch, copy engines": with_flag("_sm_sends", False),
         "cached dispatch": lambda: buf.dispatch(x, handle=handle),
         "combine": lambda: buf.combine(y, handle),
     }

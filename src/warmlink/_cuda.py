@@ -502,6 +502,40 @@ def event_destroy(event: int) -> None:
     check((_rt or _load()).cudaEventDestroy(event), f"cudaEventDestroy({event:#x})", PoolError)
 
 
+# -- graphs ---------------------------------------------------------------------------------------
+def graph_capture(stream: int, steps) -> object:
+    """The work ``steps()`` queues on ``stream``, captured into a CUDA graph and instantiated: the
+    returned executable replays it with ``graph_launch``. The caller makes ``stream`` the one the
+    steps launch on (torch's current stream). Thread-local capture: other threads' CUDA calls are
+    unaffected; a step that raises ends the capture and nothing is kept."""
+    rt = _rt or _load()
+    check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+          f"cudaStreamBeginCapture({stream:#x})")
+    try:
+        steps()
+    except BaseException:
+        err, graph = rt.cudaStreamEndCapture(stream)
+        if not err and graph:
+            rt.cudaGraphDestroy(graph)
+        raise
+    graph = check(rt.cudaStreamEndCapture(stream), f"cudaStreamEndCapture({stream:#x})")
+    try:
+        return check(rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+    finally:
+        rt.cudaGraphDestroy(graph)
+
+
+def graph_launch(graph_exec, stream: int) -> None:
+    """Replay a ``graph_capture`` executable on ``stream`` (a few microseconds of host time)."""
+    err = (_rt or _load()).cudaGraphLaunch(graph_exec, stream)[0]
+    if err:
+        check(err, f"cudaGraphLaunch on stream {stream:#x}")
+
+
+def graph_destroy(graph_exec) -> None:
+    check((_rt or _load()).cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy", PoolError)
+
+
 # -- copies ---------------------------------------------------------------------------------------
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     """``cudaMemcpyAsync`` (kind Default, UVA) of ``nbytes`` on ``stream``."""

@@ -108,6 +108,16 @@ def ep_send() -> str:
     return value
 
 
+def ep_graph() -> bool:
+    """``WARMLINK_EP_GRAPH``: ``1`` (default) replays a fresh SM dispatch's launches as CUDA graphs
+    after its first call per shape (ep._kernels, Note [Fresh send graph]); ``0`` launches them
+    one by one every call."""
+    value = _raw("WARMLINK_EP_GRAPH") or "1"
+    if value not in ("0", "1"):
+        raise ConfigError(f"WARMLINK_EP_GRAPH={value!r}; expected '1' or '0'")
+    return value == "1"
+
+
 def clear_cache() -> None:
     """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
     for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads):

@@ -211,8 +211,11 @@ def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0
     own = [round_, int(own_valid)] + sent
     boards[me][me, :2 + num_ranks] = torch.tensor(own)
     abort = torch.tensor([abort_round], dtype=torch.int64)
-    _kernels.exchange(words, tables, abort.data_ptr(), round_, me, num_experts, cap, x_row, meta_row, timeout_s, row,
-                      kernels=kernels)
+    shape = _kernels.FreshShape(num_ranks, num_experts, 2, x_row // 8, 0, cap, 2, meta_row, torch.int64, torch.int64,
+                                torch.int64, None)
+    call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64)
+    call[_kernels.CALL_SLOTS.index("round")] = round_
+    _kernels.exchange(shape, call, words, tables, abort.data_ptr(), me, timeout_s, row, kernels=kernels)
     own_rows = [own + per_expert[d * epr:(d + 1) * epr] for d in range(num_ranks)]
     return boards, tables[3].tolist(), tables[4].tolist(), own_rows, (recv_x, recv_meta, cap, x_row, meta_row)
 
@@ -242,3 +245,59 @@ def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange
         assert _CLOCK[0] - start < 0.1e9, (_CLOCK[0] - start) / 1e9
     for d, board in enumerate(boards):  # its own row still went out, flagged as it was
         assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
+
+
+# -- the fresh send's call-block kernels (ep._kernels, Note [Fresh send graph]) -----------------------
+@pytest.mark.parametrize("meta,dtypes", [("ids+weights", (torch.int64, torch.int64, torch.float32)),
+                                         ("all", (torch.int32, torch.int32, torch.bfloat16))])
+def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_do(exchange_kernels, meta, dtypes):
+    """``fresh_front`` + ``fresh_push`` read every per-call value from the call block, the way a
+    replayed graph does: the same rows, words and landed rows as ``plan`` + ``push`` with the same
+    bases. Rank 1 of 3, the peers' counts already posted; a second call with other inputs and a
+    later round, through the same block, lands its own rows."""
+    from warmlink.ep._regions import board_words
+
+    num_ranks, me, num_experts, k, max_tokens, words_per_row, meta_k, meta_bytes = 3, 1, 12, 2, 40, 600, 2, 64
+    topk_t, count_t, w_t = dtypes
+    row = board_words(num_ranks)
+    boards = [torch.zeros(num_ranks, row, dtype=torch.int64) for _ in range(num_ranks)]
+    n = max_tokens + 4
+    areas = [(torch.zeros(n, words_per_row, dtype=torch.int64), torch.zeros(n, meta_bytes, dtype=torch.uint8))
+             for _ in range(num_ranks)]
+    tables = torch.tensor([[b.data_ptr() for b in boards], [a[0].data_ptr() for a in areas],
+                           [a[1].data_ptr() for a in areas], [0] * num_ranks, [0] * num_ranks], dtype=torch.int64)
+    call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64)
+    plan_words = torch.zeros(_kernels.words_size(num_ranks, num_experts), dtype=torch.int64)
+    below = [[3, 0, 5], [2, 4, 1]]  # per call: what ranks 0 (below this one) sends to each destination
+
+    for call_no, (seed, tokens, round_) in enumerate([(11, 23, 5), (12, 17, 6)]):
+        topk = _routing(seed, tokens, num_ranks, num_experts, k).to(topk_t).contiguous()
+        lay = dispatch_layout(topk.long(), num_experts, num_ranks)
+        src = _sources(seed, tokens, words_per_row, topk, meta)
+        src = _kernels.Sources(src.x, src.topk, src.weights.to(w_t) if src.weights is not None else None, src.scales)
+        per_rank, per_expert = lay.num_tokens_per_rank.to(count_t), lay.num_tokens_per_expert.to(count_t)
+        for s, counts in ((0, below[call_no]), (2, [0, 0, 0])):
+            boards[me][s, :2 + num_ranks] = torch.tensor([round_, 1] + counts)
+        boards[me][me, :2] = torch.tensor([round_, 1])  # its own post: the programs run one after another here
+        rows = torch.empty(tokens, num_ranks, dtype=torch.int64)
+        call[:] = torch.tensor(_kernels.call_words(lay.is_token_in_rank, topk, per_rank, per_expert, rows, src, round_))
+        shape = _kernels.FreshShape(num_ranks, num_experts, k, words_per_row,
+                                    src.scales.shape[1] if src.scales is not None else 0, max_tokens, meta_k, meta_bytes,
+                                    topk_t, count_t, count_t, w_t)
+        for area in areas:
+            area[0].zero_()
+            area[1].zero_()
+        _kernels.fresh_front(shape, call, plan_words, tables, torch.zeros(1, dtype=torch.int64).data_ptr(), me, 5.0, row,
+                             kernels=exchange_kernels)
+        _kernels.fresh_push(shape, call, tables, kernels=exchange_kernels)
+
+        want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk.long(), per_rank, per_expert, max_tokens)
+        assert torch.equal(rows, want_rows), call_no
+        assert torch.equal(plan_words, want_words), call_no
+        for d in range(num_ranks):
+            want_x = torch.zeros(n, words_per_row, dtype=torch.int64)
+            want_meta = torch.zeros(n, meta_bytes, dtype=torch.uint8)
+            _kernels.gather(rows, src, want_x, want_meta, meta_k, range(d, d + 1),
+                            shift=below[call_no][d] - d * max_tokens)
+            assert torch.equal(areas[d][0], want_x), (call_no, d)
+            assert torch.equal(areas[d][1], want_meta), (call_no, d)

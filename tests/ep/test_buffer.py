@@ -13,6 +13,7 @@ from tests.ep._reference import (
 )
 from tests.ep._workers import (
     case_inputs,
+    changing_rounds,
     dispatch_combine,
     expect_error,
     lifecycle_counts,
@@ -50,6 +51,41 @@ def check_against_reference(case: dict, results: list[list[dict]]) -> None:
         for s, (g, want) in enumerate(zip(got, comb, strict=True)):
             assert torch.equal(g["combined_x"], want["out"]), f"rank {s} round {rnd}: combined_x differs"
             assert torch.allclose(g["combined_w"], want["combined_weights"]), f"rank {s}: combined weights differ"
+
+
+def check_changing_rounds(case: dict, results: list[dict]) -> None:
+    """Each round of ``_workers.changing_rounds`` equals the oracle over that round's inputs."""
+    for rnd, sub in enumerate(case["rounds_cases"]):
+        inputs = case_inputs(dict(case, **sub))
+        weights = [i["topk_weights"] for i in inputs] if sub.get("weights", True) else None
+        ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], weights, case["experts"])
+        for d, want in enumerate(ref):
+            got = results[d]["rounds"][rnd]
+            assert _equal(got["recv_x"], want["recv_x"]), f"rank {d} round {rnd}: recv_x differs"
+            ranks, tokens = decode_token_pattern(got["recv_x"])
+            assert list(zip(ranks.tolist(), tokens.tolist(), strict=True)) == [tuple(p) for p in want["recv_src"]]
+            assert torch.equal(got["recv_topk_idx"], want["recv_topk_idx"]), f"rank {d} round {rnd}: ids differ"
+            if weights is None:
+                assert got["recv_topk_weights"] is None
+            else:
+                assert torch.equal(got["recv_topk_weights"], want["recv_topk_weights"]), f"rank {d} round {rnd}"
+            assert got["num_recv_tokens_per_expert_list"] == want["num_recv_tokens_per_expert_list"]
+
+
+def changing_case(num_ranks: int, backend: str = "shm") -> dict:
+    """Ten fresh dispatches: BF16, then FP8, then BF16 again (each parity and shape at least twice),
+    new token counts every call, one without weights."""
+    fp8 = torch.float8_e4m3fn
+    rounds = [{"tokens": [(17 * (r + s) + 5 * s) % 61 for s in range(num_ranks)], "seed": 40 + r,
+               "dtype": fp8 if 4 <= r < 8 else torch.bfloat16} for r in range(10)]
+    rounds.append(dict(rounds[9], seed=60, weights=False))
+    return {"hidden": 256, "experts": 4 * num_ranks, "topk": 3, "mask_prob": 0.1, "backend": backend,
+            "rounds_cases": rounds}
+
+
+def test_new_inputs_and_token_counts_every_call_match_the_reference():
+    case = changing_case(3)
+    check_changing_rounds(case, run_ranks(changing_rounds, 3, case=case, timeout_s=120))
 
 
 CASES = {

@@ -9,13 +9,14 @@ from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
 from tests.ep._workers import (
     case_inputs,
+    changing_rounds,
     dispatch_combine,
     expect_error,
     hook_leaves_streams_idle,
     lifecycle_counts,
     warm_rounds,
 )
-from tests.ep.test_buffer import check_against_reference
+from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
 
 pytestmark = pytest.mark.multigpu
 
@@ -81,6 +82,16 @@ def test_gpu_skewed_ranks_running_ahead_never_overwrite_what_a_peer_reads():
     case = {"tokens": _tokens(256, 100, 333), "hidden": 2048, "experts": 16, "topk": 4, "rounds": 3, "seed": 10,
             "cached": True, "cached_repeats": 4, "skew_s": 0.01, "backend": "cuda_ipc"}
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+@needs_two
+def test_gpu_graph_replays_read_each_calls_new_inputs():
+    """Fresh SM dispatches replay captured graphs (ep._kernels, Note [Fresh send graph]) with new
+    tensors, token counts and dtypes every call, and each equals the oracle."""
+    case = changing_case(RANKS, backend="cuda_ipc")
+    results = run_ranks(changing_rounds, RANKS, case=case, timeout_s=180)
+    check_changing_rounds(case, results)
+    assert all(r["graphs"] == 4 for r in results), [r["graphs"] for r in results]  # BF16, FP8 x two parities
 
 
 # -- the SM sends' failure paths (ep._kernels, Note [SM sends]) -----------------------------------

@@ -107,13 +107,14 @@ def test_config_mismatch_names_the_field():
 @pytest.mark.parametrize("variable,read,default,other", [
     ("WARMLINK_EP_COPY_STREAMS", "ep_copy_streams", "one", "per-peer"),
     ("WARMLINK_EP_SEND", "ep_send", "sm", "copy"),
+    ("WARMLINK_EP_GRAPH", "ep_graph", True, False),
 ])
 def test_ep_settings_are_validated(monkeypatch, variable, read, default, other):
     from warmlink import _env
 
     monkeypatch.delenv(variable, raising=False)
     assert getattr(_env, read)() == default
-    monkeypatch.setenv(variable, other)
+    monkeypatch.setenv(variable, {True: "1", False: "0"}.get(other, other))
     assert getattr(_env, read)() == other
     monkeypatch.setenv(variable, "two")
     with pytest.raises(ConfigError, match=f"{variable}='two'"):

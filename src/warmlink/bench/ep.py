@@ -7,7 +7,8 @@ torch.distributed group, and times, each as the median over ``--iterations``:
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
   the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
   (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
-  (``WARMLINK_EP_SEND=copy``), in the same run;
+  (``WARMLINK_EP_SEND=copy``), in the same run; a fresh SM dispatch launches two CUDA graphs
+  (Note [Fresh send graph]), and the "eager" row launches its kernels one by one instead;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
@@ -39,8 +40,9 @@ from warmlink.bench._proc import Group
 __all__ = ["add_arguments", "run"]
 
 # "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
-_OPS = ("dispatch_bf16", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8", "dispatch_fp8_hook",
-        "dispatch_cached", "dispatch_cached_copy", "combine_bf16", "combine_bf16_hook")
+# "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
+_OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
+        "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_copy", "combine_bf16", "combine_bf16_hook")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,15 +242,26 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             r[-1]()
         return r
 
-    def with_copy_engines(fn):  # the normal mode's other send path (WARMLINK_EP_SEND=copy), same run
-        sm, buf._sm_sends = buf._sm_sends, False
+    def flipped(name: str, fn):  # fn() with one of the Buffer's send switches off, same run
+        old = getattr(buf, name)
+        setattr(buf, name, False)
         try:
             return fn()
         finally:
-            buf._sm_sends = sm
+            setattr(buf, name, old)
+
+    def with_copy_engines(fn):  # the normal mode's other send path (WARMLINK_EP_SEND=copy)
+        return flipped("_sm_sends", fn)
+
+    def launched_eagerly(fn):  # the SM sends' kernels one launch at a time (WARMLINK_EP_GRAPH=0)
+        return flipped("_graphs", fn)
 
     if cuda:
         checks["dispatch_x_copy"] = bool(torch.equal(with_copy_engines(lambda: dispatch(x))[0], ref.recv_x))
+        for _ in range(3):  # past the eager calls of both parities: graphs replay from here on
+            buf.dispatch(x, **kwargs)
+        checks["dispatch_x_graph"] = bool(torch.equal(buf.dispatch(x, **kwargs)[0], ref.recv_x))
+        checks["dispatch_x_eager"] = bool(torch.equal(launched_eagerly(lambda: dispatch(x))[0], ref.recv_x))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
@@ -260,6 +273,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
 
     times = {
         "dispatch_bf16": timed(lambda: dispatch(x)),
+        "dispatch_bf16_eager": timed(lambda: launched_eagerly(lambda: dispatch(x))),
         "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
         "dispatch_bf16_copy": timed(lambda: with_copy_engines(lambda: dispatch(x))),
         "dispatch_fp8": timed(lambda: dispatch(x8)),

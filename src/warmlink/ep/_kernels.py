@@ -44,6 +44,23 @@ A refused input on any rank stops every push: no byte moves, every rank raises `
 the round is spent on all of them. Round ``n``'s board rows and rows land in parity ``n % 2``, so
 the copy-engine path's reasoning holds (ep._regions, Note [Two parities]). With a receive hook the
 copy engines keep the send: a push kernel would hold SMs between the send and the hook.
+
+# Note [Fresh send graph]
+Launching ``plan``, ``exchange`` and ``push`` from Python costs the host 0.15-0.35 ms (FastLaunch
+included; more at 8 ranks), and the slowest rank's launches are on every rank's critical path:
+the pushes wait in ``exchange`` for its counts. So the fresh send is two CUDA graphs per parity
+and ``FreshShape`` (the dtypes and sizes the kernels are specialized for): one holds the copy of the
+call block to the device, ``plan``, ``exchange`` and the copies of the words and the board to the
+host; the other ``push``. Between the two launches the host records the event it polls for the
+board: an ordinary record, whose state the host sees change at once (an event recorded by a graph
+node might still read as the previous round's). What changes per call (every input's address, the
+new ``rows`` tensor the handle keeps, the token count, the round) is in the call block
+(``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
+kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dispatch waits for
+its own board, which comes after the block's copy, before it returns. The first call of a parity
+and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
+the next one captures them. ``WARMLINK_EP_GRAPH=0`` keeps every call eager (ep.Buffer's
+``_graphs``; bench ep times both in one run).
 """
 
 from __future__ import annotations
@@ -55,7 +72,8 @@ import torch
 
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["RANGE_PARTS", "Sources", "exchange", "gather", "plan", "push", "unpack", "words_layout", "words_size"]
+__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
+           "gather", "plan", "push", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
@@ -91,6 +109,40 @@ class Sources:
     @property
     def has_meta(self) -> bool:
         return self.topk is not None or self.scales is not None
+
+
+# What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).
+CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round")
+
+
+@dataclass(frozen=True)
+class FreshShape:
+    """What a fresh SM send's kernels are specialized for: with the parity, the key of its graph."""
+
+    num_ranks: int
+    num_experts: int
+    num_k: int  # top-k ids per token
+    x_words: int  # int64 words per row of x
+    num_scales: int  # FP8 scales per row (0: BF16/FP16)
+    max_tokens: int
+    meta_k: int  # the buffer's num_topk
+    meta_bytes: int
+    topk: torch.dtype
+    per_rank: torch.dtype
+    per_expert: torch.dtype
+    weights: torch.dtype | None
+
+
+def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
+               rows: torch.Tensor, src: Sources, round_: int) -> tuple[int, ...]:
+    """The call block's words (``CALL_SLOTS``) of one fresh SM send; every tensor must be contiguous
+    (the kernels see only its address)."""
+    optional = (src.weights, src.scales)
+    tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("call_words: every tensor must be contiguous")
+    return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
+            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_)
 
 
 # -- torch versions (the reference, and the host path) ------------------------------------------
@@ -164,7 +216,7 @@ def _build():
     from warmlink.ep import _triton
 
     return (triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
-            _triton.exchange_kernel)
+            _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -270,7 +322,7 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
         meta_k: the buffer's ``num_topk``. programs: the persistent grid (default: one per SM).
     """
     kernels = kernels or _kernels()
-    triton, *_, push_kernel, _ = kernels
+    triton, _, _, _, push_kernel, *_ = kernels
     num_tokens, num_ranks = rows.shape
     if not num_tokens:
         return
@@ -289,21 +341,57 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
         "HAS_S": src.scales is not None})
 
 
-def exchange(words: torch.Tensor, tables: torch.Tensor, abort: int, round_: int, me: int, num_experts: int,
-             max_tokens: int, x_row_bytes: int, meta_row_bytes: int, timeout_s: float, board_row: int,
-             kernels=None) -> None:
-    """The device side of a fresh SM dispatch's count exchange (Note [SM sends]): CUDA, or the
-    interpreter in tests (with ep._triton's clock and fence swapped out).
+def _tl(triton, dtype: torch.dtype):
+    """Triton's dtype for a torch one (``torch.int64`` -> ``tl.int64``)."""
+    return getattr(triton.language, str(dtype).removeprefix("torch."))
 
-    ``tables``: ``[5, R]`` int64 device tensor: rows 0-2 are inputs (every rank's board, receive x
-    and receive meta area of this round's parity, as byte addresses in this process), rows 3-4 the
-    outputs (``push``'s x and meta bases; 0 everywhere when any rank's input was refused, or the wait
-    ended by ``abort``: the byte address of a host int64 that the host sets to ``round_``, or by the
-    timeout). ``words``: this rank's ``plan`` words. ``board_row``: int64 words of a board row.
+
+def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
+                timeout_s: float, board_row: int, kernels=None) -> None:
+    """A fresh SM dispatch's ``plan`` and ``exchange`` on the current stream (Note [SM sends], Note
+    [Fresh send graph]); every per-call value comes from ``call`` (``CALL_SLOTS``, int64 on the
+    device), so the same launches can be captured once and replayed.
+
+    Args:
+        words: int64 device vector of at least ``words_size(R, E)``: ``plan``'s words.
+        tables: ``[5, R]`` int64 device tensor: rows 0-2 are inputs (every rank's board, receive x
+            and receive meta area of this round's parity, as byte addresses in this process), rows
+            3-4 the push's x and meta bases, which ``exchange`` writes (0 everywhere when any rank's
+            input was refused, or the wait ended by ``abort``: the byte address of a host int64
+            that the host sets to the round, or by the timeout, twice ``timeout_s`` + 1 s).
+        board_row: int64 words of a board row.
     """
-    _, *_, exchange_kernel = kernels or _kernels()
-    num_ranks = tables.shape[1]
-    args = (words, tables, abort, round_, me, num_experts, num_experts // num_ranks, max_tokens, x_row_bytes,
-            meta_row_bytes, int(timeout_s * 1e9))
-    launch(exchange_kernel, (num_ranks,), args, {
-        "NUM_RANKS": num_ranks, "R_BLOCK": _pow2(num_ranks), "ROW": board_row, "E_BLOCK": 256, "PARTS": RANGE_PARTS})
+    k = kernels or _kernels()
+    triton, plan_call = k[0], k[5]
+    r = shape.num_ranks
+    launch(plan_call, (r + 1 + RANGE_PARTS,), (call, words, shape.num_k, shape.num_experts, shape.max_tokens), {
+        "NUM_RANKS": r, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS, "TOPK_T": _tl(triton, shape.topk),
+        "RANK_T": _tl(triton, shape.per_rank), "EXPERT_T": _tl(triton, shape.per_expert)})
+    exchange(shape, call, words, tables, abort, me, 2 * timeout_s + 1, board_row, k)
+
+
+def exchange(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
+             backstop_s: float, board_row: int, kernels=None) -> None:
+    """``fresh_front``'s count exchange alone (tests run it in the interpreter, with ep._triton's
+    clock and fence swapped out): ``words`` already hold this rank's plan, ``call`` the round.
+    ``backstop_s``: how long the kernel waits for the peers on its own clock."""
+    exchange_call = (kernels or _kernels())[6]
+    r = shape.num_ranks
+    launch(exchange_call, (r,), (call, words, tables, abort, me, shape.num_experts, shape.num_experts // r,
+                                 shape.max_tokens, shape.x_words * 8, shape.meta_bytes, int(backstop_s * 1e9)), {
+        "NUM_RANKS": r, "R_BLOCK": _pow2(r), "ROW": board_row, "E_BLOCK": 256, "PARTS": RANGE_PARTS})
+
+
+def fresh_push(shape: FreshShape, call: torch.Tensor, tables: torch.Tensor, kernels=None) -> None:
+    """A fresh SM dispatch's ``push`` on the current stream, at the bases ``fresh_front``'s exchange
+    wrote into ``tables`` rows 3-4; the rows and sources come from ``call``."""
+    k = kernels or _kernels()
+    triton, push_call = k[0], k[7]
+    block = min(_PUSH_BLOCK, _pow2(shape.x_words))
+    programs = _sm_count(call.device.index) if call.is_cuda else 4
+    launch(push_call, (programs,), (call, tables[3], tables[4], shape.x_words, shape.num_k, shape.num_scales,
+                                    shape.meta_bytes // 8, shape.meta_k), {
+        "NUM_RANKS": shape.num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(shape.x_words, block),
+        "K_BLOCK": _pow2(shape.num_k), "S_BLOCK": _pow2(shape.num_scales), "HAS_TOPK": True,
+        "HAS_W": shape.weights is not None, "HAS_S": shape.num_scales > 0, "TOPK_T": _tl(triton, shape.topk),
+        "W_T": _tl(triton, shape.weights or torch.float32)})

@@ -46,6 +46,7 @@ does not drain (pool.streams).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -57,6 +58,8 @@ from warmlink.ep._launch import current_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._regions import PARITIES, RegionLayout, board_words
 from warmlink.errors import PeerLostError, TransferTimeout
+
+log = logging.getLogger("warmlink.ep")
 
 __all__ = ["CudaMover", "HostMover", "as_words"]
 
@@ -213,7 +216,16 @@ class CudaMover(_Gathers):
         self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, pin_memory=pinned)
         self._abort = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[int, torch.Tensor] = {}
+        # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
+        # its device copy), the plan's words, and per (parity, shape, timeout) the steps seen run
+        # eagerly once, then their two graphs
+        self._call_host = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, pin_memory=pinned)
+        self._call_words = self._call_host.numpy()
+        self._call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, device=own.device)
+        self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
+        self._ran_eagerly: set[tuple] = set()
+        self._graphs: dict[tuple, object] = {}
 
     def _current(self) -> int:
         return current_stream(self.device)
@@ -331,37 +343,71 @@ class CudaMover(_Gathers):
         if then is not None:
             self._cuda.stream_wait_event(current, self._received)
 
-    def _sm_tables(self, parity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(tables [5, R], x bases, meta bases)`` of ``parity`` (ep._kernels.exchange), made once."""
+    def _sm_tables(self, parity: int) -> torch.Tensor:
+        """The exchange's ``[5, R]`` address tables of ``parity`` (ep._kernels.fresh_front), made once."""
         tables = self._tables.get(parity)
         if tables is None:
             ranks = range(self.layout.num_ranks)
             at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("board", "recv_x", "recv_meta")}
             rows = [[self._ptrs[r] + at[kind] for r in ranks] for kind in ("board", "recv_x", "recv_meta")]
-            t = torch.tensor(rows + [[0] * len(ranks)] * 2, dtype=torch.int64, device=self._own.device)
-            tables = self._tables[parity] = (t, t[3], t[4])
+            tables = self._tables[parity] = torch.tensor(rows + [[0] * len(ranks)] * 2, dtype=torch.int64,
+                                                         device=self._own.device)
         return tables
 
-    def send_sm(self, rows: torch.Tensor, src: _kernels.Sources, words: torch.Tensor, round_: int, phase: str,
-                num_experts: int, timeout_s: float) -> None:
+    def send_sm(self, shape: _kernels.FreshShape, call: tuple[int, ...], round_: int, phase: str, timeout_s: float,
+                graphs: bool = True) -> None:
         """A fresh dispatch's whole send on the current stream, with no host wait: the exchange
         kernel trades counts with the peers' exchange kernels through the boards, the board comes
         to the host, and the push kernel stores every row in its destination; then every
-        destination's event. See Note [SM sends]."""
-        lay, cuda, current = self.layout, self._cuda, self._current()
-        tables, x_bases, meta_bases = self._sm_tables(round_ % PARITIES)
+        destination's event. See Note [SM sends]. ``call``: the call block's words
+        (``_kernels.call_words``). With ``graphs``, the second call of a parity and shape on
+        replays graphs of those steps (Note [Fresh send graph])."""
+        parity = round_ % PARITIES
+        self._call_words[:] = call
         self._abort_word[0] = 0
-        # the device's own backstop; the host aborts sooner (wait_board)
-        _kernels.exchange(words, tables, self._abort_ptr, round_, self.rank, num_experts, lay.max_tokens,
-                          src.x.shape[1] * src.x.element_size(), lay.meta_bytes, 2 * timeout_s + 1, self._board_row)
-        self._host_words = words.numel()
-        cuda.memcpy_async(self._host.data_ptr(), words.data_ptr(), self._host_words * 8, current)
-        board = self._ptrs[self.rank] + self._offsets[f"board.{round_ % PARITIES}"]
-        cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
-        cuda.event_record(self._counted, current)
-        _kernels.push(rows, src, x_bases, meta_bases, lay.num_topk, lay.meta_bytes)
+        self._host_words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        key = (parity, shape, timeout_s)
+        pair = self._graphs.get(key) if graphs else None
+        if pair is None and graphs and key in self._ran_eagerly:  # its kernels are compiled: capture
+            pair = self._graphs[key] = (self._capture(lambda: self._fresh_front(key)),
+                                        self._capture(lambda: self._fresh_push(key)))
+        current = self._current()
+        if pair is not None:
+            self._cuda.graph_launch(pair[0], current)
+            self._cuda.event_record(self._counted, current)
+            self._cuda.graph_launch(pair[1], current)
+        else:
+            self._fresh_front(key)
+            self._cuda.event_record(self._counted, current)
+            self._fresh_push(key)
+            self._ran_eagerly.add(key)
         for event in self._send_events[phase]:
-            cuda.event_record(event, current)
+            self._cuda.event_record(event, current)
+
+    def _fresh_front(self, key: tuple) -> None:
+        """``send_sm``'s steps up to the board on the host, on the current stream: the call block
+        to the device, ``plan`` and ``exchange``, the plan's words and the board to the host."""
+        parity, shape, timeout_s = key
+        cuda, current = self._cuda, self._current()
+        cuda.memcpy_async(self._call.data_ptr(), self._call_host.data_ptr(), self._call_host.numel() * 8, current)
+        tables = self._sm_tables(parity)
+        _kernels.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
+        words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        cuda.memcpy_async(self._host.data_ptr(), self._words.data_ptr(), words * 8, current)
+        board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
+        cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
+
+    def _fresh_push(self, key: tuple) -> None:
+        parity, shape, _ = key
+        _kernels.fresh_push(shape, self._call, self._sm_tables(parity))
+
+    def _capture(self, steps):
+        """A CUDA graph of ``steps()``, captured on the receive stream (a capture needs a stream
+        other than the default one). The steps allocate nothing and compile nothing: they ran
+        eagerly before, with the same tables. A direct ``cudaGraphLaunch`` (``_cuda.graph_launch``)
+        costs about 7 us less host time than torch's ``CUDAGraph.replay`` (one-rank profile)."""
+        with torch.cuda.stream(self._recv_stream):
+            return self._cuda.graph_capture(self._current(), steps)
 
     def sm_bases(self, dst_rows: list[int], parity: int, x_row_bytes: int) -> torch.Tensor:
         """``[2, R]`` device tensor of ``push``'s x and meta bases for rows that start at
@@ -411,3 +457,9 @@ class CudaMover(_Gathers):
     def close(self) -> None:
         self._ptrs = {}
         self._views = None
+        graphs, self._graphs = self._graphs, {}  # they write into this Buffer's mappings
+        for graph in (g for pair in graphs.values() for g in pair):
+            try:
+                self._cuda.graph_destroy(graph)
+            except Exception as exc:  # a broken context: the driver frees it with the context
+                log.warning("ep: could not destroy a fresh-send graph at close: %s", exc)

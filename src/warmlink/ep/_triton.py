@@ -7,11 +7,53 @@ Imported only where Triton is (ep._kernels._build); kept apart so that a kernel 
 import triton
 import triton.language as tl
 
+from warmlink.ep._kernels import CALL_SLOTS
+
+# -- the call block (ep._kernels, Note [Fresh send graph]) ------------------------------------------
+# A fresh SM dispatch's kernels read what changes per call (its tensors' addresses, the token count,
+# the round) from a small int64 block in device memory, so that one captured CUDA graph serves every
+# call. The word of each, in ep._kernels.CALL_SLOTS's order:
+C_IN_RANK = tl.constexpr(CALL_SLOTS.index("in_rank"))
+C_TOPK = tl.constexpr(CALL_SLOTS.index("topk"))
+C_PER_RANK = tl.constexpr(CALL_SLOTS.index("per_rank"))
+C_PER_EXPERT = tl.constexpr(CALL_SLOTS.index("per_expert"))
+C_ROWS = tl.constexpr(CALL_SLOTS.index("rows"))
+C_X = tl.constexpr(CALL_SLOTS.index("x"))
+C_WEIGHTS = tl.constexpr(CALL_SLOTS.index("weights"))
+C_SCALES = tl.constexpr(CALL_SLOTS.index("scales"))
+C_TOKENS = tl.constexpr(CALL_SLOTS.index("tokens"))
+C_ROUND = tl.constexpr(CALL_SLOTS.index("round"))
+
+
+@triton.jit
+def call_pointer(call_ptr, slot, T: tl.constexpr):
+    # the address in word ``slot`` of the call block, as a pointer to T
+    return tl.load(call_ptr + slot).to(tl.pointer_type(T))
+
 
 @triton.jit
 def plan_kernel(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr,
                 num_tokens, num_entries, num_experts, max_tokens,
                 NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
+    plan_steps(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr, num_tokens, num_entries,
+               num_experts, max_tokens, NUM_RANKS, BLOCK, BIG, PARTS)
+
+
+@triton.jit
+def plan_call_kernel(call_ptr, words_ptr, num_k, num_experts, max_tokens,
+                     NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr,
+                     TOPK_T: tl.constexpr, RANK_T: tl.constexpr, EXPERT_T: tl.constexpr):
+    num_tokens = tl.load(call_ptr + C_TOKENS).to(tl.int32)  # as the direct kernel's argument
+    plan_steps(call_pointer(call_ptr, C_IN_RANK, tl.uint8), call_pointer(call_ptr, C_TOPK, TOPK_T),
+               call_pointer(call_ptr, C_PER_RANK, RANK_T), call_pointer(call_ptr, C_PER_EXPERT, EXPERT_T),
+               call_pointer(call_ptr, C_ROWS, tl.int64), words_ptr, num_tokens, num_tokens * num_k, num_experts,
+               max_tokens, NUM_RANKS, BLOCK, BIG, PARTS)
+
+
+@triton.jit
+def plan_steps(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, words_ptr,
+               num_tokens, num_entries, num_experts, max_tokens,
+               NUM_RANKS: tl.constexpr, BLOCK: tl.constexpr, BIG: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if pid < NUM_RANKS:  # one program scans one destination's column
@@ -126,10 +168,19 @@ def fence_system():
 
 
 @triton.jit
-def exchange_kernel(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, experts_per_rank, max_tokens,
-                    x_row_bytes, meta_row_bytes, timeout_ns,
-                    NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
-                    PARTS: tl.constexpr):
+def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, me, num_experts, experts_per_rank, max_tokens,
+                         x_row_bytes, meta_row_bytes, timeout_ns,
+                         NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
+                         PARTS: tl.constexpr):
+    exchange_steps(words_ptr, tables_ptr, abort_ptr, tl.load(call_ptr + C_ROUND), me, num_experts, experts_per_rank,
+                   max_tokens, x_row_bytes, meta_row_bytes, timeout_ns, NUM_RANKS, R_BLOCK, ROW, E_BLOCK, PARTS)
+
+
+@triton.jit
+def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, experts_per_rank, max_tokens,
+                   x_row_bytes, meta_row_bytes, timeout_ns,
+                   NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
+                   PARTS: tl.constexpr):
     # program d: post this rank's counts to d's board, wait for every source's row in this
     # rank's own board, then write where this rank's rows start in d (0: do not send);
     # tables_ptr: [5, R] (exchange()), one argument rather than five views on the host path
@@ -186,6 +237,26 @@ def push_kernel(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_token
                 num_k, num_scales, meta_words, meta_k, skip,
                 NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                 S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr, num_k,
+               num_scales, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+
+
+@triton.jit
+def push_call_kernel(call_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_k, num_scales, meta_words, meta_k,
+                     NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
+                     S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
+                     TOPK_T: tl.constexpr, W_T: tl.constexpr):
+    push_steps(call_pointer(call_ptr, C_ROWS, tl.int64), call_pointer(call_ptr, C_X, tl.int64), x_bases_ptr,
+               meta_bases_ptr, x_words, tl.load(call_ptr + C_TOKENS).to(tl.int32), call_pointer(call_ptr, C_TOPK, TOPK_T),
+               call_pointer(call_ptr, C_WEIGHTS, W_T), call_pointer(call_ptr, C_SCALES, tl.float32), num_k, num_scales,
+               meta_words, meta_k, -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+
+
+@triton.jit
+def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
+               num_k, num_scales, meta_words, meta_k, skip,
+               NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
+               S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     # gather_kernel's rows, stored by the SMs straight into each destination's area: byte
     # address bases[d] (a peer's mapped region, or this rank's own) is row 0 of rows[:, d]; 0
     # means "not this destination". Each program loops over tokens (a persistent grid).

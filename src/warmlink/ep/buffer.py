@@ -53,7 +53,7 @@ from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
-from warmlink.ep._kernels import Sources, plan
+from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
@@ -159,6 +159,7 @@ class Buffer(Closing):
         self._recv_stream = None
         self._recv_failed = False
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
+        self._graphs = False  # set in _connect: WARMLINK_EP_GRAPH (ep._kernels, Note [Fresh send graph])
         self._serial = next(_SERIALS)
         self._remotes: list = []
         self._event_tokens: list = []
@@ -277,6 +278,7 @@ class Buffer(Closing):
             self._recv_stream = lease_stream(self.device)
             self._reduced_event = local[-1].resource.handle
             self._sm_sends = _env.ep_send() == "sm"
+            self._graphs = _env.ep_graph()
             self._mover = CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                                     {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
                                     self._recv_stream.resource, [e.resource.handle for e in local[:-1]],
@@ -424,15 +426,19 @@ class Buffer(Closing):
             # trades counts on the device would read counts that were never published
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False, sm)
             t_checked = time.perf_counter()
-            rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
             src = Sources(as_words(tokens), topk, weights, scales)
-            if sm:  # Note [SM sends] in ep._kernels: kernels trade the counts and store the rows
+            if sm:  # Note [SM sends] in ep._kernels: kernels plan, trade the counts and store the rows
+                rows = torch.empty(num_tokens, self.num_ranks, dtype=torch.int64, device=tokens.device)  # the handle's
+                in_rank, per_rank, per_expert = (t.contiguous() for t in (in_rank, per_rank, per_expert))
+                shape = self._fresh_shape(num_experts, src, per_rank, per_expert)
                 self.mailbox.publish_dispatch(round_, config)
-                mover.send_sm(rows, src, words, round_, phase, num_experts, self.timeout_s)
+                mover.send_sm(shape, call_words(in_rank, topk, per_rank, per_expert, rows, src, round_), round_, phase,
+                              self.timeout_s, self._graphs)
                 t_planned = t_launched = time.perf_counter()
                 words_h, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
                     round_, config, self.mailbox.published(mb.DISPATCH, round_)))
             else:
+                rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
                 mover.start_to_host(words)
                 t_planned = time.perf_counter()
                 # The peers' rows are gathered into staging while the counts travel to the host and the
@@ -600,6 +606,14 @@ class Buffer(Closing):
 
         return (*result, hook)
 
+    def _fresh_shape(self, num_experts: int, src: Sources, per_rank: torch.Tensor, per_expert: torch.Tensor) -> FreshShape:
+        """What a fresh SM send's kernels are specialized for (its graphs' key, with the parity)."""
+        lay = self.layout
+        return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], src.x.shape[1],
+                          src.scales.shape[1] if src.scales is not None else 0, lay.max_tokens, lay.num_topk,
+                          lay.meta_bytes, src.topk.dtype, per_rank.dtype, per_expert.dtype,
+                          src.weights.dtype if src.weights is not None else None)
+
     def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False) -> int:
         return (num_experts << 20) | (num_topk << 4) | (int(sm) << 2) | (int(fp8) << 1) | int(cached)
 
@@ -719,7 +733,7 @@ class Buffer(Closing):
             self._recv_stream.release()
             self._recv_stream = None
         self._recv_failed = False
-        self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
+        self._sm_sends = self._graphs = False  # set in _connect
         self._serial = next(_SERIALS)
         for name in ("_region", "_mail_region"):
             region = getattr(self, name, None)
