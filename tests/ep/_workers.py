@@ -101,10 +101,11 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
 
 def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     """One fresh dispatch per entry of ``case["rounds_cases"]`` (each a case: its own tokens, seed,
-    dtype; ``weights`` False sends none), in order, on one Buffer: new tensors at new addresses and
-    new token counts every call, through the same kernels (on GPUs, graphs replayed from the second
-    call of a parity and shape, ep._kernels, Note [Fresh send graph]). Returns this rank's outputs
-    per round and how many graph pairs its mover captured."""
+    dtype; ``weights`` False sends none; ``cached`` adds two cached re-dispatches of ``-x``), in
+    order, on one Buffer: new tensors at new addresses and new token counts every call, through
+    the same kernels (on GPUs, graphs replayed from the second call of a parity and shape,
+    ep._kernels, Note [Fresh send graph]). Returns this rank's outputs per round and the kinds of
+    launch its mover captured as graphs."""
     subs = [dict(case, **sub) for sub in case["rounds_cases"]]
     device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
     results = []
@@ -113,12 +114,15 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
             mine = case_inputs(sub)[rank]
             x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
             w = mine["topk_weights"].to(device) if sub.get("weights", True) else None
-            recv_x, recv_idx, recv_w, per_expert_list = buf.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                                     num_experts=case["experts"])[:4]
-            results.append({"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
-                            "num_recv_tokens_per_expert_list": per_expert_list})
-        graphs = len(getattr(buf._mover, "_graphs", {}))
-    return {"rounds": results, "graphs": graphs}
+            recv_x, recv_idx, recv_w, per_expert_list, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                                             num_experts=case["experts"])[:5]
+            got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
+                   "num_recv_tokens_per_expert_list": per_expert_list}
+            # cached re-dispatches of -x (new tensors), one in each parity
+            got["cached_x"] = [_cpu(buf.dispatch(-x, handle=handle)[0]) for _ in range(2 if sub.get("cached") else 0)]
+            results.append(got)
+        kinds = sorted({key[0] for key in getattr(buf._mover, "_graphs", {})})
+    return {"rounds": results, "graph_kinds": kinds}
 
 
 def _mine_on_device(rank: int, case: dict) -> dict:

@@ -301,3 +301,39 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
                             shift=below[call_no][d] - d * max_tokens)
             assert torch.equal(areas[d][0], want_x), (call_no, d)
             assert torch.equal(areas[d][1], want_meta), (call_no, d)
+
+
+@pytest.mark.parametrize("meta", ["scales", "none"])
+def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta):
+    """A cached dispatch's graph (ep._movers.send_sm_cached) reads its rows, x, scales, token count
+    and per-destination bases from one call block: the same stores as ``push`` with those bases."""
+    num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 3, 21, 30, 600, 3, 64
+    topk = _routing(8, tokens, num_ranks, 9, 2)
+    lay = dispatch_layout(topk, 9, num_ranks)
+    rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
+    src = _sources(9, tokens, words, None, meta)
+    n = max_tokens + 6
+    shifts = [2, 0, 5]
+
+    def areas_and_bases():
+        areas = [(torch.zeros(n, words, dtype=torch.int64), torch.zeros(n, meta_bytes, dtype=torch.uint8))
+                 for _ in range(num_ranks)]
+        bases = [areas[d][k].data_ptr() + (shifts[d] - d * max_tokens) * size for k, size in ((0, words * 8), (1, meta_bytes))
+                 for d in range(num_ranks)]
+        return areas, torch.tensor(bases, dtype=torch.int64)
+
+    want, bases = areas_and_bases()
+    _kernels.push(rows, src, bases[:num_ranks], bases[num_ranks:], meta_k, meta_bytes, kernels=kernels)
+    got, bases = areas_and_bases()
+    slots = len(_kernels.CALL_SLOTS)
+    call = torch.zeros(slots + 2 * num_ranks, dtype=torch.int64)
+    for name, value in (("rows", rows.data_ptr()), ("x", src.x.data_ptr()), ("tokens", tokens),
+                        ("scales", src.scales.data_ptr() if src.scales is not None else 0)):
+        call[_kernels.CALL_SLOTS.index(name)] = value
+    call[slots:] = bases
+    num_scales = src.scales.shape[1] if src.scales is not None else 0
+    _kernels.push_from_call(call, call[slots:slots + num_ranks], call[slots + num_ranks:], words, num_ranks, 0, num_scales,
+                            meta_k, meta_bytes, None, None, kernels=kernels)
+    for d in range(num_ranks):
+        assert torch.equal(got[d][0], want[d][0]) and torch.equal(got[d][1], want[d][1]), d
+    assert any(bool(a[0].any()) for a in got)  # rows landed

@@ -70,15 +70,17 @@ def check_changing_rounds(case: dict, results: list[dict]) -> None:
             else:
                 assert torch.equal(got["recv_topk_weights"], want["recv_topk_weights"]), f"rank {d} round {rnd}"
             assert got["num_recv_tokens_per_expert_list"] == want["num_recv_tokens_per_expert_list"]
+            assert all(torch.equal(c, -want["recv_x"]) for c in got["cached_x"]), f"rank {d} round {rnd}: cached"
 
 
 def changing_case(num_ranks: int, backend: str = "shm") -> dict:
-    """Ten fresh dispatches: BF16, then FP8, then BF16 again (each parity and shape at least twice),
-    new token counts every call, one without weights."""
+    """Eleven fresh dispatches: BF16, then FP8, then BF16 again (each parity and shape at least
+    twice), new token counts every call, the last without weights; BF16 rounds 1-3 and 9 re-send
+    with their handles."""
     fp8 = torch.float8_e4m3fn
     rounds = [{"tokens": [(17 * (r + s) + 5 * s) % 61 for s in range(num_ranks)], "seed": 40 + r,
-               "dtype": fp8 if 4 <= r < 8 else torch.bfloat16} for r in range(10)]
-    rounds.append(dict(rounds[9], seed=60, weights=False))
+               "dtype": fp8 if 4 <= r < 8 else torch.bfloat16, "cached": r in (1, 2, 3, 9)} for r in range(10)]
+    rounds.append(dict(rounds[9], seed=60, weights=False, cached=False))
     return {"hidden": 256, "experts": 4 * num_ranks, "topk": 3, "mask_prob": 0.1, "backend": backend,
             "rounds_cases": rounds}
 

@@ -7,8 +7,8 @@ torch.distributed group, and times, each as the median over ``--iterations``:
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
   the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
   (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
-  (``WARMLINK_EP_SEND=copy``), in the same run; a fresh SM dispatch launches two CUDA graphs
-  (Note [Fresh send graph]), and the "eager" row launches its kernels one by one instead;
+  (``WARMLINK_EP_SEND=copy``), in the same run; an SM dispatch replays CUDA graphs (Note [Fresh
+  send graph]), and the "eager" rows launch its kernels one by one instead;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
@@ -42,7 +42,8 @@ __all__ = ["add_arguments", "run"]
 # "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
 # "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
 _OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
-        "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_copy", "combine_bf16", "combine_bf16_hook")
+        "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
+        "combine_bf16_hook")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -279,6 +280,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         "dispatch_fp8": timed(lambda: dispatch(x8)),
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
+        "dispatch_cached_eager": timed(lambda: launched_eagerly(lambda: buf.dispatch(x, handle=h_keep))),
         "dispatch_cached_copy": timed(lambda: with_copy_engines(lambda: buf.dispatch(x, handle=h_keep))),
     }
     def phases_of(fn, marks=None) -> dict:

@@ -59,8 +59,9 @@ new ``rows`` tensor the handle keeps, the token count, the round) is in the call
 kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dispatch waits for
 its own board, which comes after the block's copy, before it returns. The first call of a parity
 and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
-the next one captures them. ``WARMLINK_EP_GRAPH=0`` keeps every call eager (ep.Buffer's
-``_graphs``; bench ep times both in one run).
+the next one captures them. A cached dispatch's one push is replayed the same way, from a call
+block per parity that also holds its handle's bases (ep._movers). ``WARMLINK_EP_GRAPH=0`` keeps
+every call eager (ep.Buffer's ``_graphs``; bench ep times both in one run).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ import torch
 from warmlink.ep._launch import FastLaunch, launch
 
 __all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
-           "gather", "plan", "push", "unpack", "words_layout", "words_size"]
+           "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
@@ -385,13 +386,21 @@ def exchange(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables:
 def fresh_push(shape: FreshShape, call: torch.Tensor, tables: torch.Tensor, kernels=None) -> None:
     """A fresh SM dispatch's ``push`` on the current stream, at the bases ``fresh_front``'s exchange
     wrote into ``tables`` rows 3-4; the rows and sources come from ``call``."""
+    push_from_call(call, tables[3], tables[4], shape.x_words, shape.num_ranks, shape.num_k, shape.num_scales,
+                   shape.meta_k, shape.meta_bytes, shape.topk, shape.weights, kernels)
+
+
+def push_from_call(call: torch.Tensor, x_bases: torch.Tensor, meta_bases: torch.Tensor, x_words: int, num_ranks: int,
+                   num_k: int, num_scales: int, meta_k: int, meta_bytes: int, topk: torch.dtype | None,
+                   weights: torch.dtype | None, kernels=None) -> None:
+    """``push`` with the rows, x, ids, weights, scales and token count read from ``call``
+    (``CALL_SLOTS``): the launch a graph replays (Note [Fresh send graph]). ``topk`` / ``weights``:
+    the dtypes of the ids and weights sent (None: not sent); ``num_scales`` 0: no FP8 scales."""
     k = kernels or _kernels()
     triton, push_call = k[0], k[7]
-    block = min(_PUSH_BLOCK, _pow2(shape.x_words))
+    block = min(_PUSH_BLOCK, _pow2(x_words))
     programs = _sm_count(call.device.index) if call.is_cuda else 4
-    launch(push_call, (programs,), (call, tables[3], tables[4], shape.x_words, shape.num_k, shape.num_scales,
-                                    shape.meta_bytes // 8, shape.meta_k), {
-        "NUM_RANKS": shape.num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(shape.x_words, block),
-        "K_BLOCK": _pow2(shape.num_k), "S_BLOCK": _pow2(shape.num_scales), "HAS_TOPK": True,
-        "HAS_W": shape.weights is not None, "HAS_S": shape.num_scales > 0, "TOPK_T": _tl(triton, shape.topk),
-        "W_T": _tl(triton, shape.weights or torch.float32)})
+    launch(push_call, (programs,), (call, x_bases, meta_bases, x_words, num_k, num_scales, meta_bytes // 8, meta_k), {
+        "NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
+        "S_BLOCK": _pow2(num_scales), "HAS_TOPK": topk is not None, "HAS_W": weights is not None,
+        "HAS_S": num_scales > 0, "TOPK_T": _tl(triton, topk or torch.int64), "W_T": _tl(triton, weights or torch.float32)})

@@ -61,6 +61,9 @@ from warmlink.errors import PeerLostError, TransferTimeout
 
 log = logging.getLogger("warmlink.ep")
 
+# words of a call block (ep._kernels.CALL_SLOTS) a cached dispatch fills
+_ROWS, _X, _SCALES, _TOKENS = (_kernels.CALL_SLOTS.index(name) for name in ("rows", "x", "scales", "tokens"))
+
 __all__ = ["CudaMover", "HostMover", "as_words"]
 
 
@@ -218,14 +221,21 @@ class CudaMover(_Gathers):
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
         # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
-        # its device copy), the plan's words, and per (parity, shape, timeout) the steps seen run
-        # eagerly once, then their two graphs
+        # its device copy), the plan's words, and per launch key the steps seen run eagerly once,
+        # then their graph
         self._call_host = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, pin_memory=pinned)
         self._call_words = self._call_host.numpy()
         self._call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, device=own.device)
         self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
         self._ran_eagerly: set[tuple] = set()
-        self._graphs: dict[tuple, object] = {}
+        self._graphs: dict[tuple, object] = {}  # launch key -> graph executable
+        # a cached SM dispatch's call block per parity: the CALL_SLOTS words, then its x and meta
+        # bases per destination (its graph replays one push; round n + 2 reuses round n's block
+        # once wait_begun saw round n + 1 begin, after round n's copy)
+        width = len(_kernels.CALL_SLOTS) + 2 * layout.num_ranks
+        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
+        self._cached_words = self._cached_host.numpy()
+        self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
 
     def _current(self) -> int:
         return current_stream(self.device)
@@ -367,20 +377,12 @@ class CudaMover(_Gathers):
         self._abort_word[0] = 0
         self._host_words = _kernels.words_size(shape.num_ranks, shape.num_experts)
         key = (parity, shape, timeout_s)
-        pair = self._graphs.get(key) if graphs else None
-        if pair is None and graphs and key in self._ran_eagerly:  # its kernels are compiled: capture
-            pair = self._graphs[key] = (self._capture(lambda: self._fresh_front(key)),
-                                        self._capture(lambda: self._fresh_push(key)))
         current = self._current()
-        if pair is not None:
-            self._cuda.graph_launch(pair[0], current)
-            self._cuda.event_record(self._counted, current)
-            self._cuda.graph_launch(pair[1], current)
-        else:
-            self._fresh_front(key)
-            self._cuda.event_record(self._counted, current)
-            self._fresh_push(key)
-            self._ran_eagerly.add(key)
+        # two launches with the board's event between them: an event recorded by a graph node
+        # might read as the previous round's on the host
+        self._launch(("front", *key), lambda: self._fresh_front(key), graphs)
+        self._cuda.event_record(self._counted, current)
+        self._launch(("push", *key), lambda: self._fresh_push(key), graphs)
         for event in self._send_events[phase]:
             self._cuda.event_record(event, current)
 
@@ -409,22 +411,49 @@ class CudaMover(_Gathers):
         with torch.cuda.stream(self._recv_stream):
             return self._cuda.graph_capture(self._current(), steps)
 
-    def sm_bases(self, dst_rows: list[int], parity: int, x_row_bytes: int) -> torch.Tensor:
-        """``[2, R]`` device tensor of ``push``'s x and meta bases for rows that start at
+    def sm_bases(self, dst_rows: list[int], parity: int, x_row_bytes: int) -> list[int]:
+        """``push``'s x bases, then its meta bases, per destination, for rows that start at
         ``dst_rows[d]`` in each destination's areas of ``parity`` (a cached dispatch's)."""
         cap, meta = self.layout.max_tokens, self.layout.meta_bytes
         at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("recv_x", "recv_meta")}
-        rows = [[self._ptrs[d] + at[kind] + (dst_rows[d] - d * cap) * size for d in range(self.layout.num_ranks)]
-                for kind, size in (("recv_x", x_row_bytes), ("recv_meta", meta))]
-        return torch.tensor(rows, dtype=torch.int64, device=self._own.device)
+        return [self._ptrs[d] + at[kind] + (dst_rows[d] - d * cap) * size
+                for kind, size in (("recv_x", x_row_bytes), ("recv_meta", meta)) for d in range(self.layout.num_ranks)]
 
-    def send_sm_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: torch.Tensor, phase: str) -> None:
+    def send_sm_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: list[int], parity: int, phase: str,
+                       graphs: bool = True) -> None:
         """A cached dispatch's send on the current stream: the push kernel stores every row at
-        ``bases`` (``sm_bases``), then every destination's event (Note [SM sends])."""
-        _kernels.push(rows, src, bases[0], bases[1], self.layout.num_topk, self.layout.meta_bytes)
+        ``bases`` (``sm_bases``), then every destination's event (Note [SM sends]). Its values
+        travel in the parity's call block, so that from the second call of a parity and row shape
+        on one graph launch replays it (Note [Fresh send graph])."""
+        block = self._cached_words[parity]
+        block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
+        block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
+        block[len(_kernels.CALL_SLOTS):] = bases
+        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
+        self._launch(key, lambda: self._cached_push(key), graphs)
         current = self._current()
         for event in self._send_events[phase]:
             self._cuda.event_record(event, current)
+
+    def _cached_push(self, key: tuple) -> None:
+        _, parity, x_words, num_scales = key
+        cuda, current, call, r = self._cuda, self._current(), self._cached_call[parity], self.layout.num_ranks
+        cuda.memcpy_async(call.data_ptr(), self._cached_host[parity].data_ptr(), call.numel() * 8, current)
+        n = len(_kernels.CALL_SLOTS)
+        _kernels.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
+                                self.layout.meta_bytes, None, None)
+
+    def _launch(self, key: tuple, steps, graphs: bool) -> None:
+        """``steps()`` on the current stream: eagerly the first time for ``key``, then (with
+        ``graphs``) as a graph captured once."""
+        graph = self._graphs.get(key) if graphs else None
+        if graph is None and graphs and key in self._ran_eagerly:
+            graph = self._graphs[key] = self._capture(steps)
+        if graph is not None:
+            self._cuda.graph_launch(graph, self._current())
+        else:
+            steps()
+            self._ran_eagerly.add(key)
 
     def wait_board(self, round_: int, timeout_s: float, check=None) -> tuple[np.ndarray, np.ndarray]:
         """``(plan words, board [R, board_words])`` of ``send_sm``'s round, host-polled with a
@@ -458,7 +487,7 @@ class CudaMover(_Gathers):
         self._ptrs = {}
         self._views = None
         graphs, self._graphs = self._graphs, {}  # they write into this Buffer's mappings
-        for graph in (g for pair in graphs.values() for g in pair):
+        for graph in graphs.values():
             try:
                 self._cuda.graph_destroy(graph)
             except Exception as exc:  # a broken context: the driver frees it with the context

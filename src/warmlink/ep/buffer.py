@@ -88,7 +88,7 @@ class Handle:
     num_recv_tokens_per_expert_list: list[int] | None = None
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
-    # push bases of cached SM dispatches, per (Buffer, parity, row words), made on first use (ep._movers)
+    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._movers)
     sm_bases: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -409,7 +409,7 @@ class Buffer(Closing):
                 if bases is None:
                     bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1],
                                                                   src.x.shape[1] * src.x.element_size())
-                mover.send_sm_cached(handle.combine_rows, src, bases, phase)
+                mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self._graphs)
             else:
                 # One gather for every peer: a launch per peer cost a slow rank's host up to 0.15 ms
                 # more before its last copy, and every peer waits for that copy.
