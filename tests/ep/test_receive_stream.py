@@ -108,3 +108,59 @@ def test_buffer_marks_its_receive_stream_failed():
     with pytest.raises(TransferTimeout):
         buf._arrived("dispatch.0", lambda: None, ())
     assert buf._recv_failed
+
+
+# -- the count exchange's host wait (ep._kernels, Note [SM sends]) ---------------------------------
+COUNTED = LOCAL[2]
+
+
+class StalledBoard(FakeCuda):
+    """The board's event (``counted``) completes only after the host wrote the abort word, as the
+    exchange kernel does when it sees it; ``None``: never."""
+
+    def __init__(self, mover_box: list, abort_ends_it: bool = True) -> None:
+        super().__init__(ready_after=None)
+        self.box, self.abort_ends_it = mover_box, abort_ends_it
+
+    def event_query(self, event):
+        if event != COUNTED:
+            return True
+        self.polls += 1
+        return self.abort_ends_it and bool(self.box[0]._abort_word[0])
+
+
+@pytest.mark.parametrize("why", ["timeout", "dead peer", "check gives up"])
+def test_giving_up_on_the_board_aborts_the_exchange_and_raises(monkeypatch, why):
+    """wait_board raises for a stalled or dead peer, or when ``check`` refuses, and first writes
+    the round into the abort word that ends the exchange kernel's wait (no kernel left spinning)."""
+    box: list = []
+    fake = StalledBoard(box)
+    mover = _mover(monkeypatch, fake, alive=why != "dead peer")
+    box.append(mover)
+
+    def check():
+        if why == "check gives up":
+            raise ValueError("rank 1 called with another config")
+
+    error = {"timeout": TransferTimeout, "dead peer": PeerLostError, "check gives up": ValueError}[why]
+    with pytest.raises(error):
+        mover.wait_board(7, 0.03, check)
+    assert mover._abort_word[0] == 7
+
+
+def test_a_board_that_arrives_is_read_without_aborting(monkeypatch):
+    fake = FakeCuda(ready_after=None)  # every event but the peer's is complete: the board is in
+    mover = _mover(monkeypatch, fake)
+    mover._host_words = 3
+    mover._host[:3] = torch.tensor([4, 5, 6])
+    words, board = mover.wait_board(3, 1.0)
+    assert words.tolist() == [4, 5, 6] and board.shape == (2, mover._board_row)
+    assert mover._abort_word[0] == 0
+
+
+def test_waiting_for_the_callers_stream_times_out(monkeypatch):
+    box: list = []
+    mover = _mover(monkeypatch, StalledBoard(box, abort_ends_it=False))
+    box.append(mover)
+    with pytest.raises(TransferTimeout, match="count copy"):
+        mover.wait_host(0.02)

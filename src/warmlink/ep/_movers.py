@@ -298,20 +298,32 @@ class CudaMover(_Gathers):
     def wait_host(self, timeout_s: float) -> np.ndarray:
         """The words of ``start_to_host``, host-polled with a deadline; everything queued on the
         stream before them has finished too (Note [Round protocol], step 1)."""
-        query, deadline = self._cuda.event_query, time.perf_counter() + timeout_s
-        while not query(self._counted):
-            if time.perf_counter() > deadline:
-                raise TransferTimeout(f"ep: the caller's stream on cuda:{self.device} did not reach the dispatch's "
-                                      f"count copy within {timeout_s:.3g} s")
+        self._poll(lambda: self._cuda.event_query(self._counted), timeout_s, lambda: (
+            f"ep: the caller's stream on cuda:{self.device} did not reach the dispatch's count copy within "
+            f"{timeout_s:.3g} s"))
         return self._host[:self._host_words].numpy().copy()
 
     def wait_begun(self, timeout_s: float) -> None:
         """Host-poll, with a deadline, until the caller's stream ran everything queued before ``begin``."""
-        query, deadline = self._cuda.event_query, time.perf_counter() + timeout_s
-        while not query(self._begun):
-            if time.perf_counter() > deadline:
-                raise TransferTimeout(f"ep: the caller's stream on cuda:{self.device} did not reach the round's start "
-                                      f"within {timeout_s:.3g} s")
+        self._poll(lambda: self._cuda.event_query(self._begun), timeout_s, lambda: (
+            f"ep: the caller's stream on cuda:{self.device} did not reach the round's start within {timeout_s:.3g} s"))
+
+    def _poll(self, done, timeout_s: float, late, watch=(), lost: str = "", check=None) -> None:
+        """Host-poll ``done()`` until it is true. Every 5 ms: ``PeerLostError`` when a rank in
+        ``watch`` died (``lost`` says when), ``check()`` (which raises to give up), and past
+        ``timeout_s`` ``TransferTimeout(late())``. The one wait loop of every host wait here."""
+        start = last = time.perf_counter()
+        while not done():
+            now = time.perf_counter()
+            if now - last > 0.005:
+                last = now
+                for s in watch:
+                    if not self._refs[s].alive():
+                        raise PeerLostError(f"ep: rank {s} (pid {self._refs[s].pid}) died {lost}")
+                if check is not None:
+                    check()
+                if now - start > timeout_s:
+                    raise TransferTimeout(late())
 
     def send_done(self) -> None:
         self._cuda.event_record(self._send_done, self._current())
@@ -334,20 +346,14 @@ class CudaMover(_Gathers):
             with torch.cuda.stream(side):
                 then()
             self._cuda.event_record(self._received, side.cuda_stream)
-        query = self._cuda.event_query
-        start = last = time.perf_counter()
-        while pending:
-            pending = [s for s in pending if not query(self._recv_events[phase][s])]
-            if not pending:
-                break
-            now = time.perf_counter()
-            if now - last > 0.005:
-                last = now
-                for s in pending:
-                    if not self._refs[s].alive():
-                        raise PeerLostError(f"ep: rank {s} (pid {self._refs[s].pid}) died with its {phase} bytes in flight")
-                if now - start > timeout_s:
-                    raise TransferTimeout(f"ep: {phase} bytes from ranks {pending} not complete after {timeout_s:.3g} s")
+        query, events = self._cuda.event_query, self._recv_events[phase]
+
+        def landed() -> bool:
+            pending[:] = [s for s in pending if not query(events[s])]
+            return not pending
+
+        self._poll(landed, timeout_s, lambda: f"ep: {phase} bytes from ranks {pending} not complete after {timeout_s:.3g} s",
+                   watch=pending, lost=f"with its {phase} bytes in flight")
         for event in self._send_events[phase]:
             self._cuda.stream_wait_event(current, event)
         if then is not None:
@@ -460,20 +466,10 @@ class CudaMover(_Gathers):
         deadline; every 5 ms the peers' liveness and ``check()`` (which raises to give up). Giving
         up ends the exchange kernel's wait first, so no kernel is left waiting on a peer."""
         query, counted = self._cuda.event_query, self._counted
-        start = last = time.perf_counter()
         try:
-            while not query(counted):
-                now = time.perf_counter()
-                if now - last > 0.005:
-                    last = now
-                    for s, ref in self._refs.items():
-                        if not ref.alive():
-                            raise PeerLostError(f"ep: rank {s} (pid {ref.pid}) died before the dispatch's count exchange")
-                    if check is not None:
-                        check()
-                    if now - start > timeout_s:
-                        raise TransferTimeout(f"ep: the dispatch's count exchange on cuda:{self.device} did not "
-                                              f"complete within {timeout_s:.3g} s")
+            self._poll(lambda: query(counted), timeout_s, lambda: (
+                f"ep: the dispatch's count exchange on cuda:{self.device} did not complete within {timeout_s:.3g} s"),
+                watch=list(self._refs), lost="before the dispatch's count exchange", check=check)
         except BaseException:
             self._abort_word[0] = round_
             deadline = time.perf_counter() + 5.0

@@ -391,7 +391,7 @@ class Buffer(Closing):
         round_ = self._round["dispatch"] + 1
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
-        mover, me, peers = self._mover, self.rank, self._order()
+        mover, me = self._mover, self.rank
         cached = handle is not None
         if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
@@ -399,25 +399,11 @@ class Buffer(Closing):
             config = self._call_config(handle.num_experts, 0, scales is not None, True)
             src = Sources(as_words(tokens), scales=scales)
             self.mailbox.publish_dispatch(round_, config)
-            t1 = time.perf_counter()
+            marks = {"start": t0, "counts": time.perf_counter()}
             # No wait for the peers (ep._regions, Note [Two parities]): the bytes move at once.
             sm = self._sm_sends and not return_recv_hook
-            if sm:  # one push kernel stores every row where the handle says (Note [SM sends])
-                mover.begin(copies=False)
-                key = (self._serial, round_ % PARITIES, src.x.shape[1])  # addresses of this Buffer's mappings
-                bases = handle.sm_bases.get(key)
-                if bases is None:
-                    bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1],
-                                                                  src.x.shape[1] * src.x.element_size())
-                mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self._graphs)
-            else:
-                # One gather for every peer: a launch per peer cost a slow rank's host up to 0.15 ms
-                # more before its last copy, and every peer waits for that copy.
-                mover.begin()
-                mover.gather(handle.combine_rows, src, range(self.num_ranks), me)
-                for d in peers:
-                    mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
-            t2 = t3 = time.perf_counter()
+            self._send_cached(handle, src, round_, phase, parts, sm)
+            marks["staged"] = marks["ready"] = time.perf_counter()
         else:
             topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
                 tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
@@ -425,50 +411,10 @@ class Buffer(Closing):
             # the send path is part of the config: a rank that meets in the mailbox while another
             # trades counts on the device would read counts that were never published
             config = self._call_config(num_experts, topk.shape[1], scales is not None, False, sm)
-            t_checked = time.perf_counter()
+            marks = {"start": t0, "checked": time.perf_counter()}
             src = Sources(as_words(tokens), topk, weights, scales)
-            if sm:  # Note [SM sends] in ep._kernels: kernels plan, trade the counts and store the rows
-                rows = torch.empty(num_tokens, self.num_ranks, dtype=torch.int64, device=tokens.device)  # the handle's
-                in_rank, per_rank, per_expert = (t.contiguous() for t in (in_rank, per_rank, per_expert))
-                shape = self._fresh_shape(num_experts, src, per_rank, per_expert)
-                self.mailbox.publish_dispatch(round_, config)
-                mover.send_sm(shape, call_words(in_rank, topk, per_rank, per_expert, rows, src, round_), round_, phase,
-                              self.timeout_s, self._graphs)
-                t_planned = t_launched = time.perf_counter()
-                words_h, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
-                    round_, config, self.mailbox.published(mb.DISPATCH, round_)))
-            else:
-                rows, words = plan(in_rank, topk, per_rank, per_expert, self.layout.max_tokens)
-                mover.start_to_host(words)
-                t_planned = time.perf_counter()
-                # The peers' rows are gathered into staging while the counts travel to the host and the
-                # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
-                mover.begin()
-                mover.gather(rows, src, range(self.num_ranks), me)
-                t_launched = time.perf_counter()
-                words_h = mover.wait_host(self.timeout_s)
-            try:
-                send_counts, expert_counts = self._checks.counts(words_h, num_tokens, num_experts)
-                handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=topk.shape[1],
-                                round=round_)
-                t1 = t2 = time.perf_counter()
-                if sm:
-                    self._meet(mb.DISPATCH, round_)
-                    t_met = time.perf_counter()
-                    self._plan_from_board(handle, board, round_)
-                    t3 = time.perf_counter()
-            except ConfigError:
-                if sm:  # every rank's board showed the same refusal: the round is spent everywhere
-                    self._round["dispatch"] = round_
-                raise
-            if not sm:
-                self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
-                self._meet(mb.DISPATCH, round_)
-                t_met = time.perf_counter()
-                self._complete_plan(handle, round_)
-                t3 = time.perf_counter()
-                for d in peers:
-                    mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+            send = self._send_fresh_sm if sm else self._send_fresh_copy
+            handle = send(src, in_rank, per_rank, per_expert, num_experts, config, round_, phase, parts, marks)
         if not sm:  # (the push stored this rank's own rows too)
             mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
             mover.flush(me, phase, src, 0, 0, parts)
@@ -477,12 +423,12 @@ class Buffer(Closing):
             mover.wait_begun(self.timeout_s)
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         self._round["dispatch"] = round_
-        t_sent = time.perf_counter()
-        self.last_phases = {"layout": t1 - t0, "stage": t2 - t1, "handshake": t3 - t2, "send": t_sent - t3}
+        marks["sent"] = time.perf_counter()
+        staged = marks.get("staged", marks["counts"])  # a fresh dispatch stages nothing apart
+        self.last_phases = {"layout": marks["counts"] - t0, "stage": staged - marks["counts"],
+                            "handshake": marks["ready"] - staged, "send": marks["sent"] - marks["ready"]}
         # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
-        self.last_marks = {"start": t0, "counts": t1, "staged": t2, "ready": t3, "sent": t_sent} if cached else {
-            "start": t0, "checked": t_checked, "planned": t_planned, "launched": t_launched, "counts": t1, "met": t_met,
-            "ready": t3, "sent": t_sent}
+        self.last_marks = marks
         recv_x, recv_idx, recv_w, unpack, unpacked = self._recv_outputs(handle, parts, tokens.dtype, scales is not None,
                                                               src.topk is not None, src.weights is not None)
         def receive() -> None:
@@ -570,6 +516,86 @@ class Buffer(Closing):
             self.last_phases["receive"] = time.perf_counter() - t2
 
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
+
+    # -- the dispatch's send paths (Note [SM sends], Note [Copy-engine sends]) ----------------------
+    def _send_cached(self, handle: Handle, src: Sources, round_: int, phase: str, parts: tuple[str, str],
+                     sm: bool) -> None:
+        """A cached dispatch's send: every row goes where the handle says, with no wait for the peers."""
+        mover = self._mover
+        if sm:  # one push kernel (Note [SM sends])
+            mover.begin(copies=False)
+            key = (self._serial, round_ % PARITIES, src.x.shape[1])  # addresses of this Buffer's mappings
+            bases = handle.sm_bases.get(key)
+            if bases is None:
+                bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1], src.x.shape[1] * src.x.element_size())
+            mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self._graphs)
+            return
+        # One gather for every peer: a launch per peer cost a slow rank's host up to 0.15 ms more
+        # before its last copy, and every peer waits for that copy.
+        mover.begin()
+        mover.gather(handle.combine_rows, src, range(self.num_ranks), self.rank)
+        for d in self._order():
+            mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+
+    def _send_fresh_sm(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
+                       phase: str, parts: tuple[str, str], marks: dict) -> Handle:
+        """A fresh dispatch's send by the SMs: kernels plan, trade the counts and store the rows
+        (Note [SM sends]); then the handle from the board. Adds its host marks to ``marks``."""
+        mover, num_tokens = self._mover, src.x.shape[0]
+        rows = torch.empty(num_tokens, self.num_ranks, dtype=torch.int64, device=src.x.device)  # the handle's
+        in_rank, per_rank, per_expert = (t.contiguous() for t in (in_rank, per_rank, per_expert))
+        shape = self._fresh_shape(num_experts, src, per_rank, per_expert)
+        self.mailbox.publish_dispatch(round_, config)
+        mover.send_sm(shape, call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_), round_, phase,
+                      self.timeout_s, self._graphs)
+        marks["planned"] = marks["launched"] = time.perf_counter()
+        words, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
+            round_, config, self.mailbox.published(mb.DISPATCH, round_)))
+        try:
+            handle = self._handle_from_words(words, num_experts, in_rank, rows, src, round_, marks)[0]
+            self._meet(mb.DISPATCH, round_)
+            marks["met"] = time.perf_counter()
+            self._plan_from_board(handle, board, round_)
+        except ConfigError:  # every rank's board showed the same refusal: the round is spent everywhere
+            self._round["dispatch"] = round_
+            raise
+        marks["ready"] = time.perf_counter()
+        return handle
+
+    def _send_fresh_copy(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
+                         phase: str, parts: tuple[str, str], marks: dict) -> Handle:
+        """A fresh dispatch's send by the copy engines: the counts go to the host, the ranks meet in
+        the mailboxes, then the copies (Note [Copy-engine sends]). Adds its host marks to ``marks``."""
+        mover = self._mover
+        rows, words = plan(in_rank, src.topk, per_rank, per_expert, self.layout.max_tokens)
+        mover.start_to_host(words)
+        marks["planned"] = time.perf_counter()
+        # The peers' rows are gathered into staging while the counts travel to the host and the
+        # ranks meet: that needs only this rank's own plan. See Note [Copy-engine sends].
+        mover.begin()
+        mover.gather(rows, src, range(self.num_ranks), self.rank)
+        marks["launched"] = time.perf_counter()
+        handle, send_counts, expert_counts = self._handle_from_words(mover.wait_host(self.timeout_s), num_experts,
+                                                                     in_rank, rows, src, round_, marks)
+        self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
+        self._meet(mb.DISPATCH, round_)
+        marks["met"] = time.perf_counter()
+        self._complete_plan(handle, round_)
+        marks["ready"] = time.perf_counter()
+        for d in self._order():
+            mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+        return handle
+
+    def _handle_from_words(self, words: np.ndarray, num_experts: int, in_rank, rows, src: Sources, round_: int,
+                           marks: dict):
+        """``(handle, send counts, per-expert counts)`` of a fresh dispatch from its plan's words,
+        checked first (ep._checks: ``ConfigError`` before any byte moved)."""
+        num_tokens = src.x.shape[0]
+        send_counts, expert_counts = self._checks.counts(words, num_tokens, num_experts)
+        handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=src.topk.shape[1],
+                        round=round_)
+        marks["counts"] = time.perf_counter()
+        return handle, send_counts, expert_counts
 
     # -- helpers ----------------------------------------------------------------------------------
     def _recv_outputs(self, handle: Handle, parts: tuple[str, str], dtype, fp8: bool, with_topk: bool, with_weights: bool):
