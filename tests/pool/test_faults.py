@@ -558,6 +558,27 @@ def test_freelist_16_threads_with_failing_resets(pool_on) -> None:
     assert fake.failed <= fake.destroyed
 
 
+def test_evict_leaves_a_held_entry_to_its_last_release(pool_on) -> None:
+    """The interleaving the 16-thread test below hit once on a loaded CI machine, made certain: the
+    holder of an entry that ``evict`` removed releases it while ``evict`` is still destroying the
+    idle ones. The release destroys it (it is gone from the cache); ``evict`` must not again."""
+    fake = FakeResources()
+    held: dict[str, object] = {}
+
+    def destroy(r) -> None:
+        fake.destroy(r)
+        if "b" in held:  # the holder of "b" lets go in the middle of evict
+            cache.release(held.pop("b"))
+
+    cache = SharedCache(_kind("cache-evict-release"), fake.create, destroy)
+    _, idle_token = cache.acquire(("a",))
+    cache.release(idle_token)  # "a": cached, nobody holds it
+    b, held["b"] = cache.acquire(("b",))
+    assert cache.evict(lambda _key: True) == 2
+    assert not fake.errors, fake.errors
+    assert b in fake.destroyed and not fake.live and not cache.keys()
+
+
 def test_shared_cache_16_threads_with_evictions(pool_on) -> None:
     """Acquire/release from 16 threads while another evicts: nothing is destroyed while held."""
     fake = FakeResources()

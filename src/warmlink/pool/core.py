@@ -317,9 +317,11 @@ class SharedCache(Generic[K, R]):
         with self._lock:
             keys = [k for k in self._entries if predicate(k)]
             removed = [self._entries.pop(k) for k in keys]
-        for entry in removed:
-            if entry.refs <= 0:
-                self._destroy_entry(entry)
+            # decided under the lock: an entry still held is destroyed by its last release, which
+            # sees it gone; reading refs after the lock raced that release into a double destroy
+            idle = [entry for entry in removed if entry.refs <= 0]
+        for entry in idle:
+            self._destroy_entry(entry)
         return len(removed)
 
     def keys(self) -> list[K]:
