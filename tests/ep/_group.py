@@ -53,7 +53,14 @@ def _unpack(value):
 
 def _rank_main(fn, rank: int, num_ranks: int, address: str, prefix: str, kwargs: dict, results) -> None:
     try:
+        import os
+
+        import torch
+
         from warmlink.rendezvous import Store
+
+        # a share of the cores each: ranks with a thread per core spin against each other on CI
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
 
         with Store.connect(address, prefix=prefix, timeout_s=30) as store:
             value = fn(rank=rank, num_ranks=num_ranks, store=store, **kwargs)
