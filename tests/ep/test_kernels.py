@@ -65,3 +65,21 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
         assert torch.equal(idx[1].cpu(), idx[0])
         assert torch.equal(w[1].cpu().view(torch.int32), w[0].view(torch.int32))
         assert torch.equal(sc[1].cpu().view(torch.int32), sc[0].view(torch.int32))
+
+
+def test_every_named_kernel_wraps_the_triton_kernel_of_its_name():
+    """``_kernels()`` (what CUDA calls launch) names each ep._triton kernel once, wrapped for fast
+    launches; a name pointing at another kernel would only fail on a GPU."""
+    from warmlink.ep import _kernels, _triton
+    from warmlink.ep._launch import FastLaunch
+
+    _kernels._kernels.cache_clear()
+    try:
+        wrapped = _kernels._kernels()
+    finally:
+        _kernels._kernels.cache_clear()
+    assert isinstance(wrapped, _kernels.Kernels)
+    for name in wrapped._fields[1:]:
+        launcher = getattr(wrapped, name)
+        assert isinstance(launcher, FastLaunch), name
+        assert launcher.jit is getattr(_triton, f"{name}_kernel"), name

@@ -21,7 +21,7 @@ torch.distributed group, and times, each as the median over ``--iterations``:
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. A second
 column counts as DeepEP's tests do (``recv_x.numel() * 2``): every row a rank receives, its own
-rows included, so it reads 1.15x higher at 8 ranks and 1.33x at 4 on this routing. Time is the
+rows included, so it reads 1.14x higher at 8 ranks and 1.33x at 4 on this routing. Time is the
 host clock around the operation, after an untimed alignment (one-element all-reduce and a device
 synchronization), stopped after a device synchronization. The received outputs of warmlink are
 checked against the NCCL path's in the same run (dispatch bit-exact, combine to bf16 rounding).

@@ -68,12 +68,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
+__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
            "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
@@ -200,24 +201,38 @@ def _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank):
 
 
 # -- the kernels ------------------------------------------------------------------------------------
+class Kernels(NamedTuple):
+    """Triton and ep's kernels (ep._triton): plain ``triton.jit`` functions from ``_build`` (the
+    interpreter's, in tests), ``FastLaunch`` wrappers from ``_kernels``."""
+
+    triton: object
+    plan: object
+    gather: object
+    unpack: object
+    push: object
+    plan_call: object
+    exchange_call: object
+    push_call: object
+
+
 @functools.cache
-def _kernels():
+def _kernels() -> Kernels | None:
     try:
         triton, *jits = _build()
     except ImportError:
         return None
-    return (triton, *(FastLaunch(j) for j in jits))
+    return Kernels(triton, *(FastLaunch(j) for j in jits))
 
 
-def _build():
+def _build() -> Kernels:
     """The kernels (ep._triton, imported here so that the package needs no Triton; tests build
     them for the interpreter)."""
     import triton
 
     from warmlink.ep import _triton
 
-    return (triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
-            _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel)
+    return Kernels(triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
+                   _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -235,14 +250,13 @@ def plan(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_
     kernels = kernels or (_kernels() if in_rank.is_cuda else None)
     if kernels is None:
         return _plan_torch(in_rank, topk, per_rank, per_expert, max_tokens)
-    _, plan_kernel, *_ = kernels
     in_rank, topk, per_rank, per_expert = (t.contiguous() for t in (in_rank, topk, per_rank, per_expert))
     num_tokens, num_ranks = in_rank.shape
     num_experts = per_expert.numel()
     rows = torch.empty(num_tokens, num_ranks, dtype=torch.int64, device=in_rank.device)
     words = torch.empty(words_size(num_ranks, num_experts), dtype=torch.int64, device=in_rank.device)
-    launch(plan_kernel, (num_ranks + 1 + RANGE_PARTS,), (in_rank.view(torch.uint8), topk, per_rank, per_expert, rows, words, num_tokens,
-                                           topk.numel(), num_experts, max_tokens),
+    launch(kernels.plan, (num_ranks + 1 + RANGE_PARTS,), (in_rank.view(torch.uint8), topk, per_rank, per_expert, rows,
+                                                          words, num_tokens, topk.numel(), num_experts, max_tokens),
            {"NUM_RANKS": num_ranks, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS})
     return rows, words
 
@@ -263,7 +277,6 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     if kernels is None:
         _gather_torch(rows, src, x_out, meta_out, meta_k, shift, dests, skip)
         return
-    triton, _, gather_kernel, *_ = kernels
     num_tokens, num_ranks = rows.shape
     if not num_tokens or not len(dests):
         return
@@ -273,11 +286,11 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     num_k = src.topk.shape[1] if src.topk is not None else 0
     num_scales = src.scales.shape[1] if src.scales is not None else 0
     meta_words = meta_out.shape[1] // 8 if meta_out is not None else 0
-    grid = (num_tokens, triton.cdiv(x_words, _X_BLOCK))
+    grid = (num_tokens, _cdiv(x_words, _X_BLOCK))
     args = (rows, src.x, x_out, x_words, src.topk if src.topk is not None else rows,
             src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
             ids, floats, num_k, num_scales, meta_words, meta_k, shift, dests.start, dests.stop, skip)
-    launch(gather_kernel, grid, args, {
+    launch(kernels.gather, grid, args, {
         "NUM_RANKS": num_ranks, "X_BLOCK": _X_BLOCK, "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales),
         "HAS_TOPK": src.topk is not None, "HAS_W": src.weights is not None, "HAS_S": src.scales is not None})
 
@@ -290,7 +303,6 @@ def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.T
     if kernels is None:
         _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank)
         return
-    triton, _, _, unpack_kernel, *_ = kernels
     total = meta.shape[0]
     if not total or (idx is None and scales is None):
         return
@@ -300,10 +312,9 @@ def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.T
     args = (ids, floats, idx if idx is not None else ids, w if w is not None else floats,
             scales if scales is not None else floats, total, num_k, num_scales, meta.shape[1] // 8, meta_k, base,
             experts_per_rank)
-    launch(unpack_kernel, (triton.cdiv(total, _UNPACK_ROWS),), args, {
+    launch(kernels.unpack, (_cdiv(total, _UNPACK_ROWS),), args, {
         "ROWS": _UNPACK_ROWS, "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales), "HAS_TOPK": idx is not None,
         "HAS_W": w is not None, "HAS_S": scales is not None})
-
 
 
 @functools.cache
@@ -323,7 +334,6 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
         meta_k: the buffer's ``num_topk``. programs: the persistent grid (default: one per SM).
     """
     kernels = kernels or _kernels()
-    triton, _, _, _, push_kernel, *_ = kernels
     num_tokens, num_ranks = rows.shape
     if not num_tokens:
         return
@@ -331,20 +341,32 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
     x_words = src.x.shape[1]
     num_k = src.topk.shape[1] if src.topk is not None else 0
     num_scales = src.scales.shape[1] if src.scales is not None else 0
-    block = min(_PUSH_BLOCK, _pow2(x_words))
-    grid = (programs or (_sm_count(rows.device.index) if rows.is_cuda else 4),)
     args = (rows, src.x, x_bases, meta_bases, x_words, num_tokens, src.topk if src.topk is not None else rows,
             src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
             num_k, num_scales, meta_bytes // 8, meta_k, skip)
-    launch(push_kernel, grid, args, {
-        "NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
-        "S_BLOCK": _pow2(num_scales), "HAS_TOPK": src.topk is not None, "HAS_W": src.weights is not None,
-        "HAS_S": src.scales is not None})
+    launch(kernels.push, (programs or _push_programs(rows),), args,
+           _push_constexprs(num_ranks, x_words, num_k, num_scales, src.topk is not None, src.weights is not None))
 
 
-def _tl(triton, dtype: torch.dtype):
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _push_programs(on: torch.Tensor) -> int:
+    """The persistent push's grid: one program per SM (4 in the interpreter)."""
+    return _sm_count(on.device.index) if on.is_cuda else 4
+
+
+def _push_constexprs(num_ranks: int, x_words: int, num_k: int, num_scales: int, has_topk: bool, has_w: bool) -> dict:
+    """The constexprs shared by ``push`` and ``push_from_call``."""
+    block = min(_PUSH_BLOCK, _pow2(x_words))
+    return {"NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": _cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
+            "S_BLOCK": _pow2(num_scales), "HAS_TOPK": has_topk, "HAS_W": has_w, "HAS_S": num_scales > 0}
+
+
+def _tl(kernels: Kernels, dtype: torch.dtype):
     """Triton's dtype for a torch one (``torch.int64`` -> ``tl.int64``)."""
-    return getattr(triton.language, str(dtype).removeprefix("torch."))
+    return getattr(kernels.triton.language, str(dtype).removeprefix("torch."))
 
 
 def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
@@ -363,11 +385,10 @@ def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tabl
         board_row: int64 words of a board row.
     """
     k = kernels or _kernels()
-    triton, plan_call = k[0], k[5]
     r = shape.num_ranks
-    launch(plan_call, (r + 1 + RANGE_PARTS,), (call, words, shape.num_k, shape.num_experts, shape.max_tokens), {
-        "NUM_RANKS": r, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS, "TOPK_T": _tl(triton, shape.topk),
-        "RANK_T": _tl(triton, shape.per_rank), "EXPERT_T": _tl(triton, shape.per_expert)})
+    launch(k.plan_call, (r + 1 + RANGE_PARTS,), (call, words, shape.num_k, shape.num_experts, shape.max_tokens), {
+        "NUM_RANKS": r, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS, "TOPK_T": _tl(k, shape.topk),
+        "RANK_T": _tl(k, shape.per_rank), "EXPERT_T": _tl(k, shape.per_expert)})
     exchange(shape, call, words, tables, abort, me, 2 * timeout_s + 1, board_row, k)
 
 
@@ -376,9 +397,8 @@ def exchange(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables:
     """``fresh_front``'s count exchange alone (tests run it in the interpreter, with ep._triton's
     clock and fence swapped out): ``words`` already hold this rank's plan, ``call`` the round.
     ``backstop_s``: how long the kernel waits for the peers on its own clock."""
-    exchange_call = (kernels or _kernels())[6]
     r = shape.num_ranks
-    launch(exchange_call, (r,), (call, words, tables, abort, me, shape.num_experts, shape.num_experts // r,
+    launch((kernels or _kernels()).exchange_call, (r,), (call, words, tables, abort, me, shape.num_experts, shape.num_experts // r,
                                  shape.max_tokens, shape.x_words * 8, shape.meta_bytes, int(backstop_s * 1e9)), {
         "NUM_RANKS": r, "R_BLOCK": _pow2(r), "ROW": board_row, "E_BLOCK": 256, "PARTS": RANGE_PARTS})
 
@@ -397,10 +417,7 @@ def push_from_call(call: torch.Tensor, x_bases: torch.Tensor, meta_bases: torch.
     (``CALL_SLOTS``): the launch a graph replays (Note [Fresh send graph]). ``topk`` / ``weights``:
     the dtypes of the ids and weights sent (None: not sent); ``num_scales`` 0: no FP8 scales."""
     k = kernels or _kernels()
-    triton, push_call = k[0], k[7]
-    block = min(_PUSH_BLOCK, _pow2(x_words))
-    programs = _sm_count(call.device.index) if call.is_cuda else 4
-    launch(push_call, (programs,), (call, x_bases, meta_bases, x_words, num_k, num_scales, meta_bytes // 8, meta_k), {
-        "NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": triton.cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
-        "S_BLOCK": _pow2(num_scales), "HAS_TOPK": topk is not None, "HAS_W": weights is not None,
-        "HAS_S": num_scales > 0, "TOPK_T": _tl(triton, topk or torch.int64), "W_T": _tl(triton, weights or torch.float32)})
+    launch(k.push_call, (_push_programs(call),), (call, x_bases, meta_bases, x_words, num_k, num_scales, meta_bytes // 8,
+                                                  meta_k), {
+        **_push_constexprs(num_ranks, x_words, num_k, num_scales, topk is not None, weights is not None),
+        "TOPK_T": _tl(k, topk or torch.int64), "W_T": _tl(k, weights or torch.float32)})

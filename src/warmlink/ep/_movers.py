@@ -389,8 +389,7 @@ class CudaMover(_Gathers):
         self._launch(("front", *key), lambda: self._fresh_front(key), graphs)
         self._cuda.event_record(self._counted, current)
         self._launch(("push", *key), lambda: self._fresh_push(key), graphs)
-        for event in self._send_events[phase]:
-            self._cuda.event_record(event, current)
+        self._pushed(phase)
 
     def _fresh_front(self, key: tuple) -> None:
         """``send_sm``'s steps up to the board on the host, on the current stream: the call block
@@ -437,6 +436,11 @@ class CudaMover(_Gathers):
         block[len(_kernels.CALL_SLOTS):] = bases
         key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
         self._launch(key, lambda: self._cached_push(key), graphs)
+        self._pushed(phase)
+
+    def _pushed(self, phase: str) -> None:
+        """Every destination's event of ``phase`` after an SM push, on the current stream (the
+        push stored every destination's rows: ``sent``'s per-destination copy streams do not apply)."""
         current = self._current()
         for event in self._send_events[phase]:
             self._cuda.event_record(event, current)
