@@ -35,6 +35,13 @@ def _cpu(x):
     return tuple(t.cpu().clone() for t in x) if isinstance(x, tuple) else x.cpu().clone()
 
 
+def _shifted(x: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A copy of ``x`` that starts ``nbytes`` into a fresh allocation (allocations are aligned)."""
+    skip = nbytes // x.element_size()
+    out = torch.empty(x.numel() + skip, dtype=x.dtype, device=x.device)[skip:].view(x.shape)
+    return out.copy_(x)
+
+
 def _buffer(rank, num_ranks, store, case):
     from warmlink.ep import Buffer
 
@@ -51,12 +58,14 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
 
     case keys: tokens (per rank), hidden, experts, topk, dtype, mask_prob, seed, backend, rounds,
     hook_delay_s (None = normal mode), cached (re-dispatch with the handle, ``cached_repeats``
-    times), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
+    times), misaligned_x (x 8 bytes past a 16-byte boundary), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
     outputs and start the next call after different sleeps, so fast ranks run ahead).
     """
     mine = case_inputs(case)[rank]
     device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
     x, idx, w = _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
+    if case.get("misaligned_x"):  # x 8 bytes past a 16-byte boundary: the push's 8-byte path
+        x = _shifted(x, 8)
     delay = case.get("hook_delay_s")
     results = []
     calls = iter(range(1 << 30))

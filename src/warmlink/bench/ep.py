@@ -124,7 +124,10 @@ def _copy_floor(buf, send_counts: list[int], timed) -> dict:
     return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
 
 
-_PUSH_SCHEDULES = {"a program per SM": 1, "2 per SM": 2}  # programs per SM of the push
+# the push's schedules: (programs per SM, warps per program, 16-byte accesses); the first is the
+# Buffer's own (ep._kernels.push's defaults), the last its 8-byte path for unaligned inputs
+_PUSH_SCHEDULES = {"a program per SM": (1, 4, True), "2 per SM": (2, 4, True), "2 per SM, 8 warps": (2, 8, True),
+                   "4 per SM, 8 warps": (4, 8, True), "a program per SM, 8-byte": (1, 4, False)}
 
 
 def _push_floor(buf, handle, x, timed) -> dict:
@@ -143,9 +146,48 @@ def _push_floor(buf, handle, x, timed) -> dict:
     bases = torch.tensor([0 if d == me else at for d, at in enumerate(starts)], dtype=torch.int64, device=x.device)
     src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return {name: timed(lambda n=n: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk, lay.meta_bytes,
-                                                  programs=n * sms))
-            for name, n in _PUSH_SCHEDULES.items()}
+    aligned = mover.areas_aligned and _kernels.aligned16(src.x.shape[1], src.x.data_ptr())
+    return {name: timed(lambda n=n, w=w, v=v: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
+                                                            lay.meta_bytes, programs=n * sms, num_warps=w,
+                                                            aligned=v and aligned))
+            for name, (n, w, v) in _PUSH_SCHEDULES.items()}
+
+
+def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
+    """Where send -> GEMM -> hook spends its time on one rank, medians over ``iterations``: host ms
+    of the send phase and of the hook, and the GEMM's device ms between CUDA events around it,
+    alone and between send and hook (a GEMM slowed by the transfer, or a hook waiting on it)."""
+    import torch
+    import torch.distributed as dist
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    parts: dict[str, list[float]] = {"send": [], "hook": [], "gemm_alone": [], "gemm_between": []}
+
+    def timed_gemm() -> None:
+        begin.record()
+        gemm()
+        end.record()
+
+    for _ in range(iterations):
+        dist.all_reduce(flag)
+        torch.cuda.synchronize()
+        timed_gemm()
+        torch.cuda.synchronize()
+        parts["gemm_alone"].append(begin.elapsed_time(end) * 1e-3)
+        dist.all_reduce(flag)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hook = send()[-1]
+        t1 = time.perf_counter()
+        timed_gemm()
+        t2 = time.perf_counter()
+        hook()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        parts["send"].append(t1 - t0)
+        parts["hook"].append(t3 - t2)
+        parts["gemm_between"].append(begin.elapsed_time(end) * 1e-3)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def _pin(rank: int, num_ranks: int) -> list[int] | None:
@@ -353,6 +395,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         out["overlap_s"] = {"gemm": timed(lambda: a @ b), "dispatch_hook": times["dispatch_bf16_hook"],
                             "send_gemm_hook": timed(overlapped), "cached_hook": timed(cached_hook),
                             "send_gemm_hook_cached": timed(lambda: overlapped(True))}
+        out["overlap_parts_s"] = {kind: _overlap_parts(lambda c=cached: buf.dispatch(
+            x, handle=h_keep, return_recv_hook=True) if c else buf.dispatch(x, **kwargs, return_recv_hook=True),
+            lambda: a @ b, flag, cfg["iterations"]) for kind, cached in (("fresh", False), ("cached", True))}
     if cuda:  # last: it overwrites the peers' receive areas
         out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
         out["push_s"] = _push_floor(buf, handle, x, timed)
@@ -438,6 +483,11 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
             summary[name] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}
             lines.append(f"{name.replace('_', ', ')}: GEMM {g * 1e3:.3f} ms, {which} {d * 1e3:.3f} ms, send -> GEMM -> hook "
                          f"{both * 1e3:.3f} ms = {both / max(g, d):.2f} x the longer (goal <= 1.15)")
+    for r in ranks:
+        for kind, p in r.get("overlap_parts_s", {}).items():
+            lines.append(f"  {kind} send -> GEMM -> hook, rank {r['rank']} (ms): send {p['send'] * 1e3:.3f}, hook "
+                         f"{p['hook'] * 1e3:.3f} (host); GEMM {p['gemm_between'] * 1e3:.3f} between them, "
+                         f"{p['gemm_alone'] * 1e3:.3f} alone (device)")
     checks = {k: all(r["checks"][k] for r in ranks) for k in ranks[0]["checks"]}
     summary["checks"] = checks
     summary["init_s"] = max(r["init_s"] for r in ranks)

@@ -40,17 +40,17 @@ class FastLaunch:
         self._specialize = native_specialize_impl
         self._cache: dict[tuple, object] = {}
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict) -> None:
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
         device = torch.cuda.current_device()
         backend = self.jit.device_caches[device][3]
         spec = self._specialize
-        key = (device, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))
+        key = (device, num_warps, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))
         compiled = self._cache.get(key)
         if compiled is None:
             names = self.jit.arg_names[len(args):]
             if list(constexprs) != names:
                 raise TypeError(f"FastLaunch({getattr(self.jit, '__name__', 'kernel')}): constexprs {list(constexprs)}; expected {names} in order")
-            compiled = self.jit[grid](*args, **constexprs)
+            compiled = self.jit[grid](*args, **constexprs, **({"num_warps": num_warps} if num_warps else {}))
             self._cache[key] = compiled.result() if hasattr(compiled, "result") else compiled
             return
         g = (*grid, 1, 1)
@@ -61,9 +61,10 @@ class FastLaunch:
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *values)
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict) -> None:
-    """Launch ``kernel`` (a ``FastLaunch`` or a plain, e.g. interpreted, Triton kernel)."""
+def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
+    """Launch ``kernel`` (a ``FastLaunch`` or a plain, e.g. interpreted, Triton kernel);
+    ``num_warps`` 0: Triton's default."""
     if isinstance(kernel, FastLaunch):
-        kernel(grid, args, constexprs)
+        kernel(grid, args, constexprs, num_warps)
     else:
-        kernel[grid](*args, **constexprs)
+        kernel[grid](*args, **constexprs, **({"num_warps": num_warps} if num_warps else {}))

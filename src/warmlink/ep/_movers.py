@@ -200,6 +200,8 @@ class CudaMover(_Gathers):
         self._views = _Views(layout, {rank: own})
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
+        # every region and area 16-byte aligned: pushes of x allowing it move 16 bytes per access
+        self.areas_aligned = _kernels.aligned16(0, *self._ptrs.values(), *self._offsets.values())
         self._streams = [s.handle for s in streams]
         self._copy_streams = list(dict.fromkeys(self._streams))  # each once: one stream may serve every peer
         self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
@@ -434,7 +436,8 @@ class CudaMover(_Gathers):
         block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
         block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
         block[len(_kernels.CALL_SLOTS):] = bases
-        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
+        aligned = self.areas_aligned and _kernels.aligned16(src.x.shape[1], src.x.data_ptr())
+        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0, aligned)
         self._launch(key, lambda: self._cached_push(key), graphs)
         self._pushed(phase)
 
@@ -446,12 +449,12 @@ class CudaMover(_Gathers):
             self._cuda.event_record(event, current)
 
     def _cached_push(self, key: tuple) -> None:
-        _, parity, x_words, num_scales = key
+        _, parity, x_words, num_scales, aligned = key
         cuda, current, call, r = self._cuda, self._current(), self._cached_call[parity], self.layout.num_ranks
         cuda.memcpy_async(call.data_ptr(), self._cached_host[parity].data_ptr(), call.numel() * 8, current)
         n = len(_kernels.CALL_SLOTS)
         _kernels.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
-                                self.layout.meta_bytes, None, None)
+                                self.layout.meta_bytes, None, None, aligned)
 
     def _launch(self, key: tuple, steps, graphs: bool) -> None:
         """``steps()`` on the current stream: eagerly the first time for ``key``, then (with

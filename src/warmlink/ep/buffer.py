@@ -53,7 +53,7 @@ from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
-from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
+from warmlink.ep._kernels import FreshShape, Sources, aligned16, call_words, plan
 from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
@@ -634,11 +634,12 @@ class Buffer(Closing):
 
     def _fresh_shape(self, num_experts: int, src: Sources, per_rank: torch.Tensor, per_expert: torch.Tensor) -> FreshShape:
         """What a fresh SM send's kernels are specialized for (its graphs' key, with the parity)."""
-        lay = self.layout
-        return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], src.x.shape[1],
+        lay, x_words = self.layout, src.x.shape[1]
+        return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], x_words,
                           src.scales.shape[1] if src.scales is not None else 0, lay.max_tokens, lay.num_topk,
                           lay.meta_bytes, src.topk.dtype, per_rank.dtype, per_expert.dtype,
-                          src.weights.dtype if src.weights is not None else None)
+                          src.weights.dtype if src.weights is not None else None,
+                          self._mover.areas_aligned and aligned16(x_words, src.x.data_ptr()))
 
     def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False) -> int:
         return (num_experts << 20) | (num_topk << 4) | (int(sm) << 2) | (int(fp8) << 1) | int(cached)
