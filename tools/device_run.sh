@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
-# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep demo doctor bench-small
+# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep host-profile demo doctor bench-small
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
-#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP)
+#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
@@ -51,6 +51,8 @@ for d in range(torch.cuda.device_count()):
       timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
     tests-ep)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
+    host-profile)
+      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_$i.json" 2>&1 | tee "$OUT/ep_$i.log" | tail -22

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
     args = p.parse_args()
     torch.cuda.set_device(0)
     T, H, E, K = args.tokens, args.hidden, 256, 8
@@ -59,27 +60,36 @@ def main() -> None:
         "fresh dispatch, eager launches": with_flag("_graphs", False),
         "fresh dispatch, copy engines": with_flag("_sm_sends", False),
         "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+        # the send phase alone (what delays work queued between send and hook); the hook runs untimed
+        "cached dispatch, hook send": lambda: hooks.append(buf.dispatch(x, handle=handle, return_recv_hook=True)[-1]),
         "combine": lambda: buf.combine(y, handle),
     }
+    hooks: list = []
+
+    def settle() -> None:
+        while hooks:
+            hooks.pop()()
+        torch.cuda.synchronize()
+
     for name, fn in calls.items():
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
+            settle()
         wall, marks = [], []
         for _ in range(args.calls):
             t0 = time.perf_counter()
             fn()
             wall.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
+            settle()
             marks.append({k: v - buf.last_marks["start"] for k, v in buf.last_marks.items()})
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
             fn()
-            torch.cuda.synchronize()
+            settle()
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.top)
         print(f"=== {name}: host wall {statistics.median(wall) * 1e6:.1f} us median of {args.calls} (one rank); "
               f"phases {({k: round(v * 1e6, 1) for k, v in buf.last_phases.items()})} us")
         print("marks after start (us, median): " + ", ".join(

@@ -93,7 +93,11 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
             if case.get("cached"):
                 got["cached_x"] = []
                 for j in range(case.get("cached_repeats", 1)):  # odd repeats send -x: rounds differ in every byte
-                    again = buf.dispatch(-x if j % 2 and not isinstance(x, tuple) else x, handle=handle)
+                    again = buf.dispatch(-x if j % 2 and not isinstance(x, tuple) else x, handle=handle,
+                                         return_recv_hook=delay is not None)
+                    if delay is not None:
+                        time.sleep(delay)
+                        again[-1]()
                     skew()
                     got["cached_x"].append(_cpu(again[0]))
             y = recv_x[0].float().to(torch.bfloat16) if isinstance(recv_x, tuple) else recv_x.clone()

@@ -310,6 +310,10 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             buf.dispatch(x, **kwargs)
         checks["dispatch_x_graph"] = bool(torch.equal(buf.dispatch(x, **kwargs)[0], ref.recv_x))
         checks["dispatch_x_eager"] = bool(torch.equal(launched_eagerly(lambda: dispatch(x))[0], ref.recv_x))
+        for _ in range(3):  # the cached copy-engine send, past its eager gathers of both parities
+            cached = buf.dispatch(x, handle=handle, return_recv_hook=True)
+            cached[-1]()
+        checks["dispatch_cached_hook"] = bool(torch.equal(cached[0], ref.recv_x))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]

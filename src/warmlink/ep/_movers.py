@@ -2,13 +2,15 @@
 
 Both movers offer the same operations, so ``Buffer`` holds one protocol for both backends:
 
-- ``begin()``: later pushes are ordered after the caller's stream;
+- ``begin(copies)``: later pushes are ordered after the caller's stream;
 - ``gather(rows, src, dests, skip)``: the rows (and meta rows) of ``src`` bound for ``dests``
   (but ``skip``) go into this rank's staging slots (ep._kernels.gather); staging needs no peer,
   and a row's place in the peer may be known only after the handshake;
 - ``flush(dest, phase, src, row0, count, parts)``: ``count`` staged rows of ``src`` in ``dest``'s
   slot go to rows ``row0...`` of its areas ``parts``, then are marked sent;
 - ``place_local(rows, src, parts, shift)``: this rank's own rows straight into its own areas;
+- ``gather_all(rows, src, parts, shift, parity, graphs)``: both at once, for every destination (a
+  cached dispatch's, whose own rows' place is known before the send);
 - ``copy(dest, rows, area, row0)``: contiguous ``rows`` go there directly; ``sent(dest, phase)``
   marks them;
 - ``start_to_host(words)`` / ``wait_host(timeout_s)``: a small device vector on the host (the
@@ -112,9 +114,18 @@ class _Gathers:
         x, meta = self._views.parts(self.rank, src, STAGE)
         _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
 
+    def own_view(self, area: str, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` view of this rank's ``area`` as ``dtype``, made once per key."""
+        return self._views.get(self.rank, area, dtype, cols)
+
     def place_local(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int) -> None:
         x, meta = self._views.parts(self.rank, src, parts)
         _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
+
+    def gather_all(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int, parity: int,
+                   graphs: bool = True) -> None:
+        self.gather(rows, src, range(self.layout.num_ranks), self.rank)
+        self.place_local(rows, src, parts, shift)
 
 
 class HostMover(_Gathers):
@@ -126,7 +137,7 @@ class HostMover(_Gathers):
         self._views = _Views(layout, {rank: own, **peers})
         self._words: torch.Tensor | None = None
 
-    def begin(self) -> None:
+    def begin(self, copies: bool = True) -> None:
         pass
 
     def gather(self, rows: torch.Tensor, src: _kernels.Sources, dests: range, skip: int) -> None:
@@ -249,7 +260,8 @@ class CudaMover(_Gathers):
 
     def begin(self, copies: bool = True) -> None:
         """Mark the start of a round on the caller's current stream (``wait_begun``), and order
-        every destination's copy stream after it (unless the SMs send: ``copies=False``)."""
+        every destination's copy stream after it (``copies=False``: the SMs send, or the copies
+        wait for a later event on this stream)."""
         self._cuda.event_record(self._begun, self._current())
         if copies:
             for s in self._copy_streams:
@@ -259,6 +271,22 @@ class CudaMover(_Gathers):
         """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); the copies
         flushed after it start once it ran."""
         self._stage(rows, src, dests, skip)
+        self._cuda.event_record(self._gathered, self._current())
+        for s in self._copy_streams:
+            self._cuda.stream_wait_event(s, self._gathered)
+
+    def gather_all(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int, parity: int,
+                   graphs: bool = True) -> None:
+        """``gather`` for every peer and ``place_local`` in one launch: the push kernel with this
+        rank's staging slots as the peers' bases and its own areas ``parts`` (rows shifted by
+        ``shift``) as its own, replayed from the parity's call block like ``send_sm_cached`` (one
+        graph launch where two Triton launches cost the host ~50 us before the first copy)."""
+        me, own, num_ranks = self.rank, self._ptrs[self.rank], self.layout.num_ranks
+        x_bases = [own + self._offsets[STAGE[0]]] * num_ranks  # rows[t, d] counts from slot d's start
+        meta_bases = [own + self._offsets[STAGE[1]]] * num_ranks
+        x_bases[me] = own + self._offsets[parts[0]] + shift * src.x.shape[1] * src.x.element_size()
+        meta_bases[me] = own + self._offsets[parts[1]] + shift * self.layout.meta_bytes
+        self._push_cached(rows, src, x_bases + meta_bases, parity, graphs)
         self._cuda.event_record(self._gathered, self._current())
         for s in self._copy_streams:
             self._cuda.stream_wait_event(s, self._gathered)
@@ -432,6 +460,12 @@ class CudaMover(_Gathers):
         ``bases`` (``sm_bases``), then every destination's event (Note [SM sends]). Its values
         travel in the parity's call block, so that from the second call of a parity and row shape
         on one graph launch replays it (Note [Fresh send graph])."""
+        self._push_cached(rows, src, bases, parity, graphs)
+        self._pushed(phase)
+
+    def _push_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: list[int], parity: int,
+                     graphs: bool) -> None:
+        """The push at ``bases`` from the parity's call block, eager once per key, then a graph."""
         block = self._cached_words[parity]
         block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
         block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
@@ -439,7 +473,6 @@ class CudaMover(_Gathers):
         aligned = self.areas_aligned and _kernels.aligned16(src.x.shape[1], src.x.data_ptr())
         key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0, aligned)
         self._launch(key, lambda: self._cached_push(key), graphs)
-        self._pushed(phase)
 
     def _pushed(self, phase: str) -> None:
         """Every destination's event of ``phase`` after an SM push, on the current stream (the

@@ -391,7 +391,7 @@ class Buffer(Closing):
         round_ = self._round["dispatch"] + 1
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
-        mover, me = self._mover, self.rank
+        mover = self._mover
         cached = handle is not None
         if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
@@ -415,9 +415,6 @@ class Buffer(Closing):
             src = Sources(as_words(tokens), topk, weights, scales)
             send = self._send_fresh_sm if sm else self._send_fresh_copy
             handle = send(src, in_rank, per_rank, per_expert, num_experts, config, round_, phase, parts, marks)
-        if not sm:  # (the push stored this rank's own rows too)
-            mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
-            mover.flush(me, phase, src, 0, 0, parts)
         mover.send_done()
         if cached:  # see Note [Round protocol], step 1 (a fresh dispatch waited for its counts)
             mover.wait_begun(self.timeout_s)
@@ -504,10 +501,10 @@ class Buffer(Closing):
             shift = handle.recv_starts[self.rank] - self.rank * self.layout.max_tokens
 
             def sums() -> None:
-                combine_sum(self.layout.view(self._region.tensor, comb_x, rows.dtype, self.layout.hidden),
+                combine_sum(self._mover.own_view(comb_x, rows.dtype, self.layout.hidden),
                             handle.combine_rows, out, local=(rows, self.rank, shift))
                 if out_w is not None:
-                    combine_sum(self.layout.view(self._region.tensor, comb_w, torch.float32, out_w.shape[1]),
+                    combine_sum(self._mover.own_view(comb_w, torch.float32, out_w.shape[1]),
                                 handle.combine_rows, out_w, local=(weights, self.rank, shift))
 
             # rows/weights stay referenced until this returns
@@ -530,12 +527,15 @@ class Buffer(Closing):
                 bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1], src.x.shape[1] * src.x.element_size())
             mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self._graphs)
             return
-        # One gather for every peer: a launch per peer cost a slow rank's host up to 0.15 ms more
-        # before its last copy, and every peer waits for that copy.
-        mover.begin()
-        mover.gather(handle.combine_rows, src, range(self.num_ranks), self.rank)
+        # One gather for every destination, this rank's own rows included: a launch per peer cost a
+        # slow rank's host up to 0.15 ms more before its last copy, and every peer waits for that copy.
+        mover.begin(copies=False)  # the copies wait for the gather, which follows the start
+        me = self.rank
+        mover.gather_all(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens,
+                         round_ % PARITIES, self._graphs)
         for d in self._order():
             mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+        mover.flush(me, phase, src, 0, 0, parts)
 
     def _send_fresh_sm(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
                        phase: str, parts: tuple[str, str], marks: dict) -> Handle:
@@ -584,6 +584,9 @@ class Buffer(Closing):
         marks["ready"] = time.perf_counter()
         for d in self._order():
             mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+        me = self.rank
+        mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
+        mover.flush(me, phase, src, 0, 0, parts)
         return handle
 
     def _handle_from_words(self, words: np.ndarray, num_experts: int, in_rank, rows, src: Sources, round_: int,
@@ -603,9 +606,9 @@ class Buffer(Closing):
         receive area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales),
         ``writes``, made now so that hook mode can return them before the bytes land (None when
         there is nothing to unpack)."""
-        total, region, lay = handle.num_recv_tokens, self._region.tensor, self.layout
-        x = lay.view(region, parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
-        meta = lay.view(region, parts[1], torch.uint8, lay.meta_bytes)[:total]
+        total, lay, view = handle.num_recv_tokens, self.layout, self._mover.own_view
+        x = view(parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
+        meta = view(parts[1], torch.uint8, lay.meta_bytes)[:total]
         kt, dev = handle.num_topk, x.device
         idx = torch.empty(total, kt, dtype=torch.int64, device=dev) if with_topk else None
         w = torch.empty(total, kt, dtype=torch.float32, device=dev) if with_weights else None
