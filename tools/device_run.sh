@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep host-profile demo doctor bench-small
-#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-life
+#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
@@ -56,6 +56,14 @@ for d in range(torch.cuda.device_count()):
     bench-ep)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_$i.json" 2>&1 | tee "$OUT/ep_$i.log" | tail -22
+      done ;;
+    bench-ep-pin)
+      # unpinned and pinned rank processes in turn, so that both see the same machine
+      for i in $(seq 1 ${REPEATS_EP:-2}); do
+        for pin in "" "--pin"; do
+          tag="ep_$i${pin:+_pin}"
+          timeout 200 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} $pin --json "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.log" | sed -n 6,17p
+        done
       done ;;
     bench-ep-life)
       for i in $(seq 1 ${REPEATS_EP:-2}); do
