@@ -64,7 +64,7 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     mine = case_inputs(case)[rank]
     device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
     x, idx, w = _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
-    if case.get("misaligned_x"):  # x 8 bytes past a 16-byte boundary: the push's 8-byte path
+    if case.get("misaligned_x"):  # x 8 bytes past a 16-byte boundary, as views into larger tensors are
         x = _shifted(x, 8)
     delay = case.get("hook_delay_s")
     results = []

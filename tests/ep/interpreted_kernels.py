@@ -304,8 +304,7 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
 
 
 @pytest.mark.parametrize("meta", ["scales", "none"])
-@pytest.mark.parametrize("aligned", [False, True])
-def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta, aligned):
+def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta):
     """A cached dispatch's graph (ep._movers.send_sm_cached) reads its rows, x, scales, token count
     and per-destination bases from one call block: the same stores as ``push`` with those bases."""
     num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 3, 21, 30, 600, 3, 64
@@ -334,7 +333,7 @@ def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, met
     call[slots:] = bases
     num_scales = src.scales.shape[1] if src.scales is not None else 0
     _kernels.push_from_call(call, call[slots:slots + num_ranks], call[slots + num_ranks:], words, num_ranks, 0, num_scales,
-                            meta_k, meta_bytes, None, None, aligned=aligned, kernels=kernels)
+                            meta_k, meta_bytes, None, None, kernels=kernels)
     for d in range(num_ranks):
         assert torch.equal(got[d][0], want[d][0]) and torch.equal(got[d][1], want[d][1]), d
     assert any(bool(a[0].any()) for a in got)  # rows landed

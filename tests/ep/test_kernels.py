@@ -84,13 +84,3 @@ def test_every_named_kernel_wraps_the_triton_kernel_of_its_name():
         assert isinstance(launcher, FastLaunch), name
         assert launcher.jit is getattr(_triton, f"{name}_kernel"), name
 
-
-def test_aligned16_needs_an_even_row_and_16_byte_addresses():
-    """The push's 16-byte accesses (ep._triton.vectors) are asked for only where every row starts
-    16-byte aligned: an odd number of int64 words, or one address 8 bytes off, keeps 8-byte ones."""
-    from warmlink.ep import _kernels
-
-    assert _kernels.aligned16(1792, 0, 1 << 21, 4096 + 16)
-    assert not _kernels.aligned16(1793, 0)
-    assert not _kernels.aligned16(1792, 1 << 21, 8)
-    assert _kernels.aligned16(0)

@@ -164,3 +164,46 @@ def test_waiting_for_the_callers_stream_times_out(monkeypatch):
     box.append(mover)
     with pytest.raises(TransferTimeout, match="count copy"):
         mover.wait_host(0.02)
+
+
+class PendingOwnEvent(FakeCuda):
+    """The own send event of dispatch.0 (recorded after round n - 2's push) completes after ``polls``
+    queries; each query checks that the parity's call block still holds round n - 2's words."""
+
+    def __init__(self, mover_box: list, polls: int | None) -> None:
+        super().__init__(ready_after=0)
+        self.box, self.pending, self.rewritten_early = mover_box, polls, False
+
+    def event_query(self, event):
+        if event != SEND_EVENTS[0]:
+            return True
+        self.rewritten_early |= int(self.box[0]._cached_words[0][_movers._TOKENS]) != 111
+        self.polls += 1
+        return self.pending is not None and self.polls > self.pending
+
+
+@pytest.mark.parametrize("polls", [0, 3, None])
+def test_a_cached_call_block_is_rewritten_only_after_the_push_that_read_it_ran(monkeypatch, polls):
+    """A caller may change streams between rounds, so the host waits (bounded) for round n - 2's own
+    send event before it rewrites that round's call block (ep._movers, CudaMover._push_cached)."""
+    box: list = []
+    fake = PendingOwnEvent(box, polls)
+    mover = _mover(monkeypatch, fake)
+    box.append(mover)
+    mover._cached_words[0][_movers._TOKENS] = 111  # what round n - 2 left there
+    launched = []
+    monkeypatch.setattr(mover, "_launch", lambda key, steps, graphs: launched.append(key))
+    rows, x = torch.zeros(7, 2, dtype=torch.int64), torch.zeros(7, 16, dtype=torch.int64)
+
+    def call() -> None:
+        mover._push_cached(rows, _movers._kernels.Sources(x), [0] * 4, 0, 0.05, graphs=True)
+
+    if polls is None:  # never ran: a timeout, and the block and the launches untouched
+        with pytest.raises(TransferTimeout, match="call block"):
+            call()
+        assert int(mover._cached_words[0][_movers._TOKENS]) == 111 and not launched
+    else:
+        call()
+        assert int(mover._cached_words[0][_movers._TOKENS]) == 7 and len(launched) == 1
+        assert fake.polls == polls + 1
+    assert not fake.rewritten_early

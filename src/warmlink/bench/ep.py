@@ -124,10 +124,9 @@ def _copy_floor(buf, send_counts: list[int], timed) -> dict:
     return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
 
 
-# the push's schedules: (programs per SM, warps per program, 16-byte accesses); the first is the
-# Buffer's own (ep._kernels.push's defaults), the last its 8-byte path for unaligned inputs
-_PUSH_SCHEDULES = {"a program per SM": (1, 4, True), "2 per SM": (2, 4, True), "2 per SM, 8 warps": (2, 8, True),
-                   "4 per SM, 8 warps": (4, 8, True), "a program per SM, 8-byte": (1, 4, False)}
+# the push's schedules: (programs per SM, warps per program); the first is the Buffer's own
+# (ep._kernels.push's defaults); more programs or warps measured no faster (BENCHMARKS.md)
+_PUSH_SCHEDULES = {"a program per SM": (1, 4), "2 per SM": (2, 4), "4 per SM, 8 warps": (4, 8)}
 
 
 def _push_floor(buf, handle, x, timed) -> dict:
@@ -146,11 +145,9 @@ def _push_floor(buf, handle, x, timed) -> dict:
     bases = torch.tensor([0 if d == me else at for d, at in enumerate(starts)], dtype=torch.int64, device=x.device)
     src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    aligned = mover.areas_aligned and _kernels.aligned16(src.x.shape[1], src.x.data_ptr())
-    return {name: timed(lambda n=n, w=w, v=v: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
-                                                            lay.meta_bytes, programs=n * sms, num_warps=w,
-                                                            aligned=v and aligned))
-            for name, (n, w, v) in _PUSH_SCHEDULES.items()}
+    return {name: timed(lambda n=n, w=w: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
+                                                       lay.meta_bytes, programs=n * sms, num_warps=w))
+            for name, (n, w) in _PUSH_SCHEDULES.items()}
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:

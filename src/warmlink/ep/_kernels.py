@@ -74,7 +74,7 @@ import torch
 
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "aligned16", "Kernels", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
+__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
            "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
@@ -133,13 +133,6 @@ class FreshShape:
     per_rank: torch.dtype
     per_expert: torch.dtype
     weights: torch.dtype | None
-    aligned: bool = False  # x and the receive areas allow 16-byte accesses (aligned16)
-
-
-def aligned16(x_words: int, *addresses: int) -> bool:
-    """Whether rows of ``x_words`` int64 words at these byte addresses (x, the receive areas) keep
-    every row 16-byte aligned: the push then moves 16 bytes per thread and access."""
-    return x_words % 2 == 0 and all(a % 16 == 0 for a in addresses)
 
 
 def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
@@ -330,8 +323,7 @@ def _sm_count(device: int) -> int:
 
 
 def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: torch.Tensor, meta_k: int,
-         meta_bytes: int, skip: int = -1, programs: int = 0, aligned: bool = False, num_warps: int = 0,
-         kernels=None) -> None:
+         meta_bytes: int, skip: int = -1, programs: int = 0, num_warps: int = 0, kernels=None) -> None:
     """SM stores: ``src.x[t]`` to byte address ``x_bases[d] + rows[t, d] * row_bytes`` (and its meta
     row to ``meta_bases[d]``, rows of ``meta_bytes``) for every ``d != skip`` with ``rows[t, d] >= 0``
     and a base that is not 0. Bases may point into peers' mapped regions (Note [SM sends]).
@@ -340,7 +332,6 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
         rows: ``plan``'s rows. src: the tokens and their meta parts.
         x_bases, meta_bases: ``[R]`` int64 device tensors of byte addresses (0: skip that destination).
         meta_k: the buffer's ``num_topk``. programs: the persistent grid (default: one per SM).
-        aligned: ``src.x`` and every x base pass ``aligned16`` (16-byte accesses).
         num_warps: warps per program (0: Triton's default).
     """
     kernels = kernels or _kernels()
@@ -355,7 +346,7 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
             src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
             num_k, num_scales, meta_bytes // 8, meta_k, skip)
     launch(kernels.push, (programs or _push_programs(rows),), args,
-           _push_constexprs(num_ranks, x_words, num_k, num_scales, src.topk is not None, src.weights is not None, aligned),
+           _push_constexprs(num_ranks, x_words, num_k, num_scales, src.topk is not None, src.weights is not None),
            num_warps=num_warps)
 
 
@@ -368,13 +359,11 @@ def _push_programs(on: torch.Tensor) -> int:
     return _sm_count(on.device.index) if on.is_cuda else 4
 
 
-def _push_constexprs(num_ranks: int, x_words: int, num_k: int, num_scales: int, has_topk: bool, has_w: bool,
-                     aligned: bool) -> dict:
+def _push_constexprs(num_ranks: int, x_words: int, num_k: int, num_scales: int, has_topk: bool, has_w: bool) -> dict:
     """The constexprs shared by ``push`` and ``push_from_call``."""
     block = min(_PUSH_BLOCK, _pow2(x_words))
     return {"NUM_RANKS": num_ranks, "X_BLOCK": block, "CHUNKS": _cdiv(x_words, block), "K_BLOCK": _pow2(num_k),
-            "S_BLOCK": _pow2(num_scales), "HAS_TOPK": has_topk, "HAS_W": has_w, "HAS_S": num_scales > 0,
-            "ALIGNED": aligned}
+            "S_BLOCK": _pow2(num_scales), "HAS_TOPK": has_topk, "HAS_W": has_w, "HAS_S": num_scales > 0}
 
 
 def _tl(kernels: Kernels, dtype: torch.dtype):
@@ -420,18 +409,17 @@ def fresh_push(shape: FreshShape, call: torch.Tensor, tables: torch.Tensor, kern
     """A fresh SM dispatch's ``push`` on the current stream, at the bases ``fresh_front``'s exchange
     wrote into ``tables`` rows 3-4; the rows and sources come from ``call``."""
     push_from_call(call, tables[3], tables[4], shape.x_words, shape.num_ranks, shape.num_k, shape.num_scales,
-                   shape.meta_k, shape.meta_bytes, shape.topk, shape.weights, shape.aligned, kernels)
+                   shape.meta_k, shape.meta_bytes, shape.topk, shape.weights, kernels)
 
 
 def push_from_call(call: torch.Tensor, x_bases: torch.Tensor, meta_bases: torch.Tensor, x_words: int, num_ranks: int,
                    num_k: int, num_scales: int, meta_k: int, meta_bytes: int, topk: torch.dtype | None,
-                   weights: torch.dtype | None, aligned: bool = False, kernels=None) -> None:
+                   weights: torch.dtype | None, kernels=None) -> None:
     """``push`` with the rows, x, ids, weights, scales and token count read from ``call``
     (``CALL_SLOTS``): the launch a graph replays (Note [Fresh send graph]). ``topk`` / ``weights``:
-    the dtypes of the ids and weights sent (None: not sent); ``num_scales`` 0: no FP8 scales;
-    ``aligned``: as ``push``'s, for every call the graph serves."""
+    the dtypes of the ids and weights sent (None: not sent); ``num_scales`` 0: no FP8 scales."""
     k = kernels or _kernels()
     launch(k.push_call, (_push_programs(call),), (call, x_bases, meta_bases, x_words, num_k, num_scales, meta_bytes // 8,
                                                   meta_k), {
-        **_push_constexprs(num_ranks, x_words, num_k, num_scales, topk is not None, weights is not None, aligned),
+        **_push_constexprs(num_ranks, x_words, num_k, num_scales, topk is not None, weights is not None),
         "TOPK_T": _tl(k, topk or torch.int64), "W_T": _tl(k, weights or torch.float32)})

@@ -123,7 +123,7 @@ class _Gathers:
         _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def gather_all(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int, parity: int,
-                   graphs: bool = True) -> None:
+                   timeout_s: float, graphs: bool = True) -> None:
         self.gather(rows, src, range(self.layout.num_ranks), self.rank)
         self.place_local(rows, src, parts, shift)
 
@@ -211,8 +211,6 @@ class CudaMover(_Gathers):
         self._views = _Views(layout, {rank: own})
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
-        # every region and area 16-byte aligned: pushes of x allowing it move 16 bytes per access
-        self.areas_aligned = _kernels.aligned16(0, *self._ptrs.values(), *self._offsets.values())
         self._streams = [s.handle for s in streams]
         self._copy_streams = list(dict.fromkeys(self._streams))  # each once: one stream may serve every peer
         self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
@@ -243,8 +241,8 @@ class CudaMover(_Gathers):
         self._ran_eagerly: set[tuple] = set()
         self._graphs: dict[tuple, object] = {}  # launch key -> graph executable
         # a cached SM dispatch's call block per parity: the CALL_SLOTS words, then its x and meta
-        # bases per destination (its graph replays one push; round n + 2 reuses round n's block
-        # once wait_begun saw round n + 1 begin, after round n's copy)
+        # bases per destination (its graph replays one push; round n + 2 rewrites round n's block
+        # once round n's push ran: _push_cached)
         width = len(_kernels.CALL_SLOTS) + 2 * layout.num_ranks
         self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
         self._cached_words = self._cached_host.numpy()
@@ -276,7 +274,7 @@ class CudaMover(_Gathers):
             self._cuda.stream_wait_event(s, self._gathered)
 
     def gather_all(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int, parity: int,
-                   graphs: bool = True) -> None:
+                   timeout_s: float, graphs: bool = True) -> None:
         """``gather`` for every peer and ``place_local`` in one launch: the push kernel with this
         rank's staging slots as the peers' bases and its own areas ``parts`` (rows shifted by
         ``shift``) as its own, replayed from the parity's call block like ``send_sm_cached`` (one
@@ -286,7 +284,7 @@ class CudaMover(_Gathers):
         meta_bases = [own + self._offsets[STAGE[1]]] * num_ranks
         x_bases[me] = own + self._offsets[parts[0]] + shift * src.x.shape[1] * src.x.element_size()
         meta_bases[me] = own + self._offsets[parts[1]] + shift * self.layout.meta_bytes
-        self._push_cached(rows, src, x_bases + meta_bases, parity, graphs)
+        self._push_cached(rows, src, x_bases + meta_bases, parity, timeout_s, graphs)
         self._cuda.event_record(self._gathered, self._current())
         for s in self._copy_streams:
             self._cuda.stream_wait_event(s, self._gathered)
@@ -455,23 +453,32 @@ class CudaMover(_Gathers):
                 for kind, size in (("recv_x", x_row_bytes), ("recv_meta", meta)) for d in range(self.layout.num_ranks)]
 
     def send_sm_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: list[int], parity: int, phase: str,
-                       graphs: bool = True) -> None:
+                       timeout_s: float, graphs: bool = True) -> None:
         """A cached dispatch's send on the current stream: the push kernel stores every row at
         ``bases`` (``sm_bases``), then every destination's event (Note [SM sends]). Its values
         travel in the parity's call block, so that from the second call of a parity and row shape
         on one graph launch replays it (Note [Fresh send graph])."""
-        self._push_cached(rows, src, bases, parity, graphs)
+        self._push_cached(rows, src, bases, parity, timeout_s, graphs)
         self._pushed(phase)
 
     def _push_cached(self, rows: torch.Tensor, src: _kernels.Sources, bases: list[int], parity: int,
-                     graphs: bool) -> None:
-        """The push at ``bases`` from the parity's call block, eager once per key, then a graph."""
+                     timeout_s: float, graphs: bool) -> None:
+        """The push at ``bases`` from the parity's call block, eager once per key, then a graph.
+
+        The block is rewritten only once the push that last read it (round n - 2) ran: its own
+        send event, recorded right after it on the stream it ran on, completed. On one stream
+        round n - 1's ``wait_begun`` already proved that; the event covers a caller that changes
+        streams between rounds."""
+        last = self._send_events[f"dispatch.{parity}"][self.rank]
+        if not self._cuda.event_query(last):
+            self._poll(lambda: self._cuda.event_query(last), timeout_s, lambda: (
+                f"ep: the cached dispatch two rounds back (parity {parity}) did not run on cuda:{self.device} within "
+                f"{timeout_s:.3g} s; its call block cannot be rewritten"))
         block = self._cached_words[parity]
         block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
         block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
         block[len(_kernels.CALL_SLOTS):] = bases
-        aligned = self.areas_aligned and _kernels.aligned16(src.x.shape[1], src.x.data_ptr())
-        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0, aligned)
+        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
         self._launch(key, lambda: self._cached_push(key), graphs)
 
     def _pushed(self, phase: str) -> None:
@@ -482,12 +489,12 @@ class CudaMover(_Gathers):
             self._cuda.event_record(event, current)
 
     def _cached_push(self, key: tuple) -> None:
-        _, parity, x_words, num_scales, aligned = key
+        _, parity, x_words, num_scales = key
         cuda, current, call, r = self._cuda, self._current(), self._cached_call[parity], self.layout.num_ranks
         cuda.memcpy_async(call.data_ptr(), self._cached_host[parity].data_ptr(), call.numel() * 8, current)
         n = len(_kernels.CALL_SLOTS)
         _kernels.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
-                                self.layout.meta_bytes, None, None, aligned)
+                                self.layout.meta_bytes, None, None)
 
     def _launch(self, key: tuple, steps, graphs: bool) -> None:
         """``steps()`` on the current stream: eagerly the first time for ``key``, then (with

@@ -236,35 +236,32 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, ex
 def push_kernel(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
                 num_k, num_scales, meta_words, meta_k, skip,
                 NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
-                S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-                ALIGNED: tl.constexpr):
+                S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr, num_k,
-               num_scales, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S,
-               ALIGNED)
+               num_scales, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
 def push_call_kernel(call_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_k, num_scales, meta_words, meta_k,
                      NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                      S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-                     ALIGNED: tl.constexpr, TOPK_T: tl.constexpr, W_T: tl.constexpr):
+                     TOPK_T: tl.constexpr, W_T: tl.constexpr):
     push_steps(call_pointer(call_ptr, C_ROWS, tl.int64), call_pointer(call_ptr, C_X, tl.int64), x_bases_ptr,
                meta_bases_ptr, x_words, tl.load(call_ptr + C_TOKENS).to(tl.int32), call_pointer(call_ptr, C_TOPK, TOPK_T),
                call_pointer(call_ptr, C_WEIGHTS, W_T), call_pointer(call_ptr, C_SCALES, tl.float32), num_k, num_scales,
-               meta_words, meta_k, -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, ALIGNED)
+               meta_words, meta_k, -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
 def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
                num_k, num_scales, meta_words, meta_k, skip,
                NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
-               S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-               ALIGNED: tl.constexpr):
+               S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     # gather_kernel's rows, stored by the SMs straight into each destination's area: byte
     # address bases[d] (a peer's mapped region, or this rank's own) is row 0 of rows[:, d]; 0
-    # means "not this destination". Each program loops over tokens (a persistent grid).
-    # ALIGNED: x, every base and the row size are multiples of 16 bytes (ep._kernels.aligned16),
-    # so each thread moves 16 bytes per access; Triton cannot see that through addresses it loads.
+    # means "not this destination". Each program loops over tokens (a persistent grid). Its
+    # accesses are 8 bytes wide (Triton cannot see the alignment of addresses it loads); 16-byte
+    # ones, through tl.multiple_of hints, measured no faster: NVLink, not issue, bounds the push.
     kc = tl.arange(0, K_BLOCK)
     sc = tl.arange(0, S_BLOCK)
     for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
@@ -272,19 +269,13 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
         for c in tl.static_range(CHUNKS):
             cols = c * X_BLOCK + tl.arange(0, X_BLOCK)
             in_row = cols < x_words
-            at_x = x_ptr + t * x_words + cols
-            if ALIGNED:  # runs of 16 words that start 16-byte aligned (inline: a helper loses the hint)
-                at_x = tl.max_contiguous(tl.multiple_of(at_x, 16), 16)
-            row = tl.load(at_x, mask=in_row)
+            row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
             for d in tl.static_range(NUM_RANKS):
                 if d != skip:
                     at = tl.load(rows_ptr + t * NUM_RANKS + d)
                     base = tl.load(x_bases_ptr + d)
                     if (at >= 0) & (base != 0):
-                        to = base.to(tl.pointer_type(tl.int64)) + at * x_words + cols
-                        if ALIGNED:
-                            to = tl.max_contiguous(tl.multiple_of(to, 16), 16)
-                        tl.store(to, row, mask=in_row)
+                        tl.store(base.to(tl.pointer_type(tl.int64)) + at * x_words + cols, row, mask=in_row)
         ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
         for d in tl.static_range(NUM_RANKS):
             if d != skip:

@@ -53,7 +53,7 @@ from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
-from warmlink.ep._kernels import FreshShape, Sources, aligned16, call_words, plan
+from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
@@ -525,14 +525,14 @@ class Buffer(Closing):
             bases = handle.sm_bases.get(key)
             if bases is None:
                 bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1], src.x.shape[1] * src.x.element_size())
-            mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self._graphs)
+            mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, self.timeout_s, self._graphs)
             return
         # One gather for every destination, this rank's own rows included: a launch per peer cost a
         # slow rank's host up to 0.15 ms more before its last copy, and every peer waits for that copy.
         mover.begin(copies=False)  # the copies wait for the gather, which follows the start
         me = self.rank
         mover.gather_all(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens,
-                         round_ % PARITIES, self._graphs)
+                         round_ % PARITIES, self.timeout_s, self._graphs)
         for d in self._order():
             mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
         mover.flush(me, phase, src, 0, 0, parts)
@@ -641,8 +641,7 @@ class Buffer(Closing):
         return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], x_words,
                           src.scales.shape[1] if src.scales is not None else 0, lay.max_tokens, lay.num_topk,
                           lay.meta_bytes, src.topk.dtype, per_rank.dtype, per_expert.dtype,
-                          src.weights.dtype if src.weights is not None else None,
-                          self._mover.areas_aligned and aligned16(x_words, src.x.data_ptr()))
+                          src.weights.dtype if src.weights is not None else None)
 
     def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False) -> int:
         return (num_experts << 20) | (num_topk << 4) | (int(sm) << 2) | (int(fp8) << 1) | int(cached)
