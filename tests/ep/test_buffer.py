@@ -210,3 +210,19 @@ def test_buffer_from_a_torch_distributed_group():
         port = s.getsockname()[1]
     case = {"tokens": [9, 14], "hidden": 128, "experts": 4, "topk": 2, "seed": 21, "dist_port": port}
     check_against_reference(case, run_ranks(from_group_round, 2, case=case))
+
+
+def test_as_words_views_rows_as_int64_words_or_bytes_without_copying():
+    from warmlink.ep._movers import as_words
+
+    x = torch.arange(24, dtype=torch.bfloat16).view(3, 8)
+    words = as_words(x)
+    assert words.shape == (3, 2) and words.dtype == torch.int64 and words.data_ptr() == x.data_ptr()
+    assert torch.equal(words.view(torch.bfloat16), x)
+    assert as_words(torch.empty(0, 8, dtype=torch.bfloat16)).shape == (0, 2)
+    fp8 = torch.zeros(2, 16, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert as_words(fp8).shape == (2, 2)
+    odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6-byte rows: bytes
+    assert as_words(odd).dtype == torch.uint8 and as_words(odd).shape == (2, 6)
+    cube = torch.zeros(2, 2, 4, dtype=torch.bfloat16)  # rows of more than one dimension
+    assert as_words(cube).shape == (2, 2) and as_words(cube).dtype == torch.int64

@@ -30,7 +30,10 @@ slots, for every peer at once; ``gather`` then records one event that the copy s
 and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped region: the gather
 runs for tens of microseconds on the SMs, and the copy engines move the bytes while no SM waits.
 (A gather per destination let the first copy start sooner, but cost a launch per peer on the
-host, and a slow rank's host then delayed its last copy; BENCHMARKS.md.) ``sent``/``flush`` record an
+host, and a slow rank's host then delayed its last copy; BENCHMARKS.md.) A cached dispatch knows
+where its own rows go before it sends, so ``gather_all`` stages the peers' rows and places its
+own with one push, replayed from the parity's call block (ep._kernels, Note [Fresh send graph]):
+in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
 never a hung caller's stream). Rows move as int64 words: a row is a multiple of 128 channels.
@@ -72,6 +75,8 @@ __all__ = ["CudaMover", "HostMover", "as_words"]
 def as_words(t: torch.Tensor) -> torch.Tensor:
     """``[N, words]`` view of a row-major tensor's bytes: int64 words when a row's size allows,
     else bytes (``view(N, -1)`` alone fails when N == 0)."""
+    if t.dim() == 2 and t.shape[1] * t.element_size() % 8 == 0:  # every dispatch's x: one view
+        return t if t.dtype == torch.int64 else t.view(torch.int64)
     row_nbytes = math.prod(t.shape[1:]) * t.element_size()
     flat = t.view(t.shape[0], math.prod(t.shape[1:]))
     word = torch.int64 if row_nbytes % 8 == 0 else torch.uint8
