@@ -16,7 +16,7 @@ torch.distributed group, and times, each as the median over ``--iterations``:
   fresh dispatch and for a cached one;
 - on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), and the push
   kernel alone storing them (``_push_floor``): the floors that the exchange's host work and other
-  kernels add to.
+  kernels add to; and the combine's sum alone on the device (``_sum_alone``).
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. A second
@@ -148,6 +148,32 @@ def _push_floor(buf, handle, x, timed) -> dict:
     return {name: timed(lambda n=n, w=w: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
                                                        lay.meta_bytes, programs=n * sms, num_warps=w))
             for name, (n, w) in _PUSH_SCHEDULES.items()}
+
+
+def _sum_alone(buf, handle, rows, iterations: int) -> dict:
+    """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
+    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local:
+    it only reads the area, so it may run after the floors."""
+    import torch
+
+    from warmlink.ep._reduce import combine_sum
+    from warmlink.ep._regions import area
+
+    lay, me = buf.layout, buf.rank
+    comb = buf._mover.own_view(area("comb_x", 0), rows.dtype, lay.hidden)
+    out = torch.empty(handle.num_tokens, lay.hidden, dtype=rows.dtype, device=rows.device)
+    shift = handle.recv_starts[me] - me * lay.max_tokens
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(iterations):
+        begin.record()
+        combine_sum(comb, handle.combine_rows, out, local=(rows, me, shift))
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e-3)
+    row = lay.hidden * rows.element_size()
+    return {"s": statistics.median(samples), "read": int((handle.combine_rows >= 0).sum()) * row,
+            "written": handle.num_tokens * row}
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -402,6 +428,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     if cuda:  # last: it overwrites the peers' receive areas
         out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
         out["push_s"] = _push_floor(buf, handle, x, timed)
+        out["sum_alone"] = _sum_alone(buf, h_keep, y_keep, cfg["iterations"])
     buf.close()
     store.close()
     dist.destroy_process_group()
@@ -463,6 +490,11 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     if "push_s" in ranks[0]:
         for name in _PUSH_SCHEDULES:
             row(f"SM stores alone, {name}", worst(lambda r, name=name: r["push_s"][name]), b16, d16, None)
+    if "sum_alone" in ranks[0]:
+        slowest = max(ranks, key=lambda r: r["sum_alone"]["s"])["sum_alone"]
+        moved = (slowest["read"] + slowest["written"]) / 1e6
+        lines.append(f"combine's sum alone (device, slowest rank): {slowest['s'] * 1e3:.3f} ms for {moved:.0f} MB read "
+                     f"and written ({moved / 1e3 / slowest['s']:.0f} GB/s of HBM)")
     lines.append("")
     for key, what in (("dispatch_phases_s", "dispatch"), ("cached_phases_s", "cached dispatch"),
                       ("combine_phases_s", "combine")):
