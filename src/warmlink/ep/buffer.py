@@ -545,11 +545,12 @@ class Buffer(Closing):
         rows = torch.empty(num_tokens, self.num_ranks, dtype=torch.int64, device=src.x.device)  # the handle's
         in_rank, per_rank, per_expert = (t.contiguous() for t in (in_rank, per_rank, per_expert))
         shape = self._fresh_shape(num_experts, src, per_rank, per_expert)
+        # before the launch: a first call compiles its kernels there (seconds), and a peer that
+        # called the other kind must see this call's kind before its wait for it ends
+        self.mailbox.publish_dispatch(round_, config)
         mover.send_sm(shape, call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_), round_, phase,
                       self.timeout_s, self._graphs)
         marks["planned"] = marks["launched"] = time.perf_counter()
-        # after the launch, off the peers' path: they read it only to check this call's kind
-        self.mailbox.publish_dispatch(round_, config)
         words, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
             round_, config, self.mailbox.published(mb.DISPATCH, round_)))
         try:
