@@ -337,3 +337,32 @@ def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, met
     for d in range(num_ranks):
         assert torch.equal(got[d][0], want[d][0]) and torch.equal(got[d][1], want[d][1]), d
     assert any(bool(a[0].any()) for a in got)  # rows landed
+
+
+@pytest.mark.parametrize("schedule", ["chunk", "token"])
+@pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 1100, torch.bfloat16), (4, 256, torch.float16), (2, 8, torch.float32)])
+def test_combine_sum_kernels_equal_the_torch_sum(schedule, num_ranks, hidden, dtype):
+    """Both grids of the combine's sum (ep._reduce.SCHEDULES), with this rank's own copy read where
+    it lies and tokens that went nowhere, give the torch sum (float32 in rank order): exactly, but
+    for the last bit of a bfloat16 result."""
+    import triton
+
+    from warmlink.ep import _reduce
+
+    gen = torch.Generator().manual_seed(num_ranks * 100 + hidden)
+    tokens, area_rows, me = 19, 40, 1
+    area = torch.randn(area_rows, hidden, generator=gen).to(dtype)
+    own = torch.randn(12, hidden, generator=gen).to(dtype)
+    rows = torch.randint(0, area_rows, (tokens, num_ranks), generator=gen)
+    rows[torch.rand(tokens, num_ranks, generator=gen) < 0.3] = -1
+    rows[3] = -1  # a token that went nowhere
+    rows[:, me] = torch.where(rows[:, me] >= 0, torch.randint(0, 10, (tokens,), generator=gen), -1)
+    local = (own, me, 2)  # own copy of token t at own[rows[t, me] + 2]
+    want, got = torch.empty(tokens, hidden, dtype=dtype), torch.full((tokens, hidden), 7, dtype=dtype)
+    _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
+    _reduce.combine_sum(area, rows, got, local=local, schedule=schedule, kernels=_reduce._build(triton))
+    if dtype == torch.bfloat16:  # the interpreter rounds float32 to bfloat16 toward zero, CUDA to nearest
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want)
+    assert not got[3].any()

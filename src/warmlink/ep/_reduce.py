@@ -2,8 +2,8 @@
 
 ``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
 ``ep._kernels.plan``). Sums run in float32 in rank order, so results are identical run to run.
-On CUDA a Triton kernel reads each copy once (one pass over the received bytes); elsewhere, or
-without Triton, the same sum in torch ops.
+On CUDA a Triton kernel reads each copy once (one pass over the received bytes), a program per
+token; elsewhere, or without Triton, the same sum in torch ops.
 """
 
 from __future__ import annotations
@@ -33,33 +33,36 @@ def _torch_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local)
 def _triton_kernel():
     try:
         import triton
-        import triton.language as tl
     except ImportError:
         return None
+    return _build(triton)
 
-    @triton.jit
-    def combine_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, num_ranks: tl.constexpr,
-                       block: tl.constexpr):
-        token = tl.program_id(0)
-        cols = tl.program_id(1) * block + tl.arange(0, block)
-        in_row = cols < hidden
-        acc = tl.zeros([block], dtype=tl.float32)
-        for d in tl.static_range(num_ranks):
-            row = tl.load(rows_ptr + token * num_ranks + d)
-            valid = row >= 0
-            safe = tl.where(valid, row, 0).to(tl.int64)
-            if d == local_rank:  # this rank's own copy, read where it lies (no copy into the area)
-                acc += tl.load(local_ptr + (safe + local_shift) * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-            else:
-                acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-        tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+def _build(triton):
+    """``(triton, kernels by schedule)``: the same sum under two grids (``SCHEDULES``; the kernels
+    are in ep._triton, where the interpreter finds their helper)."""
+    from warmlink.ep import _triton
 
     from warmlink.ep._launch import FastLaunch
 
-    return triton, FastLaunch(combine_kernel)
+    wrap = FastLaunch if not _interpreted() else (lambda k: k)
+    return triton, {"chunk": wrap(_triton.sum_chunk_kernel), "token": wrap(_triton.sum_token_kernel)}
 
 
-def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=None, use_triton: bool = True) -> None:
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# "chunk": a program per (token, 1024 columns); "token": a program per token, every column
+SCHEDULES = ("chunk", "token")
+_DEFAULT = "token"
+_BLOCK = 1024
+
+
+def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=None, use_triton: bool = True,
+                schedule: str = _DEFAULT, kernels=None) -> None:
     """``out[t] = sum over d with rows[t, d] >= 0 of area[rows[t, d]]``: float32 sums in rank order,
     stored in ``out``'s dtype (zeros for tokens that went nowhere).
 
@@ -69,17 +72,22 @@ def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local
         out: ``[T, H]`` contiguous result, written in full.
         local: ``(rows_here [M, H], rank, shift)``: column ``rank`` reads ``rows_here[rows[t, rank] +
             shift]`` instead (this rank's own contribution, never copied into the area), or None.
-        use_triton: use the Triton kernel on CUDA when it loads.
+        use_triton: use a Triton kernel on CUDA when it loads.
+        schedule: the kernel's grid (``SCHEDULES``); kernels: ``_build``'s, for tests.
     """
-    kernel = _triton_kernel() if use_triton and area.is_cuda else None
+    kernel = kernels or (_triton_kernel() if use_triton and area.is_cuda else None)
     if kernel is None:
         _torch_sum(area, rows, out, local)
         return
-    triton, combine_kernel = kernel
+    triton, by_schedule = kernel
     num_tokens, num_ranks = rows.shape
     hidden = area.shape[1]
-    if num_tokens:
-        block = 1024
-        here, rank, shift = local if local is not None else (area, -1, 0)
-        combine_kernel((num_tokens, triton.cdiv(hidden, block)), (area, rows.contiguous(), out, here.contiguous(), rank,
-                                                                  shift, hidden), {"num_ranks": num_ranks, "block": block})
+    if not num_tokens:
+        return
+    from warmlink.ep._launch import launch
+
+    chunks = triton.cdiv(hidden, _BLOCK)
+    grid = (num_tokens,) if schedule == "token" else (num_tokens, chunks)
+    here, rank, shift = local if local is not None else (area, -1, 0)
+    launch(by_schedule[schedule], grid, (area, rows.contiguous(), out, here.contiguous(), rank, shift, hidden),
+           {"num_ranks": num_ranks, "block": _BLOCK, "chunks": chunks, "r_block": triton.next_power_of_2(num_ranks)})

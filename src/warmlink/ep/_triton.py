@@ -290,3 +290,47 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
                     if HAS_S:
                         floats = base.to(tl.pointer_type(tl.float32)) + at * 2 * meta_words
                         tl.store(floats + 3 * meta_k + sc, ss, mask=sc < num_scales)
+
+
+# -- the combine's sum (ep._reduce) ------------------------------------------------------------------
+@triton.jit
+def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row):
+    # token t's copy from rank d (row -1: none) added to acc; this rank's own is read where it lies
+    valid = row >= 0
+    safe = tl.where(valid, row, 0).to(tl.int64)
+    if d == local_rank:
+        acc += tl.load(local_ptr + (safe + local_shift) * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+    else:
+        acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def sum_chunk_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
+                     num_ranks: tl.constexpr, block: tl.constexpr, chunks: tl.constexpr, r_block: tl.constexpr):
+    # a program per (token, block of columns)
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * block + tl.arange(0, block)
+    in_row = cols < hidden
+    acc = tl.zeros([block], dtype=tl.float32)
+    for d in tl.static_range(num_ranks):
+        row = tl.load(rows_ptr + token * num_ranks + d)
+        acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
+    tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def sum_token_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
+                     num_ranks: tl.constexpr, block: tl.constexpr, chunks: tl.constexpr, r_block: tl.constexpr):
+    # a program per token: its rows are read once, then every block of columns in turn
+    token = tl.program_id(0)
+    ranks = tl.arange(0, r_block)
+    rows = tl.load(rows_ptr + token * num_ranks + ranks, mask=ranks < num_ranks, other=-1)
+    for c in tl.static_range(chunks):
+        cols = c * block + tl.arange(0, block)
+        in_row = cols < hidden
+        acc = tl.zeros([block], dtype=tl.float32)
+        for d in tl.static_range(num_ranks):
+            row = tl.sum(tl.where(ranks == d, rows, 0), 0)
+            acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
+        tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
