@@ -339,12 +339,11 @@ def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, met
     assert any(bool(a[0].any()) for a in got)  # rows landed
 
 
-@pytest.mark.parametrize("schedule", ["chunk", "token"])
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 1100, torch.bfloat16), (4, 256, torch.float16), (2, 8, torch.float32)])
-def test_combine_sum_kernels_equal_the_torch_sum(schedule, num_ranks, hidden, dtype):
-    """Both grids of the combine's sum (ep._reduce.SCHEDULES), with this rank's own copy read where
-    it lies and tokens that went nowhere, give the torch sum (float32 in rank order): exactly, but
-    for the last bit of a bfloat16 result."""
+def test_the_combine_sum_kernel_equals_the_torch_sum(num_ranks, hidden, dtype):
+    """The combine's sum (ep._reduce), with this rank's own copy read where it lies and tokens that
+    went nowhere, gives the torch sum (float32 in rank order): exactly, but for the last bit of a
+    bfloat16 result."""
     import triton
 
     from warmlink.ep import _reduce
@@ -360,7 +359,7 @@ def test_combine_sum_kernels_equal_the_torch_sum(schedule, num_ranks, hidden, dt
     local = (own, me, 2)  # own copy of token t at own[rows[t, me] + 2]
     want, got = torch.empty(tokens, hidden, dtype=dtype), torch.full((tokens, hidden), 7, dtype=dtype)
     _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
-    _reduce.combine_sum(area, rows, got, local=local, schedule=schedule, kernels=_reduce._build(triton))
+    _reduce.combine_sum(area, rows, got, local=local, kernels=_reduce._build(triton))
     if dtype == torch.bfloat16:  # the interpreter rounds float32 to bfloat16 toward zero, CUDA to nearest
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
     else:

@@ -152,11 +152,10 @@ def _push_floor(buf, handle, x, timed) -> dict:
 
 def _sum_alone(buf, handle, rows, iterations: int) -> dict:
     """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
-    own rows), device time between CUDA events, median per schedule (ep._reduce.SCHEDULES); and
-    the bytes it reads and writes. Local: it only reads the area, so it may run after the floors."""
+    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local: it only reads the area, so it may run after the floors."""
     import torch
 
-    from warmlink.ep._reduce import SCHEDULES, combine_sum
+    from warmlink.ep._reduce import combine_sum
     from warmlink.ep._regions import area
 
     lay, me = buf.layout, buf.rank
@@ -164,18 +163,16 @@ def _sum_alone(buf, handle, rows, iterations: int) -> dict:
     out = torch.empty(handle.num_tokens, lay.hidden, dtype=rows.dtype, device=rows.device)
     shift = handle.recv_starts[me] - me * lay.max_tokens
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {}
-    for schedule in SCHEDULES:
-        samples = []
-        for _ in range(iterations + 1):  # the first compiles
-            begin.record()
-            combine_sum(comb, handle.combine_rows, out, local=(rows, me, shift), schedule=schedule)
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) * 1e-3)
-        times[schedule] = statistics.median(samples[1:])
+    samples = []
+    for _ in range(iterations):
+        begin.record()
+        combine_sum(comb, handle.combine_rows, out, local=(rows, me, shift))
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e-3)
     row = lay.hidden * rows.element_size()
-    return {"s": times, "read": int((handle.combine_rows >= 0).sum()) * row, "written": handle.num_tokens * row}
+    return {"s": statistics.median(samples), "read": int((handle.combine_rows >= 0).sum()) * row,
+            "written": handle.num_tokens * row}
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -493,11 +490,10 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
         for name in _PUSH_SCHEDULES:
             row(f"SM stores alone, {name}", worst(lambda r, name=name: r["push_s"][name]), b16, d16, None)
     if "sum_alone" in ranks[0]:
-        moved = max((r["sum_alone"]["read"] + r["sum_alone"]["written"]) / 1e6 for r in ranks)
-        for schedule in ranks[0]["sum_alone"]["s"]:
-            t = max(r["sum_alone"]["s"][schedule] for r in ranks)
-            lines.append(f"combine's sum alone, a program per {schedule} (device, slowest rank): {t * 1e3:.3f} ms for "
-                         f"{moved:.0f} MB read and written ({moved / 1e3 / t:.0f} GB/s of HBM)")
+        slowest = max(ranks, key=lambda r: r["sum_alone"]["s"])["sum_alone"]
+        moved = (slowest["read"] + slowest["written"]) / 1e6
+        lines.append(f"combine's sum alone (device, slowest rank): {slowest['s'] * 1e3:.3f} ms for {moved:.0f} MB read "
+                     f"and written ({moved / 1e3 / slowest['s']:.0f} GB/s of HBM)")
     lines.append("")
     for key, what in (("dispatch_phases_s", "dispatch"), ("cached_phases_s", "cached dispatch"),
                       ("combine_phases_s", "combine")):

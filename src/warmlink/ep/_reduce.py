@@ -2,8 +2,8 @@
 
 ``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
 ``ep._kernels.plan``). Sums run in float32 in rank order, so results are identical run to run.
-On CUDA a Triton kernel reads each copy once (one pass over the received bytes), a program per
-token; elsewhere, or without Triton, the same sum in torch ops.
+On CUDA a Triton kernel (ep._triton.sum_kernel) reads each copy once (one pass over the received
+bytes); elsewhere, or without Triton, the same sum in torch ops.
 """
 
 from __future__ import annotations
@@ -39,30 +39,21 @@ def _triton_kernel():
 
 
 def _build(triton):
-    """``(triton, kernels by schedule)``: the same sum under two grids (``SCHEDULES``; the kernels
-    are in ep._triton, where the interpreter finds their helper)."""
-    from warmlink.ep import _triton
-
-    from warmlink.ep._launch import FastLaunch
-
-    wrap = FastLaunch if not _interpreted() else (lambda k: k)
-    return triton, {"chunk": wrap(_triton.sum_chunk_kernel), "token": wrap(_triton.sum_token_kernel)}
-
-
-def _interpreted() -> bool:
+    """``(triton, kernel)``; the kernel is in ep._triton, where the interpreter finds its helper."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    from warmlink.ep import _triton
+    from warmlink.ep._launch import FastLaunch
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton, (_triton.sum_kernel if interpreted else FastLaunch(_triton.sum_kernel))
 
 
-# "chunk": a program per (token, 1024 columns); "token": a program per token, every column
-SCHEDULES = ("chunk", "token")
-_DEFAULT = "token"
 _BLOCK = 1024
 
 
 def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=None, use_triton: bool = True,
-                schedule: str = _DEFAULT, kernels=None) -> None:
+                kernels=None) -> None:
     """``out[t] = sum over d with rows[t, d] >= 0 of area[rows[t, d]]``: float32 sums in rank order,
     stored in ``out``'s dtype (zeros for tokens that went nowhere).
 
@@ -72,22 +63,19 @@ def combine_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local
         out: ``[T, H]`` contiguous result, written in full.
         local: ``(rows_here [M, H], rank, shift)``: column ``rank`` reads ``rows_here[rows[t, rank] +
             shift]`` instead (this rank's own contribution, never copied into the area), or None.
-        use_triton: use a Triton kernel on CUDA when it loads.
-        schedule: the kernel's grid (``SCHEDULES``); kernels: ``_build``'s, for tests.
+        use_triton: use the Triton kernel on CUDA when it loads. kernels: ``_build``'s, for tests.
     """
     kernel = kernels or (_triton_kernel() if use_triton and area.is_cuda else None)
     if kernel is None:
         _torch_sum(area, rows, out, local)
         return
-    triton, by_schedule = kernel
+    triton, sum_kernel = kernel
     num_tokens, num_ranks = rows.shape
     hidden = area.shape[1]
     if not num_tokens:
         return
     from warmlink.ep._launch import launch
 
-    chunks = triton.cdiv(hidden, _BLOCK)
-    grid = (num_tokens,) if schedule == "token" else (num_tokens, chunks)
     here, rank, shift = local if local is not None else (area, -1, 0)
-    launch(by_schedule[schedule], grid, (area, rows.contiguous(), out, here.contiguous(), rank, shift, hidden),
-           {"num_ranks": num_ranks, "block": _BLOCK, "chunks": chunks, "r_block": triton.next_power_of_2(num_ranks)})
+    launch(sum_kernel, (num_tokens, triton.cdiv(hidden, _BLOCK)),
+           (area, rows.contiguous(), out, here.contiguous(), rank, shift, hidden), {"num_ranks": num_ranks, "block": _BLOCK})

@@ -306,9 +306,10 @@ def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, 
 
 
 @triton.jit
-def sum_chunk_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
-                     num_ranks: tl.constexpr, block: tl.constexpr, chunks: tl.constexpr, r_block: tl.constexpr):
-    # a program per (token, block of columns)
+def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
+               num_ranks: tl.constexpr, block: tl.constexpr):
+    # a program per (token, block of columns); a program per token, reading its rows once for
+    # every block, measured no faster (BENCHMARKS.md)
     token = tl.program_id(0)
     cols = tl.program_id(1) * block + tl.arange(0, block)
     in_row = cols < hidden
@@ -318,19 +319,3 @@ def sum_chunk_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_s
         acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
     tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
-
-@triton.jit
-def sum_token_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
-                     num_ranks: tl.constexpr, block: tl.constexpr, chunks: tl.constexpr, r_block: tl.constexpr):
-    # a program per token: its rows are read once, then every block of columns in turn
-    token = tl.program_id(0)
-    ranks = tl.arange(0, r_block)
-    rows = tl.load(rows_ptr + token * num_ranks + ranks, mask=ranks < num_ranks, other=-1)
-    for c in tl.static_range(chunks):
-        cols = c * block + tl.arange(0, block)
-        in_row = cols < hidden
-        acc = tl.zeros([block], dtype=tl.float32)
-        for d in tl.static_range(num_ranks):
-            row = tl.sum(tl.where(ranks == d, rows, 0), 0)
-            acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
-        tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
