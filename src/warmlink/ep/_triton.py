@@ -296,12 +296,14 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
 @triton.jit
 def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row):
     # token t's copy from rank d (row -1: none) added to acc; this rank's own is read where it lies
-    valid = row >= 0
-    safe = tl.where(valid, row, 0).to(tl.int64)
-    if d == local_rank:
-        acc += tl.load(local_ptr + (safe + local_shift) * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
-    else:
-        acc += tl.load(area_ptr + safe * hidden + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+    # (a branch on the row, as gather_kernel's, not a mask: Triton 3.9's interpreter refuses a
+    # scalar condition in a block mask)
+    if row >= 0:
+        at = row.to(tl.int64)
+        if d == local_rank:
+            acc += tl.load(local_ptr + (at + local_shift) * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(area_ptr + at * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
     return acc
 
 
