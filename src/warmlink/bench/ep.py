@@ -152,7 +152,8 @@ def _push_floor(buf, handle, x, timed) -> dict:
 
 def _sum_alone(buf, handle, rows, iterations: int) -> dict:
     """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
-    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local: it only reads the area, so it may run after the floors."""
+    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local:
+    it only reads the area, so it may run after the floors."""
     import torch
 
     from warmlink.ep._reduce import combine_sum
