@@ -344,8 +344,6 @@ def test_the_combine_sum_kernel_equals_the_torch_sum(num_ranks, hidden, dtype):
     """The combine's sum (ep._reduce), with this rank's own copy read where it lies and tokens that
     went nowhere, gives the torch sum (float32 in rank order): exactly, but for the last bit of a
     bfloat16 result."""
-    import triton
-
     from warmlink.ep import _reduce
 
     gen = torch.Generator().manual_seed(num_ranks * 100 + hidden)
@@ -359,9 +357,45 @@ def test_the_combine_sum_kernel_equals_the_torch_sum(num_ranks, hidden, dtype):
     local = (own, me, 2)  # own copy of token t at own[rows[t, me] + 2]
     want, got = torch.empty(tokens, hidden, dtype=dtype), torch.full((tokens, hidden), 7, dtype=dtype)
     _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
-    _reduce.combine_sum(area, rows, got, local=local, kernels=_reduce._build(triton))
+    _reduce.combine_sum(area, rows, got, local=local, kernels=_reduce._build())
     if dtype == torch.bfloat16:  # the interpreter rounds float32 to bfloat16 toward zero, CUDA to nearest
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
     else:
         assert torch.equal(got, want)
     assert not got[3].any()
+
+
+@pytest.mark.parametrize("num_ranks,parts", [(4, 4), (3, 2), (2, 3)])
+def test_the_combine_sum_in_parts_writes_each_token_once_and_equals_the_whole_sum(num_ranks, parts):
+    """Summed part by part (ep._reduce, Note [Pipelined combine]), the kernel writes each token in
+    exactly the part that completes its copies, and the parts together give the whole sum."""
+    from warmlink.ep import _reduce
+
+    gen = torch.Generator().manual_seed(num_ranks * 10 + parts)
+    tokens, slot, hidden, me = 23, 30, 256, num_ranks - 1
+    goes = torch.rand(tokens, num_ranks, generator=gen) < 0.6
+    goes[5] = False  # a token that went nowhere
+    # rank d's copies come in source-token order from row d * slot of the area (this rank's own
+    # copies are read from ``own``); a row is -1 where the token did not go
+    pos = goes.long().cumsum(0) - 1
+    counts = goes.sum(0)
+    rows = torch.where(goes, pos + torch.arange(num_ranks) * slot, -1)
+    area = torch.randn(num_ranks * slot, hidden, generator=gen).to(torch.float16)
+    own = torch.randn(tokens + 3, hidden, generator=gen).to(torch.float16)
+    local = (own, me, 3 - me * slot)  # own copy of token t at own[rows[t, me] - me * slot + 3]
+    want = torch.empty(tokens, hidden, dtype=torch.float16)
+    _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
+    expect_part = _reduce.token_parts(rows, counts, me, slot, parts)
+    assert set(expect_part.tolist()) <= set(range(parts))
+    for kernels in (None, _reduce._build()):
+        got = torch.full((tokens, hidden), 7, dtype=torch.float16)
+        for k in range(parts):
+            _reduce.combine_sum(area, rows, got, local=local, counts=counts, slot_rows=slot, part=k, parts=parts,
+                                use_triton=False, kernels=kernels)
+            done = expect_part <= k
+            assert torch.equal(got[done], want[done]), (kernels, k)
+            assert (got[~done] == 7).all(), (kernels, k)  # later parts' tokens untouched
+    for p in range(parts):  # a token's part is the last part among its peers' copies
+        for t in (expect_part == p).nonzero().squeeze(1).tolist():
+            peers = [d for d in range(num_ranks) if d != me and goes[t, d]]
+            assert max((int(pos[t, d]) * parts // int(counts[d]) for d in peers), default=0) == p

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink.ep._info import check_config, validate_ep_rank
+from warmlink.ep._info import EVENT_PHASES, check_config, validate_ep_rank
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
@@ -26,7 +26,7 @@ def good(kind: str = "cuda_ipc") -> dict:
                  "host": "h", "pid": 10, "start_time": 5, "device": 1 if kind == "cuda_ipc" else -1, "backend": kind},
         "config": {"num_ranks": 2, "max_tokens": 64, "hidden": 128, "num_topk": 2},
         "data": data, "mailbox": {"kind": "shm", "name": "wl-1-ab-1", "offset": 0, "nbytes": 4096},
-        "events": {"dispatch": list(events), "combine": list(events)},
+        "events": {phase: list(events) for phase in EVENT_PHASES},
     }
 
 
@@ -42,6 +42,7 @@ def test_valid_payloads_round_trip(kind):
     (lambda p: p["events"].update(dispatch=["zz"] * 4), "events.dispatch[0]"),
     (lambda p: p["events"].update(combine=[HANDLE]), "events.combine"),
     (lambda p: p["events"].pop("combine"), "events"),
+    (lambda p: p["events"].pop("combine_part0"), "events"),
     (lambda p: p["mailbox"].update(kind="cuda_ipc"), "mailbox"),
     (lambda p: p["peer"].update(role="publisher"), "peer.role"),
     (lambda p: p.update(extra=1), "keys"),

@@ -89,6 +89,22 @@ def test_receive_work_waits_for_the_peers_and_the_caller_waits_for_it_after_the_
     assert [calls[i][2] for i in caller_waits] == [*SEND_EVENTS, RECEIVED]
 
 
+def test_each_early_part_waits_for_its_own_events_and_only_the_last_is_polled(monkeypatch):
+    """The combine's parts (ep._reduce, Note [Pipelined combine]): each part's sum follows the
+    peer's event of that part; the host polls only the last phase's."""
+    part_event = 205
+    fake = FakeCuda(ready_after=0)
+    mover = _mover(monkeypatch, fake)
+    mover._recv_events["combine_part0.0"] = {1: part_event}
+    ran = []
+    mover.arrived(range(2), "dispatch.0", 5.0, then=lambda: ran.append(("last", len(fake.calls))),
+                  early=[("combine_part0.0", lambda: ran.append(("part0", len(fake.calls))))])
+    calls = fake.calls
+    assert calls[:3] == [("wait", SIDE, SEND_DONE), ("wait", SIDE, part_event), ("wait", SIDE, PEER_EVENT)]
+    assert ran == [("part0", 2), ("last", 3)]
+    assert {c[1] for c in calls if c[0] == "query"} == {PEER_EVENT}
+
+
 @pytest.mark.parametrize("alive, error", [(True, TransferTimeout), (False, PeerLostError)])
 def test_a_stalled_or_dead_sender_never_reaches_the_callers_stream(monkeypatch, alive, error):
     fake = FakeCuda(ready_after=None)
@@ -206,4 +222,48 @@ def test_a_cached_call_block_is_rewritten_only_after_the_push_that_read_it_ran(m
         call()
         assert int(mover._cached_words[0][_movers._TOKENS]) == 7 and len(launched) == 1
         assert fake.polls == polls + 1
+    assert not fake.rewritten_early
+
+
+class PendingCombine(FakeCuda):
+    """This rank's own final combine event of parity 0 (round n - 2's) completes after ``polls``
+    queries; each query checks that the parity's counts still hold round n - 2's."""
+
+    OWN = 150
+
+    def __init__(self, mover_box: list, polls: int | None) -> None:
+        super().__init__(ready_after=0)
+        self.box, self.pending, self.rewritten_early = mover_box, polls, False
+
+    def event_query(self, event):
+        if event != self.OWN:
+            return True
+        self.rewritten_early |= self.box[0]._counts_words[0].tolist() != [9, 9]
+        self.polls += 1
+        return self.pending is not None and self.polls > self.pending
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", dst, src, nbytes, stream))
+
+
+@pytest.mark.parametrize("polls", [0, 2, None])
+def test_a_combines_counts_are_rewritten_only_after_the_combine_that_read_them_sent(monkeypatch, polls):
+    """The combine's per-rank counts (ep._reduce, Note [Pipelined combine]) reach the device
+    through a pinned row per parity, rewritten only once round n - 2's own final event completed."""
+    box: list = []
+    fake = PendingCombine(box, polls)
+    mover = _mover(monkeypatch, fake)
+    box.append(mover)
+    mover._send_events["combine.0"] = [PendingCombine.OWN, 151]
+    mover._counts_words[0] = [9, 9]  # what round n - 2 left there
+    if polls is None:
+        with pytest.raises(TransferTimeout, match="counts"):
+            mover.combine_counts([4, 5], 0, 0.03)
+        assert mover._counts_words[0].tolist() == [9, 9]
+        assert not [c for c in fake.calls if c[0] == "copy"]
+    else:
+        dev = mover.combine_counts([4, 5], 0, 1.0)
+        assert mover._counts_words[0].tolist() == [4, 5] and fake.polls == polls + 1
+        assert [c for c in fake.calls if c[0] == "copy"] == [
+            ("copy", dev.data_ptr(), mover._counts_host[0].data_ptr(), 16, CALLER)]
     assert not fake.rewritten_early

@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="One process per GPU (CPU ranks over shm without a GPU) with random top-k routing: warmlink "
         "dispatch (BF16, FP8, cached handle) and combine (BF16) in normal and hook mode, beside torch + NCCL "
         "dispatch/combine and a bare all_to_all_single of the same bytes, plus a GEMM overlapped between send and "
-        "hook, in one run. On GPUs also the normal-mode sends through the copy engines, and with eager launches "
-        "instead of CUDA graphs, and the link's floors (copy engines alone, SM stores alone). Prints time and GB/s per rank "
+        "hook, in one run; the combine also summed in one part after its last byte instead of part by part. On "
+        "GPUs also the normal-mode sends through the copy engines, and with eager launches instead of CUDA graphs, "
+        "and the link's floors (copy engines alone, SM stores alone, the combine's sum alone). Prints time and GB/s per rank "
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
         "that warmlink's outputs equal the NCCL path's.",
         formatter_class=argparse.RawDescriptionHelpFormatter))

@@ -6,10 +6,12 @@
      "peer": <peer_info payload, role "ep">,
      "config": {"num_ranks": R, "max_tokens": T, "hidden": H, "num_topk": K},
      "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>,
-     "events": {"dispatch": [2R handles], "combine": [2R handles]}}   (128 hex chars each; [] on shm)
+     "events": {"dispatch": [2R handles], "combine": [2R handles],
+                "combine_part0": [2R handles], ...}}   (128 hex chars each; [] on shm)
 
 ``events[phase][p * R + d]`` is the interprocess event this rank records once its ``phase`` bytes
-of a round of parity ``p`` toward rank ``d`` are issued (ep._regions, Note [Two parities]).
+of a round of parity ``p`` toward rank ``d`` are issued (ep._regions, Note [Two parities]); a
+combine's parts but the last have phases of their own (ep._reduce, Note [Pipelined combine]).
 
 A peer whose config differs from this rank's is refused with a ``ConfigError`` naming the field:
 regions laid out differently would put bytes in the wrong place.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from warmlink.ep._reduce import PARTS
 from warmlink.ep._regions import PARITIES
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
@@ -28,7 +31,7 @@ __all__ = ["CONFIG_KEYS", "EVENT_PHASES", "KIND", "check_config", "validate_ep_r
 
 KIND = "ep_rank"
 CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
-EVENT_PHASES = ("dispatch", "combine")
+EVENT_PHASES = ("dispatch", "combine", *(f"combine_part{k}" for k in range(PARTS - 1)))
 _KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox", "events")
 _HANDLE = re.compile(r"[0-9a-f]{128}")
 _MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10}

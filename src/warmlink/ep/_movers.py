@@ -17,9 +17,12 @@ Both movers offer the same operations, so ``Buffer`` holds one protocol for both
   dispatch's one wait for the device), with work queued in between;
 - ``wait_begun(timeout_s)``: block until the caller's stream reached ``begin``;
 - ``send_done()``: the end of a send phase on the caller's stream (what the receive work follows);
-- ``arrived(sources, phase, timeout_s, then, writes)``: run ``then`` (the receive work: the
-  unpack, the combine's sum) once the marks of ``sources`` toward this rank are complete, block
-  until they are, then order the caller's stream after it and after this rank's own pushes.
+- ``arrived(sources, phase, timeout_s, then, writes, early)``: run ``then`` (the receive work:
+  the unpack, the combine's sum) once the marks of ``sources`` toward this rank are complete
+  (and each ``(phase, work)`` of ``early`` once that phase's marks are: the combine's parts),
+  block until they are, then order the caller's stream after it and after this rank's own pushes;
+- ``combine_counts(counts, parity, timeout_s)``: a combine's per-rank row counts where its sum
+  can read them (ep._reduce, Note [Pipelined combine]).
 
 ``phase`` names the marks of one phase and parity (``"dispatch.0"``, ...; ep._regions, Note [Two
 parities]).
@@ -176,9 +179,14 @@ class HostMover(_Gathers):
     def send_done(self) -> None:
         pass
 
-    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=()) -> None:
-        if then is not None:  # the mailbox's "sent" round already ordered the copies
+    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=(), early=()) -> None:
+        for _, work in early:  # the mailbox's "sent" round already ordered the copies
+            work()
+        if then is not None:
             then()
+
+    def combine_counts(self, counts: list[int], parity: int, timeout_s: float) -> torch.Tensor:
+        return torch.tensor(counts, dtype=torch.int64)
 
     def close(self) -> None:
         self._views = None
@@ -252,6 +260,11 @@ class CudaMover(_Gathers):
         self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
         self._cached_words = self._cached_host.numpy()
         self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
+        # a combine's per-rank counts per parity, pinned and on the device (combine_counts)
+        self._counts_host = torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, pin_memory=pinned)
+        self._counts_words = self._counts_host.numpy()
+        self._counts_ptrs = [row.data_ptr() for row in self._counts_host]
+        self._counts = list(torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, device=own.device))
 
     def _current(self) -> int:
         return current_stream(self.device)
@@ -274,9 +287,7 @@ class CudaMover(_Gathers):
         """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); the copies
         flushed after it start once it ran."""
         self._stage(rows, src, dests, skip)
-        self._cuda.event_record(self._gathered, self._current())
-        for s in self._copy_streams:
-            self._cuda.stream_wait_event(s, self._gathered)
+        self._copies_follow()
 
     def gather_all(self, rows: torch.Tensor, src: _kernels.Sources, parts: tuple[str, ...], shift: int, parity: int,
                    timeout_s: float, graphs: bool = True) -> None:
@@ -290,6 +301,10 @@ class CudaMover(_Gathers):
         x_bases[me] = own + self._offsets[parts[0]] + shift * src.x.shape[1] * src.x.element_size()
         meta_bases[me] = own + self._offsets[parts[1]] + shift * self.layout.meta_bytes
         self._push_cached(rows, src, x_bases + meta_bases, parity, timeout_s, graphs)
+        self._copies_follow()
+
+    def _copies_follow(self) -> None:
+        """Order every copy stream after the work queued so far on the current stream (a gather)."""
         self._cuda.event_record(self._gathered, self._current())
         for s in self._copy_streams:
             self._cuda.stream_wait_event(s, self._gathered)
@@ -361,23 +376,26 @@ class CudaMover(_Gathers):
     def send_done(self) -> None:
         self._cuda.event_record(self._send_done, self._current())
 
-    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=()) -> None:
-        """Launch ``then`` on the receive stream behind the peers' events (Note [Receive work on its
-        own stream]), host-poll those events (deadline, liveness), then order the current stream
-        after the receive work and after this rank's own pushes of ``phase`` (so the caller may
-        reuse its inputs). ``writes``: the tensors ``then`` writes."""
+    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=(), early=()) -> None:
+        """Launch each ``(phase, work)`` of ``early``, then ``then``, on the receive stream, each
+        behind the peers' events of its phase (Note [Receive work on its own stream]); host-poll
+        the events of ``phase`` (deadline, liveness; a source's earlier phases ran before it on its
+        stream), then order the current stream after the receive work and after this rank's own
+        pushes of ``phase`` (so the caller may reuse its inputs). ``writes``: the tensors the work
+        writes."""
         pending = [s for s in sources if s != self.rank]
         current = self._current()
         if then is not None:
             side = self._recv_stream
             self._cuda.stream_wait_event(side.cuda_stream, self._send_done)
-            for s in pending:
-                self._cuda.stream_wait_event(side.cuda_stream, self._recv_events[phase][s])
             for t in writes:
                 if t is not None:
                     t.record_stream(side)
             with torch.cuda.stream(side):
-                then()
+                for stage, work in (*early, (phase, then)):
+                    for s in pending:
+                        self._cuda.stream_wait_event(side.cuda_stream, self._recv_events[stage][s])
+                    work()
             self._cuda.event_record(self._received, side.cuda_stream)
         query, events = self._cuda.event_query, self._recv_events[phase]
 
@@ -391,6 +409,23 @@ class CudaMover(_Gathers):
             self._cuda.stream_wait_event(current, event)
         if then is not None:
             self._cuda.stream_wait_event(current, self._received)
+
+    def combine_counts(self, counts: list[int], parity: int, timeout_s: float) -> torch.Tensor:
+        """``counts`` as an int64 device vector for the work queued next on the current stream,
+        through the parity's pinned row (one raw copy; ``torch.tensor`` costs ~20 us of host).
+
+        Call it before ``begin``: the row is rewritten only once the combine that last read it
+        (round n - 2) sent, which its own final event, recorded on a copy stream that waited for
+        ``begin``, proves (as ``_push_cached``'s call block)."""
+        last = self._send_events[f"combine.{parity}"][self.rank]
+        if not self._cuda.event_query(last):
+            self._poll(lambda: self._cuda.event_query(last), timeout_s, lambda: (
+                f"ep: the combine two rounds back (parity {parity}) did not send on cuda:{self.device} within "
+                f"{timeout_s:.3g} s; its counts cannot be rewritten"))
+        self._counts_words[parity] = counts
+        dev = self._counts[parity]
+        self._cuda.memcpy_async(dev.data_ptr(), self._counts_ptrs[parity], dev.numel() * 8, self._current())
+        return dev
 
     def _sm_tables(self, parity: int) -> torch.Tensor:
         """The exchange's ``[5, R]`` address tables of ``parity`` (ep._kernels.fresh_front), made once."""

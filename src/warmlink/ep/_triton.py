@@ -308,16 +308,42 @@ def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, 
 
 
 @triton.jit
-def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden,
-               num_ranks: tl.constexpr, block: tl.constexpr):
-    # a program per (token, block of columns); a program per token, reading its rows once for
-    # every block, measured no faster (BENCHMARKS.md)
-    token = tl.program_id(0)
-    cols = tl.program_id(1) * block + tl.arange(0, block)
-    in_row = cols < hidden
+def token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks: tl.constexpr, parts: tl.constexpr):
+    # the part of the combine whose arrival completes token's copies: the latest over its peers'
+    # copies (the n rows rank d sent back come in parts, row p in part p * parts // n; ep._reduce,
+    # Note [Pipelined combine]); this rank's own copy is always there
+    last = tl.full([], 0, tl.int64)
+    for d in tl.static_range(num_ranks):
+        row = tl.load(rows_ptr + token * num_ranks + d)
+        if (row >= 0) & (d != local_rank):
+            n = tl.load(counts_ptr + d).to(tl.int64)
+            last = tl.maximum(last, (row - d * slot_rows) * parts // n)
+    return last
+
+
+@triton.jit
+def sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
+              num_ranks: tl.constexpr, block: tl.constexpr):
     acc = tl.zeros([block], dtype=tl.float32)
     for d in tl.static_range(num_ranks):
         row = tl.load(rows_ptr + token * num_ranks + d)
         acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
     tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
+
+@triton.jit
+def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, counts_ptr, part, slot_rows,
+               num_ranks: tl.constexpr, parts: tl.constexpr, block: tl.constexpr):
+    # a program per (token, block of columns); a program per token, reading its rows once for
+    # every block, measured no faster (BENCHMARKS.md). With parts > 1 only the tokens whose last
+    # copy comes in ``part`` (token_part), so that each part is summed once it landed.
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * block + tl.arange(0, block)
+    in_row = cols < hidden
+    if parts == 1:
+        sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
+                  num_ranks, block)
+    else:
+        if token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks, parts) == part:
+            sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
+                      num_ranks, block)

@@ -57,7 +57,7 @@ from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
-from warmlink.ep._reduce import combine_sum
+from warmlink.ep._reduce import PARTS, combine_sum, part_bounds, part_phase, part_sums
 from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
@@ -160,6 +160,9 @@ class Buffer(Closing):
         self._recv_failed = False
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
         self._graphs = False  # set in _connect: WARMLINK_EP_GRAPH (ep._kernels, Note [Fresh send graph])
+        # the combine's parts (ep._reduce, Note [Pipelined combine]); every rank must use the same,
+        # so only bench ep changes it (on every rank at once, to measure one part beside them)
+        self._combine_parts = PARTS
         self._serial = next(_SERIALS)
         self._remotes: list = []
         self._event_tokens: list = []
@@ -475,15 +478,20 @@ class Buffer(Closing):
             self._wait_reduced()
         self.mailbox.publish_combine(round_, handle.round)  # no wait for the peers: Note [Two parities]
         t1 = time.perf_counter()
-        mover = self._mover
+        mover, parity, order = self._mover, round_ % PARITIES, self._order()
+        # the rows each rank sends back, for the sum's parts (Note [Pipelined combine]); before begin
+        counts = mover.combine_counts(handle.send_counts, parity, self.timeout_s)
         mover.begin()
         slot = self.rank * self.layout.max_tokens
-        for s in self._order():
-            start, count = handle.recv_starts[s], handle.recv_counts[s]
-            mover.copy(s, rows[start:start + count], comb_x, slot)
-            if weights is not None:
-                mover.copy(s, weights[start:start + count], comb_w, slot)
-            mover.sent(s, phase)
+        parts, words = self._combine_parts, as_words(rows)  # one view for every part's copy
+        bounds = [part_bounds(handle.recv_counts[s], parts) for s in order]
+        for k in range(parts):  # part-major: one copy stream serving every peer pipelines too
+            for s, b in zip(order, bounds):
+                start = handle.recv_starts[s]
+                mover.copy(s, words[start + b[k]:start + b[k + 1]], comb_x, slot + b[k])
+                if k == parts - 1 and weights is not None:
+                    mover.copy(s, weights[start:start + b[-1]], comb_w, slot)
+                mover.sent(s, part_phase(k, parity, parts))
         mover.sent(self.rank, phase)  # nothing to copy: this rank's own rows are summed where they lie
         mover.send_done()
         self.mailbox.publish(mb.COMBINE_SENT, round_)
@@ -499,16 +507,18 @@ class Buffer(Closing):
             self.mailbox.wait(mb.COMBINE_SENT, round_, self.timeout_s)
             # this rank's own copy of token t is row combine_rows[t, me] - me * max_tokens + recv_starts[me] of x
             shift = handle.recv_starts[self.rank] - self.rank * self.layout.max_tokens
+            sums = part_sums(self._mover.own_view(comb_x, rows.dtype, self.layout.hidden), handle.combine_rows, out,
+                             local=(rows, self.rank, shift), counts=counts, slot_rows=self.layout.max_tokens, parts=parts)
 
-            def sums() -> None:
-                combine_sum(self._mover.own_view(comb_x, rows.dtype, self.layout.hidden),
-                            handle.combine_rows, out, local=(rows, self.rank, shift))
-                if out_w is not None:
+            def last() -> None:
+                sums[-1]()
+                if out_w is not None:  # the weights came with the last part
                     combine_sum(self._mover.own_view(comb_w, torch.float32, out_w.shape[1]),
                                 handle.combine_rows, out_w, local=(weights, self.rank, shift))
 
             # rows/weights stay referenced until this returns
-            self._arrived(phase, sums, (out, out_w))
+            early = [(part_phase(k, parity, parts), sums[k]) for k in range(parts - 1)]
+            self._arrived(phase, last, (out, out_w), early)
             self._mark_reduced()
             self.last_phases["receive"] = time.perf_counter() - t2
 
@@ -519,8 +529,8 @@ class Buffer(Closing):
                      sm: bool) -> None:
         """A cached dispatch's send: every row goes where the handle says, with no wait for the peers."""
         mover = self._mover
+        mover.begin(copies=False)  # the SMs push, or the copies wait for the gather, which follows the start
         if sm:  # one push kernel (Note [SM sends])
-            mover.begin(copies=False)
             key = (self._serial, round_ % PARITIES, src.x.shape[1])  # addresses of this Buffer's mappings
             bases = handle.sm_bases.get(key)
             if bases is None:
@@ -529,7 +539,6 @@ class Buffer(Closing):
             return
         # One gather for every destination, this rank's own rows included: a launch per peer cost a
         # slow rank's host up to 0.15 ms more before its last copy, and every peer waits for that copy.
-        mover.begin(copies=False)  # the copies wait for the gather, which follows the start
         me = self.rank
         mover.gather_all(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens,
                          round_ % PARITIES, self.timeout_s, self._graphs)
@@ -639,8 +648,8 @@ class Buffer(Closing):
 
     def _fresh_shape(self, num_experts: int, src: Sources, per_rank: torch.Tensor, per_expert: torch.Tensor) -> FreshShape:
         """What a fresh SM send's kernels are specialized for (its graphs' key, with the parity)."""
-        lay, x_words = self.layout, src.x.shape[1]
-        return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], x_words,
+        lay = self.layout
+        return FreshShape(self.num_ranks, num_experts, src.topk.shape[1], src.x.shape[1],
                           src.scales.shape[1] if src.scales is not None else 0, lay.max_tokens, lay.num_topk,
                           lay.meta_bytes, src.topk.dtype, per_rank.dtype, per_expert.dtype,
                           src.weights.dtype if src.weights is not None else None)
@@ -704,11 +713,11 @@ class Buffer(Closing):
         handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(self.num_ranks)]
         handle.num_recv_tokens_per_expert_list = per_expert
 
-    def _arrived(self, phase: str, then, writes) -> None:
+    def _arrived(self, phase: str, then, writes, early=()) -> None:
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
         dead peer for good, so ``close`` stops ordering the caller's stream after it."""
         try:
-            self._mover.arrived(range(self.num_ranks), phase, self.timeout_s, then=then, writes=writes)
+            self._mover.arrived(range(self.num_ranks), phase, self.timeout_s, then=then, writes=writes, early=early)
         except BaseException:
             self._recv_failed = True
             raise
