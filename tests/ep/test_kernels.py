@@ -96,3 +96,28 @@ def test_every_named_kernel_wraps_the_triton_kernel_of_its_name():
         assert isinstance(launcher, FastLaunch), name
         assert launcher.jit is getattr(_triton, f"{name}_kernel"), name
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_stream_makes_a_stream_current_and_restores_the_callers():
+    """ep._launch.on_stream, the receive work's cheap ``torch.cuda.stream``: work inside runs on the
+    side stream, and the caller's own (non-default) stream is current again after it, also after an
+    exception."""
+    import torch
+
+    from warmlink.ep._launch import current_stream, on_stream
+
+    dev = torch.cuda.current_device()
+    mine, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with torch.cuda.stream(mine):
+        with on_stream(side):
+            assert torch.cuda.current_stream(dev) == side and current_stream(dev) == side.cuda_stream
+            x = torch.ones(1024, device=dev) * 2
+        assert torch.cuda.current_stream(dev) == mine
+        with pytest.raises(RuntimeError, match="inside"):
+            with on_stream(side):
+                raise RuntimeError("inside")
+        assert torch.cuda.current_stream(dev) == mine
+    side.synchronize()
+    assert float(x.sum()) == 2048

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FastLaunch", "current_stream", "launch"]
+__all__ = ["FastLaunch", "current_stream", "launch", "on_stream"]
 
 # The handle of the current stream: the call Triton's own launcher makes (its torch driver's
 # get_current_stream), 1-2 us of host time where ``torch.cuda.current_stream(d).cuda_stream``
@@ -26,6 +26,41 @@ def current_stream(device: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(device)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+_get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_stream = getattr(torch._C, "_cuda_setStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+class on_stream:  # noqa: N801 - used like torch.cuda.stream
+    """``with on_stream(stream):`` runs the block with ``stream`` (a ``torch.cuda.Stream``) current,
+    as ``torch.cuda.stream(stream)`` does, for a few us of host time where that costs 10-20 (its
+    StreamContext looks the devices up and builds Stream objects); the receive work is launched
+    inside one on the way to the last byte. Falls back to it when the stream is on another device
+    than the current one, or without CUDA (fakes in tests)."""
+
+    __slots__ = ("_to", "_saved", "_plain")
+
+    def __init__(self, stream) -> None:
+        self._plain = None
+        if _set_stream is None or _get_device() != stream.device_index:
+            self._plain = torch.cuda.stream(stream)
+        else:
+            self._to = (stream.stream_id, stream.device_index, stream.device_type)
+
+    def __enter__(self) -> None:
+        if self._plain is not None:
+            self._plain.__enter__()
+            return
+        self._saved = _get_stream(self._to[1])
+        _set_stream(*self._to)
+
+    def __exit__(self, *exc) -> None:
+        if self._plain is not None:
+            self._plain.__exit__(*exc)
+        else:
+            _set_stream(*self._saved)
 
 
 class FastLaunch:

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from warmlink.ep import _kernels
-from warmlink.ep._launch import current_stream
+from warmlink.ep._launch import current_stream, on_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._regions import PARITIES, RegionLayout, board_words
 from warmlink.errors import PeerLostError, TransferTimeout
@@ -391,7 +391,7 @@ class CudaMover(_Gathers):
             for t in writes:
                 if t is not None:
                     t.record_stream(side)
-            with torch.cuda.stream(side):
+            with on_stream(side):
                 for stage, work in (*early, (phase, then)):
                     for s in pending:
                         self._cuda.stream_wait_event(side.cuda_stream, self._recv_events[stage][s])

@@ -123,14 +123,14 @@ def part_sums(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=N
             return [lambda: _torch_sum(area, rows, out, local, None)]
         of_token = token_parts(rows, counts, local[1] if local is not None else -1, slot_rows, parts)
         return [lambda k=k: _torch_sum(area, rows, out, local, (of_token == k).nonzero().squeeze(1)) for k in range(parts)]
-    triton, sum_kernel = kernel
+    _, sum_kernel = kernel
     num_tokens, hidden = rows.shape[0], area.shape[1]
     if not num_tokens:
         return [lambda: None] * parts
     from warmlink.ep._launch import launch
 
     here, rank, shift = local if local is not None else (area, -1, 0)
-    grid = (num_tokens, triton.cdiv(hidden, _BLOCK))
+    grid = (num_tokens,)
     head = (area, rows.contiguous(), out, here.contiguous(), rank, shift, hidden, rows if counts is None else counts)
     constexprs = {"num_ranks": rows.shape[1], "parts": parts, "block": _BLOCK}
     return [lambda k=k: launch(sum_kernel, grid, (*head, k, slot_rows), constexprs) for k in range(parts)]

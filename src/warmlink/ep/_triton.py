@@ -322,28 +322,28 @@ def token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks: tl
 
 
 @triton.jit
-def sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
+def sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token,
               num_ranks: tl.constexpr, block: tl.constexpr):
-    acc = tl.zeros([block], dtype=tl.float32)
-    for d in tl.static_range(num_ranks):
-        row = tl.load(rows_ptr + token * num_ranks + d)
-        acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
-    tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+    out_row = out_ptr + token.to(tl.int64) * hidden
+    for c0 in range(0, hidden, block):
+        cols = c0 + tl.arange(0, block)
+        in_row = cols < hidden
+        acc = tl.zeros([block], dtype=tl.float32)
+        for d in tl.static_range(num_ranks):
+            row = tl.load(rows_ptr + token * num_ranks + d)
+            acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
+        tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 @triton.jit
 def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, counts_ptr, part, slot_rows,
                num_ranks: tl.constexpr, parts: tl.constexpr, block: tl.constexpr):
-    # a program per (token, block of columns); a program per token, reading its rows once for
-    # every block, measured no faster (BENCHMARKS.md). With parts > 1 only the tokens whose last
-    # copy comes in ``part`` (token_part), so that each part is summed once it landed.
+    # a program per token, walking its row in blocks of columns (as fast as a program per block
+    # for the whole sum, BENCHMARKS.md). With parts > 1 a program whose token is not in ``part``
+    # (token_part) exits after reading its rows: a part's launch costs about its own tokens.
     token = tl.program_id(0)
-    cols = tl.program_id(1) * block + tl.arange(0, block)
-    in_row = cols < hidden
     if parts == 1:
-        sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
-                  num_ranks, block)
+        sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, num_ranks, block)
     else:
         if token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks, parts) == part:
-            sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, cols, in_row,
-                      num_ranks, block)
+            sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, num_ranks, block)

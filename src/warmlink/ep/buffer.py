@@ -510,17 +510,21 @@ class Buffer(Closing):
             sums = part_sums(self._mover.own_view(comb_x, rows.dtype, self.layout.hidden), handle.combine_rows, out,
                              local=(rows, self.rank, shift), counts=counts, slot_rows=self.layout.max_tokens, parts=parts)
 
+            queued = []
+
             def last() -> None:
                 sums[-1]()
                 if out_w is not None:  # the weights came with the last part
                     combine_sum(self._mover.own_view(comb_w, torch.float32, out_w.shape[1]),
                                 handle.combine_rows, out_w, local=(weights, self.rank, shift))
+                queued.append(time.perf_counter())
 
             # rows/weights stay referenced until this returns
             early = [(part_phase(k, parity, parts), sums[k]) for k in range(parts - 1)]
             self._arrived(phase, last, (out, out_w), early)
             self._mark_reduced()
-            self.last_phases["receive"] = time.perf_counter() - t2
+            # "queued": from the receive's start until the last sum is queued (the rest waits for bytes)
+            self.last_phases.update(receive=time.perf_counter() - t2, queued=queued[0] - t2)
 
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
 
