@@ -267,3 +267,45 @@ def test_a_combines_counts_are_rewritten_only_after_the_combine_that_read_them_s
         assert [c for c in fake.calls if c[0] == "copy"] == [
             ("copy", dev.data_ptr(), mover._counts_host[0].data_ptr(), 16, CALLER)]
     assert not fake.rewritten_early
+
+
+class Copies(FakeCuda):
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", dst, src, nbytes, stream))
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream):
+        self.calls.append(("batch", list(dsts), list(srcs), list(sizes), stream))
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_copy_all_is_one_batch_on_the_shared_stream_or_one_copy_each(monkeypatch, batch):
+    """copy_all (the combine's parts): one cudaMemcpyBatchAsync on the copy stream every destination
+    shares, or, without it, a copy per entry; empty entries move nothing either way."""
+    fake = Copies(ready_after=0)
+    mover = _mover(monkeypatch, fake)
+    mover._batch = batch
+    rows = torch.zeros(6, 16, dtype=torch.bfloat16)  # 32 bytes a row: 4 int64 words
+    area = "comb_x.0"
+    there = mover._ptrs[1] + mover._offsets[area]
+    mover.copy_all([(1, rows[0:2], area, 5), (1, rows[2:2], area, 7), (1, rows[2:6], area, 9)])
+    want = [(there + 5 * 32, rows[0:2].data_ptr(), 64), (there + 9 * 32, rows[2:6].data_ptr(), 128)]
+    if batch:
+        assert fake.calls == [("batch", [w[0] for w in want], [w[1] for w in want], [w[2] for w in want], COPY)]
+    else:
+        assert fake.calls == [("copy", *w, COPY) for w in want]
+
+
+def test_flush_all_batches_the_peers_copies_then_marks_every_destination(monkeypatch):
+    """flush_all (a copy-engine dispatch): the staged rows of every peer in one batch on the shared
+    copy stream, then each destination's event, this rank's own on the caller's stream."""
+    fake = Copies(ready_after=0)
+    mover = _mover(monkeypatch, fake)
+    mover._batch = True
+    x = torch.zeros(3, 16, dtype=torch.int64)  # 128 bytes a row, no meta
+    src = _movers._kernels.Sources(x)
+    mover.flush_all("dispatch.0", src, ("recv_x.0", "recv_meta.0"), [(1, 2, 3), (0, 0, 0)])
+    slot = 1 * mover.layout.max_tokens
+    staged = mover._views.parts(0, src, _movers.STAGE)[0].data_ptr() + slot * 128
+    there = mover._ptrs[1] + mover._offsets["recv_x.0"] + 2 * 128
+    assert fake.calls == [("batch", [there], [staged], [3 * 128], COPY),
+                          ("record", SEND_EVENTS[1], COPY), ("record", SEND_EVENTS[0], CALLER)]

@@ -7,12 +7,13 @@ Both movers offer the same operations, so ``Buffer`` holds one protocol for both
   (but ``skip``) go into this rank's staging slots (ep._kernels.gather); staging needs no peer,
   and a row's place in the peer may be known only after the handshake;
 - ``flush(dest, phase, src, row0, count, parts)``: ``count`` staged rows of ``src`` in ``dest``'s
-  slot go to rows ``row0...`` of its areas ``parts``, then are marked sent;
+  slot go to rows ``row0...`` of its areas ``parts``, then are marked sent; ``flush_all(phase,
+  src, parts, plan)`` several destinations at once;
 - ``place_local(rows, src, parts, shift)``: this rank's own rows straight into its own areas;
 - ``gather_all(rows, src, parts, shift, parity, graphs)``: both at once, for every destination (a
   cached dispatch's, whose own rows' place is known before the send);
-- ``copy(dest, rows, area, row0)``: contiguous ``rows`` go there directly; ``sent(dest, phase)``
-  marks them;
+- ``copy(dest, rows, area, row0)``: contiguous ``rows`` go there directly; ``copy_all(copies)``
+  several such at once; ``sent(dest, phase)`` marks them;
 - ``start_to_host(words)`` / ``wait_host(timeout_s)``: a small device vector on the host (the
   dispatch's one wait for the device), with work queued in between;
 - ``wait_begun(timeout_s)``: block until the caller's stream reached ``begin``;
@@ -163,6 +164,14 @@ class HostMover(_Gathers):
         words = as_words(rows)
         self._views.get(dest, area, words.dtype, words.shape[1])[row0:row0 + words.shape[0]].copy_(words)
 
+    def flush_all(self, phase: str, src: _kernels.Sources, parts: tuple[str, ...], plan) -> None:
+        for dest, row0, count in plan:
+            self.flush(dest, phase, src, row0, count, parts)
+
+    def copy_all(self, copies) -> None:
+        for copy in copies:
+            self.copy(*copy)
+
     def sent(self, dest: int, phase: str) -> None:
         pass
 
@@ -226,6 +235,7 @@ class CudaMover(_Gathers):
         self._offsets = layout.offsets()
         self._streams = [s.handle for s in streams]
         self._copy_streams = list(dict.fromkeys(self._streams))  # each once: one stream may serve every peer
+        self._batch = len(self._copy_streams) == 1 and _cuda.batch_supported()  # copy_all in one call
         self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
         self._recv_stream = recv_stream.torch_stream()
         self._send_events = send_events
@@ -316,14 +326,37 @@ class CudaMover(_Gathers):
             self._cuda.event_record(self._send_events[phase][dest], self._current())
             return
         stream = self._streams[dest]
-        if count:
-            slot = dest * self.layout.max_tokens
-            for staged, area in zip(self._views.parts(self.rank, src, STAGE), parts):
-                if staged is not None:
-                    row = staged.shape[1] * staged.element_size()
-                    self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row,
-                                            staged.data_ptr() + slot * row, count * row, stream)
+        for dst, staged, nbytes in self._flush_copies(dest, src, row0, count, parts):
+            self._cuda.memcpy_async(dst, staged, nbytes, stream)
         self._cuda.event_record(self._send_events[phase][dest], stream)
+
+    def flush_all(self, phase: str, src: _kernels.Sources, parts: tuple[str, ...], plan) -> None:
+        """``flush`` of each ``(dest, row0, count)`` of ``plan``. With one copy stream for every
+        destination (the default) as one batch, then every destination's mark: a receiver then
+        waits for the whole batch, which ends when its last destination's copy would have anyway
+        (the copies ran back to back), with no idle copy engine between copies (``copy_all``)."""
+        if not self._batch:
+            for dest, row0, count in plan:
+                self.flush(dest, phase, src, row0, count, parts)
+            return
+        copies = [c for dest, row0, count in plan if dest != self.rank
+                  for c in self._flush_copies(dest, src, row0, count, parts)]
+        if copies:
+            self._cuda.memcpy_batch_async(*(list(column) for column in zip(*copies)), self._copy_streams[0])
+        for dest, _, _ in plan:
+            stream = self._current() if dest == self.rank else self._streams[dest]
+            self._cuda.event_record(self._send_events[phase][dest], stream)
+
+    def _flush_copies(self, dest: int, src: _kernels.Sources, row0: int, count: int, parts: tuple[str, ...]):
+        """``(destination address, staged address, bytes)`` of each area ``flush`` copies."""
+        if not count:
+            return []
+        slot, out = dest * self.layout.max_tokens, []
+        for staged, area in zip(self._views.parts(self.rank, src, STAGE), parts):
+            if staged is not None:
+                row = staged.shape[1] * staged.element_size()
+                out.append((self._ptrs[dest] + self._offsets[area] + row0 * row, staged.data_ptr() + slot * row, count * row))
+        return out
 
     def copy(self, dest: int, rows: torch.Tensor, area: str, row0: int) -> None:
         """Copy contiguous ``rows`` (kept alive by the caller until ``arrived``) on ``dest``'s stream."""
@@ -332,6 +365,24 @@ class CudaMover(_Gathers):
             row_nbytes = words.shape[1] * words.element_size()
             self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes, words.data_ptr(),
                                     words.shape[0] * row_nbytes, self._streams[dest])
+
+    def copy_all(self, copies) -> None:
+        """``copy`` of each ``(dest, rows, area, row0)``. With one copy stream for every destination
+        (the default) as one ``cudaMemcpyBatchAsync``: copies issued one by one left the copy
+        engine idle ~5 us between each two (a combine in parts issues 3 per part; BENCHMARKS.md)."""
+        if not self._batch:
+            for copy in copies:
+                self.copy(*copy)
+            return
+        dsts, srcs, sizes = [], [], []
+        for dest, rows, area, row0 in copies:
+            words = as_words(rows)
+            if words.shape[0]:
+                row_nbytes = words.shape[1] * words.element_size()
+                dsts.append(self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes)
+                srcs.append(words.data_ptr())
+                sizes.append(words.shape[0] * row_nbytes)
+        self._cuda.memcpy_batch_async(dsts, srcs, sizes, self._copy_streams[0])
 
     def sent(self, dest: int, phase: str) -> None:
         self._cuda.event_record(self._send_events[phase][dest], self._streams[dest])

@@ -486,11 +486,13 @@ class Buffer(Closing):
         parts, words = self._combine_parts, as_words(rows)  # one view for every part's copy
         bounds = [part_bounds(handle.recv_counts[s], parts) for s in order]
         for k in range(parts):  # part-major: one copy stream serving every peer pipelines too
-            for s, b in zip(order, bounds):
-                start = handle.recv_starts[s]
-                mover.copy(s, words[start + b[k]:start + b[k + 1]], comb_x, slot + b[k])
-                if k == parts - 1 and weights is not None:
-                    mover.copy(s, weights[start:start + b[-1]], comb_w, slot)
+            copies = [(s, words[handle.recv_starts[s] + b[k]:handle.recv_starts[s] + b[k + 1]], comb_x, slot + b[k])
+                      for s, b in zip(order, bounds)]
+            if k == parts - 1 and weights is not None:
+                copies += [(s, weights[handle.recv_starts[s]:handle.recv_starts[s] + b[-1]], comb_w, slot)
+                           for s, b in zip(order, bounds)]
+            mover.copy_all(copies)
+            for s in order:
                 mover.sent(s, part_phase(k, parity, parts))
         mover.sent(self.rank, phase)  # nothing to copy: this rank's own rows are summed where they lie
         mover.send_done()
@@ -546,9 +548,7 @@ class Buffer(Closing):
         me = self.rank
         mover.gather_all(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens,
                          round_ % PARITIES, self.timeout_s, self._graphs)
-        for d in self._order():
-            mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
-        mover.flush(me, phase, src, 0, 0, parts)
+        mover.flush_all(phase, src, parts, [(d, handle.dst_rows[d], handle.send_counts[d]) for d in (*self._order(), me)])
 
     def _send_fresh_sm(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
                        phase: str, parts: tuple[str, str], marks: dict) -> Handle:
@@ -597,8 +597,7 @@ class Buffer(Closing):
         marks["met"] = time.perf_counter()
         self._complete_plan(handle, round_)
         marks["ready"] = time.perf_counter()
-        for d in self._order():
-            mover.flush(d, phase, src, handle.dst_rows[d], handle.send_counts[d], parts)
+        mover.flush_all(phase, src, parts, [(d, handle.dst_rows[d], handle.send_counts[d]) for d in self._order()])
         me = self.rank
         mover.place_local(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens)
         mover.flush(me, phase, src, 0, 0, parts)
