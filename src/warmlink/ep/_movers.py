@@ -31,7 +31,8 @@ parities]).
 # Note [Copy-engine sends]
 On CUDA a gather is one kernel on the caller's stream (ep._kernels) into this rank's staging
 slots, for every peer at once; ``gather`` then records one event that the copy streams wait for,
-and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped region: the gather
+and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped region
+(``flush_all``: every peer's in one ``cudaMemcpyBatchAsync`` on the shared copy stream): the gather
 runs for tens of microseconds on the SMs, and the copy engines move the bytes while no SM waits.
 (A gather per destination let the first copy start sooner, but cost a launch per peer on the
 host, and a slow rank's host then delayed its last copy; BENCHMARKS.md.) A cached dispatch knows
