@@ -59,7 +59,8 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     case keys: tokens (per rank), hidden, experts, topk, dtype, mask_prob, seed, backend, rounds,
     hook_delay_s (None = normal mode), cached (re-dispatch with the handle, ``cached_repeats``
     times), misaligned_x (x 8 bytes past a 16-byte boundary), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
-    outputs and start the next call after different sleeps, so fast ranks run ahead).
+    outputs and start the next call after different sleeps, so fast ranks run ahead), late_start_s
+    (every rank but 0 starts that late).
     """
     mine = case_inputs(case)[rank]
     device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
@@ -75,6 +76,8 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
             time.sleep(case["skew_s"] * ((rank + next(calls)) % num_ranks))
 
     with _buffer(rank, num_ranks, store, case) as buf:
+        if rank and case.get("late_start_s"):  # every rank but 0 makes its first call late
+            time.sleep(case["late_start_s"])
         for _ in range(case.get("rounds", 1)):
             kwargs = {"topk_idx": idx, "topk_weights": w}
             if case.get("layout", True):
@@ -110,6 +113,17 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
             got["y"] = _cpu(y)
             results.append(got)
     return results
+
+
+def after_an_earlier_lifecycle(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """A Buffer with ``case["before"]``'s inputs dispatches once and closes; then
+    ``dispatch_combine`` of ``case`` on a new Buffer of the same sizes, which the pool gives the
+    same region, with the earlier Buffer's bytes still in it."""
+    before = dict(case, **case["before"])
+    mine = _mine_on_device(rank, before)
+    with _buffer(rank, num_ranks, store, before) as buf:
+        buf.dispatch(mine["x"], topk_idx=mine["topk_idx"], topk_weights=mine["topk_weights"], num_experts=case["experts"])
+    return dispatch_combine(rank, num_ranks, store, case)
 
 
 def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:

@@ -12,6 +12,7 @@ from tests.ep._reference import (
     reference_dispatch,
 )
 from tests.ep._workers import (
+    after_an_earlier_lifecycle,
     case_inputs,
     changing_rounds,
     dispatch_combine,
@@ -145,6 +146,40 @@ def test_buffer_lifecycles_reuse_everything_and_grow_nothing():
         assert out["created"][0], "the first lifecycle creates the buffer's resources"
         assert all(c == {} for c in out["created"][2:]), out["created"]
         assert len(set(out["mappings"][2:])) == 1, out["mappings"]
+
+
+def test_a_new_buffers_count_boards_are_zero_though_its_pooled_region_is_not(monkeypatch):
+    """The pool hands a region back with a closed Buffer's bytes (not zeroed); the boards, whose
+    round tags the SM exchange trusts, are cleared before the rank info is published."""
+    from warmlink.ep import buffer as ep_buffer
+
+    seen = []
+    real = ep_buffer.Buffer._clear_boards
+
+    def dirty_then_clear(self):
+        self._region.tensor.fill_(0x5A)  # what an earlier Buffer may have left
+        real(self)
+        lay = self.layout
+        seen.append([bool(self._region.tensor[lay.offsets()[f"board.{p}"]:][:lay.area_rows(f"board.{p}") *
+                                               lay.row_bytes(f"board.{p}")].eq(0).all()) for p in (0, 1)])
+
+    monkeypatch.setattr(ep_buffer.Buffer, "_clear_boards", dirty_then_clear)
+    from warmlink.ep import Buffer
+    from warmlink.rendezvous import Store
+
+    store = Store(is_server=True, prefix="ep-boards", timeout_s=10)
+    try:
+        with Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, timeout_s=10) as buf:
+            assert buf.layout.num_ranks == 1
+    finally:
+        store.close()
+    assert seen == [[True, True]]
+
+
+def test_a_second_lifecycle_with_late_peers_matches_the_reference():
+    case = {"tokens": [40, 70], "hidden": 128, "experts": 4, "topk": 2, "seed": 13, "max_tokens": 128,
+            "late_start_s": 0.2, "before": {"tokens": [100, 20], "seed": 14}}
+    check_against_reference(case, run_ranks(after_an_earlier_lifecycle, 2, case=case, timeout_s=120))
 
 
 def test_bad_expert_id_raises_before_any_byte_moves():

@@ -8,6 +8,7 @@ import torch
 from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
 from tests.ep._workers import (
+    after_an_earlier_lifecycle,
     case_inputs,
     changing_rounds,
     dispatch_combine,
@@ -73,6 +74,16 @@ def test_gpu_rounds_and_lifecycles_create_nothing_when_warm():
     for out in run_ranks(lifecycle_counts, RANKS, case=case, timeout_s=180):
         assert all(c == {} for c in out["created"][2:]), out["created"]
         assert len(set(out["mappings"][2:])) == 1, out["mappings"]
+
+
+@needs_two
+def test_gpu_a_new_buffer_never_reads_counts_an_earlier_one_left_in_its_region():
+    """Regions come back from the pool with a closed Buffer's bytes, and rounds restart at 1. The
+    count boards are zeroed before any peer can write, so rank 0, whose peers start late, waits
+    for their counts instead of taking the round tag and counts the earlier Buffer left there."""
+    case = {"tokens": _tokens(40, 70), "hidden": 1024, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 13,
+            "max_tokens": 128, "late_start_s": 0.5, "before": {"tokens": _tokens(100, 20), "seed": 14}}
+    check_against_reference(case, run_ranks(after_an_earlier_lifecycle, RANKS, case=case, timeout_s=180))
 
 
 @needs_two

@@ -180,6 +180,7 @@ class Buffer(Closing):
             self._link = self._link_lease.resource
             self._mail_lease = lease_link("shm", -1, self.timeout_s)
             self._region = self._link.allocate(self.layout.nbytes)
+            self._clear_boards()
             self._mail_region = self._mail_lease.resource.allocate(mb.mailbox_nbytes(num_ranks))
             self.mailbox = mb.Mailbox(self._mail_region.tensor, rank, num_ranks)
             self._closed = False
@@ -219,6 +220,19 @@ class Buffer(Closing):
         return buf
 
     # -- setup ------------------------------------------------------------------------------------
+    def _clear_boards(self) -> None:
+        """Zero this rank's count boards before any peer can see its info. A region comes back from
+        the pool with a closed Buffer's bytes, and rounds restart at 1: a board row whose round tag
+        matched would let the exchange (ep._kernels, Note [SM sends]) take another lifecycle's
+        counts instead of waiting for the peer's."""
+        lay, region = self.layout, self._region.tensor
+        for p in range(PARITIES):
+            name = f"board.{p}"
+            start = lay.offsets()[name]
+            region[start:start + lay.area_rows(name) * lay.row_bytes(name)].zero_()
+        if self.device >= 0:  # done on the device before the rank info is published
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _connect(self, store) -> None:
         from warmlink.rendezvous import schema
         from warmlink.transport.base import PeerRef, local_identity
