@@ -42,10 +42,20 @@ def _shifted(x: torch.Tensor, nbytes: int) -> torch.Tensor:
     return out.copy_(x)
 
 
+def rank_device(rank: int, case: dict) -> torch.device:
+    """Where rank ``rank`` works: host memory on shm; on cuda_ipc GPU ``rank % device_count``, so
+    that ranks share GPUs when there are fewer GPUs than ranks (two processes on one GPU still
+    map each other's memory over CUDA IPC and run every send path, at no link speed)."""
+    if case.get("backend") != "cuda_ipc":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _buffer(rank, num_ranks, store, case):
     from warmlink.ep import Buffer
 
-    device = rank if case.get("backend") == "cuda_ipc" else -1
+    on = rank_device(rank, case)
+    device = -1 if on.type == "cpu" else on.index
     if device >= 0:
         torch.cuda.set_device(device)
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"]) or 1),
@@ -63,7 +73,7 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     (every rank but 0 starts that late).
     """
     mine = case_inputs(case)[rank]
-    device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
+    device = rank_device(rank, case)
     x, idx, w = _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
     if case.get("misaligned_x"):  # x 8 bytes past a 16-byte boundary, as views into larger tensors are
         x = _shifted(x, 8)
@@ -134,7 +144,7 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     ep._kernels, Note [Fresh send graph]). Returns this rank's outputs per round and the kinds of
     launch its mover captured as graphs."""
     subs = [dict(case, **sub) for sub in case["rounds_cases"]]
-    device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
+    device = rank_device(rank, case)
     results = []
     with _buffer(rank, num_ranks, store, dict(case, tokens=[max(max(s["tokens"]) for s in subs) or 1])) as buf:
         for sub in subs:
@@ -154,7 +164,7 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
 
 def _mine_on_device(rank: int, case: dict) -> dict:
     mine = case_inputs(case)[rank]
-    device = torch.device("cuda", rank) if case.get("backend") == "cuda_ipc" else torch.device("cpu")
+    device = rank_device(rank, case)
     return {k: _to(v, device) for k, v in mine.items()}
 
 
@@ -198,7 +208,7 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
     gpu = case.get("backend") == "cuda_ipc"
     try:
         with _buffer(rank, num_ranks, store, dict(case, **case.get("per_rank", {}).get(rank, {}))) as buf:
-            device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+            device = rank_device(rank, case)
             x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
             if fault == "bad_expert" and rank == 0:
                 idx = idx.clone()
@@ -254,7 +264,7 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
         message = f"{type(exc).__name__}: {exc}"
         if gpu:  # no kernel may be left waiting on the peers: the device drains at once
             start = time.perf_counter()
-            torch.cuda.synchronize(rank)
+            torch.cuda.synchronize(rank_device(rank, case))
             if time.perf_counter() - start > 1.0:
                 message += f" [the device took {time.perf_counter() - start:.1f} s to drain]"
         return message
