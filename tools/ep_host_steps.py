@@ -1,0 +1,111 @@
+"""Host time of each step of one ep call, by wall clock: a one-rank Buffer on one GPU.
+
+cProfile charges its own overhead to every Python call, which hides how the 50-150 us before a
+send's launch split. This wraps a few named steps with ``time.perf_counter`` instead (about 0.3 us
+each) and prints, per kind of call, the median inclusive host time of each step per call (a step
+that nests another includes it), beside the call's own median wall time. The first calls of each
+kind are printed apart: they compile kernels, run eagerly once per receive parity, then capture
+the CUDA graphs later calls replay (ep._kernels, Note [Fresh send graph]), all paid once per
+Buffer and shape::
+
+    python tools/ep_host_steps.py [--calls 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+
+from warmlink import _cuda
+from warmlink.ep import _checks, _mailbox, _movers, buffer
+from warmlink.ep import Buffer
+from warmlink.rendezvous import Store
+
+# (owner, attribute): the steps timed; module-level functions are patched where the caller looks them up
+STEPS = [
+    (_checks.Checks, "x"), (_checks.Checks, "routing"), (torch, "empty"), (buffer.Buffer, "_fresh_shape"),
+    (_mailbox.Mailbox, "publish_dispatch"), (buffer, "call_words"), (_movers.CudaMover, "send_sm"),
+    (_movers.CudaMover, "_launch"), (_cuda, "event_record"), (_cuda, "graph_launch"),
+    (_movers.CudaMover, "wait_board"), (buffer.Buffer, "_handle_from_words"), (buffer.Buffer, "_meet"),
+    (buffer.Buffer, "_plan_from_board"), (_movers.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
+    (buffer.Buffer, "_recv_outputs"), (_movers.CudaMover, "arrived"), (buffer, "unpack_meta"),
+    (_movers.CudaMover, "_push_cached"), (_movers.CudaMover, "wait_begun"), (buffer.Buffer, "_send_cached"),
+    (_movers.CudaMover, "gather_all"), (_movers.CudaMover, "flush_all"),
+]
+
+_spent: collections.Counter = collections.Counter()
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _spent[name] += time.perf_counter() - t0
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    args = p.parse_args()
+    torch.cuda.set_device(0)
+    T, H, E, K = args.tokens, args.hidden, 256, 8
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(T, E, generator=gen).topk(K, 1).indices.cuda()
+    w = torch.rand(T, K).cuda()
+    x = torch.randn(T, H).bfloat16().cuda()
+    store = Store(is_server=True, prefix="ep-host-steps", timeout_s=30)
+    buf = Buffer(store, 0, 1, max_tokens_per_rank=T, hidden=H, num_topk=K, timeout_s=30)
+    lay = buf.get_dispatch_layout(idx, E)
+    kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2], "topk_idx": idx,
+          "topk_weights": w}
+    t0 = time.perf_counter()
+    handle = buf.dispatch(x, **kw)[4]
+    torch.cuda.synchronize()
+    print(f"first fresh dispatch of the Buffer (compiles its kernels): {(time.perf_counter() - t0) * 1e3:.1f} ms")
+    hooks: list = []
+    calls = {
+        "fresh dispatch": lambda: buf.dispatch(x, **kw),
+        "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+        "cached dispatch, hook send": lambda: hooks.append(buf.dispatch(x, handle=handle, return_recv_hook=True)[-1]),
+    }
+    for owner, attr in STEPS:
+        name = f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.", "")
+        setattr(owner, attr, _timed(name, getattr(owner, attr)))
+    for kind, fn in calls.items():
+        per_step: dict[str, list[float]] = collections.defaultdict(list)
+        wall, first = [], []
+        for i in range(args.calls + 20):
+            _spent.clear()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+            while hooks:
+                hooks.pop()()
+            torch.cuda.synchronize()
+            if i < 6:
+                first.append(elapsed)
+            if i >= 20:  # warm-up calls compile and capture
+                wall.append(elapsed)
+                for name, seconds in _spent.items():
+                    per_step[name].append(seconds)
+        print(f"=== {kind}: host wall {statistics.median(wall) * 1e6:.1f} us median of {args.calls} (one rank); "
+              f"first calls {', '.join(f'{s * 1e3:.2f}' for s in first)} ms")
+        for name, samples in sorted(per_step.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"  {name:40s} {statistics.median(samples) * 1e6:7.1f} us")
+    buf.close()
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
