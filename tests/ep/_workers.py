@@ -70,7 +70,8 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     hook_delay_s (None = normal mode), cached (re-dispatch with the handle, ``cached_repeats``
     times), misaligned_x (x 8 bytes past a 16-byte boundary), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
     outputs and start the next call after different sleeps, so fast ranks run ahead), late_start_s
-    (every rank but 0 starts that late).
+    (every rank but 0 starts that late), num_worst_tokens and expert_alignment (DeepEP's padding
+    arguments), async_finish (the returned events are waited on).
     """
     mine = case_inputs(case)[rank]
     device = rank_device(rank, case)
@@ -95,14 +96,18 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
                 kwargs.update(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
             else:
                 kwargs["num_experts"] = case["experts"]
+            kwargs.update({k: case[k] for k in ("num_worst_tokens", "expert_alignment", "async_finish") if k in case})
             out = buf.dispatch(x, **kwargs, return_recv_hook=delay is not None)
             if delay is not None:
                 time.sleep(delay)
                 out[-1]()
-            recv_x, recv_idx, recv_w, per_expert_list, handle = out[:5]
+            recv_x, recv_idx, recv_w, per_expert_list, handle, event = out[:6]
+            if case.get("async_finish"):
+                event.current_stream_wait()
             skew()
             got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
-                   "num_recv_tokens_per_expert_list": per_expert_list}
+                   "num_recv_tokens_per_expert_list": per_expert_list, "num_recv_tokens": handle.num_recv_tokens,
+                   "handle_per_expert": list(handle.num_recv_tokens_per_expert_list), "event": repr(event)}
             if case.get("cached"):
                 got["cached_x"] = []
                 for j in range(case.get("cached_repeats", 1)):  # odd repeats send -x: rounds differ in every byte
@@ -120,7 +125,7 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
                 time.sleep(delay)
                 comb[-1]()
             got["combined_x"], got["combined_w"] = _cpu(comb[0]), _cpu(comb[1])
-            got["y"] = _cpu(y)
+            got["y"] = _cpu(y)[:handle.num_recv_tokens]  # a padded dispatch's extra rows are not combined
             results.append(got)
     return results
 
@@ -248,6 +253,18 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 if rank == 0:
                     out[-1]()
                 return "ok"
+            if fault == "worst_too_small_then_exact":  # every rank refuses the padded round; the next works
+                try:
+                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], num_worst_tokens=1,
+                                 return_recv_hook=bool(case.get("hook")))
+                except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                    first = f"{type(exc).__name__}: {exc}"
+                else:
+                    first = "ok"
+                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=bool(case.get("hook")))
+                if case.get("hook"):
+                    out[-1]()
+                return first, _cpu(out[0])
             if fault == "refused_then_valid":  # rank 0's bad id spends the round on every rank; the next works
                 bad = idx.clone()
                 bad[0, 0] = case["experts"] + 3

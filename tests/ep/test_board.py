@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from warmlink.ep import _mailbox
 from warmlink.ep._regions import RegionLayout, board_words
-from warmlink.ep.buffer import Buffer, Handle
+from warmlink.ep.buffer import Buffer
+from warmlink.ep.handle import Handle, plan_from_board
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 ROUND = 5
@@ -77,7 +78,7 @@ def test_the_board_gives_the_mailbox_meetings_handle(data):
     buf = _host_side(num_ranks, rank, cap)
     want = _from_mailboxes(buf, counts, per_expert)
     got = _handle(num_ranks * epr, counts[rank].tolist())
-    buf._plan_from_board(got, _board(counts, per_expert, rank), ROUND)
+    plan_from_board(got, _board(counts, per_expert, rank), ROUND, rank, cap)
     for name in ("recv_counts", "recv_starts", "dst_rows", "num_recv_tokens_per_expert_list"):
         assert getattr(got, name) == getattr(want, name), name
         assert all(type(v) is int for v in getattr(got, name)), name  # plain ints, as the mailbox path gives
@@ -93,7 +94,7 @@ def _refusal(num_ranks=4, rank=1, **board_kw):
     if overrides is not None:
         counts = overrides
     board = _board(counts, per_expert, rank, **board_kw)
-    buf._plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), board, ROUND)
+    plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), board, ROUND, rank, buf.layout.max_tokens)
 
 
 def test_a_board_without_every_rank_of_this_round_is_a_timeout():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
+from warmlink.errors import ConfigError
 from tests.ep._reference import (
     decode_token_pattern,
     reference_combine,
@@ -30,20 +31,43 @@ def _equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
+def _rows(x, n: int):
+    return tuple(t[:n] for t in x) if isinstance(x, tuple) else x[:n]
+
+
+def _unpadded(case: dict, g: dict) -> dict:
+    """A rank's outputs of one round without the padding rows of ``num_worst_tokens``, once those
+    rows were checked (expert id -1, weight 0, DeepEP's empty per-expert list, every output padded)."""
+    worst = case.get("num_worst_tokens", 0)
+    if not worst:
+        return g
+    n = g["num_recv_tokens"]
+    for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "cached_x"):
+        for t in g.get(name, ()) if name == "cached_x" else (g[name],):
+            assert (t[0] if isinstance(t, tuple) else t).shape[0] == worst, f"{name} is not padded to {worst} rows"
+    assert (g["recv_topk_idx"][n:] == -1).all() and (g["recv_topk_weights"][n:] == 0).all()
+    assert g["num_recv_tokens_per_expert_list"] == []
+    return dict(g, recv_x=_rows(g["recv_x"], n), recv_topk_idx=g["recv_topk_idx"][:n],
+                recv_topk_weights=g["recv_topk_weights"][:n], cached_x=[_rows(c, n) for c in g.get("cached_x", ())],
+                num_recv_tokens_per_expert_list=g["handle_per_expert"])
+
+
 def check_against_reference(case: dict, results: list[list[dict]]) -> None:
     """Every round of every rank equals the oracle: rows, sources, ids, weights, counts, sums."""
     inputs = case_inputs(case)
     ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
                              [i["topk_weights"] for i in inputs], case["experts"])
+    align = 1 if case.get("num_worst_tokens") else case.get("expert_alignment", 1)
     for rnd in range(case.get("rounds", 1)):
-        got = [results[r][rnd] for r in range(len(inputs))]
+        got = [_unpadded(case, results[r][rnd]) for r in range(len(inputs))]
         for d, (g, want) in enumerate(zip(got, ref, strict=True)):
             assert _equal(g["recv_x"], want["recv_x"]), f"rank {d} round {rnd}: recv_x differs"
             ranks, tokens = decode_token_pattern(g["recv_x"])
             assert list(zip(ranks.tolist(), tokens.tolist(), strict=True)) == [tuple(p) for p in want["recv_src"]]
             assert torch.equal(g["recv_topk_idx"], want["recv_topk_idx"]), f"rank {d}: recv_topk_idx differs"
             assert torch.equal(g["recv_topk_weights"], want["recv_topk_weights"]), f"rank {d}: weights differ"
-            assert g["num_recv_tokens_per_expert_list"] == want["num_recv_tokens_per_expert_list"]
+            assert g["num_recv_tokens_per_expert_list"] == [-(-n // align) * align
+                                                            for n in want["num_recv_tokens_per_expert_list"]]
             for i, cached in enumerate(g.get("cached_x", ())):
                 expected = -want["recv_x"] if i % 2 and not isinstance(cached, tuple) else want["recv_x"]
                 assert _equal(cached, expected), f"rank {d} round {rnd}: cached dispatch {i} differs"
@@ -102,6 +126,12 @@ CASES = {
     # the largest group ep takes on one node (issue 6 runs it on 8 GPUs)
     "8 ranks, top-8 of 32, cached re-dispatch": {"tokens": [5, 0, 9, 3, 12, 1, 7, 4], "hidden": 128, "experts": 32,
                                                  "topk": 8, "mask_prob": 0.1, "seed": 11, "cached": True},
+    # DeepEP's padding arguments: outputs of num_worst_tokens rows (the most any rank receives here
+    # is 3 * 40 = 120), per-expert counts rounded up; events asked for
+    "padded outputs, cached re-dispatch": {"tokens": [40, 13, 27], "hidden": 128, "experts": 6, "topk": 2, "seed": 15,
+                                           "num_worst_tokens": 120, "cached": True, "async_finish": True},
+    "per-expert counts aligned to 16": {"tokens": [40, 13, 27], "hidden": 128, "experts": 6, "topk": 2, "seed": 15,
+                                        "expert_alignment": 16, "async_finish": True},
 }
 
 
@@ -115,6 +145,50 @@ def test_dispatch_combine_match_the_reference(name):
 def test_late_hooks_are_still_correct(delay_s):
     case = {"tokens": [20, 11, 6], "hidden": 128, "experts": 6, "topk": 2, "mask_prob": 0.2, "hook_delay_s": delay_s, "rounds": 2, "seed": 11}
     check_against_reference(case, run_ranks(dispatch_combine, 3, case=case))
+
+
+def test_padded_hook_dispatches_match_the_reference():
+    case = {"tokens": [20, 11, 6], "hidden": 128, "experts": 6, "topk": 2, "mask_prob": 0.2, "hook_delay_s": 0.01,
+            "rounds": 2, "seed": 16, "num_worst_tokens": 37, "cached": True}
+    check_against_reference(case, run_ranks(dispatch_combine, 3, case=case))
+
+
+def test_too_few_worst_tokens_make_every_rank_refuse_the_round_and_the_next_one_works():
+    case = {"tokens": [6, 9], "hidden": 128, "experts": 4, "topk": 2, "fault": "worst_too_small_then_exact", "seed": 17}
+    results = run_ranks(expect_error, 2, case=case)
+    for first, _ in results:
+        assert first.startswith("ConfigError") and "num_worst_tokens=1" in first, first
+    ref = reference_dispatch([i["x"] for i in case_inputs(case)], [i["topk_idx"] for i in case_inputs(case)], None, 4)
+    assert all(torch.equal(recv_x, want["recv_x"]) for (_, recv_x), want in zip(results, ref, strict=True))
+
+
+def test_deepep_arguments_are_checked_before_any_byte_moves():
+    from warmlink.ep import Buffer, EventOverlap
+    from warmlink.rendezvous import Store
+
+    store = Store(is_server=True, prefix="ep-args", timeout_s=10)
+    x, idx = torch.ones(4, 128, dtype=torch.bfloat16), torch.tensor([[0, 1], [1, -1], [0, 0], [1, 1]])
+    try:
+        with Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, timeout_s=10) as buf:
+            for kwargs, match in (({"expert_alignment": 0}, "expert_alignment=0"),
+                                  ({"num_worst_tokens": 9}, r"num_worst_tokens=9; expected an int in \[0, 8\]"),
+                                  ({"num_worst_tokens": -1}, "num_worst_tokens=-1"),
+                                  ({"previous_event": "event"}, "previous_event is a str")):
+                with pytest.raises(ConfigError, match=match):
+                    buf.dispatch(x, topk_idx=idx, num_experts=2, **kwargs)
+            out = buf.dispatch(x, topk_idx=idx, num_experts=2, num_worst_tokens=6, async_finish=True)
+            assert out[0].shape[0] == 6 and out[3] == [] and isinstance(out[5], EventOverlap)
+            with pytest.raises(ConfigError, match="pads its outputs as the dispatch that made its handle did"):
+                buf.dispatch(x, handle=out[4], num_worst_tokens=5)
+            again = buf.dispatch(x, handle=out[4], previous_event=out[5])  # pads as the handle's dispatch did
+            assert again[0].shape[0] == 6 and torch.equal(again[0][:4], out[0][:4])
+            with pytest.raises(ConfigError, match="x has 5 rows; expected 6"):
+                buf.combine(out[0][:5].clone(), out[4])
+            combined, _, event = buf.combine(out[0].clone(), out[4], async_finish=True)
+            event.current_stream_wait()  # on host memory the outputs are complete: nothing to wait for
+            assert torch.equal(combined, x * 1)  # one rank: each token's single copy comes back
+    finally:
+        store.close()
 
 
 def test_skewed_ranks_running_ahead_never_overwrite_what_a_peer_reads():

@@ -39,6 +39,11 @@ GPU_CASES = {
     # x 8 bytes off a 16-byte boundary (a view into a larger tensor): every send path moves it whole
     "x not 16-byte aligned, cached": {"tokens": _tokens(96, 200), "hidden": 1024, "experts": 16, "topk": 4, "cached": True,
                                       "misaligned_x": True, "seed": 12},
+    # DeepEP's padding arguments, and events waited on (every rank receives fewer than R * 200 rows)
+    "padded outputs, cached, events": {"tokens": _tokens(200, 77), "hidden": 1024, "experts": 16, "topk": 4, "cached": True,
+                                       "num_worst_tokens": RANKS * 200, "async_finish": True, "seed": 20},
+    "per-expert counts aligned": {"tokens": _tokens(200, 77), "hidden": 1024, "experts": 16, "topk": 4,
+                                  "expert_alignment": 128, "async_finish": True, "seed": 21},
 }
 
 
@@ -57,6 +62,26 @@ def test_gpu_late_hooks_are_still_correct(delay_s):
     case = {"tokens": _tokens(200, 31), "hidden": 1024, "experts": 16, "topk": 4, "hook_delay_s": delay_s, "rounds": 2,
             "cached": True, "cached_repeats": 3, "backend": "cuda_ipc", "seed": 6}
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+@needs_gpu
+def test_gpu_padded_hook_dispatches_through_the_copy_engines_match_the_reference():
+    case = {"tokens": _tokens(200, 31), "hidden": 1024, "experts": 16, "topk": 4, "hook_delay_s": 0.01, "rounds": 2,
+            "cached": True, "cached_repeats": 2, "backend": "cuda_ipc", "seed": 22, "num_worst_tokens": RANKS * 200}
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
+
+
+@needs_gpu
+@pytest.mark.parametrize("hook", [False, True], ids=["sm sends", "copy engines"])
+def test_gpu_too_few_worst_tokens_make_every_rank_refuse_the_round_and_the_next_one_works(hook):
+    case = {"tokens": _tokens(6, 9), "hidden": 256, "experts": 2 * RANKS, "topk": 2, "backend": "cuda_ipc",
+            "timeout_s": 10.0, "fault": "worst_too_small_then_exact", "hook": hook, "seed": 23}
+    results = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
+    for first, _ in results:
+        assert first.startswith("ConfigError") and "num_worst_tokens=1" in first, first
+    inputs = case_inputs(case)
+    ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
+    assert all(torch.equal(recv_x, want["recv_x"]) for (_, recv_x), want in zip(results, ref, strict=True))
 
 
 @needs_gpu

@@ -56,6 +56,17 @@ class Checks:
             raise ConfigError(f"ep: {what} has {t.shape[1]} experts per token; the buffer holds num_topk={self._layout.num_topk}")
         return t
 
+    def padding(self, expert_alignment, num_worst_tokens) -> None:
+        """DeepEP's ``expert_alignment`` (an int >= 1) and ``num_worst_tokens`` (0, or the rows of
+        padded outputs: at most the receive area's ``num_ranks * max_tokens_per_rank``)."""
+        if not isinstance(expert_alignment, int) or isinstance(expert_alignment, bool) or expert_alignment < 1:
+            raise ConfigError(f"ep.Buffer.dispatch: expert_alignment={expert_alignment!r}; expected an int >= 1")
+        rows = self._num_ranks * self._layout.max_tokens
+        if (not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool)
+                or not 0 <= num_worst_tokens <= rows):
+            raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens!r}; expected an int in [0, {rows}] "
+                              f"(num_ranks * max_tokens_per_rank rows of the receive area)")
+
     def layout(self, per_rank, in_rank, per_expert, num_tokens: int, num_experts: int) -> None:
         shapes = {"num_tokens_per_rank": (per_rank, (self._num_ranks,)), "is_token_in_rank": (in_rank, (num_tokens, self._num_ranks)),
                   "num_tokens_per_expert": (per_expert, (num_experts,))}

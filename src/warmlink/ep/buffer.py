@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from warmlink._closing import Closing
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
+from warmlink.ep._call_config import describe_call, encode_call
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
@@ -59,42 +60,15 @@ from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._movers import CudaMover, HostMover, as_words
 from warmlink.ep._reduce import PARTS, combine_sum, part_bounds, part_phase, part_sums
 from warmlink.ep._regions import PARITIES, RegionLayout, area
+from warmlink.ep.event import EventOverlap, wait_for
+from warmlink.ep.handle import Handle, fill_plan, per_expert_list, plan_from_board
 from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
-__all__ = ["Buffer", "Handle"]
+__all__ = ["Buffer"]
 
 log = logging.getLogger("warmlink.ep")
 _SERIALS = itertools.count()  # one per Buffer: keys what a handle caches about a Buffer's mappings
-
-@dataclass
-class Handle:
-    """What a dispatch leaves for its combine and for a cached re-dispatch (opaque to users).
-
-    Counts are host ints (the round protocol brought them there); ``combine_rows[t, d]`` is token
-    ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep._kernels.plan), ``dst_rows[d]``
-    where this rank's rows start in ``d``'s receive area, ``recv_starts[s]`` / ``recv_counts[s]``
-    where source ``s``'s rows lie in this rank's output.
-    """
-
-    num_experts: int
-    num_tokens: int
-    is_token_in_rank: torch.Tensor
-    combine_rows: torch.Tensor
-    send_counts: list[int]
-    dst_rows: list[int] | None = None
-    recv_starts: list[int] | None = None
-    recv_counts: list[int] | None = None
-    num_recv_tokens_per_expert_list: list[int] | None = None
-    num_topk: int = 0
-    round: int = 0  # the dispatch round that built it: every rank must combine with the same one
-    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._movers)
-    sm_bases: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def num_recv_tokens(self) -> int:
-        return sum(self.recv_counts)
-
 
 @dataclass
 class _Pending:
@@ -158,6 +132,7 @@ class Buffer(Closing):
         self._leases: list = []
         self._recv_stream = None
         self._recv_failed = False
+        self._done_events: list[int] = []  # what async_finish records: per (op, parity), then the layout's
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
         self._graphs = False  # set in _connect: WARMLINK_EP_GRAPH (ep._kernels, Note [Fresh send graph])
         # the combine's parts (ep._reduce, Note [Pipelined combine]); every rank must use the same,
@@ -289,7 +264,9 @@ class Buffer(Closing):
             leased = [lease_stream(self.device) for _ in range(own)]
             streams = [leased[d % own] for d in range(self.num_ranks)]
             local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS + 1)]  # + the combine's "reduced"
-            self._leases += leased + local
+            done = [lease_event(self.device) for _ in range(2 * PARITIES + 1)]
+            self._leases += leased + local + done
+            self._done_events = [e.resource.handle for e in done]
             # not among self._leases: close() must not order the caller's stream after it (it may
             # wait on a dead peer; ep._movers, Note [Receive work on its own stream])
             self._recv_stream = lease_stream(self.device)
@@ -331,13 +308,16 @@ class Buffer(Closing):
     # -- layout -----------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP's layout tuple: ``(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, None)``.
+        """DeepEP's layout tuple: ``(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)``
+        (``event``: an ``ep.EventOverlap``, as ``dispatch`` returns).
 
         Entries outside ``[-1, num_experts)`` are routed nowhere here and refused by ``dispatch``.
         """
         self._checks.experts(num_experts)
+        wait_for(previous_event, "get_dispatch_layout")
         lay = dispatch_layout(self._checks.topk(topk_idx, "topk_idx"), num_experts, self.num_ranks)
-        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, None
+        return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
+                self._overlap(2 * PARITIES, async_finish))
 
     # -- checks (host only, before any byte moves) -------------------------------------------------
     def _check_open(self, func: str) -> None:
@@ -385,14 +365,25 @@ class Buffer(Closing):
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
                 Every rank must pass the same value to a fresh dispatch: without a hook the SMs send
                 (Note [SM sends] in ep._kernels), with one the copy engines do.
-            The remaining DeepEP arguments are accepted for compatibility; ``expert_alignment`` must
-            be 1 and ``num_worst_tokens`` 0.
+            expert_alignment: round each count of ``num_recv_tokens_per_expert_list`` up to a
+                multiple of this (an int >= 1), as DeepEP does for grouped GEMMs.
+            num_worst_tokens: 0, or the rows of every output (at most ``num_ranks *
+                max_tokens_per_rank``; every rank passes the same): rows past the received ones hold
+                stale bytes, expert id -1 and weight 0, and ``num_recv_tokens_per_expert_list`` is
+                empty (the handle keeps the counts). If any rank would receive more rows, every rank
+                raises ``ConfigError`` and the round is spent. Unlike DeepEP's, the host still meets
+                the peers, so the call is not graph-capturable. A cached dispatch pads as its handle's.
+            previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the current stream waits for first.
+            async_finish: also record an event after the call's work (``EventOverlap``); the caller's
+                stream is ordered after the outputs either way.
+            ``allocate_on_comm_stream`` and ``config`` are accepted for compatibility and unused.
 
         Returns:
-            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, None)``,
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``,
             plus ``hook`` when asked (the tensors are filled when it returns). ``recv_x`` rows are
             ordered by source rank, then source token, and are a view of the receive area valid until
-            the next dispatch; ``recv_topk_idx`` holds local expert ids (-1 elsewhere).
+            the next dispatch; ``recv_topk_idx`` holds local expert ids (-1 elsewhere). ``event`` is an
+            ``ep.EventOverlap`` (in hook mode it marks the send phase).
 
         Raises:
             ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves), or peers
@@ -400,8 +391,8 @@ class Buffer(Closing):
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("dispatch")
-        if expert_alignment != 1 or num_worst_tokens:
-            raise ConfigError("ep.Buffer.dispatch: expert_alignment must be 1 and num_worst_tokens 0 (not supported)")
+        self._checks.padding(expert_alignment, num_worst_tokens)
+        wait_for(previous_event, "dispatch")
         t0 = time.perf_counter()
         tokens, scales = self._checks.x(x)
         num_tokens = tokens.shape[0]
@@ -413,7 +404,10 @@ class Buffer(Closing):
         if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
-            config = self._call_config(handle.num_experts, 0, scales is not None, True)
+            if num_worst_tokens not in (0, handle.num_worst_tokens):
+                raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
+                                  f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
+            config = encode_call(handle.num_experts, 0, scales is not None, True, num_worst_tokens=handle.num_worst_tokens)
             src = Sources(as_words(tokens), scales=scales)
             self.mailbox.publish_dispatch(round_, config)
             marks = {"start": t0, "counts": time.perf_counter()}
@@ -427,11 +421,12 @@ class Buffer(Closing):
             sm = self._sm_sends and not return_recv_hook
             # the send path is part of the config: a rank that meets in the mailbox while another
             # trades counts on the device would read counts that were never published
-            config = self._call_config(num_experts, topk.shape[1], scales is not None, False, sm)
+            config = encode_call(num_experts, topk.shape[1], scales is not None, False, sm, num_worst_tokens)
             marks = {"start": t0, "checked": time.perf_counter()}
             src = Sources(as_words(tokens), topk, weights, scales)
             send = self._send_fresh_sm if sm else self._send_fresh_copy
-            handle = send(src, in_rank, per_rank, per_expert, num_experts, config, round_, phase, parts, marks)
+            handle = send(src, in_rank, per_rank, per_expert, num_experts, config, round_, phase, parts, marks,
+                          num_worst_tokens)
         mover.send_done()
         if cached:  # see Note [Round protocol], step 1 (a fresh dispatch waited for its counts)
             mover.wait_begun(self.timeout_s)
@@ -454,8 +449,8 @@ class Buffer(Closing):
             self.last_marks["received"] = time.perf_counter()
             self.last_phases["receive"] = self.last_marks["received"] - t3
 
-        result = (recv_x, recv_idx, recv_w, list(handle.num_recv_tokens_per_expert_list), handle, None)
-        return self._finish("dispatch", round_, receive, return_recv_hook, result)
+        result = (recv_x, recv_idx, recv_w, per_expert_list(handle, expert_alignment), handle)
+        return self._finish("dispatch", round_, receive, return_recv_hook, result, async_finish)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None, config=None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
@@ -463,26 +458,30 @@ class Buffer(Closing):
         """Send each received row back to its source and sum, per token, the copies of its ranks.
 
         Args:
-            x: ``[num_recv_tokens, hidden]`` bf16/fp16, rows aligned with the dispatch output.
+            x: ``[num_recv_tokens, hidden]`` bf16/fp16, rows aligned with the dispatch output (its
+                ``num_worst_tokens`` rows for a padded dispatch; the padding rows are not read).
             handle: that dispatch's handle.
             topk_weights: optional ``[num_recv_tokens, K]`` float32, summed the same way.
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
+            previous_event, async_finish: as ``dispatch``'s.
 
         Returns:
-            ``(combined_x [T, hidden], combined_topk_weights or None, None)``, plus ``hook`` when asked
-            (the tensors are filled when it returns). Sums are float32 in rank order.
+            ``(combined_x [T, hidden], combined_topk_weights or None, event)``, plus ``hook`` when
+            asked (the tensors are filled when it returns). Sums are float32 in rank order.
         """
         self._check_open("combine")
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
+        wait_for(previous_event, "combine")
         t0 = time.perf_counter()
-        rows = self._checks.rows(x, "x", handle.num_recv_tokens)
+        padded = handle.num_worst_tokens or handle.num_recv_tokens  # the rows of that dispatch's outputs
+        rows = self._checks.rows(x, "x", padded)[:handle.num_recv_tokens]
         if rows.dtype not in _X_DTYPES or rows.shape[1] != self.layout.hidden:
             raise ConfigError(f"ep.Buffer.combine: x is {rows.dtype} with {rows.shape[1]} channels; expected one of "
                               f"{list(_X_DTYPES)} with hidden={self.layout.hidden}")
         weights = None
         if topk_weights is not None:
-            weights = self._checks.rows(topk_weights, "topk_weights", handle.num_recv_tokens).float()
+            weights = self._checks.rows(topk_weights, "topk_weights", padded)[:handle.num_recv_tokens].float()
             if weights.shape[1] > self.layout.num_topk:
                 raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {self.layout.num_topk}")
         round_ = self._round["combine"] + 1
@@ -542,7 +541,7 @@ class Buffer(Closing):
             # "queued": from the receive's start until the last sum is queued (the rest waits for bytes)
             self.last_phases.update(receive=time.perf_counter() - t2, queued=queued[0] - t2)
 
-        return self._finish("combine", round_, receive, return_recv_hook, (out, out_w, None))
+        return self._finish("combine", round_, receive, return_recv_hook, (out, out_w), async_finish)
 
     # -- the dispatch's send paths (Note [SM sends], Note [Copy-engine sends]) ----------------------
     def _send_cached(self, handle: Handle, src: Sources, round_: int, phase: str, parts: tuple[str, str],
@@ -565,7 +564,7 @@ class Buffer(Closing):
         mover.flush_all(phase, src, parts, [(d, handle.dst_rows[d], handle.send_counts[d]) for d in (*self._order(), me)])
 
     def _send_fresh_sm(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
-                       phase: str, parts: tuple[str, str], marks: dict) -> Handle:
+                       phase: str, parts: tuple[str, str], marks: dict, num_worst_tokens: int) -> Handle:
         """A fresh dispatch's send by the SMs: kernels plan, trade the counts and store the rows
         (Note [SM sends]); then the handle from the board. Adds its host marks to ``marks``."""
         mover, num_tokens = self._mover, src.x.shape[0]
@@ -581,10 +580,10 @@ class Buffer(Closing):
         words, board = mover.wait_board(round_, self.timeout_s, lambda: self._check_peer_configs(
             round_, config, self.mailbox.published(mb.DISPATCH, round_)))
         try:
-            handle = self._handle_from_words(words, num_experts, in_rank, rows, src, round_, marks)[0]
+            handle = self._handle_from_words(words, num_experts, in_rank, rows, src, round_, marks, num_worst_tokens)[0]
             self._meet(mb.DISPATCH, round_)
             marks["met"] = time.perf_counter()
-            self._plan_from_board(handle, board, round_)
+            plan_from_board(handle, board, round_, self.rank, self.layout.max_tokens)
         except ConfigError:  # every rank's board showed the same refusal: the round is spent everywhere
             self._round["dispatch"] = round_
             raise
@@ -592,7 +591,7 @@ class Buffer(Closing):
         return handle
 
     def _send_fresh_copy(self, src: Sources, in_rank, per_rank, per_expert, num_experts: int, config: int, round_: int,
-                         phase: str, parts: tuple[str, str], marks: dict) -> Handle:
+                         phase: str, parts: tuple[str, str], marks: dict, num_worst_tokens: int) -> Handle:
         """A fresh dispatch's send by the copy engines: the counts go to the host, the ranks meet in
         the mailboxes, then the copies (Note [Copy-engine sends]). Adds its host marks to ``marks``."""
         mover = self._mover
@@ -605,11 +604,15 @@ class Buffer(Closing):
         mover.gather(rows, src, range(self.num_ranks), self.rank)
         marks["launched"] = time.perf_counter()
         handle, send_counts, expert_counts = self._handle_from_words(mover.wait_host(self.timeout_s), num_experts,
-                                                                     in_rank, rows, src, round_, marks)
+                                                                     in_rank, rows, src, round_, marks, num_worst_tokens)
         self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
         self._meet(mb.DISPATCH, round_)
         marks["met"] = time.perf_counter()
-        self._complete_plan(handle, round_)
+        try:
+            self._complete_plan(handle, round_)
+        except ConfigError:  # every rank read the same counts and refused: the round is spent everywhere
+            self._round["dispatch"] = round_
+            raise
         marks["ready"] = time.perf_counter()
         mover.flush_all(phase, src, parts, [(d, handle.dst_rows[d], handle.send_counts[d]) for d in self._order()])
         me = self.rank
@@ -618,13 +621,13 @@ class Buffer(Closing):
         return handle
 
     def _handle_from_words(self, words: np.ndarray, num_experts: int, in_rank, rows, src: Sources, round_: int,
-                           marks: dict):
+                           marks: dict, num_worst_tokens: int):
         """``(handle, send counts, per-expert counts)`` of a fresh dispatch from its plan's words,
         checked first (ep._checks: ``ConfigError`` before any byte moved)."""
         num_tokens = src.x.shape[0]
         send_counts, expert_counts = self._checks.counts(words, num_tokens, num_experts)
         handle = Handle(num_experts, num_tokens, in_rank, rows, send_counts.tolist(), num_topk=src.topk.shape[1],
-                        round=round_)
+                        round=round_, num_worst_tokens=num_worst_tokens)
         marks["counts"] = time.perf_counter()
         return handle, send_counts, expert_counts
 
@@ -633,27 +636,37 @@ class Buffer(Closing):
         """``(recv_x, recv_topk_idx, recv_topk_weights, unpack, writes)``: ``recv_x`` is a view of the
         receive area; ``unpack``, the receive-phase step, fills the other outputs (and FP8 scales),
         ``writes``, made now so that hook mode can return them before the bytes land (None when
-        there is nothing to unpack)."""
+        there is nothing to unpack). With ``num_worst_tokens`` the outputs have that many rows; the
+        rows past the received ones get expert id -1 and weight 0 now, on the caller's stream (the
+        receive work writes only the others)."""
         total, lay, view = handle.num_recv_tokens, self.layout, self._mover.own_view
-        x = view(parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:total]
+        rows = handle.num_worst_tokens or total
+        x = view(parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:rows]
         meta = view(parts[1], torch.uint8, lay.meta_bytes)[:total]
         kt, dev = handle.num_topk, x.device
-        idx = torch.empty(total, kt, dtype=torch.int64, device=dev) if with_topk else None
-        w = torch.empty(total, kt, dtype=torch.float32, device=dev) if with_weights else None
-        scales = torch.empty(total, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
+        idx = torch.empty(rows, kt, dtype=torch.int64, device=dev) if with_topk else None
+        w = torch.empty(rows, kt, dtype=torch.float32, device=dev) if with_weights else None
+        scales = torch.empty(rows, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
+        if rows > total:
+            for t, fill in ((idx, -1), (w, 0)):
+                if t is not None:
+                    t[total:].fill_(fill)
+        received = [t[:total] if t is not None else None for t in (idx, w, scales)]
         epr = handle.num_experts // self.num_ranks
 
         def unpack() -> None:
-            unpack_meta(meta, lay.num_topk, idx, w, scales, self.rank * epr, epr)
+            unpack_meta(meta, lay.num_topk, *received, self.rank * epr, epr)
 
         busy = total and (idx is not None or scales is not None)
         return ((x, scales) if fp8 else x), idx, w, (unpack if busy else None), (idx, w, scales)
 
-    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple):
-        """Run the receive phase now, or return ``(*result, hook)`` whose hook runs it once."""
+    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple, async_finish: bool):
+        """Run the receive phase now and return ``(*result, event)``, or return ``(*result, event,
+        hook)`` whose hook runs it once (the event then marks the send phase, as DeepEP's does)."""
+        slot = (phase == "combine") * PARITIES + round_ % PARITIES
         if not return_recv_hook:
             receive()
-            return result
+            return (*result, self._overlap(slot, async_finish))
         pending = self._pending = _Pending(phase, round_)
 
         def hook() -> None:
@@ -661,7 +674,17 @@ class Buffer(Closing):
                 receive()
                 pending.done = True
 
-        return (*result, hook)
+        return (*result, self._overlap(slot, async_finish), hook)
+
+    def _overlap(self, slot: int, async_finish: bool) -> EventOverlap:
+        """DeepEP's event: with ``async_finish`` on CUDA, pooled event ``slot`` recorded on the current stream now."""
+        if self.device < 0 or not async_finish:
+            return EventOverlap(None, self.device)
+        from warmlink import _cuda
+
+        event = self._done_events[slot]
+        _cuda.event_record(event, current_stream(self.device))
+        return EventOverlap(event, self.device)
 
     def _fresh_shape(self, num_experts: int, src: Sources, per_rank: torch.Tensor, per_expert: torch.Tensor) -> FreshShape:
         """What a fresh SM send's kernels are specialized for (its graphs' key, with the parity)."""
@@ -671,21 +694,13 @@ class Buffer(Closing):
                           lay.meta_bytes, src.topk.dtype, per_rank.dtype, per_expert.dtype,
                           src.weights.dtype if src.weights is not None else None)
 
-    def _call_config(self, num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False) -> int:
-        return (num_experts << 20) | (num_topk << 4) | (int(sm) << 2) | (int(fp8) << 1) | int(cached)
-
     def _check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
         for r in (range(self.num_ranks) if ranks is None else ranks):
             theirs = self.mailbox.config(r, round_)
             if r != self.rank and theirs != config:
-                raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {self._describe(theirs)}, this rank with "
-                                  f"{self._describe(config)}; every rank must pass the same kind of call (a fresh "
+                raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank with "
+                                  f"{describe_call(config)}; every rank must pass the same kind of call (a fresh "
                                   "dispatch with a hook sends through the copy engines, one without through the SMs)")
-
-    @staticmethod
-    def _describe(config: int) -> str:
-        return (f"(num_experts={config >> 20}, num_topk={(config >> 4) & 0xFFFF}, fp8={bool(config & 2)}, "
-                f"cached={bool(config & 1)}, sm_sends={bool(config & 4)})")
 
     def _complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
@@ -700,35 +715,7 @@ class Buffer(Closing):
                 raise MetadataError(f"ep: rank {s} published counts {row}; expected each in [0, {cap}]")
             matrix.append(row)
             per_expert += experts
-        self._fill_plan(handle, matrix, per_expert.tolist())
-
-    def _plan_from_board(self, handle: Handle, board: np.ndarray, round_: int) -> None:
-        """``_complete_plan`` from this rank's count board of an SM dispatch (Note [SM sends]): row
-        ``s`` holds the round tag, whether ``s``'s input was valid, its counts per destination and
-        its counts for this rank's experts. A refused input stopped every push: nothing was sent."""
-        num_ranks, cap = self.num_ranks, self.layout.max_tokens
-        epr = handle.num_experts // num_ranks
-        late = [s for s in range(num_ranks) if board[s, 0] != round_]
-        if late:
-            raise TransferTimeout(f"ep: the count exchange of dispatch round {round_} ended without the counts of "
-                                  f"ranks {late}")
-        refused = [s for s in range(num_ranks) if not board[s, 1]]
-        if refused:
-            raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
-                              "layout; see their errors); nothing was sent")
-        matrix = board[:, 2:2 + num_ranks]
-        if matrix.min() < 0 or matrix.max() > cap:
-            raise MetadataError(f"ep: the count board holds {matrix.tolist()}; expected each count in [0, {cap}]")
-        self._fill_plan(handle, matrix.tolist(), board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist())
-
-    def _fill_plan(self, handle: Handle, matrix: list[list[int]], per_expert: list[int]) -> None:
-        """The handle's receive counts and starts, and this rank's rows in each destination, from
-        ``matrix[s][d]`` (rows ``s`` sends ``d``): ``d``'s rows come by source (Note [Send order])."""
-        me = self.rank
-        handle.recv_counts = [row[me] for row in matrix]
-        handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(self.num_ranks)]
-        handle.dst_rows = [sum(row[d] for row in matrix[:me]) for d in range(self.num_ranks)]
-        handle.num_recv_tokens_per_expert_list = per_expert
+        fill_plan(handle, matrix, per_expert.tolist(), self.rank)
 
     def _arrived(self, phase: str, then, writes, early=()) -> None:
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a

@@ -365,7 +365,10 @@ class RefitJob:
         trainers: trainer ranks (TP size). engines: inference engines (TP=1 each).
         model, dtype, backend, device: passed to every actor (``backend="shm"`` on CPU).
         timeout_s: each actor's warmlink timeout; the driver waits ``timeout_s + call_margin_s``
-            for any remote call.
+            for any remote call but the first.
+        start_timeout_s: how long the driver waits for every engine to start (a process that
+            imports torch and builds its model: seconds, more on a loaded host), apart from the
+            protocol's timeouts.
         actor_options: ``ray.remote`` options of every actor (default ``num_cpus=0``, so a
             small machine fits them all; on GPUs pass ``num_gpus=1``).
 
@@ -383,6 +386,7 @@ class RefitJob:
         device: str = "cpu",
         timeout_s: float = 30.0,
         call_margin_s: float = 30.0,
+        start_timeout_s: float = 120.0,
         actor_options: Mapping[str, Any] | None = None,
         prefix: str | None = None,
     ) -> None:
@@ -402,7 +406,7 @@ class RefitJob:
         ]
         self.version = 0
         # Where each engine runs: kill_engine waits for the process itself to exit (see the module doc).
-        self.engine_info = self._get([e.info.remote() for e in self.engines], "engine start")
+        self.engine_info = get([e.info.remote() for e in self.engines], timeout_s=start_timeout_s, what="engine start")
 
     def _get(self, refs, what: str):
         return get(refs, timeout_s=self.call_timeout_s, what=what)

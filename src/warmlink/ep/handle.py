@@ -1,0 +1,91 @@
+"""``Handle``: what a dispatch leaves for its combine and its cached re-dispatches, and how its plan
+is filled in once every rank's counts are known (from the mailboxes, or from an SM dispatch's count
+board, ep._kernels Note [SM sends]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from warmlink.errors import ConfigError, MetadataError, TransferTimeout
+
+__all__ = ["Handle", "fill_plan", "per_expert_list", "plan_from_board"]
+
+
+@dataclass
+class Handle:
+    """What a dispatch leaves for its combine and for a cached re-dispatch (opaque to users).
+
+    Counts are host ints (the round protocol brought them there); ``combine_rows[t, d]`` is token
+    ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep._kernels.plan), ``dst_rows[d]``
+    where this rank's rows start in ``d``'s receive area, ``recv_starts[s]`` / ``recv_counts[s]``
+    where source ``s``'s rows lie in this rank's output.
+    """
+
+    num_experts: int
+    num_tokens: int
+    is_token_in_rank: torch.Tensor
+    combine_rows: torch.Tensor
+    send_counts: list[int]
+    dst_rows: list[int] | None = None
+    recv_starts: list[int] | None = None
+    recv_counts: list[int] | None = None
+    num_recv_tokens_per_expert_list: list[int] | None = None
+    num_topk: int = 0
+    round: int = 0  # the dispatch round that built it: every rank must combine with the same one
+    num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
+    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._movers)
+    sm_bases: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return sum(self.recv_counts)
+
+
+def per_expert_list(handle: Handle, expert_alignment: int) -> list[int]:
+    """The dispatch's ``num_recv_tokens_per_expert_list``, each rounded up to ``expert_alignment``;
+    empty for padded outputs, as DeepEP's (the exact counts stay on the handle)."""
+    if handle.num_worst_tokens:
+        return []
+    return [-(-n // expert_alignment) * expert_alignment for n in handle.num_recv_tokens_per_expert_list]
+
+
+def fill_plan(handle: Handle, matrix: list[list[int]], per_expert: list[int], rank: int) -> None:
+    """The handle's receive counts and starts, and rank ``rank``'s rows in each destination, from
+    ``matrix[s][d]`` (rows ``s`` sends ``d``): ``d``'s rows come by source (Note [Send order] in
+    ep.layout). Every rank holds the same matrix, so a rank that would receive more rows than the
+    call's ``num_worst_tokens`` makes every rank refuse the round alike (``ConfigError``)."""
+    num_ranks, worst = len(matrix), handle.num_worst_tokens
+    if worst:
+        totals = [sum(row[d] for row in matrix) for d in range(num_ranks)]
+        over = {d: n for d, n in enumerate(totals) if n > worst}
+        if over:
+            raise ConfigError(f"ep.Buffer.dispatch: ranks receive {over} rows; num_worst_tokens={worst} is the most "
+                              "any may (pass a larger num_worst_tokens, or 0 for outputs sized by the counts)")
+    handle.recv_counts = [row[rank] for row in matrix]
+    handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
+    handle.dst_rows = [sum(row[d] for row in matrix[:rank]) for d in range(num_ranks)]
+    handle.num_recv_tokens_per_expert_list = per_expert
+
+
+def plan_from_board(handle: Handle, board: np.ndarray, round_: int, rank: int, max_tokens: int) -> None:
+    """``fill_plan`` from rank ``rank``'s count board of an SM dispatch: row ``s`` holds the round
+    tag, whether ``s``'s input was valid, its counts per destination and its counts for this rank's
+    experts. A refused input stopped every push: nothing was sent."""
+    num_ranks = board.shape[0]
+    epr = handle.num_experts // num_ranks
+    late = [s for s in range(num_ranks) if board[s, 0] != round_]
+    if late:
+        raise TransferTimeout(f"ep: the count exchange of dispatch round {round_} ended without the counts of "
+                              f"ranks {late}")
+    refused = [s for s in range(num_ranks) if not board[s, 1]]
+    if refused:
+        raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
+                          "layout; see their errors); nothing was sent")
+    matrix = board[:, 2:2 + num_ranks]
+    if matrix.min() < 0 or matrix.max() > max_tokens:
+        raise MetadataError(f"ep: the count board holds {matrix.tolist()}; expected each count in [0, {max_tokens}]")
+    fill_plan(handle, matrix.tolist(), board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist(), rank)
