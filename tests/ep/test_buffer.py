@@ -118,6 +118,7 @@ def test_new_inputs_and_token_counts_every_call_match_the_reference():
 CASES = {
     "1 rank": {"tokens": [16], "hidden": 128, "experts": 4, "topk": 2},
     "2 ranks even": {"tokens": [16, 16], "hidden": 128, "experts": 8, "topk": 2},
+    "2 ranks, combine in four parts": {"tokens": [16, 9], "hidden": 128, "experts": 8, "topk": 2, "combine_parts": 4},
     "3 ranks uneven, masked": {"tokens": [9, 0, 23], "hidden": 256, "experts": 12, "topk": 3, "mask_prob": 0.3, "seed": 3},
     "4 ranks, top-4 of 16": {"tokens": [31, 7, 12, 40], "hidden": 128, "experts": 16, "topk": 4, "mask_prob": 0.1, "seed": 5},
     "fp8": {"tokens": [10, 17, 3], "hidden": 256, "experts": 6, "topk": 2, "dtype": torch.float8_e4m3fn, "seed": 7},

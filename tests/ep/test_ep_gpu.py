@@ -33,7 +33,9 @@ def _tokens(*counts):
 
 
 GPU_CASES = {
-    "bf16 uneven, masked": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8, "mask_prob": 0.1},
+    # four combine parts whatever the group size (two ranks combine in one by default)
+    "bf16 uneven, masked": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8, "mask_prob": 0.1,
+                            "combine_parts": 4},
     "fp8": {"tokens": _tokens(256, 129), "hidden": 2048, "experts": 16, "topk": 4, "dtype": torch.float8_e4m3fn, "seed": 2},
     "deepseek hidden, cached": {"tokens": _tokens(128, 64), "hidden": 7168, "experts": 64, "topk": 8, "cached": True, "seed": 4},
     # x 8 bytes off a 16-byte boundary (a view into a larger tensor): every send path moves it whole

@@ -41,11 +41,11 @@ __all__ = ["add_arguments", "run"]
 
 # "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
 # "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
-# "_one_part", "_two_parts": the combine's sum after its last byte, or in two parts, not in
-# ep._reduce.PARTS (Note [Pipelined combine])
+# "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
+# (ep._reduce, Note [Pipelined combine]), whatever the group's default
 _OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
         "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
-        "combine_bf16_hook", "combine_bf16_one_part", "combine_bf16_two_parts")
+        "combine_bf16_hook", "combine_bf16_one_part", "combine_bf16_two_parts", "combine_bf16_four_parts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -340,8 +340,8 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             cached[-1]()
         checks["dispatch_cached_hook"] = bool(torch.equal(cached[0], ref.recv_x))
         # summed in parts (ep._reduce, Note [Pipelined combine]) or after the last byte: the same bits
-        checks["combine_one_part"] = bool(torch.equal(
-            flipped("_combine_parts", lambda: buf.combine(y, handle)[0], 1), combined))
+        for parts, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
+            checks[name] = bool(torch.equal(flipped("_combine_parts", lambda: buf.combine(y, handle)[0], parts), combined))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
@@ -407,9 +407,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
     times["combine_bf16_hook"] = timed(lambda: combine(True))
-    # the sum after the last byte, in one part (before ep._reduce's Note [Pipelined combine])
-    times["combine_bf16_one_part"] = timed(lambda: flipped("_combine_parts", combine, 1))
-    times["combine_bf16_two_parts"] = timed(lambda: flipped("_combine_parts", combine, 2))
+    # the sum after the last byte, in one part, or part by part (ep._reduce, Note [Pipelined combine])
+    for parts, name in ((1, "one"), (2, "two"), (4, "four")):
+        times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda p=parts: flipped("_combine_parts", combine, p))
     out["combine_phases_s"] = phases_of(combine)
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])

@@ -136,8 +136,9 @@ class Buffer(Closing):
         self._sm_sends = False  # set in _connect: CUDA, and WARMLINK_EP_SEND=sm
         self._graphs = False  # set in _connect: WARMLINK_EP_GRAPH (ep._kernels, Note [Fresh send graph])
         # the combine's parts (ep._reduce, Note [Pipelined combine]); every rank must use the same,
-        # so only bench ep changes it (on every rank at once, to measure one part beside them)
-        self._combine_parts = PARTS
+        # so it follows the group size, and only bench ep and the tests change it (on every rank at
+        # once). Two ranks sum in one part: their copies are too short to hide the parts' host work
+        self._combine_parts = PARTS if num_ranks > 2 else 1
         self._serial = next(_SERIALS)
         self._remotes: list = []
         self._event_tokens: list = []
