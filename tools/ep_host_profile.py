@@ -18,9 +18,7 @@ import statistics
 import time
 
 import torch
-
-from warmlink.ep import Buffer
-from warmlink.rendezvous import Store
+from _one_rank import one_rank
 
 
 def main() -> None:
@@ -31,17 +29,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    T, H, E, K = args.tokens, args.hidden, 256, 8
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.rand(T, E, generator=gen).topk(K, 1).indices.cuda()
-    w = torch.rand(T, K).cuda()
-    x = torch.randn(T, H).bfloat16().cuda()
-    store = Store(is_server=True, prefix="ep-host-profile", timeout_s=30)
-    buf = Buffer(store, 0, 1, max_tokens_per_rank=T, hidden=H, num_topk=K, timeout_s=30)
-    lay = buf.get_dispatch_layout(idx, E)
-    kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2], "topk_idx": idx,
-          "topk_weights": w}
+    buf, store, x, kw = one_rank(args.tokens, args.hidden, "ep-host-profile")
     y, _, _, _, handle, _ = buf.dispatch(x, **kw)
     y = y.clone()
 

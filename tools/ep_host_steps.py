@@ -20,11 +20,10 @@ import statistics
 import time
 
 import torch
+from _one_rank import one_rank
 
 from warmlink import _cuda
 from warmlink.ep import _checks, _mailbox, _movers, buffer
-from warmlink.ep import Buffer
-from warmlink.rendezvous import Store
 
 # (owner, attribute): the steps timed; module-level functions are patched where the caller looks them up
 STEPS = [
@@ -58,17 +57,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    T, H, E, K = args.tokens, args.hidden, 256, 8
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.rand(T, E, generator=gen).topk(K, 1).indices.cuda()
-    w = torch.rand(T, K).cuda()
-    x = torch.randn(T, H).bfloat16().cuda()
-    store = Store(is_server=True, prefix="ep-host-steps", timeout_s=30)
-    buf = Buffer(store, 0, 1, max_tokens_per_rank=T, hidden=H, num_topk=K, timeout_s=30)
-    lay = buf.get_dispatch_layout(idx, E)
-    kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2], "topk_idx": idx,
-          "topk_weights": w}
+    buf, store, x, kw = one_rank(args.tokens, args.hidden, "ep-host-steps")
     t0 = time.perf_counter()
     handle = buf.dispatch(x, **kw)[4]
     torch.cuda.synchronize()
