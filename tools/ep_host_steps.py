@@ -31,7 +31,7 @@ STEPS = [
     (_mailbox.Mailbox, "publish_dispatch"), (buffer, "call_words"), (_movers.CudaMover, "send_sm"),
     (_movers.CudaMover, "_launch"), (_cuda, "event_record"), (_cuda, "graph_launch"),
     (_movers.CudaMover, "wait_board"), (buffer.Buffer, "_handle_from_words"), (buffer.Buffer, "_meet"),
-    (buffer.Buffer, "_plan_from_board"), (_movers.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
+    (buffer, "plan_from_board"), (_movers.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
     (buffer.Buffer, "_recv_outputs"), (_movers.CudaMover, "arrived"), (buffer, "unpack_meta"),
     (_movers.CudaMover, "_push_cached"), (_movers.CudaMover, "wait_begun"), (buffer.Buffer, "_send_cached"),
     (_movers.CudaMover, "gather_all"), (_movers.CudaMover, "flush_all"),
