@@ -476,7 +476,9 @@ class Buffer(Closing):
         wait_for(previous_event, "combine")
         t0 = time.perf_counter()
         padded = handle.num_worst_tokens or handle.num_recv_tokens  # the rows of that dispatch's outputs
-        rows = self._checks.rows(x, "x", padded)[:handle.num_recv_tokens]
+        rows = self._checks.rows(x, "x", padded)
+        if handle.num_worst_tokens:  # the padding rows are not combined
+            rows = rows[:handle.num_recv_tokens]
         if rows.dtype not in _X_DTYPES or rows.shape[1] != self.layout.hidden:
             raise ConfigError(f"ep.Buffer.combine: x is {rows.dtype} with {rows.shape[1]} channels; expected one of "
                               f"{list(_X_DTYPES)} with hidden={self.layout.hidden}")
@@ -648,11 +650,12 @@ class Buffer(Closing):
         idx = torch.empty(rows, kt, dtype=torch.int64, device=dev) if with_topk else None
         w = torch.empty(rows, kt, dtype=torch.float32, device=dev) if with_weights else None
         scales = torch.empty(rows, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
-        if rows > total:
+        received = (idx, w, scales)
+        if rows > total:  # padded: the receive work fills the first rows, the rest are filled now
             for t, fill in ((idx, -1), (w, 0)):
                 if t is not None:
                     t[total:].fill_(fill)
-        received = [t[:total] if t is not None else None for t in (idx, w, scales)]
+            received = tuple(t[:total] if t is not None else None for t in received)
         epr = handle.num_experts // self.num_ranks
 
         def unpack() -> None:
