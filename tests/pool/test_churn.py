@@ -43,11 +43,7 @@ TIMEOUT_S = 10.0
 STAGED = {
     "w": TensorLayout.plain("w", "float32", (32, 16)),
     "b": TensorLayout.plain("b", "float32", (16,)),
-    "qkv": TensorLayout(
-        "qkv", "float32",
-        (Part("q", Shard((16, 8))), Part("k", Shard((8, 8))), Part("v", Shard((8, 8)))),
-        fuse_dim=0,
-    ),
+    "qkv": TensorLayout.fused("qkv", "float32", [("q", Shard((16, 8))), ("k", Shard((8, 8))), ("v", Shard((8, 8)))]),
 }
 INPLACE = {
     "o": TensorLayout.plain("o", "float32", (16, 24)),

@@ -48,7 +48,7 @@ def layouts(tp: int, rank: int) -> dict[str, TensorLayout]:
     row = {"split_dim": 1, "num_shards": tp, "shard_idx": rank} if tp > 1 else {}
 
     def shard(rows: int) -> Shard:
-        return Shard((rows, 16), 0, tp, rank) if tp > 1 else Shard((rows, 16))
+        return Shard.split((rows, 16), 0, tp, rank) if tp > 1 else Shard((rows, 16))
 
     return {
         "w": TensorLayout.plain("w", "float32", (64, 32), **col),
@@ -613,9 +613,9 @@ def fuzz_env():
 
 
 _INT = ("schema_version", "rank", "world_size", "generation", "pid", "start_time", "device", "nbytes", "offset",
-        "region", "num_shards", "shard_idx", "fuse_dim")
+        "region")
 _STR = ("kind", "role", "host", "backend", "name", "dtype", "logical")
-_LIST = ("regions", "tensors", "parts", "global_shape")
+_LIST = ("regions", "tensors", "parts", "global_shape", "bounds", "shape")
 _NOT_INT = ["1", 1.5, True, None, [], {}, [1], "x"]
 _NOT_STR = [1, 1.5, True, None, [], {}, ["x"], "", "a\x00b"]
 _NOT_LIST = [1, "x", None, {}, True]
@@ -650,8 +650,9 @@ def _bad_int(m: dict, node: dict, key: str, path: str, file_sizes: list[int], dr
             "generation": [0, -1, node["generation"] + 1, node["generation"] + 100],
             "pid": [0, -1, 2**31],
             "start_time": [-1, 2**63],
-            "device": [-2, 2**16],
         }
+        if key == "device":  # -1 names the CPU, a valid device for these publishers
+            return draw(st.sampled_from([-2, 2**16, -(2**40), 2**63]))
         return draw(st.sampled_from(choices[key]) | huge)
     if path.startswith(".regions"):
         idx = int(path.split("[")[1].split("]")[0])
@@ -662,18 +663,22 @@ def _bad_int(m: dict, node: dict, key: str, path: str, file_sizes: list[int], dr
     if path.startswith(".tensors") and ".parts" not in path:
         if key == "region":
             return draw(st.sampled_from([-1, len(m["regions"]), len(m["regions"]) + 5]) | huge)
-        if key == "offset":
-            extent = m["regions"][node["region"]]["nbytes"]
-            return draw(st.sampled_from([-1, extent, extent + 4096]) | huge)
-        # fuse_dim: a single part accepts 0..7, fused parts 0..ndim-1
-        ndim = len(node["parts"][0]["global_shape"])
-        return draw(st.sampled_from([-1, 8, 100] + ([ndim] if len(node["parts"]) > 1 else [])))
-    # parts
-    if key == "split_dim":
-        return draw(st.sampled_from([-1, len(node["global_shape"]), 8]))
-    if key == "num_shards":
-        return draw(st.sampled_from([0, -1, 10**6]) | huge)
-    return draw(st.sampled_from([node["num_shards"], node["num_shards"] + 1, -1]) | huge)  # shard_idx
+        extent = m["regions"][node["region"]]["nbytes"]  # offset
+        return draw(st.sampled_from([-1, extent, extent + 4096]) | huge)
+    raise AssertionError(f"no bad value for {path}")
+
+
+def _bad_element(m: dict, path: str, node: list, idx: int, draw) -> int:
+    """An int the receiver must refuse for element ``idx`` of a list in a tensor entry."""
+    huge = st.sampled_from([-1, -(2**40), 2**63])
+    tensor = m["tensors"][int(path.split("[")[1].split("]")[0])]
+    if ".bounds[" in path:  # [start, stop] of one dim: negative, past the dim, or start past stop
+        part = tensor["parts"][int(path.split(".parts[")[1].split("]")[0])]
+        size = part["global_shape"][int(path.rsplit("[", 1)[1].rstrip("]"))]
+        return draw(st.sampled_from([size + 1, -1]) if idx == 1 else st.sampled_from([node[1] + 1, -1]))
+    if path.endswith(".offset"):  # a part's offset: negative, or past the physical tensor
+        return draw(st.sampled_from([-1, tensor["shape"][idx] + 1]) | huge)
+    return draw(huge)  # shape or global_shape: out of the schema's range
 
 
 @st.composite
@@ -734,9 +739,9 @@ def corruptions(draw, raw: bytes, file_sizes: list[int]) -> tuple[str, bytes]:
     if op == "type":
         node, key, path = draw(st.sampled_from(nodes))
         if isinstance(node, list):
-            pool_ = _NOT_INT if path.endswith("]") and ".global_shape" in path else _NOT_OBJ
-        elif key == "split_dim":
-            pool_ = [v for v in _NOT_INT if v is not None]
+            pool_ = _NOT_INT if type(node[key]) is int else (_NOT_LIST if type(node[key]) is list else _NOT_OBJ)
+        elif key == "offset" and ".parts[" in path:
+            pool_ = _NOT_LIST
         elif key in _INT:
             pool_ = _NOT_INT
         elif key in _STR:
@@ -747,10 +752,16 @@ def corruptions(draw, raw: bytes, file_sizes: list[int]) -> tuple[str, bytes]:
             pool_ = _NOT_OBJ  # peer
         node[key] = draw(st.sampled_from(pool_))
         return f"type {path}={node[key]!r}", json.dumps(m).encode()
-    # range
-    sites = [(n, k, p) for n, k, p in nodes if isinstance(n, dict) and k in (*_INT, "split_dim") and type(n[k]) is int]
+    # range: an int field of an object, or an int inside a shape, bounds or offset list
+    sites = [(n, k, p) for n, k, p in nodes if isinstance(n, dict) and k in _INT and type(n[k]) is int]
+    sites += [(n, k, p) for n, k, p in nodes
+              if isinstance(n, list) and type(n[k]) is int and p.startswith(".tensors") and ".parts[" in p or
+              isinstance(n, list) and type(n[k]) is int and p.startswith(".tensors") and ".shape[" in p]
     node, key, path = draw(st.sampled_from(sites))
-    node[key] = _bad_int(m, node, key, path, file_sizes, draw)
+    if isinstance(node, list):
+        node[key] = _bad_element(m, path.rsplit("[", 1)[0], node, key, draw)
+    else:
+        node[key] = _bad_int(m, node, key, path, file_sizes, draw)
     return f"range {path}={node[key]!r}", json.dumps(m).encode()
 
 

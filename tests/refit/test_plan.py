@@ -52,13 +52,13 @@ def make_globals(specs: dict[str, tuple[tuple[int, ...], str]], seed: int = 0) -
 def physical(layout: TensorLayout, globals_: dict[str, torch.Tensor], name_map=None) -> torch.Tensor:
     """A physical tensor built from the globals per its layout (dtype of the globals)."""
     name_map = name_map or {}
-    pieces = []
+    g0 = globals_[name_map.get(layout.parts[0].logical, layout.parts[0].logical)]
+    out = torch.zeros(layout.shape, dtype=g0.dtype)
     for p in layout.parts:
         g = globals_[name_map.get(p.logical, p.logical)]
-        pieces.append(g[tuple(slice(a, b) for a, b in p.shard.box())])
-    if len(pieces) == 1:
-        return pieces[0].clone()
-    return torch.cat(pieces, dim=layout.fuse_dim).contiguous()
+        target = out[tuple(slice(a, b) for a, b in p.local_box())]
+        target.copy_(g[tuple(slice(a, b) for a, b in p.shard.bounds)].reshape(target.shape))
+    return out
 
 
 def execute(plan: Plan, src: dict[tuple[int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,7 +137,7 @@ def unfused_qkv(tp, rank, dtype=F32):
     q = plain("q_proj", (QKV["num_q_heads"] * QKV["head_dim"], QKV["hidden"]), 0, tp, rank, dtype, "q")
     kv_shape = (QKV["num_kv_heads"] * QKV["head_dim"], QKV["hidden"])
     kvh = QKV["num_kv_heads"]
-    kv = Shard(kv_shape, 0, kvh, rank * kvh // tp) if tp > kvh else Shard(kv_shape, *((0, tp, rank) if tp > 1 else ()))
+    kv = Shard.split(kv_shape, 0, kvh, rank * kvh // tp) if tp > kvh else (Shard.split(kv_shape, 0, tp, rank) if tp > 1 else Shard(kv_shape))
     return [q, TensorLayout("k_proj", dtype, (Part("k", kv),)), TensorLayout("v_proj", dtype, (Part("v", kv),))]
 
 
@@ -299,11 +299,19 @@ def _raises(match, sources, targets, **kw):
     return str(info.value)
 
 
-def test_rejects_empty_shard():
-    with pytest.raises(LayoutError, match="empty shard"):
-        plain("w", (3, 4), 0, 4, 0)
-    with pytest.raises(LayoutError, match="empty shard"):
-        gate_up_layout("gu", F32, intermediate=2, hidden=4, tp=4, rank=0)
+def test_empty_shards_plan_exactly():
+    # torch.chunk gives 6 experts over 4 ranks as [2, 2, 2, 0]; tensor_split gives 3 rows as [1, 1, 1, 0].
+    chunked = {r: [TensorLayout("e", F32, (Part("e", Shard.chunk((6, 4), 0, 4, r)),))] for r in range(4)}
+    assert chunked[3][0].shape == (0, 4) and chunked[2][0].parts[0].shard.bounds == ((4, 6), (0, 4))
+    check(chunked, [plain("e", (6, 4), None, 1, 0)])
+    check(chunked, [plain("e", (6, 4), 0, 3, r) for r in range(3)][:1])
+    split = {r: [plain("w", (3, 4), 0, 4, r)] for r in range(4)}
+    assert split[3][0].shape == (0, 4)
+    check(split, [plain("w", (3, 4), None, 1, 0)])
+    # An empty destination shard plans to nothing.
+    plan = check({0: [plain("w", (3, 4), None, 1, 0)]}, [plain("w", (3, 4), 0, 4, 3)])
+    assert plan.tensors[0].runs == () and plan.tensors[0].recv_nbytes == 0
+    gate_up_layout("gu", F32, intermediate=2, hidden=4, tp=4, rank=3)  # empty parts are valid
 
 
 def test_rejects_missing_logical():
@@ -379,7 +387,7 @@ def _side(draw, shape, logicals, dtype, prefix):
     fuse_dim = draw(st.integers(0, len(shape) - 1)) if fuse else 0
     sides = {}
     for r in range(world):
-        shard = Shard(shape, split, n, r * n // world) if split is not None else Shard(shape)
+        shard = Shard.split(shape, split, n, r * n // world) if split is not None else Shard(shape)
         if fuse:
             sides[r] = [TensorLayout.fused(f"{prefix}{r}", dtype, [(lg, shard) for lg in logicals], fuse_dim)]
         else:

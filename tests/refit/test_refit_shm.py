@@ -42,8 +42,8 @@ def expected(layout: TensorLayout, seed: int, *, src_dtype: str | None = None, n
     name, in ``src_dtype``; the receiver casts them to its own dtype.
     """
     name_map = name_map or {}
-    parts = tuple(Part(name_map.get(p.logical, p.logical), p.shard) for p in layout.parts)
-    src = TensorLayout(layout.name, src_dtype or layout.dtype, parts, layout.fuse_dim)
+    parts = tuple(Part(name_map.get(p.logical, p.logical), p.shard, p.offset) for p in layout.parts)
+    src = TensorLayout(layout.name, src_dtype or layout.dtype, parts, layout.shape)
     return build_physical(src, "cpu", seed).to(torch_dtype(layout.dtype))
 
 

@@ -30,13 +30,14 @@ def peer_info(**over: Any) -> dict:
 
 
 def layouts() -> list[TensorLayout]:
-    q, k, v = Shard((32, 16), 0, 2, 1), Shard((8, 16), 0, 2, 1), Shard((8, 16), 0, 2, 1)
+    q, k, v = Shard.split((32, 16), 0, 2, 1), Shard.split((8, 16), 0, 2, 1), Shard.split((8, 16), 0, 2, 1)
     return [
         TensorLayout.plain("embed.weight", "bfloat16", (100, 16)),  # replicated
         TensorLayout.plain("down.weight", "float32", (16, 11), split_dim=1, num_shards=3, shard_idx=0),  # uneven: 4
         TensorLayout.fused("qkv.weight", "bfloat16", [("q", q), ("k", k), ("v", v)], fuse_dim=0),  # [24, 16]
-        TensorLayout.fused("gate_up.weight", "float16", [("gate", Shard((7, 5), 0, 2, 1)), ("up", Shard((9, 5), 0, 2, 0))]),
+        TensorLayout.fused("gate_up.weight", "float16", [("gate", Shard.split((7, 5), 0, 2, 1)), ("up", Shard.split((9, 5), 0, 2, 0))]),
         TensorLayout.plain("模型.norm", "float32", ()),  # scalar, non-ASCII name
+        TensorLayout.plain("vocab.weight", "bfloat16", (10, 4), 0, 2, 1, shape=(8, 4)),  # padded: rows 5:10 + 3
     ]
 
 
@@ -47,10 +48,10 @@ def manifest() -> dict:
         {"kind": "nixl", "agent": "pub-1", "addr": 1 << 40, "nbytes": 4096, "device": -1, "mem": "DRAM",
          "agent_meta": "0a1b" * 100},
     ]
-    tensors, offsets = [], [(0, 0), (1, 0), (0, 3200), (2, 0), (1, 3000)]
+    tensors, offsets = [], [(0, 0), (1, 0), (0, 3200), (2, 0), (1, 3000), (2, 256)]
     for layout, (region, offset) in zip(layouts(), offsets):
         tensors.append({**layout.to_json(), "region": region, "offset": offset})
-    return {"schema_version": 1, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors}
+    return {"schema_version": 2, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors}
 
 
 def version_state() -> dict:
@@ -83,12 +84,12 @@ def test_nbytes_match_tensor_layout() -> None:
 # -- targeted errors ------------------------------------------------------------------------------
 def test_example_message() -> None:
     obj = manifest()
-    obj["tensors"][3]["parts"][0]["split_dim"] = 7
+    obj["tensors"][3]["parts"][0]["bounds"][0] = [3, 9]
     with pytest.raises(MetadataError) as e:
         schema.decode(json.dumps(obj), "publisher_manifest", PEER)
     assert str(e.value) == (
-        "publisher manifest from peer='pub/1': tensors[3].parts[0].split_dim=7 out of range; "
-        "expected 0 <= split_dim < 2"
+        "publisher manifest from peer='pub/1': tensors[3]: parts[0] (logical='gate'): bounds[0]=(3, 9) out of range; "
+        "expected 0 <= start <= stop <= 7"
     )
 
 
@@ -108,13 +109,16 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("tensors", 0, "offset"), 8192 - 3199, "tensors[0].offset=4993 + nbytes=3200"),  # past cuda_ipc nbytes
         (("tensors", 1, "offset"), 4096 - 255, "exceeds regions[1] extent=4096"),  # shm: region offset is in the segment
         (("tensors", 0, "region"), 3, "tensors[0].region=3 out of range; expected 0 <= region < 3"),
-        (("tensors", 1, "parts", 0, "num_shards"), 12, "num_shards=12 exceeds global_shape[1]=11"),
-        (("tensors", 1, "parts", 0, "shard_idx"), 3, "shard_idx=3 out of range; expected 0 <= shard_idx < 3"),
-        (("tensors", 0, "parts", 0, "num_shards"), 2, "split_dim=None but num_shards=2"),
-        (("tensors", 2, "parts", 1, "global_shape"), [8, 17], "parts[1] local dim 1 is 17"),
-        (("tensors", 2, "parts", 1, "logical"), "q", "a logical name appears twice"),
-        (("tensors", 2, "fuse_dim"), 2, "fuse_dim=2 out of range; expected 0 <= fuse_dim < 2"),
-        (("tensors", 2, "parts", 2, "global_shape"), [8, 16, 1], "has 3 dims but parts[0] has 2"),
+        (("tensors", 1, "parts", 0, "bounds", 1), [0, 12], "bounds[1]=(0, 12) out of range; expected 0 <= start <= stop <= 11"),
+        (("tensors", 1, "parts", 0, "bounds", 1), [5, 4], "bounds[1]=(5, 4) out of range"),
+        (("tensors", 1, "parts", 0, "bounds"), [[0, 16]], "bounds has 1 items; expected 2 to 2"),
+        (("tensors", 1, "parts", 0, "offset"), [0, 1], "offset[1]=1 + extent 4 exceeds shape[1]=4"),
+        (("tensors", 1, "parts", 0, "offset"), [0], "offset has 1 items; expected 2 to 2"),
+        (("tensors", 1, "shape"), [16, 3], "offset[1]=0 + extent 4 exceeds shape[1]=3"),
+        (("tensors", 2, "parts", 1, "offset"), [10, 0], "parts[0] and parts[1] overlap in the physical tensor"),
+        (("tensors", 2, "parts", 1, "logical"), "q", "differs from (32, 16) of an earlier part of the same logical"),
+        (("tensors", 2, "parts", 2, "global_shape"), [8, 16, 1], "parts[2].bounds has 2 items; expected 3 to 3"),
+        (("tensors", 5, "parts", 0, "bounds", 0), [0, 9], "offset[0]=0 + extent 9 exceeds shape[0]=8"),
         (("tensors", 4, "name"), "embed.weight", "tensors[4].name='embed.weight' appears twice"),
         (("tensors", 0, "parts", 0, "global_shape", 0), 1 << 40, "expected 0 <= global_shape[0] < 2**40"),
         (("tensors", 0, "parts", 0, "global_shape"), [1] * 9, "global_shape has 9 items; expected 0 to 8"),
@@ -140,7 +144,7 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("peer", "rank"), 2, "peer.rank=2 out of range; expected 0 <= rank < 2"),
         (("peer", "host"), "a\nb", "peer.host="),
         (("peer", "device"), True, "peer.device=True has type bool; expected int"),
-        (("schema_version",), 2, "schema_version=2 is not supported; expected one of [1]"),
+        (("schema_version",), 1, "schema_version=1 is not supported; expected one of [2]"),
         (("kind",), "peer_info", "kind='peer_info' is wrong; expected 'publisher_manifest'"),
     ],
 )
@@ -386,24 +390,27 @@ def test_fuzz_mutations(data: st.DataObject, kind: str) -> None:
 def raw_tensor_entries(draw: st.DrawFn) -> dict:
     ndim = draw(st.integers(0, 3))
     num_parts = draw(st.integers(1, 3))
+    shape = [draw(st.integers(0, 6)) for _ in range(ndim)]
     parts = []
     for _ in range(num_parts):
-        shape = [draw(st.integers(0, 6)) for _ in range(ndim)]
-        split_dim = draw(st.none() | st.integers(-1, ndim))
+        extra = draw(st.integers(0, 1))  # a part may squeeze one leading dim
+        gshape = [draw(st.integers(0, 6)) for _ in range(ndim + extra)]
+        bounds = []
+        for size in gshape:
+            a = draw(st.integers(-1, size + 1))
+            bounds.append([a, draw(st.integers(-1, size + 1))])
         parts.append({
             "logical": draw(st.sampled_from(["q", "k", "v"])),
-            "global_shape": shape,
-            "split_dim": split_dim,
-            "num_shards": draw(st.integers(0, 4)),
-            "shard_idx": draw(st.integers(-1, 4)),
+            "global_shape": gshape,
+            "bounds": bounds,
+            "offset": [draw(st.integers(-1, 6)) for _ in range(ndim)],
         })
-    fuse_dim = draw(st.integers(-1, ndim) if num_parts > 1 else st.integers(0, max(ndim - 1, 0)))
-    return {"name": "t", "dtype": draw(st.sampled_from(["bfloat16", "float32", "int8"])), "fuse_dim": fuse_dim, "parts": parts}
+    return {"name": "t", "dtype": draw(st.sampled_from(["bfloat16", "float32", "int8"])), "shape": shape, "parts": parts}
 
 
 @settings(max_examples=300, deadline=None)
 @given(raw_tensor_entries())
-def test_shard_math_matches_tensor_layout(entry: dict) -> None:
+def test_schema_and_tensor_layout_accept_the_same_entries(entry: dict) -> None:
     try:
         layout = TensorLayout.from_json(entry)
     except LayoutError:

@@ -30,12 +30,15 @@ def build_physical(layout, device, seed: int):
     """The physical tensor ``layout`` describes, sliced from seeded globals."""
     import torch
 
-    pieces = []
+    from warmlink._dtypes import torch_dtype
+
+    out = torch.zeros(layout.shape, dtype=torch_dtype(layout.dtype), device=device)
     for part in layout.parts:
         full = global_tensor(part.logical, part.shard.global_shape, layout.dtype, device, seed)
-        pieces.append(full[tuple(slice(a, b) for a, b in part.shard.box())].contiguous())
+        target = out[tuple(slice(a, b) for a, b in part.local_box())]
+        target.copy_(full[tuple(slice(a, b) for a, b in part.shard.bounds)].reshape(target.shape))
         del full
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=layout.fuse_dim).contiguous()
+    return out
 
 
 def _device(index: int):

@@ -1,8 +1,9 @@
-"""Box geometry, covering and byte-run arithmetic for refit plans. Pure integer logic, no torch.
+"""Covering and byte-run arithmetic for refit plans. Pure integer logic, no torch.
 
-A *box* is a tuple of ``(start, stop)`` per dimension, half-open, in element coordinates. A box is
-*empty* when any dimension has ``stop <= start``. Local tensors are C-contiguous, so the element
-stride of dimension ``d`` is the product of the extents after it.
+Boxes are those of ``warmlink._geometry``. Local tensors are C-contiguous, so the element stride of
+dimension ``d`` is the product of the extents after it. A part with more dimensions than its
+physical tensor (Note [Layout rules]) sees that tensor with leading 1s (``pad_shape``): the same
+bytes, so runs are computed in the part's own number of dimensions.
 
 A *raw run* is ``(src_offset, dst_offset, row_nbytes, num_rows, src_pitch, dst_pitch)`` in bytes,
 with pitches 0 when ``num_rows == 1``; ``warmlink.refit.plan`` wraps them into ``Run`` objects.
@@ -17,65 +18,15 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
+from warmlink._geometry import Box, box_numel, box_shape, c_strides, intersect, subtract, translate
 from warmlink.errors import LayoutError
 from warmlink.refit.manifest import TensorLayout
 
-Box = tuple[tuple[int, int], ...]
 RawRun = tuple[int, int, int, int, int, int]
 
 __all__ = ["Box", "RawRun", "box_shape", "box_numel", "intersect", "subtract", "translate",
            "c_strides", "merge_boxes", "count_runs", "box_runs", "normalize_run", "merge_runs",
-           "SourceLogical", "index_sources", "cover"]
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    """Extent of ``box`` per dimension, in elements (negative extents clamp to 0)."""
-    return tuple(max(0, stop - start) for start, stop in box)
-
-
-def box_numel(box: Box) -> int:
-    """Number of elements inside ``box`` (1 for the 0-d box ``()``)."""
-    n = 1
-    for d in box_shape(box):
-        n *= d
-    return n
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """``a`` intersected with ``b``; ``None`` when the intersection is empty."""
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return None if any(stop <= start for start, stop in out) else out
-
-
-def subtract(a: Box, inner: Box) -> list[Box]:
-    """``a`` minus ``inner`` (``inner`` must lie inside ``a``) as at most ``2 * ndim`` disjoint boxes.
-
-    Slab decomposition: for each dimension in turn, the slabs before and after ``inner`` along it,
-    with the dimensions already handled restricted to ``inner``.
-    """
-    out: list[Box] = []
-    cur = list(a)
-    for d, ((a0, a1), (i0, i1)) in enumerate(zip(a, inner)):
-        if a0 < i0:
-            out.append(tuple(cur[:d] + [(a0, i0)] + cur[d + 1:]))
-        if i1 < a1:
-            out.append(tuple(cur[:d] + [(i1, a1)] + cur[d + 1:]))
-        cur[d] = (i0, i1)
-    return out
-
-
-def translate(box: Box, delta: Sequence[int]) -> Box:
-    """``box`` moved by ``delta`` elements per dimension."""
-    return tuple((start + s, stop + s) for (start, stop), s in zip(box, delta))
-
-
-def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Element strides of a C-contiguous tensor of ``shape``."""
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
+           "SourceLogical", "index_sources", "part_delta", "box_ordinal", "cover"]
 
 
 def merge_boxes(pairs: list[tuple[Box, Box]]) -> list[tuple[Box, Box]]:
@@ -214,6 +165,9 @@ def merge_runs(a: RawRun, b: RawRun) -> RawRun | None:
 
 
 # -- covering destination parts with publisher parts (See Note [Replica choice] in plan.py) -----
+Holder = tuple[int, str, int]  # (rank, physical tensor, part index)
+
+
 @dataclass
 class SourceLogical:
     """Everything the publishers hold of one logical tensor."""
@@ -221,8 +175,21 @@ class SourceLogical:
     global_shape: tuple[int, ...]
     dtype: str
     first: tuple[int, str]  # (rank, tensor) that fixed global_shape and dtype, for error messages
-    holders: dict[Box, list[tuple[int, str, int]]]  # sorted box -> sorted [(rank, tensor, part_idx)]
-    deltas: dict[tuple[int, str, int], tuple[int, ...]]  # (rank, tensor, part_idx) -> global-to-local shift
+    holders: dict[Box, list[Holder]]  # sorted non-empty box -> sorted holders
+    deltas: dict[Holder, tuple[int, ...]]  # global-to-local shift, in the part's dims
+
+
+def part_delta(part) -> tuple[int, ...]:
+    """Global -> local element shift per dimension of ``part`` (its offset, with leading 0s for the
+    dimensions its physical tensor squeezes)."""
+    offset = (0,) * (len(part.shard.bounds) - len(part.offset)) + tuple(part.offset)
+    return tuple(o - start for o, (start, _) in zip(offset, part.shard.bounds))
+
+
+def box_ordinal(box: Box, global_shape: Sequence[int]) -> int:
+    """Which shard a box is along the dimensions it cuts (``start // extent``, summed): differs
+    between the receivers of one tensor, so that their replica choices spread."""
+    return sum(start // (stop - start) for (start, stop), size in zip(box, global_shape) if 0 < stop - start < size)
 
 
 def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, SourceLogical]:
@@ -230,7 +197,6 @@ def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, So
     index: dict[str, SourceLogical] = {}
     for rank in sorted(sources):
         for t in sources[rank]:
-            offsets = t.part_offsets()
             for pi, part in enumerate(t.parts):
                 gs = part.shard.global_shape
                 ent = index.setdefault(part.logical, SourceLogical(gs, t.dtype, (rank, t.name), {}, {}))
@@ -246,26 +212,21 @@ def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, So
                         f"differs across publishers; expected {ent.dtype!r} as in rank={ent.first[0]} "
                         f"tensor={ent.first[1]!r} (publish one dtype per logical tensor)"
                     )
-                box = part.shard.box()
+                box = part.shard.bounds
+                if box_numel(box) == 0:
+                    continue  # an empty box holds nothing anyone can read
                 ent.holders.setdefault(box, []).append((rank, t.name, pi))
-                ent.deltas[(rank, t.name, pi)] = _fuse_delta(t, offsets[pi], box)
+                ent.deltas[(rank, t.name, pi)] = part_delta(part)
     for ent in index.values():
         ent.holders = {box: sorted(ent.holders[box]) for box in sorted(ent.holders)}
     return index
 
 
-def _fuse_delta(layout: TensorLayout, part_offset: int, box: Box) -> tuple[int, ...]:
-    """Global -> local element shift per dimension of the part at ``part_offset`` along fuse_dim."""
-    delta = [-start for start, _ in box]
-    if len(layout.parts) > 1:
-        delta[layout.fuse_dim] += part_offset
-    return tuple(delta)
-
-
 def cover(
     ti: int, dst: TensorLayout, index: dict[str, SourceLogical], name_map: Mapping[str, str],
 ) -> tuple[str, dict[tuple[int, str], list[tuple[Box, Box]]]]:
-    """(source dtype, {(rank, tensor): [(src_local_box, dst_local_box)]}) covering ``dst`` exactly once."""
+    """(source dtype, {(rank, tensor): [(src_local_box, dst_local_box)]}) covering every part of ``dst``
+    exactly once. Local boxes have the dimensions of the logical tensor they came from."""
     src_dtype: str | None = None
     by_src: dict[tuple[int, str], list[tuple[Box, Box]]] = {}
     checked: list[tuple[str, SourceLogical]] = []
@@ -296,13 +257,12 @@ def cover(
         hs[0][:2]: None
         for part, (_, ent) in zip(dst.parts, checked)
         for box, hs in ent.holders.items()
-        if len(hs) == 1 and intersect(part.shard.box(), box) is not None
+        if len(hs) == 1 and intersect(part.shard.bounds, box) is not None
     }
-    dst_offsets = dst.part_offsets()
-    for dpi, (part, (logical, ent)) in enumerate(zip(dst.parts, checked)):
+    for part, (logical, ent) in zip(dst.parts, checked):
         where = f"dst tensor={dst.name!r} logical={part.logical!r}"
-        dst_box = part.shard.box()
-        dst_delta = _fuse_delta(dst, dst_offsets[dpi], dst_box)
+        dst_box = part.shard.bounds
+        dst_delta = part_delta(part)
         remaining = [] if box_numel(dst_box) == 0 else [dst_box]
         for box, hs in ent.holders.items():
             if not remaining:
@@ -310,7 +270,8 @@ def cover(
             if all(intersect(r, box) is None for r in remaining):
                 continue
             preferred = [h for h in hs if h[:2] in used]  # See Note [Replica choice]
-            rank, name, spi = preferred[0] if preferred else hs[(ti + part.shard.shard_idx) % len(hs)]
+            spread = ti + box_ordinal(dst_box, part.shard.global_shape)
+            rank, name, spi = preferred[0] if preferred else hs[spread % len(hs)]
             used[(rank, name)] = None
             src_delta = ent.deltas[(rank, name, spi)]
             left = []
@@ -328,7 +289,7 @@ def cover(
             raise LayoutError(
                 f"build_plan: box={remaining[0]!r} uncovered by every publisher ({where}, global coordinates; "
                 f"{total} elements uncovered in {len(remaining)} boxes); expected the publishers' shards of "
-                f"{logical!r} to cover the destination shard (is a publisher rank missing?)"
+                f"{logical!r} to cover the destination part (is a publisher rank missing?)"
             )
     assert src_dtype is not None, "TensorLayout guarantees at least one part"
     return src_dtype, {k: merge_boxes(v) for k, v in by_src.items()}

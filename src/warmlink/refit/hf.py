@@ -151,22 +151,22 @@ def _shard_for(name: str, shape: tuple[int, ...], dims: _Dims, tp: int, rank: in
                 f"tp_layouts: vocab_size={shape[0]} of {name!r} cannot be split tp={tp} ways without an "
                 "empty shard; expected vocab_size >= tp"
             )
-        return Shard(shape, 0, tp, rank)
+        return Shard.split(shape, 0, tp, rank)
     m = _ATTN_RE.match(name)
     if m is not None:
         proj, kind = m["proj"], m["kind"]
         if proj == "q":
-            return Shard(shape, 0, tp, rank)
+            return Shard.split(shape, 0, tp, rank)
         if proj in ("k", "v"):
             num_shards, shard_idx = _kv_split(dims, tp, rank)
-            return Shard(shape, 0, num_shards, shard_idx)
-        return Shard(shape, 1, tp, rank) if kind == "weight" else Shard(shape)
+            return Shard.split(shape, 0, num_shards, shard_idx)
+        return Shard.split(shape, 1, tp, rank) if kind == "weight" else Shard(shape)
     m = _MLP_RE.match(name)
     if m is not None:
         proj, kind = m["proj"], m["kind"]
         if proj in ("gate", "up"):
-            return Shard(shape, 0, tp, rank)
-        return Shard(shape, 1, tp, rank) if kind == "weight" else Shard(shape)
+            return Shard.split(shape, 0, tp, rank)
+        return Shard.split(shape, 1, tp, rank) if kind == "weight" else Shard(shape)
     if name.endswith("norm.weight") or name.endswith("norm.bias"):
         return Shard(shape)
     raise LayoutError(
@@ -206,8 +206,8 @@ def _fuse(plain: dict[str, TensorLayout]) -> dict[str, TensorLayout]:
         dtypes = {members[p].dtype for p in wanted}
         if len(dtypes) != 1:
             raise LayoutError(f"tp_layouts: fused {name!r} members have dtypes {sorted(dtypes)}; expected one dtype")
-        parts = tuple(members[p].parts[0] for p in wanted)
-        out[name] = TensorLayout(name, dtypes.pop(), parts, fuse_dim=0)
+        parts = [(members[p].parts[0].logical, members[p].parts[0].shard) for p in wanted]
+        out[name] = TensorLayout.fused(name, dtypes.pop(), parts, fuse_dim=0)
     return out
 
 
@@ -298,13 +298,9 @@ def _check_source(state: Mapping[str, Any], layouts: Mapping[str, TensorLayout],
 
 
 def _copy_parts(state: Mapping[str, Any], layout: TensorLayout, dst: Any) -> None:
-    offsets = layout.part_offsets()
-    for part, offset in zip(layout.parts, offsets):
-        src = state[part.logical].detach()[_slices(part.shard.box())]
-        if len(layout.parts) == 1:
-            dst.copy_(src)
-        else:
-            dst.narrow(layout.fuse_dim, offset, part.shard.local_shape[layout.fuse_dim]).copy_(src)
+    for part in layout.parts:
+        target = dst[_slices(part.local_box())]
+        target.copy_(state[part.logical].detach()[_slices(part.shard.bounds)].reshape(target.shape))
 
 
 def shard_state(state: Mapping[str, Any], layouts: Mapping[str, TensorLayout]) -> dict[str, Any]:

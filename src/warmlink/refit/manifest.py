@@ -1,152 +1,250 @@
-"""How tensors are laid out on each side of a refit: shards of logical tensors, possibly fused.
+"""How tensors are laid out on each side of a refit: boxes of logical tensors placed in physical ones.
 
 A *logical* tensor is one weight as the model defines it, in global coordinates (``q_proj`` of
 layer 3, shape ``[num_heads * head_dim, hidden]``). A *physical* tensor is what one rank holds in
-memory: one shard of a logical tensor, or several shards of several logical tensors concatenated
-along ``fuse_dim`` (Megatron's fused QKV, vLLM's ``qkv_proj`` and ``gate_up_proj``).
+memory. It holds *parts*: each part is an N-D box of one logical tensor (``Shard``: explicit
+``[start, stop)`` bounds per dimension) placed at an offset in the physical tensor (``Part``).
 
-Plans (``warmlink.refit.plan``) intersect the boxes these describe. Everything here is pure data
-with validation; nothing touches memory.
+That one model says what the frameworks do, exactly:
 
-See Note [Uneven shards]: a dimension of size ``d`` split ``n`` ways gives the first ``d % n``
-shards one extra row, as ``torch.tensor_split`` does, so uneven splits are exact rather than refused.
+* ``torch.tensor_split`` and ``torch.chunk`` shards, empty shards, 2-D meshes: a box each
+  (``Shard.split``, ``Shard.chunk``, ``Shard(global_shape, bounds)``).
+* fused tensors (vLLM's ``[q; k; v]``, ``[gate; up]``): parts of several logical tensors placed
+  one after another along a dimension (``TensorLayout.fused``).
+* interleaved tensors (Megatron's QKV, ``[q_g; k_g; v_g]`` per query group): several boxes of one
+  logical tensor in one physical tensor.
+* padded tensors (vLLM's and Megatron's vocabularies): a physical ``shape`` larger than its parts;
+  uncovered elements are padding, never sent and never compared. A receiver's padding holds zeros
+  after every install.
+
+Rules are in Note [Layout rules] (``warmlink._geometry``), checked here and again on every manifest
+read from the store. Plans (``warmlink.refit.plan``) intersect the boxes. Everything here is pure
+data with validation; nothing touches memory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
 from warmlink._dtypes import dtype_size
+from warmlink._geometry import Box, box_numel, box_shape, layout_problem
 from warmlink.errors import LayoutError
 
-__all__ = ["Shard", "Part", "TensorLayout", "split_bounds"]
+__all__ = ["Shard", "Part", "TensorLayout", "split_bounds", "chunk_bounds"]
+
+
+def _check_split(func: str, size: int, num: int, idx: int) -> None:
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise LayoutError(f"{func}: num={num!r} invalid; expected an int >= 1")
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < num:
+        raise LayoutError(f"{func}: idx={idx!r} out of range; expected 0 <= idx < {num}")
 
 
 def split_bounds(size: int, num_shards: int, shard_idx: int) -> tuple[int, int]:
-    """``[start, stop)`` of shard ``shard_idx`` when ``size`` is split ``num_shards`` ways.
+    """``[start, stop)`` of shard ``shard_idx`` of ``torch.tensor_split(range(size), num_shards)``.
 
     # Note [Uneven shards]
-    The first ``size % num_shards`` shards hold ``size // num_shards + 1`` rows, the rest
-    ``size // num_shards`` (``torch.tensor_split`` semantics). A split that would leave a shard
-    empty is rejected: no framework lays weights out that way and it is always a config error.
+    ``tensor_split`` gives the first ``size % num_shards`` shards ``size // num_shards + 1`` rows
+    and the rest ``size // num_shards`` (vLLM and Megatron split evenly and refuse the rest).
+    ``torch.chunk`` (``chunk_bounds``), which DTensor's ``Shard`` and so FSDP2 and
+    ``parallelize_module`` use, gives every chunk ``ceil(size / num)`` rows until the rows run out,
+    so trailing chunks may be short or empty. The two agree when ``num`` divides ``size``.
     """
-    if num_shards < 1:
-        raise LayoutError(f"split_bounds: num_shards={num_shards!r} must be >= 1")
-    if not 0 <= shard_idx < num_shards:
-        raise LayoutError(f"split_bounds: shard_idx={shard_idx!r} out of range; expected 0 <= shard_idx < {num_shards}")
-    if size < num_shards:
-        raise LayoutError(f"split_bounds: size={size} cannot be split {num_shards} ways without an empty shard")
+    _check_split("split_bounds", size, num_shards, shard_idx)
     base, extra = divmod(size, num_shards)
     start = shard_idx * base + min(shard_idx, extra)
-    stop = start + base + (1 if shard_idx < extra else 0)
-    return start, stop
+    return start, start + base + (1 if shard_idx < extra else 0)
+
+
+def chunk_bounds(size: int, num_chunks: int, chunk_idx: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``chunk_idx`` of ``torch.chunk(range(size), num_chunks)``, counting
+    the chunks ``torch.chunk`` leaves out as empty. See Note [Uneven shards]."""
+    _check_split("chunk_bounds", size, num_chunks, chunk_idx)
+    step = -(-size // num_chunks)
+    start = min(chunk_idx * step, size)
+    return start, min(start + step, size)
+
+
+def _as_shape(value, func: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in value)
+    except TypeError:
+        raise LayoutError(f"{func}: shape={value!r} invalid; expected a sequence of ints") from None
+    if any(d < 0 for d in shape):
+        raise LayoutError(f"{func}: shape={shape} has a negative dimension")
+    return shape
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Which block of a logical tensor one rank holds.
+    """The box of a logical tensor one part holds, in the logical tensor's global coordinates.
 
     Args:
-        global_shape: shape of the whole logical tensor.
-        split_dim: dimension split across ranks; ``None`` when every rank holds all of it.
-        num_shards: how many ways ``split_dim`` is split (1 when ``split_dim`` is None).
-        shard_idx: which of those blocks this rank holds, ``0 <= shard_idx < num_shards``. Several
-            ranks may hold the same block (grouped-query KV heads replicated when TP > num_kv_heads).
+        global_shape: shape of the whole logical tensor, in elements.
+        bounds: ``(start, stop)`` per dimension, half-open; ``None`` (default): the whole tensor.
+            A box may be empty (a rank holding none of it). Several ranks may hold the same box
+            (replicated norms, grouped-query KV heads replicated when TP > num_kv_heads).
+
+    Raises:
+        LayoutError: bounds of another rank than ``global_shape`` or outside it.
     """
 
     global_shape: tuple[int, ...]
-    split_dim: int | None = None
-    num_shards: int = 1
-    shard_idx: int = 0
+    bounds: Box | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
-        if any(d < 0 for d in self.global_shape):
-            raise LayoutError(f"Shard: global_shape={self.global_shape} has a negative dimension")
-        if self.split_dim is None:
-            if self.num_shards != 1 or self.shard_idx != 0:
-                raise LayoutError(
-                    f"Shard: split_dim=None but num_shards={self.num_shards}, shard_idx={self.shard_idx}; "
-                    "expected 1 and 0 for a replicated tensor"
-                )
+        shape = _as_shape(self.global_shape, "Shard")
+        object.__setattr__(self, "global_shape", shape)
+        if self.bounds is None:
+            object.__setattr__(self, "bounds", tuple((0, d) for d in shape))
             return
-        ndim = len(self.global_shape)
-        if not 0 <= self.split_dim < ndim:
-            raise LayoutError(f"Shard: split_dim={self.split_dim} out of range for global_shape={self.global_shape}")
-        split_bounds(self.global_shape[self.split_dim], self.num_shards, self.shard_idx)
+        try:
+            bounds = tuple((int(a), int(b)) for a, b in self.bounds)
+        except (TypeError, ValueError):
+            raise LayoutError(f"Shard: bounds={self.bounds!r} invalid; expected (start, stop) per dimension") from None
+        if len(bounds) != len(shape):
+            raise LayoutError(f"Shard: bounds={bounds} has {len(bounds)} dims; expected {len(shape)} as global_shape={shape}")
+        for d, ((start, stop), size) in enumerate(zip(bounds, shape)):
+            if not 0 <= start <= stop <= size:
+                raise LayoutError(
+                    f"Shard: bounds[{d}]=({start}, {stop}) out of range for global_shape={shape}; "
+                    f"expected 0 <= start <= stop <= {size}"
+                )
+        object.__setattr__(self, "bounds", bounds)
 
-    def box(self) -> tuple[tuple[int, int], ...]:
+    @classmethod
+    def split(cls, global_shape: Sequence[int], dim: int, num_shards: int, shard_idx: int) -> "Shard":
+        """Shard ``shard_idx`` of ``torch.tensor_split`` along ``dim`` (Note [Uneven shards])."""
+        return cls._along(global_shape, dim, split_bounds, num_shards, shard_idx, "Shard.split")
+
+    @classmethod
+    def chunk(cls, global_shape: Sequence[int], dim: int, num_chunks: int, chunk_idx: int) -> "Shard":
+        """Chunk ``chunk_idx`` of ``torch.chunk`` along ``dim``, possibly empty (Note [Uneven shards])."""
+        return cls._along(global_shape, dim, chunk_bounds, num_chunks, chunk_idx, "Shard.chunk")
+
+    @classmethod
+    def _along(cls, global_shape, dim, rule, num, idx, func) -> "Shard":
+        shape = _as_shape(global_shape, func)
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(shape):
+            raise LayoutError(f"{func}: dim={dim!r} out of range for global_shape={shape}; expected 0 <= dim < {len(shape)}")
+        bounds = [(0, d) for d in shape]
+        bounds[dim] = rule(shape[dim], num, idx)
+        return cls(shape, tuple(bounds))
+
+    def narrow(self, dim: int, start: int, stop: int) -> "Shard":
+        """This box with dimension ``dim`` cut to ``[start, stop)`` (global coordinates, clipped to the box)."""
+        bounds = list(self.bounds)
+        lo, hi = bounds[dim]
+        a = min(max(start, lo), hi)
+        bounds[dim] = (a, max(a, min(stop, hi)))
+        return Shard(self.global_shape, tuple(bounds))
+
+    def box(self) -> Box:
         """``[start, stop)`` per dimension, in global coordinates."""
-        bounds = [(0, d) for d in self.global_shape]
-        if self.split_dim is not None:
-            bounds[self.split_dim] = split_bounds(self.global_shape[self.split_dim], self.num_shards, self.shard_idx)
-        return tuple(bounds)
+        return self.bounds
 
-    # Layouts are immutable: derived values are computed once (cached_property writes the
-    # instance __dict__, which a frozen dataclass allows; equality and hashing use fields only).
     @cached_property
     def local_shape(self) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self.box())
+        """Extent of the box per dimension (cached: layouts are immutable)."""
+        return box_shape(self.bounds)
+
+    @property
+    def numel(self) -> int:
+        return box_numel(self.bounds)
 
 
 @dataclass(frozen=True)
 class Part:
-    """One logical tensor's shard stored inside a physical tensor."""
+    """A box of logical tensor ``logical`` placed at ``offset`` (elements, per physical dimension)
+    in a physical tensor. ``offset=None`` lets ``TensorLayout`` place a lone part at the origin."""
 
     logical: str
     shard: Shard
+    offset: tuple[int, ...] | None = None
+
+    def local_box(self) -> Box:
+        """Where the box lies in the physical tensor, per physical dimension (squeezed leading
+        dimensions dropped): ``physical[slices(local_box)]`` holds ``logical[slices(shard.bounds)]``
+        reshaped to it."""
+        ndim = len(self.offset or ())
+        extents = self.shard.local_shape[len(self.shard.local_shape) - ndim:] if ndim else ()
+        return tuple((o, o + e) for o, e in zip(self.offset or (), extents))
 
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """A physical tensor one rank holds: its name, dtype and the logical shards inside it.
+    """A physical tensor one rank holds: its name, dtype, shape and the parts inside it.
 
-    ``parts`` are concatenated along ``fuse_dim`` in order; a plain tensor has one part. All parts
-    must agree on every dimension except ``fuse_dim``.
+    Args:
+        name: the physical tensor's name (unique per rank).
+        dtype: wire dtype name (``"bfloat16"``).
+        parts: the boxes of logical tensors it holds, each with its offset.
+        shape: physical shape in elements; default: the smallest shape holding every part.
+            Elements no part covers are padding (See Note [Layout rules] in ``warmlink._geometry``).
+
+    Raises:
+        LayoutError: parts that break Note [Layout rules], naming the tensor and the part.
     """
 
     name: str
     dtype: str
     parts: tuple[Part, ...]
-    fuse_dim: int = 0
+    shape: tuple[int, ...] | None = None
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple(self.parts))
-        if not self.name:
-            raise LayoutError("TensorLayout: name='' is empty")
+        if not isinstance(self.name, str) or not self.name:
+            raise LayoutError(f"TensorLayout: name={self.name!r} invalid; expected a non-empty string")
         dtype_size(self.dtype)
-        if not self.parts:
+        parts = tuple(self.parts)
+        if not parts:
             raise LayoutError(f"TensorLayout {self.name!r}: parts=() is empty; expected at least one Part")
-        shapes = [p.shard.local_shape for p in self.parts]
-        ndim = len(shapes[0])
-        if any(len(s) != ndim for s in shapes):
-            raise LayoutError(f"TensorLayout {self.name!r}: parts have different ranks {shapes}")
-        if len(self.parts) > 1 and not 0 <= self.fuse_dim < ndim:
-            raise LayoutError(f"TensorLayout {self.name!r}: fuse_dim={self.fuse_dim} out of range for rank {ndim}")
-        for s in shapes[1:]:
-            for d in range(ndim):
-                if d != self.fuse_dim and s[d] != shapes[0][d]:
-                    raise LayoutError(
-                        f"TensorLayout {self.name!r}: fused parts disagree on dim {d} ({shapes}); "
-                        f"only fuse_dim={self.fuse_dim} may differ"
-                    )
-        logicals = [p.logical for p in self.parts]
-        if len(set(logicals)) != len(logicals):
-            raise LayoutError(f"TensorLayout {self.name!r}: a logical tensor appears twice in parts {logicals}")
+        for p in parts:
+            if not isinstance(p, Part) or not isinstance(p.shard, Shard) or not isinstance(p.logical, str) or not p.logical:
+                raise LayoutError(f"TensorLayout {self.name!r}: part={p!r} invalid; expected Part(logical: str, Shard)")
+        unplaced = [p for p in parts if p.offset is None]
+        if unplaced and len(parts) > 1:
+            raise LayoutError(
+                f"TensorLayout {self.name!r}: {len(unplaced)} of {len(parts)} parts have no offset; "
+                "expected an offset for each part of a multi-part tensor (or TensorLayout.fused)"
+            )
+        if unplaced:
+            p = parts[0]
+            ndim = len(_as_shape(self.shape, f"TensorLayout {self.name!r}")) if self.shape is not None else len(p.shard.global_shape)
+            parts = (Part(p.logical, p.shard, (0,) * ndim),)
+        else:
+            parts = tuple(Part(p.logical, p.shard, tuple(int(o) for o in p.offset)) for p in parts)
+        object.__setattr__(self, "parts", parts)
+        if self.shape is None:
+            ndim = len(parts[0].offset)
+            shape = tuple(
+                max(p.offset[d] + p.shard.local_shape[len(p.shard.local_shape) - ndim + d] for p in parts)
+                for d in range(ndim)
+            ) if all(len(p.offset) == ndim and len(p.shard.global_shape) >= ndim for p in parts) else None
+            if shape is None:
+                raise LayoutError(f"TensorLayout {self.name!r}: parts place boxes in different numbers of dims; "
+                                  "expected one offset length (pass shape=)")
+        else:
+            shape = _as_shape(self.shape, f"TensorLayout {self.name!r}")
+        object.__setattr__(self, "shape", shape)
+        problem = layout_problem(shape, [(p.logical, p.shard.global_shape, p.shard.bounds, p.offset) for p in parts])
+        if problem is not None:
+            raise LayoutError(f"TensorLayout {self.name!r}: {problem}")
+        object.__setattr__(self, "_hash", hash((self.name, self.dtype, parts, shape)))
 
     def __hash__(self) -> int:
-        # Kept by @dataclass (an explicit __hash__ wins). Layouts key plan and signature caches,
-        # and the generated hash would walk every part and shard on every lookup.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash((self.name, self.dtype, self.parts, self.fuse_dim))
-        return h
+        # Layouts key plan and signature caches: hashed once, not by walking every part per lookup.
+        return self._hash
 
     def __getstate__(self) -> dict:
         # The cached hash is per process (str hashes are salted): never pickled to another one.
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash((self.name, self.dtype, self.parts, self.shape)))
 
     # -- constructors ----------------------------------------------------------------------------
     @classmethod
@@ -159,9 +257,16 @@ class TensorLayout:
         num_shards: int = 1,
         shard_idx: int = 0,
         logical: str | None = None,
+        *,
+        shape: Sequence[int] | None = None,
     ) -> "TensorLayout":
-        """A physical tensor holding one shard of one logical tensor (named ``logical or name``)."""
-        args = (cls, name, dtype, tuple(global_shape), split_dim, num_shards, shard_idx, logical)
+        """One box of one logical tensor (named ``logical or name``) at the origin.
+
+        ``split_dim``/``num_shards``/``shard_idx`` cut it as ``torch.tensor_split`` does; ``shape``
+        pads the physical tensor past the box (a padded vocabulary shard).
+        """
+        args = (cls, name, dtype, tuple(global_shape), split_dim, num_shards, shard_idx, logical,
+                None if shape is None else tuple(shape))
         try:
             return _plain(*args)
         except TypeError:  # an unhashable argument: build it uncached (and report what is wrong)
@@ -174,24 +279,41 @@ class TensorLayout:
         dtype: str,
         parts: Sequence[tuple[str, Shard]],
         fuse_dim: int = 0,
+        *,
+        shape: Sequence[int] | None = None,
     ) -> "TensorLayout":
-        """Several logical shards concatenated along ``fuse_dim`` (e.g. ``[q; k; v]`` per rank)."""
-        return cls(name, dtype, tuple(Part(logical, shard) for logical, shard in parts), fuse_dim)
+        """Boxes placed one after another along ``fuse_dim`` (vLLM's ``[q; k; v]`` per rank).
+
+        The same logical name may appear more than once (several boxes of one tensor, as in
+        Megatron's QKV interleaved per query group).
+        """
+        placed, at = [], 0
+        for logical, shard in parts:
+            ndim = len(shard.global_shape)
+            if not 0 <= fuse_dim < ndim:
+                raise LayoutError(f"TensorLayout.fused {name!r}: fuse_dim={fuse_dim} out of range for {logical!r} "
+                                  f"of global_shape={shard.global_shape}")
+            offset = [0] * ndim
+            offset[fuse_dim] = at
+            placed.append(Part(logical, shard, tuple(offset)))
+            at += shard.local_shape[fuse_dim]
+        if placed:
+            others = {tuple(s for d, s in enumerate(p.shard.local_shape) if d != fuse_dim) for p in placed}
+            if len(others) > 1:
+                raise LayoutError(f"TensorLayout.fused {name!r}: parts disagree outside fuse_dim={fuse_dim} "
+                                  f"({[p.shard.local_shape for p in placed]}); only fuse_dim may differ")
+        return cls(name, dtype, tuple(placed), None if shape is None else tuple(shape))
 
     # -- derived ---------------------------------------------------------------------------------
-    @cached_property
+    @property
     def local_shape(self) -> tuple[int, ...]:
-        shapes = [p.shard.local_shape for p in self.parts]
-        if len(shapes) == 1:
-            return shapes[0]
-        out = list(shapes[0])
-        out[self.fuse_dim] = sum(s[self.fuse_dim] for s in shapes)
-        return tuple(out)
+        """The physical tensor's shape (``shape``), in elements."""
+        return self.shape
 
     @cached_property
     def numel(self) -> int:
         n = 1
-        for d in self.local_shape:
+        for d in self.shape:
             n *= d
         return n
 
@@ -199,27 +321,23 @@ class TensorLayout:
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
 
-    def part_offsets(self) -> list[int]:
-        """Start of each part along ``fuse_dim`` in this tensor's local coordinates."""
-        offsets, at = [], 0
-        for p in self.parts:
-            offsets.append(at)
-            at += p.shard.local_shape[self.fuse_dim] if len(self.parts) > 1 else 0
-        return offsets
+    @cached_property
+    def covered_numel(self) -> int:
+        """Elements that parts cover (``numel`` less the padding)."""
+        return sum(p.shard.numel for p in self.parts)
+
+    @property
+    def is_padded(self) -> bool:
+        return self.covered_numel != self.numel
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
             "dtype": self.dtype,
-            "fuse_dim": self.fuse_dim,
+            "shape": list(self.shape),
             "parts": [
-                {
-                    "logical": p.logical,
-                    "global_shape": list(p.shard.global_shape),
-                    "split_dim": p.shard.split_dim,
-                    "num_shards": p.shard.num_shards,
-                    "shard_idx": p.shard.shard_idx,
-                }
+                {"logical": p.logical, "global_shape": list(p.shard.global_shape),
+                 "bounds": [list(b) for b in p.shard.bounds], "offset": list(p.offset)}
                 for p in self.parts
             ],
         }
@@ -228,18 +346,23 @@ class TensorLayout:
     def from_json(cls, obj: dict) -> "TensorLayout":
         """Inverse of ``to_json`` for an object already checked by ``rendezvous.schema``."""
         parts = tuple(
-            Part(
-                p["logical"],
-                Shard(tuple(p["global_shape"]), p["split_dim"], p["num_shards"], p["shard_idx"]),
-            )
+            Part(p["logical"], Shard(tuple(p["global_shape"]), tuple(tuple(b) for b in p["bounds"])), tuple(p["offset"]))
             for p in obj["parts"]
         )
-        return cls(obj["name"], obj["dtype"], parts, obj.get("fuse_dim", 0))
+        return cls(obj["name"], obj["dtype"], parts, tuple(obj["shape"]))
 
 
 # Layouts are immutable and engines declare the same ones again and again (a publisher re-created
 # per test calls ``plain`` for every tensor): equal arguments share one validated object.
 @lru_cache(maxsize=4096, typed=True)
-def _plain(cls, name, dtype, global_shape, split_dim, num_shards, shard_idx, logical) -> TensorLayout:
-    shard = Shard(global_shape, split_dim, num_shards, shard_idx)
-    return cls(name, dtype, (Part(logical or name, shard),))
+def _plain(cls, name, dtype, global_shape, split_dim, num_shards, shard_idx, logical, shape) -> TensorLayout:
+    if split_dim is None:
+        if num_shards != 1 or shard_idx != 0:
+            raise LayoutError(
+                f"TensorLayout.plain {name!r}: split_dim=None but num_shards={num_shards}, shard_idx={shard_idx}; "
+                "expected 1 and 0 for a whole tensor"
+            )
+        shard = Shard(global_shape)
+    else:
+        shard = Shard.split(global_shape, split_dim, num_shards, shard_idx)
+    return cls(name, dtype, (Part(logical or name, shard),), shape)

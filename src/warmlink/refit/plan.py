@@ -10,9 +10,10 @@ Several publisher tensors may hold the same box of a logical tensor (replicated 
 heads when TP > num_kv_heads). Holders of one box are sorted by (rank, tensor name, part index).
 A destination tensor first prefers a holder it already reads from (the sole holder of another box
 it needs, or a replica it chose earlier; the lowest such in that order), so a fused ``[q; k; v]``
-in a matching layout reads from one rank and coalesces. Otherwise the destination part of the
-``t``-th target tensor with ``shard_idx`` ``s`` reads from holder ``(t + s) % num_holders``, which
-spreads different tensors and different receiver shards over the holders. The choice depends only
+in a matching layout reads from one rank and coalesces. Otherwise a destination part of the
+``t``-th target tensor whose box is shard ``s`` along the dimensions it cuts (``_boxes.box_ordinal``)
+reads from holder ``(t + s) % num_holders``, which spreads different tensors and different
+receiver shards over the holders. The choice depends only
 on the inputs, so it is the same in every process. Partly overlapping distinct boxes are taken in
 sorted box order, each covering only what the ones before it left.
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from warmlink._dtypes import dtype_size
+from warmlink._geometry import pad_shape
 from warmlink.errors import ConfigError, LayoutError
 from warmlink.refit import _boxes
 from warmlink.refit._boxes import Box
@@ -77,7 +79,8 @@ class StagedPull:
     ``src_nbytes`` bytes go to ``scratch_offset`` of this destination tensor's scratch space; there
     they form a C-contiguous tensor of ``src_local_shape`` in the source dtype. Each entry of
     ``local_copies`` is ``(src_box, dst_box)``: ``(start, stop)`` element bounds per dimension in
-    that scratch tensor and in the receive buffer (shape ``dst_shape``, source dtype).
+    that scratch tensor and in the receive buffer (shape ``dst_shape``, source dtype), each seen
+    with leading 1s up to the box's number of dimensions (``warmlink._geometry.pad_shape``).
     """
 
     src_rank: int
@@ -94,7 +97,8 @@ class TensorPlan:
 
     The receive buffer is C-contiguous, shape ``dst_shape``, dtype ``src_dtype``; a cast to
     ``dst_dtype`` happens later (``needs_cast``). ``scratch_nbytes`` is the scratch space the staged
-    pulls need (0 without any).
+    pulls need (0 without any). ``padded``: the destination has padding, which nothing writes (the
+    receiver keeps it zero).
     """
 
     dst: str
@@ -104,6 +108,7 @@ class TensorPlan:
     runs: tuple[Run, ...]
     staged: tuple[StagedPull, ...]
     scratch_nbytes: int
+    padded: bool = False
 
     @property
     def needs_cast(self) -> bool:
@@ -234,18 +239,20 @@ def _tensor_plan(
     itemsize = dtype_size(src_dtype)
     dst_shape = dst.local_shape
     covered = sum(_boxes.box_numel(b) for pairs in by_src.values() for _, b in pairs)
-    assert covered == dst.numel, f"plan covers {covered} of {dst.numel} elements of {dst.name!r}"
+    assert covered == dst.covered_numel, f"plan covers {covered} of {dst.covered_numel} elements of {dst.name!r}"
 
     runs: dict[tuple[int, str], list[_boxes.RawRun]] = {}
     counts: dict[tuple[int, str], int] = {}
     for key, pairs in by_src.items():
         src_shape = src_shapes[key]
-        raw = sum(_boxes.count_runs(s, src_shape, d, dst_shape) for s, d in pairs)
+        raw = sum(_boxes.count_runs(s, pad_shape(src_shape, len(s)), d, pad_shape(dst_shape, len(d))) for s, d in pairs)
         if raw > cap:  # See Note [Run cap]: staged whatever else happens
             counts[key] = raw
             continue
         out: list[_boxes.RawRun] = []
-        for r in sorted(rr for s, d in pairs for rr in _boxes.box_runs(s, src_shape, d, dst_shape, itemsize)):
+        raw_runs = (rr for s, d in pairs
+                    for rr in _boxes.box_runs(s, pad_shape(src_shape, len(s)), d, pad_shape(dst_shape, len(d)), itemsize))
+        for r in sorted(raw_runs):
             merged = _boxes.merge_runs(out[-1], r) if out else None
             if merged is None:
                 out.append(r)
@@ -270,7 +277,7 @@ def _tensor_plan(
     run_objs = tuple(
         Run(key[0], key[1], *r) for key in sorted(runs) if key not in staged_keys for r in runs[key]
     )
-    return TensorPlan(dst.name, dst_shape, src_dtype, dst.dtype, run_objs, tuple(staged), at)
+    return TensorPlan(dst.name, dst_shape, src_dtype, dst.dtype, run_objs, tuple(staged), at, dst.is_padded)
 
 
 def build_plan(
@@ -320,17 +327,17 @@ def build_plan(
 
 
 def _identical_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[tuple, tuple[int, TensorLayout]]:
-    """Source tensors whose every logical part is held nowhere else, keyed by layout content."""
+    """Unpadded source tensors whose every logical part is held nowhere else, keyed by layout content."""
     holders: dict[str, int] = {}
     for ts in sources.values():
         for t in ts:
             for p in t.parts:
                 holders[p.logical] = holders.get(p.logical, 0) + 1
     return {
-        (t.dtype, t.parts, t.fuse_dim if len(t.parts) > 1 else 0): (r, t)
+        (t.dtype, t.parts, t.shape): (r, t)
         for r, ts in sources.items()
         for t in ts
-        if all(holders[p.logical] == 1 for p in t.parts)
+        if not t.is_padded and all(holders[p.logical] == 1 for p in t.parts)
     }
 
 
@@ -343,7 +350,7 @@ def _identical_plan(dst: TensorLayout, same: dict, name_map: Mapping[str, str]) 
     """
     if any(name_map.get(p.logical, p.logical) != p.logical for p in dst.parts):
         return None
-    hit = same.get((dst.dtype, dst.parts, dst.fuse_dim if len(dst.parts) > 1 else 0))
+    hit = same.get((dst.dtype, dst.parts, dst.shape))
     if hit is None:
         return None
     rank, src = hit
@@ -361,7 +368,7 @@ def _positive(func: str, **values: int) -> None:
 def _tp_shard(func: str, shape: tuple[int, int], tp: int, rank: int) -> Shard:
     if not 0 <= rank < tp:
         raise LayoutError(f"{func}: rank={rank!r} out of range; expected 0 <= rank < tp={tp}")
-    return Shard(shape) if tp == 1 else Shard(shape, 0, tp, rank)
+    return Shard(shape) if tp == 1 else Shard.split(shape, 0, tp, rank)
 
 
 def qkv_layout(
@@ -397,7 +404,7 @@ def qkv_layout(
                 f"{f}: tp={tp} not a multiple of num_kv_heads={num_kv_heads}; expected each KV head replicated "
                 "on the same number of ranks"
             )
-        kv = Shard(kv_shape) if num_kv_heads == 1 else Shard(kv_shape, 0, num_kv_heads, rank * num_kv_heads // tp)
+        kv = Shard(kv_shape) if num_kv_heads == 1 else Shard.split(kv_shape, 0, num_kv_heads, rank * num_kv_heads // tp)
     return TensorLayout.fused(name, dtype, [(logical[0], q), (logical[1], kv), (logical[2], kv)])
 
 

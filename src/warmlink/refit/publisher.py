@@ -2,8 +2,9 @@
 
 Where a tensor already sits in shareable memory (a CUDA tensor from PyTorch's default allocator,
 which uses plain ``cudaMalloc``), receivers read it in place: zero copies, zero extra memory. Other
-tensors (CPU tensors, expandable segments) are staged: one arena holds them all, and ``publish``
-copies them in.
+tensors (CPU tensors, expandable segments) and layouts the trainer does not hold as one tensor
+(fused, cast) are staged: one arena holds them all, and every ``publish`` copies them in from the
+live tensors (Note [Live sources] in ``refit._declare``), so no version can carry stale bytes.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from warmlink import _env, pool
 from warmlink._closing import Closing
-from warmlink._dtypes import dtype_name
+from warmlink._dtypes import torch_dtype
 from warmlink.errors import (
     ConfigError,
     LayoutError,
@@ -25,6 +27,7 @@ from warmlink.errors import (
     VersionError,
 )
 from warmlink.refit import protocol
+from warmlink.refit._declare import Declared, declare_module, declare_tensor, run_fills
 from warmlink.refit._memo import PerStore
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
@@ -44,12 +47,16 @@ _exported = PerStore()
 
 @dataclass
 class _Entry:
-    name: str
-    tensor: object
-    layout: TensorLayout
+    declared: Declared
     region_idx: int = -1
     offset: int = 0
     staged: bool = False
+    data_ptr: int = 0  # in place and not staged: where its memory was at export
+    view: object = None  # staged: this tensor's typed view of the staging arena
+
+    @property
+    def layout(self) -> TensorLayout:
+        return self.declared.layout
 
 
 class Publisher(Closing):
@@ -65,9 +72,8 @@ class Publisher(Closing):
 
     Usage::
 
-        pub = Publisher(store, rank=r, world_size=tp)
-        for name, t in shards.items():
-            pub.add(name, t, layout)
+        pub = Publisher(store, rank=r, world_size=world)
+        pub.add_module(model)        # DTensor parameters: layouts read from their placements
         pub.export()                 # registers once, publishes version 1
         with pub.update():           # waits until no receiver reads, then publishes v+1 on exit
             optimizer.step()
@@ -96,32 +102,52 @@ class Publisher(Closing):
 
     # -- declaration -------------------------------------------------------------------------
     def add(self, name: str, tensor, layout: TensorLayout | None = None) -> None:
-        """Declare a tensor. ``layout`` defaults to a whole, unsharded tensor named ``name``.
+        """Declare one live tensor, published as it is at every ``publish``.
+
+        Args:
+            name: physical name, unique on this rank.
+            tensor: a contiguous tensor, or a ``DTensor`` (its local shard is published, in place).
+            layout: what it holds; default: its placements for a DTensor, else the whole tensor as
+                logical tensor ``name``. A layout of another dtype casts at every publish.
 
         Raises:
-            LayoutError: the tensor's shape or dtype differs from ``layout``, or ``name`` repeats.
+            LayoutError: the tensor's shape differs from ``layout``, a DTensor holds other boxes than
+                ``layout`` says, or ``name`` repeats. VersionError: after ``export``.
         """
+        self._declare([declare_tensor(name, tensor, layout)], "add")
+
+    def add_module(self, module, layouts: Mapping[str, TensorLayout] | None = None, *, dtype: str | None = None) -> None:
+        """Declare a module's parameters and persistent buffers, read live at every ``publish``.
+
+        Args:
+            module: the trainer's ``torch.nn.Module``. DTensor parameters (FSDP2, TP through
+                ``parallelize_module``, 2-D meshes) publish their local shards in place, with
+                layouts read from their placements: no gather and no copy.
+            layouts: physical name -> layout, for a module whose tensors carry no placements (a
+                Megatron or vLLM-layout rank: ``warmlink.refit.families.layouts``). A layout named
+                after a module tensor of its shape publishes that tensor; any other must be
+                buildable from whole logical tensors of the module (a fused ``qkv`` cut from a TP-1
+                model) and is rebuilt at every publish. Default: every tensor, as it is.
+            dtype: wire dtype for every tensor when ``layouts`` is None (``"bfloat16"`` for fp32
+                master weights); a cast is rebuilt at every publish.
+
+        Raises:
+            LayoutError: a layout that names no module tensor of its shape and cannot be built from
+                whole ones (the message names the layout and the logical tensor).
+
+        **Collective?** No. **Warm path?** No: declare once, before ``export``.
+        """
+        self._declare(declare_module(module, layouts, dtype), "add_module")
+
+    def _declare(self, declared: list[Declared], func: str) -> None:
         if self._link is not None:
-            raise VersionError(f"Publisher.add: name={name!r} after export(); declare every tensor first")
-        if isinstance(tensor, TensorLayout) or not hasattr(tensor, "is_contiguous"):
-            raise LayoutError(f"Publisher.add: name={name!r}: tensor is a {type(tensor).__name__}; expected a torch.Tensor "
-                              "(the order is add(name, tensor, layout), where Receiver.add takes (name, layout, target))")
-        if layout is not None and not isinstance(layout, TensorLayout):
-            raise LayoutError(f"Publisher.add: name={name!r}: layout is a {type(layout).__name__}; expected a TensorLayout or None")
-        if name in self._entries:
-            raise LayoutError(f"Publisher.add: name={name!r} declared twice")
-        dtype = dtype_name(tensor.dtype)
-        if layout is None:
-            layout = TensorLayout.plain(name, dtype, tuple(tensor.shape))
-        if layout.name != name:
-            raise LayoutError(f"Publisher.add: name={name!r} but layout.name={layout.name!r}")
-        if tuple(tensor.shape) != layout.local_shape:
-            raise LayoutError(f"Publisher.add: tensor {name!r} shape={tuple(tensor.shape)}; expected layout.local_shape={layout.local_shape}")
-        if dtype != layout.dtype:
-            raise LayoutError(f"Publisher.add: tensor {name!r} dtype={dtype!r}; expected layout.dtype={layout.dtype!r}")
-        if not tensor.is_contiguous():
-            raise LayoutError(f"Publisher.add: tensor {name!r} is not contiguous; expected a contiguous tensor")
-        self._entries[name] = _Entry(name, tensor, layout)
+            raise VersionError(f"Publisher.{func}: called after export(); declare every tensor first")
+        names = [d.name for d in declared]
+        dup = next((n for i, n in enumerate(names) if n in self._entries or n in names[:i]), None)
+        if dup is not None:
+            raise LayoutError(f"Publisher.{func}: name={dup!r} declared twice")
+        for d in declared:
+            self._entries[d.name] = _Entry(d)
 
     # -- export ------------------------------------------------------------------------------
     def export(self) -> None:
@@ -136,7 +162,7 @@ class Publisher(Closing):
             raise VersionError("Publisher.export: called twice")
         if not self._entries:
             raise LayoutError("Publisher.export: no tensors declared; call add() first")
-        devices = {(-1 if e.tensor.device.type == "cpu" else e.tensor.device.index) for e in self._entries.values()}
+        devices = {(-1 if d.type == "cpu" else d.index) for d in (e.declared.device() for e in self._entries.values())}
         if len(devices) != 1:
             raise LayoutError(f"Publisher.export: tensors on several devices {sorted(devices)}; expected one")
         device = devices.pop()
@@ -147,15 +173,16 @@ class Publisher(Closing):
         to_stage: list[_Entry] = []
         with self._link.device_scope():
             for e in self._entries.values():
-                if e.layout.nbytes == 0:  # an empty region is no region: stage it (it moves no bytes)
+                # Built tensors and empty ones (an empty region is no region) are staged.
+                if not e.declared.in_place or e.layout.nbytes == 0:
                     to_stage.append(e)
                     continue
                 try:
-                    region = self._link.register(e.tensor)
+                    region = self._link.register(e.declared.memory())
                 except LayoutError:
                     to_stage.append(e)
                     continue
-                e.region_idx = len(self._regions)
+                e.region_idx, e.data_ptr = len(self._regions), e.declared.data_ptr()
                 self._regions.append(region)
         if to_stage:
             offsets, total = [], 0
@@ -163,15 +190,17 @@ class Publisher(Closing):
                 offsets.append(total)
                 total += (e.layout.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
             self._staging = self._link.allocate(total)
+            self._staging.tensor.zero_()  # padding of built tensors is never written again
             idx = len(self._regions)
             self._regions.append(self._staging)
             for e, off in zip(to_stage, offsets):
                 e.region_idx, e.offset, e.staged = idx, off, True
+                e.view = self._staging.tensor[off : off + e.layout.nbytes].view(torch_dtype(e.layout.dtype)).view(e.layout.shape)
             log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
 
         host, pid, start = local_identity()
         manifest = {
-            "schema_version": 1,
+            "schema_version": schema.MANIFEST_SCHEMA_VERSION,
             "kind": "publisher_manifest",
             "peer": {
                 "schema_version": 1, "kind": "peer_info", "role": "publisher", "rank": self.rank,
@@ -184,7 +213,7 @@ class Publisher(Closing):
             ],
         }
         self.generation = self._write_manifest(manifest)
-        self._copy_staged()
+        self._refresh()
         self.version = 1
         protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
 
@@ -206,16 +235,19 @@ class Publisher(Closing):
             _exported.put(self.store, self.rank, (generation, manifest, raw))
         return generation
 
-    def _copy_staged(self) -> None:
-        if self._staging is None:
-            return
+    def _refresh(self) -> None:
+        """Make the published bytes those of the live tensors now (Note [Live sources])."""
         import torch
 
-        buf = self._staging.tensor
         for e in self._entries.values():
             if e.staged:
-                n = e.layout.nbytes
-                buf[e.offset : e.offset + n].copy_(e.tensor.reshape(-1).view(torch.uint8))
+                run_fills(e.declared.staging_fills(), e.view)
+            elif e.declared.data_ptr() != e.data_ptr:
+                raise LayoutError(
+                    f"Publisher.publish: tensor {e.declared.name!r} moved since export (data_ptr "
+                    f"{e.data_ptr:#x} -> {e.declared.data_ptr():#x}; was its .data replaced?); receivers would read "
+                    "memory it no longer uses: re-create the publisher after re-allocating parameters"
+                )
         if self.device >= 0:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -256,7 +288,7 @@ class Publisher(Closing):
             import torch
 
             torch.cuda.current_stream(self.device).synchronize()
-        self._copy_staged()
+        self._refresh()
         self.version += 1
         protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
         self._updating = False

@@ -24,7 +24,9 @@ from warmlink._dtypes import dtype_name, torch_dtype
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError
 from warmlink.pool.core import counters
 from warmlink.refit import _parked, protocol, translate
+from warmlink.refit._declare import module_tensors
 from warmlink.refit._memo import Lru
+from warmlink.refit.dtensor import dtensor_layout, is_dtensor, local_tensor
 from warmlink.refit.manifest import TensorLayout
 from warmlink.refit.plan import build_plan, layout_signature
 from warmlink.refit.sources import SourceSet
@@ -92,12 +94,16 @@ class _Buffers:
                 view = typed[tp.src_dtype] = buf.view(torch_dtype(tp.src_dtype))
             self.recv.append(view.as_strided(tp.dst_shape, _contiguous_strides(tp.dst_shape),
                                              view.storage_offset() + o // view.element_size()))
+        # Padding is never written by a pull: zeroed once here, it stays zero (Note [Layout rules]).
+        for tp, r in zip(plan.tensors, self.recv):
+            if tp.padded:
+                r.zero_()
         # Scratch only where staged pulls land (translate.unstage is the only reader).
         self.scratch = [buf[o : o + tp.scratch_nbytes] if tp.staged else None
                         for tp, o in zip(plan.tensors, self.scratch_offsets)]
         # Casts land in plain tensors of the destination dtype, made once with the buffers.
         self.final = [
-            torch.empty(tp.dst_shape, dtype=torch_dtype(tp.dst_dtype), device=buf.device) if tp.needs_cast else r
+            torch.zeros(tp.dst_shape, dtype=torch_dtype(tp.dst_dtype), device=buf.device) if tp.needs_cast else r
             for tp, r in zip(plan.tensors, self.recv)
         ]
         self.batch = None
@@ -225,13 +231,30 @@ class Receiver(Closing):
             self._targets[name] = target
         self._layouts[name] = layout
 
-    def add_module(self, module, layouts: Mapping[str, TensorLayout]) -> None:
-        """Declare every parameter of ``module`` named in ``layouts`` with the parameter as target."""
-        params = dict(module.named_parameters())
+    def add_module(self, module, layouts: Mapping[str, TensorLayout] | None = None) -> None:
+        """Declare tensors of ``module`` (parameters and persistent buffers) as install targets.
+
+        Args:
+            module: the engine's ``torch.nn.Module``.
+            layouts: physical name -> layout, each naming a module tensor of its local shape (a
+                vLLM-layout rank: ``warmlink.refit.families.layouts``). Default: every tensor,
+                DTensors with layouts read from their placements, others whole.
+
+        Raises:
+            LayoutError: a layout naming no module tensor, or one of another shape or dtype.
+        """
+        tensors = module_tensors(module)
+        if layouts is None:
+            layouts = {name: dtensor_layout(name, t) if is_dtensor(t) else
+                       TensorLayout.plain(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
         for name, layout in layouts.items():
-            if name not in params:
-                raise LayoutError(f"Receiver.add_module: layout {name!r} names no parameter of {type(module).__name__}")
-            self.add(name, layout, params[name].data if self.install == "copy" else params[name])
+            if name not in tensors:
+                raise LayoutError(f"Receiver.add_module: layout {name!r} names no parameter or buffer of {type(module).__name__}")
+            t = tensors[name]
+            if is_dtensor(t) and self.install == "swap":
+                raise ConfigError(f"Receiver.add_module: {name!r} is a DTensor; install='swap' cannot re-point its local "
+                                  "shard; expected install='copy'")
+            self.add(name, layout, local_tensor(t) if self.install == "copy" else t)
 
     def _resolve_device(self) -> int:
         import torch

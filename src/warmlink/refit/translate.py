@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from warmlink._dtypes import torch_dtype
+from warmlink._geometry import pad_shape
 
 __all__ = ["box_slices", "unstage", "install_copy", "install_swap", "INSTALL_MODES"]
 
@@ -23,9 +24,10 @@ def unstage(tensor_plan, recv_view, scratch) -> None:
     """Copy the boxes of staged pulls from ``scratch`` (uint8) into ``recv_view`` (typed)."""
     dtype = torch_dtype(tensor_plan.src_dtype)
     for sp in tensor_plan.staged:
-        src = scratch[sp.scratch_offset : sp.scratch_offset + sp.src_nbytes].view(dtype).view(sp.src_local_shape)
+        src = scratch[sp.scratch_offset : sp.scratch_offset + sp.src_nbytes].view(dtype)
         for src_box, dst_box in sp.local_copies:
-            recv_view[box_slices(dst_box)].copy_(src[box_slices(src_box)])
+            dst = recv_view.view(pad_shape(tensor_plan.dst_shape, len(dst_box)))
+            dst[box_slices(dst_box)].copy_(src.view(pad_shape(sp.src_local_shape, len(src_box)))[box_slices(src_box)])
 
 
 def install_copy(pairs: Iterable[tuple[object, object]]) -> None:

@@ -8,8 +8,8 @@ nesting, wrong types, missing keys). Nothing is unpickled, ever.
 
 Objects are closed: a missing key or an unexpected key is an error, so that ``schema_version``
 means something. The manifest's tensor entries are exactly ``warmlink.refit.manifest.TensorLayout
-.to_json()`` plus ``region`` and ``offset``; the shard math is re-implemented here (this module sits
-below ``refit`` and must not import it) and is tested against ``TensorLayout``.
+.to_json()`` plus ``region`` and ``offset``, checked by the same rules as ``TensorLayout`` itself
+(Note [Layout rules] in ``warmlink._geometry``, which both import: this module sits below ``refit``).
 
 # Note [Region extent]
 Every region descriptor exports ``nbytes`` bytes, and a tensor's ``offset`` counts from the first
@@ -21,7 +21,7 @@ in the address space of the peer's agent ``agent``; ``agent_meta`` is that agent
 metadata as hex, which the opener loads with ``add_remote_agent``: at most ``MAX_NIXL_META_HEX``
 characters. ``mem="DRAM"`` goes with ``device=-1``, ``mem="VRAM"`` with a device index >= 0.
 
-Imports neither torch nor anything above ``warmlink.errors`` and ``warmlink._dtypes``.
+Imports neither torch nor anything above ``warmlink.errors``, ``warmlink._dtypes`` and ``warmlink._geometry``.
 """
 
 from __future__ import annotations
@@ -32,16 +32,20 @@ import re
 from typing import Any, Callable, NoReturn
 
 from warmlink._dtypes import DTYPE_SIZES
+from warmlink._geometry import layout_problem
 from warmlink.errors import MetadataError
 
 __all__ = [
-    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MAX_PAYLOAD_BYTES", "decode", "encode",
+    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MANIFEST_SCHEMA_VERSION", "MAX_PAYLOAD_BYTES", "decode", "encode",
     "validate_peer_info", "validate_region", "validate_socket_address", "validate_publisher_manifest",
     "validate_version_state", "tensor_local_shape", "tensor_nbytes", "region_extent_bytes", "register_kind",
 ]
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
+# Manifests changed on their own when layouts became boxes with offsets (Note [Layout rules]); a
+# version-1 manifest from an older publisher is refused by name, never misread.
+MANIFEST_SCHEMA_VERSION = 2
 MAX_PAYLOAD_BYTES = 64 << 20
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 8
@@ -49,7 +53,7 @@ MAX_DIM = 1 << 40
 MAX_INT = 1 << 63  # byte counts, offsets, ids, generations: int64
 MAX_REGIONS = 1 << 16
 MAX_TENSORS = 1 << 20
-MAX_PARTS = 256
+MAX_PARTS = 4096
 MAX_WORLD_SIZE = 1 << 20
 MAX_DEVICE = 1 << 16
 _MAX_INT_DIGITS = 40
@@ -74,8 +78,8 @@ _REGION_KEYS = {
     "cuda_ipc": ("kind", "handle", "alloc_nbytes", "offset", "nbytes", "device", "buffer_id"),
     "nixl": ("kind", "agent", "addr", "nbytes", "device", "mem", "agent_meta"),
 }
-_TENSOR_KEYS = ("name", "dtype", "fuse_dim", "parts", "region", "offset")
-_PART_KEYS = ("logical", "global_shape", "split_dim", "num_shards", "shard_idx")
+_TENSOR_KEYS = ("name", "dtype", "shape", "parts", "region", "offset")
+_PART_KEYS = ("logical", "global_shape", "bounds", "offset")
 
 
 def _short(value: Any) -> str:
@@ -155,14 +159,15 @@ class _V:
 
 
 # -- leaf objects -------------------------------------------------------------------------------
-def _header(v: _V, x: Any, keys: tuple[str, ...], kind: str) -> dict:
+def _header(v: _V, x: Any, keys: tuple[str, ...], kind: str, versions: tuple[int, ...] = SUPPORTED_SCHEMA_VERSIONS) -> dict:
     if type(x) is not dict:
         v.fail(f"payload={_short(x)} has type {_json_type(x)}; expected object")
     if "schema_version" not in x:
         v.fail(f"payload: missing key 'schema_version'; expected keys {list(keys)}")
     version = x["schema_version"]
-    if type(version) is not int or version not in SUPPORTED_SCHEMA_VERSIONS:
-        v.fail(f"schema_version={_short(version)} is not supported; expected one of {list(SUPPORTED_SCHEMA_VERSIONS)}")
+    if type(version) is not int or version not in versions:
+        v.fail(f"schema_version={_short(version)} is not supported; expected one of {list(versions)} "
+               "(do both sides run the same warmlink version?)")
     if "kind" not in x:
         v.fail(f"payload: missing key 'kind'; expected keys {list(keys)}")
     if x["kind"] != kind:
@@ -242,71 +247,42 @@ def region_extent_bytes(region: dict) -> int:
 
 
 # -- tensors ------------------------------------------------------------------------------------
-def _split_len(size: int, num_shards: int, shard_idx: int) -> int:
-    """Rows of shard ``shard_idx`` (``refit.manifest.split_bounds`` math; see Note [Uneven shards])."""
-    base, extra = divmod(size, num_shards)
-    return base + (1 if shard_idx < extra else 0)
-
-
-def _part_shape(v: _V, x: Any, path: str) -> tuple[int, ...]:
+def _part(v: _V, x: Any, path: str, ndim: int) -> tuple[str, tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
     v.obj(x, path, _PART_KEYS)
-    v.str_(x["logical"], f"{path}.logical")
+    logical = v.str_(x["logical"], f"{path}.logical")
     dims = v.list_(x["global_shape"], f"{path}.global_shape", 0, MAX_NDIM)
-    shape = [v.int_(d, f"{path}.global_shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims)]
-    split_dim = x["split_dim"]
-    num_shards = v.int_(x["num_shards"], f"{path}.num_shards", 1, MAX_DIM)
-    shard_idx = v.int_(x["shard_idx"], f"{path}.shard_idx", 0, num_shards)
-    if split_dim is None:
-        if num_shards != 1 or shard_idx != 0:
-            v.fail(
-                f"{path}.split_dim=None but num_shards={num_shards}, shard_idx={shard_idx}; "
-                "expected num_shards=1 and shard_idx=0 for a replicated tensor"
-            )
-        return tuple(shape)
-    v.int_(split_dim, f"{path}.split_dim", 0, len(shape))  # always fails for global_shape=[]
-    if shape[split_dim] < num_shards:
-        v.fail(
-            f"{path}.num_shards={num_shards} exceeds global_shape[{split_dim}]={shape[split_dim]}; "
-            "expected num_shards <= dim size (no empty shard)"
-        )
-    shape[split_dim] = _split_len(shape[split_dim], num_shards, shard_idx)
-    return tuple(shape)
+    shape = tuple(v.int_(d, f"{path}.global_shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
+    raw_bounds = v.list_(x["bounds"], f"{path}.bounds", len(shape), len(shape))
+    bounds = []
+    for i, b in enumerate(raw_bounds):
+        pair = v.list_(b, f"{path}.bounds[{i}]", 2, 2)
+        bounds.append((v.int_(pair[0], f"{path}.bounds[{i}][0]", 0, MAX_DIM + 1),
+                       v.int_(pair[1], f"{path}.bounds[{i}][1]", 0, MAX_DIM + 1)))
+    raw_offset = v.list_(x["offset"], f"{path}.offset", ndim, ndim)
+    offset = tuple(v.int_(o, f"{path}.offset[{i}]", 0, MAX_DIM) for i, o in enumerate(raw_offset))
+    return logical, shape, tuple(bounds), offset
 
 
 def _tensor_shape(v: _V, x: dict, path: str) -> tuple[int, ...]:
-    parts = v.list_(x["parts"], f"{path}.parts", 1, MAX_PARTS)
-    shapes = [_part_shape(v, p, f"{path}.parts[{i}]") for i, p in enumerate(parts)]
-    ndim = len(shapes[0])
-    for i, s in enumerate(shapes):
-        if len(s) != ndim:
-            v.fail(f"{path}.parts[{i}].global_shape has {len(s)} dims but parts[0] has {ndim}; expected equal ranks")
-    fuse_dim = v.int_(x["fuse_dim"], f"{path}.fuse_dim", 0, ndim if len(shapes) > 1 else MAX_NDIM)
-    for i, s in enumerate(shapes[1:], 1):
-        for d in range(ndim):
-            if d != fuse_dim and s[d] != shapes[0][d]:
-                v.fail(
-                    f"{path}.parts[{i}] local dim {d} is {s[d]} but parts[0] has {shapes[0][d]}; "
-                    f"expected fused parts to agree on every dim except fuse_dim={fuse_dim}"
-                )
-    logicals = [p["logical"] for p in parts]
-    if len(set(logicals)) != len(logicals):
-        v.fail(f"{path}.parts: a logical name appears twice; expected unique logical names")
-    if len(shapes) == 1:
-        return shapes[0]
-    out = list(shapes[0])
-    out[fuse_dim] = sum(s[fuse_dim] for s in shapes)
-    return tuple(out)
+    dims = v.list_(x["shape"], f"{path}.shape", 0, MAX_NDIM)
+    shape = tuple(v.int_(d, f"{path}.shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
+    raw = v.list_(x["parts"], f"{path}.parts", 1, MAX_PARTS)
+    parts = [_part(v, p, f"{path}.parts[{i}]", len(shape)) for i, p in enumerate(raw)]
+    problem = layout_problem(shape, parts)  # See Note [Layout rules] in warmlink._geometry
+    if problem is not None:
+        v.fail(f"{path}: {problem}")
+    return shape
 
 
 def tensor_local_shape(tensor: dict) -> tuple[int, ...]:
     """Local (this rank's) shape of a manifest tensor entry, as ``TensorLayout.local_shape``.
 
     Raises:
-        MetadataError: the entry's parts are invalid.
+        MetadataError: the entry's shape or parts are invalid.
     """
     v = _V("tensor entry", "local")
-    if type(tensor) is not dict or "parts" not in tensor or "fuse_dim" not in tensor:
-        v.fail(f"tensor={_short(tensor)} invalid; expected an object with 'parts' and 'fuse_dim'")
+    if type(tensor) is not dict or "parts" not in tensor or "shape" not in tensor:
+        v.fail(f"tensor={_short(tensor)} invalid; expected an object with 'shape' and 'parts'")
     return _tensor_shape(v, tensor, "tensor")
 
 
@@ -322,7 +298,7 @@ def tensor_nbytes(tensor: dict) -> int:
 
 
 def _manifest(v: _V, x: Any) -> dict:
-    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors"), "publisher_manifest")
+    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors"), "publisher_manifest", (MANIFEST_SCHEMA_VERSION,))
     _peer_info(v, x["peer"], "peer", nested=True)
     if x["peer"]["role"] != "publisher":
         v.fail(f"peer.role={x['peer']['role']!r} is wrong; expected 'publisher'")
@@ -477,7 +453,7 @@ def encode(obj: dict) -> bytes:
     v = _V("outgoing payload", "local")
     if type(obj) is not dict:
         v.fail(f"payload has type {type(obj).__name__}; expected dict")
-    if obj.get("schema_version") not in SUPPORTED_SCHEMA_VERSIONS or type(obj.get("schema_version")) is not int:
+    if obj.get("schema_version") not in (*SUPPORTED_SCHEMA_VERSIONS, MANIFEST_SCHEMA_VERSION) or type(obj.get("schema_version")) is not int:
         v.fail(
             f"schema_version={_short(obj.get('schema_version'))} is missing or unsupported; "
             f"expected one of {list(SUPPORTED_SCHEMA_VERSIONS)}"

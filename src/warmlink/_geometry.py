@@ -1,0 +1,170 @@
+"""Box geometry shared by the layout model (``refit.manifest``) and the wire schema
+(``rendezvous.schema``): one set of rules for what a physical tensor may hold, checked on both
+sides of the store. Pure integer logic; imports nothing from warmlink but nothing at all.
+
+A *box* is a tuple of ``(start, stop)`` per dimension, half-open, in element coordinates; it is
+*empty* when any dimension has ``stop <= start``.
+
+# Note [Layout rules]
+A physical tensor of shape ``shape`` holds *parts*. A part is a box of one logical tensor (its
+``bounds``, in the logical tensor's global coordinates) placed at ``offset`` in the physical
+tensor. The rules, checked by ``layout_problem``:
+
+* ``0 <= start <= stop <= global_shape[d]`` in every dimension (an empty box is allowed: a rank
+  may hold nothing of a tensor, as ``torch.chunk`` gives 6 experts over 4 ranks as [2, 2, 2, 0]).
+* A part may have more dimensions than the physical tensor: its leading ``k`` extra dimensions
+  must then have extent 1 (or the part is empty) and are squeezed (one expert of a 3-D expert
+  tensor stored as a 2-D matrix, as Megatron's per-expert ``linear_fc1`` is).
+* ``offset[d] + extent[d] <= shape[d]`` in the physical tensor's own dimensions.
+* Non-empty parts never overlap in the physical tensor, and two non-empty parts of the same
+  logical tensor never overlap in global coordinates (one element, one place).
+* Every part of one logical tensor agrees on its ``global_shape``.
+
+Elements of the physical tensor that no part covers are *padding*: never sent, never compared.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["Box", "box_shape", "box_numel", "intersect", "subtract", "translate", "c_strides",
+           "pad_shape", "layout_problem"]
+
+Box = tuple[tuple[int, int], ...]
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """Extent of ``box`` per dimension, in elements (negative extents clamp to 0)."""
+    return tuple(max(0, stop - start) for start, stop in box)
+
+
+def box_numel(box: Box) -> int:
+    """Number of elements inside ``box`` (1 for the 0-d box ``()``)."""
+    n = 1
+    for d in box_shape(box):
+        n *= d
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """``a`` intersected with ``b``; ``None`` when the intersection is empty."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return None if any(stop <= start for start, stop in out) else out
+
+
+def subtract(a: Box, inner: Box) -> list[Box]:
+    """``a`` minus ``inner`` (``inner`` must lie inside ``a``) as at most ``2 * ndim`` disjoint boxes.
+
+    Slab decomposition: for each dimension in turn, the slabs before and after ``inner`` along it,
+    with the dimensions already handled restricted to ``inner``.
+    """
+    out: list[Box] = []
+    cur = list(a)
+    for d, ((a0, a1), (i0, i1)) in enumerate(zip(a, inner)):
+        if a0 < i0:
+            out.append(tuple(cur[:d] + [(a0, i0)] + cur[d + 1:]))
+        if i1 < a1:
+            out.append(tuple(cur[:d] + [(i1, a1)] + cur[d + 1:]))
+        cur[d] = (i0, i1)
+    return out
+
+
+def translate(box: Box, delta: Sequence[int]) -> Box:
+    """``box`` moved by ``delta`` elements per dimension."""
+    return tuple((start + s, stop + s) for (start, stop), s in zip(box, delta))
+
+
+def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+def pad_shape(shape: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``shape`` with leading 1s up to ``ndim`` dimensions: the same bytes, seen as a part sees them."""
+    return (1,) * (ndim - len(shape)) + tuple(shape)
+
+
+def _placed(bounds: Box, offset: Sequence[int]) -> Box:
+    """Where a part's box lies in the physical tensor (squeezed leading dimensions dropped)."""
+    k = len(bounds) - len(offset)
+    return tuple((o, o + max(0, stop - start)) for (start, stop), o in zip(bounds[k:], offset))
+
+
+def _first_overlap(boxes: list[tuple[Box, int]]) -> tuple[int, int] | None:
+    """Indices of two overlapping boxes (each given with its index), or None. Sweep along dim 0."""
+    if not boxes:
+        return None
+    if not boxes[0][0]:  # 0-d: any two boxes are the same single element
+        return (boxes[0][1], boxes[1][1]) if len(boxes) > 1 else None
+    order = sorted(boxes, key=lambda bi: bi[0][0])
+    active: list[tuple[Box, int]] = []
+    for box, i in order:
+        start = box[0][0]
+        active = [(b, j) for b, j in active if b[0][1] > start]
+        for b, j in active:
+            if intersect(b, box) is not None:
+                return (min(i, j), max(i, j))
+        active.append((box, i))
+    return None
+
+
+def layout_problem(
+    shape: Sequence[int],
+    parts: Sequence[tuple[str, Sequence[int], Box, Sequence[int]]],
+) -> str | None:
+    """The first way ``parts`` break Note [Layout rules] in a physical tensor of ``shape``, or None.
+
+    Args:
+        shape: the physical tensor's shape, in elements.
+        parts: ``(logical, global_shape, bounds, offset)`` per part.
+
+    Returns:
+        ``None`` when the layout is valid, else one sentence naming the part and field, for the
+        caller to raise as its own error type (``LayoutError``, ``MetadataError``).
+    """
+    ndim = len(shape)
+    if any(d < 0 for d in shape):
+        return f"shape={tuple(shape)} has a negative dimension"
+    logical_shapes: dict[str, tuple[int, ...]] = {}
+    placed: list[tuple[Box, int]] = []
+    by_logical: dict[str, list[tuple[Box, int]]] = {}
+    for i, (logical, global_shape, bounds, offset) in enumerate(parts):
+        where = f"parts[{i}] (logical={logical!r})"
+        gshape = tuple(global_shape)
+        if len(bounds) != len(gshape):
+            return f"{where}: bounds has {len(bounds)} dims but global_shape={gshape} has {len(gshape)}"
+        if len(offset) != ndim:
+            return f"{where}: offset={tuple(offset)} has {len(offset)} dims; expected {ndim}, as shape={tuple(shape)}"
+        if len(gshape) < ndim:
+            return f"{where}: global_shape={gshape} has fewer dims than shape={tuple(shape)}"
+        for d, ((start, stop), size) in enumerate(zip(bounds, gshape)):
+            if not 0 <= start <= stop <= size:
+                return f"{where}: bounds[{d}]=({start}, {stop}) out of range; expected 0 <= start <= stop <= {size}"
+        empty = any(stop <= start for start, stop in bounds)
+        k = len(gshape) - ndim
+        if not empty and any(stop - start != 1 for start, stop in bounds[:k]):
+            return (f"{where}: bounds={tuple(bounds)} squeezes {k} leading dims of extent != 1; expected extent 1 "
+                    f"where the part has more dims than shape={tuple(shape)}")
+        for d, (o, (start, stop)) in enumerate(zip(offset, bounds[k:])):
+            if o < 0 or o + (stop - start) > shape[d]:
+                return (f"{where}: offset[{d}]={o} + extent {stop - start} exceeds shape[{d}]={shape[d]}; "
+                        "expected the part inside its physical tensor")
+        prior = logical_shapes.setdefault(logical, gshape)
+        if prior != gshape:
+            return f"{where}: global_shape={gshape} differs from {prior} of an earlier part of the same logical tensor"
+        if not empty:
+            placed.append((_placed(tuple(bounds), offset), i))
+            by_logical.setdefault(logical, []).append((tuple(bounds), i))
+    hit = _first_overlap(placed)
+    if hit is not None:
+        return f"parts[{hit[0]}] and parts[{hit[1]}] overlap in the physical tensor; expected disjoint parts"
+    for logical, boxes in by_logical.items():
+        hit = _first_overlap(boxes) if len(boxes) > 1 else None
+        if hit is not None:
+            return (f"parts[{hit[0]}] and parts[{hit[1]}] hold overlapping boxes of logical={logical!r}; "
+                    "expected each element of a logical tensor once per physical tensor")
+    return None

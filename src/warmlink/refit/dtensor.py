@@ -1,0 +1,125 @@
+"""Layouts read from PyTorch's DTensor: FSDP2, ``parallelize_module``, 2-D meshes, ``_StridedShard``.
+
+A DTensor knows its global shape, its mesh, its placements and this rank's coordinate: everything a
+``TensorLayout`` says. ``dtensor_layout`` reads them and never restates PyTorch's sharding rules:
+which global index each local row holds is computed by the placements' own split
+(``Placement._split_tensor``, what ``distribute_tensor`` runs) applied to an index vector, one
+dimension at a time.
+
+# Note [DTensor boxes]
+Placements shard dimensions independently, so the local tensor is a grid: along each dimension
+``d`` it holds some list of global indices, and element ``(i, j, ...)`` is global element
+``(idx_0[i], idx_1[j], ...)``. A ``Shard`` or a chain of ``Shard`` placements gives one run of
+consecutive indices per dimension (one box). ``_StridedShard`` (FSDP2 over a TP-sharded dimension)
+gives several runs; the layout then has one part per combination of runs, each at its local offset.
+``torch.chunk`` semantics (ceil-sized chunks, possibly empty) come with the placements.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from warmlink._dtypes import dtype_name
+from warmlink.errors import LayoutError
+from warmlink.refit.manifest import Part, Shard, TensorLayout
+
+__all__ = ["is_dtensor", "dtensor_layout", "local_tensor"]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (imports nothing new if not)."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(tensor, mod.DTensor)
+
+
+def local_tensor(tensor: Any) -> Any:
+    """The memory this rank holds: a DTensor's local shard (a view, no copy), else ``tensor`` itself.
+    Parameters come back as plain tensors over the same storage."""
+    t = tensor.to_local() if is_dtensor(tensor) else tensor
+    return t.detach()
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """``(local_start, global_start, length)`` of each run of consecutive global indices."""
+    runs: list[tuple[int, int, int]] = []
+    for local, g in enumerate(indices):
+        if runs and runs[-1][1] + runs[-1][2] == g:
+            ls, gs, n = runs[-1]
+            runs[-1] = (ls, gs, n + 1)
+        else:
+            runs.append((local, g, 1))
+    return runs
+
+
+def _shards(placement: Any) -> bool:
+    """Whether ``placement`` splits a dimension (``Shard`` or ``_StridedShard``, whose ``is_shard``
+    is False on some PyTorch versions)."""
+    from torch.distributed.tensor import placement_types as pt
+
+    kinds = tuple(k for k in (getattr(pt, "Shard", None), getattr(pt, "_StridedShard", None)) if k is not None)
+    return placement.is_shard() or isinstance(placement, kinds)
+
+
+def _global_indices(dt: Any, dim: int, coordinate: list[int]) -> list[int]:
+    """Global indices along ``dim`` of this rank's local rows, in local order (Note [DTensor boxes])."""
+    import torch
+
+    size = dt.shape[dim]
+    view = [1] * dt.ndim
+    view[dim] = size
+    idx = torch.arange(size, dtype=torch.int64).view(view)
+    for mesh_dim, placement in enumerate(dt.placements):
+        if _shards(placement) and placement.dim == dim:
+            chunks, _ = placement._split_tensor(idx, dt.device_mesh.size(mesh_dim), with_padding=False)
+            idx = chunks[coordinate[mesh_dim]] if coordinate[mesh_dim] < len(chunks) else idx.narrow(dim, 0, 0)
+    return idx.reshape(-1).tolist()
+
+
+def dtensor_layout(name: str, dt: Any, *, logical: str | None = None) -> TensorLayout:
+    """The layout of this rank's local shard of DTensor ``dt``, named ``name``.
+
+    Args:
+        name: physical tensor name (unique per rank).
+        dt: a ``DTensor`` whose placements are ``Shard``, ``_StridedShard`` or ``Replicate``.
+        logical: the logical tensor's name; default ``name``.
+
+    Returns:
+        A ``TensorLayout`` whose parts say which global elements ``dt.to_local()`` holds, where.
+
+    Raises:
+        LayoutError: a ``Partial`` placement (a pending reduction is no weight), a rank outside the
+            mesh, or local and computed shapes that differ (a layout PyTorch describes differently
+            than its placements split).
+
+    **Collective?** No (reads local metadata only). **Warm path?** No: call once at setup.
+    """
+    placements = tuple(dt.placements)
+    for p in placements:
+        if not (_shards(p) or p.is_replicate()):
+            raise LayoutError(
+                f"dtensor_layout: tensor {name!r} has placement {p!r}; expected Shard or Replicate (a Partial "
+                "placement is a pending reduction: redistribute it first)"
+            )
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise LayoutError(f"dtensor_layout: tensor {name!r}: this rank is not in its device mesh {dt.device_mesh!r}")
+    global_shape = tuple(dt.shape)
+    per_dim = [_runs(_global_indices(dt, d, coordinate)) for d in range(dt.ndim)]
+    local = local_tensor(dt)
+    want = tuple(sum(n for _, _, n in runs) for runs in per_dim)
+    if want != tuple(local.shape):
+        raise LayoutError(
+            f"dtensor_layout: tensor {name!r}: placements {placements} give local shape {want} but to_local() has "
+            f"{tuple(local.shape)}; expected equal (is the local tensor padded or resized?)"
+        )
+    shape = tuple(local.shape)
+    grids: list[list[tuple[int, int, int]]] = [[(0, 0, 0)] if not runs else runs for runs in per_dim]
+    parts = []
+    for combo in itertools.product(*grids):
+        bounds = tuple((gs, gs + n) for _, gs, n in combo)
+        offset = tuple(ls for ls, _, _ in combo)
+        parts.append(Part(logical or name, Shard(global_shape, bounds), offset))
+    return TensorLayout(name, dtype_name(dt.dtype), tuple(parts), shape)
