@@ -21,6 +21,7 @@ from warmlink._dtypes import torch_dtype
 from warmlink.errors import (
     ConfigError,
     LayoutError,
+    MetadataError,
     PeerLostError,
     TransferError,
     TransferTimeout,
@@ -139,6 +140,10 @@ class Publisher(Closing):
         """
         self._declare(declare_module(module, layouts, dtype), "add_module")
 
+    def layouts(self) -> dict[str, TensorLayout]:
+        """Every declared tensor's layout by name (what the manifest announces), a new dict."""
+        return {name: e.layout for name, e in self._entries.items()}
+
     def _declare(self, declared: list[Declared], func: str) -> None:
         if self._link is not None:
             raise VersionError(f"Publisher.{func}: called after export(); declare every tensor first")
@@ -225,15 +230,23 @@ class Publisher(Closing):
             generation, body, raw = last
             manifest["peer"]["generation"] = generation
             # Read back: a key overwritten since (a bad peer, a test) gets a fresh generation.
-            if manifest == body and self.store.try_get(protocol.manifest_key(self.rank, generation)) == raw:
+            if manifest == body and self._stored(protocol.manifest_key(self.rank, generation)) == raw:
                 return generation
         generation = self.store.next_generation(f"pub/{self.rank}")
         manifest["peer"]["generation"] = generation
         raw = schema.encode(manifest)  # validated: a bad manifest is refused before it is published
-        self.store.set(protocol.manifest_key(self.rank, generation), raw)
+        # A blob: manifests of large models pass one store value (Note [Blobs] in rendezvous.store).
+        self.store.set_blob(protocol.manifest_key(self.rank, generation), raw)
         if pool.enabled():
             _exported.put(self.store, self.rank, (generation, manifest, raw))
         return generation
+
+    def _stored(self, key: str) -> bytes | None:
+        """The manifest bytes under ``key`` now; None when absent or no longer a whole blob."""
+        try:
+            return self.store.try_get_blob(key)
+        except MetadataError:
+            return None
 
     def _refresh(self) -> None:
         """Make the published bytes those of the live tensors now (Note [Live sources])."""
