@@ -7,14 +7,15 @@ keeps metadata from peers validated (DESIGN invariant 3); all are off with pooli
 
 * Publisher: an export whose manifest equals the last one this process wrote, for the same rank
   through the same ``Store`` object, keeps that manifest and its generation instead of drawing a new
-  generation and writing the manifest again. The stored bytes are read back first (one round trip)
-  and must still be exactly what was written. A generation is reused only through the ``Store``
-  object that drew it: another server (a restarted one at the same address) may have handed out
-  the same number for other content. Equal manifests name the same process, regions and offsets,
+  generation and writing the manifest again. The stored bytes are read back first (one round trip;
+  a manifest past one store value is a blob, read back and checked whole, Note [Blobs] in
+  ``rendezvous.store``) and must still be exactly what was written. A generation is reused only
+  through the ``Store`` object that drew it: another server (a restarted one at the same address)
+  may have handed out the same number for other content. Equal manifests name the same process, regions and offsets,
   so receivers holding that generation hold valid mappings.
 * Receiver: manifests are always read from the store, but bytes equal to bytes this process has
-  already validated are not decoded and validated again (``validated``, keyed by the exact bytes).
-  Any other bytes are decoded and validated in full.
+  already validated are not decoded and validated again (``validated``, keyed by the SHA-256 of
+  the exact bytes). Any other bytes are decoded and validated in full.
 * Receiver: a new receiver's first sync tries to enter the state this process last read for each
   publisher rank (``last_states``) instead of reading it first; the state read after entering
   decides, exactly as in Note [Version protocol], and a stale guess only costs a leave and the

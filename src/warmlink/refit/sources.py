@@ -29,25 +29,27 @@ class _Parsed:
 
     __slots__ = ("info", "regions", "layouts", "where", "digest")
 
-    def __init__(self, raw: bytes, m: dict) -> None:
+    def __init__(self, digest: str, m: dict) -> None:
         self.info = m["peer"]
         self.regions = tuple(m["regions"])
         self.layouts = tuple(TensorLayout.from_json(t) for t in m["tensors"])
         self.where = {t["name"]: (t["region"], t["offset"]) for t in m["tensors"]}  # (region index, offset bytes)
-        self.digest = hashlib.sha256(raw).hexdigest()  # names these exact layouts in plan keys
+        self.digest = digest  # names these exact layouts in plan keys
 
 
-# Exact manifest bytes -> their validated parse. See Note [Warm metadata] in refit._memo.
+# SHA-256 of exact manifest bytes -> their validated parse (a digest, not the bytes: manifests of
+# large models run to tens of MB). See Note [Warm metadata] in refit._memo.
 _validated = Lru(32)
 
 
 def _parse(raw: bytes, peer_name: str) -> _Parsed:
     """Decode and validate ``raw``, unless these exact bytes were validated before (pool on)."""
-    parsed = _validated.get(raw) if pool.enabled() else None
+    digest = hashlib.sha256(raw).hexdigest()
+    parsed = _validated.get(digest) if pool.enabled() else None
     if parsed is None:
-        parsed = _Parsed(raw, schema.decode(raw, "publisher_manifest", peer_name))
+        parsed = _Parsed(digest, schema.decode(raw, "publisher_manifest", peer_name))
         if pool.enabled():
-            _validated.put(raw, parsed)
+            _validated.put(digest, parsed)
     return parsed
 
 
@@ -104,7 +106,11 @@ class SourceSet:
 
     def _load(self, rank: int, generation: int) -> _Source:
         peer_name = f"publisher/{rank}"
-        parsed = _parse(self.store.get(protocol.manifest_key(rank, generation)), peer_name)
+        try:  # a blob: See Note [Blobs] in rendezvous.store
+            raw = self.store.get_blob(protocol.manifest_key(rank, generation))
+        except MetadataError as e:
+            raise MetadataError(f"publisher manifest from peer={peer_name!r}: {e}") from None
+        parsed = _parse(raw, peer_name)
         # What the bytes must say for this slot is checked on every load, cached or not.
         info = parsed.info
         if info["rank"] != rank or info["generation"] != generation:

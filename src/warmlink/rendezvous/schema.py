@@ -21,6 +21,13 @@ in the address space of the peer's agent ``agent``; ``agent_meta`` is that agent
 metadata as hex, which the opener loads with ``add_remote_agent``: at most ``MAX_NIXL_META_HEX``
 characters. ``mem="DRAM"`` goes with ``device=-1``, ``mem="VRAM"`` with a device index >= 0.
 
+# Note [Blob header]
+A value larger than one store value (``MAX_VALUE_BYTES``) travels as chunks under sub-keys and a
+``blob_header`` under its key (Note [Blobs] in ``rendezvous.store``): ``nbytes`` of data, at
+most ``MAX_PAYLOAD_BYTES``, cut into ``num_chunks`` chunks of ``chunk_nbytes`` (the last one
+shorter), and the lowercase hex SHA-256 of the whole. The counts must agree before a reader
+fetches any chunk, so the header alone bounds what a reader buffers.
+
 Imports neither torch nor anything above ``warmlink.errors``, ``warmlink._dtypes`` and ``warmlink._geometry``.
 """
 
@@ -39,6 +46,7 @@ __all__ = [
     "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MANIFEST_SCHEMA_VERSION", "MAX_PAYLOAD_BYTES", "decode", "encode",
     "validate_peer_info", "validate_region", "validate_socket_address", "validate_publisher_manifest",
     "validate_version_state", "tensor_local_shape", "tensor_nbytes", "region_extent_bytes", "register_kind",
+    "MAX_VALUE_BYTES", "MIN_CHUNK_BYTES", "validate_blob_header",
 ]
 
 SCHEMA_VERSION = 1
@@ -47,6 +55,9 @@ SUPPORTED_SCHEMA_VERSIONS = (1,)
 # version-1 manifest from an older publisher is refused by name, never misread.
 MANIFEST_SCHEMA_VERSION = 2
 MAX_PAYLOAD_BYTES = 64 << 20
+# One store value: TCPStore's libuv server drops the connection of a client that sends more.
+MAX_VALUE_BYTES = 8 << 20
+MIN_CHUNK_BYTES = 1 << 10  # with MAX_PAYLOAD_BYTES, at most 65536 chunks per blob
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 8
 MAX_DIM = 1 << 40
@@ -69,6 +80,7 @@ _IPC_HANDLE = re.compile(r"[0-9a-fA-F]{128}")
 NIXL_AGENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_NIXL_META_HEX = 1 << 20  # 512 KiB of agent metadata; one region's partial metadata is ~0.5 KiB
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _PEER_INFO_KEYS = (
     "schema_version", "kind", "role", "rank", "world_size", "generation", "host", "pid", "start_time",
     "device", "backend",
@@ -338,6 +350,19 @@ def _version_state(v: _V, x: Any) -> dict:
     return x
 
 
+def _blob_header(v: _V, x: Any) -> dict:
+    _header(v, x, ("schema_version", "kind", "nbytes", "chunk_nbytes", "num_chunks", "sha256"), "blob_header")
+    nbytes = v.int_(x["nbytes"], "nbytes", 0, MAX_PAYLOAD_BYTES + 1)
+    chunk = v.int_(x["chunk_nbytes"], "chunk_nbytes", MIN_CHUNK_BYTES, MAX_VALUE_BYTES + 1)
+    num = v.int_(x["num_chunks"], "num_chunks", 0, MAX_PAYLOAD_BYTES // MIN_CHUNK_BYTES + 1)
+    if num != -(-nbytes // chunk):
+        v.fail(f"num_chunks={num} does not cut nbytes={nbytes} into chunks of chunk_nbytes={chunk}; "
+               f"expected num_chunks={-(-nbytes // chunk)}")
+    if type(x["sha256"]) is not str or not _SHA256.fullmatch(x["sha256"]):
+        v.fail(f"sha256={_short(x['sha256'])} invalid; expected 64 lowercase hex characters")
+    return x
+
+
 # -- public validators --------------------------------------------------------------------------
 def validate_peer_info(obj: Any, peer: str) -> dict:
     """Check a parsed ``peer_info`` payload; returns it unchanged. Raises MetadataError."""
@@ -373,7 +398,13 @@ def validate_version_state(obj: Any, peer: str) -> dict:
     return _version_state(_V("version state", peer), obj)
 
 
+def validate_blob_header(obj: Any, peer: str) -> dict:
+    """Check a parsed ``blob_header`` (Note [Blob header]); returns it unchanged. Raises MetadataError."""
+    return _blob_header(_V("blob header", peer), obj)
+
+
 _VALIDATORS: dict[str, Callable[[Any, str], dict]] = {
+    "blob_header": validate_blob_header,
     "peer_info": validate_peer_info,
     "publisher_manifest": validate_publisher_manifest,
     "version_state": validate_version_state,
