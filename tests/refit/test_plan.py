@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from warmlink._dtypes import dtype_size
+from warmlink._geometry import pad_shape
 from warmlink.errors import ConfigError, LayoutError
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 from warmlink.refit.plan import (
@@ -61,9 +62,20 @@ def physical(layout: TensorLayout, globals_: dict[str, torch.Tensor], name_map=N
     return out
 
 
-def execute(plan: Plan, src: dict[tuple[int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run the plan with plain byte copies; check every receive byte is written exactly once."""
+def _covered(layout: TensorLayout) -> torch.Tensor:
+    """1 where a part of ``layout`` lies, 0 on padding, per byte."""
+    mask = torch.zeros(layout.shape + (dtype_size(layout.dtype),), dtype=torch.int32)
+    for p in layout.parts:
+        mask[tuple(slice(a, b) for a, b in p.local_box())] = 1
+    return mask.reshape(-1)
+
+
+def execute(plan: Plan, src: dict[tuple[int, str], torch.Tensor], targets=None) -> dict[str, torch.Tensor]:
+    """Run the plan with plain byte copies; check every receive byte of a part is written exactly
+    once and padding never."""
     out = {}
+    covered = {t.name: _covered(TensorLayout(t.name, tp.src_dtype, t.parts, t.shape))
+               for t, tp in zip(targets, plan.tensors)} if targets is not None else {}
     for tp in plan.tensors:
         dtype = getattr(torch, tp.src_dtype)
         item = dtype_size(tp.src_dtype)
@@ -90,13 +102,17 @@ def execute(plan: Plan, src: dict[tuple[int, str], torch.Tensor]) -> dict[str, t
             assert s.src_nbytes == sb.numel() and s.scratch_offset % SCRATCH_ALIGN_BYTES == 0
             assert s.scratch_offset + s.src_nbytes <= tp.scratch_nbytes
             scratch[s.scratch_offset:s.scratch_offset + s.src_nbytes] = sb
-            sv = scratch[s.scratch_offset:s.scratch_offset + s.src_nbytes].view(dtype).reshape(s.src_local_shape)
+            sv = scratch[s.scratch_offset:s.scratch_offset + s.src_nbytes].view(dtype)
             for sbox, dbox in s.local_copies:
                 si = tuple(slice(a, b) for a, b in sbox)
                 di = tuple(slice(a, b) for a, b in dbox)
-                recv_el[di] = sv[si]
-                hits_el[di] += 1
-        assert bool((hits == 1).all()), f"{tp.dst}: bytes written {hits.unique().tolist()} times"
+                recv_el.view(pad_shape(tp.dst_shape, len(dbox)))[di] = sv.view(pad_shape(s.src_local_shape, len(sbox)))[si]
+                hits_el.view(pad_shape(tp.dst_shape, len(dbox)) + (item,))[di] += 1
+        want = covered.get(tp.dst)
+        if want is None:
+            assert bool((hits == 1).all()), f"{tp.dst}: bytes written {hits.unique().tolist()} times"
+        else:
+            assert torch.equal(hits, want), f"{tp.dst}: bytes written {hits.unique().tolist()} times, padding {want.eq(0).sum()}"
         out[tp.dst] = recv_el
     return out
 
@@ -111,7 +127,7 @@ def check(sources, targets, *, max_runs_per_tensor=64, name_map=None, seed=0) ->
     globals_ = make_globals(specs, seed)
     src = {(r, t.name): physical(t, globals_) for r, ts in sources.items() for t in ts}
     plan = build_plan(sources, targets, max_runs_per_tensor=max_runs_per_tensor, name_map=name_map)
-    got = execute(plan, src)
+    got = execute(plan, src, targets)
     assert [t.dst for t in plan.tensors] == [t.name for t in targets]
     for t in targets:
         want = physical(t, globals_, name_map)
@@ -464,3 +480,73 @@ def test_types_are_frozen_slots():
     r = Run(0, "w", 0, 0, 4)
     with pytest.raises(AttributeError):
         r.src_rank = 1  # type: ignore[misc]
+
+
+@st.composite
+def _framework_side(draw, shape, logicals, dtype, prefix):
+    """One side as frameworks lay weights out: per rank, boxes cut along ``dim`` with
+    ``tensor_split`` or ``torch.chunk`` rows (possibly empty), one box per group when the dim is
+    grouped (Megatron's QKV interleaved per query group), fused or one tensor per logical, padded
+    past the parts or not. Every rank of a side together holds every element."""
+    world = draw(st.integers(1, 4))
+    dim = draw(st.integers(0, len(shape) - 1))
+    rule = Shard.split if draw(st.booleans()) else Shard.chunk
+    n = draw(st.integers(1, world))  # ranks r hold shard r * n // world: every shard held
+    groups = draw(st.integers(1, min(3, shape[dim])))
+    group_rows = [Shard.split(shape, dim, groups, g).bounds[dim] for g in range(groups)]
+    fuse = len(logicals) > 1 and draw(st.booleans())
+    pad = draw(st.sampled_from([0, 0, 1, 3]))
+    sides = {}
+    for r in range(world):
+        idx = r * n // world
+        boxes = []  # (logical, Shard) in placement order along dim
+        for lg in logicals:
+            for lo, hi in group_rows:
+                inner = list(shape)
+                inner[dim] = hi - lo
+                a, b = rule(tuple(inner), dim, n, idx).bounds[dim]
+                bounds = [(0, d) for d in shape]
+                bounds[dim] = (lo + a, lo + b)
+                boxes.append((lg, Shard(shape, tuple(bounds))))
+
+        def padded(parts):
+            rows = sum(s.local_shape[dim] for _, s in parts)
+            out = [d for d in shape]
+            out[dim] = rows + pad
+            return tuple(out)
+
+        if fuse:
+            sides[r] = [TensorLayout.fused(f"{prefix}{r}", dtype, boxes, dim, shape=padded(boxes))]
+        else:
+            sides[r] = [TensorLayout.fused(f"{prefix}{r}.{lg}", dtype, [b for b in boxes if b[0] == lg], dim,
+                                           shape=padded([b for b in boxes if b[0] == lg]))
+                        for lg in logicals]
+    return sides
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_framework_layouts_reproduce_exactly(data):
+    """Random chunk/split, empty, grouped, fused and padded layouts on both sides plan exactly:
+    every element of every part arrives once, padding is never written."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    logicals = data.draw(st.sampled_from([["a"], ["a", "b"], ["a", "b", "c"]]))
+    src_dtype = data.draw(st.sampled_from([F32, BF16, "uint8"]))
+    sources = data.draw(_framework_side(shape, logicals, src_dtype, "s"))
+    dst = data.draw(_framework_side(shape, logicals, data.draw(st.sampled_from([src_dtype, F32])), "d"))
+    targets = [t for r in sorted(dst) for t in dst[r]]
+    cap = data.draw(st.sampled_from([1, 2, 64]))
+    check(sources, targets, max_runs_per_tensor=cap, seed=data.draw(st.integers(0, 2**16)))
+
+
+def test_squeezed_expert_tensors_plan_exactly():
+    """Megatron keeps one 2-D tensor per local expert of a 3-D logical ``[E, 2I, H]``: parts with a
+    squeezed leading dim. Into vLLM-style stacked ``[E_local, 2I/tp, H]`` and back."""
+    E, I2, H = 4, 6, 3
+    shape = (E, I2, H)
+    per_expert = {0: [TensorLayout(f"e{e}", F32, (Part("w", Shard(shape, ((e, e + 1), (0, I2), (0, H))), (0, 0)),))
+                      for e in range(E)]}
+    stacked = [TensorLayout.fused(f"w13.{r}", F32, [("w", Shard.split(shape, 1, 2, r))], 1) for r in range(2)]
+    check(per_expert, stacked)
+    check({r: [t] for r, t in enumerate(stacked)}, per_expert[0])
+    assert per_expert[0][1].shape == (I2, H)

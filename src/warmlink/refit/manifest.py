@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
 
-from warmlink._dtypes import dtype_size
+from warmlink._dtypes import DTYPE_SIZES, dtype_size
 from warmlink._geometry import Box, box_numel, box_shape, layout_problem
 from warmlink.errors import LayoutError
 
@@ -197,7 +197,8 @@ class TensorLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"TensorLayout: name={self.name!r} invalid; expected a non-empty string")
-        dtype_size(self.dtype)
+        if self.dtype not in DTYPE_SIZES:
+            raise LayoutError(f"TensorLayout {self.name!r}: dtype={self.dtype!r} is unknown; expected one of {sorted(DTYPE_SIZES)}")
         parts = tuple(self.parts)
         if not parts:
             raise LayoutError(f"TensorLayout {self.name!r}: parts=() is empty; expected at least one Part")
