@@ -50,20 +50,11 @@ def _tp_plan(mesh_tp):
     return plan
 
 
-def _cmd_init(state, *, rank, world, mode, init_file, address, prefix):
-    import torch
-    import torch.distributed as dist
+def _shard(model, mode: str, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from warmlink.refit import Publisher
-    from warmlink.rendezvous import Store
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=TIMEOUT_S))
-    model = tiny_model()
     if mode == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
         for layer in model.model.layers:
@@ -80,22 +71,42 @@ def _cmd_init(state, *, rank, world, mode, init_file, address, prefix):
         fully_shard(model, mesh=mesh["dp"])
     else:
         raise ValueError(mode)
-    state["model"] = model
-    state["opt"] = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
-    pub = state["pub"] = Publisher(state["store"], rank=rank, world_size=world, backend="shm", timeout_s=TIMEOUT_S)
-    pub.add_module(model)
-    pub.export()
-    published = pub.layouts()
-    return {n: (type(p).__name__, [part.shard.bounds for part in published[n].parts])
-            for n, p in model.named_parameters()}
 
 
-def _cmd_step(state, *, version):
+def _cmd_init(state, *, rank, world, modes, init_file, address):
+    """One model per mode, each sharded by PyTorch and published under the store prefix of its mode."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from warmlink.refit import Publisher
+    from warmlink.rendezvous import Store
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    out = {}
+    for mode, prefix in modes.items():
+        model = tiny_model()
+        _shard(model, mode, world)
+        store = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+        pub = Publisher(store, rank=rank, world_size=world, backend="shm", timeout_s=TIMEOUT_S)
+        pub.add_module(model)
+        pub.export()
+        state.setdefault("models", {})[mode] = (model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), pub)
+        state.setdefault("stores", []).append(store)
+        published = pub.layouts()
+        out[mode] = {n: (type(p).__name__, [part.shard.bounds for part in published[n].parts])
+                     for n, p in model.named_parameters()}
+    return out
+
+
+def _cmd_step(state, *, mode, version):
     """One optimizer step inside ``update``: receivers see version ``version`` only once it is done."""
     import torch
 
-    model, opt, pub = state["model"], state["opt"], state["pub"]
+    model, opt, pub = state["models"][mode]
     with pub.update():
         for i, p in enumerate(model.parameters()):
             p.grad = torch.full_like(p, 0.125 * (version + i % 3))
@@ -104,10 +115,10 @@ def _cmd_step(state, *, version):
     return pub.version
 
 
-def _cmd_full(state):
+def _cmd_full(state, *, mode):
     """Every parameter whole (a collective: all ranks at once), for the test's reference."""
     out = {}
-    for name, p in state["model"].named_parameters():
+    for name, p in state["models"][mode][0].named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = full.detach().clone()
     return out
@@ -116,10 +127,10 @@ def _cmd_full(state):
 def _reset(state):
     import torch.distributed as dist
 
-    for key in ("pub", "store"):
-        obj = state.pop(key, None)
-        if obj is not None:
-            obj.close()
+    for _, _, pub in state.pop("models", {}).values():
+        pub.close()
+    for store in state.pop("stores", []):
+        store.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -133,14 +144,15 @@ def _worker(control, results):
 
 
 class World:
-    """``world`` trainer ranks sharded by ``mode`` ("fsdp", "tp" or "2d"), publishing to ``store``."""
+    """``world`` trainer ranks, each holding one model per mode ("fsdp", "tp", "2d") sharded that
+    way and published under ``modes[mode]``, a store prefix of the server at ``address``."""
 
-    def __init__(self, world: int, mode: str, store, tmp_path) -> None:
+    def __init__(self, world: int, modes: dict[str, str], address: str, tmp_path) -> None:
         self.workers = [SpawnedWorker(_worker) for _ in range(world)]
-        init_file = os.path.join(str(tmp_path), f"pg-{mode}-{world}")
+        init_file = os.path.join(str(tmp_path), f"pg-{world}")
         try:
-            self.kinds = self.call_all("init", lambda r: dict(rank=r, world=world, mode=mode, init_file=init_file,
-                                                              address=store.address, prefix=store.prefix))
+            self.kinds = self.call_all("init", lambda r: dict(rank=r, world=world, modes=modes, init_file=init_file,
+                                                              address=address))
         except BaseException:
             self.close()
             raise

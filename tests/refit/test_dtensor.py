@@ -16,8 +16,9 @@ from _dtensor_world import World, tiny_model
 from _harness import new_store
 
 from warmlink.refit import Receiver
+from warmlink.rendezvous import Store
 
-CASES = [("fsdp", 2), ("fsdp", 4), ("tp", 2), ("tp", 4), ("2d", 4)]
+MODES = {2: ("fsdp", "tp"), 4: ("fsdp", "tp", "2d")}
 
 
 def _receive_whole(store, world: int):
@@ -28,28 +29,34 @@ def _receive_whole(store, world: int):
     return rec, model
 
 
-@pytest.mark.parametrize("mode,world", CASES, ids=[f"{m}-{w}" for m, w in CASES])
-def test_dtensor_publishers_refit_whole_model_bit_exact(mode, world, tmp_path):
-    with new_store() as store:
-        trainers = World(world, mode, store, tmp_path)
-        try:
-            assert "DTensor" in {kind for kind, _ in trainers.kinds[0].values()}, trainers.kinds
+@pytest.mark.parametrize("world", sorted(MODES))
+def test_dtensor_publishers_refit_whole_model_bit_exact(world, tmp_path):
+    """One gloo world per size; each rank holds one model per way of sharding, each published
+    under its own store prefix, each received whole here."""
+    server = new_store()
+    prefixes = {mode: f"{server.prefix}-{mode}" for mode in MODES[world]}
+    clients = {mode: Store.connect(server.address, prefix=p, timeout_s=120) for mode, p in prefixes.items()}
+    trainers = World(world, prefixes, server.address, tmp_path)
+    try:
+        for mode in MODES[world]:
+            kinds = [k[mode] for k in trainers.kinds]
+            assert "DTensor" in {kind for kind, _ in kinds[0].values()}, kinds
             if mode == "fsdp" and world == 4:  # torch.chunk: 6 experts over 4 ranks are [2, 2, 2, 0]
-                experts = "model.layers.1.mlp.experts.gate_up_proj"
-                rows = [k[experts][1][0][0] for k in trainers.kinds]
+                rows = [k["model.layers.1.mlp.experts.gate_up_proj"][1][0][0] for k in kinds]
                 assert [b - a for a, b in rows] == [2, 2, 2, 0] and rows[:3] == [(0, 2), (2, 4), (4, 6)], rows
-            rec, model = _receive_whole(store, world)
+            rec, model = _receive_whole(clients[mode], world)
             with rec:
                 for version in (1, 2):
                     if version == 2:
-                        assert trainers.call_all("step", lambda r: {"version": 2}) == [2] * world
-                    full = trainers.call_all("full")[0]
+                        assert trainers.call_all("step", lambda r: {"mode": mode, "version": 2}) == [2] * world
+                    full = trainers.call_all("full", lambda r: {"mode": mode})[0]
                     report = rec.refit()
                     assert report.version == version
                     got = dict(model.named_parameters())
                     wrong = [n for n, t in full.items() if not torch.equal(got[n].detach(), t)]
                     assert wrong == [], f"{mode} world {world} version {version}: {wrong}"
-                if version == 2:  # the step moved every tensor: version 2 is not version 1 again
-                    assert report.created == {"arena": 0, "registration": 0, "peer_mapping": 0, "plan": 0}
-        finally:
-            trainers.close()
+                assert report.created == {"arena": 0, "registration": 0, "peer_mapping": 0, "plan": 0}
+    finally:
+        trainers.close()
+        for s in (*clients.values(), server):
+            s.close()
