@@ -11,7 +11,7 @@ conventions need to know to shard it) from its name; a tensor no rule knows is r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from warmlink._dtypes import dtype_name
@@ -112,6 +112,15 @@ class Dims:
     num_experts: int | None
     tied: bool
     interleaved_experts: bool  # GPT-OSS: [E, H, 2I] with gate/up alternating along the last dim
+    # Sizes below are None where the family has none; convention modules check their divisibility.
+    intermediate: int | None = None  # dense MLP intermediate_size
+    moe_intermediate: int | None = None  # one expert's intermediate size
+    num_shared_experts: int | None = None  # DeepSeek n_shared_experts
+    q_lora_rank: int | None = None  # MLA
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,10 @@ class LogicalModel:
     config: Any
     dims: Dims
     tensors: tuple[Logical, ...]
+    # transformers' own parallel plans for this model (``model.tp_plan`` / ``model.ep_plan``: module
+    # or parameter name with ``*`` for layer numbers -> style name); empty where it has none.
+    tp_plan: dict[str, str] = field(default_factory=dict, compare=False)
+    ep_plan: dict[str, str] = field(default_factory=dict, compare=False)
 
     def by_role(self, role: str) -> list[Logical]:
         return [t for t in self.tensors if t.role == role]
@@ -151,6 +164,7 @@ def _dims(config: Any) -> Dims:
     if hidden is None or heads is None:
         raise LayoutError(f"families: config {type(config).__name__} has no hidden_size / num_attention_heads; "
                           "expected a transformers decoder config")
+    num_experts = _int(config, "num_experts", "num_local_experts", "n_routed_experts")
     return Dims(
         model_type=str(getattr(config, "model_type", "?")),
         hidden=hidden,
@@ -158,9 +172,18 @@ def _dims(config: Any) -> Dims:
         num_heads=heads,
         num_kv_heads=_int(config, "num_key_value_heads", default=heads),
         head_dim=_int(config, "head_dim", default=hidden // heads),
-        num_experts=_int(config, "num_experts", "num_local_experts", "n_routed_experts"),
+        num_experts=num_experts,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         interleaved_experts=getattr(config, "model_type", None) == "gpt_oss",
+        intermediate=_int(config, "intermediate_size"),
+        # Mixtral and GPT-OSS experts use intermediate_size itself
+        moe_intermediate=None if num_experts is None else _int(config, "moe_intermediate_size", "intermediate_size"),
+        num_shared_experts=_int(config, "n_shared_experts"),
+        q_lora_rank=_int(config, "q_lora_rank"),
+        kv_lora_rank=_int(config, "kv_lora_rank"),
+        qk_nope_head_dim=_int(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=_int(config, "qk_rope_head_dim"),
+        v_head_dim=_int(config, "v_head_dim"),
     )
 
 
@@ -212,4 +235,13 @@ def logical_model(model_or_config: Any, dtype: str | None = None) -> LogicalMode
         m = _LAYER.match(name)
         out.append(Logical(name, tuple(t.shape), dtype or dtype_name(t.dtype), role,
                            int(m.group(1)) if m else None, name not in params))
-    return LogicalModel(config, _dims(config), tuple(out))
+    return LogicalModel(config, _dims(config), tuple(out), _plan(model, "tp_plan"), _plan(model, "ep_plan"))
+
+
+def _plan(model: Any, which: str) -> dict[str, str]:
+    """``model.tp_plan`` / ``model.ep_plan`` as transformers resolved them for this model class and
+    config (``PreTrainedModel.init_parallel_plans``); empty for a model without one."""
+    plan = getattr(model, which, None)
+    if plan is None:
+        plan = getattr(model, f"_{which}", None)
+    return {str(k): str(v) for k, v in dict(plan or {}).items()}
