@@ -362,3 +362,88 @@ def test_cache_concurrent_acquire_one_entry(pool_on, fake: Fake) -> None:
     assert len(fake.live) == 1  # racing creations were destroyed, one entry stays cached
     c = counters(cache.kind)
     assert c.live == 1 and c.created - c.destroyed == 1
+
+
+def test_cache_max_entries_drops_the_least_recently_acquired(pool_on, fake: Fake) -> None:
+    cache = SharedCache(_kind("lru"), fake.create, fake.destroy, max_entries=2)
+    a, b = cache.get("a"), cache.get("b")
+    assert cache.get("a") == a  # "a" is now the most recently acquired
+    c = cache.get("c")
+    assert cache.keys() == ["a", "c"] and b in fake.destroyed and a in fake.live and c in fake.live
+    assert cache.get("b") != b  # made again, never the destroyed one
+    assert counters(cache.kind).live == 2 == len(fake.live)
+
+
+def test_cache_max_entries_destroys_a_held_entry_at_its_last_release(pool_on, fake: Fake) -> None:
+    cache = SharedCache(_kind("lru-held"), fake.create, fake.destroy, max_entries=1)
+    held, token = cache.acquire("old")
+    new = cache.get("new")
+    assert cache.keys() == ["new"] and held in fake.live  # out of the cache, still in use
+    cache.release(token)
+    assert held in fake.destroyed and new in fake.live
+
+
+def test_cache_max_entries_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_entries=0"):
+        SharedCache(_kind("lru-bad"), max_entries=0)
+
+
+def test_cache_get_is_a_memo_made_once_with_pooling_on_and_every_time_off(fake: Fake) -> None:
+    cache = SharedCache(_kind("memo"), max_entries=4)
+    made: list[str] = []
+
+    def compute(key: str) -> str:
+        made.append(key)
+        return key.upper()
+
+    pool.set_enabled(True)
+    try:
+        assert [cache.get("x", compute) for _ in range(3)] == ["X"] * 3 and made == ["x"]
+        pool.set_enabled(False)
+        assert [cache.get("y", compute) for _ in range(2)] == ["Y"] * 2 and made == ["x", "y", "y"]
+    finally:
+        pool.set_enabled(None)
+    c = counters(cache.kind)
+    assert (c.created, c.reused, c.destroyed, c.live) == (3, 2, 2, 1)  # "x" stays cached
+
+
+def test_cache_create_per_call_and_none_at_all(pool_on, fake: Fake) -> None:
+    cache = SharedCache(_kind("percall"), fake.create, fake.destroy)
+    assert cache.get("k", lambda key: 100) == 100  # the call's factory wins over the cache's
+    assert cache.get("k") == 100  # cached: no factory runs
+    with pytest.raises(ConfigError, match="no create for key='other'"):
+        SharedCache(_kind("nocreate")).acquire("other")
+
+
+def test_cache_preload_holds_nothing_and_makes_nothing_with_pooling_off(fake: Fake) -> None:
+    cache = SharedCache(_kind("preload"), fake.create, fake.destroy)
+    pool.set_enabled(True)
+    try:
+        r = cache.preload("k")
+        assert r in fake.live and cache.keys() == ["k"]
+        assert cache.preload("k") == r and counters(cache.kind).reused == 0  # cached: counts nothing
+        got, token = cache.acquire("k")
+        assert got == r and counters(cache.kind).reused == 1
+        cache.release(token)
+        pool.set_enabled(False)
+        assert cache.preload("other") is None and cache.keys() == ["k"] and fake.live == {r}
+    finally:
+        pool.set_enabled(None)
+
+
+def test_uncounted_pools_stay_out_of_stats(pool_on, fake: Fake) -> None:
+    kind_fl, kind_cache = _kind("quiet-fl"), _kind("quiet-cache")
+    FreeList(kind_fl, fake.create, fake.reset, fake.destroy, counted=False).lease("k").release()
+    SharedCache(kind_cache, fake.create, fake.destroy, counted=False).get("k")
+    assert kind_fl not in stats() and kind_cache not in stats()
+
+
+def test_lease_discard_destroys_without_reset(pool_on, fake: Fake) -> None:
+    fl = _freelist(fake)
+    lease = fl.lease("k")
+    lease.discard()
+    lease.discard()
+    lease.release()  # after discard: nothing more happens
+    assert fake.destroyed == [lease.resource] and fake.num_resets == 0 and fl.num_idle() == 0
+    c = counters(fl.kind)
+    assert (c.destroyed, c.failed_resets, c.live, c.idle) == (1, 0, 0, 0)

@@ -5,12 +5,17 @@ Two shapes of pooled resource exist:
 * ``FreeList``: resources one user holds at a time (streams, events, arenas). ``lease(key)`` hands
   out an idle one or creates it; ``release`` resets it and keeps it, or destroys it when the reset
   fails. See Note [Reset before reuse].
-* ``SharedCache``: resources many users share by key (registrations, opened peer mappings).
-  ``acquire(key)`` returns the cached one or creates it; entries are dropped explicitly
-  (``evict``), e.g. when a peer's generation changes.
+* ``SharedCache``: resources many users share by key (registrations, opened peer mappings), and
+  values worth computing once (refit plans, layout signatures). ``acquire(key)`` returns the
+  cached one or creates it; ``get(key)`` is acquire and release at once, for values with nothing to
+  free. Entries are dropped explicitly (``evict``), e.g. when a peer's generation changes, or past
+  ``max_entries``, least recently used first.
 
 With pooling off (``WARMLINK_POOL=0`` or ``set_enabled(False)``) every lease creates and every
 release destroys, and caches hand out private entries destroyed on release: the A/B baseline.
+A cache built on these two classes follows the switch without reading it. A pool that wraps
+resources other kinds already count (a refit receiver's state, its buffers) passes
+``counted=False``: it stays out of ``stats()`` instead of counting them twice.
 
 # Note [Reset before reuse]
 A resource goes back on a free list only after its ``reset`` returned True (stream drained and
@@ -25,11 +30,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
 
 from warmlink import _env
-from warmlink.errors import PoolError, WarmlinkError
+from warmlink.errors import ConfigError, PoolError, WarmlinkError
 
 __all__ = ["enabled", "set_enabled", "stats", "reset_stats", "Counters", "FreeList", "SharedCache", "Lease"]
 
@@ -82,6 +88,11 @@ def counters(kind: str) -> Counters:
         return c
 
 
+def _counters_for(kind: str, counted: bool) -> Counters:
+    """``kind``'s counters in ``stats()``, or private ones that nothing reports (``counted=False``)."""
+    return counters(kind) if counted else Counters()
+
+
 def stats() -> dict[str, dict]:
     """A snapshot of every kind's counters: ``{kind: {created, reused, destroyed, ...}}``."""
     with _lock:
@@ -113,6 +124,14 @@ class Lease(Generic[R]):
             self._released = True
             self._pool._give_back(self.key, self.resource)
 
+    def discard(self) -> None:
+        """Destroy the resource instead of giving it back: its holder knows it must serve no one
+        else (its last use failed, or it is bound to this holder). No reset, no failed reset
+        counted. Safe to call twice, or after ``release``."""
+        if not self._released:
+            self._released = True
+            self._pool._destroy_one(self.resource)
+
     def __enter__(self) -> R:
         return self.resource
 
@@ -135,6 +154,7 @@ class FreeList(Generic[K, R]):
         max_idle_total: idle resources kept across all keys. Past either bound the oldest idle
             resource is destroyed, so the pool never grows without bound however many distinct
             keys (arena sizes, settings) its users ask for.
+        counted: False keeps ``kind`` out of ``stats()`` (resources made of ones other kinds count).
     """
 
     def __init__(
@@ -145,6 +165,8 @@ class FreeList(Generic[K, R]):
         destroy: Callable[[R], None],
         max_idle_per_key: int = 64,
         max_idle_total: int = 256,
+        *,
+        counted: bool = True,
     ) -> None:
         self.kind = kind
         self._create = create
@@ -156,7 +178,7 @@ class FreeList(Generic[K, R]):
         self._num_idle = 0
         self._seq = 0
         self._lock = threading.Lock()
-        self._counters = counters(kind)
+        self._counters = _counters_for(kind, counted)
 
     def lease(self, key: K) -> Lease[R]:
         """An idle resource for ``key`` or a new one. Thread-safe."""
@@ -254,53 +276,119 @@ class _Entry(Generic[R]):
 
 
 class SharedCache(Generic[K, R]):
-    """Resources shared by key (registrations, opened peer mappings), created once.
+    """Resources or values shared by key (registrations, opened peer mappings, plans), made once.
 
     ``acquire`` returns ``(resource, token)``; ``release(token)`` drops the reference. With pooling
-    on, entries stay cached at zero references until ``evict``; with pooling off, every acquire
-    creates a private entry that ``release`` destroys.
+    on, entries stay cached at zero references until ``evict`` or, past ``max_entries``, until
+    they are the least recently acquired; with pooling off, every acquire creates a private entry
+    that ``release`` destroys. An entry removed while held is destroyed by its last release.
+
+    Args:
+        kind: name in ``stats()``.
+        create: makes the resource for a key. ``acquire``, ``get`` and ``preload`` may pass their
+            own, for resources whose making needs more than the key (a plan needs the layouts its
+            signature names); the key must still determine the resource.
+        destroy: frees a resource for good; default: nothing to free (computed values).
+        max_entries: entries kept; None: no bound.
+        counted: False keeps ``kind`` out of ``stats()``.
     """
 
-    def __init__(self, kind: str, create: Callable[[K], R], destroy: Callable[[R], None]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        create: Callable[[K], R] | None = None,
+        destroy: Callable[[R], None] | None = None,
+        *,
+        max_entries: int | None = None,
+        counted: bool = True,
+    ) -> None:
+        if max_entries is not None and max_entries < 1:
+            raise ConfigError(f"SharedCache({kind!r}): max_entries={max_entries!r}; expected None or an int >= 1")
         self.kind = kind
         self._create = create
-        self._destroy = destroy
-        self._entries: dict[K, _Entry[R]] = {}
+        self._destroy = destroy if destroy is not None else _nothing_to_free
+        self._max = max_entries
+        self._entries: OrderedDict[K, _Entry[R]] = OrderedDict()  # least recently acquired first
         self._lock = threading.Lock()
-        self._counters = counters(kind)
+        self._counters = _counters_for(kind, counted)
 
-    def acquire(self, key: K) -> tuple[R, object]:
-        """The resource for ``key`` and a token to ``release``; created on first use."""
+    def acquire(self, key: K, create: Callable[[K], R] | None = None) -> tuple[R, object]:
+        """The resource for ``key`` and a token to ``release``; created on first use (by
+        ``create`` when given, else by the cache's own)."""
         if enabled():
             with self._lock:
                 entry = self._entries.get(key)
                 if entry is not None:
                     entry.refs += 1
+                    self._entries.move_to_end(key)
                     self._counters.reused += 1
                     return entry.resource, (key, entry)
-        start = time.perf_counter()
-        try:
-            resource = self._create(key)
-        except Exception as exc:
-            if isinstance(exc, PoolError) or getattr(exc, "__module__", "").startswith("warmlink"):
-                raise
-            raise PoolError(f"{self.kind}: create(key={key!r}) failed: {exc}") from exc
-        entry = _Entry(resource, refs=1)
-        with _lock:
-            self._counters.created += 1
-            self._counters.live += 1
-            self._counters.create_s += time.perf_counter() - start
+        entry = self._make(key, create)
         if not enabled():
-            return resource, (key, entry)
+            return entry.resource, (key, entry)
         with self._lock:
             raced = self._entries.get(key)
             if raced is None:
                 self._entries[key] = entry
-                return resource, (key, entry)
-            raced.refs += 1
-        # Another thread created the same key first: keep theirs, destroy ours.
-        self._destroy_entry(entry)
-        return raced.resource, (key, raced)
+                overflow = []
+                while self._max is not None and len(self._entries) > self._max:
+                    overflow.append(self._entries.popitem(last=False)[1])
+                # decided under the lock, as in evict: a held entry goes at its last release
+                idle = [e for e in overflow if e.refs <= 0]
+            else:
+                raced.refs += 1
+        if raced is not None:
+            # Another thread created the same key first: keep theirs, destroy ours.
+            self._destroy_entry(entry)
+            return raced.resource, (key, raced)
+        for old in idle:
+            self._destroy_entry(old)
+        return entry.resource, (key, entry)
+
+    def get(self, key: K, create: Callable[[K], R] | None = None) -> R:
+        """The value for ``key``, made on first use, holding no reference: for caches of values
+        with nothing to free (plans, signatures). With pooling off it is made every time."""
+        if enabled():
+            with self._lock:  # a hit takes no reference, so it needs no release either
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    self._counters.reused += 1
+                    return entry.resource
+        resource, token = self.acquire(key, create)
+        self.release(token)
+        return resource
+
+    def preload(self, key: K, create: Callable[[K], R] | None = None) -> R | None:
+        """Make the entry for ``key`` now, if missing, and keep it unheld so that a later
+        ``acquire`` finds it (a cycle that allocates anyway allocates what the next one needs).
+        Counts nothing when cached. With pooling off, makes nothing and returns None: an entry
+        nobody holds would be destroyed at once."""
+        if not enabled():
+            return None
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry.resource
+        return self.get(key, create)
+
+    def _make(self, key: K, create: Callable[[K], R] | None) -> _Entry[R]:
+        make = create if create is not None else self._create
+        if make is None:
+            raise ConfigError(f"SharedCache({self.kind!r}).acquire: no create for key={key!r}; pass create= here "
+                              "or to the constructor")
+        start = time.perf_counter()
+        try:
+            resource = make(key)
+        except Exception as exc:
+            if isinstance(exc, PoolError) or getattr(exc, "__module__", "").startswith("warmlink"):
+                raise
+            raise PoolError(f"{self.kind}: create(key={key!r}) failed: {exc}") from exc
+        with _lock:
+            self._counters.created += 1
+            self._counters.live += 1
+            self._counters.create_s += time.perf_counter() - start
+        return _Entry(resource, refs=1)
 
     def release(self, token: object) -> None:
         """Drop one reference; destroys the entry when it is private (pooling off) or evicted."""
@@ -338,4 +426,9 @@ class SharedCache(Generic[K, R]):
             self._counters.live -= 1
 
     def clear(self) -> None:
+        """Remove every entry; those nobody holds are destroyed now, held ones at their last release."""
         self.evict(lambda _k: True)
+
+
+def _nothing_to_free(_resource: object) -> None:
+    pass
