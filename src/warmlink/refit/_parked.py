@@ -1,83 +1,173 @@
-"""A closed receiver's warm state, kept for the next receiver with the same settings.
+"""What a receiver holds between cycles, and keeps for the next receiver with the same settings.
+
+A ``ReceiveState`` is a receiver's link lease, its ``SourceSet`` (manifests and opened regions),
+its plan and its receive buffers. Every cache in it is a pool ``SharedCache`` and the states
+themselves sit in a pool ``FreeList``, so ``WARMLINK_POOL=0`` reaches all of them through
+``warmlink.pool.core``: with pooling off each cycle plans, allocates and prepares again, and each
+receiver's state is destroyed when it closes. The caches, from the cheapest lookup down:
+
+* per state, ``(manifest digests, number declared) -> plan``: a warm cycle hashes no layout;
+* process-wide, ``(manifest digests, declared layouts, run cap, name map) -> layout signature``:
+  equal manifest bytes carry equal source layouts, so a re-created receiver hashes no JSON;
+* process-wide, ``signature -> Plan`` (kind ``"plan"`` in ``warmlink.pool.stats()``): plans are pure
+  functions of the layouts, so an engine re-created per test plans nothing;
+* per state, ``(signature, parity) -> ReceiveBuffers``: one signature's buffers (both halves of a
+  swap double buffer), and on each the copy batch prepared for the current manifests.
 
 # Note [Parked receive state]
 A test suite that builds an engine per test closes a receiver and creates the same one again a
 moment later. Returning its link, receive buffers and opened mappings to their pools and taking
 them again costs little each, but together they were most of a warm lifecycle's alloc and
 register phases: buffer views, a copy batch validated and coalesced again, regions re-opened.
-So a receiver whose last cycle succeeded parks what it holds (link lease, sources with their
-opened regions, plan, buffers and prepared batch) on ``close()``, and the next receiver whose key
-matches exactly adopts it. The key holds everything those objects depend on: the ``Store``
-object, number of publishers, device, backend, install mode, run cap, name map and every
-declared layout in order. Targets are not in it: "copy" install copies into the new receiver's
-own targets, and "swap" (whose targets point into the buffers) never parks.
+So a receiver leases its whole state from a free list keyed by its settings, and one whose last
+cycle succeeded gives it back on ``close()``: it stays idle (parked) and the next receiver whose
+key matches exactly leases it again. The key holds everything those objects depend on: the
+``Store`` object, number of publishers, device, backend, install mode, run cap, name map and
+every declared layout in order. Targets are not in it: "copy" install copies into the new
+receiver's own targets, and a "swap" state (whose targets point into the buffers) is destroyed
+on close, never parked, as is the state of a receiver whose last cycle failed.
 
-Nothing is trusted more than before: the adopting receiver re-reads every manifest on its first
-sync (``SourceSet.unverify``) and anything that changed is rebuilt as for a new publisher
-generation. One state is parked per process; parking another, or ``release_parked()``, releases
-the old one to the pools. Off with pooling off.
+Nothing is trusted more than before: a parked state is reset by ``SourceSet.unverify``, so its
+next owner re-reads every manifest on its first sync and anything that changed is rebuilt as for
+a new publisher generation. One state is parked per process; parking another, or
+``release_parked()``, releases the old one to the pools. Off with pooling off.
 """
 
 from __future__ import annotations
 
-import threading
+from typing import NamedTuple
 
-__all__ = ["ParkedState", "park", "adopt", "release_parked"]
+from warmlink import _env, pool
+from warmlink.pool.core import FreeList, Lease, SharedCache
+from warmlink.refit import protocol
+from warmlink.refit._receive_buffers import ReceiveBuffers
+from warmlink.refit.plan import build_plan, layout_signature
+from warmlink.refit.sources import SourceSet
+from warmlink.transport import lease_link
+
+__all__ = ["StateKey", "ReceiveState", "lease_state", "release_parked", "guessed_states"]
+
+_plans = SharedCache("plan", max_entries=16)  # layout signature -> Plan
+_signatures = SharedCache("layout_signature", counted=False, max_entries=64)
 
 
-class ParkedState:
-    """What a receiver held; ``release`` gives it all back (idempotent)."""
+class StateKey(NamedTuple):
+    """Everything a receive state depends on (Note [Parked receive state])."""
 
-    __slots__ = ("key", "link_lease", "sources", "plans", "buffers", "_released")
+    store: object
+    num_publishers: int
+    device: int
+    backend: str
+    install: str
+    max_runs_per_tensor: int
+    name_map: tuple | None  # sorted (destination name, publisher name) pairs
+    layouts: tuple  # (name, TensorLayout) pairs in declaration order
 
-    def __init__(self, key: tuple, link_lease, sources, plans: dict, buffers: dict) -> None:
+
+class ReceiveState:
+    """A receiver's link, sources, plans and buffers; ``close`` gives them all back (idempotent)."""
+
+    __slots__ = ("key", "link", "sources", "_link_lease", "_plan_of", "_buffers", "_installed", "_closed")
+
+    def __init__(self, key: StateKey) -> None:
+        # The timeout is the lease's, set by lease_state: the same state serves receivers of any.
+        self._link_lease = lease_link(key.backend, key.device, _env.default_timeout_s())
         self.key = key
-        self.link_lease = link_lease
-        self.sources = sources
-        self.plans = plans
-        self.buffers = buffers
-        self._released = False
+        self.link = self._link_lease.resource
+        self.sources = SourceSet(key.store, self.link, key.num_publishers)
+        self._plan_of = SharedCache("receiver_plan", counted=False, max_entries=1)
+        # One signature's buffers: both halves of the double buffer for swap, one set for copy.
+        self._buffers = SharedCache("receive_buffers", destroy=ReceiveBuffers.close, counted=False,
+                                    max_entries=2 if key.install == "swap" else 1)
+        self._installed = None  # swap: the token of the buffers the targets point at
+        self._closed = False
 
-    def release(self) -> None:
-        if self._released:
+    def plan(self, declared: dict):
+        """The plan from the publishers' current manifests to ``declared`` (name -> TensorLayout,
+        only ever added to by its receiver, so its length names it)."""
+        digests = self.sources.digests()
+        return self._plan_of.get((digests, len(declared)), lambda _key: self._plan(digests, tuple(declared.values())))
+
+    def _plan(self, digests: tuple, targets: tuple):
+        key = self.key
+        name_map = dict(key.name_map) if key.name_map else None
+        sources = self.sources.layouts()
+        sig = _signatures.get((digests, targets, key.max_runs_per_tensor, key.name_map),
+                              lambda _key: layout_signature(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
+                                                            name_map=name_map))
+        return _plans.get(sig, lambda _sig: build_plan(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
+                                                       name_map=name_map, _signature=sig))
+
+    def buffers(self, plan, parity: int) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
+        """Buffers for ``plan`` to pull into, their token for ``release_buffers`` or
+        ``keep_installed``, and (swap, pooling on) the other half of the double buffer, made now
+        so that the next cycle allocates nothing. ``parity``: the half the pull writes."""
+        def make(_key) -> ReceiveBuffers:
+            return ReceiveBuffers(self.link, plan)
+
+        bufs, token = self._buffers.acquire((plan.signature, parity), make)
+        twin = self._buffers.preload((plan.signature, 1 - parity), make) if self.key.install == "swap" else None
+        return bufs, token, twin
+
+    def release_buffers(self, token) -> None:
+        """End a cycle's hold on its buffers (with pooling off, they go back to the arenas)."""
+        self._buffers.release(token)
+
+    def keep_installed(self, token) -> None:
+        """Swap install: the targets now point into ``token``'s buffers; hold them (even with
+        pooling off, or after their signature was replaced) and let the previous half go."""
+        old, self._installed = self._installed, token
+        if old is not None:
+            self._buffers.release(old)
+
+    def end_cycle(self) -> None:
+        """With pooling off, regions opened for a cycle close with it. ``SourceSet`` keeps its
+        opened regions in a dict of its own, the one receiver cache outside the pool's."""
+        if not pool.enabled():
+            self.sources.close_regions()
+
+    def reset(self) -> bool:
+        """Ready for the next owner (Note [Parked receive state]): it re-reads every manifest."""
+        self.sources.unverify()
+        return self._installed is None
+
+    def close(self) -> None:
+        if self._closed:
             return
-        self._released = True
-        link = self.link_lease.resource
-        for bufs in self.buffers.values():
-            link.release(bufs.region)
-        self.buffers.clear()
+        self._closed = True
+        self.keep_installed(None)
+        self._buffers.clear()
+        self._plan_of.clear()
         self.sources.close_regions()
-        self.link_lease.release()
+        self._link_lease.release()
 
     def __repr__(self) -> str:
-        return f"ParkedState(buffers={len(self.buffers)}, released={self._released})"
+        return f"ReceiveState(backend={self.key.backend!r}, device={self.key.device}, closed={self._closed})"
 
 
-_lock = threading.Lock()
-_slot: list[ParkedState | None] = [None]
+# One idle state per process: parking another destroys the older one.
+_states: FreeList[StateKey, ReceiveState] = FreeList("receive_state", ReceiveState, ReceiveState.reset, ReceiveState.close,
+                                                      max_idle_per_key=1, max_idle_total=1, counted=False)
 
 
-def park(state: ParkedState) -> None:
-    """Keep ``state`` for the next matching receiver; the state parked before is released."""
-    with _lock:
-        old, _slot[0] = _slot[0], state
-    if old is not None:
-        old.release()
-
-
-def adopt(key: tuple) -> ParkedState | None:
-    """Take the parked state if its key equals ``key`` exactly; None otherwise (it stays parked)."""
-    with _lock:
-        state = _slot[0]
-        if state is None or state.key != key:
-            return None
-        _slot[0] = None
-    return state
+def lease_state(key: StateKey, timeout_s: float) -> Lease[ReceiveState]:
+    """The parked state for ``key``, or a new one. ``release()`` parks it (pooling on), ``discard()``
+    destroys it. ``timeout_s``: the link's default transfer timeout for this owner, seconds."""
+    lease = _states.lease(key)
+    lease.resource.link.timeout_s = timeout_s
+    return lease
 
 
 def release_parked() -> None:
     """Release the parked state, if any, to the pools (tests; processes trimming memory)."""
-    with _lock:
-        old, _slot[0] = _slot[0], None
-    if old is not None:
-        old.release()
+    _states.clear()
+
+
+def guessed_states(store, num_publishers: int) -> list | None:
+    """The version state of every publisher rank this process last read through ``store``, for a
+    new receiver to try entering first (Note [Warm metadata] in refit._memo); None when a rank was
+    never read or pooling is off. ``protocol`` keeps these guesses outside the pool's caches."""
+    if not pool.enabled():
+        return None
+    guess = [protocol.last_state(store, rank) for rank in range(num_publishers)]
+    return None if any(g is None for g in guess) else guess

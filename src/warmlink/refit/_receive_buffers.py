@@ -1,0 +1,103 @@
+"""A receiver's memory for one plan: receive and scratch space in one registered region.
+
+Made and kept by the receive state's buffer cache (``refit._parked``), which decides how long a
+set lives: across cycles with pooling on, one cycle with pooling off.
+"""
+
+from __future__ import annotations
+
+from warmlink._dtypes import torch_dtype
+from warmlink.pool.core import SharedCache
+from warmlink.transport.base import Copy
+
+__all__ = ["ReceiveBuffers"]
+
+_ALIGN = 256
+
+
+class ReceiveBuffers:
+    """Receive + scratch memory for ``plan``, leased from ``link``; ``close`` gives it back.
+
+    ``recv[i]`` is tensor i as pulled (source dtype, destination shape), ``scratch[i]`` the bytes
+    its staged pulls land in (None when it has none), ``final[i]`` what is installed: ``recv[i]``
+    itself, or a tensor of the destination dtype that a cast fills.
+    """
+
+    __slots__ = ("link", "region", "recv_offsets", "scratch_offsets", "recv", "scratch", "final", "_batches")
+
+    def __init__(self, link, plan) -> None:
+        import torch
+
+        self.link = link
+        self.recv_offsets, self.scratch_offsets, total = [], [], 0
+        for tp in plan.tensors:
+            self.recv_offsets.append(total)
+            total += _round(tp.recv_nbytes)
+            self.scratch_offsets.append(total)
+            total += _round(tp.scratch_nbytes)
+        self.region = link.allocate(max(total, _ALIGN))
+        buf = self.region.tensor
+        # One torch op per tensor (a typed view of the whole buffer per dtype, then as_strided):
+        # a re-created receiver builds these views again and slicing costs three ops each.
+        # Offsets are multiples of _ALIGN, hence of every itemsize; buf's length is too.
+        typed: dict[str, object] = {}
+        self.recv = []
+        for tp, o in zip(plan.tensors, self.recv_offsets):
+            view = typed.get(tp.src_dtype)
+            if view is None:
+                view = typed[tp.src_dtype] = buf.view(torch_dtype(tp.src_dtype))
+            self.recv.append(view.as_strided(tp.dst_shape, _contiguous_strides(tp.dst_shape),
+                                             view.storage_offset() + o // view.element_size()))
+        # Padding is never written by a pull: zeroed once here, it stays zero (Note [Layout rules]).
+        for tp, r in zip(plan.tensors, self.recv):
+            if tp.padded:
+                r.zero_()
+        # Scratch only where staged pulls land (translate.unstage is the only reader).
+        self.scratch = [buf[o : o + tp.scratch_nbytes] if tp.staged else None
+                        for tp, o in zip(plan.tensors, self.scratch_offsets)]
+        # Casts land in plain tensors of the destination dtype, made once with the buffers.
+        self.final = [
+            torch.zeros(tp.dst_shape, dtype=torch_dtype(tp.dst_dtype), device=buf.device) if tp.needs_cast else r
+            for tp, r in zip(plan.tensors, self.recv)
+        ]
+        # The copy batch filling these buffers, by the manifest digests it was prepared for: a
+        # publisher re-created with other regions needs another batch, the same buffers do not.
+        self._batches = SharedCache("receive_batch", counted=False, max_entries=1)
+
+    def batch(self, plan, sources):
+        """The prepared copy batch that fills these buffers from ``sources`` (a ``SourceSet``);
+        prepared once per manifest digests (with pooling on). Opens the regions it reads."""
+        return self._batches.get(sources.digests(), lambda _digests: self.link.prepare(self._copies(plan, sources)))
+
+    def _copies(self, plan, sources) -> list[Copy]:
+        copies = []
+        for i, tp in enumerate(plan.tensors):
+            base, scratch = self.recv_offsets[i], self.scratch_offsets[i]
+            for run in tp.runs:
+                remote, offset = sources.region_of(run.src_rank, run.src_tensor)
+                copies.append(Copy(self.region, base + run.dst_offset, remote, offset + run.src_offset,
+                                   run.row_nbytes, run.num_rows, run.dst_pitch, run.src_pitch))
+            for sp in tp.staged:
+                remote, offset = sources.region_of(sp.src_rank, sp.src_tensor)
+                copies.append(Copy(self.region, scratch + sp.scratch_offset, remote, offset, sp.src_nbytes))
+        return copies
+
+    def close(self) -> None:
+        """Give the region back to the link's arenas. Safe to call twice (``Link.release`` is)."""
+        self._batches.clear()
+        self.link.release(self.region)
+
+    def __repr__(self) -> str:
+        return f"ReceiveBuffers(tensors={len(self.recv)}, nbytes={self.region.nbytes})"
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
