@@ -3,22 +3,41 @@
 Trainer ranks (gloo worlds of 2 and 4) publish their DTensors with ``Publisher.add_module`` and
 nothing else: no layout is written by hand, the boxes come from the placements. Dimensions divide
 by no world size (vocab 1001, intermediate 100, 6 experts over 4 ranks gives [2, 2, 2, 0]).
-Receivers here hold the HF model whole; after version 1 and after an optimizer step (version 2)
-every tensor must equal the trainer's ``full_tensor()`` bit for bit.
+Receivers here hold the HF model whole, and vLLM-layout ranks at TP = world size hold their
+slices (fused, padded vocabulary); after version 1 and after an optimizer step (version 2) every
+tensor must equal the trainer's ``full_tensor()``, or the reference built from it with plain torch
+ops, bit for bit.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 
 from _dtensor_world import World, tiny_model
-from _harness import new_store
+from _harness import new_store, zeros_like_layout
+from _references import ref_vllm
 
 from warmlink.refit import Receiver
+from warmlink.refit.families import layouts
 from warmlink.rendezvous import Store
 
 MODES = {2: ("fsdp", "tp"), 4: ("fsdp", "tp", "2d")}
+
+
+def _receive_vllm(store, world: int, tp: int):
+    """``tp`` receivers in vLLM's layout, each holding zeros until the refit fills its slices."""
+    out = []
+    for r in range(tp):
+        lays = layouts(tiny_model(seed=1).config, convention="vllm", tp=tp, rank=r)
+        rec = Receiver(store, num_publishers=world, backend="shm", timeout_s=120)
+        targets = {n: zeros_like_layout(lay) for n, lay in lays.items()}
+        for n, lay in lays.items():
+            rec.add(n, lay, targets[n])
+        out.append((rec, targets))
+    return out
 
 
 def _receive_whole(store, world: int):
@@ -45,7 +64,11 @@ def test_dtensor_publishers_refit_whole_model_bit_exact(world, tmp_path):
                 rows = [k["model.layers.1.mlp.experts.gate_up_proj"][1][0][0] for k in kinds]
                 assert [b - a for a, b in rows] == [2, 2, 2, 0] and rows[:3] == [(0, 2), (2, 4), (4, 6)], rows
             rec, model = _receive_whole(clients[mode], world)
-            with rec:
+            vllm = _receive_vllm(clients[mode], world, tp=world)
+            cfg = model.config
+            with contextlib.ExitStack() as closing:
+                for r in (rec, *(v for v, _ in vllm)):
+                    closing.callback(r.close)
                 for version in (1, 2):
                     if version == 2:
                         assert trainers.call_all("step", lambda r: {"mode": mode, "version": 2}) == [2] * world
@@ -55,6 +78,12 @@ def test_dtensor_publishers_refit_whole_model_bit_exact(world, tmp_path):
                     got = dict(model.named_parameters())
                     wrong = [n for n, t in full.items() if not torch.equal(got[n].detach(), t)]
                     assert wrong == [], f"{mode} world {world} version {version}: {wrong}"
+                    for r, (vrec, targets) in enumerate(vllm):
+                        assert vrec.refit().version == version
+                        want = ref_vllm(cfg, full, world, r)
+                        assert set(want) == set(targets)
+                        wrong = [n for n, t in targets.items() if not torch.equal(t, want[n])]
+                        assert wrong == [], f"{mode} world {world} -> vllm tp {world} rank {r} v{version}: {wrong}"
                 assert report.created == {"arena": 0, "registration": 0, "peer_mapping": 0, "plan": 0}
     finally:
         trainers.close()
