@@ -80,7 +80,9 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], results) -
         import torch.distributed as dist
 
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        # A collective waits for the slowest rank, which on a loaded 2-core machine may build its
+        # models long after the others: bounded, but generously (run_world bounds the whole).
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
         # Megatron-core creates some buffers on torch.cuda.current_device(); on this CPU-only build
         # that device is the CPU (nothing else calls it before the modules exist).
         torch.cuda.current_device = lambda: "cpu"
