@@ -2,14 +2,15 @@
 
 Processes (spawned, all on this machine):
 
-* two trainer ranks (tensor parallel 2), each holding the Llama model and publishing its TP shard
-  in the Megatron/vLLM layout, with fused ``qkv_proj`` and ``gate_up_proj``;
+* two trainer ranks (tensor parallel 2), each holding the Llama model and publishing its rank's
+  tensors in vLLM's layout (fused ``qkv_proj`` and ``gate_up_proj``, vocabulary padded to 64);
 * one inference rank (TP 1) with its own, differently initialised copy of the model in the plain
   Hugging Face layout.
 
-Each step: both trainer ranks take the same optimizer step, refresh their shards inside
-``publisher.update()``, and the inference rank refits (un-fusing QKV and gate/up and joining the two
-shards on the way) and checks that its logits equal the trainer's bit for bit.
+Each step: both trainer ranks take the same optimizer step inside ``publisher.update()`` (the
+publisher rebuilds the fused tensors from the live parameters when it publishes), and the inference
+rank refits (un-fusing QKV and gate/up and joining the two shards on the way) and checks that its
+logits equal the trainer's bit for bit.
 
 The trainer ranks run the full model replicated (the same seed and batches give the same weights)
 and publish slices of it: the refit sees exactly what a real TP trainer exposes, without the demo
@@ -54,7 +55,7 @@ def _trainer(address: str, rank: int, steps: int, seed: int, control, results, w
 
         from warmlink.refit import Publisher
         from warmlink.refit._demo_model import build_model, configure_determinism, make_optimizer, probe_logits, tiny_llama_config, train_step
-        from warmlink.refit.hf import shard_into, shard_state, tp_layouts
+        from warmlink.refit.families import layouts
         from warmlink.rendezvous import Store
 
         configure_determinism()
@@ -63,19 +64,15 @@ def _trainer(address: str, rank: int, steps: int, seed: int, control, results, w
             torch.cuda.set_device(torch.device(device))
         model = build_model(tiny_llama_config(), seed, device)
         optimizer = make_optimizer(model)
-        layouts = tp_layouts(model, tp=_TP, rank=rank, fused=True)
-        shards = shard_state(dict(model.named_parameters()), layouts)
+        rank_layouts = layouts(model, convention="vllm", tp=_TP, rank=rank)
         with Store.connect(address, prefix="demo") as store, Publisher(store, rank=rank, world_size=_TP) as pub:
-            for name, tensor in shards.items():
-                pub.add(name, tensor, layouts[name])
+            pub.add_module(model, rank_layouts)  # built from the live parameters at every publish
             pub.export()
-            results.put({"role": "trainer", "rank": rank, "event": "exported", "num_tensors": len(shards)})
+            results.put({"role": "trainer", "rank": rank, "event": "exported", "num_tensors": len(rank_layouts)})
             for step in range(1, steps + 1):
                 control.get(timeout=120)  # the launcher paces steps so the table stays in order
-                loss = train_step(model, optimizer, step, seed)
                 with pub.update():
-                    with torch.no_grad():
-                        shard_into(dict(model.named_parameters()), layouts, shards)
+                    loss = train_step(model, optimizer, step, seed)
                 msg = {"role": "trainer", "rank": rank, "event": "published", "step": step, "version": pub.version, "loss": loss}
                 if rank == 0:
                     logits = probe_logits(model, seed)
@@ -94,7 +91,6 @@ def _inference(address: str, steps: int, seed: int, control, results, workdir: s
 
         from warmlink.refit import Receiver
         from warmlink.refit._demo_model import build_model, configure_determinism, probe_logits, tiny_llama_config
-        from warmlink.refit.hf import tp_layouts
         from warmlink.rendezvous import Store
 
         configure_determinism()
@@ -103,7 +99,7 @@ def _inference(address: str, steps: int, seed: int, control, results, workdir: s
             torch.cuda.set_device(torch.device(device))
         model = build_model(tiny_llama_config(), seed + 1, device)  # deliberately different weights
         with Store.connect(address, prefix="demo") as store, Receiver(store, num_publishers=_TP) as rec:
-            rec.add_module(model, tp_layouts(model, tp=1, rank=0))
+            rec.add_module(model)  # every tensor whole, by its HF name
             for step in range(1, steps + 1):
                 version = control.get(timeout=120)
                 report = rec.refit(version=version)
@@ -142,7 +138,7 @@ def run_demo(steps: int = 5, seed: int = 0, timeout_s: float = 120.0, echo=print
         procs.append(ctx.Process(target=_inference, args=(store.address, steps, seed, controls[_TP], results, workdir), daemon=True))
         for p in procs:
             p.start()
-        echo(f"warmlink demo: 2 trainer ranks (TP=2, fused qkv/gate_up) -> 1 inference rank (TP=1), device {_device_for('trainer')} -> {_device_for('inference')}")
+        echo(f"warmlink demo: 2 trainer ranks (TP=2, vLLM layout) -> 1 inference rank (TP=1, HF layout), device {_device_for('trainer')} -> {_device_for('inference')}")
 
         def next_msg(want: str):
             deadline = time.perf_counter() + timeout_s

@@ -1,7 +1,9 @@
 """Refit: push trainer weights into inference ranks, any TP layout on either side.
 
-``Publisher`` (trainer rank) and ``Receiver`` (inference rank) are the API; ``TensorLayout`` and
-``Shard`` describe layouts; ``warmlink.refit.hf`` has the rules for Hugging Face Llama/Qwen2.
+``Publisher`` (trainer rank) and ``Receiver`` (inference rank) are the API; ``TensorLayout``,
+``Part`` and ``Shard`` describe layouts (``refit.manifest``). Layouts come from their owner:
+DTensor placements (``refit.dtensor``, read by ``add_module``) or, for ranks without them, a named
+framework convention (``warmlink.refit.families``: ``hf``, ``vllm``, ``megatron``).
 """
 
 from warmlink.refit.manifest import Part, Shard, TensorLayout
