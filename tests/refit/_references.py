@@ -48,7 +48,8 @@ def ref_vllm(cfg, sd: dict, tp: int, r: int, ep: int = 1, er: int = 0) -> dict[s
     """What vLLM's loaders put in rank ``r``'s parameters (VocabParallelEmbedding, QKVParallelLinear,
     MergedColumnParallelLinear, Row/ColumnParallelLinear, FusedMoE), under its parameter names."""
     family = cfg.model_type
-    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     block = "block_sparse_moe" if family == "mixtral" else "mlp"
 
     def vocab(x):
