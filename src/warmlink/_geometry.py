@@ -25,6 +25,7 @@ Elements of the physical tensor that no part covers are *padding*: never sent, n
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 __all__ = ["Box", "box_shape", "box_numel", "intersect", "subtract", "translate", "c_strides",
@@ -33,23 +34,30 @@ __all__ = ["Box", "box_shape", "box_numel", "intersect", "subtract", "translate"
 Box = tuple[tuple[int, int], ...]
 
 
+# Plans call these hundreds of thousands of times: list comprehensions and plain loops, which
+# CPython runs several times faster than generator expressions.
 def box_shape(box: Box) -> tuple[int, ...]:
     """Extent of ``box`` per dimension, in elements (negative extents clamp to 0)."""
-    return tuple(max(0, stop - start) for start, stop in box)
+    return tuple([stop - start if stop > start else 0 for start, stop in box])
 
 
 def box_numel(box: Box) -> int:
     """Number of elements inside ``box`` (1 for the 0-d box ``()``)."""
     n = 1
-    for d in box_shape(box):
-        n *= d
+    for start, stop in box:
+        n *= stop - start if stop > start else 0
     return n
 
 
 def intersect(a: Box, b: Box) -> Box | None:
     """``a`` intersected with ``b``; ``None`` when the intersection is empty."""
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return None if any(stop <= start for start, stop in out) else out
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        start, stop = a0 if a0 > b0 else b0, a1 if a1 < b1 else b1
+        if stop <= start:
+            return None
+        out.append((start, stop))
+    return tuple(out)
 
 
 def subtract(a: Box, inner: Box) -> list[Box]:
@@ -71,20 +79,31 @@ def subtract(a: Box, inner: Box) -> list[Box]:
 
 def translate(box: Box, delta: Sequence[int]) -> Box:
     """``box`` moved by ``delta`` elements per dimension."""
-    return tuple((start + s, stop + s) for (start, stop), s in zip(box, delta))
+    return tuple([(start + s, stop + s) for (start, stop), s in zip(box, delta)])
 
 
 def c_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Element strides of a C-contiguous tensor of ``shape``."""
+    try:
+        return _c_strides(shape)
+    except TypeError:  # unhashable (a list)
+        return _c_strides.__wrapped__(shape)
+
+
+@lru_cache(maxsize=1024, typed=True)  # plans ask again and again for the same few shapes
+def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
         acc *= d
-    return tuple(reversed(strides))
+    strides.reverse()
+    return tuple(strides)
 
 
 def pad_shape(shape: Sequence[int], ndim: int) -> tuple[int, ...]:
     """``shape`` with leading 1s up to ``ndim`` dimensions: the same bytes, seen as a part sees them."""
+    if len(shape) == ndim and type(shape) is tuple:
+        return shape
     return (1,) * (ndim - len(shape)) + tuple(shape)
 
 
@@ -112,6 +131,29 @@ def _first_overlap(boxes: list[tuple[Box, int]]) -> tuple[int, int] | None:
     return None
 
 
+# Structures of layouts found valid, logical names replaced by their first part's index: a model
+# repeats a few dozen structures over tens of thousands of tensors. The rules depend on names only
+# through which parts share one, so an equal key means an equal verdict. Bounded; valid ones only.
+_valid: set = set()
+_MAX_VALID = 1 << 14
+
+
+def _structure(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box, Sequence[int]]]):
+    """A hashable key of everything ``layout_problem`` looks at, or None (unhashable input)."""
+    try:
+        if len(parts) == 1:
+            _, gs, bounds, offset = parts[0]
+            key = (tuple(shape), tuple(gs), tuple(bounds), tuple(offset))
+        else:
+            names: dict = {}
+            key = (tuple(shape), tuple((names.setdefault(lg, len(names)), tuple(gs), tuple(b), tuple(o))
+                                       for lg, gs, b, o in parts))
+        hash(key)
+    except (TypeError, ValueError):
+        return None
+    return key
+
+
 def layout_problem(
     shape: Sequence[int],
     parts: Sequence[tuple[str, Sequence[int], Box, Sequence[int]]],
@@ -126,6 +168,18 @@ def layout_problem(
         ``None`` when the layout is valid, else one sentence naming the part and field, for the
         caller to raise as its own error type (``LayoutError``, ``MetadataError``).
     """
+    key = _structure(shape, parts)
+    if key is not None and key in _valid:
+        return None
+    problem = _problem(shape, parts)
+    if problem is None and key is not None:
+        if len(_valid) >= _MAX_VALID:
+            _valid.clear()
+        _valid.add(key)
+    return problem
+
+
+def _problem(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box, Sequence[int]]]) -> str | None:
     ndim = len(shape)
     if any(d < 0 for d in shape):
         return f"shape={tuple(shape)} has a negative dimension"

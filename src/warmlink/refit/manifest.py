@@ -25,7 +25,7 @@ data with validation; nothing touches memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Sequence
 
 from warmlink._dtypes import DTYPE_SIZES, dtype_size
@@ -33,6 +33,21 @@ from warmlink._geometry import Box, box_numel, box_shape, layout_problem
 from warmlink.errors import LayoutError
 
 __all__ = ["Shard", "Part", "TensorLayout", "split_bounds", "chunk_bounds"]
+
+
+class _cached:
+    """``functools.cached_property`` without its lock, which Python 3.11 takes on every first
+    access (seconds over a 40,000-tensor manifest): layouts are immutable, so two threads that
+    compute one value at once compute the same value."""
+
+    def __init__(self, func) -> None:
+        self.func, self.name, self.__doc__ = func, func.__name__, func.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)  # read from the instance from now on
+        return value
 
 
 def _check_split(func: str, size: int, num: int, idx: int) -> None:
@@ -145,7 +160,7 @@ class Shard:
         """``[start, stop)`` per dimension, in global coordinates."""
         return self.bounds
 
-    @cached_property
+    @_cached
     def local_shape(self) -> tuple[int, ...]:
         """Extent of the box per dimension (cached: layouts are immutable)."""
         return box_shape(self.bounds)
@@ -216,7 +231,8 @@ class TensorLayout:
             ndim = len(_as_shape(self.shape, f"TensorLayout {self.name!r}")) if self.shape is not None else len(p.shard.global_shape)
             parts = (Part(p.logical, p.shard, (0,) * ndim),)
         else:
-            parts = tuple(Part(p.logical, p.shard, tuple(int(o) for o in p.offset)) for p in parts)
+            parts = tuple(p if type(p.offset) is tuple and all(type(o) is int for o in p.offset)
+                          else Part(p.logical, p.shard, tuple(int(o) for o in p.offset)) for p in parts)
         object.__setattr__(self, "parts", parts)
         if self.shape is None:
             ndim = len(parts[0].offset)
@@ -311,18 +327,18 @@ class TensorLayout:
         """The physical tensor's shape (``shape``), in elements."""
         return self.shape
 
-    @cached_property
+    @_cached
     def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
         return n
 
-    @cached_property
+    @_cached
     def nbytes(self) -> int:
         return self.numel * dtype_size(self.dtype)
 
-    @cached_property
+    @_cached
     def covered_numel(self) -> int:
         """Elements that parts cover (``numel`` less the padding)."""
         return sum(p.shard.numel for p in self.parts)
@@ -347,10 +363,17 @@ class TensorLayout:
     def from_json(cls, obj: dict) -> "TensorLayout":
         """Inverse of ``to_json`` for an object already checked by ``rendezvous.schema``."""
         parts = tuple(
-            Part(p["logical"], Shard(tuple(p["global_shape"]), tuple(tuple(b) for b in p["bounds"])), tuple(p["offset"]))
+            Part(p["logical"], _shard(tuple(p["global_shape"]), tuple(tuple(b) for b in p["bounds"])), tuple(p["offset"]))
             for p in obj["parts"]
         )
         return cls(obj["name"], obj["dtype"], parts, tuple(obj["shape"]))
+
+
+# A manifest of tens of thousands of tensors holds a few dozen distinct boxes: equal ones share
+# one validated, immutable Shard.
+@lru_cache(maxsize=4096)
+def _shard(global_shape: tuple[int, ...], bounds: Box) -> Shard:
+    return Shard(global_shape, bounds)
 
 
 # Layouts are immutable and engines declare the same ones again and again (a publisher re-created
