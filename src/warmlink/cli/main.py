@@ -1,4 +1,4 @@
-"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure|ep`` and ``doctor``."""
+"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure|ep|manifest`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ examples:
   warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
   warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
   warmlink bench ep                      MoE dispatch/combine on every GPU: normal, hook, FP8 vs torch+NCCL
+  warmlink bench manifest               export and first plan of 40,000 DeepSeek-V3-shaped tensors
   warmlink doctor                        GPUs, peer access, copy-engine bandwidth, backends
 
 environment (operational switches only; arguments win):
@@ -73,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
         "first broadcast, in one run.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
+    from warmlink.bench import manifest
+
+    manifest.add_arguments(bench_sub.add_parser(
+        "manifest", help="export and first plan of a 40,000-tensor manifest (DeepSeek-V3-shaped, TP-2)",
+        description="Publisher ranks (TP-2 by default) in one process export a DeepSeek-V3-shaped model of "
+        "--tensors bf16 tensors each over shm (manifest build, validation and store writes: a blob past 4 MiB), "
+        "then receivers of the matched layout and of TP-1 time their first plan: read every manifest, validate "
+        "it, parse its layouts, layout signature and build_plan. Tensors are tiny (widths / 128): the timings are "
+        "metadata work, which follows the number of tensors. Prints both tables and the machine; --json writes "
+        "the record.",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
     from warmlink.bench import ep
 
     ep.add_arguments(bench_sub.add_parser(
@@ -111,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         from warmlink.bench import ep
 
         return ep.run(args)
+    if args.command == "bench" and args.bench == "manifest":
+        from warmlink.bench import manifest
+
+        return manifest.run(args)
     if args.command == "bench" and args.bench in ("lifecycle", "reconfigure"):
         from warmlink.bench import lifecycle, reconfigure
 
