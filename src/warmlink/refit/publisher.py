@@ -147,12 +147,12 @@ class Publisher(Closing):
     def _declare(self, declared: list[Declared], func: str) -> None:
         if self._link is not None:
             raise VersionError(f"Publisher.{func}: called after export(); declare every tensor first")
-        names = [d.name for d in declared]
-        dup = next((n for i, n in enumerate(names) if n in self._entries or n in names[:i]), None)
-        if dup is not None:
-            raise LayoutError(f"Publisher.{func}: name={dup!r} declared twice")
+        new: dict[str, _Entry] = {}
         for d in declared:
-            self._entries[d.name] = _Entry(d)
+            if d.name in self._entries or d.name in new:
+                raise LayoutError(f"Publisher.{func}: name={d.name!r} declared twice")
+            new[d.name] = _Entry(d)
+        self._entries.update(new)  # all or nothing: a refused call declares none
 
     # -- export ------------------------------------------------------------------------------
     def export(self) -> None:
