@@ -7,6 +7,10 @@ cycle created, so "cycle 2 creates nothing" is a number, not a promise. What a r
 between cycles is its ``ReceiveState``, whose caches are the pool's (``refit._parked``); a closed
 receiver's state waits for the next receiver with the same settings (Note [Parked receive
 state]), so an engine re-created per test plans, allocates and registers nothing either.
+
+``stream`` is the other way in, for engines that load through ``load_weights`` (quantized or
+checkpoint-format loading): buckets of a version through a bounded buffer (``refit._stream``,
+Note [Streaming receive]).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import time
 from typing import Callable, Mapping
 
-from warmlink import _env
+from warmlink import _env, pool
 from warmlink._backoff import Backoff
 from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
@@ -23,11 +27,12 @@ from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionEr
 from warmlink.refit import _parked, protocol, translate
 from warmlink.refit._cycle import Cycle, CycleReport, RefitHandle, created_counts
 from warmlink.refit._declare import module_tensors
+from warmlink.refit._stream import PartialLoadError, StreamReport, StreamState, groups_key
 from warmlink.refit.dtensor import dtensor_layout, is_dtensor, local_tensor
 from warmlink.refit.manifest import TensorLayout
 from warmlink.transport import resolve_backend
 
-__all__ = ["Receiver", "RefitHandle", "CycleReport"]
+__all__ = ["Receiver", "RefitHandle", "CycleReport", "StreamReport", "PartialLoadError"]
 
 log = logging.getLogger("warmlink.refit")
 
@@ -82,6 +87,7 @@ class Receiver(Closing):
         self._state: _parked.ReceiveState | None = None
         self._link = None  # the state's link while a state is held
         self._cycle: Cycle | None = None  # the cycle in flight, between start_refit and its end
+        self._stream_state: StreamState | None = None  # slots and buckets of the last stream
         self.cycle = 0
         # swap: the half of the double buffer the next pull writes; the other half is installed.
         # It flips only when an install succeeds, never with a failed cycle (see _finish).
@@ -171,12 +177,7 @@ class Receiver(Closing):
         Generation may continue while bytes move; call ``handle.wait()`` (or the handle) to
         translate and install. The publisher cannot begin an update until the pull finishes.
         """
-        if self._closed:
-            raise VersionError("Receiver.start_refit: receiver is closed")
-        if self._cycle is not None:
-            raise VersionError("Receiver.start_refit: a cycle is already in flight; wait() for it first")
-        if not self._layouts:
-            raise LayoutError("Receiver.start_refit: nothing declared; call add() first")
+        self._check_idle("start_refit")
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         self.cycle += 1
         before = created_counts()
@@ -218,6 +219,90 @@ class Receiver(Closing):
             raise
         self._cycle = Cycle(plan, bufs, token, transfer, report, before, t0, t4, timeout)
         return RefitHandle(self, self._cycle)
+
+    def stream(self, load_weights: Callable, *, buffer_bytes: int, groups=None, version: int | None = None,
+               timeout_s: float | None = None) -> StreamReport:
+        """Hand a version to ``load_weights`` bucket by bucket as it lands, through a bounded buffer.
+
+        For engines that cannot take bytes in place (quantized or checkpoint-format loading,
+        layerwise reload). Declared layouts say what this rank pulls: a layout whose physical shape
+        is the logical tensor's global shape with only the boxes its loader keeps as parts pulls
+        only those rows and hands a full-shape tensor (zeros elsewhere) that the loader narrows.
+        See Note [Streaming receive] in ``refit._stream``.
+
+        Args:
+            load_weights: called once per bucket with an iterator of ``(name, tensor)``; tensors are
+                views of receiver memory, valid until that call returns (the loader copies them).
+            buffer_bytes: receive memory for the stream, bytes: two slots of ``buffer_bytes // 2``;
+                each bucket (receive, staging and cast space) fits one slot.
+            groups: sequences of declared names that must reach one call together (every tensor
+                of one engine module); others may be handed in any bucket.
+            version: the version to stream (default: the newest all publishers agree on).
+            timeout_s: for version agreement and each bucket's pull, seconds.
+
+        Returns:
+            A ``StreamReport``: buckets, peak receive memory, bytes pulled and handed, and when
+            each bucket was issued, arrived and handed over.
+
+        Raises:
+            ConfigError: ``buffer_bytes`` too small for a group (before any byte moves).
+            PeerLostError / TransferTimeout: before the first ``load_weights`` call: the engine
+                is untouched.
+            PartialLoadError: a failure after ``load_weights`` took part of the version (the
+                cause chained): the engine holds a mix until a complete version is loaded.
+
+        Blocking? Yes. Warm path? After the first stream of a plan and buffer size: slots, views and
+        copy batches are reused; nothing is allocated, registered or planned.
+        """
+        self._check_idle("stream")
+        if not callable(load_weights):
+            raise ConfigError(f"Receiver.stream: load_weights={load_weights!r} is not callable; expected the engine's loader")
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        self.cycle += 1
+        before = created_counts()
+        report = StreamReport(self.cycle, 0, buffer_bytes, num_tensors=len(self._layouts))
+        t0 = time.perf_counter()
+        if self._state is None:
+            self._connect()
+        self._healthy = False
+        versions = self._enter(version, timeout)
+        try:
+            t1 = time.perf_counter()
+            report.sync_s, report.version = t1 - t0, versions
+            plan = self._state.plan(self._layouts)
+            t2 = time.perf_counter()
+            report.plan_s = t2 - t1
+            ss = self._stream_state
+            if ss is None or ss.key != (plan.signature, buffer_bytes, groups_key(groups)):
+                self._close_stream()
+                ss = self._stream_state = StreamState(self._link, plan, buffer_bytes, groups)
+            report.alloc_s = time.perf_counter() - t2
+            ss.run(plan, self._state.sources, load_weights, report, timeout, t0)
+        finally:
+            if not pool.enabled():
+                self._close_stream()  # with pooling off, a stream's memory lives one stream
+            try:
+                self._state.end_cycle()
+            finally:
+                self._leave(versions)
+        self.installed_version = versions
+        self._healthy = True
+        report.total_s = time.perf_counter() - t0
+        report.created = {k: v - before[k] for k, v in created_counts().items()}
+        return report
+
+    def _close_stream(self) -> None:
+        ss, self._stream_state = self._stream_state, None
+        if ss is not None:
+            ss.close()
+
+    def _check_idle(self, func: str) -> None:
+        if self._closed:
+            raise VersionError(f"Receiver.{func}: receiver is closed")
+        if self._cycle is not None:
+            raise VersionError(f"Receiver.{func}: a cycle is already in flight; wait() for it first")
+        if not self._layouts:
+            raise LayoutError(f"Receiver.{func}: nothing declared; call add() first")
 
     def _connect(self) -> None:
         device = self._resolve_device()
@@ -380,6 +465,7 @@ class Receiver(Closing):
             if cycle is not None:
                 self._abandon(cycle)
         finally:
+            self._close_stream()
             lease, state = self._state_lease, self._state
             self._state_lease = self._state = self._link = None
             # _healthy is False from a cycle's start until it installs; a declaration added after
