@@ -338,3 +338,72 @@ def from_group_round(rank: int, num_ranks: int, store, case: dict) -> list[dict]
         return [got]
     finally:
         dist.destroy_process_group()
+
+
+def _routed_everywhere(idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """``idx`` with token 0 sent to an expert on every rank (its copies then sit at row 0 of every
+    slot, where the index of an absent copy lands)."""
+    idx = idx.clone()
+    epr = num_experts // num_ranks
+    idx[0, :num_ranks] = torch.arange(num_ranks) * epr
+    return idx
+
+
+def poisoned_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """Dispatch + combine rounds of the same inputs: clean, then with ``case["poisons"]`` (NaN,
+    inf) written into channel 5 of token 0's row of x and into its first weight on rank 0. Returns
+    this rank's combined outputs per round."""
+    mine = case_inputs(case)[rank]
+    x, w = mine["x"], mine["topk_weights"]
+    idx = _routed_everywhere(mine["topk_idx"], case["experts"], num_ranks)
+    out = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for poison in (None, *case["poisons"]):
+            xp, wp = x.clone(), w.clone()
+            if poison is not None and rank == 0:
+                xp[0, 5], wp[0, 0] = poison, poison
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(xp, topk_idx=idx, topk_weights=wp, num_experts=case["experts"])
+            combined_x, combined_w, _ = buf.combine(recv_x.clone(), handle, topk_weights=recv_w)
+            out.append({"combined_x": _cpu(combined_x), "combined_w": _cpu(combined_w)})
+    return out
+
+
+def disagree_then_agree(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """One call where rank 1 differs from the others as ``case["disagree"]`` says (x's dtype or
+    ``topk_weights`` of a fresh or cached dispatch or of a combine), then the same round made alike
+    on every rank. Returns what the differing call raised here and the round's outputs, in
+    ``dispatch_combine``'s form."""
+    mine = case_inputs(case)[rank]
+    x, idx, w, kind = mine["x"], mine["topk_idx"], mine["topk_weights"], case["disagree"]
+    odd = rank == 1
+    error = "ok"
+
+    def attempt(call) -> None:
+        nonlocal error
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the test compares the type name
+            error = f"{type(exc).__name__}: {exc}"
+
+    with _buffer(rank, num_ranks, store, case) as buf:
+        fresh = {"topk_idx": idx, "num_experts": case["experts"]}
+        if kind == "x_dtype":
+            attempt(lambda: buf.dispatch(x.half() if odd else x, topk_weights=w, **fresh))
+        if kind == "dispatch_weights":
+            attempt(lambda: buf.dispatch(x, topk_weights=None if odd else w, **fresh))
+        recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buf.dispatch(x, topk_weights=w, **fresh)
+        got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
+               "num_recv_tokens_per_expert_list": per_expert_list, "num_recv_tokens": handle.num_recv_tokens}
+        if kind == "cached_x_dtype":
+            attempt(lambda: buf.dispatch(x.half() if odd else x, handle=handle))
+            got["cached_x"] = [_cpu(buf.dispatch(x, handle=handle)[0])]
+        y = recv_x.clone()
+        if kind == "combine_dtype":
+            attempt(lambda: buf.combine(y.half() if odd else y, handle, topk_weights=recv_w))
+        if kind == "combine_weights":
+            attempt(lambda: buf.combine(y, handle, topk_weights=None if odd else recv_w))
+        if kind == "combine_weight_columns":
+            attempt(lambda: buf.combine(y, handle, topk_weights=recv_w[:, :1] if odd else recv_w))
+        combined_x, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+        got.update(combined_x=_cpu(combined_x), combined_w=_cpu(combined_w), y=_cpu(y))
+    return {"error": error, "got": got}

@@ -399,3 +399,32 @@ def test_the_combine_sum_in_parts_writes_each_token_once_and_equals_the_whole_su
         for t in (expect_part == p).nonzero().squeeze(1).tolist():
             peers = [d for d in range(num_ranks) if d != me and goes[t, d]]
             assert max((int(pos[t, d]) * parts // int(counts[d]) for d in peers), default=0) == p
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_nan_in_one_copy_stays_in_its_token_in_the_combine_sum_kernel(parts):
+    """The kernel reads only the copies a token has (a branch on its row, not a product with a
+    mask): NaN and inf in area row 0 and own row 0, where absent copies' indices would land, stay in
+    token 0."""
+    from warmlink.ep import _reduce
+
+    gen = torch.Generator().manual_seed(parts)
+    tokens, slot, hidden, num_ranks, me = 11, 12, 256, 3, 2
+    goes = torch.rand(tokens, num_ranks, generator=gen) < 0.5
+    goes[0] = True
+    goes[1] = False
+    pos = goes.long().cumsum(0) - 1
+    rows = torch.where(goes, pos + torch.arange(num_ranks) * slot, -1)
+    area = torch.randn(num_ranks * slot, hidden, generator=gen).to(torch.float16)
+    own = torch.randn(tokens, hidden, generator=gen).to(torch.float16)
+    local, counts = (own, me, -me * slot), goes.sum(0)
+    want = torch.empty(tokens, hidden, dtype=torch.float16)
+    _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
+    area[0, 3], own[0, 5], area[slot, 7] = float("nan"), float("inf"), float("nan")
+    got = torch.full((tokens, hidden), 7, dtype=torch.float16)
+    for k in range(parts):
+        _reduce.combine_sum(area, rows, got, local=local, counts=counts, slot_rows=slot, part=k, parts=parts,
+                            kernels=_reduce._build())
+    assert torch.equal(got[1:], want[1:])
+    assert not got[1].any()
+    assert got[0, 3].isnan() and got[0, 5].isinf() and got[0, 7].isnan()

@@ -336,3 +336,36 @@ def test_as_words_views_rows_as_int64_words_or_bytes_without_copying():
     assert as_words(odd).dtype == torch.uint8 and as_words(odd).shape == (2, 6)
     cube = torch.zeros(2, 2, 4, dtype=torch.bfloat16)  # rows of more than one dimension
     assert as_words(cube).shape == (2, 2) and as_words(cube).dtype == torch.int64
+
+
+def test_a_nan_or_inf_in_one_token_leaves_every_other_token_exact_on_every_rank():
+    from tests.ep._workers import poisoned_rounds
+
+    case = {"tokens": [9, 7], "hidden": 128, "experts": 4, "topk": 2, "seed": 31,
+            "poisons": [float("nan"), float("inf")]}
+    results = run_ranks(poisoned_rounds, 2, case=case)
+    for rank, rounds in enumerate(results):
+        clean = rounds[0]
+        for rnd, got in enumerate(rounds[1:], 1):
+            bad = 1 if rank == 0 else 0  # rank 0's token 0 holds the bad value; its copies come back to it
+            for name in ("combined_x", "combined_w"):
+                assert torch.equal(got[name][bad:], clean[name][bad:]), f"rank {rank} round {rnd}: {name} spread"
+            if bad:
+                x, w = got["combined_x"][0], got["combined_w"][0]
+                assert not torch.isfinite(x[5]) and not torch.isfinite(w[0]), f"round {rnd}: the bad value vanished"
+                assert torch.equal(x[6:], clean["combined_x"][0, 6:]) and torch.equal(w[1:], clean["combined_w"][0, 1:])
+
+
+@pytest.mark.parametrize("disagree,field", [
+    ("x_dtype", "x_dtype=torch.float16"), ("dispatch_weights", "topk_weights=False"),
+    ("cached_x_dtype", "x_dtype=torch.float16"), ("combine_dtype", "x_dtype=torch.float16"),
+    ("combine_weights", "topk_weights=None"), ("combine_weight_columns", "topk_weights=1 columns")])
+def test_ranks_that_disagree_on_dtype_or_weights_all_refuse_the_call_and_the_next_one_works(disagree, field):
+    from tests.ep._workers import disagree_then_agree
+
+    case = {"tokens": [7, 9], "hidden": 128, "experts": 4, "topk": 2, "seed": 17, "timeout_s": 10.0,
+            "disagree": disagree}
+    results = run_ranks(disagree_then_agree, 2, case=case)
+    for rank, r in enumerate(results):
+        assert r["error"].startswith("ConfigError") and field in r["error"], (rank, r["error"])
+    check_against_reference(case, [[r["got"]] for r in results])

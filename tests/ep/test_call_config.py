@@ -1,24 +1,38 @@
-"""The dispatch config word: every field survives, and no two calls that differ share a word."""
+"""The dispatch and combine config words: every field survives, and no two calls that differ share a word."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from warmlink.ep._call_config import MAX_WORST_TOKENS, describe_call, encode_call
+from warmlink.ep._call_config import (
+    MAX_HANDLE_ROUND,
+    MAX_TOPK,
+    MAX_WORST_TOKENS,
+    combine_handle_round,
+    describe_call,
+    describe_combine,
+    encode_call,
+    encode_combine,
+)
 from warmlink.ep._regions import MAX_EXPERTS
 from warmlink.errors import ConfigError
 
-calls = st.tuples(st.integers(1, MAX_EXPERTS), st.integers(0, 1024), st.booleans(), st.booleans(), st.booleans(),
-                  st.integers(0, MAX_WORST_TOKENS))
+x_dtypes = st.sampled_from([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+calls = st.tuples(st.integers(1, MAX_EXPERTS), st.integers(0, 1024), x_dtypes, st.booleans(), st.booleans(),
+                  st.integers(0, MAX_WORST_TOKENS), st.booleans())
+combines = st.tuples(st.integers(0, MAX_HANDLE_ROUND), st.sampled_from([torch.bfloat16, torch.float16]),
+                     st.integers(0, MAX_TOPK))
 
 
 @given(calls)
 def test_describe_reads_back_every_field(call):
-    experts, topk, fp8, cached, sm, worst = call
-    assert describe_call(encode_call(*call)) == (f"(num_experts={experts}, num_topk={topk}, fp8={fp8}, cached={cached}, "
-                                                 f"sm_sends={sm}, num_worst_tokens={worst})")
+    experts, topk, dtype, cached, sm, worst, weights = call
+    assert describe_call(encode_call(*call)) == (
+        f"(num_experts={experts}, num_topk={topk}, x_dtype={dtype}, topk_weights={weights}, cached={cached}, "
+        f"sm_sends={sm}, num_worst_tokens={worst})")
 
 
 @given(calls, calls)
@@ -26,7 +40,25 @@ def test_different_calls_have_different_words(a, b):
     assert (encode_call(*a) == encode_call(*b)) == (a == b)
 
 
-def test_a_word_fits_a_signed_int64_and_too_many_worst_tokens_are_refused():
-    assert encode_call(MAX_EXPERTS, 1024, True, True, True, MAX_WORST_TOKENS) < 1 << 63
+@given(combines, combines)
+def test_different_combines_have_different_words_and_keep_their_handle_round(a, b):
+    assert (encode_combine(*a) == encode_combine(*b)) == (a == b)
+    assert combine_handle_round(encode_combine(*a)) == a[0]
+    assert 0 <= encode_combine(*a) < 1 << 63
+
+
+def test_describe_combine_names_the_dtype_and_the_weights():
+    assert describe_combine(encode_combine(3, torch.float16, 0)) == "(x_dtype=torch.float16, topk_weights=None)"
+    assert describe_combine(encode_combine(3, torch.bfloat16, 8)) == "(x_dtype=torch.bfloat16, topk_weights=8 columns)"
+
+
+def test_a_word_fits_a_signed_int64_and_out_of_range_fields_are_refused():
+    assert 0 <= encode_call(MAX_EXPERTS, MAX_TOPK, torch.float8_e4m3fn, True, True, MAX_WORST_TOKENS, True) < 1 << 63
     with pytest.raises(ConfigError, match="num_worst_tokens"):
-        encode_call(8, 2, False, False, False, MAX_WORST_TOKENS + 1)
+        encode_call(8, 2, torch.bfloat16, False, False, MAX_WORST_TOKENS + 1)
+    with pytest.raises(ConfigError, match="num_topk"):
+        encode_call(8, MAX_TOPK + 1, torch.bfloat16, False)
+    with pytest.raises(ConfigError, match="x.dtype=torch.float32"):
+        encode_call(8, 2, torch.float32, False)
+    with pytest.raises(ConfigError, match="topk_weights columns"):
+        encode_combine(1, torch.bfloat16, MAX_TOPK + 1)

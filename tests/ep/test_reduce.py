@@ -31,3 +31,30 @@ def test_parts_need_the_counts():
     rows = torch.zeros(2, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="counts"):
         _reduce.combine_sum(torch.zeros(2, 8), rows, torch.empty(2, 8), parts=2)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_nan_or_inf_in_one_copy_leaves_every_other_token_exact(poison, parts):
+    """Tokens without a copy from a rank read nothing there: a bad value in row 0 of the area (what
+    an absent copy's index lands on) or of this rank's own rows stays in the token that sent it."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, slot, hidden, me = 9, 10, 16, 1
+    goes = torch.rand(tokens, 2, generator=gen) < 0.5
+    goes[0] = True  # token 0 has a copy on both ranks: area row 0 and own row 0 are its
+    goes[1] = False  # a token that went nowhere
+    pos = goes.long().cumsum(0) - 1
+    rows = torch.where(goes, pos + torch.arange(2) * slot, -1)
+    area = torch.randn(2 * slot, hidden, generator=gen).to(torch.bfloat16)
+    own = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    local, counts = (own, me, -me * slot), goes.sum(0)
+    want = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    _reduce.combine_sum(area, rows, want, local=local, use_triton=False)
+    area[0, 3], own[0, 5] = poison, poison
+    got = torch.full((tokens, hidden), 7, dtype=torch.bfloat16)
+    for k in range(parts):
+        _reduce.combine_sum(area, rows, got, local=local, counts=counts, slot_rows=slot, part=k, parts=parts,
+                            use_triton=False)
+    assert torch.equal(got[1:], want[1:])
+    assert not got[1].any()
+    assert not torch.isfinite(got[0, 3]) and not torch.isfinite(got[0, 5])

@@ -1,32 +1,79 @@
-"""The config word of one dispatch: what every rank of a round must call with, in one int64.
+"""The config words of one dispatch and one combine: what every rank of a round must call with, in one int64.
 
 Each rank publishes its word in its mailbox (ep._mailbox) with "ready for round n"; a rank that
 sees another word refuses the round with a ``ConfigError`` naming both, instead of reading counts
-or rows laid out for another kind of call.
+or rows laid out for another kind of call. Everything that changes how a receiver reads the bytes
+a sender wrote is in the word: rows of another dtype are the same size (bf16 and fp16), and a
+weight a sender did not write is whatever an earlier round left there.
 
-Bits: 0 cached, 1 fp8, 2 SM sends, 4-19 top-k, 20-32 experts, 33-62 ``num_worst_tokens``.
+Dispatch bits: 0 cached, 1 SM sends, 2 ``topk_weights`` passed, 3-4 x's dtype, 5-19 top-k, 20-32
+experts, 33-62 ``num_worst_tokens``. Combine bits: 0-1 x's dtype, 2-16 ``topk_weights`` columns
+(0: none passed), 17-62 the round of the dispatch whose handle it uses.
 """
 
 from __future__ import annotations
 
+import torch
+
 from warmlink.errors import ConfigError
 
-__all__ = ["describe_call", "encode_call"]
+__all__ = ["combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # a dtype's code is its index
+_TOPK_BITS, _EXPERT_BITS = 15, 13
 _WORST_SHIFT = 33
 MAX_WORST_TOKENS = (1 << 30) - 1
+MAX_TOPK = (1 << _TOPK_BITS) - 1
+_COMBINE_ROUND_SHIFT = 17
+MAX_HANDLE_ROUND = (1 << (63 - _COMBINE_ROUND_SHIFT)) - 1
 
 
-def encode_call(num_experts: int, num_topk: int, fp8: bool, cached: bool, sm: bool = False,
-                num_worst_tokens: int = 0) -> int:
-    """The word of a call (``num_topk`` 0 for a cached dispatch, which sends no ids)."""
-    if not 0 <= num_worst_tokens <= MAX_WORST_TOKENS:
-        raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; expected at most {MAX_WORST_TOKENS}")
-    return ((num_worst_tokens << _WORST_SHIFT) | (num_experts << 20) | (num_topk << 4) | (int(sm) << 2)
-            | (int(fp8) << 1) | int(cached))
+def _dtype_code(func: str, dtype: torch.dtype) -> int:
+    if dtype not in _DTYPES:
+        raise ConfigError(f"{func}: x.dtype={dtype}; expected one of {list(_DTYPES)}")
+    return _DTYPES.index(dtype)
+
+
+def _field(func: str, name: str, value: int, most: int) -> int:
+    if not 0 <= value <= most:
+        raise ConfigError(f"{func}: {name}={value}; expected an int in [0, {most}]")
+    return value
+
+
+def encode_call(num_experts: int, num_topk: int, x_dtype: torch.dtype, cached: bool, sm: bool = False,
+                num_worst_tokens: int = 0, weights: bool = False) -> int:
+    """The word of a dispatch (``num_topk`` 0 and ``weights`` False for a cached dispatch, which
+    sends no ids). ``x_dtype``: the dtype of the rows sent (``torch.float8_e4m3fn`` for FP8)."""
+    func = "ep.Buffer.dispatch"
+    return ((_field(func, "num_worst_tokens", num_worst_tokens, MAX_WORST_TOKENS) << _WORST_SHIFT)
+            | (_field(func, "num_experts", num_experts, (1 << _EXPERT_BITS) - 1) << 20)
+            | (_field(func, "num_topk", num_topk, MAX_TOPK) << 5) | (_dtype_code(func, x_dtype) << 3)
+            | (int(weights) << 2) | (int(sm) << 1) | int(cached))
 
 
 def describe_call(word: int) -> str:
-    """The fields of a word, for errors."""
-    return (f"(num_experts={(word >> 20) & 0x1FFF}, num_topk={(word >> 4) & 0xFFFF}, fp8={bool(word & 2)}, "
-            f"cached={bool(word & 1)}, sm_sends={bool(word & 4)}, num_worst_tokens={word >> _WORST_SHIFT})")
+    """The fields of a dispatch word, for errors."""
+    return (f"(num_experts={(word >> 20) & ((1 << _EXPERT_BITS) - 1)}, num_topk={(word >> 5) & MAX_TOPK}, "
+            f"x_dtype={_DTYPES[(word >> 3) & 3] if (word >> 3) & 3 < len(_DTYPES) else '?'}, "
+            f"topk_weights={bool(word & 4)}, cached={bool(word & 1)}, sm_sends={bool(word & 2)}, "
+            f"num_worst_tokens={word >> _WORST_SHIFT})")
+
+
+def encode_combine(handle_round: int, x_dtype: torch.dtype, weight_columns: int) -> int:
+    """The word of a combine: its handle's dispatch round, x's dtype and the columns of
+    ``topk_weights`` (0 when none are passed)."""
+    func = "ep.Buffer.combine"
+    return ((_field(func, "handle.round", handle_round, MAX_HANDLE_ROUND) << _COMBINE_ROUND_SHIFT)
+            | (_field(func, "topk_weights columns", weight_columns, MAX_TOPK) << 2) | _dtype_code(func, x_dtype))
+
+
+def combine_handle_round(word: int) -> int:
+    """The dispatch round of a combine word's handle."""
+    return word >> _COMBINE_ROUND_SHIFT
+
+
+def describe_combine(word: int) -> str:
+    """The dtype and weights of a combine word, for errors."""
+    code, columns = word & 3, (word >> 2) & MAX_TOPK
+    weights = f"{columns} columns" if columns else "None"
+    return f"(x_dtype={_DTYPES[code] if code < len(_DTYPES) else '?'}, topk_weights={weights})"

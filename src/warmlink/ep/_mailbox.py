@@ -102,9 +102,10 @@ class Mailbox:
             self._own[base + 1 + r:base + 1 + r + len(per_expert)] = per_expert
         self._own[DISPATCH] = round_
 
-    def publish_combine(self, round_: int, handle_round: int) -> None:
-        """Which dispatch's handle this rank combines with in ``round_`` (parity word), then the round."""
-        self._own[COMBINE_HANDLE + round_ % 2] = handle_round
+    def publish_combine(self, round_: int, word: int) -> None:
+        """The combine word of ``round_`` (ep._call_config.encode_combine: its handle's dispatch
+        round, dtype and weights) in its parity word, then the round."""
+        self._own[COMBINE_HANDLE + round_ % 2] = word
         self._own[COMBINE] = round_
 
     def combine_handle(self, rank: int, round_: int) -> int:

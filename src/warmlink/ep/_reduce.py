@@ -66,7 +66,9 @@ def _torch_sum(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local,
             src, r = local[0], torch.where(r >= 0, r + local[2], -1)
         if not src.shape[0]:  # nothing came from there (index_select refuses an empty source)
             continue
-        acc += src.index_select(0, r.clamp(min=0)).float() * (r >= 0).unsqueeze(1)
+        # a token without a copy there reads another token's row (row 0): select, never multiply
+        # by 0, since 0 x NaN (or inf) is NaN and would spread one bad token into the others
+        acc += torch.where((r >= 0).unsqueeze(1), src.index_select(0, r.clamp(min=0)).float(), 0.0)
     if tokens is None:
         out.copy_(acc)
     else:

@@ -52,7 +52,7 @@ from warmlink._closing import Closing
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
 from warmlink.ep._checks import Checks
-from warmlink.ep._call_config import describe_call, encode_call
+from warmlink.ep._call_config import combine_handle_round, describe_call, describe_combine, encode_call, encode_combine
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
@@ -336,12 +336,17 @@ class Buffer(Closing):
         if field == mb.DISPATCH:
             self._check_peer_configs(round_, self.mailbox.config(self.rank, round_))
             return
-        mine = self.mailbox.combine_handle(self.rank, round_)
+        mine = self.mailbox.combine_handle(self.rank, round_)  # a word: ep._call_config.encode_combine
         for r in range(self.num_ranks):  # rows are counted by the handle: all ranks must use the same dispatch's
             theirs = self.mailbox.combine_handle(r, round_)
+            if combine_handle_round(theirs) != combine_handle_round(mine):
+                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round "
+                                  f"{combine_handle_round(theirs)}, this rank with round {combine_handle_round(mine)}; "
+                                  "every rank must pass the handle of the same dispatch")
             if theirs != mine:
-                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round {theirs}, this "
-                                  f"rank with round {mine}; every rank must pass the handle of the same dispatch")
+                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with {describe_combine(theirs)}, this rank with "
+                                  f"{describe_combine(mine)}; every rank must pass x of the same dtype, and topk_weights "
+                                  "of the same width or none")
 
     def _order(self) -> list[int]:
         """Peers starting after this rank: ranks start on different peers."""
@@ -355,13 +360,14 @@ class Buffer(Closing):
         """Send each token once to every rank holding one of its experts.
 
         Args:
-            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, hidden // 128])``.
+            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, hidden // 128])``,
+                of the same dtype on every rank.
             handle: a previous dispatch's handle: re-send with the same routing, skipping the layout
                 and the count exchange (``topk_*`` are then not sent).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from ``get_dispatch_layout``
                 (computed here when omitted).
             topk_idx: ``[T, K]`` expert ids in ``[-1, num_experts)`` (-1 = masked).
-            topk_weights: ``[T, K]`` float32.
+            topk_weights: ``[T, K]`` float32 (every rank passes them, or none does).
             num_experts: needed only when ``num_tokens_per_expert`` is omitted.
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
                 Every rank must pass the same value to a fresh dispatch: without a hook the SMs send
@@ -408,7 +414,7 @@ class Buffer(Closing):
             if num_worst_tokens not in (0, handle.num_worst_tokens):
                 raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
                                   f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
-            config = encode_call(handle.num_experts, 0, scales is not None, True, num_worst_tokens=handle.num_worst_tokens)
+            config = encode_call(handle.num_experts, 0, tokens.dtype, True, num_worst_tokens=handle.num_worst_tokens)
             src = Sources(as_words(tokens), scales=scales)
             self.mailbox.publish_dispatch(round_, config)
             marks = {"start": t0, "counts": time.perf_counter()}
@@ -422,7 +428,7 @@ class Buffer(Closing):
             sm = self._sm_sends and not return_recv_hook
             # the send path is part of the config: a rank that meets in the mailbox while another
             # trades counts on the device would read counts that were never published
-            config = encode_call(num_experts, topk.shape[1], scales is not None, False, sm, num_worst_tokens)
+            config = encode_call(num_experts, topk.shape[1], tokens.dtype, False, sm, num_worst_tokens, weights is not None)
             marks = {"start": t0, "checked": time.perf_counter()}
             src = Sources(as_words(tokens), topk, weights, scales)
             send = self._send_fresh_sm if sm else self._send_fresh_copy
@@ -462,13 +468,20 @@ class Buffer(Closing):
             x: ``[num_recv_tokens, hidden]`` bf16/fp16, rows aligned with the dispatch output (its
                 ``num_worst_tokens`` rows for a padded dispatch; the padding rows are not read).
             handle: that dispatch's handle.
-            topk_weights: optional ``[num_recv_tokens, K]`` float32, summed the same way.
+            topk_weights: optional ``[num_recv_tokens, K]`` float32, summed the same way (every rank
+                passes them with the same ``K``, or none does).
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
             previous_event, async_finish: as ``dispatch``'s.
 
         Returns:
             ``(combined_x [T, hidden], combined_topk_weights or None, event)``, plus ``hook`` when
-            asked (the tensors are filled when it returns). Sums are float32 in rank order.
+            asked (the tensors are filled when it returns). Sums are float32 in rank order; a
+            token's sum reads only its own copies (a NaN in one token stays in that token).
+
+        Raises:
+            ConfigError: bad shapes or dtypes (before any byte moves), or, on every rank, peers that
+                combine with another dispatch's handle, another x dtype, or other ``topk_weights``.
+            TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("combine")
         if not isinstance(handle, Handle):
@@ -492,7 +505,8 @@ class Buffer(Closing):
         comb_x, comb_w = area("comb_x", round_), area("comb_w", round_)
         if self._round["combine"]:  # the sum of the round before last read this parity: see Note [Two parities]
             self._wait_reduced()
-        self.mailbox.publish_combine(round_, handle.round)  # no wait for the peers: Note [Two parities]
+        word = encode_combine(handle.round, rows.dtype, weights.shape[1] if weights is not None else 0)
+        self.mailbox.publish_combine(round_, word)  # no wait for the peers: Note [Two parities]
         t1 = time.perf_counter()
         mover, parity, order = self._mover, round_ % PARITIES, self._order()
         # the rows each rank sends back, for the sum's parts (Note [Pipelined combine]); before begin
@@ -609,11 +623,11 @@ class Buffer(Closing):
         handle, send_counts, expert_counts = self._handle_from_words(mover.wait_host(self.timeout_s), num_experts,
                                                                      in_rank, rows, src, round_, marks, num_worst_tokens)
         self.mailbox.publish_dispatch(round_, config, send_counts, expert_counts)
-        self._meet(mb.DISPATCH, round_)
-        marks["met"] = time.perf_counter()
         try:
+            self._meet(mb.DISPATCH, round_)
+            marks["met"] = time.perf_counter()
             self._complete_plan(handle, round_)
-        except ConfigError:  # every rank read the same counts and refused: the round is spent everywhere
+        except ConfigError:  # every rank read the same words and counts and refused: the round is spent everywhere
             self._round["dispatch"] = round_
             raise
         marks["ready"] = time.perf_counter()
