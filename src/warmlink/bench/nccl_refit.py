@@ -14,7 +14,9 @@ phase starts with both ranks ready; that adds one tiny broadcast (tens of micros
 to a warm bucket cycle, and two to the first. Per-tensor mode has only the transfer phase.
 ``init_s`` is ``init_process_group`` alone (no ``device_id``: NCCL creates its communicator
 lazily), ``first_collective_s`` is the first 1-element broadcast, which pays for communicator
-creation; ``group_init_s`` is their sum.
+creation; ``group_init_s`` is their sum. Both clocks start after a barrier through the
+rendezvous store, once both ranks have built and filled their tensors: otherwise the inference
+rank would count the trainer's tensor filling (seconds at full scale, on CPU) as group creation.
 
 # Note [Test pattern]
 Trainer tensors are filled from an integer hash of (tensor seed, byte position), computed on the
@@ -346,8 +348,10 @@ def _worker(rank: int, cfg: dict, store_port: int) -> dict:
     sync()
 
     timeout = timedelta(seconds=cfg["timeout_s"])
-    t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=timeout)
+    store.set(f"filled/{rank}", b"1")  # See Note [Phase timing]: group creation is timed from here
+    store.wait([f"filled/{1 - rank}"])
+    t0 = time.perf_counter()
     dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=2, timeout=timeout)
     t1 = time.perf_counter()
     flag = torch.ones(1, dtype=torch.float32, device=device)
