@@ -170,7 +170,9 @@ def test_wire_errors() -> None:
         (good[:-1] + b',"version":6}', "not valid JSON"),  # duplicate key
         (b'{"schema_version":1,"kind":"version_state","version":NaN,"state":"published","generation":1}', "NaN"),
         (b'{"version":' + b"9" * 5000 + b"}", "digits"),
-        (b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),
+        (b"[       " * 5_000 + b"]" * 5_000, "not valid JSON"),  # nested past the parser's depth
+        (b"[" * 20_000 + b"]" * 20_000, "holds 20000 containers"),  # denser than any payload
+        (b'{"a":' + b" " * (64 << 10) + b"1}", "exceeds the limit; expected at most 65536 bytes for a version_state"),
         (b"", "not valid JSON"),
         (b" " * (schema.MAX_PAYLOAD_BYTES + 1), "exceeds the limit"),
         (b"[1]", "payload=<list of 1 items> has type array"),
@@ -423,3 +425,83 @@ def test_schema_and_tensor_layout_accept_the_same_entries(entry: dict) -> None:
     if layout is not None:
         assert schema.tensor_local_shape(entry) == layout.local_shape
         assert nbytes == layout.nbytes
+
+
+# -- memory: Note [Decode budget] -----------------------------------------------------------------
+_MEASURE = """
+import json, resource, sys
+from warmlink.errors import MetadataError
+from warmlink.rendezvous import schema
+with open(sys.argv[1], "rb") as f:
+    raw = f.read()  # one allocation of the file's size: nothing transient before the baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    schema.decode(raw, sys.argv[2], "pub/1")
+    outcome = "ok"
+except MetadataError as e:
+    outcome = str(e)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+print(json.dumps({"nbytes": len(raw), "grew_bytes": grew * 1024, "outcome": outcome[:400]}))
+"""
+
+
+def _decode_in_child(tmp_path, head: bytes, unit: bytes, tail: bytes, nbytes: int, kind: str) -> dict:
+    """Decode ``head + unit * n + tail`` of about ``nbytes`` in a fresh process; its peak RSS
+    growth (``ru_maxrss``, KiB on Linux) over the payload it read."""
+    path = tmp_path / "payload.json"
+    with open(path, "wb") as f:
+        f.write(head + unit * (nbytes // len(unit)) + tail)
+    done = subprocess.run([sys.executable, "-c", _MEASURE, str(path), kind], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
+def test_a_payload_of_empty_lists_is_refused_before_it_is_parsed(tmp_path) -> None:
+    got = _decode_in_child(tmp_path, b'{"schema_version":2,"kind":"publisher_manifest","tensors":[', b"[],", b"[]]}",
+                           63_000_000, "publisher_manifest")
+    assert "holds 21000003 containers" in got["outcome"] and "refused before parsing" in got["outcome"], got
+    assert got["grew_bytes"] < got["nbytes"] // 8, got  # nothing built: a few MB of noise at most
+
+
+# Each as dense as Note [Decode budget] allows in one respect: the worst that passes the pre-scan.
+_AT_THE_LIMITS = {
+    "lists": (b"[", b"[      ],", b"[]]"),
+    "objects": (b"[", b'{"a":[                       ]},', b"{}]"),
+    "short strings": (b"[", b'"abc",', b'"a"]'),
+    "floats": (b"[", b"1e5,", b"1]"),
+    "ints": (b"[", b"1000,", b"1]"),
+}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
+@pytest.mark.parametrize("shape", sorted(_AT_THE_LIMITS))
+def test_decoding_memory_is_a_small_multiple_of_the_payload(tmp_path, shape) -> None:
+    head, unit, tail = _AT_THE_LIMITS[shape]
+    got = _decode_in_child(tmp_path, head, unit, tail, 16 << 20, "publisher_manifest")
+    assert "has type array; expected object" in got["outcome"], got  # parsed, then refused by the validator
+    assert got["grew_bytes"] < 16 * got["nbytes"], got  # ~11x at most (a real manifest: 5-7x)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux")
+def test_one_object_of_a_million_distinct_keys_costs_a_small_multiple_of_its_bytes(tmp_path) -> None:
+    path = tmp_path / "payload.json"
+    chars = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    with open(path, "wb") as f:  # distinct 4-character keys, 9 bytes each (``"abcd":0,``): the densest allowed
+        f.write(b"{" + b",".join(b'"%c%c%c%c":0' % (chars[i & 63], chars[i >> 6 & 63], chars[i >> 12 & 63], chars[i >> 18])
+                                 for i in range(1_500_000)) + b"}")
+    done = subprocess.run([sys.executable, "-c", _MEASURE, str(path), "publisher_manifest"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert "missing key 'schema_version'" in got["outcome"], got
+    assert got["grew_bytes"] < 16 * got["nbytes"], got
+
+
+def test_small_kinds_are_capped_and_registered_kinds_carry_their_own_cap() -> None:
+    padded = b'{"schema_version":1,' + b" " * (64 << 10) + b'"kind":"peer_info"}'
+    with pytest.raises(MetadataError, match="expected at most 65536 bytes for a peer_info"):
+        schema.decode(padded, "peer_info", PEER)
+    with pytest.raises(MetadataError, match="max_bytes=0 out of range"):
+        schema.register_kind("test_kind", lambda obj, peer: obj, max_bytes=0)
+    assert "test_kind" not in schema._VALIDATORS

@@ -28,6 +28,18 @@ most ``MAX_PAYLOAD_BYTES``, cut into ``num_chunks`` chunks of ``chunk_nbytes`` (
 shorter), and the lowercase hex SHA-256 of the whole. The counts must agree before a reader
 fetches any chunk, so the header alone bounds what a reader buffers.
 
+# Note [Decode budget]
+``json.loads`` makes a Python object of every value before any validator looks: an empty list
+costs 64 bytes for the 3 of ``[],``, an object 200 and more, a key or a short string about 60. A
+payload of 63 MB of empty lists would take 1.5 GB and seconds. So ``decode`` first caps the size
+per kind (``register_kind``'s ``max_bytes``: the small kinds are far below 64 KiB) and counts the
+bytes that open containers, objects, keys and strings (``bytes.count``, about 1 ms per MB; bytes
+inside strings count too), and refuses a payload denser than ``_DENSITY`` allows before parsing
+it. No valid payload comes near: every key of every kind is a word, and a manifest tensor spends
+at least 14 bytes per container, 58 per object, 12 per key and 4.9 per quote (a 40,000-tensor
+manifest: 28, 128, 26 and 10). What passes costs at most about 11 times its size to parse (a
+manifest 5 to 7), the worst being short strings and distinct short keys.
+
 Imports neither torch nor anything above ``warmlink.errors``, ``warmlink._dtypes`` and ``warmlink._geometry``.
 """
 
@@ -36,6 +48,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import sys
 from typing import Any, Callable, NoReturn
 
 from warmlink._dtypes import DTYPE_SIZES
@@ -68,6 +81,7 @@ MAX_PARTS = 4096
 MAX_WORLD_SIZE = 1 << 20
 MAX_DEVICE = 1 << 16
 _MAX_INT_DIGITS = 40
+_CPYTHON_MAX_DIGITS = 4300
 
 ROLES = ("publisher", "receiver", "ep")
 BACKENDS = ("shm", "cuda_ipc", "nixl")
@@ -92,6 +106,10 @@ _REGION_KEYS = {
 }
 _TENSOR_KEYS = ("name", "dtype", "shape", "parts", "region", "offset")
 _PART_KEYS = ("logical", "global_shape", "bounds", "offset")
+_SMALL_BYTES = 64 << 10  # peer_info, version_state, blob_header: under 2 KiB as encoded, 64 KiB allowed
+# Note [Decode budget]: (what, the bytes counted, the fewest bytes of payload allowed per count)
+_DENSITY = (("containers", (b"[", b"{"), 8), ("objects", (b"{",), 32), ("keys", (b":",), 9), ("quotes", (b'"',), 3))
+_DENSITY_SLACK = 16  # counts allowed on top, so that a tiny payload reaches the validator's own message
 
 
 def _short(value: Any) -> str:
@@ -129,6 +147,12 @@ class _V:
         raise MetadataError(f"{self.prefix}: {msg}")
 
     def obj(self, x: Any, path: str, keys: tuple[str, ...]) -> dict:
+        if type(x) is dict and len(x) == len(keys):  # the usual case, first: exactly the keys
+            for k in keys:
+                if k not in x:
+                    break
+            else:
+                return x
         where = path or "payload"
         if type(x) is not dict:
             self.fail(f"{where}={_short(x)} has type {_json_type(x)}; expected object with keys {list(keys)}")
@@ -259,8 +283,41 @@ def region_extent_bytes(region: dict) -> int:
 
 
 # -- tensors ------------------------------------------------------------------------------------
+def _is_name(x: Any) -> bool:
+    """What ``_V.str_`` accepts without a pattern."""
+    return type(x) is str and 1 <= len(x) <= MAX_NAME_CHARS and x.isprintable()
+
+
+def _are_ints(xs: list, hi: int) -> bool:
+    """Every item an int (not bool) in ``[0, hi)``: what ``_V.int_`` accepts."""
+    for d in xs:
+        if type(d) is not int or not 0 <= d < hi:
+            return False
+    return True
+
+
+def _part_fast(x: dict, ndim: int) -> tuple | None:
+    """``_part``'s result when every field is valid, else None; builds no path or message: a
+    manifest has a part per tensor and a field path per int, and formatting them all cost more than
+    checking them (``_part`` then finds and names the bad field)."""
+    logical, dims, raw_bounds, offset = x["logical"], x["global_shape"], x["bounds"], x["offset"]
+    if not (_is_name(logical) and type(dims) is list and len(dims) <= MAX_NDIM and _are_ints(dims, MAX_DIM)
+            and type(raw_bounds) is list and len(raw_bounds) == len(dims) and type(offset) is list
+            and len(offset) == ndim and _are_ints(offset, MAX_DIM)):
+        return None
+    bounds = []
+    for b in raw_bounds:
+        if type(b) is not list or len(b) != 2 or not _are_ints(b, MAX_DIM + 1):
+            return None
+        bounds.append((b[0], b[1]))
+    return logical, tuple(dims), tuple(bounds), tuple(offset)
+
+
 def _part(v: _V, x: Any, path: str, ndim: int) -> tuple[str, tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
     v.obj(x, path, _PART_KEYS)
+    fast = _part_fast(x, ndim)
+    if fast is not None:
+        return fast
     logical = v.str_(x["logical"], f"{path}.logical")
     dims = v.list_(x["global_shape"], f"{path}.global_shape", 0, MAX_NDIM)
     shape = tuple(v.int_(d, f"{path}.global_shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
@@ -276,8 +333,12 @@ def _part(v: _V, x: Any, path: str, ndim: int) -> tuple[str, tuple[int, ...], tu
 
 
 def _tensor_shape(v: _V, x: dict, path: str) -> tuple[int, ...]:
-    dims = v.list_(x["shape"], f"{path}.shape", 0, MAX_NDIM)
-    shape = tuple(v.int_(d, f"{path}.shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
+    dims = x["shape"]
+    if type(dims) is list and len(dims) <= MAX_NDIM and _are_ints(dims, MAX_DIM):
+        shape = tuple(dims)
+    else:  # names the bad field
+        dims = v.list_(dims, f"{path}.shape", 0, MAX_NDIM)
+        shape = tuple(v.int_(d, f"{path}.shape[{i}]", 0, MAX_DIM) for i, d in enumerate(dims))
     raw = v.list_(x["parts"], f"{path}.parts", 1, MAX_PARTS)
     parts = [_part(v, p, f"{path}.parts[{i}]", len(shape)) for i, p in enumerate(raw)]
     problem = layout_problem(shape, parts)  # See Note [Layout rules] in warmlink._geometry
@@ -318,21 +379,32 @@ def _manifest(v: _V, x: Any) -> dict:
     extents = [region_extent_bytes(_region(v, r, f"regions[{i}]")) for i, r in enumerate(regions)]
     tensors = v.list_(x["tensors"], "tensors", 0, MAX_TENSORS)
     names: set[str] = set()
+    dtypes = tuple(DTYPE_SIZES)
+    # each field is checked inline first, and through ``v`` (which formats its path) only to name
+    # what is wrong: see ``_part_fast``
     for i, t in enumerate(tensors):
         path = f"tensors[{i}]"
         v.obj(t, path, _TENSOR_KEYS)
-        name = v.str_(t["name"], f"{path}.name")
+        name = t["name"]
+        if not _is_name(name):
+            v.str_(name, f"{path}.name")
         if name in names:
             v.fail(f"{path}.name={name!r} appears twice; expected unique tensor names")
         names.add(name)
-        size = DTYPE_SIZES[v.enum(t["dtype"], f"{path}.dtype", tuple(DTYPE_SIZES))]
+        dtype = t["dtype"]
+        size = DTYPE_SIZES.get(dtype) if type(dtype) is str else None
+        if size is None:
+            v.enum(dtype, f"{path}.dtype", dtypes)
         numel = 1
         for d in _tensor_shape(v, t, path):
             numel *= d
         if not regions:
             v.fail(f"{path}.region={_short(t['region'])} out of range; regions=[] is empty")
-        region_idx = v.int_(t["region"], f"{path}.region", 0, len(regions))
-        offset = v.int_(t["offset"], f"{path}.offset", 0, MAX_INT)
+        region_idx, offset = t["region"], t["offset"]
+        if type(region_idx) is not int or not 0 <= region_idx < len(regions):
+            v.int_(region_idx, f"{path}.region", 0, len(regions))
+        if type(offset) is not int or not 0 <= offset < MAX_INT:
+            v.int_(offset, f"{path}.offset", 0, MAX_INT)
         nbytes = numel * size
         if offset + nbytes > extents[region_idx]:
             v.fail(
@@ -411,12 +483,22 @@ _VALIDATORS: dict[str, Callable[[Any, str], dict]] = {
 }
 
 
-def register_kind(kind: str, validator: Callable[[Any, str], dict]) -> None:
+_MAX_BYTES = {"blob_header": _SMALL_BYTES, "peer_info": _SMALL_BYTES, "version_state": _SMALL_BYTES,
+              "publisher_manifest": MAX_PAYLOAD_BYTES}
+
+
+def register_kind(kind: str, validator: Callable[[Any, str], dict], max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
     """Let a workload above this layer (ep) add a payload kind; ``decode`` and ``encode`` then
-    validate it like the built-in ones. ``validator(obj, peer)`` raises ``MetadataError``."""
+    validate it like the built-in ones. ``validator(obj, peer)`` raises ``MetadataError``;
+    ``decode`` refuses a payload of more than ``max_bytes`` (at most ``MAX_PAYLOAD_BYTES``) or one
+    denser than Note [Decode budget] allows, before parsing it."""
     if kind in _VALIDATORS and _VALIDATORS[kind] is not validator:
         raise MetadataError(f"schema.register_kind: kind {kind!r} is already registered")
+    if type(max_bytes) is not int or not 1 <= max_bytes <= MAX_PAYLOAD_BYTES:
+        raise MetadataError(f"schema.register_kind: max_bytes={max_bytes!r} out of range; expected an int in "
+                            f"[1, {_bound(MAX_PAYLOAD_BYTES)}]")
     _VALIDATORS[kind] = validator
+    _MAX_BYTES[kind] = max_bytes
 
 
 # -- wire ---------------------------------------------------------------------------------------
@@ -433,16 +515,40 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
+def _int_hook() -> Callable[[str], int] | None:
+    """``json.loads``'s ``parse_int``: None (the parser's own ints, without a Python call per
+    literal: a tenth of a manifest's decode) where the interpreter itself refuses a literal of more
+    than 4300 digits (``sys.get_int_max_str_digits``, CPython's default), else ``_parse_int``: a
+    literal costs time quadratic in its digits."""
+    limit = getattr(sys, "get_int_max_str_digits", None)
+    return None if limit is not None and 0 < limit() <= _CPYTHON_MAX_DIGITS else _parse_int
+
+
 def _reject_constant(text: str) -> NoReturn:
     raise ValueError(f"non-standard JSON constant {text}")
+
+
+def _check_density(v: _V, data: bytes | str, kind: str) -> None:
+    """Refuse ``data`` before parsing when it holds more containers, objects, keys or quotes than
+    any valid payload of its size (Note [Decode budget])."""
+    n = len(data)
+    text = isinstance(data, str)
+    for what, chars, min_bytes in _DENSITY:
+        count = sum(data.count(c.decode() if text else c) for c in chars)
+        if count > n // min_bytes + _DENSITY_SLACK:
+            shown = " and ".join(repr(c.decode()) for c in chars)
+            v.fail(f"payload of {n} bytes holds {count} {what} ({shown}, counted in strings too); expected at most "
+                   f"one per {min_bytes} bytes: no valid {kind} is that dense (refused before parsing)")
 
 
 def decode(raw: bytes | bytearray | memoryview | str, expected_kind: str, peer: str) -> dict:
     """Parse and validate one payload read from the store.
 
     Args:
-        raw: the bytes (UTF-8 JSON) or text read from the store, at most ``MAX_PAYLOAD_BYTES``.
-        expected_kind: ``"peer_info"``, ``"publisher_manifest"`` or ``"version_state"``.
+        raw: the bytes (UTF-8 JSON) or text read from the store: at most ``MAX_PAYLOAD_BYTES``,
+            64 KiB for ``peer_info``, ``version_state`` and ``blob_header``.
+        expected_kind: ``"peer_info"``, ``"publisher_manifest"``, ``"version_state"``,
+            ``"blob_header"`` or a kind given to ``register_kind``.
         peer: who wrote it (e.g. ``"pub/1"``), named in every error.
 
     Returns:
@@ -451,7 +557,8 @@ def decode(raw: bytes | bytearray | memoryview | str, expected_kind: str, peer: 
     Raises:
         MetadataError: on any problem at all, naming the peer and the field.
 
-    Blocking? No (pure CPU). Warm path? Called once per peer join or version, not per byte.
+    Blocking? No (pure CPU). Memory: parsing takes at most about 11 times ``len(raw)`` (Note
+    [Decode budget]). Warm path? Called once per peer join or version, not per byte.
     """
     v = _V(expected_kind.replace("_", " ") if isinstance(expected_kind, str) else "payload", peer)
     validator = _VALIDATORS.get(expected_kind) if isinstance(expected_kind, str) else None
@@ -459,11 +566,15 @@ def decode(raw: bytes | bytearray | memoryview | str, expected_kind: str, peer: 
         v.fail(f"expected_kind={_short(expected_kind)} is unknown; expected one of {list(_VALIDATORS)}")
     if not isinstance(raw, (bytes, bytearray, memoryview, str)):
         v.fail(f"raw payload has type {type(raw).__name__}; expected bytes or str")
-    if len(raw) > MAX_PAYLOAD_BYTES:
-        v.fail(f"payload of {len(raw)} bytes exceeds the limit; expected at most {_bound(MAX_PAYLOAD_BYTES)} bytes")
+    limit = _MAX_BYTES.get(expected_kind, MAX_PAYLOAD_BYTES)
+    size = raw.nbytes if isinstance(raw, memoryview) else len(raw)
+    if size > limit:
+        v.fail(f"payload of {size} bytes exceeds the limit; expected at most {_bound(limit)} bytes for a {expected_kind}")
+    data = raw if isinstance(raw, (bytes, str)) else bytes(raw)
+    _check_density(v, data, expected_kind)
     try:
-        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_parse_int, parse_constant=_reject_constant)
+        text = data if isinstance(data, str) else data.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_int=_int_hook(), parse_constant=_reject_constant)
     except (ValueError, RecursionError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         v.fail(f"payload is not valid JSON ({type(e).__name__}: {str(e)[:200]})")
     return validator(obj, peer)  # walks only the closed schema: no recursion into hostile nesting
