@@ -13,6 +13,11 @@ Variables:
     WARMLINK_LOG_LEVEL: level for the ``warmlink`` logger (default ``WARNING``).
     WARMLINK_NIXL_THREADS: UCX threads of each NIXL agent (``NixlLink(ucx_threads=...)``); unset
         means the link's default (see ``warmlink.transport.nixl``).
+    WARMLINK_EP_COPY_STREAMS, WARMLINK_EP_SEND, WARMLINK_EP_GRAPH: how ``ep.Buffer`` sends (see
+        their functions below).
+
+``check_all`` parses every one of them at once (the CLI calls it before it starts anything, and
+``warmlink doctor`` reports it), and names any ``WARMLINK_*`` variable that is not one of them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import os
 
 from warmlink.errors import ConfigError
 
-__all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "clear_cache"]
+__all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "ep_copy_streams",
+           "ep_send", "ep_graph", "VARIABLES", "check_all", "clear_cache"]
 
 _BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
 
@@ -64,8 +70,8 @@ def default_timeout_s() -> float:
         seconds = float(value)
     except ValueError:
         raise ConfigError(f"WARMLINK_TIMEOUT_S={value!r} is not a number; expected seconds > 0") from None
-    if not seconds > 0:
-        raise ConfigError(f"WARMLINK_TIMEOUT_S={value!r} must be > 0 seconds")
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"WARMLINK_TIMEOUT_S={value!r} out of range; expected finite seconds > 0")
     return seconds
 
 
@@ -85,7 +91,7 @@ def nixl_threads() -> int | None:
     if value is None:
         return None
     if not value.isdigit() or int(value) > 64:
-        raise ConfigError(f"WARMLINK_NIXL_THREADS={value!r}; expected an integer from 0 to 64")
+        raise ConfigError(f"WARMLINK_NIXL_THREADS={value!r} out of range; expected an integer from 0 to 64")
     return int(value)
 
 
@@ -94,7 +100,7 @@ def ep_copy_streams() -> str:
     in issue order) or ``"per-peer"`` (one copy stream per destination)."""
     value = _raw("WARMLINK_EP_COPY_STREAMS") or "one"
     if value not in ("per-peer", "one"):
-        raise ConfigError(f"WARMLINK_EP_COPY_STREAMS={value!r}; expected 'per-peer' or 'one'")
+        raise ConfigError(f"WARMLINK_EP_COPY_STREAMS={value!r} is unknown; expected 'per-peer' or 'one'")
     return value
 
 
@@ -104,7 +110,7 @@ def ep_send() -> str:
     sends]) or ``"copy"`` (the host meets the peers, then the copy engines push)."""
     value = _raw("WARMLINK_EP_SEND") or "sm"
     if value not in ("sm", "copy"):
-        raise ConfigError(f"WARMLINK_EP_SEND={value!r}; expected 'sm' or 'copy'")
+        raise ConfigError(f"WARMLINK_EP_SEND={value!r} is unknown; expected 'sm' or 'copy'")
     return value
 
 
@@ -114,8 +120,34 @@ def ep_graph() -> bool:
     one by one every call."""
     value = _raw("WARMLINK_EP_GRAPH") or "1"
     if value not in ("0", "1"):
-        raise ConfigError(f"WARMLINK_EP_GRAPH={value!r}; expected '1' or '0'")
+        raise ConfigError(f"WARMLINK_EP_GRAPH={value!r} is not a switch; expected '1' or '0'")
     return value == "1"
+
+
+# Every variable this module reads, with its parser; a test holds this to the ``_raw`` calls above.
+VARIABLES = {
+    "WARMLINK_POOL": pool_enabled, "WARMLINK_BACKEND": default_backend, "WARMLINK_TIMEOUT_S": default_timeout_s,
+    "WARMLINK_LOG_LEVEL": log_level, "WARMLINK_NIXL_THREADS": nixl_threads,
+    "WARMLINK_EP_COPY_STREAMS": ep_copy_streams, "WARMLINK_EP_SEND": ep_send, "WARMLINK_EP_GRAPH": ep_graph,
+}
+
+
+def check_all(unknown: bool = False) -> dict[str, ConfigError]:
+    """Parse every variable of ``VARIABLES`` from the environment as it is now (not the cached
+    values): name -> error, in name order, for each that is refused; with ``unknown``, also for
+    each set ``WARMLINK_*`` variable that warmlink does not read (a misspelled name does nothing)."""
+    errors = {}
+    for name in sorted(VARIABLES):
+        parse = VARIABLES[name]
+        try:
+            getattr(parse, "__wrapped__", parse)()  # past functools.cache: the environment now
+        except ConfigError as e:
+            errors[name] = e
+    if unknown:
+        for name in sorted(n for n in os.environ if n.startswith("WARMLINK_") and n not in VARIABLES):
+            errors[name] = ConfigError(f"{name}={os.environ[name]!r} is not a warmlink variable; expected one of "
+                                       f"{sorted(VARIABLES)}")
+    return errors
 
 
 def clear_cache() -> None:

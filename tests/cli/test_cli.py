@@ -73,3 +73,84 @@ def test_help_loads_no_heavy_module():
             "print(','.join(m for m in ('transformers', 'torch.distributed', 'cuda.bindings', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""
+
+
+# -- bad values: one line naming the flag or variable, exit code 2, before anything starts ----------
+def _warmlink(args: list[str], **env: str):
+    """``python -m warmlink.cli.main ARGS`` with no WARMLINK_* variable but ``env``'s."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WARMLINK_")}
+    return subprocess.run([sys.executable, "-m", "warmlink.cli.main", *args], capture_output=True, text=True,
+                          timeout=300, env={**clean, **env})
+
+
+def _one_line_naming(done, name: str) -> str:
+    assert done.returncode == 2, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and name in lines[0], done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["bench", "refit", "--scale", "-1"], "--scale"),
+    (["bench", "refit", "--scale", "2"], "--scale"),
+    (["bench", "refit", "--devices", "0"], "--devices"),
+    (["bench", "refit", "--cycles", "0"], "--cycles"),
+    (["bench", "refit", "--timeout", "nan"], "--timeout"),
+    (["bench", "ep", "--hidden", "100"], "--hidden"),
+    (["bench", "ep", "--tokens", "-5"], "--tokens"),
+    (["bench", "ep", "--ranks", "0"], "--ranks"),
+    (["bench", "ep", "--experts", "6", "--ranks", "4"], "--experts=6"),
+    (["bench", "ep", "--topk", "9", "--experts", "8", "--ranks", "2"], "--topk=9"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--timeout", "-3"], "--timeout"),
+])
+def test_a_bad_flag_is_one_line_naming_it_and_exit_code_2(args, flag):
+    done = _warmlink(args)
+    _one_line_naming(done, flag)
+    assert done.stdout == ""  # nothing started
+
+
+def test_devices_without_cuda_are_refused_before_any_process_starts():
+    done = _warmlink(["bench", "refit", "--devices", "0,1"], CUDA_VISIBLE_DEVICES="")
+    assert "needs CUDA" in _one_line_naming(done, "--devices=0,1")
+    assert done.stdout == ""
+
+
+def test_a_bad_variable_ends_the_demo_at_once():
+    done = _warmlink(["demo"], WARMLINK_BACKEND="bogus")
+    assert "'bogus' is unknown" in _one_line_naming(done, "WARMLINK_BACKEND")
+    assert done.stdout == ""
+
+
+_BAD_VARIABLES = {"WARMLINK_POOL": "2", "WARMLINK_BACKEND": "bogus", "WARMLINK_TIMEOUT_S": "-1",
+                  "WARMLINK_LOG_LEVEL": "LOUD", "WARMLINK_NIXL_THREADS": "999", "WARMLINK_EP_COPY_STREAMS": "two",
+                  "WARMLINK_EP_SEND": "dma", "WARMLINK_EP_GRAPH": "yes"}
+
+
+@pytest.mark.parametrize("name", sorted(_BAD_VARIABLES))
+def test_every_command_refuses_each_bad_variable_before_it_starts(name, monkeypatch, capsys):
+    for other in [k for k in __import__("os").environ if k.startswith("WARMLINK_")]:
+        monkeypatch.delenv(other)
+    monkeypatch.setenv(name, _BAD_VARIABLES[name])
+    assert main(["bench", "refit", "--devices=-1,-1", "--scale", "0.001", "--cycles", "1", "--scenarios", "peak"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1 and f"{name}='" in captured.err, captured
+
+
+def test_doctor_names_every_bad_variable_and_fails():
+    from warmlink import _env
+
+    assert sorted(_BAD_VARIABLES) == sorted(_env.VARIABLES)  # one bad value for every variable there is
+    done = _warmlink(["doctor"], **_BAD_VARIABLES, WARMLINK_TIMOUT_S="5")  # and a misspelled name
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == len(_BAD_VARIABLES) + 1, done.stderr
+    for name in (*_BAD_VARIABLES, "WARMLINK_TIMOUT_S"):
+        assert sum(line.startswith(f"warmlink doctor: {name}=") for line in lines) == 1, (name, done.stderr)
+        assert f"{name}=" in done.stdout and "INVALID" in done.stdout
+    assert "is not a warmlink variable" in done.stderr

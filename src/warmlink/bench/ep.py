@@ -35,6 +35,7 @@ import socket
 import statistics
 import time
 
+from warmlink.bench._args import int_in, positive_float, refuse
 from warmlink.bench._proc import Group
 
 __all__ = ["add_arguments", "run"]
@@ -43,28 +44,32 @@ __all__ = ["add_arguments", "run"]
 # "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
 # "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
 # (ep._reduce, Note [Pipelined combine]), whatever the group's default
+_MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
 _OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
         "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
         "combine_bf16_hook", "combine_bf16_one_part", "combine_bf16_two_parts", "combine_bf16_four_parts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=None, help="ranks (default: every visible GPU, at most 8; 4 on CPU)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 4096 on GPU, 128 on CPU)")
-    p.add_argument("--hidden", type=int, default=None, help="channels per token (default 7168 on GPU, 512 on CPU)")
-    p.add_argument("--experts", type=int, default=None, help="experts in total (default 256 on GPU, 16 on CPU)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
-    p.add_argument("--iterations", type=int, default=20, help="timed runs of each operation (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed runs before them (default 5)")
-    p.add_argument("--gemm", type=int, default=6144, help="M=N=K of the overlap GEMM (default 6144; 0 skips overlap)")
-    p.add_argument("--lifecycles", type=int, default=0,
+    p.add_argument("--ranks", type=int_in(1, _MAX_RANKS), default=None,
+                   help="ranks (default: every visible GPU, at most 8; 4 on CPU)")
+    p.add_argument("--tokens", type=int_in(1), default=None, help="tokens per rank (default 4096 on GPU, 128 on CPU)")
+    p.add_argument("--hidden", type=int_in(128, multiple=128), default=None,
+                   help="channels per token, a multiple of 128 (default 7168 on GPU, 512 on CPU)")
+    p.add_argument("--experts", type=int_in(1, _MAX_EXPERTS), default=None,
+                   help="experts in total, a multiple of --ranks (default 256 on GPU, 16 on CPU)")
+    p.add_argument("--topk", type=int_in(1), default=8, help="experts per token, at most --experts (default 8)")
+    p.add_argument("--iterations", type=int_in(1), default=20, help="timed runs of each operation (default 20)")
+    p.add_argument("--warmup", type=int_in(0), default=5, help="untimed runs before them (default 5)")
+    p.add_argument("--gemm", type=int_in(0), default=6144, help="M=N=K of the overlap GEMM (default 6144; 0 skips overlap)")
+    p.add_argument("--lifecycles", type=int_in(0), default=0,
                    help="instead: N Buffer lifecycles (create, first dispatch + combine, close) per rank, pool on vs "
                    "WARMLINK_POOL=0 (seed 002 for the ep buffer); --max-tokens sizes the buffer")
-    p.add_argument("--max-tokens", type=int, default=None, help="Buffer capacity per rank (default --tokens)")
+    p.add_argument("--max-tokens", type=int_in(1), default=None, help="Buffer capacity per rank, at least --tokens (default --tokens)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
     p.add_argument("--json", default=None, help="write the record here")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stalled run fails (default 300)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a stalled run fails (default 300)")
     p.add_argument("--pin", action="store_true",
                    help="pin each rank process to its own share of the CPU cores (when there are at least two per "
                    "rank); off by default: on 4 x H200 it did not make the runs faster or steadier")
@@ -447,14 +452,33 @@ def _defaults(args) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    ranks = args.ranks or (min(torch.cuda.device_count(), 8) if cuda else 4)
+
+    def pick(given, default):  # argument > default, never ``given or default`` (STYLE.md, convention 3)
+        return given if given is not None else default
+
     return {
-        "cuda": cuda, "ranks": ranks,
-        "tokens": args.tokens or (4096 if cuda else 128), "hidden": args.hidden or (7168 if cuda else 512),
-        "experts": args.experts or (256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
+        "cuda": cuda, "ranks": pick(args.ranks, min(torch.cuda.device_count(), 8) if cuda else 4),
+        "tokens": pick(args.tokens, 4096 if cuda else 128), "hidden": pick(args.hidden, 7168 if cuda else 512),
+        "experts": pick(args.experts, 256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
         "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin,
     }
+
+
+def _refusal(cfg: dict, args) -> str | None:
+    """What makes the resolved values unrunnable together (each flag alone was checked by argparse), or None."""
+    import torch
+
+    ranks, experts = cfg["ranks"], cfg["experts"]
+    if cfg["cuda"] and ranks > torch.cuda.device_count():
+        return f"--ranks={ranks} out of range; expected at most {torch.cuda.device_count()} (a rank per visible GPU)"
+    if experts % ranks:
+        return f"--experts={experts} is not a multiple of --ranks={ranks}; expected every rank to hold as many experts"
+    if cfg["topk"] > experts:
+        return f"--topk={cfg['topk']} exceeds --experts={experts}; expected at most {experts} distinct experts per token"
+    if args.max_tokens is not None and args.max_tokens < cfg["tokens"]:
+        return f"--max-tokens={args.max_tokens} is below --tokens={cfg['tokens']}; expected a Buffer that holds every batch"
+    return None
 
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
@@ -557,6 +581,9 @@ def run(args) -> int:
     from warmlink.rendezvous import Store
 
     cfg = _defaults(args)
+    problem = _refusal(cfg, args)
+    if problem is not None:
+        return refuse("warmlink bench ep", problem)
     if args.lifecycles:
         return _run_lifecycles(cfg, args)
     with Store(is_server=True, prefix="bench-ep", timeout_s=args.timeout) as server, Group(args.timeout) as group:

@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from warmlink.bench import _args
+
 __all__ = ["add_arguments", "run", "SCENARIOS"]
 
 SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12", "nixl", "nixl_cold", "nixl_rw")
@@ -35,32 +37,32 @@ _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "tr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", type=float, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape (default 1.0)")
-    p.add_argument("--cycles", type=int, default=5, help="refit cycles per scenario (default 5)")
+    p.add_argument("--scale", type=_args.fraction, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0)")
+    p.add_argument("--cycles", type=_args.int_in(1), default=5, help="refit cycles per scenario (default 5)")
     p.add_argument("--scenarios", default=None,
                    help=f"comma list from {','.join(SCENARIOS)} (default: all but the nixl ones)")
     p.add_argument("--backend", choices=("auto", "nixl"), default="auto",
                    help="nixl: also run warmlink over NIXL (scenarios nixl, nixl_cold, nixl_rw) beside the default "
                         "transport (cuda_ipc on GPUs, shm on CPU), in the same run (needs warmlink[nixl])")
-    p.add_argument("--nixl-threads", type=int, default=None, metavar="N",
+    p.add_argument("--nixl-threads", type=_args.int_in(0, 64), default=None, metavar="N",
                    help="UCX threads per NIXL agent in the nixl scenarios (default: the link's default; "
                         "see NixlLink ucx_threads)")
     p.add_argument("--nixl-sweep", default=None, metavar="LIST",
                    help="nixl_rw also runs once per UCX thread count of this comma list, e.g. 0,2,4,8")
-    p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
+    p.add_argument("--devices", type=_args.devices, default=None,
+                   help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("swap", "copy"), default="swap", help="receiver install mode (default swap)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds any process may stall (default 600)")
+    p.add_argument("--timeout", type=_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
 
 
-def _devices(arg: str | None) -> tuple[int, int]:
+def _devices(arg: tuple[int, int] | None) -> tuple[int, int]:
     import torch
 
-    if arg is not None:
-        a, b = (int(x) for x in arg.split(","))
-        return a, b
+    if arg is not None:  # parsed by _args.devices, checked against the machine by _args.check_devices
+        return arg
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         return 0, 1
     return (0, 0) if torch.cuda.is_available() else (-1, -1)
@@ -183,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     if sweep and "nixl_rw" not in wanted:
         print("warmlink bench refit: --nixl-sweep needs the nixl_rw scenario (--backend nixl)", file=sys.stderr)
         return 2
+    if args.devices is not None and (problem := _args.check_devices(args.devices)):
+        return _args.refuse("warmlink bench refit", problem)
     devices = _devices(args.devices)
     spec = qwen3_4b_like(args.scale)
     nbytes = spec.nbytes

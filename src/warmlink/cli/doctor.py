@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 
 __all__ = ["collect", "run_doctor"]
 
@@ -56,8 +57,18 @@ def collect(measure: bool = True) -> dict:
         from warmlink.transport._nixl_probe import probe
 
         info["nixl"] = probe()
-    info["pool_env"] = os.environ.get("WARMLINK_POOL", "(unset: pool on)")
+    info["env"] = _environment()
     return info
+
+
+def _environment() -> dict:
+    """Every ``WARMLINK_*`` variable: ``set`` (name -> value, as set) and ``problems`` (name ->
+    message) for a value ``warmlink._env`` refuses or a name it does not read."""
+    from warmlink import _env
+
+    names = sorted(n for n in os.environ if n.startswith("WARMLINK_"))
+    problems = {name: str(e) for name, e in _env.check_all(unknown=True).items()}
+    return {"known": list(_env.VARIABLES), "set": {n: os.environ[n] for n in names}, "problems": problems}
 
 
 def run_doctor() -> int:
@@ -81,8 +92,14 @@ def run_doctor() -> int:
     if "nixl" in info:
         for line in _nixl_lines(info["nixl"]):
             print(line)
-    print(f"  WARMLINK_POOL {info['pool_env']}")
-    return 0
+    env = info["env"]
+    for name in sorted(set(env["known"]) | set(env["set"])):
+        value = env["set"].get(name)
+        state = "INVALID" if name in env["problems"] else "ok"
+        print(f"  {name}={value!r} {state}" if value is not None else f"  {name} unset (default)")
+    for message in env["problems"].values():  # stderr too: a doctor run in a script fails on them
+        print(f"warmlink doctor: {message}", file=sys.stderr)
+    return 2 if env["problems"] else 0
 
 
 def _nixl_lines(nx: dict) -> list[str]:

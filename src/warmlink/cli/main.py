@@ -24,11 +24,22 @@ environment (operational switches only; arguments win):
   WARMLINK_BACKEND       default transport: auto | shm | cuda_ipc | nixl
   WARMLINK_TIMEOUT_S     default timeout of waits and transfers, seconds (60)
   WARMLINK_LOG_LEVEL     DEBUG | INFO | WARNING (default) | ERROR
+  a bad value ends any command at once (exit 2); warmlink doctor checks every WARMLINK_* variable
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line on stderr, exit code 2: no usage block (the
+    line says where --help is). Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from warmlink.bench._args import int_in, positive_float
+
+    parser = _Parser(
         prog="warmlink",
         description="Move tensors between GPU processes with the setup paid once.",
         epilog=_EPILOG,
@@ -40,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Two trainer ranks (TP=2) train a small transformers Llama with random weights; "
                           "after every optimizer step one inference rank (TP=1) refits and checks that its logits equal "
                           "the trainer's. Uses GPUs when present, CPU shared memory otherwise.")
-    demo.add_argument("--steps", type=int, default=5, help="optimizer steps, each followed by a refit (default 5)")
+    demo.add_argument("--steps", type=int_in(1), default=5, help="optimizer steps, each followed by a refit (default 5)")
     demo.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
-    demo.add_argument("--timeout", type=float, default=120.0, help="seconds any process may stall before the demo fails (default 120)")
+    demo.add_argument("--timeout", type=positive_float, default=120.0,
+                      help="seconds any process may stall before the demo fails (default 120)")
 
     bench = sub.add_parser("bench", help="benchmarks that reproduce the seed tables")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
@@ -111,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from warmlink import _env
 
-    logging.basicConfig(level=logging.INFO if args.verbose else _env.log_level(), format="%(levelname)s %(name)s: %(message)s")
+    errors = _env.check_all()
+    if errors and args.command != "doctor":  # the doctor reports every variable instead
+        for e in errors.values():  # before any process starts: a child would fail later, with its traceback
+            print(f"warmlink: {e}", file=sys.stderr)
+        return 2
+    level = "WARNING" if "WARMLINK_LOG_LEVEL" in errors else _env.log_level()
+    logging.basicConfig(level=logging.INFO if args.verbose else level, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         from warmlink.cli.demo import run_demo
 
