@@ -19,15 +19,20 @@ holds the old version or the new one, never a mix.
 
 # Note [Reader slots]
 Counts are kept per receiver *process*: the first time a process reads from rank r it takes a
-slot ``k = add(pub/{r}/reader_slots, 1)`` and writes its identity (``host:pid:start_time``) to
+slot ``k = add(pub/{r}/reader_slots, 1)`` and writes its identity (``host:pid:start_time:token``,
+the token naming its process lock: Note [Process locks] in ``pool.liveness``) to
 ``pub/{r}/reader_slot/{k}``; its enters and leaves then count on ``pub/{r}/readers/{v}/{k}``,
 one round trip each, as before. The publisher reads the slot count after setting ``updating``
 and sums the slots' counts; a slot taken after that read belongs to a receiver whose state read
-comes later still, so the argument above holds per slot. A count held by a process of this host
-that no longer exists (killed mid-pull) is reaped: the publisher subtracts it and logs a warning,
-and slots of dead processes are retired so that ``begin_update`` never polls them again (its cost
-follows the live receiver processes, not every process that ever joined). A count held by a live
-or remote process that never leaves still ends in TransferTimeout naming the version and count.
+comes later still, so the argument above holds per slot. A count held by a dead process is
+reaped: the publisher subtracts it and logs a warning, and slots of dead processes are retired so
+that ``begin_update`` never polls them again (its cost follows the live receiver processes, not
+every process that ever joined). Dead means its process lock is free or gone, which holds in any
+PID namespace, container or hostname that shares this host's /dev/shm; an identity without a
+token (a process that could not make a lock) falls back to this host's pid table. A reader on
+another host, or behind another /dev/shm, cannot be checked from here: like a live reader that
+never leaves, its count ends in TransferTimeout naming the version and count. The token costs no
+cycle anything: it is written once with the slot and read only when a slot is checked.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 
 from warmlink._backoff import Backoff
 from warmlink.errors import TransferTimeout, VersionError
+from warmlink.pool import liveness
 from warmlink.refit._memo import PerStore
 
 log = logging.getLogger("warmlink.refit")
@@ -66,7 +72,7 @@ def readers_key(rank: int, version: int, slot: int) -> str:
 
 _slots = PerStore()  # (store, rank) -> this process's reader slot. See Note [Reader slots].
 _slot_lock = threading.Lock()
-_IDENTITY = re.compile(r"(?P<host>[^:]{1,255}):(?P<pid>[0-9]{1,10}):(?P<start>[0-9]{1,20})")
+_IDENTITY = re.compile(r"(?P<host>[^:]{1,255}):(?P<pid>[0-9]{1,10}):(?P<start>[0-9]{1,20})(?::(?P<token>[^:]{1,200}))?")
 
 
 def reader_slot(store, rank: int) -> int:
@@ -80,7 +86,8 @@ def reader_slot(store, rank: int) -> int:
             if slot is None:
                 slot = store.add(f"pub/{rank}/reader_slots", 1, checked=False)
                 host, pid, start = local_identity()
-                store.set(f"pub/{rank}/reader_slot/{slot}", f"{host}:{pid}:{start}")
+                token = liveness.token()  # its lock is held from here until this process exits
+                store.set(f"pub/{rank}/reader_slot/{slot}", f"{host}:{pid}:{start}" + (f":{token}" if token else ""))
                 _slots.put(store, rank, slot)
     return slot
 
@@ -136,15 +143,19 @@ def leave(store, rank: int, version: int) -> None:
 
 
 def _slot_dead(store, rank: int, slot: int) -> bool:
-    """True when ``slot``'s process ran on this host and is gone (or was replaced). The identity
-    is peer metadata: anything malformed is treated as alive (never reaped)."""
+    """True when ``slot``'s process is known to be gone (Note [Reader slots]). The identity is peer
+    metadata: anything malformed, or a token that cannot be checked here, is alive (never reaped)."""
     import socket
 
     from warmlink.transport.base import process_start_time
 
     raw = store.try_get(f"pub/{rank}/reader_slot/{slot}")
     m = _IDENTITY.fullmatch(raw.decode("utf-8", "replace")) if raw is not None else None
-    if m is None or m["host"] != socket.gethostname():
+    if m is None:
+        return False
+    if m["token"] is not None:
+        return liveness.token_alive(m["token"], pid=int(m["pid"])) is False
+    if m["host"] != socket.gethostname():
         return False
     start = process_start_time(int(m["pid"]))
     return start is None or (start != -1 and int(m["start"]) not in (0, start))

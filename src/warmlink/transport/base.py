@@ -16,6 +16,8 @@ same process (a new generation, the same memory) finds its mappings open, while 
 the slot gets fresh ones and the old process's are closed; every other peer's stay open. When a
 peer's manifest changes, its mappings of regions the new manifest no longer names are closed too.
 ``start_time`` (clock ticks since boot, from /proc) makes a recycled pid a different process.
+Pids and hostnames mean nothing across PID namespaces and containers; where a peer published its
+liveness ``token`` (Note [Process locks] in ``pool.liveness``), the token decides instead.
 """
 
 from __future__ import annotations
@@ -79,17 +81,26 @@ class PeerRef:
     host: str
     pid: int
     start_time: int
+    token: str | None = None  # the peer's process lock (``pool.liveness.token()``), where it published one
 
     @property
     def process_id(self) -> str:
-        """``host:pid:start_time``: what mappings are cached under. See Note [Peer identity and generation]."""
-        return f"{self.host}:{self.pid}:{self.start_time}"
+        """``host:pid:start_time`` (``:token`` where there is one: unique even where two PID
+        namespaces give the same pid): what mappings are cached under. See Note [Peer identity and
+        generation]."""
+        return f"{self.host}:{self.pid}:{self.start_time}" + (f":{self.token}" if self.token else "")
 
     def alive(self) -> bool:
         """False when the peer runs on this host and its process is gone or was replaced.
 
         Peers on other hosts are reported alive; transports that reach them detect loss themselves.
+        With a ``token``, its lock decides (any PID namespace or hostname sharing this host's
+        /dev/shm); a token that cannot be checked here reads as alive.
         """
+        if self.token is not None:
+            from warmlink.pool import liveness
+
+            return liveness.token_alive(self.token, pid=self.pid) is not False
         if self.host != local_identity()[0]:
             return True
         start = process_start_time(self.pid)

@@ -14,11 +14,12 @@ import logging
 import mmap
 import os
 import queue
+import stat
 import threading
 import time
 from typing import Callable
 
-from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferError
+from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError
 from warmlink.pool import arenas
 from warmlink.pool.peers import mapping_cache
 from warmlink.pool.registrations import registration_cache
@@ -49,14 +50,23 @@ def _open_mapping(key) -> _Mapping:
 
     peer_key, process, name = key
     path = os.path.join(arenas.SHM_DIR, name)
+    # The name is peer metadata: never follow a link, never block on a FIFO, and map only a
+    # regular file of this user (what a peer's arena is).
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise PeerLostError(
             f"ShmLink.open: peer={peer_key!r} (process {process}) region {name!r} is gone; the peer exited"
         ) from None
+    except OSError as exc:
+        raise MetadataError(f"ShmLink.open: peer={peer_key!r} region {name!r} cannot be opened ({exc}); expected a "
+                            f"regular file of this user in {arenas.SHM_DIR}") from None
     try:
-        nbytes = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise MetadataError(f"ShmLink.open: peer={peer_key!r} region {name!r} is not a regular file of this user; "
+                                f"expected an arena the peer made in {arenas.SHM_DIR}")
+        nbytes = st.st_size
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
