@@ -21,9 +21,10 @@ import statistics
 import sys
 import time
 
+from warmlink.bench import _args
 from warmlink.bench._proc import Group
 
-__all__ = ["PHASES", "add_arguments", "created_delta", "make_tensors", "run", "run_lifecycles", "tensor_shape"]
+__all__ = ["PHASES", "add_arguments", "created_delta", "make_tensors", "memory_need", "run", "run_lifecycles", "tensor_shape"]
 
 # (row label, key in an iteration's flat phase dict); creation first, then destruction.
 PHASES = (
@@ -56,6 +57,28 @@ def make_tensors(num_tensors: int, tensor_mib: float, device, seed: int) -> dict
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
         out[f"w{i:03d}"] = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
     return out
+
+
+def memory_need(nbytes: int, tensor_nbytes: int, devices: tuple[int, int], install: str):
+    """Peak memory of ``run_lifecycles`` moving ``nbytes`` in tensors of ``tensor_nbytes`` (a
+    ``bench._memory.Need``): the trainer's model (staged into /dev/shm on the CPU), the inference
+    model, its receive buffers (two sets with ``install="swap"``) and the last lifecycle's
+    expectation; building a tensor makes a float32 copy of it for a moment."""
+    from warmlink.bench._memory import Need
+
+    buffers = nbytes * (2 if install == "swap" else 1)
+    need = Need()
+    need.on(devices[0], nbytes + 3 * tensor_nbytes)
+    need.on(devices[1], 2 * nbytes + 3 * tensor_nbytes)
+    if devices[0] < 0:
+        need.shm_bytes += nbytes
+    if devices[1] < 0:
+        need.shm_bytes += buffers
+    else:
+        need.on(devices[1], buffers)
+    need.host_bytes += need.shm_bytes
+    need.processes(list(devices))
+    return need
 
 
 def created_delta(before: dict, after: dict) -> dict[str, int]:
@@ -243,7 +266,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=100, help="lifecycles per mode (default 100)")
     p.add_argument("--tensors", type=int, default=16, help="tensors in the model (default 16)")
     p.add_argument("--tensor-mib", type=float, default=4.0, help="MiB per bf16 tensor (default 4)")
-    p.add_argument("--devices", default=None, help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
+    p.add_argument("--devices", type=_args.devices, default=None,
+                   help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--backend", choices=("auto", "shm", "cuda_ipc", "nixl"), default="auto",
                    help="transport of both engines (default auto: cuda_ipc on GPUs, shm on CPU); nixl makes a NIXL agent "
@@ -291,18 +315,25 @@ def _phase_rows(on: dict, off: dict) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``warmlink bench lifecycle`` command: prints progress, the table and the N totals."""
+    from warmlink.bench._memory import shortfall
     from warmlink.bench.refit_cli import _devices
     from warmlink.bench.report import cycle_table, machine_info, ratio, write_record
 
     if args.iterations < 1 or args.tensors < 1 or not args.tensor_mib > 0:
         print("warmlink bench lifecycle: --iterations, --tensors and --tensor-mib must be positive", file=sys.stderr)
         return 2
+    if args.devices is not None and (problem := _args.check_devices(args.devices)):
+        return _args.refuse("warmlink bench lifecycle", problem)
     devices = _devices(args.devices)
     backend = getattr(args, "backend", "auto")
     where = "CPU" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     where += f" over {backend if backend != 'auto' else ('shm' if devices[0] < 0 else 'cuda_ipc')}"
     rows, cols = tensor_shape(args.tensor_mib)
     nbytes = args.tensors * rows * cols * 2
+    short = shortfall(memory_need(nbytes, rows * cols * 2, devices, args.install),
+                      "lower --tensors or --tensor-mib, or free memory")
+    if short:
+        return _args.refuse("warmlink bench lifecycle", short)
     print(f"warmlink bench lifecycle: {args.iterations} lifecycles x (publisher + receiver create -> first refit -> "
           f"close), {args.tensors} bf16 tensors, {nbytes / 2**20:.2f} MiB, {where}")
     record = {"bench": "lifecycle", "iterations": args.iterations, "num_tensors": args.tensors, "tensor_shape": [rows, cols],

@@ -27,10 +27,12 @@ import statistics
 import sys
 import time
 
+from warmlink.bench import _args
 from warmlink.bench._proc import Group
 from warmlink.bench.lifecycle import created_delta, make_tensors, tensor_shape
 
-__all__ = ["METHODS", "add_arguments", "joined", "new_process", "retire", "run", "run_reconfigure", "tables", "warmlink_repeat"]
+__all__ = ["METHODS", "add_arguments", "joined", "memory_need", "new_process", "retire", "run", "run_reconfigure", "tables",
+           "warmlink_repeat"]
 
 METHODS = ("warm", "cold", "nccl")
 _TITLES = {"warm": "warmlink pool on", "cold": "warmlink pool off", "nccl": "new NCCL group"}
@@ -64,6 +66,31 @@ def new_process(device_idx: int) -> tuple[object, dict]:
     torch.empty(1, device=device)
     torch.cuda.synchronize(device)
     return device, {"t_enter": t_enter, "imports_s": t_imp - t_enter, "cuda_s": time.monotonic() - t_imp}
+
+
+def memory_need(nbytes: int, tensor_nbytes: int, methods: tuple[str, ...], devices: tuple[int, int], install: str):
+    """Peak memory of ``run_reconfigure`` (a ``bench._memory.Need``): every method's staying
+    process holds the model from the start (a warmlink one staged into /dev/shm on the CPU); one
+    receiver at a time holds its model, receive buffers (two sets with ``install="swap"``) and,
+    in the last repeat, the expectation. A killed receiver's files are reaped by the next one
+    before it allocates, and its device memory is freed before the next one starts."""
+    from warmlink.bench._memory import Need
+
+    stayers = [m for m in methods if m in METHODS]
+    warmlink = sum(m != "nccl" for m in stayers)
+    buffers = nbytes * (2 if install == "swap" else 1) if warmlink else nbytes
+    need = Need()
+    need.on(devices[0], len(stayers) * (nbytes + 3 * tensor_nbytes))
+    need.on(devices[1], 2 * nbytes + 3 * tensor_nbytes)
+    if devices[0] < 0:
+        need.shm_bytes += warmlink * nbytes
+    if devices[1] < 0:
+        need.shm_bytes += buffers if warmlink else 0
+    else:
+        need.on(devices[1], buffers)
+    need.host_bytes += need.shm_bytes
+    need.processes([devices[0]] * len(stayers) + [devices[1]])
+    return need
 
 
 def retire(group: Group, tag: str, *, kill: bool, timeout_s: float) -> None:
@@ -291,7 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=int, default=16, help="tensors in the model (default 16)")
     p.add_argument("--tensor-mib", type=float, default=64.0, help="MiB per bf16 tensor (default 64: 1 GiB in all)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)} (default: all)")
-    p.add_argument("--devices", default=None, help="publisher,receiver CUDA devices (default 0,1; -1,-1 = CPU: shm, gloo)")
+    p.add_argument("--devices", type=_args.devices, default=None,
+                   help="publisher,receiver CUDA devices (default 0,1; -1,-1 = CPU: shm, gloo)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart (reconfigure phases per repeat, stacked) here")
@@ -351,6 +379,7 @@ def tables(record: dict) -> tuple[list[dict], list[dict], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """The ``warmlink bench reconfigure`` command: prints progress and the two P50 tables."""
+    from warmlink.bench._memory import shortfall
     from warmlink.bench.refit_cli import _devices
     from warmlink.bench.report import cycle_table, machine_info, write_record
 
@@ -361,12 +390,18 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.tensors < 1 or not args.tensor_mib > 0:
         print("warmlink bench reconfigure: --repeats, --tensors and --tensor-mib must be positive", file=sys.stderr)
         return 2
+    if args.devices is not None and (problem := _args.check_devices(args.devices)):
+        return _args.refuse("warmlink bench reconfigure", problem)
     devices = _devices(args.devices)
     if "nccl" in methods and devices[0] >= 0 and devices[0] == devices[1]:
         print("  skipping nccl: NCCL cannot place two ranks on one GPU")
         methods = tuple(m for m in methods if m != "nccl")
     rows, cols = tensor_shape(args.tensor_mib)
     nbytes = args.tensors * rows * cols * 2
+    short = shortfall(memory_need(nbytes, rows * cols * 2, methods, devices, args.install),
+                      "lower --tensors or --tensor-mib, or free memory")
+    if short:
+        return _args.refuse("warmlink bench reconfigure", short)
     where = "CPU (shm, gloo)" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench reconfigure: {args.repeats} repeats of init / reconfigure / destroy, {args.tensors} bf16 "
           f"tensors, {nbytes / 2**20:.2f} MiB, {where}, methods {','.join(methods)}")

@@ -12,7 +12,7 @@ import zlib
 
 from warmlink.bench._proc import Group
 
-__all__ = ["run_warmlink_refit", "global_tensor", "build_physical"]
+__all__ = ["run_warmlink_refit", "global_tensor", "build_physical", "warmlink_refit_need"]
 
 
 def global_tensor(logical: str, shape, dtype: str, device, seed: int):
@@ -94,6 +94,33 @@ def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, 
             elif msg[0] == "verify":
                 bad = [n for n, layout in layouts.items() if not torch.equal(targets[n], build_physical(layout, device, seed))]
                 results.put({"tag": f"rec{rank}", "event": "verified", "bad": bad[:5], "num_bad": len(bad)})
+
+
+def warmlink_refit_need(spec, *, src_tp: int, dst_tp: int, devices: tuple[int, int], install: str):
+    """The peak memory of ``run_warmlink_refit`` with these arguments (a ``bench._memory.Need``).
+
+    Publishers hold the model and, on the CPU, stage it into /dev/shm; receivers hold their
+    targets and receive buffers (two sets with ``install="swap"``, plus staging scratch when a
+    TP 1 -> 2 re-cut pulls whole shards). Building a tensor makes a float32 copy of its global
+    shape for a moment.
+    """
+    from warmlink.bench._memory import Need
+
+    nbytes = spec.nbytes
+    largest = max(layout.nbytes for layout in spec.layouts(1, 0).values())
+    buffers = nbytes * (2 if install == "swap" else 1) + (nbytes if dst_tp > src_tp else 0)
+    need = Need()
+    need.on(devices[0], nbytes + 3 * largest)  # the model, and one tensor being built
+    need.on(devices[1], nbytes + 3 * largest)  # the targets, and the check's expectation
+    if devices[0] < 0:
+        need.shm_bytes += nbytes  # staging: host tensors are shared through /dev/shm
+    if devices[1] < 0:
+        need.shm_bytes += buffers
+    else:
+        need.on(devices[1], buffers)
+    need.host_bytes += need.shm_bytes  # /dev/shm is host memory too
+    need.processes([devices[0]] * src_tp + [devices[1]] * dst_tp)
+    return need
 
 
 _PHASES = ("connect_s", "sync_s", "plan_s", "alloc_s", "register_s", "pull_s", "translate_s", "install_s", "total_s")

@@ -102,6 +102,29 @@ def _cpu_memcpy_peak(nbytes: int, repeats: int = 5) -> dict:
     return {"kind": "cpu memcpy", "nbytes": nbytes, "gbps": nbytes / statistics.median(times) / 1e9}
 
 
+def _need(name: str, spec, devices: tuple[int, int], install: str):
+    """Peak memory of scenario ``name`` (a ``bench._memory.Need``); scenarios run one at a time."""
+    from warmlink.bench._memory import Need
+    from warmlink.bench.refit import warmlink_refit_need
+
+    if name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold"):
+        src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
+        return warmlink_refit_need(spec, src_tp=src_tp, dst_tp=dst_tp, devices=devices, install=install)
+    nbytes, need = spec.nbytes, Need()
+    largest = max(layout.nbytes for layout in spec.layouts(1, 0).values())
+    if name == "peak":
+        copy = max(64 << 20, min(nbytes, 1 << 30)) if devices[0] < 0 else min(nbytes, 8 << 30)
+        need.on(devices[0], copy)
+        need.on(devices[1], copy)
+        need.processes([devices[0]] if devices[0] == devices[1] else list(devices))
+    else:  # nccl, bucket, nixl_rw: each side holds the tensors (and one 1 GiB bucket)
+        extra = (1 << 30) if name == "bucket" else 0
+        need.on(devices[0], nbytes + extra + 3 * largest)
+        need.on(devices[1], nbytes + extra + 3 * largest)
+        need.processes(list(devices))
+    return need
+
+
 def _nccl_rows(res: dict) -> list[dict]:
     rows = []
     for c in res["cycles"]:
@@ -165,6 +188,7 @@ def _print_nixl(sc: dict, nbytes: int, peak_gbps: float | None, record: dict) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    from warmlink.bench._memory import Need, shortfall
     from warmlink.bench.model_spec import qwen3_4b_like
     from warmlink.bench.refit import run_warmlink_refit
     from warmlink.bench.report import cycle_table, gbps, machine_info, write_record
@@ -191,6 +215,13 @@ def run(args: argparse.Namespace) -> int:
     spec = qwen3_4b_like(args.scale)
     nbytes = spec.nbytes
     layouts = spec.layouts(1, 0)
+    need = Need()
+    for name in wanted:
+        if not _skip_reason(name, devices):
+            need = need.peak(_need(name, spec, devices, args.install))
+    short = shortfall(need, "lower --scale, or free memory")
+    if short:
+        return _args.refuse("warmlink bench refit", short)
     where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench refit: {len(layouts)} tensors, {nbytes / 1e9:.3f} GB ({spec.dtype}), {args.cycles} cycles, {where}")
     record = {"bench": "refit", "spec": dict(spec.__dict__), "nbytes": nbytes, "num_tensors": len(layouts), "devices": devices,
