@@ -81,3 +81,28 @@ def test_close_after_the_store_is_gone_still_releases() -> None:
     server.close()
     pub.close()  # no raise: nobody can enter through a store that is gone
     assert pub._link is None and not pub._regions
+
+
+class _ManifestWriteFails:
+    """The job's store, except that writing a manifest fails (a store-side error mid-export)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def set_blob(self, key, data, **kw):
+        raise TransferTimeout(f"injected: writing {key!r} timed out")
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_close_after_a_failed_export_releases_and_raises_nothing() -> None:
+    """An export that fails before announcing a version leaves nothing to withdraw: close() only
+    gives the memory back (it used to write an 'updating' state of generation 0 and raise)."""
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"close-failed-{uuid.uuid4().hex[:8]}", timeout_s=30) as store:
+        pub = Publisher(_ManifestWriteFails(store), rank=0, world_size=1, backend="shm", timeout_s=5)
+        pub.add("a", torch.zeros(4))
+        with pytest.raises(TransferTimeout, match="injected"):
+            pub.export()
+        pub.close()
+        assert store.try_get(protocol.state_key(0)) is None

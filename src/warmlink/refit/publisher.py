@@ -217,10 +217,11 @@ class Publisher(Closing):
                 {**e.layout.to_json(), "region": e.region_idx, "offset": e.offset} for e in self._entries.values()
             ],
         }
-        self.generation = self._write_manifest(manifest)
-        self._refresh()
-        self.version = 1
-        protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
+        with self.store.deadline(self.timeout_s):  # Note [Store deadlines] in rendezvous.store
+            self.generation = self._write_manifest(manifest)
+            self._refresh()
+            self.version = 1
+            protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
 
     def _write_manifest(self, manifest: dict) -> int:
         """Store ``manifest`` under a new generation, or keep the generation of an equal manifest
@@ -280,11 +281,13 @@ class Publisher(Closing):
             # half written, so nothing is published until publish() is called.
             return 0.0
         start = time.perf_counter()
-        if not self._updating:
-            protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
-            self._updating, self._drained = True, False
-        # A retry after a timeout waits again: the slow reader may still be inside.
-        protocol.wait_no_readers(self.store, self.rank, self.version, timeout_s if timeout_s is not None else self.timeout_s)
+        limit_s = timeout_s if timeout_s is not None else self.timeout_s
+        with self.store.deadline(limit_s):  # Note [Store deadlines] in rendezvous.store
+            if not self._updating:
+                protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
+                self._updating, self._drained = True, False
+            # A retry after a timeout waits again: the slow reader may still be inside.
+            protocol.wait_no_readers(self.store, self.rank, self.version, limit_s)
         self._drained = True
         return time.perf_counter() - start
 
@@ -303,7 +306,8 @@ class Publisher(Closing):
             torch.cuda.current_stream(self.device).synchronize()
         self._refresh()
         self.version += 1
-        protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
+        with self.store.deadline(self.timeout_s):
+            protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
         self._updating = False
         return self.version
 
@@ -338,7 +342,8 @@ class Publisher(Closing):
         self._closed = True
         if self._link is None:
             return
-        if not self._withdraw():
+        # An export that failed before announcing a version has nothing to withdraw.
+        if self.version > 0 and not self._withdraw():
             log.warning("publisher closed with readers inside; its regions are kept until the process exits",
                         extra={"rank": self.rank, "version": self.version})
             return
@@ -352,12 +357,13 @@ class Publisher(Closing):
         """Set ``updating`` and wait for readers (Note [Version protocol]); False if some stayed.
         A store that cannot be reached cannot let anyone in either: that counts as withdrawn."""
         try:
-            if not self._updating:
-                protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
-                self._updating, self._drained = True, False
-            if not self._drained:
-                protocol.wait_no_readers(self.store, self.rank, self.version, self.timeout_s)
-                self._drained = True
+            with self.store.deadline(self.timeout_s):
+                if not self._updating:
+                    protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
+                    self._updating, self._drained = True, False
+                if not self._drained:
+                    protocol.wait_no_readers(self.store, self.rank, self.version, self.timeout_s)
+                    self._drained = True
         except TransferTimeout:
             return False
         except (PeerLostError, TransferError) as exc:  # the store's server is gone (shutdown order)
