@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 
 import numpy as np
 
+from warmlink._backoff import wait_until
 from warmlink.ep._regions import MAX_EXPERTS
-from warmlink.errors import BackendUnavailable, PeerLostError, TransferTimeout
+from warmlink.errors import BackendUnavailable
 
 __all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
 
@@ -133,27 +133,24 @@ class Mailbox:
             TransferTimeout: not reached within ``timeout_s``; names the ranks still behind.
         """
         pending = [r for r in (ranks if ranks is not None else self._peers) if r != self.rank]
-        start = time.perf_counter()
-        last_check = start
-        sleep_s = 50e-6
-        while pending:
-            pending = [r for r in pending if self._peers[r][field] < round_]
-            if not pending:
-                return
-            now = time.perf_counter()
-            if now - last_check > _LIVENESS_PERIOD_S:
-                last_check = now
-                for r in pending:
-                    ref = self._refs.get(r)
-                    if ref is not None and not ref.alive():
-                        raise PeerLostError(f"ep: rank {r} (pid {ref.pid}) died before publishing "
-                                            f"{_FIELD_NAMES.get(field, field)} round {round_}")
-                if now - start > timeout_s:
-                    behind = {r: int(self._peers[r][field]) for r in pending}
-                    raise TransferTimeout(
-                        f"ep: ranks {sorted(behind)} did not reach {_FIELD_NAMES.get(field, field)} round {round_} "
-                        f"within {timeout_s:.3g} s (their rounds: {behind}); a peer is stalled, or the ranks "
-                        "called dispatch/combine a different number of times")
-            if now - start > self._spin_s:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, 500e-6)
+        name = _FIELD_NAMES.get(field, field)
+
+        def reached() -> bool:
+            pending[:] = [r for r in pending if self._peers[r][field] < round_]
+            return not pending
+
+        def lost() -> str | None:
+            for r in pending:
+                ref = self._refs.get(r)
+                if ref is not None and not ref.alive():
+                    return f"ep: rank {r} (pid {ref.pid}) died before publishing {name} round {round_}"
+            return None
+
+        def late() -> str:
+            behind = {r: int(self._peers[r][field]) for r in pending}
+            return (f"ep: ranks {sorted(behind)} did not reach {name} round {round_} within {timeout_s:.3g} s "
+                    f"(their rounds: {behind}); a peer is stalled, or the ranks called dispatch/combine a different "
+                    "number of times")
+
+        wait_until(reached, timeout_s=timeout_s, what=late, lost=lost, first_s=50e-6, cap_s=500e-6, spin_s=self._spin_s,
+                   every_s=_LIVENESS_PERIOD_S)

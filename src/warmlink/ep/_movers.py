@@ -58,16 +58,15 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import numpy as np
 import torch
 
+from warmlink._backoff import poll, wait_until
 from warmlink.ep import _kernels
 from warmlink.ep._launch import current_stream, on_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._regions import PARITIES, RegionLayout, board_words
-from warmlink.errors import PeerLostError, TransferTimeout
 
 log = logging.getLogger("warmlink.ep")
 
@@ -411,19 +410,18 @@ class CudaMover(_Gathers):
     def _poll(self, done, timeout_s: float, late, watch=(), lost: str = "", check=None) -> None:
         """Host-poll ``done()`` until it is true. Every 5 ms: ``PeerLostError`` when a rank in
         ``watch`` died (``lost`` says when), ``check()`` (which raises to give up), and past
-        ``timeout_s`` ``TransferTimeout(late())``. The one wait loop of every host wait here."""
-        start = last = time.perf_counter()
-        while not done():
-            now = time.perf_counter()
-            if now - last > 0.005:
-                last = now
-                for s in watch:
-                    if not self._refs[s].alive():
-                        raise PeerLostError(f"ep: rank {s} (pid {self._refs[s].pid}) died {lost}")
-                if check is not None:
-                    check()
-                if now - start > timeout_s:
-                    raise TransferTimeout(late())
+        ``timeout_s`` ``TransferTimeout(late())``. The one wait loop of every host wait here; it
+        never sleeps, since a sleep (Linux wakes later than asked) would add itself to every call."""
+
+        def gone() -> str | None:
+            for s in watch:
+                if not self._refs[s].alive():
+                    return f"ep: rank {s} (pid {self._refs[s].pid}) died {lost}"
+            if check is not None:
+                check()
+            return None
+
+        wait_until(done, timeout_s=timeout_s, what=late, lost=gone, spin_s=math.inf, every_s=0.005)
 
     def send_done(self) -> None:
         self._cuda.event_record(self._send_done, self._current())
@@ -611,9 +609,7 @@ class CudaMover(_Gathers):
                 watch=list(self._refs), lost="before the dispatch's count exchange", check=check)
         except BaseException:
             self._abort_word[0] = round_
-            deadline = time.perf_counter() + 5.0
-            while not query(counted) and time.perf_counter() < deadline:
-                time.sleep(1e-4)
+            poll(lambda: query(counted), 5.0, first_s=1e-4, cap_s=1e-4)
             raise
         board = self._board_host.numpy().reshape(self.layout.num_ranks, self._board_row)
         return self._host[:self._host_words].numpy().copy(), board.copy()

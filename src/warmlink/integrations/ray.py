@@ -49,6 +49,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from warmlink._backoff import wait_until
 from warmlink.errors import ConfigError, LayoutError, PeerLostError, TransferTimeout
 
 if TYPE_CHECKING:
@@ -465,20 +466,21 @@ class RefitJob:
         info = self.engine_info[index]
         ray.kill(engine, no_restart=True)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.call_timeout_s)
-        while True:
+
+        def dead() -> bool:
             try:
                 get(engine.info.remote(), timeout_s=max(deadline - time.monotonic(), 0.1), what=f"engine {index} info")
             except PeerLostError:
-                break
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"RefitJob.kill_engine: engine {index} still answers after ray.kill")
-            time.sleep(0.02)
+                return True
+            return False
+
+        wait_until(dead, timeout_s=max(deadline - time.monotonic(), 0.0), first_s=0.02, cap_s=0.02,
+                   what=f"RefitJob.kill_engine: engine {index} still answers after ray.kill")
         if info["host"] != socket.gethostname():
             return
-        while process_start_time(info["pid"]) is not None:
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"RefitJob.kill_engine: engine {index} process {info['pid']} still runs after ray.kill")
-            time.sleep(0.02)
+        wait_until(lambda: process_start_time(info["pid"]) is None, timeout_s=max(deadline - time.monotonic(), 0.0),
+                   first_s=0.02, cap_s=0.02,
+                   what=f"RefitJob.kill_engine: engine {index} process {info['pid']} still runs after ray.kill")
 
     def shutdown(self) -> None:
         """Kill every actor of the job and stop the store server. Idempotent."""

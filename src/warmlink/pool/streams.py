@@ -21,10 +21,9 @@ them with the process. Call ``clear_idle()`` to destroy them earlier.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable
 
-from warmlink import _cuda
+from warmlink import _backoff, _cuda
 from warmlink.errors import ConfigError
 from warmlink.pool.core import FreeList, Lease
 
@@ -71,18 +70,9 @@ class Stream:
 def wait_until(query: Callable[[], bool], timeout_s: float) -> bool:
     """Poll ``query`` until it returns True (True) or ``timeout_s`` seconds pass (False).
 
-    Exceptions from ``query`` propagate. Sleeps back off from 20 us to 1 ms.
+    Exceptions from ``query`` propagate. Sleeps back off from 20 us to 1 ms (``_backoff.poll``).
     """
-    if query():
-        return True
-    deadline = time.perf_counter() + timeout_s
-    sleep_s = 20e-6
-    while time.perf_counter() < deadline:
-        time.sleep(sleep_s)
-        sleep_s = min(sleep_s * 2, 1e-3)
-        if query():
-            return True
-    return False
+    return _backoff.poll(query, timeout_s, first_s=20e-6, cap_s=1e-3)
 
 
 def _create(key: tuple[int, int]) -> Stream:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from warmlink._backoff import wait_until
 from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
 __all__ = [
@@ -228,33 +229,26 @@ class Transfer(abc.ABC):
             TransferError: the transport failed.
         """
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        deadline = time.perf_counter() + timeout
-        sleep_s = 20e-6
-        last_check = 0.0
-        while True:
-            if self.done():
-                err = self._poll_error()
-                if err is not None:
-                    raise err
-                return
-            now = time.perf_counter()
-            if now - last_check > 0.005:
-                last_check = now
-                for peer in self.batch.peers:
-                    if not peer.alive():
-                        self.cancel()
-                        raise PeerLostError(
-                            f"Transfer.wait: peer={peer.key!r} (generation {peer.generation}, pid {peer.pid}) "
-                            f"died with {self.batch.nbytes} bytes in flight"
-                        )
-            if now > deadline:
-                self.cancel()
-                raise TransferTimeout(
-                    f"Transfer.wait: {self.batch.nbytes} bytes in {self.batch.num_copies} copies not done "
-                    f"after {timeout:.3f} s; peers {[p.key for p in self.batch.peers]}"
-                )
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 100e-6)  # a longer sleep would add up to itself to a 20 ms refit
+        batch = self.batch
+
+        def lost() -> str | None:
+            for peer in batch.peers:
+                if not peer.alive():
+                    return (f"Transfer.wait: peer={peer.key!r} (generation {peer.generation}, pid {peer.pid}) "
+                            f"died with {batch.nbytes} bytes in flight")
+            return None
+
+        try:
+            # sleeps of 20 to 100 us: a longer sleep would add up to itself to a 20 ms refit
+            wait_until(self.done, timeout_s=timeout, lost=lost, first_s=20e-6, cap_s=100e-6, first_probe_s=0.0,
+                       what=lambda: (f"Transfer.wait: {batch.nbytes} bytes in {batch.num_copies} copies not done "
+                                     f"after {timeout:.3f} s; peers {[p.key for p in batch.peers]}"))
+        except (PeerLostError, TransferTimeout):
+            self.cancel()
+            raise
+        err = self._poll_error()
+        if err is not None:
+            raise err
 
 
 def device_scope(device: int):

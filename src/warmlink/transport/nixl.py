@@ -43,7 +43,7 @@ import time
 import warnings
 import weakref
 
-from warmlink import _env
+from warmlink import _backoff, _env
 from warmlink.errors import (
     BackendUnavailable,
     ConfigError,
@@ -52,7 +52,6 @@ from warmlink.errors import (
     SlowTransportError,
     SlowTransportWarning,
     TransferError,
-    TransferTimeout,
 )
 from warmlink.pool import arenas
 from warmlink.pool.peers import mapping_cache
@@ -511,20 +510,22 @@ class NixlLink(Link):
         """
         self._check_open()
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.perf_counter() + timeout
-        sleep_s = 20e-6
-        while True:
+        found: list[str] = []
+
+        def arrived() -> bool:
             for sender, notes in self._agent.notifications().items():
                 self._notes.setdefault(sender, []).extend(notes)
             for sender, notes in self._notes.items():
                 if (peer_agent is None or sender == peer_agent) and tag in notes:
                     notes.remove(tag)
-                    return sender
-            if time.perf_counter() > deadline:
-                raise TransferTimeout(f"NixlLink.wait_notification: tag={tag!r:.60} from "
-                                      f"{peer_agent or 'any agent'} not received after {timeout:.3f} s")
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 200e-6)
+                    found.append(sender)
+                    return True
+            return False
+
+        _backoff.wait_until(arrived, timeout_s=timeout, first_s=20e-6, cap_s=200e-6,
+                            what=f"NixlLink.wait_notification: tag={tag!r:.60} from {peer_agent or 'any agent'} "
+                                 f"not received after {timeout:.3f} s")
+        return found[0]
 
     # -- loud fallbacks (Note [Loud fallbacks]) ------------------------------------------------
     def _check_speed(self, transfer: NixlTransfer) -> BaseException | None:
@@ -575,12 +576,11 @@ class NixlLink(Link):
 
     def _drain(self) -> bool:
         """Wait (bounded by the timeout) until no transfer runs; True when idle."""
-        deadline = time.perf_counter() + self.timeout_s
-        while True:
+        def idle() -> bool:
             self._inflight = [t for t in self._inflight if not t.done()]
-            if not self._inflight or time.perf_counter() > deadline:
-                return not self._inflight
-            time.sleep(50e-6)
+            return not self._inflight
+
+        return _backoff.poll(idle, self.timeout_s, first_s=50e-6, cap_s=50e-6)
 
     def recycle(self) -> bool:
         """Idle and nothing held: ready for the next user. Batches of the last user are released."""

@@ -16,9 +16,9 @@ import os
 import queue
 import stat
 import threading
-import time
 from typing import Callable
 
+from warmlink import _backoff
 from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError
 from warmlink.pool import arenas
 from warmlink.pool.peers import mapping_cache
@@ -256,10 +256,7 @@ class ShmLink(Link):
 
     def _drain(self) -> bool:
         """Wait (bounded by the timeout) until no transfer runs; True when idle."""
-        deadline = time.perf_counter() + self.timeout_s
-        while self._busy and time.perf_counter() < deadline:
-            time.sleep(50e-6)
-        return self._busy == 0
+        return _backoff.poll(lambda: self._busy == 0, self.timeout_s, first_s=50e-6, cap_s=50e-6)
 
     def recycle(self) -> bool:
         """Idle, nothing held, worker alive: ready for the next user (bounded wait for transfers).
