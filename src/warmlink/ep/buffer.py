@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from warmlink import _env
+from warmlink._backoff import wait_until
 from warmlink._closing import Closing
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._checks import X_DTYPES as _X_DTYPES
@@ -63,7 +64,7 @@ from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.event import EventOverlap, wait_for
 from warmlink.ep.handle import Handle, fill_plan, per_expert_list, plan_from_board
 from warmlink.ep.layout import dispatch_layout
-from warmlink.errors import ConfigError, MetadataError, TransferTimeout
+from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Buffer"]
 
@@ -213,10 +214,11 @@ class Buffer(Closing):
         from warmlink.rendezvous import schema
         from warmlink.transport.base import PeerRef, local_identity
 
-        generation = store.next_generation(f"ep/{self.rank}")
+        limit_s = self.timeout_s  # each store call's own limit: Note [Store deadlines] in rendezvous.store
+        generation = store.next_generation(f"ep/{self.rank}", timeout_s=limit_s)
         self.mailbox.set_generation(generation)
         # Buffers are built collectively: the n-th build of every rank forms epoch n.
-        epoch = (store.add("ep/joins", 1, checked=False) - 1) // self.num_ranks + 1
+        epoch = (store.add("ep/joins", 1, checked=False, timeout_s=limit_s) - 1) // self.num_ranks + 1
         host, pid, start = local_identity()
         events = self._lease_events() if self.backend == "cuda_ipc" else {phase: [] for phase in EVENT_PHASES}
         info = {
@@ -227,14 +229,14 @@ class Buffer(Closing):
             "config": self.layout.config(), "data": self._region.desc, "mailbox": self._mail_region.desc,
             "events": events,
         }
-        store.set(f"ep/{epoch}/{self.rank}", schema.encode(info))
+        store.set(f"ep/{epoch}/{self.rank}", schema.encode(info), timeout_s=limit_s)
         peers, regions = {}, {}
         recv_events = {f"{phase}.{p}": {} for phase in EVENT_PHASES for p in range(PARITIES)}
         for r in range(self.num_ranks):
             if r == self.rank:
                 continue
             name = f"ep/{r}"
-            theirs = schema.decode(store.get(f"ep/{epoch}/{r}", timeout_s=self.timeout_s), KIND, name)
+            theirs = schema.decode(store.get(f"ep/{epoch}/{r}", timeout_s=limit_s), KIND, name)
             check_config(self.layout.config(), theirs["config"], name)
             p = theirs["peer"]
             if p["rank"] != r:
@@ -756,12 +758,8 @@ class Buffer(Closing):
             return
         from warmlink import _cuda
 
-        deadline = time.perf_counter() + self.timeout_s
-        while not _cuda.event_query(self._reduced_event):
-            if time.perf_counter() > deadline:
-                raise TransferTimeout(f"ep: the previous combine's sum did not finish within {self.timeout_s:.3g} s "
-                                      f"on cuda:{self.device}")
-            time.sleep(20e-6)
+        wait_until(lambda: _cuda.event_query(self._reduced_event), timeout_s=self.timeout_s, first_s=20e-6, cap_s=20e-6,
+                   what=f"ep: the previous combine's sum did not finish within {self.timeout_s:.3g} s on cuda:{self.device}")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

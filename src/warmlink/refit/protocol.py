@@ -43,8 +43,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from warmlink._backoff import Backoff
-from warmlink.errors import TransferTimeout, VersionError
+from warmlink._backoff import wait_until
+from warmlink.errors import VersionError
 from warmlink.pool import liveness
 from warmlink.refit._memo import PerStore
 
@@ -170,26 +170,30 @@ _DEAD_CHECK_S = 0.25
 
 def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
     """Block until no receiver reads ``version`` of ``rank``, reaping counts of dead local processes
-    (Note [Reader slots]); TransferTimeout after ``timeout_s``."""
+    (Note [Reader slots]); TransferTimeout after ``timeout_s``, the store's calls included."""
     retired = _retired.get(store, rank) or set()
-    backoff = Backoff(timeout_s)
+    holding: dict[int, int] = {}
     next_check = 0.0  # look for dead holders now, then every _DEAD_CHECK_S: a killed process may
     sweep = True      # still be exiting (Ray reports an actor dead before its process is gone)
-    while True:
-        total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
-        live = [k for k in range(1, total + 1) if k not in retired]
-        if sweep and len(live) > _SWEEP_ABOVE:  # retire a few idle dead slots per update, oldest first
-            sweep = False
-            for k in live[:_SWEEP_PER_CALL]:
-                if _slot_dead(store, rank, k):
-                    retired.add(k)
-            live = [k for k in live if k not in retired]
-        counts = {k: store.add(readers_key(rank, version, k), 0, checked=False) for k in live}
-        holding = {k: c for k, c in counts.items() if c}
-        if not holding:
-            break
-        now = time.monotonic()
-        if now >= next_check:
+
+    def drained() -> bool:
+        nonlocal holding, next_check, sweep
+        while True:
+            total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+            live = [k for k in range(1, total + 1) if k not in retired]
+            if sweep and len(live) > _SWEEP_ABOVE:  # retire a few idle dead slots per update, oldest first
+                sweep = False
+                for k in live[:_SWEEP_PER_CALL]:
+                    if _slot_dead(store, rank, k):
+                        retired.add(k)
+                live = [k for k in live if k not in retired]
+            counts = {k: store.add(readers_key(rank, version, k), 0, checked=False) for k in live}
+            holding = {k: c for k, c in counts.items() if c}
+            if not holding:
+                return True
+            now = time.monotonic()
+            if now < next_check:
+                return False
             next_check = now + _DEAD_CHECK_S
             reaped = False
             for k, count in holding.items():
@@ -199,12 +203,11 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
                     log.warning("reaped %d reader(s) of publisher/%d version %d left by dead process in slot %d",
                                 count, rank, version, k)
                     reaped = True
-            if reaped:
-                continue
-        if backoff.expired():
-            raise TransferTimeout(
-                f"Publisher.begin_update: publisher/{rank} version {version} still has {sum(holding.values())} "
-                f"reader(s) after {timeout_s:.3f} s; a receiver died or stalled mid-pull"
-            )
-        backoff.sleep()
+            if not reaped:
+                return False
+
+    with store.deadline(timeout_s):  # its round trips too: Note [Store deadlines] in rendezvous.store
+        wait_until(drained, timeout_s=timeout_s, what=lambda: (
+            f"Publisher.begin_update: publisher/{rank} version {version} still has {sum(holding.values())} "
+            f"reader(s) after {timeout_s:.3f} s; a receiver died or stalled mid-pull"))
     _retired.put(store, rank, retired)

@@ -8,9 +8,12 @@ warmlink error that names the store's address. JSON payloads go through ``rendez
 Found on torch 2.9+ (libuv backend) and worked around here:
 - ``get`` on a missing key blocks for the store-wide timeout and raises ``DistStoreError``; a
   short per-call timeout would need ``set_timeout``, which changes it for every thread. We never
-  block in TCPStore: ``try_get`` is one atomic round trip, ``compare_set(key, S, S)`` with a
+  wait in TCPStore: ``try_get`` is one atomic round trip, ``compare_set(key, S, S)`` with a
   per-process random sentinel ``S`` (a missing key with a non-empty ``expected`` is left unset
   and ``expected`` comes back), and ``get`` polls it with backoff.
+- A request to a server that stopped answering (SIGSTOP, a network partition) blocks for as long
+  as it stays so, whatever the store's timeout or ``set_timeout`` say (torch 2.13): the client's
+  socket has no timeout, and neither has the handshake of a new client. See Note [Store deadlines].
 - ``add`` on a key holding a non-integer makes the *server* drop the client's connection; every
   later call on that client fails. ``add`` therefore checks the current value first.
 - A client constructed against a dead port retries with randomized delays that can overshoot its
@@ -33,24 +36,65 @@ digest, and raises MetadataError naming the key otherwise. Data that itself star
 the chunked form, so the value under a key is never read as the other form. Superseded chunks are
 left in place (a reader may still be fetching them): refit writes each manifest once, under a key
 of its own generation.
+
+# Note [Store deadlines]
+Every call ends by its limit, even when the server is stopped or the network partitions. A call's
+limit is its ``timeout_s`` (default: the store's), cut to what is left of the enclosing
+``Store.deadline`` blocks of this thread (``get``, ``wait_until``, a checked ``add`` and the blob
+calls enter one for their round trips; a Publisher enters one per operation), but never under
+``_MIN_CALL_S``: a round trip started just before a deadline still gets its chance, so a wait that
+times out says what it waited for rather than that its last round trip was cut short.
+- A request: ``rendezvous._client`` sets the connection's socket timeouts (``SO_RCVTIMEO``,
+  ``SO_SNDTIMEO``) to the call's limit, so a blocked send or receive fails when it passes. No
+  thread is involved; the two system calls are made only when the limit changes (a socket timeout
+  up to 1 % + 5 ms longer is kept), so a warm cycle passing one limit pays none. A request that
+  sends more than 1 MiB (blob chunks) also gets a watchdog thread: a send that made progress
+  returns after a whole socket timeout and TCPStore sends the rest, so only the watchdog, which
+  shuts the socket down at the limit, bounds the request.
+- A connection whose request timed out may still receive that request's late reply, which the
+  next request would read as its own: it is closed, and the next call opens a new one (the
+  handshake bounded as below) once the server answers again. A connection that was lost (the
+  server exited or dropped it) is not reopened: every later call raises PeerLostError.
+- A new connection has no socket to set options on until TCPStore's constructor returns, and the
+  constructor's handshake blocks on a stopped server: a watchdog thread shuts the new socket down
+  at the limit, which makes the constructor fail at once.
+- The socket of a connection is found among this process's file descriptors: the one socket new
+  since the constructor started that is connected to the store's port (connections are opened one
+  at a time). The store keeps a duplicate of it; its owner is still TCPStore. A server store uses
+  the connection its TCPStore server opens to itself: a second one would cost a connection more.
+- TCPStore's ``set`` has no reply: sent into the socket's buffer, it returns before the server has
+  it, stopped or not. ``Store.set`` follows it with a ``check`` of the key, so it returns once the
+  server holds the value and raises TransferTimeout when it does not answer.
+- One call at a time runs on a connection (TCPStore serializes them anyway); a call that waits
+  for another thread's gives up at its own limit.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import hashlib
+import importlib
 import logging
 import math
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from warmlink import _env
-from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferError, TransferTimeout
-from warmlink.rendezvous import schema
+from warmlink._backoff import wait_until
+from warmlink.errors import (
+    ConfigError,
+    MetadataError,
+    PeerLostError,
+    TransferError,
+    TransferTimeout,
+    WarmlinkError,
+)
+from warmlink.rendezvous import _client, schema
 
 __all__ = ["Store"]
 
@@ -61,12 +105,15 @@ _MAX_BLOB_KEY_CHARS = _MAX_KEY_CHARS - 128  # room for "/blob/{sha256}/{i}"
 _GENERATION_PREFIX = "__generation__/"
 _BLOB_MAGIC = b"\x00warmlink.blob\x00"  # See Note [Blobs]
 _CHUNK_BYTES = 4 << 20  # set_blob's default: a 12 MB manifest is three chunks
+_MIN_CALL_S = 0.25  # the least time one round trip gets. See Note [Store deadlines]
 
 
-def _timeout(value: float | None, func: str) -> float:
+def _timeout(value: float | None, func: str, *, zero: bool = False) -> float:
     seconds = value if value is not None else _env.default_timeout_s()
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{func}: timeout_s={seconds!r} invalid; expected a finite number of seconds > 0")
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
+            or not (seconds >= 0 if zero else seconds > 0)):
+        raise ConfigError(f"{func}: timeout_s={seconds!r} invalid; expected a finite number of seconds "
+                          f"{'>=' if zero else '>'} 0")
     return float(seconds)
 
 
@@ -105,16 +152,18 @@ class Store:
         is_server: start the TCPStore server in this process; it lives until ``close()``.
         prefix: namespace of every key, e.g. one per job; two prefixes never see each other's keys
             (unless one is a ``/``-extension of the other and keys are chosen to collide).
-        timeout_s: default timeout in seconds for connecting and every wait; ``None`` takes
-            ``WARMLINK_TIMEOUT_S`` (default 60).
+        timeout_s: default limit in seconds for connecting, for every call and every wait; ``None``
+            takes ``WARMLINK_TIMEOUT_S`` (default 60). See Note [Store deadlines].
         world_size: number of processes expected to connect (informational for TCPStore; this
             class never waits for workers).
 
     Raises:
         ConfigError: invalid argument, or the server port is already in use.
-        TransferTimeout: a client found no server at ``host:port`` within ``timeout_s``.
+        TransferTimeout: a client found no server at ``host:port``, or the server did not answer,
+            within ``timeout_s``.
 
-    Collective? No. Blocking? A client blocks until it connects (at most ``timeout_s``).
+    Collective? No. Blocking? A client blocks until it connects (at most ``timeout_s``); every
+    call blocks at most its limit (Note [Store deadlines]). Thread-safe: calls run one at a time.
     Warm path? No: create one store per process and keep it.
     """
 
@@ -129,8 +178,11 @@ class Store:
         world_size: int | None = None,
     ) -> None:
         self._closed = True
-        self._tcp: Any = None
-        self._store: Any = None
+        self._server: Any = None  # the TCPStore server, when this store owns it
+        self._client: _client.Client | None = None  # None: opened on next use (Note [Store deadlines])
+        self._lost: str | None = None  # why the connection was lost for good
+        self._lock = threading.Lock()
+        self._scope = threading.local()  # .at: this thread's Store.deadline
         self.timeout_s = _timeout(timeout_s, "Store")
         if not isinstance(host, str) or not host:
             raise ConfigError(f"Store: host={host!r} invalid; expected a non-empty host name or IP address")
@@ -142,32 +194,20 @@ class Store:
             raise ConfigError(f"Store: world_size={world_size!r} invalid; expected None or an int >= 1")
         self.host, self.port, self.prefix, self.is_server = host, port, prefix, is_server
         self._absent = b"\x00warmlink-absent\x00" + os.urandom(16)  # See Note [TCPStore quirks]
-        import torch.distributed as dist
-
-        deadline = time.monotonic() + self.timeout_s
-        if not is_server:
-            self._probe(deadline)
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            self._tcp = dist.TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=is_server,
-                timeout=datetime.timedelta(seconds=remaining if not is_server else self.timeout_s),
-                wait_for_workers=False,
-            )
-        except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
-            msg = _first_line(e)
-            if is_server:
+        importlib.import_module("torch.distributed")  # before any deadline starts: its first import can take seconds
+        if is_server:
+            try:
+                self._client = _client.serve(host, port, prefix, self.timeout_s, world_size)
+            except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
                 raise ConfigError(
-                    f"Store: cannot start a store server on {host}:{port} ({msg}); expected a free port"
+                    f"Store: cannot start a store server on {host}:{port} ({_first_line(e)}); expected a free port"
                 ) from None
-            raise TransferTimeout(
-                f"Store: cannot connect to the store at {host}:{port} within {self.timeout_s:.3g} s ({msg})"
-            ) from None
-        self.port = int(self._tcp.port)
-        self._store = dist.PrefixStore(prefix, self._tcp)
+            self._server = self._client.tcp
+            self.port = int(self._server.port)
+        else:
+            deadline = time.monotonic() + self.timeout_s
+            self._probe(deadline, wait=True)
+            self._client = self._connect(deadline, "Store")
         self._closed = False
         logger.debug("store %s at %s prefix=%s", "server" if is_server else "client", self.address, prefix)
 
@@ -176,7 +216,8 @@ class Store:
         """Connect a client to the server at ``"host:port"`` (IPv6 as ``"[::1]:port"``).
 
         Raises:
-            ConfigError: the address does not parse. TransferTimeout: no server within ``timeout_s``.
+            ConfigError: the address does not parse. TransferTimeout: no server, or no answer from
+                it, within ``timeout_s``.
         """
         host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -189,45 +230,129 @@ class Store:
         """``"host:port"`` that clients pass to ``Store.connect``."""
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def _probe(self, deadline: float) -> None:
-        """Wait until something accepts TCP connections at host:port. See Note [TCPStore quirks]."""
-        delay_s, last = 0.005, "no attempt"
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeout(
-                    f"Store: no store server at {self.host}:{self.port} after {self.timeout_s:.3g} s "
-                    f"(last error: {last}); expected a Store(is_server=True) listening there"
-                )
-            try:
-                socket.create_connection((self.host, self.port), timeout=min(remaining, 1.0)).close()
-                return
-            except OSError as e:
-                last = f"{type(e).__name__}: {e}"
-            time.sleep(min(delay_s, max(deadline - time.monotonic(), 0)))
-            delay_s = min(delay_s * 2, 0.1)
+    def _probe(self, deadline: float, *, wait: bool) -> None:
+        """Wait until something accepts TCP connections at host:port (``wait=False``: PeerLostError
+        when nothing does now). See Note [TCPStore quirks]."""
+        last = ["no attempt"]
 
-    def _call(self, op: str, key: str, method: str, *args: Any) -> Any:
-        """Run ``PrefixStore.<method>(*args)``, turning every torch/OS error into a warmlink error."""
-        store = self._store
-        if store is None:
+        def accepts() -> bool:
+            try:
+                socket.create_connection((self.host, self.port), timeout=min(max(deadline - time.monotonic(), 1e-3), 1.0)).close()
+                return True
+            except OSError as e:
+                last[0] = f"{type(e).__name__}: {e}"
+                if not wait and not isinstance(e, TimeoutError):
+                    raise PeerLostError(f"Store: the store server at {self.address} is gone ({last[0]})") from None
+                return False
+
+        wait_until(accepts, timeout_s=max(deadline - time.monotonic(), 0.0), first_s=0.005, cap_s=0.1, what=lambda: (
+            f"Store: no store server at {self.host}:{self.port} after {self.timeout_s:.3g} s (last error: {last[0]}); "
+            "expected a Store(is_server=True) listening there"))
+
+    def _connect(self, deadline: float, func: str) -> _client.Client:
+        """A new connection, its handshake done by ``deadline``. See Note [Store deadlines]."""
+        limit_s = max(deadline - time.monotonic(), 0.001)
+        try:
+            return _client.connect(self.host, self.port, self.prefix, limit_s)
+        except _client.Stalled as e:
+            raise TransferTimeout(
+                f"{func}: the store at {self.address} accepts connections but did not answer within {limit_s:.3g} s "
+                f"({e}); its server process may be stopped or the network partitioned"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
+            raise TransferTimeout(
+                f"{func}: cannot connect to the store at {self.address} within {limit_s:.3g} s ({_first_line(e)})"
+            ) from None
+
+    def _limit(self, timeout_s: float | None, func: str) -> float:
+        """Seconds the next call may take: ``timeout_s`` (None: the store's), cut to this thread's
+        ``Store.deadline``, at least ``_MIN_CALL_S``. See Note [Store deadlines]."""
+        limit_s = self.timeout_s if timeout_s is None else _timeout(timeout_s, func)
+        at = getattr(self._scope, "at", None)
+        if at is not None:
+            limit_s = min(limit_s, max(at - time.monotonic(), _MIN_CALL_S))
+        return limit_s
+
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Within the block, every call this thread makes on this store ends within ``timeout_s``
+        seconds of entering it (``None``: the store's ``timeout_s``).
+
+        A call's own ``timeout_s`` still applies when it ends sooner; blocks nest (the earliest end
+        wins); a call made near or past the end still gets ``_MIN_CALL_S`` (0.25 s) for its round
+        trip. See Note [Store deadlines].
+
+        Raises:
+            ConfigError: ``timeout_s`` is not a finite number of seconds >= 0.
+
+        Blocking? No. Warm path? One thread-local read per call.
+        """
+        at = time.monotonic() + _timeout(timeout_s if timeout_s is not None else self.timeout_s, "Store.deadline",
+                                         zero=True)
+        scope = self._scope
+        outer = getattr(scope, "at", None)
+        scope.at = at if outer is None else min(at, outer)
+        try:
+            yield
+        finally:
+            scope.at = outer
+
+    def _call(self, op: str, key: str, method: str, *args: Any, limit_s: float, nbytes: int = 0,
+              confirm: bool = False) -> Any:
+        """Run ``PrefixStore.<method>(*args)`` within ``limit_s`` seconds (``confirm``: then a
+        ``check`` of ``key``, for requests without a reply), turning every torch/OS error into a
+        warmlink error. See Note [Store deadlines]."""
+        if self._closed:
             raise PeerLostError(f"Store.{op}: key={key!r}: store {self.address} is closed")
+        lock = self._lock
+        if not (lock.acquire(False) or lock.acquire(timeout=min(limit_s, threading.TIMEOUT_MAX))):
+            raise TransferTimeout(f"Store.{op}: key={key!r}: another thread's call on the store at {self.address} "
+                                  f"held its connection for {limit_s:.3g} s; expected it to end within its limit")
+        deadline = time.monotonic() + limit_s
+        client = self._client
+        try:
+            if client is None:
+                if self._lost is not None:
+                    raise PeerLostError(f"Store.{op}: key={key!r}: the connection to the store at {self.address} was "
+                                        f"lost ({self._lost}); the server process may have exited")
+                self._probe(deadline, wait=False)
+                client = self._client = self._connect(deadline, f"Store.{op}")
+                limit_s = max(deadline - time.monotonic(), _MIN_CALL_S)
+            result = client.call(method, args, limit_s, nbytes)
+            if confirm:
+                client.call("check", ([key],), max(deadline - time.monotonic(), _MIN_CALL_S))
+            return result
+        except _client.Stalled:
+            raise TransferTimeout(
+                f"Store.{op}: key={key!r}: the store at {self.address} did not answer within {limit_s:.3g} s; its "
+                "server process may be stopped or the network partitioned (the next call reconnects)"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - translated or passed on by _failure
+            raise self._failure(op, key, e, client) from None
+        finally:
+            if client is not None and client.broken and self._client is client:
+                self._client = None
+                client.close()
+            lock.release()
+
+    def _failure(self, op: str, key: str, e: Exception, client: _client.Client | None) -> Exception:
+        """The warmlink error for torch/OS error ``e`` of a call (``e`` itself for any other)."""
         import torch.distributed as dist
 
-        try:
-            return getattr(store, method)(*args)
-        except dist.DistNetworkError as e:
-            logger.debug("store %s op=%s key=%s failed", self.address, op, key, exc_info=True)
-            raise PeerLostError(
+        if isinstance(e, dist.DistNetworkError):
+            logger.debug("store %s op=%s key=%s failed: %s", self.address, op, key, _first_line(e))
+            self._lost = _first_line(e)
+            if client is not None:
+                client.broken = True
+            return PeerLostError(
                 f"Store.{op}: key={key!r}: lost the connection to the store at {self.address} ({_first_line(e)}); "
                 "the server process may have exited"
-            ) from None
-        except dist.DistStoreError as e:
-            raise TransferTimeout(
-                f"Store.{op}: key={key!r}: store at {self.address} timed out ({_first_line(e)})"
-            ) from None
-        except (RuntimeError, OSError, ValueError, TypeError) as e:
-            raise TransferError(f"Store.{op}: key={key!r}: store at {self.address} failed ({_first_line(e)})") from None
+            )
+        if isinstance(e, dist.DistStoreError):
+            return TransferTimeout(f"Store.{op}: key={key!r}: store at {self.address} timed out ({_first_line(e)})")
+        if isinstance(e, (RuntimeError, OSError, ValueError, TypeError)) and not isinstance(e, WarmlinkError):
+            return TransferError(f"Store.{op}: key={key!r}: store at {self.address} failed ({_first_line(e)})")
+        return e
 
     @staticmethod
     def _key(key: str, func: str) -> str:
@@ -237,21 +362,26 @@ class Store:
             )
         return key
 
-    # -- primitives -------------------------------------------------------------------------------
-    def set(self, key: str, value: bytes | str) -> None:
-        """Store ``value`` (bytes, or str as UTF-8) under ``key``, replacing any old value.
+    # -- primitives: each takes timeout_s, seconds (None: the store's); Note [Store deadlines] -------
+    def set(self, key: str, value: bytes | str, *, timeout_s: float | None = None) -> None:
+        """Store ``value`` (bytes, or str as UTF-8) under ``key``, replacing any old value; returns
+        once the server holds it (two round trips: TCPStore's ``set`` has no reply of its own).
 
         Raises:
             MetadataError: ``value`` is over ``schema.MAX_VALUE_BYTES`` (8 MiB); nothing is sent and
                 the connection stays usable. Larger data goes through ``set_blob``.
+            TransferTimeout: the store did not take it within ``timeout_s``.
         """
         value = _fits(_as_bytes(value, "Store.set", key), "Store.set", self._key(key, "set"))
-        self._call("set", key, "set", key, value)
+        self._call("set", key, "set", key, value, limit_s=self._limit(timeout_s, "Store.set"), nbytes=len(value),
+                   confirm=True)
 
-    def try_get(self, key: str) -> bytes | None:
-        """The value under ``key``, or ``None`` if it is absent. One round trip; never blocks."""
+    def try_get(self, key: str, *, timeout_s: float | None = None) -> bytes | None:
+        """The value under ``key``, or ``None`` if it is absent. One round trip, never a wait for
+        the key; at most ``timeout_s`` when the server does not answer (TransferTimeout)."""
         self._key(key, "try_get")
-        value = self._call("try_get", key, "compare_set", key, self._absent, self._absent)
+        value = self._call("try_get", key, "compare_set", key, self._absent, self._absent,
+                           limit_s=self._limit(timeout_s, "Store.try_get"))
         return None if value == self._absent else bytes(value)
 
     def get(self, key: str, *, timeout_s: float | None = None) -> bytes:
@@ -262,7 +392,7 @@ class Store:
             timeout_s: seconds to wait; ``None`` uses the store's ``timeout_s``.
 
         Raises:
-            TransferTimeout: ``key`` did not appear in time (names the key).
+            TransferTimeout: ``key`` did not appear in time (names the key), or the store did not answer.
             PeerLostError: the server went away.
         """
         found: list[bytes] = []
@@ -276,7 +406,7 @@ class Store:
         self.wait_until(present, what=f"key={key!r}", timeout_s=timeout_s)
         return found[0]
 
-    def add(self, key: str, amount: int, *, checked: bool = True) -> int:
+    def add(self, key: str, amount: int, *, checked: bool = True, timeout_s: float | None = None) -> int:
         """Atomically add ``amount`` to the integer under ``key`` (absent counts as 0); returns the sum.
 
         Args:
@@ -284,6 +414,7 @@ class Store:
                 only warmlink's own protocol writes (reader counts, generations) pass False: a
                 corrupted one then costs this client its connection (PeerLostError on the next
                 call), which fails closed, instead of a round trip on every refit.
+            timeout_s: seconds for both round trips together.
 
         Raises:
             MetadataError: ``key`` holds something that is not an integer. See Note [TCPStore quirks].
@@ -291,17 +422,20 @@ class Store:
         self._key(key, "add")
         if isinstance(amount, bool) or not isinstance(amount, int) or not -(1 << 62) <= amount < 1 << 62:
             raise ConfigError(f"Store.add: amount={amount!r} invalid; expected an int of magnitude < 2**62")
-        current = self.try_get(key) if checked else None
-        if current is not None:
-            try:
-                int(current.decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
-                raise MetadataError(
-                    f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key"
-                ) from None
-        return int(self._call("add", key, "add", key, amount))
+        if not checked:
+            return int(self._call("add", key, "add", key, amount, limit_s=self._limit(timeout_s, "Store.add")))
+        with self.deadline(self._limit(timeout_s, "Store.add")):
+            current = self.try_get(key)
+            if current is not None:
+                try:
+                    int(current.decode("ascii"))
+                except (UnicodeDecodeError, ValueError):
+                    raise MetadataError(
+                        f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key"
+                    ) from None
+            return int(self._call("add", key, "add", key, amount, limit_s=self._limit(None, "Store.add")))
 
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    def compare_set(self, key: str, expected: bytes, desired: bytes, *, timeout_s: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected == b""``).
 
         Returns:
@@ -310,11 +444,13 @@ class Store:
         """
         self._key(key, "compare_set")
         exp, des = (_fits(_as_bytes(v, "Store.compare_set", key), "Store.compare_set", key) for v in (expected, desired))
-        return bytes(self._call("compare_set", key, "compare_set", key, exp, des))
+        return bytes(self._call("compare_set", key, "compare_set", key, exp, des,
+                                limit_s=self._limit(timeout_s, "Store.compare_set"), nbytes=len(exp) + len(des)))
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, *, timeout_s: float | None = None) -> bool:
         """Remove ``key``; returns whether it existed."""
-        return bool(self._call("delete", key, "delete_key", self._key(key, "delete")))
+        return bool(self._call("delete", key, "delete_key", self._key(key, "delete"),
+                               limit_s=self._limit(timeout_s, "Store.delete")))
 
     def wait_until(
         self, predicate: Callable[[], bool], *, what: str, timeout_s: float | None = None, poll_s: float = 0.005
@@ -322,7 +458,8 @@ class Store:
         """Poll ``predicate`` until it returns True, sleeping 50 us first and doubling up to ``poll_s``.
 
         Args:
-            predicate: called on this thread; its WarmlinkErrors propagate.
+            predicate: called on this thread inside ``deadline(timeout_s)``, so that its calls on
+                this store end with the wait; its WarmlinkErrors propagate.
             what: what is awaited, for the error message.
             timeout_s: seconds; ``None`` uses the store's ``timeout_s``.
             poll_s: longest sleep between polls, in seconds.
@@ -333,29 +470,23 @@ class Store:
         limit_s = _timeout(timeout_s if timeout_s is not None else self.timeout_s, "Store.wait_until")
         if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not 0 < poll_s <= 1:
             raise ConfigError(f"Store.wait_until: poll_s={poll_s!r} invalid; expected 0 < poll_s <= 1 seconds")
-        deadline = time.monotonic() + limit_s
-        sleep_s = min(50e-6, poll_s)
-        while not predicate():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferTimeout(
-                    f"Store.wait_until: timed out after {limit_s:.3g} s waiting for {what} "
-                    f"(store {self.address}, prefix={self.prefix!r}); the peer that writes it may be slow or dead"
-                )
-            time.sleep(min(sleep_s, remaining))
-            sleep_s = min(sleep_s * 2, poll_s)
+        with self.deadline(limit_s):
+            wait_until(predicate, timeout_s=limit_s, first_s=min(50e-6, poll_s), cap_s=poll_s, what=lambda: (
+                f"Store.wait_until: timed out after {limit_s:.3g} s waiting for {what} "
+                f"(store {self.address}, prefix={self.prefix!r}); the peer that writes it may be slow or dead"))
 
     # -- JSON and counters ------------------------------------------------------------------------
-    def set_json(self, key: str, obj: dict) -> None:
+    def set_json(self, key: str, obj: dict, *, timeout_s: float | None = None) -> None:
         """Validate ``obj`` with ``schema.encode`` and store it under ``key``. Raises MetadataError."""
-        self.set(key, schema.encode(obj))
+        self.set(key, schema.encode(obj), timeout_s=timeout_s)
 
     def get_json(self, key: str, expected_kind: str, peer: str, *, timeout_s: float | None = None) -> dict:
         """Wait for ``key`` and return its payload, validated by ``schema.decode(raw, expected_kind, peer)``."""
         return schema.decode(self.get(key, timeout_s=timeout_s), expected_kind, peer)
 
     # -- blobs: values past one store value (Note [Blobs]) ---------------------------------------------
-    def set_blob(self, key: str, data: bytes | str, *, chunk_nbytes: int = _CHUNK_BYTES) -> None:
+    def set_blob(self, key: str, data: bytes | str, *, chunk_nbytes: int = _CHUNK_BYTES,
+                 timeout_s: float | None = None) -> None:
         """Store ``data`` of up to ``schema.MAX_PAYLOAD_BYTES`` (64 MiB) under ``key``, for ``get_blob``.
 
         Args:
@@ -363,10 +494,12 @@ class Store:
             data: bytes, or str as UTF-8. Up to ``chunk_nbytes`` it is stored as one value.
             chunk_nbytes: bytes per chunk, ``schema.MIN_CHUNK_BYTES`` (1 KiB) to
                 ``schema.MAX_VALUE_BYTES`` (8 MiB); default 4 MiB.
+            timeout_s: seconds for every round trip together (None: the store's).
 
         Raises:
             MetadataError: ``data`` is over ``schema.MAX_PAYLOAD_BYTES``; nothing is written.
             ConfigError: a bad key or ``chunk_nbytes``.
+            TransferTimeout: the store did not take it all within ``timeout_s``.
 
         Blocking? One round trip per chunk, plus one for the header. Warm path? No: for metadata
         written once (manifests).
@@ -379,6 +512,10 @@ class Store:
         if len(data) > schema.MAX_PAYLOAD_BYTES:
             raise MetadataError(f"{func}: key={key!r}: data of {len(data)} bytes exceeds the limit; expected at most "
                                 f"{schema.MAX_PAYLOAD_BYTES} bytes (schema.MAX_PAYLOAD_BYTES)")
+        with self.deadline(self._limit(timeout_s, func)):
+            self._write_blob(key, data, chunk_nbytes)
+
+    def _write_blob(self, key: str, data: bytes, chunk_nbytes: int) -> None:
         if len(data) <= chunk_nbytes and not data.startswith(_BLOB_MAGIC):
             self.set(key, data)
             return
@@ -400,12 +537,14 @@ class Store:
                 the header's SHA-256 (names the key). Memory is bounded by the header's checked
                 ``nbytes``, at most ``schema.MAX_PAYLOAD_BYTES``.
         """
-        return self._read_blob(key, self.get(self._blob_key(key, "get_blob"), timeout_s=timeout_s), "get_blob")
+        with self.deadline(self._limit(timeout_s, "Store.get_blob")):
+            return self._read_blob(key, self.get(self._blob_key(key, "get_blob"), timeout_s=timeout_s), "get_blob")
 
-    def try_get_blob(self, key: str) -> bytes | None:
+    def try_get_blob(self, key: str, *, timeout_s: float | None = None) -> bytes | None:
         """As ``get_blob``, but ``None`` at once when ``key`` is absent."""
-        value = self.try_get(self._blob_key(key, "try_get_blob"))
-        return None if value is None else self._read_blob(key, value, "try_get_blob")
+        with self.deadline(self._limit(timeout_s, "Store.try_get_blob")):
+            value = self.try_get(self._blob_key(key, "try_get_blob"))
+            return None if value is None else self._read_blob(key, value, "try_get_blob")
 
     def _read_blob(self, key: str, value: bytes, func: str) -> bytes:
         if not value.startswith(_BLOB_MAGIC):
@@ -440,9 +579,9 @@ class Store:
             )
         return key
 
-    def next_generation(self, slot: str) -> int:
+    def next_generation(self, slot: str, *, timeout_s: float | None = None) -> int:
         """Bump and return the generation counter of ``slot`` (e.g. ``"pub/1"``); the first call returns 1."""
-        return self.add(_GENERATION_PREFIX + self._key(slot, "next_generation"), 1, checked=False)
+        return self.add(_GENERATION_PREFIX + self._key(slot, "next_generation"), 1, checked=False, timeout_s=timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -450,7 +589,10 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        self._store = self._tcp = None  # TCPStore has no close(); dropping it stops the server
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        self._server = None  # TCPStore has no close(); dropping it stops the server
         logger.debug("store %s closed", self.address)
 
     def __enter__(self) -> "Store":
