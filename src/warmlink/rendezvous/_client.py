@@ -1,6 +1,24 @@
-"""One TCPStore client connection whose every request ends by its limit. See Note [Store deadlines]
-in ``rendezvous.store``, which says why each piece is here; this module knows nothing of keys,
-prefixes' meaning or warmlink errors (``Store`` translates)."""
+"""One TCPStore client connection whose every request ends by its limit, for ``rendezvous.Store``
+(Note [Store deadlines] there). This module knows nothing of keys or warmlink errors.
+
+# Note [Bounded requests]
+TCPStore's client socket has no timeout (torch 2.13), so a request to a stopped server blocks
+until it answers.
+- A request: ``Client.call`` sets the socket's ``SO_RCVTIMEO`` and ``SO_SNDTIMEO`` to the call's
+  limit, so a blocked send or receive fails when it passes. No thread is involved; the two system
+  calls are made only when the limit changes (a socket timeout up to 1 % + 5 ms longer is kept),
+  so a warm cycle passing one limit pays none. A request that sends more than ``WATCHDOG_BYTES``
+  also gets a watchdog thread: a send that made progress returns after a whole socket timeout and
+  TCPStore sends the rest, so only the watchdog, which shuts the socket down at the limit, bounds
+  the request.
+- A new connection has no socket to set options on until TCPStore's constructor returns, and the
+  constructor's handshake blocks on a stopped server: a watchdog thread shuts the new socket down
+  at the limit, which makes the constructor fail at once.
+- The socket of a connection is found among this process's file descriptors: the one socket new
+  since the constructor started that is connected to the store's port (connections are opened one
+  at a time). The client keeps a duplicate of it; its owner is still TCPStore. A server store uses
+  the connection its TCPStore server opens to itself: a second one would cost a connection more.
+"""
 
 from __future__ import annotations
 
@@ -83,7 +101,8 @@ class _Watchdog:
         self.fired = False
         self._targets = targets
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(timeout_s,), name="warmlink-store-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), name="warmlink-store-watchdog",
+                                        daemon=True)
         self._thread.start()
 
     def _run(self, timeout_s: float) -> None:

@@ -44,24 +44,12 @@ limit is its ``timeout_s`` (default: the store's), cut to what is left of the en
 calls enter one for their round trips; a Publisher enters one per operation), but never under
 ``_MIN_CALL_S``: a round trip started just before a deadline still gets its chance, so a wait that
 times out says what it waited for rather than that its last round trip was cut short.
-- A request: ``rendezvous._client`` sets the connection's socket timeouts (``SO_RCVTIMEO``,
-  ``SO_SNDTIMEO``) to the call's limit, so a blocked send or receive fails when it passes. No
-  thread is involved; the two system calls are made only when the limit changes (a socket timeout
-  up to 1 % + 5 ms longer is kept), so a warm cycle passing one limit pays none. A request that
-  sends more than 1 MiB (blob chunks) also gets a watchdog thread: a send that made progress
-  returns after a whole socket timeout and TCPStore sends the rest, so only the watchdog, which
-  shuts the socket down at the limit, bounds the request.
+- A request's limit reaches the connection's socket as its timeouts, without a thread on the warm
+  path; a new connection's handshake is bounded too (Note [Bounded requests] in rendezvous._client).
 - A connection whose request timed out may still receive that request's late reply, which the
-  next request would read as its own: it is closed, and the next call opens a new one (the
-  handshake bounded as below) once the server answers again. A connection that was lost (the
-  server exited or dropped it) is not reopened: every later call raises PeerLostError.
-- A new connection has no socket to set options on until TCPStore's constructor returns, and the
-  constructor's handshake blocks on a stopped server: a watchdog thread shuts the new socket down
-  at the limit, which makes the constructor fail at once.
-- The socket of a connection is found among this process's file descriptors: the one socket new
-  since the constructor started that is connected to the store's port (connections are opened one
-  at a time). The store keeps a duplicate of it; its owner is still TCPStore. A server store uses
-  the connection its TCPStore server opens to itself: a second one would cost a connection more.
+  next request would read as its own: it is closed, and the next call opens a new one once the
+  server answers again. A connection that was lost (the server exited or dropped it) is not
+  reopened: every later call raises PeerLostError.
 - TCPStore's ``set`` has no reply: sent into the socket's buffer, it returns before the server has
   it, stopped or not. ``Store.set`` follows it with a ``check`` of the key, so it returns once the
   server holds the value and raises TransferTimeout when it does not answer.
@@ -86,14 +74,7 @@ from typing import Any, Callable, Iterator
 
 from warmlink import _env
 from warmlink._backoff import wait_until
-from warmlink.errors import (
-    ConfigError,
-    MetadataError,
-    PeerLostError,
-    TransferError,
-    TransferTimeout,
-    WarmlinkError,
-)
+from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferError, TransferTimeout, WarmlinkError
 from warmlink.rendezvous import _client, schema
 
 __all__ = ["Store"]
@@ -237,7 +218,8 @@ class Store:
 
         def accepts() -> bool:
             try:
-                socket.create_connection((self.host, self.port), timeout=min(max(deadline - time.monotonic(), 1e-3), 1.0)).close()
+                attempt_s = min(max(deadline - time.monotonic(), 1e-3), 1.0)
+                socket.create_connection((self.host, self.port), timeout=attempt_s).close()
                 return True
             except OSError as e:
                 last[0] = f"{type(e).__name__}: {e}"
@@ -245,8 +227,9 @@ class Store:
                     raise PeerLostError(f"Store: the store server at {self.address} is gone ({last[0]})") from None
                 return False
 
-        wait_until(accepts, timeout_s=max(deadline - time.monotonic(), 0.0), first_s=0.005, cap_s=0.1, what=lambda: (
-            f"Store: no store server at {self.host}:{self.port} after {self.timeout_s:.3g} s (last error: {last[0]}); "
+        limit_s = max(deadline - time.monotonic(), 0.0)
+        wait_until(accepts, timeout_s=limit_s, first_s=0.005, cap_s=0.1, what=lambda: (
+            f"Store: no store server at {self.host}:{self.port} after {limit_s:.3g} s (last error: {last[0]}); "
             "expected a Store(is_server=True) listening there"))
 
     def _connect(self, deadline: float, func: str) -> _client.Client:
