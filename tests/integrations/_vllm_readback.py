@@ -23,12 +23,26 @@ class ReadBack:
                 mod = model.get_submodule(name.rpartition(".")[0])
                 if not hasattr(mod, "cpu_linear"):
                     continue
-                eye = torch.eye(mod.input_size_per_partition, dtype=p.dtype)
+                eye = torch.eye(getattr(mod, "input_size_per_partition", mod.input_size), dtype=p.dtype)
                 out[name] = mod.cpu_linear(eye, None, None).t().contiguous()
             else:
                 out[name] = p.detach().cpu().clone()
         return {n: (list(t.shape), str(t.dtype).removeprefix("torch."), t.contiguous().view(torch.uint8).numpy().tobytes())
                 for n, t in out.items()}
+
+    def warmlink_misread(self, tp: int, rank: int) -> str | None:
+        """Check this worker's live modules against the vllm layouts of another rank (``tp``,
+        ``rank``): the LayoutError's message, or None if they were accepted."""
+        from warmlink.errors import LayoutError
+        from warmlink.integrations.vllm._live import read_engine
+        from warmlink.refit.families import layouts
+
+        config = self.model_runner.model_config.hf_config
+        try:
+            read_engine(self.model_runner.model, layouts(config, convention="vllm", tp=tp, rank=rank, dtype="float32"))
+        except LayoutError as exc:
+            return str(exc)
+        return None
 
     def warmlink_engine_state(self) -> dict:
         """The warmlink engine's version, what it installs in place / streams, and its last report."""

@@ -35,14 +35,20 @@ NEW_TOKENS = 8
 # vocabulary of 300 (padded by vLLM to 320, by Megatron to 384 at TP 2), untied LM head.
 QWEN2 = dict(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+# The same with 4 experts (top 2) in layer 0 and a dense layer 1 (vLLM's RoutedExperts w13/w2 and a
+# GateLinear router beside Merged/RowParallelLinear), q/k norms.
+QWEN3_MOE = dict(QWEN2, head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                 norm_topk_prob=True)
 
 
-def save_tiny_qwen2(path: str) -> None:
+def save_tiny(path: str, family: str) -> None:
+    """A tiny random ``family`` ("qwen2" or "qwen3_moe") model saved with transformers (no downloads)."""
     import torch
     import transformers as T
 
     torch.manual_seed(0)
-    T.Qwen2ForCausalLM(T.Qwen2Config(**QWEN2)).float().save_pretrained(path)
+    config = T.Qwen2Config(**QWEN2) if family == "qwen2" else T.Qwen3MoeConfig(**QWEN3_MOE)
+    T.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
 
 
 def _batches(vocab: int, steps: int):

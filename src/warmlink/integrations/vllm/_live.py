@@ -19,7 +19,9 @@ both layouts, raised before any byte moves.
 A module is installed in place when its kind is known, it is not quantized and its parameters are
 still the tensors the layout describes, and the tensors its forward reads. Otherwise (a quantized
 method, weights vLLM re-packed after loading, as its CPU backend does for every linear layer and
-the LM head: ``cpu_linear`` computes with a packed copy, or a module kind not read here) it is
+the LM head, whose ``cpu_linear`` computes with a packed copy, MoE experts of a backend that keeps
+them in a kernel layout (CPU, FlashInfer, AITER; Triton computes with them as loaded), or a module
+kind not read here) it is
 *streamed*: each logical tensor feeding it is pulled, as much of it as the module's loader keeps
 (the boxes above, in a tensor of the logical shape), and handed to ``model.load_weights`` under
 vLLM's layerwise reload, which re-runs the module's post-processing (Note [Streaming receive]).
@@ -184,6 +186,19 @@ def _quantized(module) -> bool:
     return method is not None and not type(method).__name__.startswith("Unquantized")
 
 
+# FusedMoE backends that compute with w13/w2 as loaded (``convert_to_unquantized_kernel_format``
+# returns them unchanged); the others (CPU prepacking, FlashInfer, AITER shuffles) re-lay them.
+_MOE_AS_LOADED = ("TRITON", "BATCHED_TRITON")
+
+
+def _kernel_format(module) -> str | None:
+    """Why ``module`` computes from another layout than the one it loaded, or None."""
+    backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+    if backend is not None and getattr(backend, "name", None) not in _MOE_AS_LOADED:
+        return f"its MoE backend {backend.name} keeps the experts in a kernel layout"
+    return None
+
+
 def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto") -> EngineLayouts:
     """Read ``model``'s modules, check ``family`` (``families.layouts(..., convention="vllm")`` of
     this rank) against them, and split the tensors into in-place and streamed (Note [Live vLLM layouts]).
@@ -213,10 +228,13 @@ def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto"
                               f"live {type(model).__name__} does not have; expected vLLM's parameter names") from None
         reader = next((r for cls, r in kinds if isinstance(module, cls)), None)
         why = None if reader is not None else f"module kind {type(module).__name__} is not read by warmlink"
+        verify = reader is not None and not _quantized(module)  # a quantized tensor is another shape
         if why is None and _quantized(module):
             why = f"quantized ({type(module.quant_method).__name__})"
         if why is None and hasattr(module, "cpu_linear"):
             why = "vLLM's CPU backend computes with a packed copy of its weight (cpu_linear)"
+        if why is None:
+            why = _kernel_format(module)
         targets = {}
         for leaf, layout in leaves.items():
             live = module._parameters.get(leaf)
@@ -226,7 +244,7 @@ def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto"
                 raise LayoutError(f"vllm engine: layout {layout.name!r} names no parameter or buffer {leaf!r} of the live "
                                   f"{type(module).__name__} {mod_name!r}; expected vLLM's parameter names")
             shape, dtype = _original(module, leaf, live)
-            if reader is not None and why is None:
+            if verify:
                 _check(module, mod_name, leaf, layout, reader, shape, dtype)
             if why is None and (tuple(live.shape) != shape or live.dtype != dtype or not live.is_contiguous()):
                 why = f"{leaf} was re-made after loading (now {tuple(live.shape)} {dtype_name(live.dtype)})"

@@ -85,7 +85,8 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
         version: the warmlink version the model holds (0 before the first update).
         layouts: the ``EngineLayouts`` read at init (in place / streamed, and why).
         last_report: ``{"in_place": CycleReport.as_dict(), "stream": StreamReport.as_dict()}`` of
-            the last update (``stream`` absent when nothing is streamed).
+            the last update (``stream`` absent when nothing is streamed); the stream's also has
+            ``deferred_nbytes`` and ``peak_extra_bytes`` (its slots plus those copies), bytes.
     """
 
     init_info_cls = WarmlinkInitInfo
@@ -101,6 +102,7 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
         self._store = None
         self._in_place = None
         self._stream = None
+        self._deferred_nbytes = 0
 
     # -- vLLM's calls ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WarmlinkInitInfo) -> None:
@@ -190,7 +192,12 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
     def _receive(self, version: int) -> None:
         report: dict = {}
         if self._stream is not None:
+            self._deferred_nbytes = 0
             report["stream"] = self._stream_version(version).as_dict()
+            # Peak extra memory of the stream: its receive slots, plus the copies handed to padded
+            # modules, which vLLM keeps until the end of the update.
+            report["stream"]["deferred_nbytes"] = self._deferred_nbytes
+            report["stream"]["peak_extra_bytes"] = report["stream"]["peak_buffer_bytes"] + self._deferred_nbytes
         if self._in_place is not None:
             try:
                 report["in_place"] = self._in_place.refit(version=version).as_dict()
@@ -243,6 +250,7 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
 
         deferred = self.layouts.deferred
         named = [(n, t.clone() if n in deferred else t) for n, t in weights]
+        self._deferred_nbytes += sum(t.numel() * t.element_size() for n, t in named if n in deferred)
         with _no_mtp_check():
             self.model.load_weights(iter(named))
         pending = sorted({type(owner[n]).__name__ for n, _ in named
