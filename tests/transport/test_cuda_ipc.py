@@ -38,14 +38,15 @@ HANDLE = bytes(range(64))
 
 # -- CPU ------------------------------------------------------------------------------------------
 def test_copy_method_resolution():
-    assert COPY_METHODS == ("auto", "batch", "loop")
-    assert resolve_copy_method("auto", lambda: True) == "batch"
+    assert COPY_METHODS == ("auto", "batch", "loop", "kernel")
+    assert resolve_copy_method("auto", lambda: True) == "batch"  # the copy engines' method beside the kernel
     assert resolve_copy_method("auto", lambda: False) == "loop"
+    assert resolve_copy_method("kernel", lambda: True) == "batch"
     assert resolve_copy_method("loop", lambda: True) == "loop"
     assert resolve_copy_method("batch", lambda: True) == "batch"
     with pytest.raises(ConfigError, match="unavailable"):
         resolve_copy_method("batch", lambda: False)
-    with pytest.raises(ConfigError, match=r"\['auto', 'batch', 'loop'\]"):
+    with pytest.raises(ConfigError, match=r"\['auto', 'batch', 'loop', 'kernel'\]"):
         resolve_copy_method("memcpy", lambda: True)
 
 

@@ -17,19 +17,21 @@ __all__ = ["MAX_STREAMS", "COPY_METHODS", "resolve_copy_method", "build_descript
 MAX_STREAMS = 16
 _LEGACY_STREAM = 1  # cudaStreamLegacy: torch's handle 0 is the legacy default stream, whatever
 # default-stream mode the bindings' runtime was built with
-COPY_METHODS = ("auto", "batch", "loop")
+COPY_METHODS = ("auto", "batch", "loop", "kernel")
 _HEX = frozenset("0123456789abcdef")
 
 
 def resolve_copy_method(copy_method: str, batch_supported: Callable[[], bool]) -> str:
-    """``"batch"`` or ``"loop"`` for a ``copy_method`` argument; ``batch_supported()`` decides ``"auto"``.
+    """The copy-engine method (``"batch"`` or ``"loop"``) for a ``copy_method`` argument;
+    ``batch_supported()`` decides ``"auto"`` and ``"kernel"`` (whose copies the kernel cannot take,
+    and copies between GPUs, still go to the copy engines).
 
     Raises:
         ConfigError: an unknown name, or ``"batch"`` where ``cudaMemcpyBatchAsync`` is unavailable.
     """
     if copy_method not in COPY_METHODS:
         raise ConfigError(f"CudaIpcLink: copy_method={copy_method!r} is unknown; expected one of {list(COPY_METHODS)}")
-    if copy_method == "auto":
+    if copy_method in ("auto", "kernel"):
         return "batch" if batch_supported() else "loop"
     if copy_method == "batch" and not batch_supported():
         raise ConfigError("CudaIpcLink: copy_method='batch' but cudaMemcpyBatchAsync is unavailable (needs "
@@ -94,20 +96,27 @@ class CudaIpcRemoteRegion(RemoteRegion):
 
 
 class CopyPlan:
-    """Pointer lists of a batch (``Batch.prepared``), built once per direction and stream count."""
+    """Pointer lists of a batch (``Batch.prepared``), built once per direction and stream count.
 
-    __slots__ = ("device", "flat", "strided", "_work")
+    ``same_device``: every remote region is memory of the link's own GPU (a colocated peer), so the
+    copies may run as one kernel (Note [Copy kernel] in ``transport._copy_kernel``).
+    """
 
-    def __init__(self, device: int, flat: list[tuple], strided: list[tuple]) -> None:
+    __slots__ = ("device", "flat", "strided", "same_device", "_work", "_kernels")
+
+    def __init__(self, device: int, flat: list[tuple], strided: list[tuple], same_device: bool = False) -> None:
         self.device = device
         self.flat = flat  # (local_ptr, remote_ptr, nbytes)
         self.strided = strided  # (local_ptr, local_pitch, remote_ptr, remote_pitch, row_nbytes, num_rows)
+        self.same_device = same_device
         self._work: dict = {}
+        self._kernels: dict = {}
 
     @classmethod
-    def build(cls, batch: Batch, device: int) -> "CopyPlan":
+    def build(cls, batch: Batch, device: int, *, kernel: bool = False) -> "CopyPlan":
+        """The plan of ``batch``; with ``kernel``, also whether its peers share this GPU."""
         for idx, c in enumerate((*batch.flat, *batch.strided)):
-            if c.local.desc.get("kind") != "cuda_ipc" or c.local._closed or c.local.device != device:
+            if c.local.desc.get("kind") not in ("cuda_ipc", "local") or c.local._closed or c.local.device != device:
                 raise ConfigError(f"CudaIpcLink.prepare: copies[{idx}].local={c.local!r}; expected an open "
                                   f"cuda_ipc region of cuda:{device}")
             if not isinstance(c.remote, CudaIpcRemoteRegion) or c.remote._closed:
@@ -116,25 +125,51 @@ class CopyPlan:
         flat = [(c.local.ptr + c.local_offset, c.remote.ptr + c.remote_offset, c.row_nbytes) for c in batch.flat]
         strided = [(c.local.ptr + c.local_offset, c.local_pitch, c.remote.ptr + c.remote_offset, c.remote_pitch,
                     c.row_nbytes, c.num_rows) for c in batch.strided]
-        return cls(device, flat, strided)
+        # Where each mapped region's memory lives, in this process's device numbering: asked once
+        # per region while preparing (setup), never per cycle.
+        remotes = {id(c.remote): c.remote for c in (*batch.flat, *batch.strided)}
+        same = kernel and bool(remotes) and all(_cuda.pointer_device(r.ptr) == device for r in remotes.values())
+        return cls(device, flat, strided, same)
 
-    def work(self, direction: str, num_streams: int) -> list[tuple[list, list, list, list]]:
-        """Per stream ``(dsts, srcs, sizes, memcpy2d_args)``, balanced by bytes; cached."""
-        work = self._work.get((direction, num_streams))
+    def kernel(self, direction: str):
+        """The copies as one kernel (``transport._copy_kernel.CopyPlan``; its ``rest`` still need
+        the copy engines), built once per direction."""
+        from warmlink.transport import _copy_kernel
+
+        plan = self._kernels.get(direction)
+        if plan is None:
+            read = direction == "read"
+            copies = [(lp, rp, n, 1, 0, 0) if read else (rp, lp, n, 1, 0, 0) for lp, rp, n in self.flat]
+            copies += [(lp, rp, w, h, lpitch, rpitch) if read else (rp, lp, w, h, rpitch, lpitch)
+                       for lp, lpitch, rp, rpitch, w, h in self.strided]
+            plan = self._kernels[direction] = _copy_kernel.CopyPlan(copies, device=self.device,
+                                                                     chunk_nbytes=_copy_kernel.CHUNK_NBYTES)
+        return plan
+
+    def work(self, direction: str, num_streams: int, *, kernel: bool = False) -> list[tuple[list, list, list, list]]:
+        """Per stream ``(dsts, srcs, sizes, memcpy2d_args)``, balanced by bytes; cached. With
+        ``kernel``, only the copies the kernel leaves to the copy engines."""
+        work = self._work.get((direction, num_streams, kernel))
         if work is not None:
             return work
         read = direction == "read"
+        flat, strided = self.flat, self.strided
+        if kernel:
+            rest = self.kernel(direction).rest  # (dst, src, row_nbytes, rows, dst_pitch, src_pitch)
+            flat = [(d, s, n) if read else (s, d, n) for d, s, n, rows, _, _ in rest if rows == 1]
+            strided = [(d, dp, s, sp, n, rows) if read else (s, sp, d, dp, n, rows)
+                       for d, s, n, rows, dp, sp in rest if rows > 1]
         work = [([], [], [], []) for _ in range(num_streams)]
         load = [0] * num_streams
-        for lp, rp, n in (self.flat if num_streams == 1 else sorted(self.flat, key=lambda f: -f[2])):
+        for lp, rp, n in (flat if num_streams == 1 else sorted(flat, key=lambda f: -f[2])):
             i = load.index(min(load))
             work[i][0].append(lp if read else rp)
             work[i][1].append(rp if read else lp)
             work[i][2].append(n)
             load[i] += n
-        for lp, lpitch, rp, rpitch, width, height in self.strided:
+        for lp, lpitch, rp, rpitch, width, height in strided:
             i = load.index(min(load))
             work[i][3].append((lp, lpitch, rp, rpitch, width, height) if read else (rp, rpitch, lp, lpitch, width, height))
             load[i] += width * height
-        self._work[(direction, num_streams)] = work
+        self._work[(direction, num_streams, kernel)] = work
         return work

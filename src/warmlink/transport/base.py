@@ -308,6 +308,16 @@ class Link(abc.ABC):
                 not in a shareable allocation); callers then stage into ``allocate``.
         """
 
+    def local_region(self, tensor) -> LocalRegion:
+        """This process's ``tensor`` as the local end of copies, never announced to peers (a
+        receiver pulling straight into its model's parameters). Backends whose copies need
+        registered memory on both ends (nixl) register it; ``release`` gives it back.
+
+        Raises:
+            LayoutError: the link cannot copy into this tensor (another device, not contiguous).
+        """
+        return self.register(tensor)
+
     def device_scope(self):
         """A context to hold around many calls in a row (``register`` over a model's tensors): a
         GPU link makes its device current once instead of once per call. Nothing on host memory."""

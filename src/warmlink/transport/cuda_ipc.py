@@ -35,6 +35,7 @@ from warmlink.pool.arenas import lease_arena
 from warmlink.pool.events import lease_event
 from warmlink.pool.registrations import registration_cache
 from warmlink.pool.streams import lease_stream
+from warmlink.transport import _copy_kernel
 from warmlink.transport._cuda_ipc_parts import (
     COPY_METHODS,
     MAX_STREAMS,
@@ -191,9 +192,12 @@ class CudaIpcLink(Link):
         timeout_s: default ``Transfer.wait`` timeout in seconds (> 0).
         num_streams: copy streams (1 to 16); copies are spread over them by bytes. One copy-engine
             stream already reaches the link peak (DESIGN.md hardware table).
-        copy_method: ``"auto"`` (``"batch"`` when ``cudaMemcpyBatchAsync`` is available, else
-            ``"loop"``), ``"batch"`` (one ``cudaMemcpyBatchAsync`` per stream and call) or ``"loop"``
-            (one ``cudaMemcpyAsync`` per copy). Strided copies always use ``cudaMemcpy2DAsync``.
+        copy_method: ``"auto"`` (the default: a batch whose peers share this GPU runs as one copy
+            kernel when Triton is there, Note [Copy kernel]; other copies go to the copy engines,
+            ``"batch"`` when ``cudaMemcpyBatchAsync`` is available, else ``"loop"``), ``"kernel"``
+            (the same, but an error without Triton), ``"batch"`` (one ``cudaMemcpyBatchAsync`` per
+            stream and call) or ``"loop"`` (one ``cudaMemcpyAsync`` per copy). Strided copies on the
+            copy engines use ``cudaMemcpy2DAsync``.
 
     Raises:
         ConfigError: a bad argument (checked before any CUDA call).
@@ -221,6 +225,10 @@ class CudaIpcLink(Link):
         if not _cuda.available():
             raise BackendUnavailable(f"CudaIpcLink: CUDA is unavailable ({_cuda.unavailable_reason()}); use the 'shm' backend")
         self.copy_method = resolve_copy_method(copy_method, _cuda.batch_supported)
+        self.kernel_copies = copy_method in ("auto", "kernel") and _copy_kernel.available()
+        if copy_method == "kernel" and not self.kernel_copies:
+            raise ConfigError("CudaIpcLink: copy_method='kernel' but Triton is not installed; expected 'auto', 'batch' "
+                              "or 'loop'")
         self.num_streams = num_streams
         self._lock = threading.Lock()
         self._deferred: list = []
@@ -298,6 +306,12 @@ class CudaIpcLink(Link):
             raise
         return self._hold(LocalRegion(flat, nbytes, self.device, ptr, desc, owner=_Owner(token)))
 
+    def local_region(self, tensor) -> LocalRegion:
+        """A contiguous tensor of this device as the local end of copies, with no IPC export."""
+        self._check_open("local_region")
+        flat = self._flat_view(tensor)
+        return self._hold(LocalRegion(flat, flat.numel(), self.device, flat.data_ptr(), {"kind": "local"}, owner=None))
+
     def allocate(self, nbytes: int) -> LocalRegion:
         """A registered region of ``nbytes`` bytes in a pool arena (contents undefined); ``release``
         gives back both the registration and the arena."""
@@ -317,7 +331,7 @@ class CudaIpcLink(Link):
         """Give back a region from ``register`` or ``allocate``. Safe to call twice."""
         if region._closed:
             return
-        if region.desc.get("kind") != "cuda_ipc":
+        if region.desc.get("kind") not in ("cuda_ipc", "local"):
             raise ConfigError(f"CudaIpcLink.release: region kind={region.desc.get('kind')!r}; expected 'cuda_ipc'")
         self._forget(region)
         region.tensor = None
@@ -374,7 +388,11 @@ class CudaIpcLink(Link):
 
     # -- bytes -------------------------------------------------------------------------------
     def _prepare_backend(self, batch: Batch) -> CopyPlan:
-        return CopyPlan.build(batch, self.device)
+        plan = CopyPlan.build(batch, self.device, kernel=self.kernel_copies)
+        if plan.same_device:
+            with _cuda.use_device(self.device):
+                plan.kernel("read").compile()  # setup, not the first pull: the table and the kernel
+        return plan
 
     def read(self, batch: Batch) -> CudaIpcTransfer:
         """Pull remote -> local for every copy of ``batch``; returns at once. See Note [Copy ordering]."""
@@ -389,8 +407,9 @@ class CudaIpcLink(Link):
 
         plan = batch.prepared
         if not isinstance(plan, CopyPlan) or plan.device != self.device:
-            plan = batch.prepared = CopyPlan.build(batch, self.device)
-        work = plan.work(direction, self.num_streams)
+            plan = batch.prepared = CopyPlan.build(batch, self.device, kernel=self.kernel_copies)
+        kernel = plan.kernel(direction) if plan.same_device else None
+        work = plan.work(direction, self.num_streams, kernel=kernel is not None)
         batched = self.copy_method == "batch"
         with self._lock:
             self._check_open(direction)
@@ -401,6 +420,9 @@ class CudaIpcLink(Link):
                     current = torch.cuda.current_stream(self.device).cuda_stream
                     _cuda.event_record(self._order, current or _LEGACY_STREAM)
                     primary = self._streams[0]
+                    if kernel is not None:  # See Note [Copy kernel]
+                        _cuda.stream_wait_event(primary, self._order)
+                        kernel.launch(primary)
                     for idx, (dsts, srcs, sizes, strided) in enumerate(work):
                         stream = self._streams[idx]
                         if idx and not sizes and not strided:

@@ -204,6 +204,15 @@ class ShmLink(Link):
         flat = tensor.reshape(-1).view(__import__("torch").uint8) if nbytes else tensor
         return self._hold(LocalRegion(flat, nbytes, -1, ptr, desc, owner=("registration", token)))
 
+    def local_region(self, tensor) -> LocalRegion:
+        """Any contiguous CPU tensor: the copy thread writes it through this process's own view."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise LayoutError(f"ShmLink.local_region: tensor on {tensor.device} with strides {tensor.stride()}; "
+                              "expected a contiguous CPU tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        flat = tensor.reshape(-1).view(__import__("torch").uint8) if nbytes else tensor
+        return self._hold(LocalRegion(flat, nbytes, -1, tensor.data_ptr(), {"kind": "local"}, owner=None))
+
     def allocate(self, nbytes: int) -> LocalRegion:
         lease = arenas.lease_arena("shm", nbytes)
         arena = lease.resource
@@ -213,8 +222,10 @@ class ShmLink(Link):
     def release(self, region: LocalRegion) -> None:
         if not self._forget(region):
             return
-        kind, handle = region._owner
         region.tensor = None
+        if region._owner is None:  # a local region: nothing was registered or leased
+            return
+        kind, handle = region._owner
         (_registrations.release(handle) if kind == "registration" else handle.release())
 
     # -- peers ---------------------------------------------------------------------------------
