@@ -416,6 +416,11 @@ class SharedCache(Generic[K, R]):
         with self._lock:
             return list(self._entries)
 
+    def values(self) -> list[R]:
+        """The cached resources now (held or idle), for reporting what a cache holds."""
+        with self._lock:
+            return [entry.resource for entry in self._entries.values()]
+
     def _destroy_entry(self, entry: _Entry[R]) -> None:
         try:
             self._destroy(entry.resource)

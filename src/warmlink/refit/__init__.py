@@ -8,6 +8,7 @@ framework convention (``warmlink.refit.families``: ``hf``, ``vllm``, ``megatron`
 
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 from warmlink.refit.publisher import Publisher
-from warmlink.refit.receiver import CycleReport, Receiver, RefitHandle
+from warmlink.refit.receiver import CycleReport, PartialLoadError, Receiver, RefitHandle, StreamReport
 
-__all__ = ["Publisher", "Receiver", "RefitHandle", "CycleReport", "TensorLayout", "Shard", "Part"]
+__all__ = ["Publisher", "Receiver", "RefitHandle", "CycleReport", "StreamReport", "PartialLoadError", "TensorLayout",
+           "Shard", "Part"]

@@ -24,8 +24,9 @@ cycle succeeded gives it back on ``close()``: it stays idle (parked) and the nex
 key matches exactly leases it again. The key holds everything those objects depend on: the
 ``Store`` object, number of publishers, device, backend, install mode, run cap, name map and
 every declared layout in order. Targets are not in it: "copy" install copies into the new
-receiver's own targets, and a "swap" state (whose targets point into the buffers) is destroyed
-on close, never parked, as is the state of a receiver whose last cycle failed.
+receiver's own targets, and a "swap" state (whose targets point into the buffers) and a "direct"
+one (whose buffers are its targets) are destroyed on close, never parked, as is the state of a
+receiver whose last cycle failed.
 
 Nothing is trusted more than before: a parked state is reset by ``SourceSet.unverify``, so its
 next owner re-reads every manifest on its first sync and anything that changed is rebuilt as for
@@ -98,16 +99,23 @@ class ReceiveState:
         return _plans.get(sig, lambda _sig: build_plan(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
                                                        name_map=name_map, _signature=sig))
 
-    def buffers(self, plan, parity: int) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
+    def buffers(self, plan, parity: int, targets=None) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
         """Buffers for ``plan`` to pull into, their token for ``release_buffers`` or
         ``keep_installed``, and (swap, pooling on) the other half of the double buffer, made now
-        so that the next cycle allocates nothing. ``parity``: the half the pull writes."""
+        so that the next cycle allocates nothing. ``parity``: the half the pull writes.
+        ``targets`` (install ``"direct"``): per plan tensor, the tensor to pull straight into or
+        None; their addresses are part of the key, so other targets get other buffers."""
         def make(_key) -> ReceiveBuffers:
-            return ReceiveBuffers(self.link, plan)
+            return ReceiveBuffers(self.link, plan, targets)
 
-        bufs, token = self._buffers.acquire((plan.signature, parity), make)
-        twin = self._buffers.preload((plan.signature, 1 - parity), make) if self.key.install == "swap" else None
+        where = tuple(t.data_ptr() if t is not None else 0 for t in targets) if targets is not None else None
+        bufs, token = self._buffers.acquire((plan.signature, parity, where), make)
+        twin = self._buffers.preload((plan.signature, 1 - parity, where), make) if self.key.install == "swap" else None
         return bufs, token, twin
+
+    def buffer_nbytes(self) -> int:
+        """Bytes of receive memory this state holds now (every buffer set it caches)."""
+        return sum(bufs.region.nbytes for bufs in self._buffers.values())
 
     def release_buffers(self, token) -> None:
         """End a cycle's hold on its buffers (with pooling off, they go back to the arenas)."""
@@ -127,9 +135,10 @@ class ReceiveState:
             self.sources.close_regions()
 
     def reset(self) -> bool:
-        """Ready for the next owner (Note [Parked receive state]): it re-reads every manifest."""
+        """Ready for the next owner (Note [Parked receive state]): it re-reads every manifest.
+        A ``"direct"`` state's buffers are its owner's targets: never handed to another."""
         self.sources.unverify()
-        return self._installed is None
+        return self._installed is None and self.key.install != "direct"
 
     def close(self) -> None:
         if self._closed:

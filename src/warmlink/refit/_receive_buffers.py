@@ -10,9 +10,18 @@ from warmlink._dtypes import torch_dtype
 from warmlink.pool.core import SharedCache
 from warmlink.transport.base import Copy
 
-__all__ = ["ReceiveBuffers"]
+__all__ = ["ReceiveBuffers", "direct_target"]
 
 _ALIGN = 256
+
+
+def direct_target(tp, target, device: int):
+    """``target`` when tensor plan ``tp`` can be pulled straight into it (install ``"direct"``): no
+    cast and no staged pull to translate afterwards, contiguous, on the link's device; else None."""
+    if target is None or tp.needs_cast or tp.staged or not target.is_contiguous():
+        return None
+    on = -1 if target.device.type == "cpu" else target.device.index
+    return target if on == device and target.numel() else None
 
 
 class ReceiveBuffers:
@@ -20,19 +29,26 @@ class ReceiveBuffers:
 
     ``recv[i]`` is tensor i as pulled (source dtype, destination shape), ``scratch[i]`` the bytes
     its staged pulls land in (None when it has none), ``final[i]`` what is installed: ``recv[i]``
-    itself, or a tensor of the destination dtype that a cast fills.
+    itself, or a tensor of the destination dtype that a cast fills. With ``direct[i]`` (install
+    ``"direct"``: ``targets[i]`` passed ``direct_target``) the pull lands in the target itself:
+    ``recv[i]`` and ``final[i]`` are the target, and no receive memory is taken for it.
     """
 
-    __slots__ = ("link", "region", "recv_offsets", "scratch_offsets", "recv", "scratch", "final", "_batches")
+    __slots__ = ("link", "region", "recv_offsets", "scratch_offsets", "recv", "scratch", "final", "direct",
+                 "_direct_regions", "_batches")
 
-    def __init__(self, link, plan) -> None:
+    def __init__(self, link, plan, targets=None) -> None:
         import torch
 
         self.link = link
+        self.direct = [direct_target(tp, t, link.device) for tp, t in zip(plan.tensors, targets)] \
+            if targets is not None else [None] * len(plan.tensors)
+        # Straight into the model: the link's local view of each target (not announced to peers).
+        self._direct_regions = [link.local_region(t) if t is not None else None for t in self.direct]
         self.recv_offsets, self.scratch_offsets, total = [], [], 0
-        for tp in plan.tensors:
+        for tp, d in zip(plan.tensors, self.direct):
             self.recv_offsets.append(total)
-            total += _round(tp.recv_nbytes)
+            total += 0 if d is not None else _round(tp.recv_nbytes)
             self.scratch_offsets.append(total)
             total += _round(tp.scratch_nbytes)
         self.region = link.allocate(max(total, _ALIGN))
@@ -42,13 +58,17 @@ class ReceiveBuffers:
         # Offsets are multiples of _ALIGN, hence of every itemsize; buf's length is too.
         typed: dict[str, object] = {}
         self.recv = []
-        for tp, o in zip(plan.tensors, self.recv_offsets):
+        for tp, o, d in zip(plan.tensors, self.recv_offsets, self.direct):
+            if d is not None:
+                self.recv.append(d)
+                continue
             view = typed.get(tp.src_dtype)
             if view is None:
                 view = typed[tp.src_dtype] = buf.view(torch_dtype(tp.src_dtype))
             self.recv.append(view.as_strided(tp.dst_shape, _contiguous_strides(tp.dst_shape),
                                              view.storage_offset() + o // view.element_size()))
-        # Padding is never written by a pull: zeroed once here, it stays zero (Note [Layout rules]).
+        # Padding is never written by a pull: zeroed once here, it stays zero (Note [Layout rules]);
+        # a target pulled into directly has its padding zeroed here too, as a copy install would.
         for tp, r in zip(plan.tensors, self.recv):
             if tp.padded:
                 r.zero_()
@@ -73,9 +93,14 @@ class ReceiveBuffers:
         copies = []
         for i, tp in enumerate(plan.tensors):
             base, scratch = self.recv_offsets[i], self.scratch_offsets[i]
+            local = self._direct_regions[i]
+            if local is not None:
+                base = 0
+            else:
+                local = self.region
             for run in tp.runs:
                 remote, offset = sources.region_of(run.src_rank, run.src_tensor)
-                copies.append(Copy(self.region, base + run.dst_offset, remote, offset + run.src_offset,
+                copies.append(Copy(local, base + run.dst_offset, remote, offset + run.src_offset,
                                    run.row_nbytes, run.num_rows, run.dst_pitch, run.src_pitch))
             for sp in tp.staged:
                 remote, offset = sources.region_of(sp.src_rank, sp.src_tensor)
@@ -85,6 +110,9 @@ class ReceiveBuffers:
     def close(self) -> None:
         """Give the region back to the link's arenas. Safe to call twice (``Link.release`` is)."""
         self._batches.clear()
+        for region in self._direct_regions:
+            if region is not None:
+                self.link.release(region)
         self.link.release(self.region)
 
     def __repr__(self) -> str:

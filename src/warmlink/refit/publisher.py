@@ -140,6 +140,12 @@ class Publisher(Closing):
         """
         self._declare(declare_module(module, layouts, dtype), "add_module")
 
+    @property
+    def staging_nbytes(self) -> int:
+        """Memory this publisher holds beyond the tensors it was given, in bytes: the staging arena
+        of tensors it cannot publish in place (0 when every tensor is read where it lies)."""
+        return self._staging.nbytes if self._staging is not None else 0
+
     def layouts(self) -> dict[str, TensorLayout]:
         """Every declared tensor's layout by name (what the manifest announces), a new dict."""
         return {name: e.layout for name, e in self._entries.items()}

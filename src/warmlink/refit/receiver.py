@@ -15,6 +15,7 @@ Note [Streaming receive]).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable, Mapping
@@ -36,6 +37,20 @@ __all__ = ["Receiver", "RefitHandle", "CycleReport", "StreamReport", "PartialLoa
 
 log = logging.getLogger("warmlink.refit")
 
+# Note [Install modes]
+# A version is installed only once every byte of it arrived, so that the engine holds the old
+# version or the new one (DESIGN invariant 3). "copy" and "swap" pull into receive memory the
+# engine never reads and install after the pull: generation may run during the pull
+# (start_refit). Colocated engines (trainer and engine alternating on one GPU) have no memory for a
+# second copy of the weights and generate nothing during a refit, so "direct" pulls straight into
+# the targets: no receive memory, no install pass. The pull then *is* the install: the engine must
+# not read the targets while a cycle is in flight, and a cycle that fails after its copies started
+# leaves them holding a mix, which it says by raising PartialLoadError (installed_version becomes
+# None until a cycle completes). On one host the copies read memory the publisher keeps mapped and
+# does not write while this receiver reads (Note [Version protocol]), so a publisher dying
+# mid-pull still leaves a complete version; what remains is a local failure. Tensors a pull cannot
+# land in directly (a cast, a staged re-slice) still go through receive memory and a copy.
+
 
 class Receiver(Closing):
     """One inference rank's view of the published weights.
@@ -46,9 +61,13 @@ class Receiver(Closing):
         device: where received tensors live: a CUDA index / ``torch.device``, or ``"cpu"``.
             Default: the device of the first ``target`` added, else CPU.
         backend: ``"auto"`` (default), ``"shm"`` or ``"cuda_ipc"``; must match the publishers'.
-        install: ``"copy"`` (default: copy into targets; their addresses stay, safe with CUDA
-            graphs) or ``"swap"`` (targets' ``.data`` point at double-buffered received memory;
-            no bytes move at install, memory for two copies of the weights).
+        install: how a version reaches the targets (Note [Install modes]): ``"copy"`` (default:
+            pull into receive memory, then copy into the targets, whose addresses stay: safe with
+            CUDA graphs and with generation running during the pull), ``"swap"`` (targets'
+            ``.data`` point at double-buffered received memory: no install pass, memory for two
+            copies of the weights) or ``"direct"`` (pull straight into the targets: no install
+            pass and no receive memory; the engine must not read the targets while a cycle is in
+            flight, and a cycle that fails after its copies started raises ``PartialLoadError``).
         max_runs_per_tensor: above this many copies for one tensor, pull whole shards and slice
             locally.
         name_map: destination logical name -> publisher logical name.
@@ -143,8 +162,8 @@ class Receiver(Closing):
             t = tensors[name]
             if is_dtensor(t) and self.install == "swap":
                 raise ConfigError(f"Receiver.add_module: {name!r} is a DTensor; install='swap' cannot re-point its local "
-                                  "shard; expected install='copy'")
-            self.add(name, layout, local_tensor(t) if self.install == "copy" else t)
+                                  "shard; expected install='copy' or 'direct'")
+            self.add(name, layout, t if self.install == "swap" else local_tensor(t))
 
     def _resolve_device(self) -> int:
         import torch
@@ -202,7 +221,8 @@ class Receiver(Closing):
             t2 = time.perf_counter()
             report.plan_s = t2 - t1
 
-            bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0)
+            targets = [self._targets.get(tp.dst) for tp in plan.tensors] if self.install == "direct" else None
+            bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0, targets)
             t3 = time.perf_counter()
             report.alloc_s = t3 - t2
 
@@ -314,7 +334,15 @@ class Receiver(Closing):
         self._link = self._state.link
 
     def _enter(self, version: int | None, timeout_s: float) -> int:
-        """Count in as a reader of every rank's current version (Note [Version protocol])."""
+        """Count in as a reader of every rank's current version (Note [Version protocol]), every
+        store call within ``timeout_s`` of starting (a stalled store ends it, Note [Store deadlines])."""
+        deadline = getattr(self.store, "deadline", None)
+        if deadline is None:  # a store without deadlines (a test double): the calls' own limits hold
+            return self._enter_within(version, timeout_s)
+        with deadline(timeout_s):
+            return self._enter_within(version, timeout_s)
+
+    def _enter_within(self, version: int | None, timeout_s: float) -> int:
         if self.cycle == 1:
             # A new receiver first tries the states this process last read: when nothing changed
             # since (an engine re-created per test), that saves a round trip per publisher.
@@ -368,8 +396,12 @@ class Receiver(Closing):
         return None
 
     def _leave(self, version: int) -> None:
-        for rank in range(self.num_publishers):
-            protocol.leave(self.store, rank, version)
+        """Count out of ``version`` on every rank, within this receiver's timeout: a stalled store
+        raises instead of holding the cycle (the counts are then the publisher's to reap)."""
+        deadline = getattr(self.store, "deadline", None)
+        with deadline(self.timeout_s) if deadline is not None else contextlib.nullcontext():
+            for rank in range(self.num_publishers):
+                protocol.leave(self.store, rank, version)
 
     def _finish(self, cycle: Cycle, load_weights: Callable | None) -> CycleReport:
         """Wait for ``cycle``'s bytes, leave its versions, translate and install (``RefitHandle.wait``)."""
@@ -388,25 +420,38 @@ class Receiver(Closing):
             t_pulled = time.perf_counter()
             rep.pull_s = t_pulled - cycle.t_issue
 
+            translated = False
             for i, tp in enumerate(cycle.plan.tensors):
                 if tp.staged:
                     translate.unstage(tp, bufs.recv[i], bufs.scratch[i])
                 if tp.needs_cast:
                     bufs.final[i].copy_(bufs.recv[i])
-            _sync(state.link.device)
+                translated |= bool(tp.staged) or tp.needs_cast
+            if translated:
+                _sync(state.link.device)
             t_translated = time.perf_counter()
             rep.translate_s = t_translated - t_pulled
 
             named = [(tp.dst, bufs.final[i]) for i, tp in enumerate(cycle.plan.tensors)]
             if load_weights is not None:
                 translate.call_load_weights(load_weights, named)
-            pairs = [(self._targets[name], t) for name, t in named if name in self._targets]
-            (translate.install_swap if self.install == "swap" else translate.install_copy)(pairs)
-            _sync(state.link.device)
+            # A tensor pulled straight into its target (install "direct") is installed already.
+            pairs = [(self._targets[name], t) for (name, t), d in zip(named, bufs.direct)
+                     if name in self._targets and d is None]
+            if pairs:
+                (translate.install_swap if self.install == "swap" else translate.install_copy)(pairs)
+                _sync(state.link.device)
             rep.install_s = time.perf_counter() - t_translated
-        except BaseException:
+        except BaseException as exc:
             state.release_buffers(cycle.token)
             state.end_cycle()
+            direct = [tp.dst for tp, d in zip(cycle.plan.tensors, bufs.direct) if d is not None]
+            if direct:  # See Note [Install modes]: the pull was the install
+                self.installed_version = None
+                raise PartialLoadError(
+                    f"Receiver.refit: version {rep.version} failed after its copies into {len(direct)} target(s) started "
+                    f"(install='direct'); they hold a mix of versions until a refit completes ({exc})",
+                    version=rep.version, bucket_idx=0, num_buckets=1, handed=direct) from exc
             raise
         if self.install == "swap":
             state.keep_installed(cycle.token)
@@ -445,6 +490,14 @@ class Receiver(Closing):
     def __del__(self) -> None:
         self._finalizing = True  # GC may run anywhere, even inside the state pool: a collected receiver parks nothing
         super().__del__()
+
+    @property
+    def receive_nbytes(self) -> int:
+        """Memory this receiver holds beyond its targets, in bytes: receive buffers (both halves
+        of a swap double buffer), staging scratch and a stream's slots. Zero before the first
+        cycle; with ``install="direct"`` only what cannot land in a target directly."""
+        held = self._state.buffer_nbytes() if self._state is not None else 0
+        return held + (self._stream_state.nbytes if self._stream_state is not None else 0)
 
     def tensors(self) -> dict[str, object]:
         """The last installed tensors by name (views of receiver memory, valid until the next cycle)."""

@@ -13,7 +13,7 @@ from warmlink._geometry import pad_shape
 
 __all__ = ["box_slices", "unstage", "install_copy", "install_swap", "INSTALL_MODES"]
 
-INSTALL_MODES = ("copy", "swap")
+INSTALL_MODES = ("copy", "swap", "direct")
 
 
 def box_slices(box) -> tuple[slice, ...]:
