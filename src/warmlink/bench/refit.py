@@ -64,7 +64,8 @@ def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx,
             pub.add(name, t, layouts[name])
         t0 = time.perf_counter()
         pub.export()
-        results.put({"tag": f"pub{rank}", "event": "ready", "export_s": time.perf_counter() - t0, "staged": pub._staging is not None})
+        results.put({"tag": f"pub{rank}", "event": "ready", "export_s": time.perf_counter() - t0,
+                     "staged": pub.staging_nbytes > 0, "staging_nbytes": pub.staging_nbytes})
         while control.get(timeout=600) is not None:
             wait_s = pub.begin_update()  # values stay: the benchmark measures movement, not training
             version = pub.publish()
@@ -90,7 +91,8 @@ def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, 
         while (msg := control.get(timeout=600)) is not None:
             if msg[0] == "refit":
                 report = rec.refit(version=msg[1])
-                results.put({"tag": f"rec{rank}", "event": "cycle", "report": report.as_dict()})
+                results.put({"tag": f"rec{rank}", "event": "cycle", "report": report.as_dict(),
+                             "receive_nbytes": rec.receive_nbytes})
             elif msg[0] == "verify":
                 bad = [n for n, layout in layouts.items() if not torch.equal(targets[n], build_physical(layout, device, seed))]
                 results.put({"tag": f"rec{rank}", "event": "verified", "bad": bad[:5], "num_bad": len(bad)})
@@ -108,7 +110,7 @@ def warmlink_refit_need(spec, *, src_tp: int, dst_tp: int, devices: tuple[int, i
 
     nbytes = spec.nbytes
     largest = max(layout.nbytes for layout in spec.layouts(1, 0).values())
-    buffers = nbytes * (2 if install == "swap" else 1) + (nbytes if dst_tp > src_tp else 0)
+    buffers = nbytes * {"swap": 2, "copy": 1, "direct": 0}.get(install, 1) + (nbytes if dst_tp > src_tp else 0)
     need = Need()
     need.on(devices[0], nbytes + 3 * largest)  # the model, and one tensor being built
     need.on(devices[1], nbytes + 3 * largest)  # the targets, and the check's expectation
@@ -166,7 +168,9 @@ def run_warmlink_refit(
                 group.expect("published", src_tp)
             for r in range(dst_tp):
                 group.send(f"rec{r}", ("refit", c))
-            reports = [m["report"] for m in group.expect("cycle", dst_tp)]
+            msgs = group.expect("cycle", dst_tp)
+            reports = [m["report"] for m in msgs]
+            receive_nbytes = max(m["receive_nbytes"] for m in msgs)
             row = {"cycle": c, **{p: max(rep[p] for rep in reports) for p in _PHASES}}
             row["nbytes"] = sum(rep["nbytes"] for rep in reports)
             row["num_copies"] = sum(rep["num_copies"] for rep in reports)
@@ -179,5 +183,7 @@ def run_warmlink_refit(
         "label": label, "src_tp": src_tp, "dst_tp": dst_tp, "pool": pool_on, "install": install,
         "backend": backend or "auto", "nbytes": spec.nbytes, "staged": any(m["staged"] for m in ready),
         "export_s": max(m["export_s"] for m in ready), "cycles": rows,
+        # memory beyond the model on each side, per process (the largest): See Note [Install modes]
+        "receive_nbytes": receive_nbytes, "staging_nbytes": max(m["staging_nbytes"] for m in ready),
         "correct": all(v["num_bad"] == 0 for v in verified), "bad": [b for v in verified for b in v["bad"]],
     }

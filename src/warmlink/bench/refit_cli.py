@@ -9,11 +9,19 @@ Scenarios (each in fresh processes, same tensors, same machine, same run):
 * ``tp21``     warmlink, pool on, trainer TP 2 -> inference TP 1 (fused QKV/gate-up re-cut)
 * ``tp12``     warmlink, pool on, trainer TP 1 -> inference TP 2
 * ``peak``     one large copy-engine peer copy (the ceiling), and 290 copies looped vs batched
+* ``ipc``      what colocated frameworks do today (vLLM's ``ipc`` backend, verl): every cycle the
+               trainer exports a CUDA IPC handle per tensor, the engine opens each and copies it
+               in (``bench.ipc_refit``); GPUs only
 * ``nixl``     warmlink over the nixl backend (NIXL + UCX), pool on, TP 1 -> 1
 * ``nixl_cold`` the same with ``WARMLINK_POOL=0`` (a NIXL agent made and dropped every cycle)
 * ``nixl_rw``  NIXL READ vs WRITE vs WRITE + notification of the same tensors (``bench.nixl_rw``)
 
 ``--backend nixl`` adds the three nixl scenarios to the run, beside the default transport's.
+
+``--devices 0,0`` is the colocated mode: trainer and engine share one GPU (hybrid-engine RL), the
+copy peak is one flat device-to-device copy of the same bytes, and ``warm`` runs once per install
+mode of ``--install`` (default ``direct,swap,copy``; Note [Install modes] in ``refit.receiver``),
+each with the receiver's and the publisher's memory beyond the model.
 
 GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
 """
@@ -31,7 +39,8 @@ from warmlink.bench import _args
 
 __all__ = ["add_arguments", "run", "SCENARIOS"]
 
-SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12", "nixl", "nixl_cold", "nixl_rw")
+SCENARIOS = ("peak", "warm", "cold", "nccl", "bucket", "tp21", "tp12", "ipc", "nixl", "nixl_cold", "nixl_rw")
+INSTALL_MODES = ("direct", "swap", "copy")
 _NIXL = ("nixl", "nixl_cold", "nixl_rw")
 _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "translate", "install", "total", "created"]
 
@@ -51,11 +60,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nixl_rw also runs once per UCX thread count of this comma list, e.g. 0,2,4,8")
     p.add_argument("--devices", type=_args.devices, default=None,
                    help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
-    p.add_argument("--install", choices=("swap", "copy"), default="swap", help="receiver install mode (default swap)")
+    p.add_argument("--install", type=_install_list, default=None, metavar="MODES",
+                   help="receiver install modes, comma list of direct,swap,copy: warm runs once per mode, the other "
+                        "warmlink scenarios with the first (default: direct,swap,copy on one GPU, swap otherwise)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
+
+
+def _install_list(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in INSTALL_MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct modes from {','.join(INSTALL_MODES)}")
+    return modes
 
 
 def _devices(arg: tuple[int, int] | None) -> tuple[int, int]:
@@ -71,6 +90,8 @@ def _devices(arg: tuple[int, int] | None) -> tuple[int, int]:
 def _skip_reason(name: str, devices: tuple[int, int]) -> str | None:
     if name in ("nccl", "bucket") and devices[0] >= 0 and devices[0] == devices[1]:
         return "NCCL cannot place two ranks on one GPU"
+    if name == "ipc" and (devices[0] < 0 or devices[0] != devices[1]):
+        return "the per-tensor IPC baseline is the colocated path: trainer and engine on one GPU"
     return None
 
 
@@ -107,7 +128,7 @@ def _need(name: str, spec, devices: tuple[int, int], install: str):
     from warmlink.bench._memory import Need
     from warmlink.bench.refit import warmlink_refit_need
 
-    if name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold"):
+    if name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold") or name.startswith("warm_"):
         src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
         return warmlink_refit_need(spec, src_tp=src_tp, dst_tp=dst_tp, devices=devices, install=install)
     nbytes, need = spec.nbytes, Need()
@@ -135,6 +156,14 @@ def _nccl_rows(res: dict) -> list[dict]:
             "total": c["total_s"] + setup, "created": "group" if c["cycle"] == 1 else 0,
         })
     return rows
+
+
+def _ipc_rows(res: dict) -> list[dict]:
+    """The IPC baseline in the cycle table's columns: export -> register, opening -> alloc."""
+    return [{
+        "cycle": c["cycle"], "connect": 0.0, "sync": 0.0, "plan": 0.0, "alloc": c["open_s"], "register": c["export_s"],
+        "pull": c["copy_s"], "translate": 0.0, "install": 0.0, "total": c["total_s"], "created": "handles",
+    } for c in res["cycles"]]
 
 
 def _warm_rows(res: dict) -> list[dict]:
@@ -212,23 +241,30 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None and (problem := _args.check_devices(args.devices)):
         return _args.refuse("warmlink bench refit", problem)
     devices = _devices(args.devices)
+    colocated = devices[0] >= 0 and devices[0] == devices[1]
+    installs = args.install or (INSTALL_MODES if colocated else ("swap",))
+    install = installs[0]  # every warmlink scenario's mode; warm also runs with the others
+    if "warm" in wanted:
+        at = wanted.index("warm") + 1
+        wanted[at:at] = [f"warm_{mode}" for mode in installs[1:]]
     spec = qwen3_4b_like(args.scale)
     nbytes = spec.nbytes
     layouts = spec.layouts(1, 0)
     need = Need()
     for name in wanted:
         if not _skip_reason(name, devices):
-            need = need.peak(_need(name, spec, devices, args.install))
+            need = need.peak(_need(name, spec, devices, name[5:] if name.startswith("warm_") else install))
     short = shortfall(need, "lower --scale, or free memory")
     if short:
         return _args.refuse("warmlink bench refit", short)
     where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench refit: {len(layouts)} tensors, {nbytes / 1e9:.3f} GB ({spec.dtype}), {args.cycles} cycles, {where}")
     record = {"bench": "refit", "spec": dict(spec.__dict__), "nbytes": nbytes, "num_tensors": len(layouts), "devices": devices,
-              "install": args.install, "cycles": args.cycles, "nixl_threads": args.nixl_threads, "scenarios": {},
+              "install": list(installs), "cycles": args.cycles, "nixl_threads": args.nixl_threads, "scenarios": {},
               "machine": machine_info()}
     peak_gbps = None
     tables = []
+    memory = []  # (what, receiver bytes beyond its model, publisher bytes beyond its model)
 
     def step(name: str, fn):
         t = time.perf_counter()
@@ -247,16 +283,25 @@ def run(args: argparse.Namespace) -> int:
         if name == "peak":
             res = step(name, lambda: _peak(devices, nbytes))
             peak_gbps = res["gbps"]
-        elif name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold"):
+        elif name in ("warm", "cold", "tp21", "tp12", "nixl", "nixl_cold") or name.startswith("warm_"):
             src_tp, dst_tp = {"tp21": (2, 1), "tp12": (1, 2)}.get(name, (1, 1))
             cold, backend = name.endswith("cold"), "nixl" if name.startswith("nixl") else None
+            mode = name[5:] if name.startswith("warm_") else install
             with _nixl_threads_env(args.nixl_threads if backend else None):
                 res = step(name, lambda: run_warmlink_refit(
                     spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=not cold, devices=devices,
-                    backend=backend, install=args.install, seed=args.seed, timeout_s=args.timeout, label=name))
-            tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if cold else 'on'}"
-                                 f"{', over NIXL' if backend else ''}"
+                    backend=backend, install=mode, seed=args.seed, timeout_s=args.timeout, label=name))
+            memory.append((f"warmlink {name}, install {mode}", res["receive_nbytes"], res["staging_nbytes"]))
+            tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if cold else 'on'}, "
+                                 f"install {mode}{', over NIXL' if backend else ''}"
                                  f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _warm_rows(res)))
+        elif name == "ipc":
+            from warmlink.bench.ipc_refit import run_ipc_refit
+
+            res = step(name, lambda: run_ipc_refit(spec, cycles=args.cycles, device=devices[0], seed=args.seed,
+                                                   timeout_s=args.timeout))
+            tables.append((name, "per-tensor CUDA IPC handles each cycle (vLLM ipc / verl)"
+                                 f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _ipc_rows(res)))
         elif name == "nixl_rw":
             from warmlink.bench.nixl_rw import run_nixl_rw
 
@@ -298,6 +343,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"copy peak (same run): {peak_gbps:.1f} GB/s -> {nbytes / (peak_gbps * 1e9) * 1e3:.2f} ms for these bytes")
     cols = ["method", "cycle 1", "warm", "GB/s", "setup share"] + (["of peak"] if peak_gbps else [])
     print(cycle_table(summary, cols, title="summary (ms; warm = median of cycles >= 2)"))
+    if memory:
+        print("memory beyond the model, per process (receive buffers; publisher staging):")
+        for what, recv, staged in memory:
+            print(f"  {what:44s} receiver {recv / 1e9:7.3f} GB   publisher {staged / 1e9:7.3f} GB")
+        record["memory"] = [{"what": w, "receive_nbytes": r, "staging_nbytes": s} for w, r, s in memory]
     sc = record["scenarios"]
     _print_nixl(sc, nbytes, peak_gbps, record)
     if "warm" in sc and "nccl" in sc:
