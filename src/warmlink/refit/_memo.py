@@ -17,7 +17,8 @@ keeps metadata from peers validated (DESIGN invariant 3); all are off with pooli
   already validated are not decoded and validated again (``validated``, keyed by the SHA-256 of
   the exact bytes). Any other bytes are decoded and validated in full.
 * Receiver: a new receiver's first sync tries to enter the state this process last read for each
-  publisher rank (``last_states``) instead of reading it first; the state read after entering
+  publisher rank (``last_states``) instead of reading it first, and so does a sync told which
+  version to pull (that version, of the generations last read); the state read after entering
   decides, exactly as in Note [Version protocol], and a stale guess only costs a leave and the
   normal path.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from warmlink import _env, pool
 from warmlink._backoff import Backoff
@@ -50,6 +50,13 @@ log = logging.getLogger("warmlink.refit")
 # does not write while this receiver reads (Note [Version protocol]), so a publisher dying
 # mid-pull still leaves a complete version; what remains is a local failure. Tensors a pull cannot
 # land in directly (a cast, a staged re-slice) still go through receive memory and a copy.
+
+
+class _InstallWork(NamedTuple):
+    bufs: object  # the ReceiveBuffers this was worked out for (kept: its id is the cache key)
+    translate: list[int]
+    named: list[tuple[str, object]]
+    pairs: list[tuple[object, object]]
 
 
 class Receiver(Closing):
@@ -112,7 +119,9 @@ class Receiver(Closing):
         # It flips only when an install succeeds, never with a failed cycle (see _finish).
         self._pull_parity = 1
         self.installed_version = 0
-        self._last_named: dict[str, object] = {}
+        self._last_named: list[tuple[str, object]] = []
+        self._installs: dict[int, _InstallWork] = {}
+        self._targets_of: tuple | None = None  # (plan, its targets in plan order), install "direct"
         self._healthy = False  # the last cycle installed: what this receiver holds may be parked
         self._finalizing = False
         self._closed = False
@@ -221,7 +230,7 @@ class Receiver(Closing):
             t2 = time.perf_counter()
             report.plan_s = t2 - t1
 
-            targets = [self._targets.get(tp.dst) for tp in plan.tensors] if self.install == "direct" else None
+            targets = self._direct_targets(plan) if self.install == "direct" else None
             bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0, targets)
             t3 = time.perf_counter()
             report.alloc_s = t3 - t2
@@ -343,16 +352,18 @@ class Receiver(Closing):
             return self._enter_within(version, timeout_s)
 
     def _enter_within(self, version: int | None, timeout_s: float) -> int:
-        if self.cycle == 1:
-            # A new receiver first tries the states this process last read: when nothing changed
-            # since (an engine re-created per test), that saves a round trip per publisher.
-            # Entering re-reads each state, so a stale guess only costs a leave. See Note [Warm
-            # metadata] in refit._memo.
-            guess = _parked.guessed_states(self.store, self.num_publishers)
-            if guess is not None and all(version is None or g.version == version for g in guess):
-                entered = self._try_enter(guess, version)
-                if entered is not None:
-                    return entered
+        # Guess the states instead of reading them first, which saves a round trip per publisher:
+        # a new receiver tries the states this process last read (an engine re-created per test:
+        # nothing changed since), a receiver told which version to pull tries that version of the
+        # generations it last read (the next step of an RL loop). Entering re-reads each state, so
+        # a stale guess only costs a leave. See Note [Warm metadata] in refit._memo.
+        guess = _parked.guessed_states(self.store, self.num_publishers) if self.cycle == 1 or version is not None else None
+        if guess is not None:
+            if version is not None:
+                guess = [protocol.VersionState(version, "published", g.generation) for g in guess]
+            entered = self._try_enter(guess, version)
+            if entered is not None:
+                return entered
         backoff = Backoff(timeout_s)
         while True:
             states = self._state.sources.states(timeout_s)
@@ -420,24 +431,22 @@ class Receiver(Closing):
             t_pulled = time.perf_counter()
             rep.pull_s = t_pulled - cycle.t_issue
 
-            translated = False
-            for i, tp in enumerate(cycle.plan.tensors):
+            work = self._install_work(cycle.plan, bufs)
+            for i in work.translate:
+                tp = cycle.plan.tensors[i]
                 if tp.staged:
                     translate.unstage(tp, bufs.recv[i], bufs.scratch[i])
                 if tp.needs_cast:
                     bufs.final[i].copy_(bufs.recv[i])
-                translated |= bool(tp.staged) or tp.needs_cast
-            if translated:
+            if work.translate:
                 _sync(state.link.device)
             t_translated = time.perf_counter()
             rep.translate_s = t_translated - t_pulled
 
-            named = [(tp.dst, bufs.final[i]) for i, tp in enumerate(cycle.plan.tensors)]
+            named = work.named
             if load_weights is not None:
                 translate.call_load_weights(load_weights, named)
-            # A tensor pulled straight into its target (install "direct") is installed already.
-            pairs = [(self._targets[name], t) for (name, t), d in zip(named, bufs.direct)
-                     if name in self._targets and d is None]
+            pairs = work.pairs
             if pairs:
                 (translate.install_swap if self.install == "swap" else translate.install_copy)(pairs)
                 _sync(state.link.device)
@@ -459,12 +468,35 @@ class Receiver(Closing):
         else:
             state.release_buffers(cycle.token)
         state.end_cycle()
-        self._last_named = dict(named)
+        self._last_named = named
         self.installed_version = rep.version
         self._healthy = True
         rep.total_s = time.perf_counter() - cycle.t0
         rep.created = cycle.created()
         return rep
+
+    def _direct_targets(self, plan) -> list:
+        """Per tensor of ``plan``, its target (install "direct"), in plan order; once per plan."""
+        cached = self._targets_of
+        if cached is None or cached[0] is not plan:
+            cached = self._targets_of = (plan, [self._targets.get(tp.dst) for tp in plan.tensors])
+        return cached[1]
+
+    def _install_work(self, plan, bufs) -> "_InstallWork":
+        """What ``_finish`` does after the pull into ``bufs``, worked out once per buffer set (a
+        warm cycle walks no list of every tensor): tensors to translate, ``(name, tensor)``
+        installed, and ``(target, tensor)`` install pairs (none for a tensor pulled straight into
+        its target, install "direct")."""
+        work = self._installs.get(id(bufs))
+        if work is None or work.bufs is not bufs:
+            named = [(tp.dst, bufs.final[i]) for i, tp in enumerate(plan.tensors)]
+            work = _InstallWork(
+                bufs, [i for i, tp in enumerate(plan.tensors) if tp.staged or tp.needs_cast], named,
+                [(self._targets[name], t) for (name, t), d in zip(named, bufs.direct) if name in self._targets and d is None])
+            if len(self._installs) >= 2:  # one set of buffers, or the two halves of a swap double buffer
+                self._installs.clear()
+            self._installs[id(bufs)] = work
+        return work
 
     def _end_failed(self, version: int, token) -> None:
         """End a cycle that installs nothing: its buffers and this cycle's mappings go back first,

@@ -142,11 +142,16 @@ class CopyPlan:
                       if table else None)
 
     def compile(self, *, variant: str = VARIANT, num_warps: int = NUM_WARPS) -> None:
-        """Compile the kernel now (once per process), so that no launch pays for it."""
+        """Compile the kernel and load it into the device now (once per process), so that no
+        launch pays for either: loading a module synchronizes the context, which inside a pull
+        would hold the host until every queued kernel drained."""
         if self.table is None:
             return
         kernel, aligned, tiles = get_kernel(variant)
-        kernel.warmup(self.table, BLOCK=_BLOCK, ALIGNED=aligned, TILES=tiles, num_warps=num_warps, grid=(1,))
+        compiled = kernel.warmup(self.table, BLOCK=_BLOCK, ALIGNED=aligned, TILES=tiles, num_warps=num_warps, grid=(1,))
+        init = getattr(compiled, "_init_handles", None)  # Triton's module load; absent in the interpreter
+        if init is not None:
+            init()
 
     def launch(self, stream: int | None = None, *, variant: str = VARIANT, num_warps: int = NUM_WARPS) -> None:
         """Enqueue every kernel copy on ``stream`` (a ``cudaStream_t`` as an int; default: the
