@@ -4,10 +4,12 @@
 
 * ``arena``: lease a 4 MiB shm arena filled with 0x5A, report ``ready``, wait until stdin closes.
 * ``reaper INTERVAL_S``: the same, with ``arenas.REAP_INTERVAL_S`` set first (a long-lived process).
-* ``receiver ADDRESS PREFIX NUMEL``: refit version 1 of a float32 tensor ``w`` of NUMEL elements
-  over shm (reporting whether it equals ``arange``), then on any stdin line refit version 2 with
-  the shm copies held after the first 4 KiB chunk, reporting ``pulling``: killed there, it dies
-  mid-pull holding its reader count.
+* ``receiver ADDRESS PREFIX NUMEL SYNC``: refit version 1 of a float32 tensor ``w`` of NUMEL
+  elements over shm (reporting whether it equals ``arange``), then on any stdin line refit version
+  2 with the shm copies held after the first 4 KiB chunk, reporting ``pulling``: killed there, it
+  dies mid-pull inside the version. SYNC ``board``: it syncs on the publisher's version board, as
+  a receiver sharing the publisher's /dev/shm does; ``store``: through the store's reader counts,
+  as a receiver that cannot open the board does.
 
 Every report carries who the process is: its pid here and in the test's namespace, hostname,
 shm file prefix and liveness token. The test's side is ``Child``: it starts this script (in new
@@ -151,12 +153,15 @@ def arena(interval_s: float | None = None) -> None:
     lease.release()
 
 
-def receiver(address: str, prefix: str, numel: int) -> None:
+def receiver(address: str, prefix: str, numel: int, sync: str) -> None:
     import torch
 
-    from warmlink.refit import Receiver, TensorLayout
+    from warmlink.refit import Receiver, TensorLayout, _board
     from warmlink.rendezvous import Store
     from warmlink.transport import shm
+
+    if sync == "store":
+        _board.ReaderBoard.open = classmethod(lambda cls, *args: None)
 
     store = Store.connect(address, prefix=prefix, timeout_s=120)
     target = torch.zeros(numel, dtype=torch.float32)
@@ -187,6 +192,6 @@ if __name__ == "__main__":
     elif mode == "reaper":
         arena(float(args[0]))
     elif mode == "receiver":
-        receiver(args[0], args[1], int(args[2]))
+        receiver(args[0], args[1], int(args[2]), args[3])
     else:
         raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper or receiver")

@@ -108,7 +108,7 @@ def test_refit_whose_buffers_do_not_fit_is_a_pool_error_and_holds_no_reader(smal
     assert "REFITTED" not in out
     assert f"POOLERROR lease_arena: nbytes={40 * MiB} does not fit in /dev/shm (" in out
     assert "READERS 0" in out and "UPDATED 2" in out and "UNTOUCHED True" in out
-    assert "FILES 1" in out  # the publisher's staging only
+    assert "FILES 2" in out  # the publisher's staging and its version board only
 
 
 def test_no_space_is_a_pool_error_naming_bytes_and_leaves_no_file(monkeypatch) -> None:

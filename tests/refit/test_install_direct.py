@@ -100,3 +100,26 @@ def test_a_failed_direct_pull_says_the_targets_are_mixed_and_the_next_refit_repa
     finally:
         rec.close()
         pub.close()
+
+
+def test_a_target_whose_memory_was_replaced_is_pulled_into_at_its_new_address(store) -> None:
+    """An engine that swaps a parameter's ``.data`` (re-packing after a load, say) between cycles:
+    the next pull must land in the memory the target uses now, never at its old address."""
+    w = build_physical(W, "cpu", 1)
+    pub = _publisher(store, {"w": (w, W)})
+    target = torch.nn.Parameter(torch.zeros(128, 64), requires_grad=False)
+    rec = Receiver(store, num_publishers=1, install="direct", timeout_s=5)
+    rec.add("w", W, target)
+    try:
+        rec.refit()
+        assert torch.equal(target, w)
+        old, v1 = target.data, w.clone()
+        target.data = torch.zeros(128, 64)  # new memory; the old tensor lives on elsewhere
+        with pub.update():
+            w.add_(1)
+        assert rec.refit().version == 2
+        assert torch.equal(target, w), "the pull went to the target's old memory"
+        assert torch.equal(old, v1), "the pull wrote memory the target no longer uses"
+    finally:
+        rec.close()
+        pub.close()

@@ -9,6 +9,7 @@ say why. Every wait is bounded with a wide margin: two loaded cores must not fai
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -37,7 +38,22 @@ def _files(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(arenas.SHM_DIR) if n.startswith(prefix) or n == f"{tag}.lock")
 
 
-def test_reader_killed_in_another_namespace_and_hostname_is_reaped() -> None:
+def _board_held(pub: Publisher) -> bool:
+    """Whether a receiver holds ``pub``'s version board (Note [Version board])."""
+    fd = os.open(os.path.join(arenas.SHM_DIR, pub._board.desc["name"]), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.mark.parametrize("sync", ["board", "store"])
+def test_reader_killed_in_another_namespace_and_hostname_is_reaped(sync: str) -> None:
+    """Dead mid-pull, the reader lets the next update in: through the board its lock went with it;
+    through the store its process lock is free, so the publisher reaps its count."""
     w = torch.arange(NUMEL, dtype=torch.float32)
     layout = TensorLayout.plain("w", "float32", (NUMEL,))
     child = rec = None
@@ -46,7 +62,7 @@ def test_reader_killed_in_another_namespace_and_hostname_is_reaped() -> None:
         pub.add("w", w, layout)
         pub.export()
         try:
-            child = Child(["receiver", store.address, store.prefix, str(NUMEL)], hostname="wl-elsewhere")
+            child = Child(["receiver", store.address, store.prefix, str(NUMEL), sync], hostname="wl-elsewhere")
             ready = child.expect("ready")
             assert ready["ok"] and ready["version"] == 1
             # Another host name and pid table: only its lock can tell whether it lives.
@@ -58,10 +74,10 @@ def test_reader_killed_in_another_namespace_and_hostname_is_reaped() -> None:
             assert pub.publish() == 2
             child.send("pull")
             child.expect("pulling")
-            assert protocol.reader_count(store, 0, 2) == 1
-            os.kill(ready["host_pid"], signal.SIGKILL)  # mid-pull, holding its count
+            assert (protocol.reader_count(store, 0, 2), _board_held(pub)) == ((0, True) if sync == "board" else (1, False))
+            os.kill(ready["host_pid"], signal.SIGKILL)  # mid-pull, inside version 2
 
-            pub.begin_update(timeout_s=120)  # reaps the dead reader instead of timing out
+            pub.begin_update(timeout_s=120)  # lets the dead reader go instead of timing out
             assert protocol.reader_count(store, 0, 2) == 0
             w.mul_(3.0)
             assert pub.publish() == 3

@@ -78,7 +78,7 @@ class LostAtLeave:
 
 # -- a failed cycle never wedges the receiver ---------------------------------------------------------
 @pytest.mark.parametrize("pull", ["arrives", "breaks"])
-def test_store_lost_while_leaving_ends_the_cycle(store, pooling, monkeypatch, pull: str) -> None:
+def test_store_lost_while_leaving_ends_the_cycle(store, pooling, store_sync, monkeypatch, pull: str) -> None:
     pub, tensors = _publisher(store)
     rec, target = _receiver(store)
     lost = LostAtLeave(monkeypatch, store)

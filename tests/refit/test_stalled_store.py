@@ -78,7 +78,7 @@ def test_publish_raises_within_its_timeout(server, store: Store) -> None:
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["first", "warm"])
-def test_refit_raises_within_its_timeout(server, store: Store, warm: bool) -> None:
+def test_refit_raises_within_its_timeout(server, store: Store, store_sync, warm: bool) -> None:
     with _publisher(store) as pub, _receiver(store) as rec:
         pub.export()
         if warm:
@@ -89,7 +89,19 @@ def test_refit_raises_within_its_timeout(server, store: Store, warm: bool) -> No
         assert report.version == 1
 
 
-def test_start_refit_raises_within_its_timeout(server, store: Store) -> None:
+def test_warm_refit_on_this_host_needs_no_store(server, store: Store) -> None:
+    """A receiver sharing the publisher's /dev/shm syncs on its version board: a warm cycle makes
+    no store call, so a stopped store neither stops nor delays it."""
+    with _publisher(store) as pub, _receiver(store) as rec:
+        pub.export()
+        rec.refit(timeout_s=30)
+        with server.stopped():
+            report = rec.refit(timeout_s=LIMIT_S)
+            assert report.version == 1 and report.sync_s < LIMIT_S
+            assert torch.equal(rec.tensors()["w"], torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32))
+
+
+def test_start_refit_raises_within_its_timeout(server, store: Store, store_sync) -> None:
     with _publisher(store) as pub, _receiver(store) as rec:
         pub.export()
         rec.refit(timeout_s=30)

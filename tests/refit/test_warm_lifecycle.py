@@ -279,6 +279,9 @@ def test_release_parked_gives_everything_back(store, tensors) -> None:
     before = leased()
     with export(store, tensors):
         refit_once(store, tensors)
-        assert leased() == {"link": before["link"] + 2, "arena": before["arena"] + 1}  # publisher + parked
+        # links: publisher + parked receiver; arenas: the publisher's staging and version board
+        assert leased() == {"link": before["link"] + 2, "arena": before["arena"] + 2}
         release_parked()
+    assert leased() == {"link": before["link"], "arena": before["arena"] + 1}  # the closed publisher parked its board
+    release_parked()
     assert leased() == before

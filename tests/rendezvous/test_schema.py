@@ -51,7 +51,9 @@ def manifest() -> dict:
     tensors, offsets = [], [(0, 0), (1, 0), (0, 3200), (2, 0), (1, 3000), (2, 256)]
     for layout, (region, offset) in zip(layouts(), offsets):
         tensors.append({**layout.to_json(), "region": region, "offset": offset})
-    return {"schema_version": 2, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors}
+    board = {"name": "wl-4242-0123abcd-7", "token": "0" * 32 + "-2a/wl-4242-0123abcd.lock"}
+    return {"schema_version": 3, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors,
+            "board": board}
 
 
 def version_state() -> dict:
@@ -123,6 +125,10 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("tensors", 0, "parts", 0, "global_shape", 0), 1 << 40, "expected 0 <= global_shape[0] < 2**40"),
         (("tensors", 0, "parts", 0, "global_shape"), [1] * 9, "global_shape has 9 items; expected 0 to 8"),
         (("tensors", 0, "dtype"), "float128", "tensors[0].dtype='float128' is unknown"),
+        (("board", "name"), "../../etc/passwd", "board.name='../../etc/passwd' invalid"),
+        (("board", "name"), "wl-1-0123abcd-1-x", "board.name='wl-1-0123abcd-1-x' invalid"),
+        (("board", "token"), "/tmp/x.lock", "board.token='/tmp/x.lock' invalid"),
+        (("board",), 7, "board=7 has type int"),
         (("regions", 0, "offset"), (1 << 20) - 8191, "exceeds alloc_nbytes=1048576"),
         (("regions", 0, "handle"), "ab" * 63 + "a", "regions[0].handle="),
         (("regions", 0, "handle"), "zz" * 64, "expected 128 hex characters"),
@@ -144,7 +150,7 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("peer", "rank"), 2, "peer.rank=2 out of range; expected 0 <= rank < 2"),
         (("peer", "host"), "a\nb", "peer.host="),
         (("peer", "device"), True, "peer.device=True has type bool; expected int"),
-        (("schema_version",), 1, "schema_version=1 is not supported; expected one of [2]"),
+        (("schema_version",), 2, "schema_version=2 is not supported; expected one of [3]"),
         (("kind",), "peer_info", "kind='peer_info' is wrong; expected 'publisher_manifest'"),
     ],
 )

@@ -44,8 +44,8 @@ import threading
 
 from warmlink.errors import PoolError
 
-__all__ = ["SHM_DIR", "own_tag", "current_tag", "token", "token_alive", "claim_dead", "DeadClaim", "pid_alive",
-           "warn_once"]
+__all__ = ["SHM_DIR", "own_tag", "current_tag", "token", "token_alive", "open_token", "claim_dead", "DeadClaim",
+           "pid_alive", "warn_once", "local_key"]
 
 log = logging.getLogger("warmlink.pool")
 
@@ -162,6 +162,11 @@ def token() -> str | None:
     return None if state.key is None else f"{state.key}/{state.tag}.lock"
 
 
+def local_key() -> str | None:
+    """The key of this host's tmpfs (boot id and device) that tokens of peers sharing it carry."""
+    return _local_key()
+
+
 def _local_key() -> str | None:
     state = _state
     if state is not None and state.pid == os.getpid():
@@ -202,13 +207,7 @@ def token_alive(tok: str, pid: int | None = None) -> bool | None:
         True (its lock is held), False (free or removed: the process is gone) or None (another
         host or tmpfs, or a token that does not check out: callers keep their timeouts).
     """
-    m = _TOKEN.fullmatch(tok) if isinstance(tok, str) else None
-    if m is None or (pid is not None and int(m["pid"]) != pid):
-        return None
-    key = _local_key()
-    if key is None or m["key"] != key:
-        return None
-    fd, how = _open_lock(m["tag"])
+    fd, how = _open_token(tok, pid)
     if fd is None:
         return False if how == "missing" else None
     try:
@@ -220,6 +219,26 @@ def token_alive(tok: str, pid: int | None = None) -> bool | None:
     finally:
         os.close(fd)  # also drops the shared lock taken from a dead owner
     return False
+
+
+def open_token(tok: str, pid: int | None = None) -> int | None:
+    """A descriptor of the lock file ``tok`` names, for asking again and again whether its owner
+    lives (``flock(LOCK_SH | LOCK_NB)``: refused while the owner holds its lock); the caller
+    closes it. None when the token cannot be checked here (another host or tmpfs, malformed, not
+    named for ``pid``, not a regular file of this user) or the file is gone already."""
+    return _open_token(tok, pid)[0]
+
+
+def _open_token(tok: str, pid: int | None) -> tuple[int | None, str]:
+    """``_open_lock`` of the lock ``tok`` names, once it checks out: ``(None, "unknown")`` for a
+    malformed token, one not named for ``pid``, or one of another host or tmpfs."""
+    m = _TOKEN.fullmatch(tok) if isinstance(tok, str) else None
+    if m is None or (pid is not None and int(m["pid"]) != pid):
+        return None, "unknown"
+    key = _local_key()
+    if key is None or m["key"] != key:
+        return None, "unknown"
+    return _open_lock(m["tag"])
 
 
 def pid_alive(pid: int) -> bool:

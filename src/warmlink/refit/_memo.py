@@ -66,6 +66,22 @@ class PerStore:
             while len(entries) > self._max:
                 entries.popitem(last=False)
 
+    def pop(self, store, key: Hashable):
+        """Take ``key``'s value out (None when absent)."""
+        with self._lock:
+            try:
+                entries = self._by_store.get(store)
+            except TypeError:
+                return None
+            return None if entries is None else entries.pop(key, None)
+
+    def drain(self) -> list:
+        """Take every value out, of every store."""
+        with self._lock:
+            values = [v for entries in self._by_store.values() for v in entries.values()]
+            self._by_store.clear()
+        return values
+
 
 class Lru:
     """A bounded ``key -> value`` map; the least recently used entry goes first."""

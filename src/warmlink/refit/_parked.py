@@ -41,6 +41,7 @@ from typing import NamedTuple
 from warmlink import _env, pool
 from warmlink.pool.core import FreeList, Lease, SharedCache
 from warmlink.refit import protocol
+from warmlink.refit._board import release_parked_boards
 from warmlink.refit._receive_buffers import ReceiveBuffers
 from warmlink.refit.plan import build_plan, layout_signature
 from warmlink.refit.sources import SourceSet
@@ -99,16 +100,17 @@ class ReceiveState:
         return _plans.get(sig, lambda _sig: build_plan(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
                                                        name_map=name_map, _signature=sig))
 
-    def buffers(self, plan, parity: int, targets=None) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
+    def buffers(self, plan, parity: int, targets=None, where: tuple | None = None
+                ) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
         """Buffers for ``plan`` to pull into, their token for ``release_buffers`` or
         ``keep_installed``, and (swap, pooling on) the other half of the double buffer, made now
         so that the next cycle allocates nothing. ``parity``: the half the pull writes.
         ``targets`` (install ``"direct"``): per plan tensor, the tensor to pull straight into or
-        None; their addresses are part of the key, so other targets get other buffers."""
+        None, and ``where`` their addresses now: part of the key, so that a target whose memory
+        was replaced gets new buffers instead of a pull into memory it no longer uses."""
         def make(_key) -> ReceiveBuffers:
             return ReceiveBuffers(self.link, plan, targets)
 
-        where = tuple(t.data_ptr() if t is not None else 0 for t in targets) if targets is not None else None
         bufs, token = self._buffers.acquire((plan.signature, parity, where), make)
         twin = self._buffers.preload((plan.signature, 1 - parity, where), make) if self.key.install == "swap" else None
         return bufs, token, twin
@@ -147,7 +149,7 @@ class ReceiveState:
         self.keep_installed(None)
         self._buffers.clear()
         self._plan_of.clear()
-        self.sources.close_regions()
+        self.sources.close()
         self._link_lease.release()
 
     def __repr__(self) -> str:
@@ -168,8 +170,10 @@ def lease_state(key: StateKey, timeout_s: float) -> Lease[ReceiveState]:
 
 
 def release_parked() -> None:
-    """Release the parked state, if any, to the pools (tests; processes trimming memory)."""
+    """Release the parked receive state and publishers' parked version boards, if any, to the
+    pools (tests; processes trimming memory)."""
     _states.clear()
+    release_parked_boards()
 
 
 def guessed_states(store, num_publishers: int) -> list | None:

@@ -1,6 +1,10 @@
 """The refit version protocol: who may touch published tensors, and when.
 
 # Note [Version protocol]
+Receivers that share the publisher's /dev/shm sync on its version board instead, through the
+kernel's file locks (Note [Version board] in refit._board); this is the protocol of the others
+(another host, or a board that cannot be opened), and the publisher waits for both.
+
 Each publisher rank owns two store keys: ``pub/{rank}/state`` (JSON: version, state, generation)
 and a counter ``pub/{rank}/readers/{version}``.
 

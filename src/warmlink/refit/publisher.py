@@ -23,11 +23,14 @@ from warmlink.errors import (
     LayoutError,
     MetadataError,
     PeerLostError,
+    PoolError,
     TransferError,
     TransferTimeout,
     VersionError,
 )
 from warmlink.refit import protocol
+from warmlink.refit import _board
+from warmlink.refit._board import PublisherBoard
 from warmlink.refit._declare import Declared, declare_module, declare_tensor, run_fills
 from warmlink.refit._memo import PerStore
 from warmlink.refit.manifest import TensorLayout
@@ -100,6 +103,7 @@ class Publisher(Closing):
         self._updating = False
         self._drained = False
         self._closed = False
+        self._board: PublisherBoard | None = None
 
     # -- declaration -------------------------------------------------------------------------
     def add(self, name: str, tensor, layout: TensorLayout | None = None) -> None:
@@ -209,6 +213,7 @@ class Publisher(Closing):
                 e.view = self._staging.tensor[off : off + e.layout.nbytes].view(torch_dtype(e.layout.dtype)).view(e.layout.shape)
             log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
 
+        self._board = self._take_board()
         host, pid, start = local_identity()
         manifest = {
             "schema_version": schema.MANIFEST_SCHEMA_VERSION,
@@ -222,12 +227,29 @@ class Publisher(Closing):
             "tensors": [
                 {**e.layout.to_json(), "region": e.region_idx, "offset": e.offset} for e in self._entries.values()
             ],
+            "board": self._board.desc if self._board is not None else None,
         }
         with self.store.deadline(self.timeout_s):  # Note [Store deadlines] in rendezvous.store
             self.generation = self._write_manifest(manifest)
             self._refresh()
             self.version = 1
             protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
+        if self._board is not None:
+            self._board.publish(self.generation, 1, self.timeout_s)
+
+    def _take_board(self) -> PublisherBoard | None:
+        """The board local receivers sync on (Note [Version board] in refit._board): the one a
+        publisher of this rank closed in this process, or a new one. None when /dev/shm cannot hold
+        one: receivers then count themselves in through the store."""
+        board = _board.take_parked(self.store, self.rank) if pool.enabled() else None
+        if board is not None:
+            return board
+        try:
+            return PublisherBoard()
+        except PoolError as exc:
+            log.warning("publisher has no version board; local receivers sync through the store",
+                        extra={"rank": self.rank, "error": str(exc)})
+            return None
 
     def _write_manifest(self, manifest: dict) -> int:
         """Store ``manifest`` under a new generation, or keep the generation of an equal manifest
@@ -292,8 +314,9 @@ class Publisher(Closing):
             if not self._updating:
                 protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
                 self._updating, self._drained = True, False
-            # A retry after a timeout waits again: the slow reader may still be inside.
-            protocol.wait_no_readers(self.store, self.rank, self.version, limit_s)
+            # A retry after a timeout waits again: the slow reader may still be inside. Readers on
+            # this host hold the board's lock, the others count in the store: both must be out.
+            self._wait_no_readers(limit_s, start)
         self._drained = True
         return time.perf_counter() - start
 
@@ -314,8 +337,18 @@ class Publisher(Closing):
         self.version += 1
         with self.store.deadline(self.timeout_s):
             protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
+        if self._board is not None:
+            self._board.publish(self.generation, self.version, self.timeout_s)
         self._updating = False
         return self.version
+
+    def _wait_no_readers(self, limit_s: float, start: float) -> None:
+        """Wait until no receiver reads this version, on the board and in the store, both within
+        ``limit_s`` of ``start``."""
+        if self._board is not None:
+            self._board.begin(self.version, limit_s)
+        left = max(limit_s - (time.perf_counter() - start), 1e-3)
+        protocol.wait_no_readers(self.store, self.rank, self.version, left)
 
     @contextlib.contextmanager
     def update(self, timeout_s: float | None = None):
@@ -353,6 +386,12 @@ class Publisher(Closing):
             log.warning("publisher closed with readers inside; its regions are kept until the process exits",
                         extra={"rank": self.rank, "version": self.version})
             return
+        board, self._board = self._board, None
+        if board is not None:
+            if pool.enabled():
+                _board.park(self.store, self.rank, board)
+            else:
+                board.close()
         for region in self._regions:
             self._link.release(region)
         self._regions.clear()
@@ -362,18 +401,24 @@ class Publisher(Closing):
     def _withdraw(self) -> bool:
         """Set ``updating`` and wait for readers (Note [Version protocol]); False if some stayed.
         A store that cannot be reached cannot let anyone in either: that counts as withdrawn."""
+        start = time.perf_counter()
         try:
             with self.store.deadline(self.timeout_s):
                 if not self._updating:
                     protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
                     self._updating, self._drained = True, False
                 if not self._drained:
-                    protocol.wait_no_readers(self.store, self.rank, self.version, self.timeout_s)
+                    self._wait_no_readers(self.timeout_s, start)
                     self._drained = True
         except TransferTimeout:
             return False
         except (PeerLostError, TransferError) as exc:  # the store's server is gone (shutdown order)
             log.warning("publisher close could not reach the store", extra={"rank": self.rank, "error": repr(exc)})
+        if self._board is not None:
+            try:  # local receivers may still hold the board even when the store could not be reached
+                self._board.withdraw(self.version, max(self.timeout_s - (time.perf_counter() - start), 1e-3))
+            except TransferTimeout:
+                return False
         return True
 
     def __repr__(self) -> str:

@@ -26,6 +26,7 @@ from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError, WarmlinkError
 from warmlink.refit import _parked, protocol, translate
+from warmlink.refit._board import CLOSED, PUBLISHED, STATE_NAMES, ReaderBoard
 from warmlink.refit._cycle import Cycle, CycleReport, RefitHandle, created_counts
 from warmlink.refit._declare import module_tensors
 from warmlink.refit._stream import PartialLoadError, StreamReport, StreamState, groups_key
@@ -50,6 +51,10 @@ log = logging.getLogger("warmlink.refit")
 # does not write while this receiver reads (Note [Version protocol]), so a publisher dying
 # mid-pull still leaves a complete version; what remains is a local failure. Tensors a pull cannot
 # land in directly (a cast, a staged re-slice) still go through receive memory and a copy.
+
+
+def _data_ptr(t) -> int:
+    return t.data_ptr()
 
 
 class _InstallWork(NamedTuple):
@@ -122,6 +127,7 @@ class Receiver(Closing):
         self._last_named: list[tuple[str, object]] = []
         self._installs: dict[int, _InstallWork] = {}
         self._targets_of: tuple | None = None  # (plan, its targets in plan order), install "direct"
+        self._on_boards: list | None = None  # the boards this cycle entered (Note [Version board]); None: the store
         self._healthy = False  # the last cycle installed: what this receiver holds may be parked
         self._finalizing = False
         self._closed = False
@@ -230,8 +236,8 @@ class Receiver(Closing):
             t2 = time.perf_counter()
             report.plan_s = t2 - t1
 
-            targets = self._direct_targets(plan) if self.install == "direct" else None
-            bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0, targets)
+            targets, where = self._direct_targets(plan) if self.install == "direct" else (None, None)
+            bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0, targets, where)
             t3 = time.perf_counter()
             report.alloc_s = t3 - t2
 
@@ -352,6 +358,12 @@ class Receiver(Closing):
             return self._enter_within(version, timeout_s)
 
     def _enter_within(self, version: int | None, timeout_s: float) -> int:
+        # Publishers on this host whose manifests are read: their boards, no store round trip.
+        boards = self._state.sources.boards()
+        if boards is not None:
+            entered = self._enter_boards(*boards, version, timeout_s)
+            if entered is not None:
+                return entered
         # Guess the states instead of reading them first, which saves a round trip per publisher:
         # a new receiver tries the states this process last read (an engine re-created per test:
         # nothing changed since), a receiver told which version to pull tries that version of the
@@ -375,6 +387,37 @@ class Receiver(Closing):
                     f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
                     f"states={[(s.version, s.state) for s in states]}"
                 )
+            backoff.sleep()
+
+    def _enter_boards(self, boards: list, generations: list, version: int | None, timeout_s: float) -> int | None:
+        """Enter every publisher's current version through its board (Note [Version board] in
+        refit._board); None when one moved on (closed, restarted or died): the store says more."""
+        backoff = Backoff(timeout_s)
+        while True:
+            entered, versions, moved = [], set(), False
+            for board, generation in zip(boards, generations):
+                ok, ver, state = board.enter(generation, version)
+                if not ok:
+                    moved = state == CLOSED
+                    if state == PUBLISHED and version is not None and ver > version:
+                        for b in entered:
+                            b.leave()
+                        raise VersionError(f"Receiver.refit: version={version} was replaced by {ver}; ask for {ver} or None")
+                    break
+                entered.append(board)
+                versions.add(ver)
+            else:
+                if len(versions) == 1:  # else some ranks published the next version already: wait for the rest
+                    self._on_boards = entered
+                    return versions.pop()
+            for b in entered:
+                b.leave()
+            if moved:
+                return None
+            if backoff.expired():
+                raise TransferTimeout(
+                    f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
+                    f"states={[(v, STATE_NAMES.get(st, st)) for _, _, v, st in map(ReaderBoard.read, boards)]} (their boards)")
             backoff.sleep()
 
     def _try_enter(self, states: list, version: int | None) -> int | None:
@@ -409,6 +452,11 @@ class Receiver(Closing):
     def _leave(self, version: int) -> None:
         """Count out of ``version`` on every rank, within this receiver's timeout: a stalled store
         raises instead of holding the cycle (the counts are then the publisher's to reap)."""
+        boards, self._on_boards = self._on_boards, None
+        if boards is not None:
+            for board in boards:
+                board.leave()
+            return
         deadline = getattr(self.store, "deadline", None)
         with deadline(self.timeout_s) if deadline is not None else contextlib.nullcontext():
             for rank in range(self.num_publishers):
@@ -475,12 +523,15 @@ class Receiver(Closing):
         rep.created = cycle.created()
         return rep
 
-    def _direct_targets(self, plan) -> list:
-        """Per tensor of ``plan``, its target (install "direct"), in plan order; once per plan."""
+    def _direct_targets(self, plan) -> tuple[list, tuple]:
+        """Per tensor of ``plan`` its target, in plan order (found once per plan), and where the
+        targets' memory is now (asked every cycle: a target whose ``.data`` was replaced must
+        never be pulled into at its old address). Install "direct"."""
         cached = self._targets_of
         if cached is None or cached[0] is not plan:
-            cached = self._targets_of = (plan, [self._targets.get(tp.dst) for tp in plan.tensors])
-        return cached[1]
+            targets = [self._targets.get(tp.dst) for tp in plan.tensors]
+            cached = self._targets_of = (plan, targets, [t for t in targets if t is not None])
+        return cached[1], tuple(map(_data_ptr, cached[2]))
 
     def _install_work(self, plan, bufs) -> "_InstallWork":
         """What ``_finish`` does after the pull into ``bufs``, worked out once per buffer set (a

@@ -14,6 +14,7 @@ import logging
 from warmlink import pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError
 from warmlink.refit import protocol
+from warmlink.refit._board import ReaderBoard
 from warmlink.refit._memo import Lru
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
@@ -27,10 +28,11 @@ log = logging.getLogger("warmlink.refit")
 class _Parsed:
     """A validated manifest, parsed; shared read-only by every receiver of the process."""
 
-    __slots__ = ("info", "regions", "layouts", "where", "digest")
+    __slots__ = ("info", "regions", "layouts", "where", "digest", "board")
 
     def __init__(self, digest: str, m: dict) -> None:
         self.info = m["peer"]
+        self.board = m["board"]  # where the publisher's version board is (Note [Version board])
         self.regions = tuple(m["regions"])
         self.layouts = tuple(TensorLayout.from_json(t) for t in m["tensors"])
         self.where = {t["name"]: (t["region"], t["offset"]) for t in m["tensors"]}  # (region index, offset bytes)
@@ -54,15 +56,16 @@ def _parse(raw: bytes, peer_name: str) -> _Parsed:
 
 
 class _Source:
-    __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened")
+    __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened", "board")
 
-    def __init__(self, peer: PeerRef, parsed: _Parsed) -> None:
+    def __init__(self, peer: PeerRef, parsed: _Parsed, board: ReaderBoard | None) -> None:
         self.peer = peer
         self.layouts = parsed.layouts
         self.where = parsed.where
         self.regions = parsed.regions
         self.digest = parsed.digest
         self.opened: dict[int, RemoteRegion] = {}
+        self.board = board  # None: another host's publisher, or no board; its readers count in the store
 
 
 class SourceSet:
@@ -92,9 +95,14 @@ class SourceSet:
                 continue
             new = self._load(rank, state.generation)
             if src is not None and src.digest == new.digest:
-                continue  # the same bytes: keep the source and its opened regions
+                if src.board is None:
+                    src.board = new.board
+                elif new.board is not None:
+                    new.board.close()
+                continue  # the same bytes: keep the source, its opened regions and its board
             if src is not None:
                 self._close(src)
+                self._close_board(src)
                 log.info("publisher re-created", extra={"rank": rank, "generation": state.generation})
             # Mappings follow the process: a publisher re-created in the same process keeps those
             # of regions it still exports; another process's (one that left while no receiver of
@@ -138,7 +146,20 @@ class SourceSet:
         # each other's mappings.
         key = f"{getattr(self.store, 'prefix', '')}:{peer_name}"
         peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
-        return _Source(peer, parsed)
+        return _Source(peer, parsed, ReaderBoard.open(parsed.board, info["pid"], peer_name))
+
+    def boards(self) -> tuple[list[ReaderBoard], list[int]] | None:
+        """Every publisher's board and the generation planned against, when every one is on this
+        host and the manifests read are current (Note [Version board]); else None: the store."""
+        if not self._verified:
+            return None
+        boards, generations = [], []
+        for src in self._sources:
+            if src is None or src.board is None:
+                return None
+            boards.append(src.board)
+            generations.append(src.peer.generation)
+        return boards, generations
 
     def layouts(self) -> dict[int, tuple[TensorLayout, ...]]:
         return {rank: src.layouts for rank, src in enumerate(self._sources)}
@@ -165,3 +186,16 @@ class SourceSet:
         for src in self._sources:
             if src is not None:
                 self._close(src)
+
+    @staticmethod
+    def _close_board(src: _Source) -> None:
+        if src.board is not None:
+            src.board.close()
+            src.board = None
+
+    def close(self) -> None:
+        """Close every opened region and board (the receive state is destroyed)."""
+        for src in self._sources:
+            if src is not None:
+                self._close(src)
+                self._close_board(src)

@@ -66,7 +66,7 @@ SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 # Manifests changed on their own when layouts became boxes with offsets (Note [Layout rules]); a
 # version-1 manifest from an older publisher is refused by name, never misread.
-MANIFEST_SCHEMA_VERSION = 2
+MANIFEST_SCHEMA_VERSION = 3
 MAX_PAYLOAD_BYTES = 64 << 20
 # One store value: TCPStore's libuv server drops the connection of a client that sends more.
 MAX_VALUE_BYTES = 8 << 20
@@ -95,6 +95,8 @@ NIXL_AGENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_NIXL_META_HEX = 1 << 20  # 512 KiB of agent metadata; one region's partial metadata is ~0.5 KiB
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_BOARD_NAME = re.compile(r"wl-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}")  # an shm arena (pool.arenas)
+_TOKEN = re.compile(r"[0-9a-f]{32}-[0-9a-f]{1,16}/wl-[0-9]{1,10}-[0-9a-f]{8}\.lock")  # pool.liveness.token
 _PEER_INFO_KEYS = (
     "schema_version", "kind", "role", "rank", "world_size", "generation", "host", "pid", "start_time",
     "device", "backend",
@@ -371,10 +373,16 @@ def tensor_nbytes(tensor: dict) -> int:
 
 
 def _manifest(v: _V, x: Any) -> dict:
-    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors"), "publisher_manifest", (MANIFEST_SCHEMA_VERSION,))
+    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors", "board"), "publisher_manifest",
+            (MANIFEST_SCHEMA_VERSION,))
     _peer_info(v, x["peer"], "peer", nested=True)
     if x["peer"]["role"] != "publisher":
         v.fail(f"peer.role={x['peer']['role']!r} is wrong; expected 'publisher'")
+    board = x["board"]
+    if board is not None:  # Note [Version board] in refit._board
+        v.obj(board, "board", ("name", "token"))
+        v.str_(board["name"], "board.name", _BOARD_NAME)
+        v.str_(board["token"], "board.token", _TOKEN)
     regions = v.list_(x["regions"], "regions", 0, MAX_REGIONS)
     extents = [region_extent_bytes(_region(v, r, f"regions[{i}]")) for i, r in enumerate(regions)]
     tensors = v.list_(x["tensors"], "tensors", 0, MAX_TENSORS)
