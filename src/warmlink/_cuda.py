@@ -27,6 +27,7 @@ from warmlink.errors import BackendUnavailable, MetadataError, PoolError, Transf
 __all__ = [
     "available", "unavailable_reason", "check", "use_device", "current_device", "device_count", "malloc", "free",
     "tensor_from_ptr", "Allocation", "allocation", "alloc_range", "buffer_id", "pointer_device", "is_ipc_exportable",
+    "device_uuid", "device_of_uuid",
     "ipc_get_handle", "ipc_open_handle", "ipc_close_handle", "ipc_get_event_handle", "ipc_open_event_handle", "enable_peer_access",
     "stream_create", "stream_destroy", "stream_query", "stream_synchronize", "stream_wait_event",
     "stream_priority_range", "event_create", "event_record", "event_query", "event_synchronize",
@@ -375,6 +376,23 @@ def ipc_close_handle(ptr: int, device: int) -> None:
     """Unmap a pointer from ``ipc_open_handle``. Copies using it must have completed."""
     with use_device(device):
         check(_rt.cudaIpcCloseMemHandle(ptr), f"cudaIpcCloseMemHandle({ptr:#x}) on cuda:{device}")
+
+
+@functools.cache
+def device_uuid(device: int) -> str:
+    """The UUID of ``device`` (this process's numbering) as 32 hex characters: the same GPU has the
+    same UUID in every process, whatever ``CUDA_VISIBLE_DEVICES`` each was started with, where
+    device indices differ."""
+    prop = check(_load().cudaGetDeviceProperties(device), f"cudaGetDeviceProperties({device})")
+    return bytes(prop.uuid.bytes).hex()
+
+
+def device_of_uuid(uuid: str) -> int | None:
+    """This process's index of the GPU with ``uuid`` (see ``device_uuid``), or None if not visible."""
+    for device in range(device_count()):
+        if device_uuid(device) == uuid:
+            return device
+    return None
 
 
 def enable_peer_access(device: int, peer_device: int) -> bool:

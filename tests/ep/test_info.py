@@ -18,7 +18,7 @@ HANDLE = "ab" * 64
 
 def good(kind: str = "cuda_ipc") -> dict:
     data = ({"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 0, "nbytes": 1 << 20, "device": 1,
-             "buffer_id": 7} if kind == "cuda_ipc" else {"kind": "shm", "name": "wl-1-ab-0", "offset": 0, "nbytes": 4096})
+             "buffer_id": 7, "device_uuid": "0123456789abcdef" * 2} if kind == "cuda_ipc" else {"kind": "shm", "name": "wl-1-ab-0", "offset": 0, "nbytes": 4096})
     events = [HANDLE] * 4 if kind == "cuda_ipc" else []
     return {
         "schema_version": 1, "kind": "ep_rank",

@@ -723,7 +723,7 @@ def corruptions(draw, raw: bytes, file_sizes: list[int]) -> tuple[str, bytes]:
         i = draw(st.integers(0, len(m["regions"]) - 1))
         r = m["regions"][i]
         m["regions"][i] = {"kind": "cuda_ipc", "handle": draw(st.sampled_from(_BAD_HANDLES)), "alloc_nbytes": 1 << 21,
-                           "offset": r["offset"], "nbytes": r["nbytes"], "device": 0, "buffer_id": 1}
+                           "offset": r["offset"], "nbytes": r["nbytes"], "device": 0, "buffer_id": 1, "device_uuid": "0123456789abcdef" * 2}
         return f"handle regions[{i}] cuda_ipc handle of {len(m['regions'][i]['handle'])} chars", json.dumps(m).encode()
     if op == "list":
         what = draw(st.sampled_from(["no-regions", "no-parts", "duplicate-tensor"]))
@@ -810,7 +810,7 @@ def test_region_of_another_backend_is_a_metadata_error(fuzz_env, kind: str) -> N
     r = m["regions"][0]
     m["regions"][0] = (
         {"kind": "cuda_ipc", "handle": "ab" * 64, "alloc_nbytes": 1 << 21, "offset": r["offset"], "nbytes": r["nbytes"],
-         "device": 0, "buffer_id": 1}
+         "device": 0, "buffer_id": 1, "device_uuid": "0123456789abcdef" * 2}
         if kind == "cuda_ipc"
         else {"kind": "nixl", "agent": "agent-1", "addr": 1 << 20, "nbytes": r["nbytes"], "device": -1, "mem": "DRAM"}
     )

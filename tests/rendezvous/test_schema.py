@@ -43,7 +43,8 @@ def layouts() -> list[TensorLayout]:
 
 def manifest() -> dict:
     regions = [
-        {"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 512, "nbytes": 8192, "device": 0, "buffer_id": 7},
+        {"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 512, "nbytes": 8192, "device": 0, "buffer_id": 7,
+         "device_uuid": "0123456789abcdef" * 2},
         {"kind": "shm", "name": "wl_pub_1.arena", "nbytes": 4096, "offset": 1024},
         {"kind": "nixl", "agent": "pub-1", "addr": 1 << 40, "nbytes": 4096, "device": -1, "mem": "DRAM",
          "agent_meta": "0a1b" * 100},
@@ -138,6 +139,7 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("regions", 2, "mem"), "V-RAM", "regions[2].mem='V-RAM' is unknown; expected one of ['DRAM', 'VRAM']"),
         (("regions", 2, "addr"), (1 << 64) - 1, "overflows 64 bits"),
         (("regions", 2, "kind"), "rdma", "regions[2].kind='rdma' is unknown"),
+        (("regions", 0, "device_uuid"), "GPU-0123", "regions[0].device_uuid='GPU-0123' invalid"),
         (("regions", 2, "agent"), "pub 1", "regions[2].agent='pub 1' invalid; expected to match"),
         (("regions", 2, "agent"), "a" * 129, "regions[2].agent="),
         (("regions", 2, "device"), 0, "regions[2].device=0 does not fit mem='DRAM'"),

@@ -67,10 +67,10 @@ def test_link_rejects_bad_arguments_before_cuda(kwargs, match):
 
 
 def test_build_descriptor_exact_format():
-    desc = build_descriptor(HANDLE, 4 << 20, 4096, 1000, 3, 77)
+    desc = build_descriptor(HANDLE, 4 << 20, 4096, 1000, 3, 77, "ab" * 16)
     assert desc == {
         "kind": "cuda_ipc", "handle": HANDLE.hex(), "alloc_nbytes": 4 << 20, "offset": 4096,
-        "nbytes": 1000, "device": 3, "buffer_id": 77,
+        "nbytes": 1000, "device": 3, "buffer_id": 77, "device_uuid": "ab" * 16,
     }
     assert len(desc["handle"]) == 128
 
@@ -86,10 +86,12 @@ def test_build_descriptor_exact_format():
         {"nbytes": 0},
         {"offset": (4 << 20) - 10},
         {"buffer_id": None},
+        {"device_uuid": "AB" * 16},
+        {"device_uuid": "ab" * 15},
     ],
 )
 def test_check_descriptor_fails_closed(change):
-    desc = {**build_descriptor(HANDLE, 4 << 20, 0, 1000, 0, 1), **change}
+    desc = {**build_descriptor(HANDLE, 4 << 20, 0, 1000, 0, 1, "ab" * 16), **change}
     with pytest.raises(MetadataError, match="peer='pub/0'"):
         check_descriptor(desc, "pub/0")
 
@@ -162,6 +164,7 @@ class _HostCuda:
             ipc_get_handle=lambda base: base.to_bytes(8, "little") * 8,
             ipc_open_handle=lambda h, d: int.from_bytes(h[:8], "little"),
             ipc_close_handle=lambda p, d: self.log.append(("close", p)), enable_peer_access=lambda a, b: True,
+            device_uuid=lambda d: f"{d:032x}", device_of_uuid=lambda u: int(u, 16),
         )
         for name, fn in fakes.items():
             mp.setattr(_cuda, name, fn)
@@ -320,6 +323,13 @@ def _recv_exchange(device: int, qs: dict) -> dict:
     opened0 = _stat("peer_mapping", "created")
     out: dict = {"digests": {}, "reads_ok": {}}
     methods = ["loop", "batch"] if _cuda.batch_supported() else ["loop"]
+    with CudaIpcLink(device, 60.0) as link:  # "auto": one kernel if the peer shares this GPU (Note [Copy kernel])
+        remotes = [link.open(peer, d) for d in msg["src"]]
+        locals_ = [link.register(torch.empty(e.numel(), dtype=torch.uint8, device=device)) for e in expected]
+        batch = link.prepare([Copy(loc, 0, rem, 0, rem.nbytes) for loc, rem in zip(locals_, remotes)])
+        link.read(batch).wait()
+        out["reads_ok"]["auto"] = all(torch.equal(loc.tensor.cpu(), e) for loc, e in zip(locals_, expected))
+        out["kernel"] = (link.kernel_copies, batch.prepared.same_device)
     for method in methods:
         with CudaIpcLink(device, 60.0, copy_method=method) as link:
             remotes = [link.open(peer, d) for d in msg["src"]]
@@ -478,6 +488,8 @@ def _run_exchange(children: _Children, pub_device: int, recv_device: int) -> Non
     assert pub["created_again"] == 0 and pub["reused_again"] and pub["same_desc_again"]
     assert all(recv["reads_ok"].values()), recv["reads_ok"]
     assert all(recv["strided_read_ok"].values()), recv["strided_read_ok"]
+    kernel_copies, same_gpu = recv["kernel"]  # SMs copy only within one GPU; across GPUs the copy engines do
+    assert same_gpu == (kernel_copies and pub_device == recv_device), recv["kernel"]
     if pub_device == recv_device:
         assert recv["remote_tensor"] is True, recv["remote_tensor"]
     elif recv["remote_tensor"] is not True:

@@ -95,6 +95,7 @@ NIXL_AGENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 MAX_NIXL_META_HEX = 1 << 20  # 512 KiB of agent metadata; one region's partial metadata is ~0.5 KiB
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_DEVICE_UUID = re.compile(r"[0-9a-f]{32}")
 _BOARD_NAME = re.compile(r"wl-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}")  # an shm arena (pool.arenas)
 _TOKEN = re.compile(r"[0-9a-f]{32}-[0-9a-f]{1,16}/wl-[0-9]{1,10}-[0-9a-f]{8}\.lock")  # pool.liveness.token
 _PEER_INFO_KEYS = (
@@ -103,7 +104,7 @@ _PEER_INFO_KEYS = (
 )
 _REGION_KEYS = {
     "shm": ("kind", "name", "nbytes", "offset"),
-    "cuda_ipc": ("kind", "handle", "alloc_nbytes", "offset", "nbytes", "device", "buffer_id"),
+    "cuda_ipc": ("kind", "handle", "alloc_nbytes", "offset", "nbytes", "device", "buffer_id", "device_uuid"),
     "nixl": ("kind", "agent", "addr", "nbytes", "device", "mem", "agent_meta"),
 }
 _TENSOR_KEYS = ("name", "dtype", "shape", "parts", "region", "offset")
@@ -260,6 +261,7 @@ def _region(v: _V, x: Any, path: str) -> dict:
             )
         v.int_(x["device"], f"{path}.device", 0, MAX_DEVICE)
         v.int_(x["buffer_id"], f"{path}.buffer_id", 0, MAX_INT)
+        v.str_(x["device_uuid"], f"{path}.device_uuid", _DEVICE_UUID)
     else:
         v.str_(x["agent"], f"{path}.agent", NIXL_AGENT_NAME)
         addr = v.int_(x["addr"], f"{path}.addr", 0, 1 << 64)

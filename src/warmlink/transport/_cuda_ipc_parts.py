@@ -39,16 +39,19 @@ def resolve_copy_method(copy_method: str, batch_supported: Callable[[], bool]) -
     return copy_method
 
 
-def build_descriptor(handle: bytes, alloc_nbytes: int, offset: int, nbytes: int, device: int, buffer_id: int) -> dict:
+def build_descriptor(handle: bytes, alloc_nbytes: int, offset: int, nbytes: int, device: int, buffer_id: int,
+                     device_uuid: str) -> dict:
     """The JSON descriptor of a registered region (the ``rendezvous.schema`` format).
 
     Args:
         handle: 64-byte IPC handle of the allocation's base; alloc_nbytes: allocation size in bytes;
         offset: region start inside the allocation, bytes; nbytes: region size, bytes;
-        device: exporter's CUDA device index; buffer_id: the allocation's unique id.
+        device: exporter's CUDA device index (its own numbering); buffer_id: the allocation's unique
+        id; device_uuid: the GPU's UUID (``_cuda.device_uuid``), which names it in every process.
     """
     desc = {"kind": "cuda_ipc", "handle": bytes(handle).hex(), "alloc_nbytes": int(alloc_nbytes),
-            "offset": int(offset), "nbytes": int(nbytes), "device": int(device), "buffer_id": int(buffer_id)}
+            "offset": int(offset), "nbytes": int(nbytes), "device": int(device), "buffer_id": int(buffer_id),
+            "device_uuid": device_uuid}
     check_descriptor(desc, "<local>")
     return desc
 
@@ -66,6 +69,9 @@ def check_descriptor(desc: dict, peer_key: str) -> None:
         v = desc.get(field)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise MetadataError(f"{where} desc.{field}={v!r}; expected an int >= 0")
+    uuid = desc.get("device_uuid")
+    if not isinstance(uuid, str) or len(uuid) != 32 or not set(uuid) <= _HEX:
+        raise MetadataError(f"{where} desc.device_uuid is not 32 lowercase hex characters (a GPU's UUID)")
     if desc["nbytes"] == 0 or desc["offset"] + desc["nbytes"] > desc["alloc_nbytes"]:
         raise MetadataError(f"{where} desc offset={desc['offset']} nbytes={desc['nbytes']} alloc_nbytes="
                             f"{desc['alloc_nbytes']}; expected 0 < nbytes and offset + nbytes <= alloc_nbytes")
@@ -127,8 +133,11 @@ class CopyPlan:
                     c.row_nbytes, c.num_rows) for c in batch.strided]
         # Where each mapped region's memory lives, in this process's device numbering: asked once
         # per region while preparing (setup), never per cycle.
+        # The GPU's UUID, not a device index (each process numbers its visible GPUs from 0) nor the
+        # pointer's attributes (memory a peer GPU exported reads as this process's device there).
         remotes = {id(c.remote): c.remote for c in (*batch.flat, *batch.strided)}
-        same = kernel and bool(remotes) and all(_cuda.pointer_device(r.ptr) == device for r in remotes.values())
+        same = kernel and bool(remotes) and all(r.desc["device_uuid"] == _cuda.device_uuid(device)
+                                                for r in remotes.values())
         return cls(device, flat, strided, same)
 
     def kernel(self, direction: str):

@@ -300,7 +300,7 @@ class CudaIpcLink(Link):
                               "IPC-exportable; expected plain cudaMalloc memory (stage via allocate())") from cause
         handle, token = _registrations.acquire((self.device, base, bid))
         try:
-            desc = build_descriptor(handle, size, ptr - base, nbytes, self.device, bid)
+            desc = build_descriptor(handle, size, ptr - base, nbytes, self.device, bid, _cuda.device_uuid(self.device))
         except BaseException:
             _registrations.release(token)
             raise
@@ -361,9 +361,11 @@ class CudaIpcLink(Link):
             if mapping.size is not None and end > mapping.size:
                 raise MetadataError(f"CudaIpcLink.open: peer={peer.key!r} desc offset + nbytes = {end} > mapped "
                                     f"allocation size {mapping.size}; expected the region inside its allocation")
-            if self.peer_access and desc["device"] != self.device:  # the exporter's index; one node's numbering
-                try:
-                    _cuda.enable_peer_access(self.device, desc["device"])
+            if self.peer_access:
+                try:  # the exporter's GPU in this process's numbering: by its UUID
+                    peer_device = _cuda.device_of_uuid(desc["device_uuid"])
+                    if peer_device is not None and peer_device != self.device:
+                        _cuda.enable_peer_access(self.device, peer_device)
                 except WarmlinkError as exc:  # copies work without it; only kernels need it
                     log.warning("peer access not enabled", extra={"device": self.device, "error": str(exc)})
         except BaseException:
