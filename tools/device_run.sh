@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
-# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep host-profile demo doctor bench-small
+# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep tests-refit host-profile demo doctor
+#        bench-small bench-colocated
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT)
@@ -45,6 +46,14 @@ for d in range(torch.cuda.device_count()):
       timeout 420 python3 -m warmlink.cli.main bench refit --scale 0.1 --cycles 3 --json "$OUT/refit_small.json" 2>&1 | tee "$OUT/refit_small.log" | tail -70 ;;
     bench-full)
       timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
+    tests-refit)
+      timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/refit tests/transport tests/pool tests/bench 2>&1 | tee "$OUT/gpu_tests_refit.log" | tail -40 ;;
+    bench-colocated)
+      # trainer and engine on one GPU (Note [Copy kernel]); REPEATS runs for medians across runs
+      for i in $(seq 1 ${REPEATS:-1}); do
+        timeout 420 python3 -m warmlink.cli.main bench refit --devices 0,0 --scale 1 --cycles ${CYCLES:-8} --timeout 150 \
+          --json "$OUT/colocated_${TAG:-}$i.json" 2>&1 | tee "$OUT/colocated_${TAG:-}$i.log" | tail -${TAIL:-45}
+      done ;;
     bench-lifecycle)
       timeout 150 python3 -m warmlink.cli.main bench lifecycle --iterations ${ITERATIONS:-100} --json "$OUT/lifecycle.json" 2>&1 | tee "$OUT/lifecycle.log" | tail -40 ;;
     bench-reconfigure)

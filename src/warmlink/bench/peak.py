@@ -71,6 +71,23 @@ def _timed(issue, stream: int, start: int, end: int, repeats: int) -> tuple[list
     return device_ms, issue_us
 
 
+def flat_copy_peak(device: int, nbytes: int, repeats: int = 10) -> dict:
+    """One flat device-to-device copy of ``nbytes`` within ``device``: the colocated refit's ceiling
+    (the trainer's and the engine's memory are the same HBM).
+
+    Returns ``one_way_ms`` / ``one_way_gbps`` (median, event-timed) and ``one_way_all_ms``.
+    Blocking? Yes; allocates and frees ``2 * nbytes`` on ``device``.
+    """
+    with _Scratch() as s:
+        src, dst = s.malloc(nbytes, device), s.malloc(nbytes, device)
+        stream, start, end = s.stream(device), s.event(device), s.event(device)
+        ms, _ = _timed(lambda st: _cuda.memcpy_async(dst, src, nbytes, st), stream, start, end, repeats)
+    one = statistics.median(ms)
+    return {"src_device": device, "dst_device": device, "nbytes": nbytes, "repeats": repeats,
+            "method": "cudaMemcpyAsync, one flat copy", "one_way_ms": one, "one_way_gbps": _gbps(nbytes, one),
+            "one_way_all_ms": ms}
+
+
 def peer_copy_peak(src_device: int = 0, dst_device: int = 1, nbytes: int = 1 << 30, repeats: int = 10) -> dict:
     """One large peer copy, one way and both ways at once.
 

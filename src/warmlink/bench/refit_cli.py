@@ -101,9 +101,12 @@ def _peak(devices: tuple[int, int], nbytes: int) -> dict:
 
     if devices[0] < 0:
         return run_in_child(_cpu_memcpy_peak, nbytes=max(64 << 20, min(nbytes, 1 << 30)))
-    from warmlink.bench.peak import batched_vs_loop, peer_copy_peak
+    from warmlink.bench.peak import batched_vs_loop, flat_copy_peak, peer_copy_peak
 
-    out = run_in_child(peer_copy_peak, src_device=devices[0], dst_device=devices[1], nbytes=min(nbytes, 1 << 30))
+    if devices[0] == devices[1]:  # colocated: one flat copy of all the bytes, the HBM ceiling
+        out = run_in_child(flat_copy_peak, device=devices[0], nbytes=nbytes)
+    else:
+        out = run_in_child(peer_copy_peak, src_device=devices[0], dst_device=devices[1], nbytes=min(nbytes, 1 << 30))
     out["gbps"] = out["one_way_gbps"]
     out["batched_vs_loop"] = run_in_child(batched_vs_loop, num_tensors=290, total_nbytes=min(nbytes, 8 << 30),
                                           src_device=devices[0], dst_device=devices[1])
@@ -135,6 +138,8 @@ def _need(name: str, spec, devices: tuple[int, int], install: str):
     largest = max(layout.nbytes for layout in spec.layouts(1, 0).values())
     if name == "peak":
         copy = max(64 << 20, min(nbytes, 1 << 30)) if devices[0] < 0 else min(nbytes, 8 << 30)
+        if devices[0] >= 0 and devices[0] == devices[1]:
+            copy = nbytes  # the flat copy's two buffers of all the bytes
         need.on(devices[0], copy)
         need.on(devices[1], copy)
         need.processes([devices[0]] if devices[0] == devices[1] else list(devices))

@@ -21,11 +21,13 @@ from typing import Sequence
 __all__ = ["CopyPlan", "ALIGN_BYTES", "CHUNK_NBYTES", "available", "get_kernel"]
 
 ALIGN_BYTES = 16
-#: Bytes per program, and the variant and warps: the fastest measured on an H100 (0.97 of one flat
-#: copy for a 290-tensor model; benchmarks/colocated_copy_methods_1xH100_2026-11-25_b.log).
+#: Bytes per program, and the variant and warps: the best of both chips measured, as a fraction of
+#: one flat copy of a 290-tensor model: 0.954 on an H100 and 0.959 on an H200. The fastest on each
+#: differ (16 warps: 0.969 on the H100, 0.929 on the H200; 8 warps x 64 KiB: 0.943 and 0.964):
+#: benchmarks/colocated_copy_methods_1xH100_2026-11-25_b.log and ..._2xH200_2026-11-26.log (GPU 0).
 CHUNK_NBYTES = 128 << 10
 VARIANT = "v2"
-NUM_WARPS = 16
+NUM_WARPS = 8
 _COLUMNS = 6  # src, dst, row words, rows, src pitch words, dst pitch words
 _BLOCK = 1024  # int32 elements per step: 4 KiB
 
