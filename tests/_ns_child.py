@@ -151,14 +151,14 @@ def arena(interval_s: float | None = None) -> None:
     lease.release()
 
 
-def receiver(address: str, prefix: str, numel: int) -> None:
+def receiver(address: str, prefix: str, secret: str, numel: int) -> None:
     import torch
 
     from warmlink.refit import Receiver, TensorLayout
     from warmlink.rendezvous import Store
     from warmlink.transport import shm
 
-    store = Store.connect(address, prefix=prefix, timeout_s=120)
+    store = Store.connect(address, prefix=prefix, timeout_s=120, secret=secret)
     target = torch.zeros(numel, dtype=torch.float32)
     rec = Receiver(store, num_publishers=1, backend="shm", install="copy", timeout_s=300)
     rec.add("w", TensorLayout.plain("w", "float32", (numel,)), target)
@@ -187,6 +187,6 @@ if __name__ == "__main__":
     elif mode == "reaper":
         arena(float(args[0]))
     elif mode == "receiver":
-        receiver(args[0], args[1], int(args[2]))
+        receiver(args[0], args[1], args[2], int(args[3]))
     else:
         raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper or receiver")
