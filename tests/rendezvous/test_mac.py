@@ -1,5 +1,5 @@
-"""The authenticated store (Note [Store MAC] in warmlink.rendezvous._mac, Note [Store secret] in
-warmlink.rendezvous.store): a value written without the job's secret is refused, naming its key and
+"""The authenticated store (Notes [Store MAC] and [Store secret] in
+warmlink.rendezvous._mac): a value written without the job's secret is refused, naming its key and
 peer, before anything acts on it; a client needs the secret; the server listens on the asked host
 only. A real TCPStore server on 127.0.0.1, no GPU; nothing here depends on timing."""
 
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmlink import _env
-from warmlink.errors import ConfigError, MetadataError
+from warmlink.errors import ConfigError, MetadataError, PeerLostError
 from warmlink.refit import Publisher, Receiver, protocol
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import _mac, schema
@@ -139,6 +139,16 @@ def test_counters_hold_small_integers_or_are_refused(server: Store) -> None:
     _refused(r"key='sealed' holds .* not an integer", lambda: server.add("sealed", 1))
 
 
+def test_an_unchecked_add_on_a_forged_counter_fails_closed(server: Store) -> None:
+    _raw(server).set("word", b"abc")
+    with Store.connect(server.address, prefix=server.prefix, timeout_s=10, secret=SECRET) as client:
+        # the server drops the client's connection (Note [TCPStore quirks]): every later call says so
+        for call in (lambda: client.add("word", 1, checked=False), lambda: client.get("anything", timeout_s=1)):
+            with pytest.raises(PeerLostError):
+                call()
+    assert server.add("fine", 1) == 1  # other clients keep theirs
+
+
 # -- the secret -------------------------------------------------------------------------------------
 def test_client_without_a_secret_is_a_config_error(server: Store, no_env_secret) -> None:
     for connect in (lambda: Store.connect(server.address, prefix=server.prefix, timeout_s=5),
@@ -243,7 +253,7 @@ def test_forged_version_state_makes_refit_refuse_and_install_nothing(server: Sto
         forged = {**STATE, "version": 2, "generation": pub.generation}
         _raw(server).set(protocol.state_key(0), json.dumps(forged).encode())
         with pytest.raises(MetadataError, match=r"key='pub/0/state' from peer='publisher/0'.*fails its MAC"):
-            rec.refit(timeout_s=2)
+            rec.refit(timeout_s=10)
         assert torch.equal(target, before)
     finally:
         rec.close()
@@ -258,7 +268,7 @@ def test_forged_manifest_makes_refit_refuse_and_install_nothing(server: Store) -
         manifest["regions"][0]["name"] = "another-jobs-segment"  # what the store must never make it open
         _raw(server).set(key, json.dumps(manifest).encode())
         with pytest.raises(MetadataError, match=rf"key='{key}'.*fails its MAC"):
-            rec.refit(timeout_s=2)
+            rec.refit(timeout_s=10)
         assert torch.equal(target, torch.full((16, 8), 42.0))
     finally:
         rec.close()

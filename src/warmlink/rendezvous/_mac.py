@@ -9,12 +9,21 @@ written by a process without the secret, moved from another key or prefix, cut s
 fails the check (``hmac.compare_digest``, in constant time) and is refused before anyone parses it.
 - The tag has no nonce: ``compare_set`` compares stored bytes, so one value under one key must
   always seal to the same bytes. Hence whoever reaches the port can write back a value that key
-  held earlier in the same job (a replay), which the MAC cannot tell apart; what the protocols
-  read is keyed by generation and version where that matters, and the store's own binding to the
-  asked host (Note [TCPStore quirks] in ``rendezvous.store``) keeps other hosts off the port.
+  held earlier in the same job (a replay), which the MAC cannot tell apart: it can show a reader
+  an older value of a key, never a name, size or handle the job did not write itself. The
+  server's binding to the asked host (Note [TCPStore quirks] in ``rendezvous.store``) keeps
+  other hosts off the port in the first place.
 - Counters (``Store.add``) carry no tag: the server adds integers. They are checked as integers
   in range instead.
 - The secret is never logged, put in a message or shown by a repr.
+
+# Note [Store secret]
+A server store takes its secret from its ``secret`` argument, else ``WARMLINK_SECRET``, else makes
+a fresh random one (a job on one host: the launcher hands ``store.secret`` to the processes it
+starts, as an argument). A client takes its argument, else ``WARMLINK_SECRET``, and refuses to
+start with neither (ConfigError). A job across nodes binds the server to the node address the
+other nodes reach (``Store(node_ip, port, is_server=True)``; loopback is the default) and sets
+the same ``WARMLINK_SECRET`` on every process.
 """
 
 from __future__ import annotations

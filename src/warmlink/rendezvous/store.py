@@ -5,14 +5,6 @@ MAC under the job's secret (Note [Store MAC] in ``rendezvous._mac``), every wait
 raises ``TransferTimeout`` naming the key, and every torch or OS error becomes a warmlink error that
 names the store's address. JSON payloads go through ``rendezvous.schema``.
 
-# Note [Store secret]
-A server store takes its secret from its ``secret`` argument, else ``WARMLINK_SECRET``, else makes
-a fresh random one (a job on one host: the launcher hands ``store.secret`` to the processes it
-starts, as an argument). A client takes its argument, else ``WARMLINK_SECRET``, and refuses to
-start with neither (ConfigError). A job across nodes binds the server to the node address the
-other nodes reach (``Store(node_ip, port, is_server=True)``; loopback is the default) and sets
-the same ``WARMLINK_SECRET`` on every process.
-
 # Note [TCPStore quirks]
 Found on torch 2.9+ (libuv backend) and worked around here:
 - The server listens on every interface, whatever host it is given. ``_client.serve`` binds a
@@ -162,7 +154,7 @@ class Store:
         secret: the job's secret, under which every value carries a MAC (Note [Store MAC] in
             ``rendezvous._mac``): a str of 16 to 1024 UTF-8 bytes, the same in every process.
             ``None`` takes ``WARMLINK_SECRET``; a server with neither makes a fresh one, read
-            back as ``.secret`` (Note [Store secret]).
+            back as ``.secret`` (Note [Store secret] in ``rendezvous._mac``).
 
     The server listens on ``host`` only (loopback by default): across nodes, pass the address of
     this node that the others reach, and set ``WARMLINK_SECRET`` on every process.
@@ -234,7 +226,7 @@ class Store:
     def connect(cls, address: str, *, prefix: str = "warmlink", timeout_s: float | None = None,
                 secret: str | None = None) -> "Store":
         """Connect a client to the server at ``"host:port"`` (IPv6 as ``"[::1]:port"``) under the
-        job's ``secret`` (``None``: ``WARMLINK_SECRET``; Note [Store secret]).
+        job's ``secret`` (``None``: ``WARMLINK_SECRET``; Note [Store secret] in ``rendezvous._mac``).
 
         Raises:
             ConfigError: the address does not parse, or no secret was given. TransferTimeout: no
@@ -249,7 +241,7 @@ class Store:
     @property
     def secret(self) -> str:
         """The job's secret, for a launcher to hand to the processes it starts (as an argument:
-        never log it). See Note [Store secret]."""
+        never log it). See Note [Store secret] in ``rendezvous._mac``."""
         return self._secret
 
     @property
