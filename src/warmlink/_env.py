@@ -189,8 +189,8 @@ def check_all(unknown: bool = False) -> dict[str, ConfigError]:
             errors[name] = e
     if unknown:
         for name in sorted(n for n in os.environ if n.startswith("WARMLINK_") and n not in VARIABLES):
-            errors[name] = ConfigError(f"{name}={shown(name, os.environ[name])!r} is not a warmlink variable; expected one of "
-                                       f"{sorted(VARIABLES)}")
+            value = shown(name, os.environ[name])  # a misspelled secret's name still hides its value
+            errors[name] = ConfigError(f"{name}={value!r} is not a warmlink variable; expected one of {sorted(VARIABLES)}")
     return errors
 
 
