@@ -29,7 +29,7 @@ QWEN2 = dict(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_
              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def trainer(rank: int, world: int, path: str, address: str, init_file: str, steps: int, conn, results) -> None:
+def trainer(rank: int, world: int, path: str, address: str, secret: str, init_file: str, steps: int, conn, results) -> None:
     """One FSDP2 trainer rank: ``steps`` optimizer steps, ``send_weights()`` after each."""
     import datetime
 
@@ -52,7 +52,8 @@ def trainer(rank: int, world: int, path: str, address: str, init_file: str, step
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        info = WarmlinkTrainerInitInfo(rank=rank, world_size=world, store_address=address, prefix="example")
+        info = WarmlinkTrainerInitInfo(rank=rank, world_size=world, store_address=address, prefix="example",
+                                       secret=secret)
         client = ConnectionClient(conn) if rank == 0 else None  # only rank 0 calls it
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=WarmlinkSource(model))
         gen = torch.Generator().manual_seed(7)  # every rank trains on the same batches
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     conn, child = ctx.Pipe()
     results = ctx.Queue()
     store = Store("127.0.0.1", 0, is_server=True, prefix="example", timeout_s=60)
-    procs = [ctx.Process(target=trainer, args=(r, args.trainers, path, store.address, os.path.join(work, "pg"), args.steps,
+    procs = [ctx.Process(target=trainer, args=(r, args.trainers, path, store.address, store.secret, os.path.join(work, "pg"), args.steps,
                                                child if r == 0 else None, results), daemon=True)
              for r in range(args.trainers)]
     for proc in procs:

@@ -4,7 +4,7 @@
 
 * ``arena``: lease a 4 MiB shm arena filled with 0x5A, report ``ready``, wait until stdin closes.
 * ``reaper INTERVAL_S``: the same, with ``arenas.REAP_INTERVAL_S`` set first (a long-lived process).
-* ``receiver ADDRESS PREFIX NUMEL SYNC``: refit version 1 of a float32 tensor ``w`` of NUMEL
+* ``receiver ADDRESS PREFIX SECRET NUMEL SYNC``: refit version 1 of a float32 tensor ``w`` of NUMEL
   elements over shm (reporting whether it equals ``arange``), then on any stdin line refit version
   2 with the shm copies held after the first 4 KiB chunk, reporting ``pulling``: killed there, it
   dies mid-pull inside the version. SYNC ``board``: it syncs on the publisher's version board, as
@@ -153,7 +153,7 @@ def arena(interval_s: float | None = None) -> None:
     lease.release()
 
 
-def receiver(address: str, prefix: str, numel: int, sync: str) -> None:
+def receiver(address: str, prefix: str, secret: str, numel: int, sync: str) -> None:
     import torch
 
     from warmlink.refit import Receiver, TensorLayout, _board
@@ -163,7 +163,7 @@ def receiver(address: str, prefix: str, numel: int, sync: str) -> None:
     if sync == "store":
         _board.ReaderBoard.open = classmethod(lambda cls, *args: None)
 
-    store = Store.connect(address, prefix=prefix, timeout_s=120)
+    store = Store.connect(address, prefix=prefix, timeout_s=120, secret=secret)
     target = torch.zeros(numel, dtype=torch.float32)
     rec = Receiver(store, num_publishers=1, backend="shm", install="copy", timeout_s=300)
     rec.add("w", TensorLayout.plain("w", "float32", (numel,)), target)
@@ -192,6 +192,6 @@ if __name__ == "__main__":
     elif mode == "reaper":
         arena(float(args[0]))
     elif mode == "receiver":
-        receiver(args[0], args[1], int(args[2]), args[3])
+        receiver(args[0], args[1], args[2], int(args[3]), args[4])
     else:
         raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper or receiver")

@@ -32,7 +32,7 @@ if os.getppid() != int(sys.argv[2]):
     sys.exit(1)
 from warmlink.rendezvous import Store
 store = Store("127.0.0.1", 0, is_server=True, prefix=sys.argv[1], timeout_s=60)
-print(store.address, flush=True)
+print(store.address, store.secret, flush=True)  # to the parent, over its pipe
 sys.stdin.read()  # until the test closes the pipe
 """
 
@@ -44,7 +44,7 @@ class StoppableServer:
         self.prefix = prefix = f"{name}-{uuid.uuid4().hex[:8]}"
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, prefix, str(os.getpid())], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.address = self.proc.stdout.readline().strip()
+        self.address, _, self.secret = self.proc.stdout.readline().strip().partition(" ")
         if not self.address:
             self.close()
             raise RuntimeError("the store server child printed no address")

@@ -37,7 +37,8 @@ def main() -> None:
     with Store("127.0.0.1", 0, is_server=True, prefix=prefix) as store:
         control, results = ctx.Queue(), ctx.Queue()
         pub = ctx.Process(target=bench_refit._publisher, kwargs=dict(
-            control=control, results=results, address=store.address, prefix=prefix, spec=spec, tp=1, rank=0,
+            control=control, results=results, address=store.address, secret=store.secret, prefix=prefix, spec=spec,
+            tp=1, rank=0,
             device_idx=args.src, pool_on=True, backend=None, seed=0))
         pub.start()
         try:

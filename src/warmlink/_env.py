@@ -15,6 +15,10 @@ Variables:
         means the link's default (see ``warmlink.transport.nixl``).
     WARMLINK_EP_COPY_STREAMS, WARMLINK_EP_SEND, WARMLINK_EP_GRAPH: how ``ep.Buffer`` sends (see
         their functions below).
+    WARMLINK_SECRET: the job's secret, under which every value of the rendezvous store carries a
+        MAC (``rendezvous.Store``): the same value on every process of the job, 16 to 1024 bytes
+        of UTF-8 (e.g. ``python -c 'import secrets; print(secrets.token_hex(32))'``). Its value is
+        never printed: errors and ``warmlink doctor`` say only whether it is set and its length.
 
 ``check_all`` parses every one of them at once (the CLI calls it before it starts anything, and
 ``warmlink doctor`` reports it), and names any ``WARMLINK_*`` variable that is not one of them.
@@ -28,9 +32,12 @@ import os
 from warmlink.errors import ConfigError
 
 __all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "ep_copy_streams",
-           "ep_send", "ep_graph", "VARIABLES", "check_all", "clear_cache"]
+           "ep_send", "ep_graph", "secret", "check_secret", "shown", "VARIABLES", "check_all", "clear_cache"]
 
 _BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
+MIN_SECRET_BYTES = 16  # a guessable secret would be no secret: refuse short ones
+MAX_SECRET_BYTES = 1024
+_HIDDEN = ("SECRET",)  # variables whose value is never shown, whatever the name's spelling
 
 
 def _raw(name: str) -> str | None:
@@ -124,11 +131,48 @@ def ep_graph() -> bool:
     return value == "1"
 
 
+def _secret_problem(value: object) -> str | None:
+    if not isinstance(value, str):
+        return f"has type {type(value).__name__}"
+    try:
+        nbytes = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not UTF-8 text"  # lone surrogates: nothing another process could be given
+    return None if MIN_SECRET_BYTES <= nbytes <= MAX_SECRET_BYTES else f"has {nbytes} bytes"
+
+
+def check_secret(value: object, where: str) -> str:
+    """``value`` when it is a valid job secret (a str of 16 to 1024 UTF-8 bytes), else ConfigError.
+    The message gives its type and length, never the value."""
+    problem = _secret_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{where}: secret {problem}; expected a str of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} "
+                          "bytes of UTF-8 (e.g. secrets.token_hex(32))")
+    return value  # type: ignore[return-value]
+
+
+@functools.cache
+def secret() -> str | None:
+    """``WARMLINK_SECRET``: the job's store secret, or None when unset (see ``rendezvous.Store``)."""
+    value = _raw("WARMLINK_SECRET")
+    problem = None if value is None else _secret_problem(value)
+    if problem is not None:
+        raise ConfigError(f"WARMLINK_SECRET={shown('WARMLINK_SECRET', value)!r} {problem}; expected "
+                          f"{MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes of UTF-8 (e.g. secrets.token_hex(32))")
+    return value
+
+
+def shown(name: str, value: str) -> str:
+    """How ``name=value`` may be printed: the value of a secret is replaced by its length."""
+    return f"<hidden, {len(value)} characters>" if any(h in name.upper() for h in _HIDDEN) else value
+
+
 # Every variable this module reads, with its parser; a test holds this to the ``_raw`` calls above.
 VARIABLES = {
     "WARMLINK_POOL": pool_enabled, "WARMLINK_BACKEND": default_backend, "WARMLINK_TIMEOUT_S": default_timeout_s,
     "WARMLINK_LOG_LEVEL": log_level, "WARMLINK_NIXL_THREADS": nixl_threads,
     "WARMLINK_EP_COPY_STREAMS": ep_copy_streams, "WARMLINK_EP_SEND": ep_send, "WARMLINK_EP_GRAPH": ep_graph,
+    "WARMLINK_SECRET": secret,
 }
 
 
@@ -145,12 +189,12 @@ def check_all(unknown: bool = False) -> dict[str, ConfigError]:
             errors[name] = e
     if unknown:
         for name in sorted(n for n in os.environ if n.startswith("WARMLINK_") and n not in VARIABLES):
-            errors[name] = ConfigError(f"{name}={os.environ[name]!r} is not a warmlink variable; expected one of "
-                                       f"{sorted(VARIABLES)}")
+            value = shown(name, os.environ[name])  # a misspelled secret's name still hides its value
+            errors[name] = ConfigError(f"{name}={value!r} is not a warmlink variable; expected one of {sorted(VARIABLES)}")
     return errors
 
 
 def clear_cache() -> None:
     """Forget parsed values so that the next call reads the environment again (tests, bench A/B)."""
-    for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads):
+    for fn in (pool_enabled, default_backend, default_timeout_s, log_level, nixl_threads, secret):
         fn.cache_clear()

@@ -129,7 +129,7 @@ def test_a_bad_variable_ends_the_demo_at_once():
 
 _BAD_VARIABLES = {"WARMLINK_POOL": "2", "WARMLINK_BACKEND": "bogus", "WARMLINK_TIMEOUT_S": "-1",
                   "WARMLINK_LOG_LEVEL": "LOUD", "WARMLINK_NIXL_THREADS": "999", "WARMLINK_EP_COPY_STREAMS": "two",
-                  "WARMLINK_EP_SEND": "dma", "WARMLINK_EP_GRAPH": "yes"}
+                  "WARMLINK_EP_SEND": "dma", "WARMLINK_EP_GRAPH": "yes", "WARMLINK_SECRET": "too-short"}
 
 
 @pytest.mark.parametrize("name", sorted(_BAD_VARIABLES))
@@ -154,3 +154,4 @@ def test_doctor_names_every_bad_variable_and_fails():
         assert sum(line.startswith(f"warmlink doctor: {name}=") for line in lines) == 1, (name, done.stderr)
         assert f"{name}=" in done.stdout and "INVALID" in done.stdout
     assert "is not a warmlink variable" in done.stderr
+    assert "too-short" not in done.stdout + done.stderr  # a secret's value is never shown

@@ -51,7 +51,7 @@ def _unpack(value):
     return value
 
 
-def _rank_main(fn, rank: int, num_ranks: int, address: str, prefix: str, kwargs: dict, results) -> None:
+def _rank_main(fn, rank: int, num_ranks: int, address: str, secret: str, prefix: str, kwargs: dict, results) -> None:
     try:
         import os
 
@@ -62,7 +62,7 @@ def _rank_main(fn, rank: int, num_ranks: int, address: str, prefix: str, kwargs:
         # a share of the cores each: ranks with a thread per core spin against each other on CI
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
 
-        with Store.connect(address, prefix=prefix, timeout_s=30) as store:
+        with Store.connect(address, prefix=prefix, timeout_s=30, secret=secret) as store:
             value = fn(rank=rank, num_ranks=num_ranks, store=store, **kwargs)
         results.put((rank, "ok", _pack(value)))
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit, to the parent
@@ -75,7 +75,7 @@ def run_ranks(fn, num_ranks: int, timeout_s: float = 90.0, prefix: str = "ep-tes
 
     server = Store(is_server=True, prefix=prefix, timeout_s=30)
     results = CTX.Queue()
-    procs = [CTX.Process(target=_rank_main, args=(fn, r, num_ranks, server.address, prefix, kwargs, results), daemon=True)
+    procs = [CTX.Process(target=_rank_main, args=(fn, r, num_ranks, server.address, server.secret, prefix, kwargs, results), daemon=True)
              for r in range(num_ranks)]
     for p in procs:
         p.start()

@@ -22,7 +22,7 @@ def test_buffer_creation_raises_within_its_timeout() -> None:
     from warmlink.ep import Buffer
 
     with stoppable_server("stall-ep") as server, \
-            Store.connect(server.address, prefix=server.prefix, timeout_s=60) as store:
+            Store.connect(server.address, prefix=server.prefix, timeout_s=60, secret=server.secret) as store:
         Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, timeout_s=30).close()  # warm
         with server.stopped():
             times_out(lambda: Buffer(store, 0, 2, max_tokens_per_rank=8, hidden=128, num_topk=2, timeout_s=LIMIT_S),

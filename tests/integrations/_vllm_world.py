@@ -108,7 +108,7 @@ class _NoClient:
         raise AssertionError(f"trainer rank > 0 called client.{name}")
 
 
-def _cmd_init(state, *, mode, rank, path, address, prefix, init_file, timeout_s, buffer_bytes, conn):
+def _cmd_init(state, *, mode, rank, path, address, secret, prefix, init_file, timeout_s, buffer_bytes, conn):
     import datetime
 
     import torch
@@ -134,8 +134,8 @@ def _cmd_init(state, *, mode, rank, path, address, prefix, init_file, timeout_s,
         fully_shard(model, mesh=mesh)
     held = _Rank(mode, model, rank)
     client = ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient()
-    info = WarmlinkTrainerInitInfo(rank=rank, world_size=WORLD, store_address=address, prefix=prefix, timeout_s=timeout_s,
-                                   update_timeout_s=TIMEOUT_S, buffer_bytes=buffer_bytes, layouts=held.layouts)
+    info = WarmlinkTrainerInitInfo(rank=rank, world_size=WORLD, store_address=address, secret=secret, prefix=prefix,
+                                   timeout_s=timeout_s, update_timeout_s=TIMEOUT_S, buffer_bytes=buffer_bytes, layouts=held.layouts)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=WarmlinkSource(held.published))
     state.update(model=model, held=held, engine=engine, step=0,
                  optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -143,7 +143,7 @@ def _cmd_init(state, *, mode, rank, path, address, prefix, init_file, timeout_s,
     return engine.publisher.version
 
 
-def _cmd_readme(state, *, rank, path, address, init_file, steps, code, conn):
+def _cmd_readme(state, *, rank, path, address, secret, init_file, steps, code, conn):
     """The README's trainer snippet, run as written by an FSDP2 rank; returns its last version and
     the full weights after its loop."""
     import datetime
@@ -165,7 +165,7 @@ def _cmd_readme(state, *, rank, path, address, init_file, steps, code, conn):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ns = {"rank": rank, "world": WORLD, "address": address, "model": model,
+    ns = {"rank": rank, "world": WORLD, "address": address, "secret": secret, "model": model,
           "client": ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient(),
           "batches": _batches(model.config.vocab_size, steps),
           "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}

@@ -99,7 +99,7 @@ def check_engine_holds(llm, tp: int, config, state: dict) -> None:
 
 def _init(trainers, llm, store, mode, model_dir, tmp_path, timeout_s=60.0):
     prefix = f"{mode}-{uuid.uuid4().hex[:8]}"
-    kw = dict(mode=mode, path=model_dir, address=store.address, prefix=prefix, init_file=str(tmp_path / "pg"),
+    kw = dict(mode=mode, path=model_dir, address=store.address, secret=store.secret, prefix=prefix, init_file=str(tmp_path / "pg"),
               timeout_s=timeout_s, buffer_bytes=BUFFER_BYTES)
     return trainers.run_all(llm, {r: ("init", dict(kw, rank=r)) for r in range(WORLD)})
 
@@ -185,7 +185,7 @@ def test_readme_trainer_snippet_runs_as_written(engine, store, tmp_path):
     config = transformers.AutoConfig.from_pretrained(model_dir)
     trainers = Trainers()
     try:
-        kw = dict(path=model_dir, address=store.address, init_file=str(tmp_path / "pg"), steps=STEPS,
+        kw = dict(path=model_dir, address=store.address, secret=store.secret, init_file=str(tmp_path / "pg"), steps=STEPS,
                   code=snippet("engine.send_weights()"))
         answers = trainers.run_all(llm, {r: ("readme", dict(kw, rank=r)) for r in range(WORLD)})
         version, state = answers[0]

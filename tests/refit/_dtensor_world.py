@@ -73,7 +73,7 @@ def _shard(model, mode: str, world: int):
         raise ValueError(mode)
 
 
-def _cmd_init(state, *, rank, world, modes, init_file, address):
+def _cmd_init(state, *, rank, world, modes, init_file, address, secret):
     """One model per mode, each sharded by PyTorch and published under the store prefix of its mode."""
     import datetime
 
@@ -90,7 +90,7 @@ def _cmd_init(state, *, rank, world, modes, init_file, address):
     for mode, prefix in modes.items():
         model = tiny_model()
         _shard(model, mode, world)
-        store = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+        store = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
         pub = Publisher(store, rank=rank, world_size=world, backend="shm", timeout_s=TIMEOUT_S)
         pub.add_module(model)
         pub.export()
@@ -145,14 +145,14 @@ def _worker(control, results):
 
 class World:
     """``world`` trainer ranks, each holding one model per mode ("fsdp", "tp", "2d") sharded that
-    way and published under ``modes[mode]``, a store prefix of the server at ``address``."""
+    way and published under ``modes[mode]``, a store prefix of the server at ``address`` (its secret ``secret``)."""
 
-    def __init__(self, world: int, modes: dict[str, str], address: str, tmp_path) -> None:
+    def __init__(self, world: int, modes: dict[str, str], address: str, secret: str, tmp_path) -> None:
         self.workers = [SpawnedWorker(_worker) for _ in range(world)]
         init_file = os.path.join(str(tmp_path), f"pg-{world}")
         try:
             self.kinds = self.call_all("init", lambda r: dict(rank=r, world=world, modes=modes, init_file=init_file,
-                                                              address=address))
+                                                              address=address, secret=secret))
         except BaseException:
             self.close()
             raise

@@ -313,9 +313,10 @@ def _megatron_to_hf(hf, mg, lay, cfg) -> list[str]:
             t.mul_(-2).add_(0.5)
     server = (Store("127.0.0.1", 0, is_server=True, prefix=f"megatron-{uuid.uuid4().hex[:8]}", timeout_s=TIMEOUT_S)
               if rank == 0 else None)
-    where = [server.address, server.prefix] if server is not None else [None, None]
+    where = [server.address, server.prefix, server.secret] if server is not None else [None, None, None]
     dist.broadcast_object_list(where, src=0)
-    store = server if server is not None else Store.connect(where[0], prefix=where[1], timeout_s=TIMEOUT_S)
+    store = server if server is not None else Store.connect(where[0], prefix=where[1], timeout_s=TIMEOUT_S,
+                                                                      secret=where[2])
     problems: list[str] = []
     pub = Publisher(store, rank=rank, world_size=world, backend="shm", timeout_s=TIMEOUT_S)
     try:

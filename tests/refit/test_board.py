@@ -138,12 +138,19 @@ def test_a_dead_publishers_board_sends_the_reader_to_the_store() -> None:
 
 
 def _forge_the_store(store: Store, rank: int, version: int) -> None:
-    """What a writer into the store can do to the reader counts (Note [Reader slots])."""
-    slots = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+    """What anyone who reaches the store's port can do to the reader counts (Note [Reader slots]):
+    counters carry no MAC; an identity without the job's secret fails its MAC when read."""
+    import datetime
+
+    import torch.distributed as dist
+
+    raw = dist.PrefixStore(store.prefix, dist.TCPStore(store.host, store.port, None, False,
+                                                       timeout=datetime.timedelta(seconds=10)))
+    slots = int(raw.add(f"pub/{rank}/reader_slots", 0))
     for k in range(1, slots + 1):
-        store.set(f"pub/{rank}/reader_slot/{k}", "elsewhere:999999:1")  # a dead process's identity
-        store.add(protocol.readers_key(rank, version, k), -5, checked=False)
-    store.set(f"pub/{rank}/reader_slots", "0")
+        raw.set(f"pub/{rank}/reader_slot/{k}", "elsewhere:999999:1")  # a dead process's identity
+        raw.add(protocol.readers_key(rank, version, k), -5)
+    raw.set(f"pub/{rank}/reader_slots", "0")
 
 
 def test_forged_reader_counts_never_let_an_update_in_mid_pull(monkeypatch) -> None:
@@ -182,7 +189,7 @@ def test_forged_reader_counts_never_let_an_update_in_mid_pull(monkeypatch) -> No
                     let_in += 1
                     w.add_(1000.0)
                     pub.publish()
-                except TransferTimeout:
+                except (TransferTimeout, MetadataError):  # either way it never returned: nothing written
                     pass
                 go_on.set()
                 report = handle.wait()

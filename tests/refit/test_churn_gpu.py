@@ -90,10 +90,10 @@ def gpu_snapshot(device: int) -> dict:
 
 
 # -- worker process -------------------------------------------------------------------------------------------
-def _cmd_setup(state: dict, *, role: str, device: int, address: str, prefix: str) -> int:
+def _cmd_setup(state: dict, *, role: str, device: int, address: str, secret: str, prefix: str) -> int:
     torch.cuda.set_device(device)
     state["device"] = device
-    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
     # Publisher tensors and receiver targets live for the whole process, as a model does.
     state["tensors"] = {n: torch.zeros(shape, dtype=dt, device=device) for n, (shape, dt) in SPECS.items()}
     torch.cuda.synchronize(device)
@@ -204,7 +204,7 @@ def settled_snapshot(worker: SpawnedWorker, baseline: dict | None) -> dict:
 
 
 def _setup(w: SpawnedWorker, store: Store, role: str, device: int) -> None:
-    w.call("setup", role=role, device=device, address=store.address, prefix=store.prefix, timeout_s=2 * TIMEOUT_S)
+    w.call("setup", role=role, device=device, address=store.address, secret=store.secret, prefix=store.prefix, timeout_s=2 * TIMEOUT_S)
 
 
 # -- tests --------------------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def _start_receivers(workers, store: Store, n: int) -> list[SpawnedWorker]:
     """``n`` receiver processes told to set up at once: imports and CUDA contexts overlap."""
     batch = workers(n)
     for w in batch:
-        w.send("setup", role="recv", device=1, address=store.address, prefix=store.prefix)
+        w.send("setup", role="recv", device=1, address=store.address, secret=store.secret, prefix=store.prefix)
     return batch
 
 

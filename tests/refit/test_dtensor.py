@@ -54,8 +54,8 @@ def test_dtensor_publishers_refit_whole_model_bit_exact(world, tmp_path):
     under its own store prefix, each received whole here."""
     server = new_store()
     prefixes = {mode: f"{server.prefix}-{mode}" for mode in MODES[world]}
-    clients = {mode: Store.connect(server.address, prefix=p, timeout_s=120) for mode, p in prefixes.items()}
-    trainers = World(world, prefixes, server.address, tmp_path)
+    clients = {mode: Store.connect(server.address, prefix=p, timeout_s=120, secret=server.secret) for mode, p in prefixes.items()}
+    trainers = World(world, prefixes, server.address, server.secret, tmp_path)
     try:
         for mode in MODES[world]:
             kinds = [k[mode] for k in trainers.kinds]

@@ -323,9 +323,9 @@ def test_swap_failed_cycle_never_exposes_a_mix(store, monkeypatch, failure: str)
 
 
 # -- a publisher killed mid-pull -------------------------------------------------------------------
-def _publisher_child(address: str, prefix: str, layouts: dict, control, results) -> None:
+def _publisher_child(address: str, secret: str, prefix: str, layouts: dict, control, results) -> None:
     try:
-        store = Store.connect(address, prefix=prefix, timeout_s=30)
+        store = Store.connect(address, prefix=prefix, timeout_s=30, secret=secret)
         tensors = {n: build_physical(l, "cpu", 1) for n, l in layouts.items()}
         pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=30)
         for n, t in tensors.items():
@@ -365,7 +365,7 @@ def _get(results, proc, timeout_s: float = 60.0):
 def test_publisher_killed_mid_pull(store, monkeypatch) -> None:
     layouts = {"w": TensorLayout.plain("w", F32, (128, 64)), "b": B}  # w: 32 KiB = 8 chunks of 4 KiB
     control, results = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(target=_publisher_child, args=(store.address, store.prefix, layouts, control, results), daemon=True)
+    proc = CTX.Process(target=_publisher_child, args=(store.address, store.secret, store.prefix, layouts, control, results), daemon=True)
     proc.start()
     rec = None
     try:

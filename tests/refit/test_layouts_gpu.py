@@ -36,7 +36,7 @@ def _grads(params, version: int):
         p.grad = torch.full_like(p, 0.125 * (version + i % 3))
 
 
-def _cmd_fsdp_init(state, *, rank, init_file, address, prefix):
+def _cmd_fsdp_init(state, *, rank, init_file, address, secret, prefix):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -54,7 +54,7 @@ def _cmd_fsdp_init(state, *, rank, init_file, address, prefix):
     fully_shard(model, mesh=mesh)
     state["model"] = model
     state["opt"] = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, foreach=False)
-    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
     pub = state["pub"] = Publisher(state["store"], rank=rank, world_size=WORLD, backend="cuda_ipc", timeout_s=TIMEOUT_S)
     pub.add_module(model)
     pub.export()
@@ -97,7 +97,7 @@ def test_fsdp2_shards_over_cuda_ipc_bit_exact(tmp_path):
         workers = [SpawnedWorker(_fsdp_worker) for _ in range(WORLD)]
         try:
             init_file = os.path.join(str(tmp_path), "pg")
-            kinds = _call_all(workers, "init", lambda r: dict(rank=r, init_file=init_file, address=store.address,
+            kinds = _call_all(workers, "init", lambda r: dict(rank=r, init_file=init_file, address=store.address, secret=store.secret,
                                                                 prefix=prefix))
             assert kinds[0] == ["DTensor"], kinds
             torch.cuda.set_device(0)
@@ -126,7 +126,7 @@ def test_fsdp2_shards_over_cuda_ipc_bit_exact(tmp_path):
 MEGATRON_FAMILIES = ("qwen2", "llama")  # two query groups per rank at tp=2; one group per rank
 
 
-def _cmd_megatron_init(state, *, family, rank, address, prefix):
+def _cmd_megatron_init(state, *, family, rank, address, secret, prefix):
     from _megatron_ref import DIVISIBLE, hf_config, hf_model, hf_state, megatron_rank
 
     from warmlink.refit import Publisher
@@ -137,7 +137,7 @@ def _cmd_megatron_init(state, *, family, rank, address, prefix):
     tensors = {n: t.cuda() for n, t in megatron_rank(hf_state(hf_model(family)), config, tp=WORLD, rank=rank,
                                                           divisible=DIVISIBLE).items()}
     lays = layouts(config, convention="megatron", tp=WORLD, rank=rank, make_vocab_size_divisible_by=DIVISIBLE)
-    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+    state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
     pub = state["pub"] = Publisher(state["store"], rank=rank, world_size=WORLD, backend="cuda_ipc", timeout_s=TIMEOUT_S)
     for name, lay in lays.items():
         pub.add(name, tensors[name], lay)  # in place: caching-allocator memory shared as IPC handles
@@ -175,7 +175,7 @@ def test_megatron_qkv_and_padded_vocab_over_cuda_ipc_bit_exact(family):
         workers = [SpawnedWorker(_megatron_worker) for _ in range(WORLD)]
         receivers = []
         try:
-            names = _call_all(workers, "init", lambda r: dict(family=family, rank=r, address=store.address, prefix=prefix))
+            names = _call_all(workers, "init", lambda r: dict(family=family, rank=r, address=store.address, secret=store.secret, prefix=prefix))
             assert any("linear_qkv" in n for n in names[0]), names[0]
             torch.cuda.set_device(0)
             whole = {n: torch.zeros_like(t) for n, t in state0.items()}

@@ -159,13 +159,13 @@ class LocalPublishers:
 
 
 # -- worker process ---------------------------------------------------------------------------------------
-def _store(state: dict, address: str, prefix: str) -> Store:
+def _store(state: dict, address: str, secret: str, prefix: str) -> Store:
     key = (address, prefix)
     if state.get("store_key") != key:
         old = state.pop("store", None)
         if old is not None:
             old.close()
-        state["store"], state["store_key"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S), key
+        state["store"], state["store_key"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret), key
     return state["store"]
 
 
@@ -183,11 +183,11 @@ def _cmd_reset(state: dict) -> None:
     shm.fault_hook = None
 
 
-def _cmd_recv_start(state: dict, *, address, prefix, num_publishers, layouts) -> dict:
+def _cmd_recv_start(state: dict, *, address, secret, prefix, num_publishers, layouts) -> dict:
     old = state.pop("recv", None)
     if old is not None:
         old.close()
-    rec = Receiver(_store(state, address, prefix), num_publishers=num_publishers, backend="shm", timeout_s=TIMEOUT_S)
+    rec = Receiver(_store(state, address, secret, prefix), num_publishers=num_publishers, backend="shm", timeout_s=TIMEOUT_S)
     state["recv_targets"], state["recv_layouts"] = _new_targets(layouts), layouts
     for n, l in layouts.items():
         rec.add(n, l, state["recv_targets"][n])
@@ -228,7 +228,7 @@ def _cmd_recv_slow_refit(state: dict, *, version, chunk_nbytes, sleep_s) -> dict
         shm.fault_hook = None
 
 
-def _cmd_pub_start(state: dict, *, address, prefix, rank, world_size, seed) -> dict:
+def _cmd_pub_start(state: dict, *, address, secret, prefix, rank, world_size, seed) -> dict:
     """Publish ``layouts(world_size, rank)`` from ``seed``: ``w`` in place (registered), the rest staged."""
     old = state.pop("pub", None)
     if old is not None:
@@ -242,7 +242,7 @@ def _cmd_pub_start(state: dict, *, address, prefix, rank, world_size, seed) -> d
     tensors["w"] = lease.resource.tensor[: ls["w"].nbytes].view(torch.float32).view(ls["w"].local_shape)
     for n, t in tensors.items():
         t.copy_(build_physical(ls[n], "cpu", seed))
-    pub = Publisher(_store(state, address, prefix), rank=rank, world_size=world_size, backend="shm", timeout_s=TIMEOUT_S)
+    pub = Publisher(_store(state, address, secret, prefix), rank=rank, world_size=world_size, backend="shm", timeout_s=TIMEOUT_S)
     for n, t in tensors.items():
         pub.add(n, t, ls[n])
     pub.export()
@@ -320,7 +320,7 @@ def session(store, workers):
 
 
 def _recv_kwargs(store: Store, num_publishers: int, layouts_: dict) -> dict:
-    return {"address": store.address, "prefix": store.prefix, "num_publishers": num_publishers, "layouts": layouts_}
+    return {"address": store.address, "secret": store.secret, "prefix": store.prefix, "num_publishers": num_publishers, "layouts": layouts_}
 
 
 # -- (a) receivers replaced: 200 Receiver objects, 5 processes ------------------------------------------------
@@ -436,7 +436,7 @@ def test_publisher_process_restart_reopens_only_its_mappings(session) -> None:
     process's regions, closes the old process's, and leaves rank 1's mappings alone."""
     store, (replacement, pub1) = session
     (pub0,) = spawn(1)
-    kw = {"address": store.address, "prefix": store.prefix, "world_size": 2}
+    kw = {"address": store.address, "secret": store.secret, "prefix": store.prefix, "world_size": 2}
     for rank in range(2):  # earlier tests' publishers used these slot names: start from none cached
         peers.forget_peer(f"publisher/{rank}")
     try:
@@ -482,7 +482,7 @@ def test_departed_publisher_mappings_closed_when_receiver_is_replaced(session) -
     peers are closed")."""
     store, _ = session
     p1, p2 = spawn(2)  # fresh processes: nothing of theirs is cached here yet
-    kw = {"address": store.address, "prefix": store.prefix, "rank": 0, "world_size": 1}
+    kw = {"address": store.address, "secret": store.secret, "prefix": store.prefix, "rank": 0, "world_size": 1}
     ls = layouts(1, 0)
     try:
         assert p2.call("pid") == p2.pid
@@ -539,7 +539,7 @@ def test_receiver_killed_mid_pull_is_reaped_by_begin_update(session, caplog) -> 
     leased_before = {k: c["live"] - c["idle"] for k, c in pool.stats().items()}
     pub, _ = _local_publisher(store, BIG, seed=1, timeout_s=TIMEOUT_S)
     try:
-        victim.call("recv_start", address=store.address, prefix=store.prefix, num_publishers=1, layouts=BIG)
+        victim.call("recv_start", address=store.address, secret=store.secret, prefix=store.prefix, num_publishers=1, layouts=BIG)
         victim.send("recv_slow_refit", version=1, chunk_nbytes=4096, sleep_s=0.2)  # 16 chunks: >= 3 s
         assert victim.pulling.wait(timeout=60), "the receiver never started pulling"
         assert protocol.reader_count(store, 0, 1) == 1

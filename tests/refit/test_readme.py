@@ -35,7 +35,7 @@ def snippet(marker: str) -> str:
     return found[0]
 
 
-def _cmd_train(state, *, rank, init_file, address, code):
+def _cmd_train(state, *, rank, init_file, address, secret, code):
     import datetime
 
     import torch.distributed as dist
@@ -53,7 +53,7 @@ def _cmd_train(state, *, rank, init_file, address, code):
     before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(7)  # every rank trains on the same batches
     batches = [torch.randint(0, model.config.vocab_size, (2, 8), generator=gen) for _ in range(STEPS)]
-    ns = {"address": address, "rank": rank, "world": WORLD, "model": model, "batches": batches,
+    ns = {"address": address, "secret": secret, "rank": rank, "world": WORLD, "model": model, "batches": batches,
           "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
     exec(compile(code, str(README), "exec"), ns)  # noqa: S102 - the README's own snippet
     state["keep"] = (ns["pub"], ns["store"])  # receivers read this memory after the snippet ends
@@ -97,14 +97,14 @@ def test_readme_refit_snippets_install_the_stepped_weights(tmp_path):
         try:
             init_file = os.path.join(str(tmp_path), "pg")
             for r, w in enumerate(workers):
-                w.send("train", rank=r, init_file=init_file, address=server.address, code=train)
+                w.send("train", rank=r, init_file=init_file, address=server.address, secret=server.secret, code=train)
             (version, before, after), _ = (w.result(TIMEOUT_S) for w in workers)
             assert version == 1 + STEPS
             assert all(not torch.equal(before[n], after[n]) for n in after), "the steps left a tensor unchanged"
             for tp_rank in range(TP):
                 engine = module_of({n: torch.zeros(lay.shape, dtype=getattr(torch, lay.dtype))
                                     for n, lay in layouts(config, convention="vllm", tp=TP, rank=tp_rank).items()})
-                ns = {"address": server.address, "world": WORLD, "engine": engine, "config": config, "tp": TP,
+                ns = {"address": server.address, "secret": server.secret, "world": WORLD, "engine": engine, "config": config, "tp": TP,
                       "tp_rank": tp_rank}
                 exec(compile(receive, str(README), "exec"), ns)  # noqa: S102 - the README's own snippet
                 try:

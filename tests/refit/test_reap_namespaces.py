@@ -62,7 +62,7 @@ def test_reader_killed_in_another_namespace_and_hostname_is_reaped(sync: str) ->
         pub.add("w", w, layout)
         pub.export()
         try:
-            child = Child(["receiver", store.address, store.prefix, str(NUMEL), sync], hostname="wl-elsewhere")
+            child = Child(["receiver", store.address, store.prefix, store.secret, str(NUMEL), sync], hostname="wl-elsewhere")
             ready = child.expect("ready")
             assert ready["ok"] and ready["version"] == 1
             # Another host name and pid table: only its lock can tell whether it lives.

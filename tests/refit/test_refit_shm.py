@@ -92,7 +92,7 @@ def _cmd_reset(state: dict) -> None:
             store.close()
 
 
-def _cmd_pub_start(state: dict, *, address, prefix, rank, world_size, layouts, seed, inplace=False) -> dict:
+def _cmd_pub_start(state: dict, *, address, secret, prefix, rank, world_size, layouts, seed, inplace=False) -> dict:
     """Publish ``layouts`` built from ``seed``; ``inplace`` carves them from one shm arena (no staging)."""
     from warmlink.pool import lease_arena
 
@@ -115,7 +115,7 @@ def _cmd_pub_start(state: dict, *, address, prefix, rank, world_size, layouts, s
             tensors[n] = t
     else:
         tensors = {n: build_physical(l, "cpu", seed) for n, l in layouts.items()}
-    store = state["pub_store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+    store = state["pub_store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
     pub = state["pub"] = Publisher(store, rank=rank, world_size=world_size, timeout_s=TIMEOUT_S)
     for n, t in tensors.items():
         pub.add(n, t, layouts[n])
@@ -141,12 +141,12 @@ def _cmd_pub_update(state: dict, *, seed) -> dict:
     return {"version": version, "wait_s": wait_s, "t_begin_start": t_begin_start, "t_begin_end": t_begin_end}
 
 
-def _cmd_recv_start(state: dict, *, address, prefix, num_publishers, layouts, install="copy") -> None:
+def _cmd_recv_start(state: dict, *, address, secret, prefix, num_publishers, layouts, install="copy") -> None:
     for key in ("recv", "recv_store"):
         obj = state.pop(key, None)
         if obj is not None:
             obj.close()
-    store = state["recv_store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S)
+    store = state["recv_store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
     rec = state["recv"] = Receiver(store, num_publishers=num_publishers, install=install, timeout_s=TIMEOUT_S)
     targets = state["recv_targets"] = _targets(layouts)
     state["recv_layouts"] = layouts
@@ -212,7 +212,7 @@ def session(store, workers):
 
 def _start_publishers(store, workers, tp: int, layouts_of, seed: int, **kw) -> list[dict]:
     for r in range(tp):
-        workers[r].send("pub_start", address=store.address, prefix=store.prefix, rank=r, world_size=tp,
+        workers[r].send("pub_start", address=store.address, secret=store.secret, prefix=store.prefix, rank=r, world_size=tp,
                         layouts=layouts_of(r), seed=seed, **kw)
     return [workers[r].result() for r in range(tp)]
 
@@ -247,7 +247,7 @@ def test_refit_tp_bit_exact(session, src_tp: int, dst_tp: int, inplace: bool) ->
     remote = workers[src_tp] if src_tp < len(workers) else None
     remote_rank = dst_tp - 1 if remote is not None else None
     if remote is not None:
-        remote.call("recv_start", address=store.address, prefix=store.prefix, num_publishers=src_tp,
+        remote.call("recv_start", address=store.address, secret=store.secret, prefix=store.prefix, num_publishers=src_tp,
                     layouts=SPEC.layouts(dst_tp, remote_rank))
     local = {}
     try:
@@ -353,7 +353,7 @@ def test_publisher_recreated_in_its_process_reuses_mappings(session) -> None:
     with rec:
         rec.refit(version=1)
         assert bad_tensors(targets, layouts, 1) == []
-        restarted = workers[0].call("pub_start", address=store.address, prefix=store.prefix, rank=0, world_size=2,
+        restarted = workers[0].call("pub_start", address=store.address, secret=store.secret, prefix=store.prefix, rank=0, world_size=2,
                                     layouts=SPEC.layouts(2, 0), seed=1)
         assert restarted["generation"] == infos[0]["generation"] + 1
         _update_publishers(workers, 2, seed=2)  # both ranks at version 2 again

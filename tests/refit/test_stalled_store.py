@@ -32,7 +32,8 @@ def server():
 @pytest.fixture
 def store(server):
     """A fresh prefix per test, and a store default (60 s) far past LIMIT_S."""
-    with Store.connect(server.address, prefix=f"{server.prefix}/{uuid.uuid4().hex[:8]}", timeout_s=60) as s:
+    with Store.connect(server.address, prefix=f"{server.prefix}/{uuid.uuid4().hex[:8]}", timeout_s=60,
+                       secret=server.secret) as s:
         yield s
 
 

@@ -156,7 +156,7 @@ def test_overwritten_manifest_is_written_again_under_a_new_generation(store, ten
 def test_reexport_through_another_store_object_or_pool_off_takes_a_new_generation(store, tensors) -> None:
     with export(store, tensors) as pub:
         generation = pub.generation
-    with Store.connect(store.address, prefix=store.prefix, timeout_s=TIMEOUT_S) as other:
+    with Store.connect(store.address, prefix=store.prefix, timeout_s=TIMEOUT_S, secret=store.secret) as other:
         with export(other, tensors) as pub:
             assert pub.generation == generation + 1  # a generation is reused only by the store object that drew it
     pool.set_enabled(False)

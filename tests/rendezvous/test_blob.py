@@ -38,21 +38,22 @@ def _chunk(key: str, header: dict, idx: int) -> str:
 
 
 def test_value_over_the_limit_is_refused_and_the_client_lives_on(server: Store) -> None:
-    with Store.connect(server.address, prefix="blob", timeout_s=5) as client:
-        with pytest.raises(MetadataError, match=r"Store\.set: key='big': value of 8388609 bytes .* at most 8388608"):
+    with Store.connect(server.address, prefix="blob", timeout_s=5, secret=server.secret) as client:
+        over = schema.MAX_VALUE_BYTES + 1
+        with pytest.raises(MetadataError, match=rf"Store\.set: key='big': value of {over} bytes .* at most {over - 1}"):
             client.set("big", b"x" * (schema.MAX_VALUE_BYTES + 1))
-        with pytest.raises(MetadataError, match=r"Store\.compare_set: key='cas'.*8388609 bytes"):
+        with pytest.raises(MetadataError, match=rf"Store\.compare_set: key='cas'.*{over} bytes"):
             client.compare_set("cas", b"", b"x" * (schema.MAX_VALUE_BYTES + 1))
         client.set("after", b"still connected")
         assert client.get("after", timeout_s=1) == b"still connected"
         assert server.try_get("big") is None and server.try_get("cas") is None
-        client.set("edge", b"y" * schema.MAX_VALUE_BYTES)  # exactly the limit goes through
+        client.set("edge", b"y" * schema.MAX_VALUE_BYTES)  # exactly the limit goes through, its MAC with it
         assert len(server.get("edge")) == schema.MAX_VALUE_BYTES
 
 
 def test_blob_of_several_chunks_round_trips_across_clients(server: Store) -> None:
     data = os.urandom(5 * CHUNK + 17)
-    with Store.connect(server.address, prefix="blob", timeout_s=5) as client:
+    with Store.connect(server.address, prefix="blob", timeout_s=5, secret=server.secret) as client:
         client.set_blob("m", data, chunk_nbytes=CHUNK)
         assert server.get_blob("m", timeout_s=1) == data
         assert server.try_get_blob("m") == data
@@ -63,7 +64,7 @@ def test_blob_of_several_chunks_round_trips_across_clients(server: Store) -> Non
 
 
 def test_large_blob_past_one_store_value(server: Store) -> None:
-    data = os.urandom(schema.MAX_VALUE_BYTES + 3)
+    data = os.urandom((8 << 20) + 3)  # past one store value: 4 MiB chunks by default
     server.set_blob("big", data)
     assert server.get_blob("big") == data
     assert _header(server, "big")["num_chunks"] == 3  # 4 MiB chunks by default
@@ -147,7 +148,7 @@ def _corrupt(store: Store, key: str, header: dict, what: str) -> None:
     ("digest", r"chunk 0 of num_chunks=4 is missing"),  # chunk keys are named by the digest
     ("digest-format", r"sha256='ABC' invalid"),
     ("oversize", r"nbytes=67108865 out of range"),
-    ("chunk-size", r"chunk_nbytes=8388609 out of range"),
+    ("chunk-size", rf"chunk_nbytes={schema.MAX_VALUE_BYTES + 1} out of range"),
     ("extra-field", r"unexpected key 'nonce'"),
     ("not-json", r"not valid JSON"),
 ])
@@ -189,7 +190,7 @@ def test_concurrent_writers_and_readers_see_whole_blobs(server: Store) -> None:
 
     def write() -> None:
         try:
-            with Store.connect(server.address, prefix="blob", timeout_s=5) as client:
+            with Store.connect(server.address, prefix="blob", timeout_s=5, secret=server.secret) as client:
                 for _ in range(5):
                     for b in blobs:
                         client.set_blob("shared", b, chunk_nbytes=CHUNK)

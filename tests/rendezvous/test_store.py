@@ -12,6 +12,7 @@ import pytest
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout, WarmlinkError
 from warmlink.rendezvous.store import Store
 
+SECRET = "test-secret-" + "0" * 20
 STATE = {"schema_version": 1, "kind": "version_state", "version": 3, "state": "published", "generation": 2}
 
 
@@ -29,7 +30,7 @@ def _free_port() -> int:
 
 def test_server_picks_port_and_client_connects(server: Store) -> None:
     assert server.port > 0 and server.address == f"127.0.0.1:{server.port}"
-    with Store.connect(server.address, prefix="job", timeout_s=5) as client:
+    with Store.connect(server.address, prefix="job", timeout_s=5, secret=server.secret) as client:
         client.set("k", b"\x00\xffraw")
         assert server.get("k") == b"\x00\xffraw"
         server.set("s", "text")
@@ -58,7 +59,7 @@ def test_get_waits_for_late_writer(server: Store) -> None:
 
 
 def test_prefixes_isolate_jobs(server: Store) -> None:
-    with Store.connect(server.address, prefix="other", timeout_s=5) as other:
+    with Store.connect(server.address, prefix="other", timeout_s=5, secret=server.secret) as other:
         server.set("k", b"job")
         other.set("k", b"other")
         assert server.get("k") == b"job" and other.get("k") == b"other"
@@ -108,7 +109,7 @@ def test_wait_until(server: Store) -> None:
 
 def test_close_idempotent_and_fails_closed() -> None:
     s = Store(is_server=True, timeout_s=5)
-    client = Store.connect(s.address, timeout_s=5)
+    client = Store.connect(s.address, timeout_s=5, secret=s.secret)
     s.close()
     s.close()
     with pytest.raises(PeerLostError, match="is closed"):
@@ -124,17 +125,18 @@ def test_dead_port_fails_within_timeout() -> None:
     port = _free_port()
     start = time.monotonic()
     with pytest.raises(TransferTimeout, match=f"127.0.0.1:{port}"):
-        Store("127.0.0.1", port, timeout_s=0.3)
+        Store("127.0.0.1", port, timeout_s=0.3, secret=SECRET)
     assert time.monotonic() - start < 1.0
 
 
 def test_client_waits_for_late_server() -> None:
     port = _free_port()
     box: list[Store] = []
-    timer = threading.Timer(0.1, lambda: box.append(Store("127.0.0.1", port, is_server=True, timeout_s=5)))
+    timer = threading.Timer(0.1, lambda: box.append(Store("127.0.0.1", port, is_server=True, timeout_s=5,
+                                                          secret=SECRET)))
     timer.start()
     try:
-        with Store("127.0.0.1", port, timeout_s=5) as client:
+        with Store("127.0.0.1", port, timeout_s=5, secret=SECRET) as client:
             client.set("up", b"1")
     finally:
         timer.join()
@@ -157,9 +159,9 @@ def test_port_in_use_and_bad_arguments(server: Store) -> None:
         server.set("k", 5)  # type: ignore[arg-type]
 
 
-def _child(address: str, out: mp.Queue) -> None:
+def _child(address: str, secret: str, out: mp.Queue) -> None:
     try:
-        with Store.connect(address, prefix="job", timeout_s=10) as store:
+        with Store.connect(address, prefix="job", timeout_s=10, secret=secret) as store:
             state = store.get_json("ping", "version_state", "parent", timeout_s=10)
             store.set_json("pong", {**state, "version": state["version"] + 1})
             out.put(("ok", store.next_generation("child")))
@@ -170,7 +172,7 @@ def _child(address: str, out: mp.Queue) -> None:
 def test_across_processes(server: Store) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(server.address, out))
+    proc = ctx.Process(target=_child, args=(server.address, server.secret, out))
     proc.start()
     try:
         server.set_json("ping", STATE)

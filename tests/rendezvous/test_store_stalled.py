@@ -29,7 +29,7 @@ def server():
 @pytest.fixture
 def client(server):
     """A client whose own default limit (60 s) is far past LIMIT_S: the calls' limits must reach the socket."""
-    with Store.connect(server.address, prefix=server.prefix, timeout_s=60) as c:
+    with Store.connect(server.address, prefix=server.prefix, timeout_s=60, secret=server.secret) as c:
         c.set("present", b"v")
         c.set_json("state", {"schema_version": 1, "kind": "version_state", "version": 1, "state": "published",
                              "generation": 1})
@@ -42,7 +42,7 @@ def _times_out(fn) -> TransferTimeout:
 
 def test_connect_to_a_stopped_server_raises_within_its_timeout(server) -> None:
     with server.stopped():
-        exc = _times_out(lambda: Store.connect(server.address, prefix=server.prefix, timeout_s=LIMIT_S))
+        exc = _times_out(lambda: Store.connect(server.address, prefix=server.prefix, timeout_s=LIMIT_S, secret=server.secret))
     assert server.address in str(exc) and "did not answer" in str(exc)
 
 
@@ -84,7 +84,7 @@ def test_deadline_bounds_calls_without_a_timeout_of_their_own(server, client: St
 
 
 def test_the_stores_own_timeout_bounds_a_call(server) -> None:
-    with Store.connect(server.address, prefix=server.prefix, timeout_s=LIMIT_S) as c, server.stopped():
+    with Store.connect(server.address, prefix=server.prefix, timeout_s=LIMIT_S, secret=server.secret) as c, server.stopped():
         _times_out(lambda: c.try_get("present"))
 
 
@@ -112,7 +112,7 @@ def test_a_call_behind_another_threads_stalled_call_gives_up_at_its_own_limit(se
 
 def test_a_lost_server_fails_every_later_call_at_once() -> None:
     server = Store(is_server=True, prefix="lost", timeout_s=60)
-    client = Store.connect(server.address, prefix="lost", timeout_s=60)
+    client = Store.connect(server.address, prefix="lost", timeout_s=60, secret=server.secret)
     server.close()
     try:
         for _ in range(2):  # not reconnected: the second call fails as the first did

@@ -233,7 +233,8 @@ def _pin(rank: int, num_ranks: int) -> list[int] | None:
     return mine
 
 
-def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, dist_port: int, cfg: dict) -> None:
+def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, secret: str, dist_port: int,
+               cfg: dict) -> None:
     import os
 
     pinned = _pin(rank, num_ranks) if cfg["pin"] else None
@@ -280,7 +281,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
     x, topk_idx, weights = _routing(rank, T, E, K, H, device)
     x8 = quantize(x)
-    store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"])
+    store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"], secret=secret)
     t0 = time.perf_counter()
     buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K, device=device.index if cuda else -1,
                  backend="cuda_ipc" if cuda else "shm", timeout_s=cfg["timeout"])
@@ -590,7 +591,7 @@ def run(args) -> int:
         port = _free_port()
         for r in range(cfg["ranks"]):
             group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,
-                        dist_port=port, cfg=cfg)
+                        secret=server.secret, dist_port=port, cfg=cfg)
         ranks = sorted((m["value"] for m in group.expect("result", cfg["ranks"])), key=lambda r: r["rank"])
     lines, summary = _table(cfg, ranks)
     print("\n".join(lines))

@@ -22,7 +22,7 @@ __all__ = ["lifecycle_table", "run_ep_lifecycles"]
 PHASES = ("create_s", "dispatch_s", "combine_s", "close_s")
 
 
-def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, cfg: dict) -> None:
+def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, secret: str, cfg: dict) -> None:
     import torch
 
     from warmlink import pool
@@ -36,7 +36,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     x, topk_idx, weights = _routing(rank, cfg["tokens"], cfg["experts"], cfg["topk"], cfg["hidden"], device)
-    store = Store.connect(store_address, prefix="bench-ep-life", timeout_s=cfg["timeout"])
+    store = Store.connect(store_address, prefix="bench-ep-life", timeout_s=cfg["timeout"], secret=secret)
 
     def sync():
         if cuda:
@@ -74,7 +74,8 @@ def run_ep_lifecycles(cfg: dict, pool_on: bool) -> list[list[dict]]:
     cfg = dict(cfg, pool_on=pool_on)
     with Store(is_server=True, prefix="bench-ep-life", timeout_s=cfg["timeout"]) as server, Group(cfg["timeout"]) as group:
         for r in range(cfg["ranks"]):
-            group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address, cfg=cfg)
+            group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,
+                        secret=server.secret, cfg=cfg)
         msgs = group.expect("result", cfg["ranks"])
     return [m["value"] for m in sorted(msgs, key=lambda m: m["tag"])]
 

@@ -101,7 +101,7 @@ def _final(results, tag: str) -> None:
                  "live_shm": arenas.num_live_shm()})
 
 
-def _trainer(*, control, results, address, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
+def _trainer(*, control, results, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
     from warmlink import pool
     from warmlink.bench.refit import _device
     from warmlink.refit import Publisher
@@ -111,7 +111,7 @@ def _trainer(*, control, results, address, prefix, num_tensors, tensor_mib, devi
     device = _device(device_idx)
     tensors = make_tensors(num_tensors, tensor_mib, device, seed)
     _sync(device)
-    with Store.connect(address, prefix=prefix, timeout_s=timeout_s) as store:
+    with Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret) as store:
         results.put({"tag": "trainer", "event": "ready"})
         pub, before = None, {}
         while (msg := control.get(timeout=timeout_s)) is not None:
@@ -138,7 +138,7 @@ def _trainer(*, control, results, address, prefix, num_tensors, tensor_mib, devi
                 _final(results, "trainer")
 
 
-def _inference(*, control, results, address, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, install,
+def _inference(*, control, results, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, install,
                seed, timeout_s):
     import torch
 
@@ -154,7 +154,7 @@ def _inference(*, control, results, address, prefix, num_tensors, tensor_mib, de
     layouts = {f"w{i:03d}": TensorLayout.plain(f"w{i:03d}", "bfloat16", shape) for i in range(num_tensors)}
     model = {name: torch.zeros(shape, dtype=torch.bfloat16, device=device) for name in layouts}
     _sync(device)
-    with Store.connect(address, prefix=prefix, timeout_s=timeout_s) as store:
+    with Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret) as store:
         results.put({"tag": "inference", "event": "ready"})
         while (msg := control.get(timeout=timeout_s)) is not None:
             if msg[0] == "cycle":
@@ -228,7 +228,7 @@ def run_lifecycles(
     prefix = f"bench-lifecycle-{'on' if pool_on else 'off'}-{time.monotonic_ns()}"
     rows, correct, final = [], True, {}
     with Store("127.0.0.1", 0, is_server=True, prefix=prefix, timeout_s=timeout_s) as store, Group(timeout_s) as group:
-        common = {"address": store.address, "prefix": prefix, "num_tensors": num_tensors, "tensor_mib": tensor_mib,
+        common = {"address": store.address, "secret": store.secret, "prefix": prefix, "num_tensors": num_tensors, "tensor_mib": tensor_mib,
                   "pool_on": pool_on, "backend": backend, "seed": seed, "timeout_s": timeout_s}
         group.start("trainer", _trainer, device_idx=devices[0], **common)
         group.start("inference", _inference, device_idx=devices[1], install=install, **common)

@@ -118,7 +118,7 @@ def _bad(model: dict, num_tensors: int, tensor_mib: float, device, seed: int) ->
 
 
 # ------------------------------------------------------------------------------ warmlink children
-def _publisher(*, control, results, address, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
+def _publisher(*, control, results, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
     from warmlink import pool
     from warmlink.bench.refit import _device
     from warmlink.refit import Publisher
@@ -127,7 +127,7 @@ def _publisher(*, control, results, address, prefix, num_tensors, tensor_mib, de
     pool.set_enabled(pool_on)
     device = _device(device_idx)
     tensors = make_tensors(num_tensors, tensor_mib, device, seed)
-    with Store.connect(address, prefix=prefix, timeout_s=timeout_s) as store, \
+    with Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret) as store, \
             Publisher(store, rank=0, world_size=1, backend=backend, timeout_s=timeout_s) as pub:
         for name, t in tensors.items():
             pub.add(name, t)
@@ -147,7 +147,7 @@ def _publisher(*, control, results, address, prefix, num_tensors, tensor_mib, de
                              "update_s": time.perf_counter() - t0, "version": version})
 
 
-def _receiver(*, control, results, me, address, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, install,
+def _receiver(*, control, results, me, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, install,
               seed, timeout_s, verify):
     device, ph = new_process(device_idx)
     import torch
@@ -164,7 +164,7 @@ def _receiver(*, control, results, me, address, prefix, num_tensors, tensor_mib,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
-    store = Store.connect(address, prefix=prefix, timeout_s=timeout_s)
+    store = Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret)
     t2 = time.perf_counter()
     rec = Receiver(store, num_publishers=1, backend=backend, install=install, timeout_s=timeout_s)
     for name, t in model.items():
@@ -283,7 +283,7 @@ def run_reconfigure(
     out: dict = {}
     with Store("127.0.0.1", 0, is_server=True, prefix=f"bench-reconf-{uid}", timeout_s=timeout_s) as store, \
             Group(timeout_s) as group:
-        common = {"address": store.address, "num_tensors": num_tensors, "tensor_mib": tensor_mib, "backend": backend,
+        common = {"address": store.address, "secret": store.secret, "num_tensors": num_tensors, "tensor_mib": tensor_mib, "backend": backend,
                   "seed": seed, "timeout_s": timeout_s}
         stayers = {}
         for m in methods:  # every staying process starts at once; they idle while the others run
@@ -291,7 +291,7 @@ def run_reconfigure(
             if m == "nccl":
                 group.start(stayers[m], nccl_trainer, me=stayers[m], host=store.host, port=store.port,
                             backend="gloo" if devices[0] < 0 else "nccl", device_idx=devices[0],
-                            **{k: v for k, v in common.items() if k not in ("address", "backend")})
+                            **{k: v for k, v in common.items() if k not in ("address", "secret", "backend")})
             else:
                 group.start(stayers[m], _publisher, prefix=stayers[m], device_idx=devices[0], pool_on=m == "warm", **common)
         group.expect("ready", len(methods))

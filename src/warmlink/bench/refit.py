@@ -50,7 +50,7 @@ def _device(index: int):
     return torch.device("cuda", index)
 
 
-def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx, pool_on, backend, seed):
+def _publisher(*, control, results, address, secret, prefix, spec, tp, rank, device_idx, pool_on, backend, seed):
     from warmlink import pool
     from warmlink.refit import Publisher
     from warmlink.rendezvous import Store
@@ -59,7 +59,7 @@ def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx,
     device = _device(device_idx)
     layouts = spec.layouts(tp, rank)
     tensors = {name: build_physical(layout, device, seed) for name, layout in layouts.items()}
-    with Store.connect(address, prefix=prefix) as store, Publisher(store, rank=rank, world_size=tp, backend=backend) as pub:
+    with Store.connect(address, prefix=prefix, secret=secret) as store, Publisher(store, rank=rank, world_size=tp, backend=backend) as pub:
         for name, t in tensors.items():
             pub.add(name, t, layouts[name])
         t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def _publisher(*, control, results, address, prefix, spec, tp, rank, device_idx,
             results.put({"tag": f"pub{rank}", "event": "published", "version": version, "wait_s": wait_s})
 
 
-def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, device_idx, pool_on, backend, install, seed):
+def _receiver(*, control, results, address, secret, prefix, spec, src_tp, dst_tp, rank, device_idx, pool_on, backend, install, seed):
     import torch
 
     from warmlink import pool
@@ -82,7 +82,7 @@ def _receiver(*, control, results, address, prefix, spec, src_tp, dst_tp, rank, 
     pool.set_enabled(pool_on)
     device = _device(device_idx)
     layouts = spec.layouts(dst_tp, rank)
-    with Store.connect(address, prefix=prefix) as store, Receiver(store, num_publishers=src_tp, backend=backend, install=install) as rec:
+    with Store.connect(address, prefix=prefix, secret=secret) as store, Receiver(store, num_publishers=src_tp, backend=backend, install=install) as rec:
         targets = {}
         for name, layout in layouts.items():
             targets[name] = torch.empty(layout.local_shape, dtype=getattr(torch, layout.dtype), device=device)
@@ -153,7 +153,7 @@ def run_warmlink_refit(
 
     prefix = f"bench-{label or 'refit'}-{time.monotonic_ns()}"
     with Store("127.0.0.1", 0, is_server=True, prefix=prefix) as store, Group(timeout_s) as group:
-        common = dict(address=store.address, prefix=prefix, spec=spec, pool_on=pool_on, backend=backend, seed=seed)
+        common = dict(address=store.address, secret=store.secret, prefix=prefix, spec=spec, pool_on=pool_on, backend=backend, seed=seed)
         for r in range(src_tp):
             group.start(f"pub{r}", _publisher, tp=src_tp, rank=r, device_idx=devices[0], **common)
         ready = group.expect("ready", src_tp)

@@ -48,7 +48,7 @@ def _device_for(role: str) -> str:
     return "cuda:0" if role == "trainer" else f"cuda:{n - 1}"
 
 
-def _trainer(address: str, rank: int, steps: int, seed: int, control, results, workdir: str) -> None:
+def _trainer(address: str, secret: str, rank: int, steps: int, seed: int, control, results, workdir: str) -> None:
     try:
         os.environ.update(_SAFE_ENV)
         import torch
@@ -65,7 +65,7 @@ def _trainer(address: str, rank: int, steps: int, seed: int, control, results, w
         model = build_model(tiny_llama_config(), seed, device)
         optimizer = make_optimizer(model)
         rank_layouts = layouts(model, convention="vllm", tp=_TP, rank=rank)
-        with Store.connect(address, prefix="demo") as store, Publisher(store, rank=rank, world_size=_TP) as pub:
+        with Store.connect(address, prefix="demo", secret=secret) as store, Publisher(store, rank=rank, world_size=_TP) as pub:
             pub.add_module(model, rank_layouts)  # built from the live parameters at every publish
             pub.export()
             results.put({"role": "trainer", "rank": rank, "event": "exported", "num_tensors": len(rank_layouts)})
@@ -84,7 +84,7 @@ def _trainer(address: str, rank: int, steps: int, seed: int, control, results, w
         results.put({"role": "trainer", "rank": rank, "event": "error", "traceback": traceback.format_exc()})
 
 
-def _inference(address: str, steps: int, seed: int, control, results, workdir: str) -> None:
+def _inference(address: str, secret: str, steps: int, seed: int, control, results, workdir: str) -> None:
     try:
         os.environ.update(_SAFE_ENV)
         import torch
@@ -98,7 +98,7 @@ def _inference(address: str, steps: int, seed: int, control, results, workdir: s
         if device != "cpu":
             torch.cuda.set_device(torch.device(device))
         model = build_model(tiny_llama_config(), seed + 1, device)  # deliberately different weights
-        with Store.connect(address, prefix="demo") as store, Receiver(store, num_publishers=_TP) as rec:
+        with Store.connect(address, prefix="demo", secret=secret) as store, Receiver(store, num_publishers=_TP) as rec:
             rec.add_module(model)  # every tensor whole, by its HF name
             for step in range(1, steps + 1):
                 version = control.get(timeout=120)
@@ -134,8 +134,8 @@ def run_demo(steps: int = 5, seed: int = 0, timeout_s: float = 120.0, echo=print
     controls = [ctx.Queue() for _ in range(_TP + 1)]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="warmlink-demo-") as workdir, Store("127.0.0.1", 0, is_server=True, prefix="demo") as store:
-        procs = [ctx.Process(target=_trainer, args=(store.address, r, steps, seed, controls[r], results, workdir), daemon=True) for r in range(_TP)]
-        procs.append(ctx.Process(target=_inference, args=(store.address, steps, seed, controls[_TP], results, workdir), daemon=True))
+        procs = [ctx.Process(target=_trainer, args=(store.address, store.secret, r, steps, seed, controls[r], results, workdir), daemon=True) for r in range(_TP)]
+        procs.append(ctx.Process(target=_inference, args=(store.address, store.secret, steps, seed, controls[_TP], results, workdir), daemon=True))
         for p in procs:
             p.start()
         echo(f"warmlink demo: 2 trainer ranks (TP=2, vLLM layout) -> 1 inference rank (TP=1, HF layout), device {_device_for('trainer')} -> {_device_for('inference')}")

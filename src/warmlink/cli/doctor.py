@@ -62,13 +62,13 @@ def collect(measure: bool = True) -> dict:
 
 
 def _environment() -> dict:
-    """Every ``WARMLINK_*`` variable: ``set`` (name -> value, as set) and ``problems`` (name ->
+    """Every ``WARMLINK_*`` variable: ``set`` (name -> value, as set; a secret's hidden) and ``problems`` (name ->
     message) for a value ``warmlink._env`` refuses or a name it does not read."""
     from warmlink import _env
 
     names = sorted(n for n in os.environ if n.startswith("WARMLINK_"))
     problems = {name: str(e) for name, e in _env.check_all(unknown=True).items()}
-    return {"known": list(_env.VARIABLES), "set": {n: os.environ[n] for n in names}, "problems": problems}
+    return {"known": list(_env.VARIABLES), "set": {n: _env.shown(n, os.environ[n]) for n in names}, "problems": problems}
 
 
 def run_doctor() -> int:

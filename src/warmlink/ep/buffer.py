@@ -168,12 +168,14 @@ class Buffer(Closing):
 
     @classmethod
     def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,
-                   backend: str | None = None, timeout_s: float | None = None) -> "Buffer":
+                   backend: str | None = None, timeout_s: float | None = None, secret: str | None = None) -> "Buffer":
         """A Buffer for the ranks of a ``torch.distributed`` group, as DeepEP's ``Buffer(group, ...)``.
 
-        Rank 0 of the group starts a rendezvous store on this host (ep runs within one node) and
-        sends its port to the others with one ``broadcast`` of an int64 tensor (nothing pickled);
-        the Buffer owns that store and closes it with itself. Collective over ``group``.
+        Rank 0 of the group starts a rendezvous store on this host's loopback (ep runs within one
+        node) under ``secret`` (rank 0's argument, else ``WARMLINK_SECRET``, else a fresh one) and
+        sends its port and that secret to the others with one ``broadcast`` of an int64 tensor
+        (nothing pickled; the other ranks' ``secret`` is not used); the Buffer owns that store and
+        closes it with itself. Collective over ``group``.
         """
         import torch.distributed as dist
 
@@ -182,11 +184,19 @@ class Buffer(Closing):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         limit = timeout_s if timeout_s is not None else _env.default_timeout_s()
         on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        store = Store("127.0.0.1", 0, is_server=True, prefix="ep-group", timeout_s=limit) if rank == 0 else None
-        port = torch.tensor([store.port if store is not None else 0], dtype=torch.int64, device=on)
-        dist.broadcast(port, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        store = (Store("127.0.0.1", 0, is_server=True, prefix="ep-group", timeout_s=limit, secret=secret)
+                 if rank == 0 else None)
+        # [port, secret's length, its UTF-8 bytes one per element, zeros]: one broadcast, any backend
+        sent = [0] * (2 + _env.MAX_SECRET_BYTES)
+        if store is not None:
+            raw = store.secret.encode("utf-8")
+            sent[: 2 + len(raw)] = [store.port, len(raw), *raw]
+        meet = torch.tensor(sent, dtype=torch.int64, device=on)
+        dist.broadcast(meet, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         if store is None:
-            store = Store.connect(f"127.0.0.1:{int(port.item())}", prefix="ep-group", timeout_s=limit)
+            port, nbytes, *raw = meet.tolist()
+            store = Store.connect(f"127.0.0.1:{port}", prefix="ep-group", timeout_s=limit,
+                                  secret=bytes(raw[:nbytes]).decode("utf-8"))
         try:
             buf = cls(store, rank, world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
                       device=device, backend=backend, timeout_s=timeout_s)

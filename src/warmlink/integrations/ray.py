@@ -8,10 +8,11 @@ driver functions that need it and inside the actor processes Ray starts.
 Shape of a job (``RefitJob`` does all of this)::
 
     store = start_store(prefix="job")                     # driver: the rendezvous server
+    job = {"prefix": "job", "secret": store.secret}       # the store's secret goes to every actor
     Trainer = actor_class(RefitTrainer, num_cpus=1)
-    trainers = [Trainer.remote(store.address, prefix="job", rank=r, world_size=tp) for r in range(tp)]
+    trainers = [Trainer.remote(store.address, rank=r, world_size=tp, **job) for r in range(tp)]
     Engine = actor_class(RefitEngine, num_cpus=1)
-    engines = [Engine.remote(store.address, prefix="job", num_publishers=tp) for _ in range(n)]
+    engines = [Engine.remote(store.address, num_publishers=tp, **job) for _ in range(n)]
     get([t.export.remote() for t in trainers], timeout_s=60, what="export")
     for step in range(steps):
         get([e.refit.remote() for e in engines], timeout_s=60, what="refit")  # pull version v
@@ -133,6 +134,8 @@ class RefitTrainer:
     Args:
         store_address: ``Store.address`` of the driver's rendezvous server (``start_store``).
         prefix: the store prefix of the job (the same in every actor of one job).
+        secret: the store's secret (``store.secret`` of ``start_store``'s server); ``None`` takes
+            ``WARMLINK_SECRET`` in the actor's process.
         rank, world_size: this rank among the trainer ranks (the TP size).
         model: ``{name: (global_shape, split_dim)}``; default ``DEFAULT_MODEL``. Each rank holds
             ``TensorLayout.plain(name, dtype, shape, split_dim, world_size, rank)``.
@@ -158,6 +161,7 @@ class RefitTrainer:
         device: str = "cpu",
         timeout_s: float = 30.0,
         seed: int = 0,
+        secret: str | None = None,
     ) -> None:
         import torch
 
@@ -167,7 +171,7 @@ class RefitTrainer:
 
         self.rank, self.world_size, self.seed, self.timeout_s = rank, world_size, seed, timeout_s
         self.model = _model(model)
-        self.store = Store.connect(store_address, prefix=prefix, timeout_s=timeout_s)
+        self.store = Store.connect(store_address, prefix=prefix, timeout_s=timeout_s, secret=secret)
         dev = _device(device)
         self.tensors: dict[str, Any] = {}
         self.layouts: dict[str, TensorLayout] = {}
@@ -227,7 +231,7 @@ class RefitEngine:
     """One inference engine (TP=1) as a Ray actor: whole tensors, refit from the trainer ranks.
 
     Args:
-        store_address, prefix: as for ``RefitTrainer``.
+        store_address, prefix, secret: as for ``RefitTrainer``.
         num_publishers: the trainers' TP size.
         model, dtype, backend, device, timeout_s: as for ``RefitTrainer`` (the same ``model``).
         index: this engine's number, reported back.
@@ -247,6 +251,7 @@ class RefitEngine:
         device: str = "cpu",
         timeout_s: float = 30.0,
         index: int = 0,
+        secret: str | None = None,
     ) -> None:
         import torch
 
@@ -256,7 +261,7 @@ class RefitEngine:
 
         self.index, self.num_publishers, self.timeout_s = index, num_publishers, timeout_s
         self.model = _model(model)
-        self.store = Store.connect(store_address, prefix=prefix, timeout_s=timeout_s)
+        self.store = Store.connect(store_address, prefix=prefix, timeout_s=timeout_s, secret=secret)
         dev = _device(device)
         self.targets = {n: torch.zeros(shape, dtype=getattr(torch, dtype), device=dev) for n, (shape, _) in self.model.items()}
         self.rec = Receiver(self.store, num_publishers=num_publishers, backend=backend, timeout_s=timeout_s)
@@ -328,17 +333,19 @@ def actor_class(cls: type, **options: Any):
     return ray.remote(**options)(cls) if options else ray.remote(cls)
 
 
-def start_store(prefix: str | None = None, *, host: str = "127.0.0.1", timeout_s: float = 60.0):
-    """Start the rendezvous ``Store`` server in the driver; pass ``store.address`` and ``store.prefix``
-    to the actors. The server lives as long as the returned object (keep a reference).
+def start_store(prefix: str | None = None, *, host: str = "127.0.0.1", timeout_s: float = 60.0,
+                secret: str | None = None):
+    """Start the rendezvous ``Store`` server in the driver; pass ``store.address``, ``store.prefix``
+    and ``store.secret`` to the actors. The server lives as long as the returned object (keep a reference).
 
-    ``host`` must be reachable from the actors: ``127.0.0.1`` on one node; the node's IP
-    (``ray.util.get_node_ip_address()``) when actors run elsewhere.
+    ``host`` is the only address the server listens on, and must be reachable from the actors:
+    ``127.0.0.1`` on one node; the node's IP (``ray.util.get_node_ip_address()``) when actors run
+    elsewhere. ``secret``: the job's (``None``: ``WARMLINK_SECRET``, else a fresh one).
     """
     from warmlink.rendezvous import Store
 
     prefix = prefix or f"ray-refit-{uuid.uuid4().hex[:12]}"
-    return Store(host, 0, is_server=True, prefix=prefix, timeout_s=timeout_s)
+    return Store(host, 0, is_server=True, prefix=prefix, timeout_s=timeout_s, secret=secret)
 
 
 def get(refs, *, timeout_s: float, what: str):
@@ -398,7 +405,7 @@ class RefitJob:
         self.store = start_store(prefix, timeout_s=timeout_s)
         options = dict(actor_options) if actor_options is not None else {"num_cpus": 0}
         common = {"prefix": self.store.prefix, "model": model, "dtype": dtype, "backend": backend,
-                  "device": device, "timeout_s": timeout_s}
+                  "device": device, "timeout_s": timeout_s, "secret": self.store.secret}
         trainer_cls, engine_cls = actor_class(RefitTrainer, **options), actor_class(RefitEngine, **options)
         self.trainers = [trainer_cls.remote(self.store.address, rank=r, world_size=trainers, **common)
                          for r in range(trainers)]

@@ -194,20 +194,44 @@ def _sole(tcp: Any, prefix: str, before: dict[int, int], port: int) -> Client | 
     return Client(tcp, prefix, socket.socket(fileno=os.dup(fds[0]))) if len(fds) == 1 else None
 
 
+def _listener(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only (0: a free port): TCPStore's own server would
+    listen on every interface (Note [TCPStore quirks] in rendezvous.store)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's: a restart may reuse the port
+        sock.bind(addr)
+        sock.listen(128)  # TCPStore's server listens again with its own backlog
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(host: str, port: int, prefix: str, timeout_s: float, world_size: int | None) -> Client:
-    """Start a TCPStore server at ``host:port`` (0: any free port) and return the client connection
-    its constructor opens to it (``client.tcp`` is the server: dropping it stops serving).
+    """Start a TCPStore server listening on ``host:port`` only (0: any free port) and return the
+    client connection its constructor opens to it (``client.tcp`` is the server: dropping it stops
+    serving and closes the listening socket).
 
     Raises:
-        Exception: TCPStore's failure to start, as raised; Stalled: its connection could not be
-            told apart from another opened at the same moment.
+        Exception: the socket's or TCPStore's failure to start, as raised; Stalled: its connection
+            could not be told apart from another opened at the same moment.
     """
     import torch.distributed as dist
 
     with _connect_lock:
+        sock = _listener(host, port)
+        port, inode = sock.getsockname()[1], os.fstat(sock.fileno()).st_ino
         before = _sockets()
-        tcp = dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                            wait_for_workers=False)
+        fd = sock.detach()  # TCPStore's from here: it closes the socket when the server stops
+        try:
+            tcp = dist.TCPStore(host, port, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                                wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            if _sockets().get(fd) == inode:  # still ours: TCPStore failed before it took it
+                os.close(fd)
+            raise
         client = _sole(tcp, prefix, before, int(tcp.port))
     if client is None:
         raise Stalled("its own connection could not be told apart from another opened at the same moment")

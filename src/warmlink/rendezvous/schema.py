@@ -68,8 +68,9 @@ SUPPORTED_SCHEMA_VERSIONS = (1,)
 # version-1 manifest from an older publisher is refused by name, never misread.
 MANIFEST_SCHEMA_VERSION = 3
 MAX_PAYLOAD_BYTES = 64 << 20
-# One store value: TCPStore's libuv server drops the connection of a client that sends more.
-MAX_VALUE_BYTES = 8 << 20
+# One store value as its writer gives it: TCPStore's libuv server drops the connection of a client
+# that sends more than 8 MiB, and the store adds a MAC (Note [Store MAC] in rendezvous._mac).
+MAX_VALUE_BYTES = (8 << 20) - 64
 MIN_CHUNK_BYTES = 1 << 10  # with MAX_PAYLOAD_BYTES, at most 65536 chunks per blob
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 8

@@ -1,11 +1,16 @@
 """The rendezvous key-value store: a thin, fail-closed wrapper over ``torch.distributed.TCPStore``.
 
-Every key lives under a per-job prefix (``torch.distributed.PrefixStore``), every wait has a
-timeout that raises ``TransferTimeout`` naming the key, and every torch or OS error becomes a
-warmlink error that names the store's address. JSON payloads go through ``rendezvous.schema``.
+Every key lives under a per-job prefix (``torch.distributed.PrefixStore``), every value carries a
+MAC under the job's secret (Note [Store MAC] in ``rendezvous._mac``), every wait has a timeout that
+raises ``TransferTimeout`` naming the key, and every torch or OS error becomes a warmlink error that
+names the store's address. JSON payloads go through ``rendezvous.schema``.
 
 # Note [TCPStore quirks]
 Found on torch 2.9+ (libuv backend) and worked around here:
+- The server listens on every interface, whatever host it is given. ``_client.serve`` binds a
+  socket to the asked ``host:port`` itself and hands it to TCPStore as ``master_listen_fd``, which
+  the libuv server listens on as it is (measured on torch 2.13: ``ss`` shows ``127.0.0.1:port``,
+  not ``*:port``) and closes when it stops. The server has no authentication: Note [Store MAC].
 - ``get`` on a missing key blocks for the store-wide timeout and raises ``DistStoreError``; a
   short per-call timeout would need ``set_timeout``, which changes it for every thread. We never
   wait in TCPStore: ``try_get`` is one atomic round trip, ``compare_set(key, S, S)`` with a
@@ -20,9 +25,9 @@ Found on torch 2.9+ (libuv backend) and worked around here:
   timeout by seconds, and logs each try. We probe the port with a plain socket until the deadline
   and only then build the TCPStore client.
 - TCPStore has no ``close``: the server stops when the last reference to its object goes away.
-- A value over ``schema.MAX_VALUE_BYTES`` (8 MiB) makes the libuv server log "Invalid payload
-  size" and reset the client's connection for good. ``set`` and ``compare_set`` refuse such
-  values before sending anything; larger data goes through ``set_blob``.
+- A value over 8 MiB makes the libuv server log "Invalid payload size" and reset the client's
+  connection for good. ``set`` and ``compare_set`` refuse values over ``schema.MAX_VALUE_BYTES``
+  (8 MiB less room for the MAC) before sending anything; larger data goes through ``set_blob``.
 
 # Note [Blobs]
 ``set_blob`` stores up to ``schema.MAX_PAYLOAD_BYTES``. Data that fits one chunk is stored as it is
@@ -65,6 +70,7 @@ import importlib
 import logging
 import math
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -75,7 +81,7 @@ from typing import Any, Callable, Iterator
 from warmlink import _env
 from warmlink._backoff import wait_until
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferError, TransferTimeout, WarmlinkError
-from warmlink.rendezvous import _client, schema
+from warmlink.rendezvous import _client, _mac, schema
 
 __all__ = ["Store"]
 
@@ -120,6 +126,14 @@ def _first_line(err: BaseException) -> str:
     return text[0][:300] if text else type(err).__name__
 
 
+def _counter(value: int, func: str, key: str) -> int:
+    """A counter read back: counters carry no MAC (Note [Store MAC]), so one that another writer
+    pushed near int64's ends is refused before the server's next add could overflow it."""
+    if not -(1 << 62) <= value < 1 << 62:
+        raise MetadataError(f"{func}: key={key!r} holds the counter {value}; expected an integer of magnitude < 2**62")
+    return value
+
+
 def _chunk_key(key: str, digest: str, idx: int) -> str:
     return f"{key}/blob/{digest}/{idx}"
 
@@ -137,9 +151,16 @@ class Store:
             takes ``WARMLINK_TIMEOUT_S`` (default 60). See Note [Store deadlines].
         world_size: number of processes expected to connect (informational for TCPStore; this
             class never waits for workers).
+        secret: the job's secret, under which every value carries a MAC (Note [Store MAC] in
+            ``rendezvous._mac``): a str of 16 to 1024 UTF-8 bytes, the same in every process.
+            ``None`` takes ``WARMLINK_SECRET``; a server with neither makes a fresh one, read
+            back as ``.secret`` (Note [Store secret] in ``rendezvous._mac``).
+
+    The server listens on ``host`` only (loopback by default): across nodes, pass the address of
+    this node that the others reach, and set ``WARMLINK_SECRET`` on every process.
 
     Raises:
-        ConfigError: invalid argument, or the server port is already in use.
+        ConfigError: invalid argument, a client without a secret, or the server port is already in use.
         TransferTimeout: a client found no server at ``host:port``, or the server did not answer,
             within ``timeout_s``.
 
@@ -157,6 +178,7 @@ class Store:
         prefix: str = "warmlink",
         timeout_s: float | None = None,
         world_size: int | None = None,
+        secret: str | None = None,
     ) -> None:
         self._closed = True
         self._server: Any = None  # the TCPStore server, when this store owns it
@@ -174,6 +196,14 @@ class Store:
         if world_size is not None and (type(world_size) is not int or world_size < 1):
             raise ConfigError(f"Store: world_size={world_size!r} invalid; expected None or an int >= 1")
         self.host, self.port, self.prefix, self.is_server = host, port, prefix, is_server
+        secret = secret if secret is not None else _env.secret()
+        if secret is None and not is_server:
+            raise ConfigError(
+                f"Store: no secret for the store at {self.address}; expected secret=<the server's Store.secret> or "
+                "WARMLINK_SECRET set, on every process of the job, to the secret the server was given"
+            )
+        self._secret = _env.check_secret(secret, "Store") if secret is not None else secrets.token_hex(32)
+        self._mac = _mac.Mac(self._secret, prefix)
         self._absent = b"\x00warmlink-absent\x00" + os.urandom(16)  # See Note [TCPStore quirks]
         importlib.import_module("torch.distributed")  # before any deadline starts: its first import can take seconds
         if is_server:
@@ -193,18 +223,26 @@ class Store:
         logger.debug("store %s at %s prefix=%s", "server" if is_server else "client", self.address, prefix)
 
     @classmethod
-    def connect(cls, address: str, *, prefix: str = "warmlink", timeout_s: float | None = None) -> "Store":
-        """Connect a client to the server at ``"host:port"`` (IPv6 as ``"[::1]:port"``).
+    def connect(cls, address: str, *, prefix: str = "warmlink", timeout_s: float | None = None,
+                secret: str | None = None) -> "Store":
+        """Connect a client to the server at ``"host:port"`` (IPv6 as ``"[::1]:port"``) under the
+        job's ``secret`` (``None``: ``WARMLINK_SECRET``; Note [Store secret] in ``rendezvous._mac``).
 
         Raises:
-            ConfigError: the address does not parse. TransferTimeout: no server, or no answer from
-                it, within ``timeout_s``.
+            ConfigError: the address does not parse, or no secret was given. TransferTimeout: no
+                server, or no answer from it, within ``timeout_s``.
         """
         host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not sep or not host or not port.isdigit():
             raise ConfigError(f"Store.connect: address={address!r} invalid; expected 'host:port'")
-        return cls(host, int(port), is_server=False, prefix=prefix, timeout_s=timeout_s)
+        return cls(host, int(port), is_server=False, prefix=prefix, timeout_s=timeout_s, secret=secret)
+
+    @property
+    def secret(self) -> str:
+        """The job's secret, for a launcher to hand to the processes it starts (as an argument:
+        never log it). See Note [Store secret] in ``rendezvous._mac``."""
+        return self._secret
 
     @property
     def address(self) -> str:
@@ -351,37 +389,59 @@ class Store:
         once the server holds it (two round trips: TCPStore's ``set`` has no reply of its own).
 
         Raises:
-            MetadataError: ``value`` is over ``schema.MAX_VALUE_BYTES`` (8 MiB); nothing is sent and
+            MetadataError: ``value`` is over ``schema.MAX_VALUE_BYTES`` (8 MiB less 64 bytes); nothing is sent and
                 the connection stays usable. Larger data goes through ``set_blob``.
             TransferTimeout: the store did not take it within ``timeout_s``.
         """
         value = _fits(_as_bytes(value, "Store.set", key), "Store.set", self._key(key, "set"))
+        value = self._mac.seal(key, value)
         self._call("set", key, "set", key, value, limit_s=self._limit(timeout_s, "Store.set"), nbytes=len(value),
                    confirm=True)
 
-    def try_get(self, key: str, *, timeout_s: float | None = None) -> bytes | None:
+    def try_get(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes | None:
         """The value under ``key``, or ``None`` if it is absent. One round trip, never a wait for
-        the key; at most ``timeout_s`` when the server does not answer (TransferTimeout)."""
-        self._key(key, "try_get")
-        value = self._call("try_get", key, "compare_set", key, self._absent, self._absent,
-                           limit_s=self._limit(timeout_s, "Store.try_get"))
+        the key; at most ``timeout_s`` when the server does not answer (TransferTimeout).
+
+        Raises:
+            MetadataError: the value fails its MAC (Note [Store MAC]): it names ``key`` and
+                ``peer``, the writer the caller expects, where given. Nothing of it is returned.
+        """
+        value = self._fetch(key, "try_get", self._limit(timeout_s, "Store.try_get"))
+        return None if value is None else self._open(key, value, "try_get", peer)
+
+    def _fetch(self, key: str, op: str, limit_s: float) -> bytes | None:
+        """The bytes stored under ``key`` as they are (MAC and all), or None when absent."""
+        self._key(key, op)
+        value = self._call(op, key, "compare_set", key, self._absent, self._absent, limit_s=limit_s)
         return None if value == self._absent else bytes(value)
 
-    def get(self, key: str, *, timeout_s: float | None = None) -> bytes:
+    def _open(self, key: str, stored: bytes, op: str, peer: str | None) -> bytes:
+        value = self._mac.open(key, stored)
+        if value is None:
+            raise MetadataError(
+                f"Store.{op}: key={key!r}{'' if peer is None else f' from peer={peer!r}'}: the value ({len(stored)} "
+                f"bytes) fails its MAC; expected one written under this job's secret (it was written by a process "
+                f"without the secret, or altered in the store at {self.address}); refused"
+            )
+        return value
+
+    def get(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes:
         """Wait until ``key`` exists and return its value.
 
         Args:
             key: key under this store's prefix.
             timeout_s: seconds to wait; ``None`` uses the store's ``timeout_s``.
+            peer: who is expected to have written it, for the error message.
 
         Raises:
             TransferTimeout: ``key`` did not appear in time (names the key), or the store did not answer.
             PeerLostError: the server went away.
+            MetadataError: the value fails its MAC (names ``key`` and ``peer``).
         """
         found: list[bytes] = []
 
         def present() -> bool:
-            value = self.try_get(key)
+            value = self.try_get(key, peer=peer)
             if value is not None:
                 found.append(value)
             return value is not None
@@ -399,16 +459,21 @@ class Store:
                 call), which fails closed, instead of a round trip on every refit.
             timeout_s: seconds for both round trips together.
 
+        Counters carry no MAC (Note [Store MAC]): whatever another writer put there, the sum comes
+        back as an int of magnitude < 2**62, or raises.
+
         Raises:
-            MetadataError: ``key`` holds something that is not an integer. See Note [TCPStore quirks].
+            MetadataError: ``key`` holds something that is not an integer (checked), or the sum is
+                out of that range. See Note [TCPStore quirks].
         """
         self._key(key, "add")
         if isinstance(amount, bool) or not isinstance(amount, int) or not -(1 << 62) <= amount < 1 << 62:
             raise ConfigError(f"Store.add: amount={amount!r} invalid; expected an int of magnitude < 2**62")
         if not checked:
-            return int(self._call("add", key, "add", key, amount, limit_s=self._limit(timeout_s, "Store.add")))
+            return _counter(int(self._call("add", key, "add", key, amount, limit_s=self._limit(timeout_s, "Store.add"))),
+                            "Store.add", key)
         with self.deadline(self._limit(timeout_s, "Store.add")):
-            current = self.try_get(key)
+            current = self._fetch(key, "add", self._limit(None, "Store.add"))  # a counter: no MAC to open
             if current is not None:
                 try:
                     int(current.decode("ascii"))
@@ -416,19 +481,26 @@ class Store:
                     raise MetadataError(
                         f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key"
                     ) from None
-            return int(self._call("add", key, "add", key, amount, limit_s=self._limit(None, "Store.add")))
+            return _counter(int(self._call("add", key, "add", key, amount, limit_s=self._limit(None, "Store.add"))),
+                            "Store.add", key)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes, *, timeout_s: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected == b""``).
 
         Returns:
             The value now stored; the swap happened iff it equals ``desired``. (TCPStore returns
-            ``expected`` when the key is absent and ``expected`` is non-empty.)
+            ``expected`` when the key is absent and ``expected`` is non-empty.) Both go in sealed
+            (``b""``, for absent, as it is) and what comes back is opened: Note [Store MAC].
+
+        Raises:
+            MetadataError: the value now stored fails its MAC (names ``key``).
         """
         self._key(key, "compare_set")
         exp, des = (_fits(_as_bytes(v, "Store.compare_set", key), "Store.compare_set", key) for v in (expected, desired))
-        return bytes(self._call("compare_set", key, "compare_set", key, exp, des,
-                                limit_s=self._limit(timeout_s, "Store.compare_set"), nbytes=len(exp) + len(des)))
+        exp, des = (exp and self._mac.seal(key, exp)), self._mac.seal(key, des)
+        now = bytes(self._call("compare_set", key, "compare_set", key, exp, des,
+                               limit_s=self._limit(timeout_s, "Store.compare_set"), nbytes=len(exp) + len(des)))
+        return self._open(key, now, "compare_set", None)
 
     def delete(self, key: str, *, timeout_s: float | None = None) -> bool:
         """Remove ``key``; returns whether it existed."""
@@ -464,8 +536,9 @@ class Store:
         self.set(key, schema.encode(obj), timeout_s=timeout_s)
 
     def get_json(self, key: str, expected_kind: str, peer: str, *, timeout_s: float | None = None) -> dict:
-        """Wait for ``key`` and return its payload, validated by ``schema.decode(raw, expected_kind, peer)``."""
-        return schema.decode(self.get(key, timeout_s=timeout_s), expected_kind, peer)
+        """Wait for ``key`` and return its payload, validated by ``schema.decode(raw, expected_kind, peer)``.
+        Raises MetadataError naming ``key`` and ``peer`` for a value that fails its MAC."""
+        return schema.decode(self.get(key, timeout_s=timeout_s, peer=peer), expected_kind, peer)
 
     # -- blobs: values past one store value (Note [Blobs]) ---------------------------------------------
     def set_blob(self, key: str, data: bytes | str, *, chunk_nbytes: int = _CHUNK_BYTES,
@@ -476,7 +549,7 @@ class Store:
             key: at most 896 characters (chunk keys extend it).
             data: bytes, or str as UTF-8. Up to ``chunk_nbytes`` it is stored as one value.
             chunk_nbytes: bytes per chunk, ``schema.MIN_CHUNK_BYTES`` (1 KiB) to
-                ``schema.MAX_VALUE_BYTES`` (8 MiB); default 4 MiB.
+                ``schema.MAX_VALUE_BYTES`` (8 MiB less 64 bytes); default 4 MiB.
             timeout_s: seconds for every round trip together (None: the store's).
 
         Raises:
@@ -511,36 +584,38 @@ class Store:
                   "num_chunks": num_chunks, "sha256": digest}
         self.set(key, _BLOB_MAGIC + schema.encode(header))
 
-    def get_blob(self, key: str, *, timeout_s: float | None = None) -> bytes:
+    def get_blob(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes:
         """Wait until ``key`` exists and return the data ``set_blob`` stored there, checked whole.
 
         Raises:
             TransferTimeout: ``key`` did not appear within ``timeout_s`` (``None``: the store's).
             MetadataError: a bad header, or chunks missing, extra, of the wrong size or not matching
-                the header's SHA-256 (names the key). Memory is bounded by the header's checked
-                ``nbytes``, at most ``schema.MAX_PAYLOAD_BYTES``.
+                the header's SHA-256, or a header or chunk that fails its MAC (names the key, and
+                ``peer``, who is expected to have written it, where given). Memory is bounded by the
+                header's checked ``nbytes``, at most ``schema.MAX_PAYLOAD_BYTES``.
         """
         with self.deadline(self._limit(timeout_s, "Store.get_blob")):
-            return self._read_blob(key, self.get(self._blob_key(key, "get_blob"), timeout_s=timeout_s), "get_blob")
+            value = self.get(self._blob_key(key, "get_blob"), timeout_s=timeout_s, peer=peer)
+            return self._read_blob(key, value, "get_blob", peer)
 
-    def try_get_blob(self, key: str, *, timeout_s: float | None = None) -> bytes | None:
+    def try_get_blob(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes | None:
         """As ``get_blob``, but ``None`` at once when ``key`` is absent."""
         with self.deadline(self._limit(timeout_s, "Store.try_get_blob")):
-            value = self.try_get(self._blob_key(key, "try_get_blob"))
-            return None if value is None else self._read_blob(key, value, "try_get_blob")
+            value = self.try_get(self._blob_key(key, "try_get_blob"), peer=peer)
+            return None if value is None else self._read_blob(key, value, "try_get_blob", peer)
 
-    def _read_blob(self, key: str, value: bytes, func: str) -> bytes:
+    def _read_blob(self, key: str, value: bytes, func: str, peer: str | None) -> bytes:
         if not value.startswith(_BLOB_MAGIC):
             return value
         where = f"Store.{func}: key={key!r}"
         try:
-            header = schema.decode(value[len(_BLOB_MAGIC) :], "blob_header", self.address)
+            header = schema.decode(value[len(_BLOB_MAGIC) :], "blob_header", self.address if peer is None else peer)
         except MetadataError as e:
             raise MetadataError(f"{where}: {e}") from None
         nbytes, chunk_nbytes, num_chunks, digest = (header[k] for k in ("nbytes", "chunk_nbytes", "num_chunks", "sha256"))
         sha, chunks = hashlib.sha256(), []
         for i in range(num_chunks):
-            got = self.try_get(_chunk_key(key, digest, i))
+            got = self.try_get(_chunk_key(key, digest, i), peer=peer)
             want = min(chunk_nbytes, nbytes - i * chunk_nbytes)
             if got is None or len(got) != want:
                 raise MetadataError(
@@ -549,7 +624,7 @@ class Store:
                 )
             sha.update(got)
             chunks.append(got)
-        if self.try_get(_chunk_key(key, digest, num_chunks)) is not None:
+        if self._fetch(_chunk_key(key, digest, num_chunks), func, self._limit(None, f"Store.{func}")) is not None:
             raise MetadataError(f"{where}: a chunk {num_chunks} exists; expected num_chunks={num_chunks} chunks")
         if sha.hexdigest() != digest:
             raise MetadataError(f"{where}: SHA-256 of the chunks is {sha.hexdigest()}; expected {digest} from its header")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
@@ -58,6 +58,8 @@ class WarmlinkTrainerInitInfo(TrainerInitInfo):
         layouts: this rank's physical name -> ``TensorLayout`` for a module without placements
             (a Megatron- or vLLM-convention rank); None: DTensor placements, or tensors whole.
         transport: warmlink backend (None: auto).
+        secret: the store's secret (``Store.secret`` of the server); ``None`` takes
+            ``WARMLINK_SECRET``. Rank 0 hands it to the workers in their init info. Not in the repr.
     """
 
     backend: ClassVar[str] = "warmlink"
@@ -70,6 +72,7 @@ class WarmlinkTrainerInitInfo(TrainerInitInfo):
     buffer_bytes: int = 256 << 20
     layouts: Mapping[str, Any] | None = None
     transport: str | None = None
+    secret: str | None = field(default=None, repr=False)
 
 
 class WarmlinkSource(WeightSource):
@@ -135,7 +138,7 @@ class WarmlinkTrainerWeightTransferEngine(TrainerWeightTransferEngine[WarmlinkTr
         from warmlink.refit import Publisher
         from warmlink.rendezvous import Store
 
-        store = Store.connect(info.store_address, prefix=info.prefix, timeout_s=info.timeout_s)
+        store = Store.connect(info.store_address, prefix=info.prefix, timeout_s=info.timeout_s, secret=info.secret)
         pub = Publisher(store, rank=info.rank, world_size=info.world_size, backend=info.transport, timeout_s=info.timeout_s)
         try:
             pub.add_module(module, dict(info.layouts) if info.layouts is not None else None)
@@ -145,7 +148,8 @@ class WarmlinkTrainerWeightTransferEngine(TrainerWeightTransferEngine[WarmlinkTr
                 client.init_weight_transfer_engine({
                     "store_address": info.store_address, "prefix": info.prefix, "num_publishers": info.world_size,
                     "timeout_s": info.timeout_s, "install": info.install, "buffer_bytes": info.buffer_bytes,
-                    "transport": info.transport, "session": f"{pub.generation}-{uuid.uuid4().hex[:12]}"})
+                    "transport": info.transport, "session": f"{pub.generation}-{uuid.uuid4().hex[:12]}",
+                    "secret": store.secret})
         except BaseException:
             pub.close()
             store.close()

@@ -28,7 +28,7 @@ undone: ``PartialLoadError`` says so, and the next complete update repairs the m
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -59,6 +59,9 @@ class WarmlinkInitInfo(WeightTransferInitInfo):
         buffer_bytes: receive memory of the streamed part, bytes (two slots of half).
         transport: warmlink backend, ``None`` for auto (``cuda_ipc`` on GPUs, ``shm`` on CPU).
         session: names this trainer's updates in the store (Note [One error per update]).
+        secret: the store's secret (the trainer sends its own); ``None`` takes ``WARMLINK_SECRET``
+            in the worker's process. Whoever can call ``init_weight_transfer_engine`` already
+            chooses which store the engine installs from, so it may carry the secret. Not in the repr.
     """
 
     store_address: str = ""
@@ -69,6 +72,7 @@ class WarmlinkInitInfo(WeightTransferInitInfo):
     buffer_bytes: int = 256 << 20
     transport: str | None = None
     session: str = ""
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -121,7 +125,8 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
         family = family_layouts(self.model_config.hf_config, convention="vllm", tp=tp, rank=rank, ep=ep, ep_rank=ep_rank,
                                 dtype=dtype_name(self.model_config.dtype))
         found = read_engine(self.model, family, install=init_info.install)
-        store = Store.connect(init_info.store_address, prefix=init_info.prefix, timeout_s=init_info.timeout_s)
+        store = Store.connect(init_info.store_address, prefix=init_info.prefix, timeout_s=init_info.timeout_s,
+                              secret=init_info.secret)
         device = "cpu" if self.device.type == "cpu" else self.device
         kw = dict(num_publishers=init_info.num_publishers, device=device, backend=init_info.transport,
                   timeout_s=init_info.timeout_s)
