@@ -9,6 +9,7 @@ import pytest
 
 from warmlink import _backoff
 from warmlink.errors import PeerLostError, TransferTimeout
+from warmlink.transport import base
 
 
 class Clock:
@@ -135,3 +136,61 @@ def test_backoff_sleeps_never_pass_its_deadline(clock: Clock) -> None:
     assert clock.sleeps[:3] == pytest.approx([1e-3, 1e-3, 0.5e-3]) and clock.sleeps[3:] == [0.0, 0.0]
     clock.now += 1e-9
     assert b.expired()
+
+
+class _Landing(base.Transfer):
+    """A transfer that lands at a given time of the virtual clock."""
+
+    def __init__(self, batch, clock: Clock, takes_s: float | None) -> None:
+        super().__init__(batch, timeout_s=1.0)
+        self.clock, self.lands_at = clock, None if takes_s is None else clock.now + takes_s
+
+    def done(self) -> bool:
+        return self.lands_at is not None and self.clock.now >= self.lands_at
+
+    def _poll_error(self):
+        return None
+
+
+def _batch():
+    return base.Batch([], [], 0)
+
+
+class Ticking(Clock):
+    """A clock that also moves 1 us per reading, as a real one does while a loop spins."""
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+@pytest.fixture
+def ticking(monkeypatch) -> Ticking:
+    c = Ticking()
+    monkeypatch.setattr(_backoff, "time", c)
+    monkeypatch.setattr(base, "time", c)
+    return c
+
+
+def test_a_replayed_batch_dozes_through_most_of_its_last_time_then_polls_closely(ticking: Ticking) -> None:
+    """Note [Waiting for a replay]: one long sleep, then polls without sleeping, landing on time."""
+    clock = ticking
+    batch = _batch()
+    _Landing(batch, clock, 0.004).wait()
+    assert batch.last_s == pytest.approx(0.004, abs=1e-4)  # the first wait sleeps in steps of <= 100 us
+    clock.sleeps.clear()
+    started = clock.now
+    _Landing(batch, clock, 0.004).wait()
+    assert clock.sleeps[0] == pytest.approx(0.85 * batch.last_s, rel=0.1) and len(clock.sleeps) == 1
+    assert clock.now - started == pytest.approx(0.004, abs=2e-5)  # spinning: no sleep past the landing
+
+
+def test_a_replay_that_never_lands_still_times_out_at_its_limit(ticking: Ticking) -> None:
+    clock = ticking
+    batch = _batch()
+    batch.last_s = 0.05
+    started = clock.now
+    with pytest.raises(TransferTimeout, match="not done after 0.200 s"):
+        _Landing(batch, clock, None).wait(0.2)
+    assert clock.now - started <= 0.2 + 1e-4
+    assert batch.last_s == 0.05  # a failed transfer teaches nothing
