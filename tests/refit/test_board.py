@@ -203,3 +203,24 @@ def test_forged_reader_counts_never_let_an_update_in_mid_pull(monkeypatch) -> No
             rec.close()
             pub.close()
         assert (let_in, torn) == (0, 0)
+
+
+def test_a_forged_huge_reader_slot_count_is_refused_not_walked() -> None:
+    """A count of reader processes past any real one (anyone reaching the store can write it) makes
+    begin_update raise MetadataError at once, naming the key, instead of walking 2**40 slots."""
+    import datetime
+
+    import torch.distributed as dist
+
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"slots-{uuid.uuid4().hex[:8]}", timeout_s=30) as store:
+        pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=30)
+        pub.add("w", torch.zeros(4), TensorLayout.plain("w", "float32", (4,)))
+        pub.export()
+        try:
+            raw = dist.PrefixStore(store.prefix, dist.TCPStore(store.host, store.port, None, False,
+                                                               timeout=datetime.timedelta(seconds=10)))
+            raw.add("pub/0/reader_slots", 1 << 40)
+            with pytest.raises(MetadataError, match=r"'pub/0/reader_slots'=1099511627776 out of range"):
+                pub.begin_update(timeout_s=30)
+        finally:
+            pub.close()  # keeps its memory (readers elsewhere cannot be ruled out), raises nothing

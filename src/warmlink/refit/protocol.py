@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 
 from warmlink._backoff import wait_until
-from warmlink.errors import VersionError
+from warmlink.errors import MetadataError, VersionError
 from warmlink.pool import liveness
 from warmlink.refit._memo import PerStore
 
@@ -96,10 +96,24 @@ def reader_slot(store, rank: int) -> int:
     return slot
 
 
+# Receiver processes that ever read one publisher rank. The count comes from the store, which
+# anyone who reaches its port can write: past this bound it is refused, not walked.
+MAX_READER_SLOTS = 1 << 16
+
+
+def num_reader_slots(store, rank: int) -> int:
+    """The reader slots taken at publisher ``rank``. Raises MetadataError past MAX_READER_SLOTS."""
+    total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+    if not 0 <= total <= MAX_READER_SLOTS:
+        raise MetadataError(f"store key 'pub/{rank}/reader_slots'={total} out of range; expected 0 to "
+                            f"{MAX_READER_SLOTS} reader processes (a forged count?)")
+    return total
+
+
 def reader_count(store, rank: int, version: int, slots=None) -> int:
     """Receivers inside ``version`` of ``rank``, summed over reader slots (all, or ``slots``)."""
     if slots is None:
-        slots = range(1, store.add(f"pub/{rank}/reader_slots", 0, checked=False) + 1)
+        slots = range(1, num_reader_slots(store, rank) + 1)
     return sum(store.add(readers_key(rank, version, k), 0, checked=False) for k in slots)
 
 
@@ -183,7 +197,7 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
     def drained() -> bool:
         nonlocal holding, next_check, sweep
         while True:
-            total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+            total = num_reader_slots(store, rank)
             live = [k for k in range(1, total + 1) if k not in retired]
             if sweep and len(live) > _SWEEP_ABOVE:  # retire a few idle dead slots per update, oldest first
                 sweep = False
