@@ -53,10 +53,6 @@ log = logging.getLogger("warmlink.refit")
 # land in directly (a cast, a staged re-slice) still go through receive memory and a copy.
 
 
-def _data_ptr(t) -> int:
-    return t.data_ptr()
-
-
 class _InstallWork(NamedTuple):
     bufs: object  # the ReceiveBuffers this was worked out for (kept: its id is the cache key)
     translate: list[int]
@@ -531,7 +527,7 @@ class Receiver(Closing):
         if cached is None or cached[0] is not plan:
             targets = [self._targets.get(tp.dst) for tp in plan.tensors]
             cached = self._targets_of = (plan, targets, [t for t in targets if t is not None])
-        return cached[1], tuple(map(_data_ptr, cached[2]))
+        return cached[1], tuple([t.data_ptr() for t in cached[2]])
 
     def _install_work(self, plan, bufs) -> "_InstallWork":
         """What ``_finish`` does after the pull into ``bufs``, worked out once per buffer set (a

@@ -110,7 +110,7 @@ class CopyPlan:
     **Warm path?** Building the table is setup; ``launch`` is one kernel launch.
     """
 
-    __slots__ = ("device", "table", "num_programs", "rest", "nbytes")
+    __slots__ = ("device", "table", "num_programs", "rest", "nbytes", "_streams")
 
     def __init__(self, copies: Sequence[tuple[int, int, int, int, int, int]], *, device: int,
                  chunk_nbytes: int = 1 << 20) -> None:
@@ -137,6 +137,7 @@ class CopyPlan:
                 table.append((src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, k,
                               src_pitch // 16, dst_pitch // 16))
         self.device = device
+        self._streams: dict = {}  # cudaStream_t -> its torch ExternalStream, made once
         self.rest = rest
         self.nbytes = nbytes
         self.num_programs = len(table)
@@ -166,5 +167,8 @@ class CopyPlan:
             return
         import torch
 
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=torch.device("cuda", self.device))):
+        external = self._streams.get(stream)
+        if external is None:  # Triton launches on torch's current stream: the link's, wrapped once
+            external = self._streams[stream] = torch.cuda.ExternalStream(stream, device=torch.device("cuda", self.device))
+        with torch.cuda.stream(external):
             kernel[(self.num_programs,)](self.table, BLOCK=_BLOCK, ALIGNED=aligned, TILES=tiles, num_warps=num_warps)
