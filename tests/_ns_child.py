@@ -10,10 +10,21 @@
   dies mid-pull inside the version. SYNC ``board``: it syncs on the publisher's version board, as
   a receiver sharing the publisher's /dev/shm does; ``store``: through the store's reader counts,
   as a receiver that cannot open the board does.
+* ``nixl_publisher HOST PREFIX SECRET``: serve a store on HOST only and publish a small model
+  (``SHAPES``, version v holding ``model_values(v)``) from host memory over nixl, reporting
+  ``ready``; then obey stdin lines: ``update TIMEOUT_S`` (begin_update, write v+1, publish:
+  ``updated``) and ``clear VERSION`` (what an operator does for a reader count no one can reap:
+  subtract every slot's count of VERSION: ``cleared``).
+* ``nixl_receiver ADDRESS PREFIX SECRET``: connect (SECRET ``-``: with none) and receive the model
+  over nixl, reporting ``ready``; then stdin lines: ``refit`` (the newest version: ``refit``, with
+  whether it is bit-exact) and ``hold`` (start a refit and never finish it: ``pulling``, counted in).
+  A failed step reports ``error`` with the exception's type and message, and whether the targets
+  are still all zero.
 
 Every report carries who the process is: its pid here and in the test's namespace, hostname,
 shm file prefix and liveness token. The test's side is ``Child``: it starts this script (in new
-PID and UTS namespaces where asked) and waits for its reports with deadlines, never forever.
+PID and UTS namespaces where asked, in a network namespace and on a /dev/shm of its own where
+asked) and waits for its reports with deadlines, never forever.
 """
 
 from __future__ import annotations
@@ -27,12 +38,22 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
-# In new PID and UTS namespaces: set the hostname, optionally the pid the next process gets, and
-# run the command as a child of the namespace's init (not exec'd: it must not be pid 1 there).
-_UNSHARE = ["unshare", "--pid", "--uts", "--fork", "--kill-child", "--", "sh", "-c",
-            'hostname "$1" && { [ "$2" = - ] || echo "$2" > /proc/sys/kernel/ns_last_pid; } && shift 2 && "$@"; exit $?',
-            "sh"]
+# In new PID and UTS namespaces: set the hostname, optionally the pid the next process gets and a
+# fresh tmpfs on /dev/shm (with --mount: another host's /dev/shm as far as liveness tokens tell),
+# and run the command as a child of the namespace's init (not exec'd: it must not be pid 1 there).
+_SETUP = ('hostname "$1" && { [ "$2" = - ] || echo "$2" > /proc/sys/kernel/ns_last_pid; } && '
+          '{ [ "$3" = - ] || mount -t tmpfs -o size=256m,mode=1777 wl-shm /dev/shm; } && shift 3 && "$@"; exit $?')
+
+
+def _in_namespaces(cmd: list[str], hostname: str, last_pid: int | None = None, netns: str | None = None,
+                   own_shm: bool = False) -> list[str]:
+    """``cmd`` run under ``hostname`` in new PID and UTS namespaces (see ``Child``)."""
+    mount = ["--mount"] if own_shm else []  # unshare(1) makes the new mounts private
+    cmd = ["unshare", "--pid", "--uts", *mount, "--fork", "--kill-child", "--", "sh", "-c", _SETUP, "sh", hostname,
+           "-" if last_pid is None else str(last_pid), "+" if own_shm else "-", *cmd]
+    return cmd if netns is None else ["ip", "netns", "exec", netns, *cmd]
 
 
 def free_pid() -> int | None:
@@ -56,15 +77,18 @@ def wait_dead(token: str, pid: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def namespaces_unavailable() -> str | None:
-    """Why this machine cannot start a process in new PID and UTS namespaces, or None."""
+def namespaces_unavailable(netns: str | None = None, own_shm: bool = False) -> str | None:
+    """Why this machine cannot start a process in new PID and UTS namespaces (in network namespace
+    ``netns``, on a /dev/shm of its own: see ``Child``), or None."""
     if shutil.which("unshare") is None:
         return "no unshare(1) on this machine"
+    what = "unshare --pid --uts" + (" --mount with a tmpfs on /dev/shm" if own_shm else "")
     try:
-        done = subprocess.run(_UNSHARE + ["wl-probe", "-", "true"], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(_in_namespaces(["true"], "wl-probe", netns=netns, own_shm=own_shm), capture_output=True,
+                              text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unshare --pid --uts failed: {exc}"
-    return None if done.returncode == 0 else f"unshare --pid --uts is not permitted here: {done.stderr.strip()}"
+        return f"{what} failed: {exc}"
+    return None if done.returncode == 0 else f"{what} is not permitted here: {done.stderr.strip()}"
 
 
 class Child:
@@ -74,14 +98,24 @@ class Child:
         args: the mode and its arguments.
         hostname: run in new PID and UTS namespaces under this hostname (None: a plain child).
         last_pid: in the new PID namespace, the pid before the one the script gets.
+        netns: run in this network namespace (``ip netns exec``); with a hostname only.
+        own_shm: mount a fresh tmpfs on /dev/shm in a new mount namespace; with a hostname only.
+        env: variables set (None: removed) in the script's environment.
     """
 
-    def __init__(self, args: list[str], *, hostname: str | None = None, last_pid: int | None = None) -> None:
+    def __init__(self, args: list[str], *, hostname: str | None = None, last_pid: int | None = None,
+                 netns: str | None = None, own_shm: bool = False, env: dict[str, str | None] | None = None) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), *args]
         if hostname is not None:
-            cmd = _UNSHARE + [hostname, "-" if last_pid is None else str(last_pid), *cmd]
+            cmd = _in_namespaces(cmd, hostname, last_pid, netns, own_shm)
+        environ = dict(os.environ)
+        for k, v in (env or {}).items():
+            if v is None:
+                environ.pop(k, None)
+            else:
+                environ[k] = v
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=environ)
         self._lines: queue.Queue = queue.Queue()
         self._stderr: list[str] = []
         threading.Thread(target=self._read_stdout, daemon=True).start()
@@ -89,7 +123,10 @@ class Child:
 
     def _read_stdout(self) -> None:
         for line in self.proc.stdout:
-            self._lines.put(line)
+            if line.startswith("{"):
+                self._lines.put(line)
+            else:  # a library's own log on stdout (UCX's): kept for the failure message
+                self._stderr.append(line)
         self._lines.put(None)
 
     def _read_stderr(self) -> None:
@@ -103,14 +140,21 @@ class Child:
                 line = self._lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"child gave no {event!r} in {timeout_s} s; stderr:\n{''.join(self._stderr)}") from None
+                    raise TimeoutError(f"child gave no {event!r} in {timeout_s} s; stderr:\n{self.output()}") from None
                 continue
             if line is None:
                 self.proc.wait(timeout=30)
-                raise RuntimeError(f"child exited ({self.proc.returncode}) before {event!r}; stderr:\n{''.join(self._stderr)}")
+                raise RuntimeError(f"child exited ({self.proc.returncode}) before {event!r}; stderr:\n{self.output()}")
             msg = json.loads(line)
             if msg.get("event") == event:
                 return msg
+            if msg.get("event") == "error":
+                raise RuntimeError(f"child reported {msg['type']}: {msg['msg']} before {event!r}; "
+                                   f"stderr:\n{self.output()}")
+
+    def output(self) -> str:
+        """What it wrote besides its reports (its stderr, and libraries' logs on its stdout)."""
+        return "".join(self._stderr)
 
     def send(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -185,6 +229,99 @@ def receiver(address: str, prefix: str, secret: str, numel: int, sync: str) -> N
     say(event="finished")
 
 
+# The model refit across hosts: name -> (shape, dtype); version v holds model_values(v).
+SHAPES = {"embed": ((64, 32), "bfloat16"), "proj": ((32, 32), "float32"), "norm": ((32,), "float32")}
+
+
+def model_values(version: int) -> dict:
+    import torch
+
+    out = {}
+    for name, (shape, dtype) in SHAPES.items():
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{version}".encode()))  # same in every process
+        out[name] = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+    return out
+
+
+def _layouts() -> dict:
+    from warmlink.refit import TensorLayout
+
+    return {n: TensorLayout.plain(n, dtype, shape) for n, (shape, dtype) in SHAPES.items()}
+
+
+def _failed(exc: BaseException, **extra) -> None:
+    say(event="error", type=type(exc).__name__, msg=str(exc), **extra)
+
+
+def nixl_publisher(host: str, prefix: str, secret: str) -> None:
+    from warmlink.refit import Publisher, protocol
+    from warmlink.rendezvous import Store
+
+    store = Store(host, 0, is_server=True, prefix=prefix, secret=secret, timeout_s=60)
+    pub = Publisher(store, rank=0, world_size=1, backend="nixl", timeout_s=60)
+    tensors = model_values(1)
+    for name, layout in _layouts().items():
+        pub.add(name, tensors[name], layout)
+    pub.export()
+    try:  # bound to HOST only: this namespace's loopback has nothing on the port
+        socket.create_connection(("127.0.0.1", store.port), timeout=5).close()
+        loopback = "open"
+    except OSError:
+        loopback = "refused"
+    say(event="ready", address=store.address, loopback=loopback, version=pub.version, **who())
+    for line in sys.stdin:
+        cmd, arg = line.split()
+        try:
+            if cmd == "update":
+                pub.begin_update(timeout_s=float(arg))
+                for name, t in model_values(pub.version + 1).items():
+                    tensors[name].copy_(t)
+                say(event="updated", version=pub.publish(), slots=protocol.num_reader_slots(store, 0))
+            elif cmd == "clear":
+                cleared = 0
+                for k in range(1, protocol.num_reader_slots(store, 0) + 1):
+                    key = protocol.readers_key(0, int(arg), k)
+                    count = store.add(key, 0)
+                    store.add(key, -count)
+                    cleared += count
+                say(event="cleared", count=cleared)
+        except Exception as exc:  # noqa: BLE001  reported to the test, which asserts on it
+            _failed(exc)
+    pub.close()
+    store.close()
+
+
+def nixl_receiver(address: str, prefix: str, secret: str) -> None:
+    import torch
+
+    from warmlink.refit import Receiver
+    from warmlink.rendezvous import Store
+
+    try:
+        store = Store.connect(address, prefix=prefix, timeout_s=60, secret=None if secret == "-" else secret)
+    except Exception as exc:  # noqa: BLE001
+        _failed(exc)
+        return
+    targets = {n: torch.zeros(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in SHAPES.items()}
+    rec = Receiver(store, num_publishers=1, backend="nixl", timeout_s=60)
+    for name, layout in _layouts().items():
+        rec.add(name, layout, targets[name])
+    say(event="ready", **who())
+    for line in sys.stdin:
+        try:
+            if line.strip() == "hold":
+                handle = rec.start_refit()  # counted in, bytes posted: never waited for
+                say(event="pulling", version=handle.report.version)
+            elif line.strip() == "refit":
+                version = rec.refit().version
+                want = model_values(version)
+                # bit-exact: compare the bytes, not the values
+                exact = all(torch.equal(targets[n].view(torch.uint8), want[n].view(torch.uint8)) for n in SHAPES)
+                say(event="refit", version=version, exact=exact)
+        except Exception as exc:  # noqa: BLE001
+            _failed(exc, zero=all(not t.any() for t in targets.values()))
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "arena":
@@ -193,5 +330,10 @@ if __name__ == "__main__":
         arena(float(args[0]))
     elif mode == "receiver":
         receiver(args[0], args[1], args[2], int(args[3]), args[4])
+    elif mode == "nixl_publisher":
+        nixl_publisher(*args)
+    elif mode == "nixl_receiver":
+        nixl_receiver(*args)
     else:
-        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper or receiver")
+        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper, receiver, nixl_publisher "
+                         "or nixl_receiver")
