@@ -13,8 +13,7 @@
 * ``nixl_publisher HOST PREFIX SECRET``: serve a store on HOST only and publish a small model
   (``SHAPES``, version v holding ``model_values(v)``) from host memory over nixl, reporting
   ``ready``; then obey stdin lines: ``update TIMEOUT_S`` (begin_update, write v+1, publish:
-  ``updated``) and ``clear VERSION`` (what an operator does for a reader count no one can reap:
-  subtract every slot's count of VERSION: ``cleared``).
+  ``updated``).
 * ``nixl_receiver ADDRESS PREFIX SECRET``: connect (SECRET ``-``: with none) and receive the model
   over nixl, reporting ``ready``; then stdin lines: ``refit`` (the newest version: ``refit``, with
   whether it is bit-exact) and ``hold`` (start a refit and never finish it: ``pulling``, counted in).
@@ -277,14 +276,6 @@ def nixl_publisher(host: str, prefix: str, secret: str) -> None:
                 for name, t in model_values(pub.version + 1).items():
                     tensors[name].copy_(t)
                 say(event="updated", version=pub.publish(), slots=protocol.num_reader_slots(store, 0))
-            elif cmd == "clear":
-                cleared = 0
-                for k in range(1, protocol.num_reader_slots(store, 0) + 1):
-                    key = protocol.readers_key(0, int(arg), k)
-                    count = store.add(key, 0)
-                    store.add(key, -count)
-                    cleared += count
-                say(event="cleared", count=cleared)
         except Exception as exc:  # noqa: BLE001  reported to the test, which asserts on it
             _failed(exc)
     pub.close()

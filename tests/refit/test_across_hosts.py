@@ -132,10 +132,13 @@ def test_refit_between_two_hosts_over_nixl_is_bit_exact_across_versions(spawn, p
     assert "inter-node" in rec.output() and f"tcp/{DEV}" in rec.output()  # UCX moved the bytes over the veth
 
 
-def test_receiver_killed_on_the_other_host_times_the_update_out_until_its_count_is_cleared(spawn, publisher) -> None:
-    """Its token names another /dev/shm: nothing on host A can tell that it died (Note [Reader
-    slots]), so begin_update raises TransferTimeout naming the version and count, never hangs.
-    Once the count is cleared by hand, updates go on and a new receiver on host B refits bit-exact."""
+def test_receiver_killed_on_the_other_host_is_revoked_once_its_heartbeat_stops(spawn, publisher) -> None:
+    """Its token names another /dev/shm, so nothing on host A can see its process (Note [Reader
+    slots]); its heartbeat stops with it (Note [Reader leases]). An update with less time than the
+    lease raises TransferTimeout naming the version and count, never hangs; one with more revokes
+    the dead reader and goes on, and a new receiver on host B refits bit-exact."""
+    from warmlink.refit import protocol
+
     doomed, fresh = _receiver(spawn, publisher), _receiver(spawn, publisher)  # their imports overlap
     dead = doomed.expect("ready", timeout_s=120)
     fresh.expect("ready", timeout_s=120)
@@ -143,14 +146,12 @@ def test_receiver_killed_on_the_other_host_times_the_update_out_until_its_count_
     version = doomed.expect("pulling", timeout_s=120)["version"]
     os.kill(dead["host_pid"], signal.SIGKILL)  # counted in, its read posted
 
-    publisher.child.send("update 3")
+    publisher.child.send(f"update {protocol.LEASE_S / 2}")
     timeout = publisher.child.expect("error", timeout_s=60)
     assert timeout["type"] == "TransferTimeout"
     assert f"version {version} still has 1 reader(s)" in timeout["msg"]
 
-    publisher.child.send(f"clear {version}")
-    assert publisher.child.expect("cleared", timeout_s=60)["count"] == 1
-    assert _update(publisher)["version"] == version + 1
+    assert _update(publisher, timeout_s=6 * protocol.LEASE_S)["version"] == version + 1
     assert _refit(fresh) == {"event": "refit", "version": version + 1, "exact": True}
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from warmlink.bench.refit import build_physical
-from warmlink.errors import MetadataError, TransferTimeout
+from warmlink.errors import MetadataError, TransferTimeout, VersionError
 from warmlink.pool import arenas, liveness
 from warmlink.refit import Publisher, Receiver, protocol
 from warmlink.refit._board import CLOSED, PUBLISHED, UPDATING, PublisherBoard, ReaderBoard
@@ -224,3 +224,57 @@ def test_a_forged_huge_reader_slot_count_is_refused_not_walked() -> None:
                 pub.begin_update(timeout_s=30)
         finally:
             pub.close()  # keeps its memory (readers elsewhere cannot be ruled out), raises nothing
+
+
+@pytest.mark.parametrize("install", ["copy", "direct"])
+def test_a_stalled_reader_on_another_host_is_revoked_and_installs_nothing(monkeypatch, store_sync, install) -> None:
+    """Note [Reader leases]: a receiver that syncs through the store and stops beating (a stalled
+    process on another host: its heartbeat thread held back here) is revoked after LEASE_S; the
+    trainer writes while its pull is still under way, and when the pull ends the receiver refuses
+    to install what it read (direct install: PartialLoadError, installed_version None)."""
+    from warmlink.refit import PartialLoadError
+
+    monkeypatch.setattr(protocol, "LEASE_S", 0.3)
+    monkeypatch.setattr(shm, "CHUNK_NBYTES", 4096)
+    layout = W
+    w = build_physical(layout, "cpu", 1)
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"lease-{uuid.uuid4().hex[:8]}", timeout_s=30) as store:
+        pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=30)
+        pub.add("w", w, layout)
+        pub.export()
+        target = torch.zeros(layout.shape)
+        rec = Receiver(store, num_publishers=1, backend="shm", install=install, timeout_s=30)
+        rec.add("w", layout, target)
+        try:
+            rec.refit()
+            installed = target.clone()
+            monkeypatch.setattr(protocol._heart, "start", lambda *args: None)  # no heartbeat from here on
+            midway, go_on = threading.Event(), threading.Event()
+            chunks: list[int] = []
+
+            def hold(nbytes: int) -> None:
+                chunks.append(nbytes)
+                if len(chunks) == 4:
+                    midway.set()
+                    assert go_on.wait(timeout=60), "the test never let the pull go on"
+
+            monkeypatch.setattr(shm, "fault_hook", hold)
+            handle = rec.start_refit()
+            assert midway.wait(timeout=60), "the pull never started"
+            pub.begin_update(timeout_s=30)  # revokes the silent reader after LEASE_S
+            w.add_(1000.0)  # the trainer writes while that pull is still under way
+            pub.publish()
+            go_on.set()
+            if install == "direct":
+                with pytest.raises(PartialLoadError, match="revoked this receiver's read of version 1"):
+                    handle.wait()
+                assert rec.installed_version is None
+            else:
+                with pytest.raises(VersionError, match="revoked this receiver's read of version 1"):
+                    handle.wait()
+                assert torch.equal(target, installed), "a revoked pull installed something"
+            monkeypatch.setattr(shm, "fault_hook", None)
+            assert rec.refit().version == 2 and torch.equal(target, w)  # the next cycle is whole
+        finally:
+            rec.close()
+            pub.close()

@@ -34,14 +34,32 @@ that ``begin_update`` never polls them again (its cost follows the live receiver
 every process that ever joined). Dead means its process lock is free or gone, which holds in any
 PID namespace, container or hostname that shares this host's /dev/shm; an identity without a
 token (a process that could not make a lock) falls back to this host's pid table. A reader on
-another host, or behind another /dev/shm, cannot be checked from here: like a live reader that
-never leaves, its count ends in TransferTimeout naming the version and count. The token costs no
-cycle anything: it is written once with the slot and read only when a slot is checked.
+another host, or behind another /dev/shm, cannot be checked from here: its lease says whether it
+lives (Note [Reader leases]). The token costs no cycle anything: it is written once with the slot
+and read only when a slot is checked.
+
+# Note [Reader leases]
+A reader whose process lock cannot be checked here (another host, another /dev/shm) proves it
+lives by its heartbeat: while a process is inside a version of rank r, a thread of its adds 1 to
+``pub/{r}/beat/{slot}`` every BEAT_S. A publisher waiting on a slot whose heartbeat stands still
+for LEASE_S takes it for dead: it first adds 1 to ``pub/{r}/revoked/{slot}``, then subtracts the
+slot's count, and the update goes on. The beat is a counter, so no clocks are compared across
+hosts.
+
+A process that was only stalled (SIGSTOP, a long pause) may wake with its pull still running
+while the trainer writes. So a reader reads ``revoked`` *before* it counts itself in, and again
+after its bytes arrived and before it installs anything: changed, the cycle raises and installs
+nothing (with install="direct", PartialLoadError, as for any failed direct pull). The order makes
+this sound on a linearizable store: if the publisher's subtraction removed this reader's count,
+it read that count after the reader added it, so its ``revoked`` increment came after the
+reader's first read, and the reader's second read sees it. (A revoke of an older, stale count
+that races with the reader's counting-in fails its cycle for nothing: rare and safe.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -54,7 +72,7 @@ from warmlink.refit._memo import PerStore
 
 log = logging.getLogger("warmlink.refit")
 
-__all__ = ["VersionState", "read_state", "write_state", "enter", "leave", "wait_no_readers", "state_key", "manifest_key",
+__all__ = ["VersionState", "read_state", "write_state", "enter", "still_held", "leave", "wait_no_readers", "state_key", "manifest_key",
            "last_state", "reader_count"]
 
 # rank -> the VersionState this process last read through a Store object: a new receiver's first
@@ -72,6 +90,57 @@ def manifest_key(rank: int, generation: int) -> str:
 
 def readers_key(rank: int, version: int, slot: int) -> str:
     return f"pub/{rank}/readers/{version}/{slot}"
+
+
+def beat_key(rank: int, slot: int) -> str:
+    return f"pub/{rank}/beat/{slot}"
+
+
+def revoked_key(rank: int, slot: int) -> str:
+    return f"pub/{rank}/revoked/{slot}"
+
+
+BEAT_S = 0.5  # a reader inside a version beats this often (Note [Reader leases])
+LEASE_S = 5.0  # a heartbeat standing still this long: the reader is dead or stalled, and revoked
+
+
+class _Heart:
+    """This process's heartbeat: one daemon thread beating for every (store, rank) it is inside."""
+
+    def __init__(self) -> None:
+        self._inside: dict = {}  # (store, rank) -> [slot, cycles inside]
+        self._lock = threading.Lock()
+        self._pid: int | None = None  # the process whose thread beats (a forked child has none)
+
+    def start(self, store, rank: int, slot: int) -> None:
+        with self._lock:
+            entry = self._inside.setdefault((store, rank), [slot, 0])
+            entry[1] += 1
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="warmlink-reader-heartbeat", daemon=True).start()
+
+    def stop(self, store, rank: int) -> None:
+        with self._lock:
+            entry = self._inside.get((store, rank))
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._inside[(store, rank)]
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(BEAT_S)
+            with self._lock:
+                beating = [(store, rank, entry[0]) for (store, rank), entry in self._inside.items()]
+            for store, rank, slot in beating:
+                try:
+                    store.add(beat_key(rank, slot), 1, checked=False, timeout_s=BEAT_S)
+                except Exception:  # noqa: BLE001 - a missed beat is what a stalled store looks like
+                    log.debug("heartbeat of publisher/%d slot %d missed", rank, slot, exc_info=True)
+
+
+_heart = _Heart()
 
 
 _slots = PerStore()  # (store, rank) -> this process's reader slot. See Note [Reader slots].
@@ -143,20 +212,31 @@ def last_state(store, rank: int) -> VersionState | None:
     return _last_read.get(store, rank)
 
 
-def enter(store, rank: int, expected: VersionState) -> bool:
-    """Count this receiver in as a reader of ``expected``; False (and counted out) if it moved on."""
+def enter(store, rank: int, expected: VersionState) -> int | None:
+    """Count this receiver in as a reader of ``expected`` and start beating (Note [Reader leases]);
+    returns this slot's revocation count read *before* counting in (``still_held`` compares it),
+    or None (counted out again) if the publisher moved on."""
     if expected.state != "published":
         raise VersionError(f"enter: publisher/{rank} state={expected.state!r}; expected 'published'")
-    key = readers_key(rank, expected.version, reader_slot(store, rank))
+    slot = reader_slot(store, rank)
+    revoked = store.add(revoked_key(rank, slot), 0, checked=False)
+    key = readers_key(rank, expected.version, slot)
     store.add(key, 1, checked=False)
     now = read_state(store, rank)
     if now == expected:
-        return True
+        _heart.start(store, rank, slot)
+        return revoked
     store.add(key, -1, checked=False)
-    return False
+    return None
+
+
+def still_held(store, rank: int, revoked: int) -> bool:
+    """Whether this process's read of ``rank`` was not revoked since ``enter`` returned ``revoked``."""
+    return store.add(revoked_key(rank, reader_slot(store, rank)), 0, checked=False) == revoked
 
 
 def leave(store, rank: int, version: int) -> None:
+    _heart.stop(store, rank)  # first: a leave the store never got leaves a count without a beat
     store.add(readers_key(rank, version, reader_slot(store, rank)), -1, checked=False)
 
 
@@ -186,11 +266,23 @@ _SWEEP_PER_CALL = 4
 _DEAD_CHECK_S = 0.25
 
 
+def _lease_expired(store, rank: int, slot: int, beats: dict, now: float) -> bool:
+    """Whether ``slot``'s heartbeat stood still for LEASE_S of this wait (Note [Reader leases])."""
+    beat = store.add(beat_key(rank, slot), 0, checked=False)
+    seen = beats.get(slot)
+    if seen is None or seen[0] != beat:
+        beats[slot] = (beat, now)
+        return False
+    return now - seen[1] >= LEASE_S
+
+
 def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
     """Block until no receiver reads ``version`` of ``rank``, reaping counts of dead local processes
-    (Note [Reader slots]); TransferTimeout after ``timeout_s``, the store's calls included."""
+    (Note [Reader slots]) and revoking readers whose heartbeat stood still for LEASE_S (Note
+    [Reader leases]); TransferTimeout after ``timeout_s``, the store's calls included."""
     retired = _retired.get(store, rank) or set()
     holding: dict[int, int] = {}
+    beats: dict[int, tuple[int, float]] = {}  # slot -> (its beat count, when that count was first seen)
     next_check = 0.0  # look for dead holders now, then every _DEAD_CHECK_S: a killed process may
     sweep = True      # still be exiting (Ray reports an actor dead before its process is gone)
 
@@ -220,6 +312,13 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
                     retired.add(k)
                     log.warning("reaped %d reader(s) of publisher/%d version %d left by dead process in slot %d",
                                 count, rank, version, k)
+                    reaped = True
+                elif _lease_expired(store, rank, k, beats, now):
+                    store.add(revoked_key(rank, k), 1, checked=False)  # first: see Note [Reader leases]
+                    store.add(readers_key(rank, version, k), -count, checked=False)
+                    beats.pop(k, None)
+                    log.warning("revoked %d reader(s) of publisher/%d version %d in slot %d: no heartbeat for "
+                                "%.1f s (dead, or stalled on another host)", count, rank, version, k, LEASE_S)
                     reaped = True
             if not reaped:
                 return False

@@ -124,6 +124,7 @@ class Receiver(Closing):
         self._installs: dict[int, _InstallWork] = {}
         self._targets_of: tuple | None = None  # (plan, its targets in plan order), install "direct"
         self._on_boards: list | None = None  # the boards this cycle entered (Note [Version board]); None: the store
+        self._revoked: list | None = None  # per rank, its revocation count at entry (store sync only)
         self._healthy = False  # the last cycle installed: what this receiver holds may be parked
         self._finalizing = False
         self._closed = False
@@ -309,6 +310,11 @@ class Receiver(Closing):
                 ss = self._stream_state = StreamState(self._link, plan, buffer_bytes, groups)
             report.alloc_s = time.perf_counter() - t2
             ss.run(plan, self._state.sources, load_weights, report, timeout, t0)
+            try:
+                self._check_held(versions)
+            except VersionError as exc:  # load_weights took every bucket already: it cannot be undone there
+                raise PartialLoadError(f"Receiver.stream: {exc}", version=versions, bucket_idx=report.num_buckets - 1,
+                                       num_buckets=report.num_buckets, handed=list(self._layouts)) from exc
         finally:
             if not pool.enabled():
                 self._close_stream()  # with pooling off, a stream's memory lives one stream
@@ -404,7 +410,7 @@ class Receiver(Closing):
                 versions.add(ver)
             else:
                 if len(versions) == 1:  # else some ranks published the next version already: wait for the rest
-                    self._on_boards = entered
+                    self._on_boards, self._revoked = entered, None
                     return versions.pop()
             for b in entered:
                 b.leave()
@@ -426,13 +432,16 @@ class Receiver(Closing):
             raise VersionError(f"Receiver.refit: version={version} was replaced by {current}; ask for {current} or None")
         if version is not None and current != version:
             return None
-        entered = []
+        entered, revoked = [], []
         try:
             for rank, s in enumerate(states):
-                if not protocol.enter(self.store, rank, s):
+                r = protocol.enter(self.store, rank, s)
+                if r is None:
                     break
                 entered.append(rank)
+                revoked.append(r)
             else:
+                self._revoked = revoked  # checked before anything is installed: Note [Reader leases]
                 # A bad manifest fails this refit, not the publishers' next update: the except
                 # below leaves every version entered, so no reader count stays behind.
                 self._state.sources.refresh(states)
@@ -444,6 +453,21 @@ class Receiver(Closing):
         for rank in entered:
             protocol.leave(self.store, rank, current)
         return None
+
+    def _check_held(self, version: int) -> None:
+        """Raise unless every publisher still counts this receiver in: one that took it for dead
+        (no heartbeat, Note [Reader leases]) may have written the tensors while the bytes moved."""
+        revoked, self._revoked = self._revoked, None
+        if revoked is None:
+            return
+        deadline = getattr(self.store, "deadline", None)
+        with deadline(self.timeout_s) if deadline is not None else contextlib.nullcontext():
+            for rank, r in enumerate(revoked):
+                if not protocol.still_held(self.store, rank, r):
+                    raise VersionError(
+                        f"Receiver.refit: publisher/{rank} revoked this receiver's read of version {version} (no "
+                        f"heartbeat for {protocol.LEASE_S:.1f} s: a stalled process?) and may have written since; "
+                        "nothing from this pull is installed")
 
     def _leave(self, version: int) -> None:
         """Count out of ``version`` on every rank, within this receiver's timeout: a stalled store
@@ -470,6 +494,7 @@ class Receiver(Closing):
         try:
             try:
                 cycle.transfer.wait(cycle.timeout_s)
+                self._check_held(rep.version)
             finally:
                 self._leave(rep.version)
             t_pulled = time.perf_counter()
