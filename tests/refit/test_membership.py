@@ -756,6 +756,8 @@ def corruptions(draw, raw: bytes, file_sizes: list[int]) -> tuple[str, bytes]:
             pool_ = _NOT_STR
         elif key in _LIST:
             pool_ = _NOT_LIST
+        elif key == "board":
+            pool_ = [v for v in _NOT_OBJ if v is not None]  # null is a valid board: sync through the store
         else:
             pool_ = _NOT_OBJ  # peer
         node[key] = draw(st.sampled_from(pool_))
