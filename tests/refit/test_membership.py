@@ -650,7 +650,8 @@ def _bad_int(m: dict, node: dict, key: str, path: str, file_sizes: list[int], dr
     ws = m["peer"]["world_size"]
     huge = st.sampled_from([-1, -(2**40), 2**63, 2**63 + 5])
     if key == "schema_version":
-        return draw(st.sampled_from([0, 2, 3, -1, 10**50]))
+        # any version but the one this node was written with (the manifest and the peer differ)
+        return draw(st.sampled_from([v for v in (0, 1, 2, 3, 4, -1, 10**50) if v != node[key]]))
     if path.startswith(".peer"):
         choices = {
             "rank": [ws, ws + 3, -1],
