@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep tests-refit host-profile demo doctor
-#        bench-small bench-colocated
+#        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT)
@@ -54,6 +54,9 @@ for d in range(torch.cuda.device_count()):
         timeout 420 python3 -m warmlink.cli.main bench refit --devices 0,0 --scale 1 --cycles ${CYCLES:-8} --timeout 150 \
           --json "$OUT/colocated_${TAG:-}$i.json" 2>&1 | tee "$OUT/colocated_${TAG:-}$i.log" | tail -${TAIL:-45}
       done ;;
+    contention)
+      # two processes copying on one GPU at once vs one process (what limits the colocated TP 1 -> 2)
+      timeout 300 python3 tools/colocated_contention.py --repeats ${REPEATS:-10} 2>&1 | tee "$OUT/contention.log" | tail -8 ;;
     bench-lifecycle)
       timeout 150 python3 -m warmlink.cli.main bench lifecycle --iterations ${ITERATIONS:-100} --json "$OUT/lifecycle.json" 2>&1 | tee "$OUT/lifecycle.log" | tail -40 ;;
     bench-reconfigure)
