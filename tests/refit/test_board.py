@@ -278,3 +278,30 @@ def test_a_stalled_reader_on_another_host_is_revoked_and_installs_nothing(monkey
         finally:
             rec.close()
             pub.close()
+
+
+def test_a_forked_child_does_not_beat_for_its_parents_reads() -> None:
+    """Note [Reader leases]: a child forked while its parent is inside a version starts inside
+    nothing; beating for the parent's slot from the child would keep that read's lease alive after
+    the parent died, and the publisher's next update would wait for a reader that is gone."""
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"fork-{uuid.uuid4().hex[:8]}", timeout_s=30) as store:
+        pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=30)
+        pub.add("w", torch.zeros(4), TensorLayout.plain("w", "float32", (4,)))
+        pub.export()
+        try:
+            state = protocol.read_state(store, 0)
+            assert protocol.enter(store, 0, state) == 0
+            try:
+                inside = protocol._heart.beating_for()
+                assert inside == [(0, protocol.reader_slot(store, 0))]
+                pid = os.fork()
+                if pid == 0:  # the child: only pure Python, then out without running the parent's atexit
+                    os._exit(0 if protocol._heart.beating_for() == [] else 1)
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0, "the forked child inherited its parent's reads"
+                assert protocol._heart.beating_for() == inside, "forking changed the parent's heartbeat"
+            finally:
+                protocol.leave(store, 0, state.version)
+            assert protocol._heart.beating_for() == []
+        finally:
+            pub.close()

@@ -105,12 +105,24 @@ LEASE_S = 5.0  # a heartbeat standing still this long: the reader is dead or sta
 
 
 class _Heart:
-    """This process's heartbeat: one daemon thread beating for every (store, rank) it is inside."""
+    """This process's heartbeat: one daemon thread beating for every (store, rank) it is inside.
+
+    A forked child starts with nothing inside (``forget``): the versions its parent was reading
+    are the parent's, and beating for them from the child would keep the parent's lease alive
+    after the parent died."""
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
         self._inside: dict = {}  # (store, rank) -> [slot, cycles inside]
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # new: the parent's may have been held by another thread at fork
         self._pid: int | None = None  # the process whose thread beats (a forked child has none)
+
+    def beating_for(self) -> list[tuple[int, int]]:
+        """(rank, slot) of every version this process is inside."""
+        with self._lock:
+            return [(rank, entry[0]) for (_, rank), entry in self._inside.items()]
 
     def start(self, store, rank: int, slot: int) -> None:
         with self._lock:
@@ -141,6 +153,7 @@ class _Heart:
 
 
 _heart = _Heart()
+os.register_at_fork(after_in_child=_heart.forget)
 
 
 _slots = PerStore()  # (store, rank) -> this process's reader slot. See Note [Reader slots].
