@@ -39,7 +39,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import stat
 import threading
 import time
@@ -56,8 +55,6 @@ log = logging.getLogger("warmlink.pool")
 ARENA_ALIGN_BYTES = 2 << 20  # 2 MiB: the granularity of CUDA IPC and of huge pages
 SHM_DIR = liveness.SHM_DIR
 REAP_INTERVAL_S = 60.0  # a long-lived process reaps leftovers this often (Note [Leaked shm files])
-_ARENA_NAME = re.compile(r"(?P<tag>wl-[0-9]{1,10}-[0-9a-f]{8})-[0-9]+")
-_LOCK_NAME = re.compile(r"(?P<tag>wl-[0-9]{1,10}-[0-9a-f]{8})\.lock")
 _counter = itertools.count()
 _started_pid: int | None = None  # the process that registered its exit cleanup and reaper thread
 _start_lock = threading.Lock()
@@ -126,11 +123,11 @@ def reap_orphaned_shm() -> int:
         return 0
     by_tag: dict[str, list[str]] = {}
     for name in names:
-        m = _ARENA_NAME.fullmatch(name)
+        m = liveness.TAGGED_NAME.fullmatch(name)
         if m is not None:
             by_tag.setdefault(m["tag"], []).append(name)
         else:
-            m = _LOCK_NAME.fullmatch(name)
+            m = liveness.TAG_LOCK.fullmatch(name)
             if m is not None:
                 by_tag.setdefault(m["tag"], [])
     removed = 0

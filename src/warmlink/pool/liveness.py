@@ -50,8 +50,12 @@ __all__ = ["SHM_DIR", "own_tag", "current_tag", "token", "token_alive", "open_to
 log = logging.getLogger("warmlink.pool")
 
 SHM_DIR = "/dev/shm"
+# The names a process's tag owns, written once: every layer that checks a name from a peer or
+# from /dev/shm matches these.
 TAG = re.compile(r"wl-(?P<pid>[0-9]{1,10})-[0-9a-f]{8}")
-_TOKEN = re.compile(r"(?P<key>[0-9a-f]{32}-[0-9a-f]{1,16})/(?P<tag>wl-(?P<pid>[0-9]{1,10})-[0-9a-f]{8})\.lock")
+TAGGED_NAME = re.compile(rf"(?P<tag>{TAG.pattern})-[0-9]{{1,10}}")  # an shm arena (pool.arenas)
+TAG_LOCK = re.compile(rf"(?P<tag>{TAG.pattern})\.lock")  # a process's lock file
+TOKEN = re.compile(rf"(?P<key>[0-9a-f]{{32}}-[0-9a-f]{{1,16}})/{TAG_LOCK.pattern}")  # what ``token`` returns
 _OPEN_CHECK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -232,7 +236,7 @@ def open_token(tok: str, pid: int | None = None) -> int | None:
 def _open_token(tok: str, pid: int | None) -> tuple[int | None, str]:
     """``_open_lock`` of the lock ``tok`` names, once it checks out: ``(None, "unknown")`` for a
     malformed token, one not named for ``pid``, or one of another host or tmpfs."""
-    m = _TOKEN.fullmatch(tok) if isinstance(tok, str) else None
+    m = TOKEN.fullmatch(tok) if isinstance(tok, str) else None
     if m is None or (pid is not None and int(m["pid"]) != pid):
         return None, "unknown"
     key = _local_key()

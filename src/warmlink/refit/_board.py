@@ -41,7 +41,6 @@ import errno
 import fcntl
 import mmap
 import os
-import re
 import stat
 import struct
 
@@ -58,7 +57,6 @@ _STATE = struct.Struct("<q")
 _STATE_AT = 24
 PUBLISHED, UPDATING, CLOSED = 0, 1, 2
 STATE_NAMES = {PUBLISHED: "published", UPDATING: "updating", CLOSED: "closed"}
-NAME = re.compile(r"wl-(?P<pid>[0-9]{1,10})-[0-9a-f]{8}-[0-9]{1,10}")
 
 
 class PublisherBoard:
@@ -198,7 +196,7 @@ class ReaderBoard:
         if key is None or not token.startswith(key + "/"):
             return None  # another host or /dev/shm: this receiver uses the store's counts
         name = desc.get("name")
-        m = NAME.fullmatch(name) if isinstance(name, str) else None
+        m = liveness.TAGGED_NAME.fullmatch(name) if isinstance(name, str) else None
         where = f"publisher manifest from peer={peer_name!r}: board.name={name!r}"
         if m is None or int(m["pid"]) != peer_pid:
             raise MetadataError(f"{where} invalid; expected an arena of the publisher's process (pid {peer_pid})")

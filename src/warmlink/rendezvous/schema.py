@@ -54,6 +54,7 @@ from typing import Any, Callable, NoReturn
 from warmlink._dtypes import DTYPE_SIZES
 from warmlink._geometry import layout_problem
 from warmlink.errors import MetadataError
+from warmlink.pool import liveness
 
 __all__ = [
     "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "MANIFEST_SCHEMA_VERSION", "MAX_PAYLOAD_BYTES", "decode", "encode",
@@ -97,8 +98,6 @@ MAX_NIXL_META_HEX = 1 << 20  # 512 KiB of agent metadata; one region's partial m
 _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DEVICE_UUID = re.compile(r"[0-9a-f]{32}")
-_BOARD_NAME = re.compile(r"wl-[0-9]{1,10}-[0-9a-f]{8}-[0-9]{1,10}")  # an shm arena (pool.arenas)
-_TOKEN = re.compile(r"[0-9a-f]{32}-[0-9a-f]{1,16}/wl-[0-9]{1,10}-[0-9a-f]{8}\.lock")  # pool.liveness.token
 _PEER_INFO_KEYS = (
     "schema_version", "kind", "role", "rank", "world_size", "generation", "host", "pid", "start_time",
     "device", "backend",
@@ -384,8 +383,8 @@ def _manifest(v: _V, x: Any) -> dict:
     board = x["board"]
     if board is not None:  # Note [Version board] in refit._board
         v.obj(board, "board", ("name", "token"))
-        v.str_(board["name"], "board.name", _BOARD_NAME)
-        v.str_(board["token"], "board.token", _TOKEN)
+        v.str_(board["name"], "board.name", liveness.TAGGED_NAME)
+        v.str_(board["token"], "board.token", liveness.TOKEN)
     regions = v.list_(x["regions"], "regions", 0, MAX_REGIONS)
     extents = [region_extent_bytes(_region(v, r, f"regions[{i}]")) for i, r in enumerate(regions)]
     tensors = v.list_(x["tensors"], "tensors", 0, MAX_TENSORS)
