@@ -32,7 +32,7 @@ alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's norm
 2. The board and the plan words are copied to the host, queued before the push.
 3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
    peers' mapped regions and this rank's own. One interprocess event per destination follows it,
-   and the receive side is the copy-engine path's (ep._movers).
+   and the receive side is the copy-engine path's (ep._cuda_mover).
 
 A cached dispatch already knows where its rows go (its handle): without a hook it launches only
 ``push``, at bases made once per handle and parity.
@@ -60,7 +60,7 @@ kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dis
 its own board, which comes after the block's copy, before it returns. The first call of a parity
 and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
 the next one captures them. A cached dispatch's one push is replayed the same way, from a call
-block per parity that also holds its handle's bases (ep._movers). ``WARMLINK_EP_GRAPH=0`` keeps
+block per parity that also holds its handle's bases (ep._sm_pushes). ``WARMLINK_EP_GRAPH=0`` keeps
 every call eager (ep.Buffer's ``_graphs``; bench ep times both in one run).
 """
 

@@ -58,7 +58,8 @@ from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._kernels import FreshShape, Sources, call_words, plan
 from warmlink.ep._launch import current_stream
 from warmlink.ep._kernels import unpack as unpack_meta
-from warmlink.ep._movers import CudaMover, HostMover, as_words
+from warmlink.ep._cuda_mover import CudaMover
+from warmlink.ep._movers import HostMover, as_words
 from warmlink.ep._reduce import PARTS, combine_sum, part_bounds, part_phase, part_sums
 from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.event import EventOverlap, wait_for
@@ -281,7 +282,7 @@ class Buffer(Closing):
             self._leases += leased + local + done
             self._done_events = [e.resource.handle for e in done]
             # not among self._leases: close() must not order the caller's stream after it (it may
-            # wait on a dead peer; ep._movers, Note [Receive work on its own stream])
+            # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
             self._recv_stream = lease_stream(self.device)
             self._reduced_event = local[-1].resource.handle
             self._sm_sends = _env.ep_send() == "sm"
