@@ -1,14 +1,15 @@
 """``warmlink bench ep``: MoE dispatch and combine, warmlink beside torch + NCCL, in one run.
 
 One process per GPU (or per CPU rank over shm when there is no GPU). Every rank draws a random
-routing (top-K of E experts, distinct per token), builds one ``warmlink.ep.Buffer`` and one
-torch.distributed group, and times, each as the median over ``--iterations``:
+routing (top-K of E experts, distinct per token), builds a ``warmlink.ep.Buffer`` (and one per
+other choice of its arguments that it times) and one torch.distributed group, and times, each as
+the median over ``--iterations``:
 
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
   the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
   (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
-  (``WARMLINK_EP_SEND=copy``), in the same run; an SM dispatch replays CUDA graphs (Note [Fresh
-  send graph]), and the "eager" rows launch its kernels one by one instead;
+  (a Buffer built with ``send="copy"``), in the same run; an SM dispatch replays CUDA graphs
+  (Note [Fresh send graph]), and the "eager" rows (``graphs=False``) launch its kernels one by one;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
@@ -40,10 +41,10 @@ from warmlink.bench._proc import Group
 
 __all__ = ["add_arguments", "run"]
 
-# "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
-# "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
+# "_copy": normal mode through the copy engines (a Buffer with send="copy"), beside the default SM sends
+# "_eager": the same SM sends launched one kernel at a time (graphs=False) instead of as graphs
 # "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
-# (ep._reduce, Note [Pipelined combine]), whatever the group's default
+# (combine_parts; ep._reduce, Note [Pipelined combine]), whatever the group's default
 _MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
 _OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
         "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
@@ -283,8 +284,13 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     x8 = quantize(x)
     store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"], secret=secret)
     t0 = time.perf_counter()
-    buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K, device=device.index if cuda else -1,
-                 backend="cuda_ipc" if cuda else "shm", timeout_s=cfg["timeout"])
+
+    def make_buffer(**options):  # collective: every rank builds the same Buffers in the same order
+        return Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K,
+                      device=device.index if cuda else -1, backend="cuda_ipc" if cuda else "shm",
+                      timeout_s=cfg["timeout"], **options)
+
+    buf = make_buffer()
     init_s = time.perf_counter() - t0
     out: dict = {"rank": rank, "init_s": init_s, "cores": pinned, "threads": threads}
 
@@ -321,53 +327,57 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             r[-1]()
         return r
 
-    def flipped(name: str, fn, value=False):  # fn() with one of the Buffer's switches off, same run
-        old = getattr(buf, name)
-        setattr(buf, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(buf, name, old)
+    # The Buffer's other choices, each a Buffer of its own built with that argument (on shm there is
+    # one send path and no graphs: the default Buffer stands in): the copy engines instead of the
+    # SM sends (send="copy"), the SM sends launched one kernel at a time (graphs=False), and the
+    # combine's sum after the last byte or in parts (combine_parts; ep._reduce, Note [Pipelined combine])
+    copy_engines = make_buffer(send="copy") if cuda else buf
+    eager = make_buffer(graphs=False) if cuda else buf
+    in_parts = {n: buf if n == buf.combine_parts else make_buffer(combine_parts=n) for n in (1, 2, 4)}
+    variants = {id(b): b for b in (copy_engines, eager, *in_parts.values()) if b is not buf}.values()
 
-    def with_copy_engines(fn):  # the normal mode's other send path (WARMLINK_EP_SEND=copy)
-        return flipped("_sm_sends", fn)
-
-    def launched_eagerly(fn):  # the SM sends' kernels one launch at a time (WARMLINK_EP_GRAPH=0)
-        return flipped("_graphs", fn)
+    def dispatch_on(b, xx):
+        return b.dispatch(xx, **kwargs)
 
     if cuda:
-        checks["dispatch_x_copy"] = bool(torch.equal(with_copy_engines(lambda: dispatch(x))[0], ref.recv_x))
+        checks["dispatch_x_copy"] = bool(torch.equal(dispatch_on(copy_engines, x)[0], ref.recv_x))
         for _ in range(3):  # past the eager calls of both parities: graphs replay from here on
             buf.dispatch(x, **kwargs)
         checks["dispatch_x_graph"] = bool(torch.equal(buf.dispatch(x, **kwargs)[0], ref.recv_x))
-        checks["dispatch_x_eager"] = bool(torch.equal(launched_eagerly(lambda: dispatch(x))[0], ref.recv_x))
+        checks["dispatch_x_eager"] = bool(torch.equal(dispatch_on(eager, x)[0], ref.recv_x))
         for _ in range(3):  # the cached copy-engine send, past its eager gathers of both parities
             cached = buf.dispatch(x, handle=handle, return_recv_hook=True)
             cached[-1]()
         checks["dispatch_cached_hook"] = bool(torch.equal(cached[0], ref.recv_x))
         # summed in parts (ep._reduce, Note [Pipelined combine]) or after the last byte: the same bits
-        for parts, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
-            checks[name] = bool(torch.equal(flipped("_combine_parts", lambda: buf.combine(y, handle)[0], parts), combined))
+        for n, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
+            same = in_parts[n].dispatch(x, **kwargs)[4]  # the same routing as handle's
+            checks[name] = bool(torch.equal(in_parts[n].combine(y, same)[0], combined))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
 
-    def combine(hook=False):
-        r = buf.combine(y_keep, h_keep, return_recv_hook=hook)
+    # each variant's own handle of the same routing (a handle holds addresses of its Buffer's mappings)
+    handles = {id(b): b.dispatch(x, **kwargs)[4] for b in variants}
+    handles[id(buf)] = h_keep
+
+    def combine(hook=False, on=buf):
+        r = on.combine(y_keep, handles[id(on)], return_recv_hook=hook)
         if hook:
             r[-1]()
 
     times = {
         "dispatch_bf16": timed(lambda: dispatch(x)),
-        "dispatch_bf16_eager": timed(lambda: launched_eagerly(lambda: dispatch(x))),
+        "dispatch_bf16_eager": timed(lambda: dispatch_on(eager, x)),
         "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
-        "dispatch_bf16_copy": timed(lambda: with_copy_engines(lambda: dispatch(x))),
+        "dispatch_bf16_copy": timed(lambda: dispatch_on(copy_engines, x)),
         "dispatch_fp8": timed(lambda: dispatch(x8)),
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
-        "dispatch_cached_eager": timed(lambda: launched_eagerly(lambda: buf.dispatch(x, handle=h_keep))),
-        "dispatch_cached_copy": timed(lambda: with_copy_engines(lambda: buf.dispatch(x, handle=h_keep))),
+        "dispatch_cached_eager": timed(lambda: eager.dispatch(x, handle=handles[id(eager)])),
+        "dispatch_cached_copy": timed(lambda: copy_engines.dispatch(x, handle=handles[id(copy_engines)])),
     }
+
     def phases_of(fn, marks=None) -> dict:
         """Median host time of each phase ``fn``'s call reports in ``buf.last_phases``."""
         samples: dict = {}
@@ -415,7 +425,11 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     times["combine_bf16_hook"] = timed(lambda: combine(True))
     # the sum after the last byte, in one part, or part by part (ep._reduce, Note [Pipelined combine])
     for parts, name in ((1, "one"), (2, "two"), (4, "four")):
-        times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda p=parts: flipped("_combine_parts", combine, p))
+        times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda b=in_parts[parts]: combine(on=b))
+    dist.all_reduce(flag)  # every rank is past its last call on the variants: closing them is safe
+    sync()
+    for other in variants:
+        other.close()
     out["combine_phases_s"] = phases_of(combine)
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])

@@ -60,8 +60,8 @@ kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dis
 its own board, which comes after the block's copy, before it returns. The first call of a parity
 and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
 the next one captures them. A cached dispatch's one push is replayed the same way, from a call
-block per parity that also holds its handle's bases (ep._sm_pushes). ``WARMLINK_EP_GRAPH=0`` keeps
-every call eager (ep.Buffer's ``_graphs``; bench ep times both in one run).
+block per parity that also holds its handle's bases (ep._sm_pushes). ``ep.Buffer(graphs=False)``
+keeps every call eager (bench ep times both in one run).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How rows reach a peer's region: host copies (``HostMover``, shm) or copy engines and SM pushes
 (``CudaMover``, cuda_ipc: ep._cuda_mover).
 
-Both movers offer the same operations, so ``Buffer`` holds one protocol for both backends:
+Both movers offer the same operations, so the senders (ep._senders) and the combine
+(ep._combine) hold one protocol for both backends:
 
 - ``begin(copies)``: later pushes are ordered after the caller's stream;
 - ``gather(rows, src, dests, skip)``: the rows (and meta rows) of ``src`` bound for ``dests``
