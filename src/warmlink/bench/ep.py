@@ -36,8 +36,9 @@ import socket
 import statistics
 import time
 
-from warmlink.bench._args import int_in, positive_float, refuse
+from warmlink.bench._ep_routing import routing
 from warmlink.bench._proc import Group
+from warmlink.bench.args import int_in, positive_float, refuse
 
 __all__ = ["add_arguments", "run"]
 
@@ -80,16 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int, device):
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
-    scores = torch.rand(tokens, experts, generator=gen)
-    weights, idx = scores.topk(topk, dim=1)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-    return x.to(device), idx.to(device), (weights / weights.sum(1, keepdim=True)).float().to(device)
 
 
 _FLOOR_SCHEDULES = ("one stream", "per-peer streams", "one stream, halves")
@@ -280,7 +271,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         return statistics.median(samples)
 
     T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
-    x, topk_idx, weights = _routing(rank, T, E, K, H, device)
+    x, topk_idx, weights = routing(rank, T, E, K, H, device)
     x8 = quantize(x)
     store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"], secret=secret)
     t0 = time.perf_counter()
