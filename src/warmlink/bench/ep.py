@@ -15,9 +15,9 @@ the median over ``--iterations``:
   bytes;
 - overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together, for a
   fresh dispatch and for a cached one;
-- on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), and the push
-  kernel alone storing them (``_push_floor``): the floors that the exchange's host work and other
-  kernels add to; and the combine's sum alone on the device (``_sum_alone``).
+- on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
+  them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
+  and the combine's sum alone on the device.
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. A second
@@ -81,98 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-_FLOOR_SCHEDULES = ("one stream", "per-peer streams", "one stream, halves")
-
-
-def _copy_floor(buf, send_counts: list[int], timed) -> dict:
-    """The copy-engine floor of the dispatch's exchange, in the same run: the same x bytes to each
-    peer as raw ``cudaMemcpyAsync`` copies from this rank's staging area to the peers' receive
-    areas, with nothing else (no plan, gathers, handshake or unpack), under the same timing.
-
-    Schedules: every destination in turn on one stream (rotated, as ep sends), one stream per
-    destination, and one stream with each destination's bytes in two halves, all first halves
-    first. Collective; it overwrites the peers' receive areas, so it runs after the last ep call.
-    """
-    import torch
-
-    from warmlink import _cuda
-
-    lay, me, mover = buf.layout, buf.rank, buf._mover
-    row = lay.row_bytes("recv_x.0")
-    src = mover.area_address(me, "stage_x")
-    streams = [torch.cuda.Stream(buf.device) for _ in range(buf.num_ranks)]
-    peers = [(me + i) % buf.num_ranks for i in range(1, buf.num_ranks)]
-    jobs = {name: [] for name in _FLOOR_SCHEDULES}
-    for i, d in enumerate(peers):
-        n = send_counts[d] * row
-        dst, at = mover.area_address(d, "recv_x.0") + me * lay.max_tokens * row, src + d * lay.max_tokens * row
-        jobs["one stream"].append((0, dst, at, n))
-        jobs["per-peer streams"].append((i, dst, at, n))
-        half = n // 2
-        jobs["one stream, halves"].insert(i, (0, dst, at, half))
-        jobs["one stream, halves"].append((0, dst + half, at + half, n - half))
-
-    def run(job):
-        for s, dst, at, n in job:
-            _cuda.memcpy_async(dst, at, n, streams[s].cuda_stream)
-        for s in streams:
-            s.synchronize()
-
-    return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
-
-
-# the push's schedules: (programs per SM, warps per program); the first is the Buffer's own
-# (ep._kernels.push's defaults); more programs or warps measured no faster (BENCHMARKS.md)
-_PUSH_SCHEDULES = {"a program per SM": (1, 4), "2 per SM": (2, 4), "4 per SM, 8 warps": (4, 8)}
-
-
-def _push_floor(buf, handle, x, timed) -> dict:
-    """SM stores instead of copy engines: the push kernel alone (ep._kernels, Note [SM sends]) stores
-    every token's row straight into each peer's receive area, with nothing else, same timing.
-    Collective; it overwrites the peers' receive areas, so it runs after the last ep call."""
-    import torch
-
-    from warmlink.ep import _kernels
-    from warmlink.ep._movers import as_words
-
-    lay, me, mover = buf.layout, buf.rank, buf._mover
-    row = lay.row_bytes("recv_x.0")
-    starts = [mover.area_address(d, "recv_x.0") + (handle.dst_rows[d] - d * lay.max_tokens) * row
-              for d in range(buf.num_ranks)]
-    bases = torch.tensor([0 if d == me else at for d, at in enumerate(starts)], dtype=torch.int64, device=x.device)
-    src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return {name: timed(lambda n=n, w=w: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
-                                                       lay.meta_bytes, programs=n * sms, num_warps=w))
-            for name, (n, w) in _PUSH_SCHEDULES.items()}
-
-
-def _sum_alone(buf, handle, rows, iterations: int) -> dict:
-    """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
-    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local:
-    it only reads the area, so it may run after the floors."""
-    import torch
-
-    from warmlink.ep._reduce import combine_sum
-    from warmlink.ep._regions import area
-
-    lay, me = buf.layout, buf.rank
-    comb = buf._mover.own_view(area("comb_x", 0), rows.dtype, lay.hidden)
-    out = torch.empty(handle.num_tokens, lay.hidden, dtype=rows.dtype, device=rows.device)
-    shift = handle.recv_starts[me] - me * lay.max_tokens
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iterations):
-        begin.record()
-        combine_sum(comb, handle.combine_rows, out, local=(rows, me, shift))
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e-3)
-    row = lay.hidden * rows.element_size()
-    return {"s": statistics.median(samples), "read": int((handle.combine_rows >= 0).sum()) * row,
-            "written": handle.num_tokens * row}
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -240,6 +148,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
 
     from warmlink.bench.ep_nccl import nccl_combine, nccl_dispatch, time_nccl_ep
     from warmlink.ep import Buffer
+    from warmlink.ep.diagnostics import copy_floor, push_floor, sum_alone
     from warmlink.ep.fp8 import quantize
     from warmlink.rendezvous import Store
 
@@ -445,9 +354,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             x, handle=h_keep, return_recv_hook=True) if c else buf.dispatch(x, **kwargs, return_recv_hook=True),
             lambda: a @ b, flag, cfg["iterations"]) for kind, cached in (("fresh", False), ("cached", True))}
     if cuda:  # last: it overwrites the peers' receive areas
-        out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
-        out["push_s"] = _push_floor(buf, handle, x, timed)
-        out["sum_alone"] = _sum_alone(buf, h_keep, y_keep, cfg["iterations"])
+        out["floor_s"] = copy_floor(buf, handle.send_counts, timed)
+        out["push_s"] = push_floor(buf, handle, x, timed)
+        out["sum_alone"] = sum_alone(buf, h_keep, y_keep, cfg["iterations"])
     buf.close()
     store.close()
     dist.destroy_process_group()
@@ -489,6 +398,8 @@ def _refusal(cfg: dict, args) -> str | None:
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
+    from warmlink.ep.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
+
     def worst(get):
         return max(get(r) for r in ranks)
 
@@ -523,10 +434,10 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, d16, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, d16, None)
     if "floor_s" in ranks[0]:
-        for name in _FLOOR_SCHEDULES:
+        for name in FLOOR_SCHEDULES:
             row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, d16, None)
     if "push_s" in ranks[0]:
-        for name in _PUSH_SCHEDULES:
+        for name in PUSH_SCHEDULES:
             row(f"SM stores alone, {name}", worst(lambda r, name=name: r["push_s"][name]), b16, d16, None)
     if "sum_alone" in ranks[0]:
         slowest = max(ranks, key=lambda r: r["sum_alone"]["s"])["sum_alone"]
