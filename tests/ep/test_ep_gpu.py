@@ -46,6 +46,9 @@ GPU_CASES = {
                                        "num_worst_tokens": RANKS * 200, "async_finish": True, "seed": 20},
     "per-expert counts aligned": {"tokens": _tokens(200, 77), "hidden": 1024, "experts": 16, "topk": 4,
                                   "expert_alignment": 128, "async_finish": True, "seed": 21},
+    # the other sender: no hook, the host meets the peers and the copy engines push (fresh and cached)
+    "copy-engine sends, cached": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8,
+                                  "mask_prob": 0.1, "cached": True, "cached_repeats": 3, "send": "copy", "seed": 23},
 }
 
 
