@@ -18,7 +18,9 @@ import statistics
 import time
 
 import torch
-from _one_rank import one_rank
+from _one_rank import TOPK, one_rank
+
+from warmlink.ep import Buffer
 
 
 def main() -> None:
@@ -33,24 +35,22 @@ def main() -> None:
     y, _, _, _, handle, _ = buf.dispatch(x, **kw)
     y = y.clone()
 
-    def with_flag(name: str, value: bool):  # a fresh dispatch with one of the Buffer's send switches flipped
-        def call():
-            old = getattr(buf, name)
-            setattr(buf, name, value)
-            try:
-                return buf.dispatch(x, **kw)
-            finally:
-                setattr(buf, name, old)
-        return call
+    def on_buffer(**options):  # a fresh dispatch on a second Buffer, built with other options
+        other = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=TOPK, timeout_s=30,
+                       **options)
+        others.append(other)
+        return other, lambda: other.dispatch(x, **kw)
 
-    calls = {
-        "fresh dispatch": lambda: buf.dispatch(x, **kw),
-        "fresh dispatch, eager launches": with_flag("_graphs", False),
-        "fresh dispatch, copy engines": with_flag("_sm_sends", False),
-        "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+    others: list = []
+    calls = {  # name: (the Buffer whose marks and phases it reports, the call)
+        "fresh dispatch": (buf, lambda: buf.dispatch(x, **kw)),
+        "fresh dispatch, eager launches": on_buffer(graphs=False),
+        "fresh dispatch, copy engines": on_buffer(send="copy"),
+        "cached dispatch": (buf, lambda: buf.dispatch(x, handle=handle)),
         # the send phase alone (what delays work queued between send and hook); the hook runs untimed
-        "cached dispatch, hook send": lambda: hooks.append(buf.dispatch(x, handle=handle, return_recv_hook=True)[-1]),
-        "combine": lambda: buf.combine(y, handle),
+        "cached dispatch, hook send": (buf, lambda: hooks.append(buf.dispatch(x, handle=handle,
+                                                                              return_recv_hook=True)[-1])),
+        "combine": (buf, lambda: buf.combine(y, handle)),
     }
     hooks: list = []
 
@@ -59,7 +59,7 @@ def main() -> None:
             hooks.pop()()
         torch.cuda.synchronize()
 
-    for name, fn in calls.items():
+    for name, (on, fn) in calls.items():
         for _ in range(20):
             fn()
             settle()
@@ -69,7 +69,7 @@ def main() -> None:
             fn()
             wall.append(time.perf_counter() - t0)
             settle()
-            marks.append({k: v - buf.last_marks["start"] for k, v in buf.last_marks.items()})
+            marks.append({k: v - on.last_marks["start"] for k, v in on.last_marks.items()})
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
@@ -79,11 +79,12 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.top)
         print(f"=== {name}: host wall {statistics.median(wall) * 1e6:.1f} us median of {args.calls} (one rank); "
-              f"phases {({k: round(v * 1e6, 1) for k, v in buf.last_phases.items()})} us")
+              f"phases {({k: round(v * 1e6, 1) for k, v in on.last_phases.items()})} us")
         print("marks after start (us, median): " + ", ".join(
             f"{k} {statistics.median(m[k] for m in marks) * 1e6:.1f}" for k in marks[0]))
         print(text.getvalue())
-    buf.close()
+    for b in (*others, buf):
+        b.close()
     store.close()
 
 

@@ -23,18 +23,18 @@ import torch
 from _one_rank import one_rank
 
 from warmlink import _cuda
-from warmlink.ep import _checks, _mailbox, _movers, buffer
+from warmlink.ep import _checks, _cuda_mover, _mailbox, _outputs, _rounds, _senders, buffer
 
 # (owner, attribute): the steps timed; module-level functions are patched where the caller looks them up
 STEPS = [
-    (_checks.Checks, "x"), (_checks.Checks, "routing"), (torch, "empty"), (buffer.Buffer, "_fresh_shape"),
-    (_mailbox.Mailbox, "publish_dispatch"), (buffer, "call_words"), (_movers.CudaMover, "send_sm"),
-    (_movers.CudaMover, "_launch"), (_cuda, "event_record"), (_cuda, "graph_launch"),
-    (_movers.CudaMover, "wait_board"), (buffer.Buffer, "_handle_from_words"), (buffer.Buffer, "_meet"),
-    (buffer, "plan_from_board"), (_movers.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
-    (buffer.Buffer, "_recv_outputs"), (_movers.CudaMover, "arrived"), (buffer, "unpack_meta"),
-    (_movers.CudaMover, "_push_cached"), (_movers.CudaMover, "wait_begun"), (buffer.Buffer, "_send_cached"),
-    (_movers.CudaMover, "gather_all"), (_movers.CudaMover, "flush_all"),
+    (_checks.Checks, "x"), (_checks.Checks, "routing"), (torch, "empty"), (_senders.SmSender, "_shape"),
+    (_mailbox.Mailbox, "publish_dispatch"), (_senders, "call_words"), (_cuda_mover.CudaMover, "send_sm"),
+    (_cuda_mover.CudaMover, "_launch"), (_cuda, "event_record"), (_cuda, "graph_launch"),
+    (_cuda_mover.CudaMover, "wait_board"), (_senders.StagedSender, "_handle"), (_rounds.Rounds, "meet"),
+    (_senders, "plan_from_board"), (_cuda_mover.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
+    (buffer, "dispatch_outputs"), (_cuda_mover.CudaMover, "arrived"), (_outputs, "unpack_meta"),
+    (_cuda_mover.CudaMover, "_push_cached"), (_cuda_mover.CudaMover, "wait_begun"), (_senders.SmSender, "send_cached"),
+    (_cuda_mover.CudaMover, "gather_all"), (_cuda_mover.CudaMover, "flush_all"),
 ]
 
 _spent: collections.Counter = collections.Counter()

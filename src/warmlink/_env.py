@@ -13,8 +13,8 @@ Variables:
     WARMLINK_LOG_LEVEL: level for the ``warmlink`` logger (default ``WARNING``).
     WARMLINK_NIXL_THREADS: UCX threads of each NIXL agent (``NixlLink(ucx_threads=...)``); unset
         means the link's default (see ``warmlink.transport.nixl``).
-    WARMLINK_EP_COPY_STREAMS, WARMLINK_EP_SEND, WARMLINK_EP_GRAPH: how ``ep.Buffer`` sends (see
-        their functions below).
+    WARMLINK_EP_COPY_STREAMS, WARMLINK_EP_SEND, WARMLINK_EP_GRAPH: the defaults of ``ep.Buffer``'s
+        ``copy_streams``, ``send`` and ``graphs`` on cuda_ipc (see their functions below).
     WARMLINK_SECRET: the job's secret, under which every value of the rendezvous store carries a
         MAC (``rendezvous.Store``): the same value on every process of the job, 16 to 1024 bytes
         of UTF-8 (e.g. ``python -c 'import secrets; print(secrets.token_hex(32))'``). Its value is
@@ -103,8 +103,9 @@ def nixl_threads() -> int | None:
 
 
 def ep_copy_streams() -> str:
-    """``WARMLINK_EP_COPY_STREAMS``: ``"one"`` (default: every destination's copies on one stream,
-    in issue order) or ``"per-peer"`` (one copy stream per destination)."""
+    """``WARMLINK_EP_COPY_STREAMS``, the default of ``ep.Buffer(copy_streams=...)``: ``"one"``
+    (default: every destination's copies on one stream, in issue order) or ``"per-peer"`` (one copy
+    stream per destination)."""
     value = _raw("WARMLINK_EP_COPY_STREAMS") or "one"
     if value not in ("per-peer", "one"):
         raise ConfigError(f"WARMLINK_EP_COPY_STREAMS={value!r} is unknown; expected 'per-peer' or 'one'")
@@ -112,9 +113,10 @@ def ep_copy_streams() -> str:
 
 
 def ep_send() -> str:
-    """``WARMLINK_EP_SEND``: how a fresh dispatch without a receive hook moves its rows: ``"sm"``
-    (default: kernels trade the counts and store the rows into the peers, ep._kernels Note [SM
-    sends]) or ``"copy"`` (the host meets the peers, then the copy engines push)."""
+    """``WARMLINK_EP_SEND``, the default of ``ep.Buffer(send=...)`` on cuda_ipc: how a dispatch
+    without a receive hook moves its rows: ``"sm"`` (default: kernels trade the counts and store
+    the rows into the peers, ep._kernels Note [SM sends]) or ``"copy"`` (the host meets the peers,
+    then the copy engines push)."""
     value = _raw("WARMLINK_EP_SEND") or "sm"
     if value not in ("sm", "copy"):
         raise ConfigError(f"WARMLINK_EP_SEND={value!r} is unknown; expected 'sm' or 'copy'")
@@ -122,9 +124,9 @@ def ep_send() -> str:
 
 
 def ep_graph() -> bool:
-    """``WARMLINK_EP_GRAPH``: ``1`` (default) replays a fresh SM dispatch's launches as CUDA graphs
-    after its first call per shape (ep._kernels, Note [Fresh send graph]); ``0`` launches them
-    one by one every call."""
+    """``WARMLINK_EP_GRAPH``, the default of ``ep.Buffer(graphs=...)`` on cuda_ipc: ``1`` (default)
+    replays a dispatch's send launches as CUDA graphs after its first call per shape (ep._kernels,
+    Note [Fresh send graph]); ``0`` launches them one by one every call."""
     value = _raw("WARMLINK_EP_GRAPH") or "1"
     if value not in ("0", "1"):
         raise ConfigError(f"WARMLINK_EP_GRAPH={value!r} is not a switch; expected '1' or '0'")

@@ -60,7 +60,8 @@ def _buffer(rank, num_ranks, store, case):
         torch.cuda.set_device(device)
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"]) or 1),
                   hidden=case["hidden"], num_topk=case["topk"], device=device, backend=case.get("backend", "shm"),
-                  timeout_s=case.get("timeout_s", 30.0))
+                  timeout_s=case.get("timeout_s", 30.0), combine_parts=case.get("combine_parts"),
+                  send=case.get("send"))
 
 
 def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
@@ -71,8 +72,8 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     times), misaligned_x (x 8 bytes past a 16-byte boundary), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
     outputs and start the next call after different sleeps, so fast ranks run ahead), late_start_s
     (every rank but 0 starts that late), num_worst_tokens and expert_alignment (DeepEP's padding
-    arguments), async_finish (the returned events are waited on), combine_parts (the combine's parts
-    on every rank, whatever the group size).
+    arguments), async_finish (the returned events are waited on), combine_parts and send (the
+    Buffer's arguments, on every rank).
     """
     mine = case_inputs(case)[rank]
     device = rank_device(rank, case)
@@ -88,8 +89,6 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
             time.sleep(case["skew_s"] * ((rank + next(calls)) % num_ranks))
 
     with _buffer(rank, num_ranks, store, case) as buf:
-        if "combine_parts" in case:  # every rank alike, as bench ep does (ep._reduce, Note [Pipelined combine])
-            buf._combine_parts = case["combine_parts"]
         if rank and case.get("late_start_s"):  # every rank but 0 makes its first call late
             time.sleep(case["late_start_s"])
         for _ in range(case.get("rounds", 1)):

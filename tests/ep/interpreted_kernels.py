@@ -305,7 +305,7 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
 
 @pytest.mark.parametrize("meta", ["scales", "none"])
 def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta):
-    """A cached dispatch's graph (ep._movers.send_sm_cached) reads its rows, x, scales, token count
+    """A cached dispatch's graph (ep._sm_pushes, SmPushes.send_sm_cached) reads its rows, x, scales, token count
     and per-destination bases from one call block: the same stores as ``push`` with those bases."""
     num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 3, 21, 30, 600, 3, 64
     topk = _routing(8, tokens, num_ranks, 9, 2)

@@ -11,19 +11,19 @@ from hypothesis import strategies as st
 
 from warmlink.ep import _mailbox
 from warmlink.ep._regions import RegionLayout, board_words
-from warmlink.ep.buffer import Buffer
+from warmlink.ep._rounds import Rounds
 from warmlink.ep.handle import Handle, plan_from_board
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 ROUND = 5
 
 
-def _host_side(num_ranks: int, rank: int, max_tokens: int) -> Buffer:
-    """A Buffer's host state without regions or peers: all that completing a plan reads."""
-    buf = Buffer.__new__(Buffer)
-    buf.num_ranks, buf.rank = num_ranks, rank
-    buf.layout = RegionLayout(num_ranks, max_tokens, 128, 2)
-    return buf
+def _host_side(num_ranks: int, rank: int, max_tokens: int) -> Rounds:
+    """A rank's round protocol without regions or peers (its mailbox comes later): all that
+    completing a plan reads."""
+    rounds = Rounds(None, rank, num_ranks, max_tokens, timeout_s=1.0)
+    rounds.layout = RegionLayout(num_ranks, max_tokens, 128, 2)
+    return rounds
 
 
 def _handle(num_experts: int, send_counts: list[int]) -> Handle:
@@ -44,7 +44,7 @@ def _board(counts: np.ndarray, per_expert: np.ndarray, rank: int, tags=None, val
     return board
 
 
-def _from_mailboxes(buf: Buffer, counts: np.ndarray, per_expert: np.ndarray) -> Handle:
+def _from_mailboxes(buf: Rounds, counts: np.ndarray, per_expert: np.ndarray) -> Handle:
     """The copy-engine path's plan completion, every rank having published its counts."""
     num_ranks = buf.num_ranks
     owns = [torch.zeros(_mailbox.mailbox_nbytes(num_ranks), dtype=torch.uint8) for _ in range(num_ranks)]
@@ -58,7 +58,7 @@ def _from_mailboxes(buf: Buffer, counts: np.ndarray, per_expert: np.ndarray) -> 
         if r != buf.rank:
             buf.mailbox.attach(r, owns[r], peer_ref=None)
     handle = _handle(per_expert.shape[1], counts[buf.rank].tolist())
-    buf._complete_plan(handle, ROUND)
+    buf.complete_plan(handle, ROUND)
     return handle
 
 

@@ -226,10 +226,10 @@ def test_buffer_lifecycles_reuse_everything_and_grow_nothing():
 def test_a_new_buffers_count_boards_are_zero_though_its_pooled_region_is_not(monkeypatch):
     """The pool hands a region back with a closed Buffer's bytes (not zeroed); the boards, whose
     round tags the SM exchange trusts, are cleared before the rank info is published."""
-    from warmlink.ep import buffer as ep_buffer
+    from warmlink.ep import _setup
 
     seen = []
-    real = ep_buffer.Buffer._clear_boards
+    real = _setup.Resources._clear_boards
 
     def dirty_then_clear(self):
         self._region.tensor.fill_(0x5A)  # what an earlier Buffer may have left
@@ -238,7 +238,7 @@ def test_a_new_buffers_count_boards_are_zero_though_its_pooled_region_is_not(mon
         seen.append([bool(self._region.tensor[lay.offsets()[f"board.{p}"]:][:lay.area_rows(f"board.{p}") *
                                                lay.row_bytes(f"board.{p}")].eq(0).all()) for p in (0, 1)])
 
-    monkeypatch.setattr(ep_buffer.Buffer, "_clear_boards", dirty_then_clear)
+    monkeypatch.setattr(_setup.Resources, "_clear_boards", dirty_then_clear)
     from warmlink.ep import Buffer
     from warmlink.rendezvous import Store
 

@@ -46,6 +46,9 @@ GPU_CASES = {
                                        "num_worst_tokens": RANKS * 200, "async_finish": True, "seed": 20},
     "per-expert counts aligned": {"tokens": _tokens(200, 77), "hidden": 1024, "experts": 16, "topk": 4,
                                   "expert_alignment": 128, "async_finish": True, "seed": 21},
+    # the other sender: no hook, the host meets the peers and the copy engines push (fresh and cached)
+    "copy-engine sends, cached": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8,
+                                  "mask_prob": 0.1, "cached": True, "cached_repeats": 3, "send": "copy", "seed": 23},
 }
 
 
@@ -60,7 +63,7 @@ def test_gpu_dispatch_combine_match_the_reference(name):
 @pytest.mark.parametrize("delay_s", [0.001, 0.01, 0.1])
 def test_gpu_late_hooks_are_still_correct(delay_s):
     # cached re-dispatches too: the copy engines' cached send replays its gather's graph from the
-    # second call of a parity (ep._movers, CudaMover.gather_all)
+    # second call of a parity (ep._cuda_mover, CudaMover.gather_all)
     case = {"tokens": _tokens(200, 31), "hidden": 1024, "experts": 16, "topk": 4, "hook_delay_s": delay_s, "rounds": 2,
             "cached": True, "cached_repeats": 3, "backend": "cuda_ipc", "seed": 6}
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))

@@ -1,4 +1,4 @@
-"""The receive work on its own stream (Note [Receive work on its own stream] in ep._movers), with a
+"""The receive work on its own stream (Note [Receive work on its own stream] in ep._cuda_mover), with a
 fake CUDA: the work waits for the peers' events, and the caller's stream is ordered after it only
 once the host saw the bytes arrive; a stalled or dead sender raises and leaves the caller's stream
 untouched."""
@@ -10,7 +10,8 @@ import contextlib
 import pytest
 import torch
 
-from warmlink.ep import _movers
+from warmlink.ep import _cuda_mover, _movers, _sm_pushes
+from warmlink.ep._call_block import Sources
 from warmlink.ep._regions import RegionLayout
 from warmlink.ep.buffer import Buffer
 from warmlink.errors import PeerLostError, TransferTimeout
@@ -62,14 +63,14 @@ class Ref:
         return self._alive
 
 
-def _mover(monkeypatch, fake: FakeCuda, alive: bool = True) -> _movers.CudaMover:
-    assert len(LOCAL) == _movers.CudaMover.LOCAL_EVENTS  # what Buffer leases for it
+def _mover(monkeypatch, fake: FakeCuda, alive: bool = True) -> _cuda_mover.CudaMover:
+    assert len(LOCAL) == _cuda_mover.CudaMover.LOCAL_EVENTS  # what Buffer leases for it
     layout = RegionLayout(2, 4, 128, 2)
-    mover = _movers.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
+    mover = _cuda_mover.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
                               [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL, {"dispatch.0": SEND_EVENTS},
                               {"dispatch.0": {1: PEER_EVENT}}, {1: Ref(alive)})
     mover._cuda = fake
-    monkeypatch.setattr(_movers, "current_stream", lambda device: CALLER)
+    monkeypatch.setattr(_cuda_mover, "current_stream", lambda device: CALLER)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return mover
 
@@ -193,7 +194,7 @@ class PendingOwnEvent(FakeCuda):
     def event_query(self, event):
         if event != SEND_EVENTS[0]:
             return True
-        self.rewritten_early |= int(self.box[0]._cached_words[0][_movers._TOKENS]) != 111
+        self.rewritten_early |= int(self.box[0]._cached_words[0][_sm_pushes._TOKENS]) != 111
         self.polls += 1
         return self.pending is not None and self.polls > self.pending
 
@@ -201,26 +202,26 @@ class PendingOwnEvent(FakeCuda):
 @pytest.mark.parametrize("polls", [0, 3, None])
 def test_a_cached_call_block_is_rewritten_only_after_the_push_that_read_it_ran(monkeypatch, polls):
     """A caller may change streams between rounds, so the host waits (bounded) for round n - 2's own
-    send event before it rewrites that round's call block (ep._movers, CudaMover._push_cached)."""
+    send event before it rewrites that round's call block (ep._sm_pushes, SmPushes._push_cached)."""
     box: list = []
     fake = PendingOwnEvent(box, polls)
     mover = _mover(monkeypatch, fake)
     box.append(mover)
-    mover._cached_words[0][_movers._TOKENS] = 111  # what round n - 2 left there
+    mover._cached_words[0][_sm_pushes._TOKENS] = 111  # what round n - 2 left there
     launched = []
     monkeypatch.setattr(mover, "_launch", lambda key, steps, graphs: launched.append(key))
     rows, x = torch.zeros(7, 2, dtype=torch.int64), torch.zeros(7, 16, dtype=torch.int64)
 
     def call() -> None:
-        mover._push_cached(rows, _movers._kernels.Sources(x), [0] * 4, 0, 0.05, graphs=True)
+        mover._push_cached(rows, Sources(x), [0] * 4, 0, 0.05, graphs=True)
 
     if polls is None:  # never ran: a timeout, and the block and the launches untouched
         with pytest.raises(TransferTimeout, match="call block"):
             call()
-        assert int(mover._cached_words[0][_movers._TOKENS]) == 111 and not launched
+        assert int(mover._cached_words[0][_sm_pushes._TOKENS]) == 111 and not launched
     else:
         call()
-        assert int(mover._cached_words[0][_movers._TOKENS]) == 7 and len(launched) == 1
+        assert int(mover._cached_words[0][_sm_pushes._TOKENS]) == 7 and len(launched) == 1
         assert fake.polls == polls + 1
     assert not fake.rewritten_early
 
@@ -302,7 +303,7 @@ def test_flush_all_batches_the_peers_copies_then_marks_every_destination(monkeyp
     mover = _mover(monkeypatch, fake)
     mover._batch = True
     x = torch.zeros(3, 16, dtype=torch.int64)  # 128 bytes a row, no meta
-    src = _movers._kernels.Sources(x)
+    src = Sources(x)
     mover.flush_all("dispatch.0", src, ("recv_x.0", "recv_meta.0"), [(1, 2, 3), (0, 0, 0)])
     slot = 1 * mover.layout.max_tokens
     staged = mover._views.parts(0, src, _movers.STAGE)[0].data_ptr() + slot * 128

@@ -5,7 +5,7 @@ away, or a child's PoolError when /dev/shm fills. Each bench states its ``Need``
 memory, of /dev/shm, per CUDA device) from the sizes it moves, and ``shortfall`` compares it with
 what the machine has free now: host memory (``MemAvailable``, capped by a cgroup limit where one
 applies), /dev/shm free space, and free device memory (asked in a short child process, so that
-the parent never makes a CUDA context). The bench then refuses through ``bench._args.refuse``.
+the parent never makes a CUDA context). The bench then refuses through ``bench.args.refuse``.
 Estimates are upper bounds of the peak, with a fixed allowance per process for Python, torch
 and a CUDA context.
 """
@@ -96,7 +96,7 @@ def free_memory(devices: list[int]) -> dict:
 
 
 def shortfall(need: Need, hint: str, free: dict | None = None) -> str | None:
-    """What ``need`` lacks on this machine now, in one line for ``bench._args.refuse``, or None
+    """What ``need`` lacks on this machine now, in one line for ``bench.args.refuse``, or None
     when it fits.
 
     Args:

@@ -1,22 +1,23 @@
 """``warmlink bench ep``: MoE dispatch and combine, warmlink beside torch + NCCL, in one run.
 
 One process per GPU (or per CPU rank over shm when there is no GPU). Every rank draws a random
-routing (top-K of E experts, distinct per token), builds one ``warmlink.ep.Buffer`` and one
-torch.distributed group, and times, each as the median over ``--iterations``:
+routing (top-K of E experts, distinct per token), builds a ``warmlink.ep.Buffer`` (and one per
+other choice of its arguments that it times) and one torch.distributed group, and times, each as
+the median over ``--iterations``:
 
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
   the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
   (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
-  (``WARMLINK_EP_SEND=copy``), in the same run; an SM dispatch replays CUDA graphs (Note [Fresh
-  send graph]), and the "eager" rows launch its kernels one by one instead;
+  (a Buffer built with ``send="copy"``), in the same run; an SM dispatch replays CUDA graphs
+  (Note [Fresh send graph]), and the "eager" rows (``graphs=False``) launch its kernels one by one;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
 - overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together, for a
   fresh dispatch and for a cached one;
-- on GPUs, the copy engines alone moving the dispatch's bytes (``_copy_floor``), and the push
-  kernel alone storing them (``_push_floor``): the floors that the exchange's host work and other
-  kernels add to; and the combine's sum alone on the device (``_sum_alone``).
+- on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
+  them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
+  and the combine's sum alone on the device.
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
 counts values and scales), as in ``bench.ep_nccl`` Note [EP baseline bytes and time]. A second
@@ -35,15 +36,16 @@ import socket
 import statistics
 import time
 
-from warmlink.bench._args import int_in, positive_float, refuse
+from warmlink.bench._ep_routing import routing
 from warmlink.bench._proc import Group
+from warmlink.bench.args import int_in, positive_float, refuse
 
 __all__ = ["add_arguments", "run"]
 
-# "_copy": normal mode through the copy engines (WARMLINK_EP_SEND=copy), beside the default SM sends
-# "_eager": the same SM sends launched one kernel at a time (WARMLINK_EP_GRAPH=0) instead of as graphs
+# "_copy": normal mode through the copy engines (a Buffer with send="copy"), beside the default SM sends
+# "_eager": the same SM sends launched one kernel at a time (graphs=False) instead of as graphs
 # "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
-# (ep._reduce, Note [Pipelined combine]), whatever the group's default
+# (combine_parts; ep._reduce, Note [Pipelined combine]), whatever the group's default
 _MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
 _OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
         "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
@@ -79,108 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int, device):
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
-    scores = torch.rand(tokens, experts, generator=gen)
-    weights, idx = scores.topk(topk, dim=1)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-    return x.to(device), idx.to(device), (weights / weights.sum(1, keepdim=True)).float().to(device)
-
-
-_FLOOR_SCHEDULES = ("one stream", "per-peer streams", "one stream, halves")
-
-
-def _copy_floor(buf, send_counts: list[int], timed) -> dict:
-    """The copy-engine floor of the dispatch's exchange, in the same run: the same x bytes to each
-    peer as raw ``cudaMemcpyAsync`` copies from this rank's staging area to the peers' receive
-    areas, with nothing else (no plan, gathers, handshake or unpack), under the same timing.
-
-    Schedules: every destination in turn on one stream (rotated, as ep sends), one stream per
-    destination, and one stream with each destination's bytes in two halves, all first halves
-    first. Collective; it overwrites the peers' receive areas, so it runs after the last ep call.
-    """
-    import torch
-
-    from warmlink import _cuda
-
-    lay, me, mover = buf.layout, buf.rank, buf._mover
-    row = lay.row_bytes("recv_x.0")
-    src = mover.area_address(me, "stage_x")
-    streams = [torch.cuda.Stream(buf.device) for _ in range(buf.num_ranks)]
-    peers = [(me + i) % buf.num_ranks for i in range(1, buf.num_ranks)]
-    jobs = {name: [] for name in _FLOOR_SCHEDULES}
-    for i, d in enumerate(peers):
-        n = send_counts[d] * row
-        dst, at = mover.area_address(d, "recv_x.0") + me * lay.max_tokens * row, src + d * lay.max_tokens * row
-        jobs["one stream"].append((0, dst, at, n))
-        jobs["per-peer streams"].append((i, dst, at, n))
-        half = n // 2
-        jobs["one stream, halves"].insert(i, (0, dst, at, half))
-        jobs["one stream, halves"].append((0, dst + half, at + half, n - half))
-
-    def run(job):
-        for s, dst, at, n in job:
-            _cuda.memcpy_async(dst, at, n, streams[s].cuda_stream)
-        for s in streams:
-            s.synchronize()
-
-    return {name: timed(lambda job=job: run(job)) for name, job in jobs.items()}
-
-
-# the push's schedules: (programs per SM, warps per program); the first is the Buffer's own
-# (ep._kernels.push's defaults); more programs or warps measured no faster (BENCHMARKS.md)
-_PUSH_SCHEDULES = {"a program per SM": (1, 4), "2 per SM": (2, 4), "4 per SM, 8 warps": (4, 8)}
-
-
-def _push_floor(buf, handle, x, timed) -> dict:
-    """SM stores instead of copy engines: the push kernel alone (ep._kernels, Note [SM sends]) stores
-    every token's row straight into each peer's receive area, with nothing else, same timing.
-    Collective; it overwrites the peers' receive areas, so it runs after the last ep call."""
-    import torch
-
-    from warmlink.ep import _kernels
-    from warmlink.ep._movers import as_words
-
-    lay, me, mover = buf.layout, buf.rank, buf._mover
-    row = lay.row_bytes("recv_x.0")
-    starts = [mover.area_address(d, "recv_x.0") + (handle.dst_rows[d] - d * lay.max_tokens) * row
-              for d in range(buf.num_ranks)]
-    bases = torch.tensor([0 if d == me else at for d, at in enumerate(starts)], dtype=torch.int64, device=x.device)
-    src, no_meta = _kernels.Sources(as_words(x)), torch.zeros_like(bases)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return {name: timed(lambda n=n, w=w: _kernels.push(handle.combine_rows, src, bases, no_meta, lay.num_topk,
-                                                       lay.meta_bytes, programs=n * sms, num_warps=w))
-            for name, (n, w) in _PUSH_SCHEDULES.items()}
-
-
-def _sum_alone(buf, handle, rows, iterations: int) -> dict:
-    """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
-    own rows), device time between CUDA events, median; and the bytes it reads and writes. Local:
-    it only reads the area, so it may run after the floors."""
-    import torch
-
-    from warmlink.ep._reduce import combine_sum
-    from warmlink.ep._regions import area
-
-    lay, me = buf.layout, buf.rank
-    comb = buf._mover.own_view(area("comb_x", 0), rows.dtype, lay.hidden)
-    out = torch.empty(handle.num_tokens, lay.hidden, dtype=rows.dtype, device=rows.device)
-    shift = handle.recv_starts[me] - me * lay.max_tokens
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(iterations):
-        begin.record()
-        combine_sum(comb, handle.combine_rows, out, local=(rows, me, shift))
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e-3)
-    row = lay.hidden * rows.element_size()
-    return {"s": statistics.median(samples), "read": int((handle.combine_rows >= 0).sum()) * row,
-            "written": handle.num_tokens * row}
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -248,6 +148,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
 
     from warmlink.bench.ep_nccl import nccl_combine, nccl_dispatch, time_nccl_ep
     from warmlink.ep import Buffer
+    from warmlink.ep.diagnostics import copy_floor, push_floor, sum_alone
     from warmlink.ep.fp8 import quantize
     from warmlink.rendezvous import Store
 
@@ -279,12 +180,17 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         return statistics.median(samples)
 
     T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
-    x, topk_idx, weights = _routing(rank, T, E, K, H, device)
+    x, topk_idx, weights = routing(rank, T, E, K, H, device)
     x8 = quantize(x)
     store = Store.connect(store_address, prefix="bench-ep", timeout_s=cfg["timeout"], secret=secret)
     t0 = time.perf_counter()
-    buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K, device=device.index if cuda else -1,
-                 backend="cuda_ipc" if cuda else "shm", timeout_s=cfg["timeout"])
+
+    def make_buffer(**options):  # collective: every rank builds the same Buffers in the same order
+        return Buffer(store, rank, num_ranks, max_tokens_per_rank=T, hidden=H, num_topk=K,
+                      device=device.index if cuda else -1, backend="cuda_ipc" if cuda else "shm",
+                      timeout_s=cfg["timeout"], **options)
+
+    buf = make_buffer()
     init_s = time.perf_counter() - t0
     out: dict = {"rank": rank, "init_s": init_s, "cores": pinned, "threads": threads}
 
@@ -321,53 +227,57 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             r[-1]()
         return r
 
-    def flipped(name: str, fn, value=False):  # fn() with one of the Buffer's switches off, same run
-        old = getattr(buf, name)
-        setattr(buf, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(buf, name, old)
+    # The Buffer's other choices, each a Buffer of its own built with that argument (on shm there is
+    # one send path and no graphs: the default Buffer stands in): the copy engines instead of the
+    # SM sends (send="copy"), the SM sends launched one kernel at a time (graphs=False), and the
+    # combine's sum after the last byte or in parts (combine_parts; ep._reduce, Note [Pipelined combine])
+    copy_engines = make_buffer(send="copy") if cuda else buf
+    eager = make_buffer(graphs=False) if cuda else buf
+    in_parts = {n: buf if n == buf.combine_parts else make_buffer(combine_parts=n) for n in (1, 2, 4)}
+    variants = {id(b): b for b in (copy_engines, eager, *in_parts.values()) if b is not buf}.values()
 
-    def with_copy_engines(fn):  # the normal mode's other send path (WARMLINK_EP_SEND=copy)
-        return flipped("_sm_sends", fn)
-
-    def launched_eagerly(fn):  # the SM sends' kernels one launch at a time (WARMLINK_EP_GRAPH=0)
-        return flipped("_graphs", fn)
+    def dispatch_on(b, xx):
+        return b.dispatch(xx, **kwargs)
 
     if cuda:
-        checks["dispatch_x_copy"] = bool(torch.equal(with_copy_engines(lambda: dispatch(x))[0], ref.recv_x))
+        checks["dispatch_x_copy"] = bool(torch.equal(dispatch_on(copy_engines, x)[0], ref.recv_x))
         for _ in range(3):  # past the eager calls of both parities: graphs replay from here on
             buf.dispatch(x, **kwargs)
         checks["dispatch_x_graph"] = bool(torch.equal(buf.dispatch(x, **kwargs)[0], ref.recv_x))
-        checks["dispatch_x_eager"] = bool(torch.equal(launched_eagerly(lambda: dispatch(x))[0], ref.recv_x))
+        checks["dispatch_x_eager"] = bool(torch.equal(dispatch_on(eager, x)[0], ref.recv_x))
         for _ in range(3):  # the cached copy-engine send, past its eager gathers of both parities
             cached = buf.dispatch(x, handle=handle, return_recv_hook=True)
             cached[-1]()
         checks["dispatch_cached_hook"] = bool(torch.equal(cached[0], ref.recv_x))
         # summed in parts (ep._reduce, Note [Pipelined combine]) or after the last byte: the same bits
-        for parts, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
-            checks[name] = bool(torch.equal(flipped("_combine_parts", lambda: buf.combine(y, handle)[0], parts), combined))
+        for n, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
+            same = in_parts[n].dispatch(x, **kwargs)[4]  # the same routing as handle's
+            checks[name] = bool(torch.equal(in_parts[n].combine(y, same)[0], combined))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
 
-    def combine(hook=False):
-        r = buf.combine(y_keep, h_keep, return_recv_hook=hook)
+    # each variant's own handle of the same routing (a handle holds addresses of its Buffer's mappings)
+    handles = {id(b): b.dispatch(x, **kwargs)[4] for b in variants}
+    handles[id(buf)] = h_keep
+
+    def combine(hook=False, on=buf):
+        r = on.combine(y_keep, handles[id(on)], return_recv_hook=hook)
         if hook:
             r[-1]()
 
     times = {
         "dispatch_bf16": timed(lambda: dispatch(x)),
-        "dispatch_bf16_eager": timed(lambda: launched_eagerly(lambda: dispatch(x))),
+        "dispatch_bf16_eager": timed(lambda: dispatch_on(eager, x)),
         "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
-        "dispatch_bf16_copy": timed(lambda: with_copy_engines(lambda: dispatch(x))),
+        "dispatch_bf16_copy": timed(lambda: dispatch_on(copy_engines, x)),
         "dispatch_fp8": timed(lambda: dispatch(x8)),
         "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
         "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
-        "dispatch_cached_eager": timed(lambda: launched_eagerly(lambda: buf.dispatch(x, handle=h_keep))),
-        "dispatch_cached_copy": timed(lambda: with_copy_engines(lambda: buf.dispatch(x, handle=h_keep))),
+        "dispatch_cached_eager": timed(lambda: eager.dispatch(x, handle=handles[id(eager)])),
+        "dispatch_cached_copy": timed(lambda: copy_engines.dispatch(x, handle=handles[id(copy_engines)])),
     }
+
     def phases_of(fn, marks=None) -> dict:
         """Median host time of each phase ``fn``'s call reports in ``buf.last_phases``."""
         samples: dict = {}
@@ -415,7 +325,11 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     times["combine_bf16_hook"] = timed(lambda: combine(True))
     # the sum after the last byte, in one part, or part by part (ep._reduce, Note [Pipelined combine])
     for parts, name in ((1, "one"), (2, "two"), (4, "four")):
-        times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda p=parts: flipped("_combine_parts", combine, p))
+        times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda b=in_parts[parts]: combine(on=b))
+    dist.all_reduce(flag)  # every rank is past its last call on the variants: closing them is safe
+    sync()
+    for other in variants:
+        other.close()
     out["combine_phases_s"] = phases_of(combine)
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])
@@ -440,9 +354,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             x, handle=h_keep, return_recv_hook=True) if c else buf.dispatch(x, **kwargs, return_recv_hook=True),
             lambda: a @ b, flag, cfg["iterations"]) for kind, cached in (("fresh", False), ("cached", True))}
     if cuda:  # last: it overwrites the peers' receive areas
-        out["floor_s"] = _copy_floor(buf, handle.send_counts, timed)
-        out["push_s"] = _push_floor(buf, handle, x, timed)
-        out["sum_alone"] = _sum_alone(buf, h_keep, y_keep, cfg["iterations"])
+        out["floor_s"] = copy_floor(buf, handle.send_counts, timed)
+        out["push_s"] = push_floor(buf, handle, x, timed)
+        out["sum_alone"] = sum_alone(buf, h_keep, y_keep, cfg["iterations"])
     buf.close()
     store.close()
     dist.destroy_process_group()
@@ -484,6 +398,8 @@ def _refusal(cfg: dict, args) -> str | None:
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
+    from warmlink.ep.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
+
     def worst(get):
         return max(get(r) for r in ranks)
 
@@ -518,10 +434,10 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, d16, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, d16, None)
     if "floor_s" in ranks[0]:
-        for name in _FLOOR_SCHEDULES:
+        for name in FLOOR_SCHEDULES:
             row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, d16, None)
     if "push_s" in ranks[0]:
-        for name in _PUSH_SCHEDULES:
+        for name in PUSH_SCHEDULES:
             row(f"SM stores alone, {name}", worst(lambda r, name=name: r["push_s"][name]), b16, d16, None)
     if "sum_alone" in ranks[0]:
         slowest = max(ranks, key=lambda r: r["sum_alone"]["s"])["sum_alone"]

@@ -26,7 +26,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     import torch
 
     from warmlink import pool
-    from warmlink.bench.ep import _routing
+    from warmlink.bench._ep_routing import routing
     from warmlink.ep import Buffer
     from warmlink.rendezvous import Store
 
@@ -35,7 +35,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     if cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    x, topk_idx, weights = _routing(rank, cfg["tokens"], cfg["experts"], cfg["topk"], cfg["hidden"], device)
+    x, topk_idx, weights = routing(rank, cfg["tokens"], cfg["experts"], cfg["topk"], cfg["hidden"], device)
     store = Store.connect(store_address, prefix="bench-ep-life", timeout_s=cfg["timeout"], secret=secret)
 
     def sync():

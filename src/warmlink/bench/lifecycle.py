@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from warmlink.bench import _args
+from warmlink.bench import args as bench_args
 from warmlink.bench._proc import Group
 
 __all__ = ["PHASES", "add_arguments", "created_delta", "make_tensors", "memory_need", "run", "run_lifecycles", "tensor_shape"]
@@ -103,12 +103,12 @@ def _final(results, tag: str) -> None:
 
 def _trainer(*, control, results, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
     from warmlink import pool
-    from warmlink.bench.refit import _device
+    from warmlink.bench._devices import device_of
     from warmlink.refit import Publisher
     from warmlink.rendezvous import Store
 
     pool.set_enabled(pool_on)
-    device = _device(device_idx)
+    device = device_of(device_idx)
     tensors = make_tensors(num_tensors, tensor_mib, device, seed)
     _sync(device)
     with Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret) as store:
@@ -143,13 +143,13 @@ def _inference(*, control, results, address, secret, prefix, num_tensors, tensor
     import torch
 
     from warmlink import pool
-    from warmlink.bench.refit import _device
+    from warmlink.bench._devices import device_of
     from warmlink.refit import Receiver
     from warmlink.refit.manifest import TensorLayout
     from warmlink.rendezvous import Store
 
     pool.set_enabled(pool_on)
-    device = _device(device_idx)
+    device = device_of(device_idx)
     shape = tensor_shape(tensor_mib)
     layouts = {f"w{i:03d}": TensorLayout.plain(f"w{i:03d}", "bfloat16", shape) for i in range(num_tensors)}
     model = {name: torch.zeros(shape, dtype=torch.bfloat16, device=device) for name in layouts}
@@ -266,7 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=100, help="lifecycles per mode (default 100)")
     p.add_argument("--tensors", type=int, default=16, help="tensors in the model (default 16)")
     p.add_argument("--tensor-mib", type=float, default=4.0, help="MiB per bf16 tensor (default 4)")
-    p.add_argument("--devices", type=_args.devices, default=None,
+    p.add_argument("--devices", type=bench_args.devices, default=None,
                    help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--backend", choices=("auto", "shm", "cuda_ipc", "nixl"), default="auto",
@@ -316,15 +316,15 @@ def _phase_rows(on: dict, off: dict) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """The ``warmlink bench lifecycle`` command: prints progress, the table and the N totals."""
     from warmlink.bench._memory import shortfall
-    from warmlink.bench.refit_cli import _devices
+    from warmlink.bench._devices import pick_devices
     from warmlink.bench.report import cycle_table, machine_info, ratio, write_record
 
     if args.iterations < 1 or args.tensors < 1 or not args.tensor_mib > 0:
         print("warmlink bench lifecycle: --iterations, --tensors and --tensor-mib must be positive", file=sys.stderr)
         return 2
-    if args.devices is not None and (problem := _args.check_devices(args.devices)):
-        return _args.refuse("warmlink bench lifecycle", problem)
-    devices = _devices(args.devices)
+    if args.devices is not None and (problem := bench_args.check_devices(args.devices)):
+        return bench_args.refuse("warmlink bench lifecycle", problem)
+    devices = pick_devices(args.devices)
     backend = getattr(args, "backend", "auto")
     where = "CPU" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     where += f" over {backend if backend != 'auto' else ('shm' if devices[0] < 0 else 'cuda_ipc')}"
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     short = shortfall(memory_need(nbytes, rows * cols * 2, devices, args.install),
                       "lower --tensors or --tensor-mib, or free memory")
     if short:
-        return _args.refuse("warmlink bench lifecycle", short)
+        return bench_args.refuse("warmlink bench lifecycle", short)
     print(f"warmlink bench lifecycle: {args.iterations} lifecycles x (publisher + receiver create -> first refit -> "
           f"close), {args.tensors} bf16 tensors, {nbytes / 2**20:.2f} MiB, {where}")
     record = {"bench": "lifecycle", "iterations": args.iterations, "num_tensors": args.tensors, "tensor_shape": [rows, cols],

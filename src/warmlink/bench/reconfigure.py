@@ -27,45 +27,16 @@ import statistics
 import sys
 import time
 
-from warmlink.bench import _args
+from warmlink.bench import args as bench_args
+from warmlink.bench._children import joined, new_process, retire, wrong_tensors
 from warmlink.bench._proc import Group
 from warmlink.bench.lifecycle import created_delta, make_tensors, tensor_shape
 
-__all__ = ["METHODS", "add_arguments", "joined", "memory_need", "new_process", "retire", "run", "run_reconfigure", "tables",
+__all__ = ["METHODS", "add_arguments", "memory_need", "run", "run_reconfigure", "tables",
            "warmlink_repeat"]
 
 METHODS = ("warm", "cold", "nccl")
 _TITLES = {"warm": "warmlink pool on", "cold": "warmlink pool off", "nccl": "new NCCL group"}
-
-
-def new_process(device_idx: int) -> tuple[object, dict]:
-    """First thing in a fresh child: imports and the CUDA context, timed.
-
-    Returns:
-        ``(device, {"t_enter": monotonic stamp at entry, "imports_s", "cuda_s"})``; ``cuda_s`` is
-        ``set_device`` + ``torch.empty(1, device)`` + synchronize (0 on the CPU).
-    """
-    t_enter = time.monotonic()
-    import importlib
-
-    import torch
-
-    # torch.distributed (both methods' store is a TCPStore), warmlink, and the backend's module, so
-    # that "connect" is the link's own work and not imports.
-    backend = "warmlink.transport.shm" if device_idx < 0 else "warmlink.transport.cuda_ipc"
-    for name in ("torch.distributed", "warmlink.refit", "warmlink.rendezvous", backend):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # a backend that cannot load fails later, in the library, with its own error
-    t_imp = time.monotonic()
-    if device_idx < 0:
-        return torch.device("cpu"), {"t_enter": t_enter, "imports_s": t_imp - t_enter, "cuda_s": 0.0}
-    device = torch.device("cuda", device_idx)
-    torch.cuda.set_device(device)
-    torch.empty(1, device=device)
-    torch.cuda.synchronize(device)
-    return device, {"t_enter": t_enter, "imports_s": t_imp - t_enter, "cuda_s": time.monotonic() - t_imp}
 
 
 def memory_need(nbytes: int, tensor_nbytes: int, methods: tuple[str, ...], devices: tuple[int, int], install: str):
@@ -93,39 +64,15 @@ def memory_need(nbytes: int, tensor_nbytes: int, methods: tuple[str, ...], devic
     return need
 
 
-def retire(group: Group, tag: str, *, kill: bool, timeout_s: float) -> None:
-    """Take ``tag`` out of ``group``: SIGKILL it (``kill``) or wait for it to exit; bounded wait.
-
-    Raises:
-        RuntimeError: the process is still alive after ``timeout_s`` (it is then killed).
-    """
-    proc = group.procs.pop(tag)
-    group.controls.pop(tag, None)
-    if kill:
-        proc.kill()
-    proc.join(timeout=timeout_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5)
-        raise RuntimeError(f"bench reconfigure: {tag} did not exit within {timeout_s} s; killed")
-
-
-def _bad(model: dict, num_tensors: int, tensor_mib: float, device, seed: int) -> int:
-    import torch
-
-    expected = make_tensors(num_tensors, tensor_mib, device, seed)
-    return sum(not torch.equal(model[n].view(torch.int16), expected[n].view(torch.int16)) for n in expected)
-
-
 # ------------------------------------------------------------------------------ warmlink children
 def _publisher(*, control, results, address, secret, prefix, num_tensors, tensor_mib, device_idx, pool_on, backend, seed, timeout_s):
     from warmlink import pool
-    from warmlink.bench.refit import _device
+    from warmlink.bench._devices import device_of
     from warmlink.refit import Publisher
     from warmlink.rendezvous import Store
 
     pool.set_enabled(pool_on)
-    device = _device(device_idx)
+    device = device_of(device_idx)
     tensors = make_tensors(num_tensors, tensor_mib, device, seed)
     with Store.connect(address, prefix=prefix, timeout_s=timeout_s, secret=secret) as store, \
             Publisher(store, rank=0, world_size=1, backend=backend, timeout_s=timeout_s) as pub:
@@ -173,7 +120,7 @@ def _receiver(*, control, results, me, address, secret, prefix, num_tensors, ten
     report = rec.refit().as_dict()
     t_ready = time.monotonic()
     got = rec.tensors() if install == "swap" else model
-    num_bad = _bad(got, num_tensors, tensor_mib, device, seed) if verify else 0
+    num_bad = wrong_tensors(got, num_tensors, tensor_mib, device, seed) if verify else 0
     results.put({"tag": me, "event": "ready", **ph, "model_s": t1 - t0, "store_s": t2 - t1, "create_s": t3 - t2,
                  "report": report, "t_ready": t_ready, "verified": verify, "num_bad": num_bad,
                  "created": {k: v["created"] for k, v in pool.stats().items()}})
@@ -186,21 +133,6 @@ def _receiver(*, control, results, me, address, secret, prefix, num_tensors, ten
 
 
 # -------------------------------------------------------------------------------- orchestration
-def joined(t_from: float, msg: dict) -> dict:
-    """Phases of a new process from its ``ready`` message; ``t_from`` is when the stage began."""
-    rep = msg.get("report")
-    out = {"start_imports_s": msg["t_enter"] - t_from + msg["imports_s"], "cuda_s": msg["cuda_s"],
-           "model_s": msg["model_s"], "store_s": msg["store_s"], "create_s": msg.get("create_s")}
-    if rep is not None:
-        out.update({k: rep[k] for k in ("connect_s", "sync_s", "plan_s", "alloc_s", "register_s", "pull_s")},
-                   translate_install_s=rep["translate_s"] + rep["install_s"], refit_s=rep["total_s"], created=msg["created"])
-    else:
-        out.update(connect_s=msg["init_s"], first_collective_s=msg["first_collective_s"], pull_s=msg["broadcast_s"],
-                   refit_s=msg["init_s"] + msg["first_collective_s"] + msg["broadcast_s"])
-    out["total_s"] = msg["t_ready"] - t_from
-    return out
-
-
 def warmlink_repeat(group: Group, stayer: str, r: int, *, method: str, last: bool, common: dict, timeout_s: float) -> dict:
     """One repeat's stages for ``"warm"``/``"cold"``; the publisher ``stayer`` is already running.
 
@@ -318,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=int, default=16, help="tensors in the model (default 16)")
     p.add_argument("--tensor-mib", type=float, default=64.0, help="MiB per bf16 tensor (default 64: 1 GiB in all)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)} (default: all)")
-    p.add_argument("--devices", type=_args.devices, default=None,
+    p.add_argument("--devices", type=bench_args.devices, default=None,
                    help="publisher,receiver CUDA devices (default 0,1; -1,-1 = CPU: shm, gloo)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
@@ -380,7 +312,7 @@ def tables(record: dict) -> tuple[list[dict], list[dict], list[str]]:
 def run(args: argparse.Namespace) -> int:
     """The ``warmlink bench reconfigure`` command: prints progress and the two P50 tables."""
     from warmlink.bench._memory import shortfall
-    from warmlink.bench.refit_cli import _devices
+    from warmlink.bench._devices import pick_devices
     from warmlink.bench.report import cycle_table, machine_info, write_record
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -390,9 +322,9 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.tensors < 1 or not args.tensor_mib > 0:
         print("warmlink bench reconfigure: --repeats, --tensors and --tensor-mib must be positive", file=sys.stderr)
         return 2
-    if args.devices is not None and (problem := _args.check_devices(args.devices)):
-        return _args.refuse("warmlink bench reconfigure", problem)
-    devices = _devices(args.devices)
+    if args.devices is not None and (problem := bench_args.check_devices(args.devices)):
+        return bench_args.refuse("warmlink bench reconfigure", problem)
+    devices = pick_devices(args.devices)
     if "nccl" in methods and devices[0] >= 0 and devices[0] == devices[1]:
         print("  skipping nccl: NCCL cannot place two ranks on one GPU")
         methods = tuple(m for m in methods if m != "nccl")
@@ -401,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     short = shortfall(memory_need(nbytes, rows * cols * 2, methods, devices, args.install),
                       "lower --tensors or --tensor-mib, or free memory")
     if short:
-        return _args.refuse("warmlink bench reconfigure", short)
+        return bench_args.refuse("warmlink bench reconfigure", short)
     where = "CPU (shm, gloo)" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench reconfigure: {args.repeats} repeats of init / reconfigure / destroy, {args.tensors} bf16 "
           f"tensors, {nbytes / 2**20:.2f} MiB, {where}, methods {','.join(methods)}")

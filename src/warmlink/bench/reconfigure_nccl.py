@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 
+from warmlink.bench._children import joined, new_process, retire, wrong_tensors
 from warmlink.bench._proc import Group
 from warmlink.bench.lifecycle import make_tensors, tensor_shape
-from warmlink.bench.reconfigure import _bad, joined, new_process, retire
 
 __all__ = ["nccl_repeat", "nccl_trainer"]
 
@@ -67,9 +67,9 @@ def nccl_trainer(*, control, results, me, host, port, backend, device_idx, num_t
 
     import torch.distributed as dist
 
-    from warmlink.bench.refit import _device
+    from warmlink.bench._devices import device_of
 
-    device = _device(device_idx)
+    device = device_of(device_idx)
     tensors = list(make_tensors(num_tensors, tensor_mib, device, seed).values())
     _sync(device)
     tcp = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
@@ -102,7 +102,7 @@ def _joiner(*, control, results, me, host, port, prefix, backend, device_idx, nu
     if control.get(timeout=timeout_s) is None:
         return
     out = _group(backend, tcp, prefix, 1, list(model.values()), device, timeout_s)
-    num_bad = _bad(model, num_tensors, tensor_mib, device, seed) if verify else 0
+    num_bad = wrong_tensors(model, num_tensors, tensor_mib, device, seed) if verify else 0
     results.put({"tag": me, "event": "joined", **ph, **out, "model_s": t1 - t0, "store_s": t2 - t1, "num_bad": num_bad})
     if control.get(timeout=timeout_s) is None:
         return

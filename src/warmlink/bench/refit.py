@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import zlib
 
+from warmlink.bench._devices import device_of
 from warmlink.bench._proc import Group
 
 __all__ = ["run_warmlink_refit", "global_tensor", "build_physical", "warmlink_refit_need"]
@@ -41,22 +42,13 @@ def build_physical(layout, device, seed: int):
     return out
 
 
-def _device(index: int):
-    import torch
-
-    if index < 0:
-        return torch.device("cpu")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def _publisher(*, control, results, address, secret, prefix, spec, tp, rank, device_idx, pool_on, backend, seed):
     from warmlink import pool
     from warmlink.refit import Publisher
     from warmlink.rendezvous import Store
 
     pool.set_enabled(pool_on)
-    device = _device(device_idx)
+    device = device_of(device_idx)
     layouts = spec.layouts(tp, rank)
     tensors = {name: build_physical(layout, device, seed) for name, layout in layouts.items()}
     with Store.connect(address, prefix=prefix, secret=secret) as store, Publisher(store, rank=rank, world_size=tp, backend=backend) as pub:
@@ -80,7 +72,7 @@ def _receiver(*, control, results, address, secret, prefix, spec, src_tp, dst_tp
     from warmlink.rendezvous import Store
 
     pool.set_enabled(pool_on)
-    device = _device(device_idx)
+    device = device_of(device_idx)
     layouts = spec.layouts(dst_tp, rank)
     with Store.connect(address, prefix=prefix, secret=secret) as store, Receiver(store, num_publishers=src_tp, backend=backend, install=install) as rec:
         targets = {}

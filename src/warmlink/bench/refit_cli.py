@@ -35,7 +35,8 @@ import statistics
 import sys
 import time
 
-from warmlink.bench import _args
+from warmlink.bench import args as bench_args
+from warmlink.bench._devices import pick_devices
 
 __all__ = ["add_arguments", "run", "SCENARIOS"]
 
@@ -46,19 +47,19 @@ _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "tr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", type=_args.fraction, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0)")
-    p.add_argument("--cycles", type=_args.int_in(1), default=5, help="refit cycles per scenario (default 5)")
+    p.add_argument("--scale", type=bench_args.fraction, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0)")
+    p.add_argument("--cycles", type=bench_args.int_in(1), default=5, help="refit cycles per scenario (default 5)")
     p.add_argument("--scenarios", default=None,
                    help=f"comma list from {','.join(SCENARIOS)} (default: all but the nixl ones)")
     p.add_argument("--backend", choices=("auto", "nixl"), default="auto",
                    help="nixl: also run warmlink over NIXL (scenarios nixl, nixl_cold, nixl_rw) beside the default "
                         "transport (cuda_ipc on GPUs, shm on CPU), in the same run (needs warmlink[nixl])")
-    p.add_argument("--nixl-threads", type=_args.int_in(0, 64), default=None, metavar="N",
+    p.add_argument("--nixl-threads", type=bench_args.int_in(0, 64), default=None, metavar="N",
                    help="UCX threads per NIXL agent in the nixl scenarios (default: the link's default; "
                         "see NixlLink ucx_threads)")
     p.add_argument("--nixl-sweep", default=None, metavar="LIST",
                    help="nixl_rw also runs once per UCX thread count of this comma list, e.g. 0,2,4,8")
-    p.add_argument("--devices", type=_args.devices, default=None,
+    p.add_argument("--devices", type=bench_args.devices, default=None,
                    help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
     p.add_argument("--install", type=_install_list, default=None, metavar="MODES",
                    help="receiver install modes, comma list of direct,swap,copy: warm runs once per mode, the other "
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
+    p.add_argument("--timeout", type=bench_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
 
 
 def _install_list(text: str) -> tuple[str, ...]:
@@ -75,16 +76,6 @@ def _install_list(text: str) -> tuple[str, ...]:
     if not modes or bad or len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"{text!r}: expected distinct modes from {','.join(INSTALL_MODES)}")
     return modes
-
-
-def _devices(arg: tuple[int, int] | None) -> tuple[int, int]:
-    import torch
-
-    if arg is not None:  # parsed by _args.devices, checked against the machine by _args.check_devices
-        return arg
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return 0, 1
-    return (0, 0) if torch.cuda.is_available() else (-1, -1)
 
 
 def _skip_reason(name: str, devices: tuple[int, int]) -> str | None:
@@ -243,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
     if sweep and "nixl_rw" not in wanted:
         print("warmlink bench refit: --nixl-sweep needs the nixl_rw scenario (--backend nixl)", file=sys.stderr)
         return 2
-    if args.devices is not None and (problem := _args.check_devices(args.devices)):
-        return _args.refuse("warmlink bench refit", problem)
-    devices = _devices(args.devices)
+    if args.devices is not None and (problem := bench_args.check_devices(args.devices)):
+        return bench_args.refuse("warmlink bench refit", problem)
+    devices = pick_devices(args.devices)
     colocated = devices[0] >= 0 and devices[0] == devices[1]
     installs = args.install or (INSTALL_MODES if colocated else ("swap",))
     install = installs[0]  # every warmlink scenario's mode; warm also runs with the others
@@ -261,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             need = need.peak(_need(name, spec, devices, name[5:] if name.startswith("warm_") else install))
     short = shortfall(need, "lower --scale, or free memory")
     if short:
-        return _args.refuse("warmlink bench refit", short)
+        return bench_args.refuse("warmlink bench refit", short)
     where = "CPU over shm" if devices[0] < 0 else f"cuda:{devices[0]} -> cuda:{devices[1]}"
     print(f"warmlink bench refit: {len(layouts)} tensors, {nbytes / 1e9:.3f} GB ({spec.dtype}), {args.cycles} cycles, {where}")
     record = {"bench": "refit", "spec": dict(spec.__dict__), "nbytes": nbytes, "num_tensors": len(layouts), "devices": devices,

@@ -37,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from warmlink.bench._args import int_in, positive_float
+    from warmlink.bench.args import int_in, positive_float
 
     parser = _Parser(
         prog="warmlink",

@@ -1,8 +1,14 @@
-"""ep: MoE expert-parallel dispatch and combine over pre-registered regions moved by copy engines.
+"""ep: MoE expert-parallel dispatch and combine over pre-registered regions.
 
 ``Buffer`` follows DeepEP's normal-mode API (``get_dispatch_layout``, ``dispatch``, ``combine``,
 ``return_recv_hook``, and the ``EventOverlap`` its calls return); ``size_hint`` says how much
 memory a rank's buffer holds; ``fp8`` converts tokens to and from the FP8 format dispatch accepts.
+
+Who moves the bytes is chosen once per Buffer (``Buffer(send=...)``): on GPUs, by default, a
+dispatch without a receive hook is sent by kernels that store the rows into the peers' memory
+(``send="sm"``), or by the copy engines after the ranks meet on the host (``send="copy"``); a
+dispatch with a hook, and every combine, by the copy engines, so no kernel stays resident while
+the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 """
 
 from warmlink.ep._regions import size_hint

@@ -2,7 +2,7 @@
 
 A bad shape, dtype, device, size or expert id raises ``ConfigError`` naming the argument; expert
 ids are checked on the device by the plan kernel, whose min/max rides on the one copy of the
-counts to the host that dispatch needs anyway (Note [Round protocol] in ``ep.buffer``).
+counts to the host that dispatch needs anyway (Note [Round protocol] in ep._rounds).
 """
 
 from __future__ import annotations
@@ -139,3 +139,21 @@ class Checks:
             raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={given.tolist()} but is_token_in_rank holds "
                               f"{sent.tolist()} tokens per rank; pass get_dispatch_layout's outputs for this topk_idx")
         return sent, words[parts["per_expert"]]
+
+    def combine(self, x, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(rows, weights or None)`` of a combine: ``x`` and ``topk_weights`` cut to the rows that
+        ``handle``'s dispatch received (its padding rows are not combined), weights as float32."""
+        lay = self._layout
+        padded = handle.num_worst_tokens or handle.num_recv_tokens  # the rows of that dispatch's outputs
+        rows = self.rows(x, "x", padded)
+        if handle.num_worst_tokens:
+            rows = rows[:handle.num_recv_tokens]
+        if rows.dtype not in X_DTYPES or rows.shape[1] != lay.hidden:
+            raise ConfigError(f"ep.Buffer.combine: x is {rows.dtype} with {rows.shape[1]} channels; expected one of "
+                              f"{list(X_DTYPES)} with hidden={lay.hidden}")
+        if topk_weights is None:
+            return rows, None
+        weights = self.rows(topk_weights, "topk_weights", padded)[:handle.num_recv_tokens].float()
+        if weights.shape[1] > lay.num_topk:
+            raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {lay.num_topk}")
+        return rows, weights

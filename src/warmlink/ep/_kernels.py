@@ -32,7 +32,7 @@ alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's norm
 2. The board and the plan words are copied to the host, queued before the push.
 3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
    peers' mapped regions and this rank's own. One interprocess event per destination follows it,
-   and the receive side is the copy-engine path's (ep._movers).
+   and the receive side is the copy-engine path's (ep._cuda_mover).
 
 A cached dispatch already knows where its rows go (its handle): without a hook it launches only
 ``push``, at bases made once per handle and parity.
@@ -60,18 +60,18 @@ kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dis
 its own board, which comes after the block's copy, before it returns. The first call of a parity
 and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
 the next one captures them. A cached dispatch's one push is replayed the same way, from a call
-block per parity that also holds its handle's bases (ep._movers). ``WARMLINK_EP_GRAPH=0`` keeps
-every call eager (ep.Buffer's ``_graphs``; bench ep times both in one run).
+block per parity that also holds its handle's bases (ep._sm_pushes). ``ep.Buffer(graphs=False)``
+keeps every call eager (bench ep times both in one run).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Sources, call_words
 from warmlink.ep._launch import FastLaunch, launch
 
 __all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
@@ -96,55 +96,6 @@ def words_layout(num_ranks: int, num_experts: int) -> dict[str, slice]:
 
 def words_size(num_ranks: int, num_experts: int) -> int:
     return 2 * num_ranks + num_experts + 2 * RANGE_PARTS
-
-
-@dataclass(frozen=True)
-class Sources:
-    """What a dispatch sends per token: ``x`` as int64 words ``[T, W]``, and the optional parts of
-    its meta row: ``topk`` ``[T, k]`` ids, ``weights`` ``[T, k]`` float, ``scales`` ``[T, S]`` float32."""
-
-    x: torch.Tensor
-    topk: torch.Tensor | None = None
-    weights: torch.Tensor | None = None
-    scales: torch.Tensor | None = None
-
-    @property
-    def has_meta(self) -> bool:
-        return self.topk is not None or self.scales is not None
-
-
-# What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).
-CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round")
-
-
-@dataclass(frozen=True)
-class FreshShape:
-    """What a fresh SM send's kernels are specialized for: with the parity, the key of its graph."""
-
-    num_ranks: int
-    num_experts: int
-    num_k: int  # top-k ids per token
-    x_words: int  # int64 words per row of x
-    num_scales: int  # FP8 scales per row (0: BF16/FP16)
-    max_tokens: int
-    meta_k: int  # the buffer's num_topk
-    meta_bytes: int
-    topk: torch.dtype
-    per_rank: torch.dtype
-    per_expert: torch.dtype
-    weights: torch.dtype | None
-
-
-def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
-               rows: torch.Tensor, src: Sources, round_: int) -> tuple[int, ...]:
-    """The call block's words (``CALL_SLOTS``) of one fresh SM send; every tensor must be contiguous
-    (the kernels see only its address)."""
-    optional = (src.weights, src.scales)
-    tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("call_words: every tensor must be contiguous")
-    return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
-            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_)
 
 
 # -- torch versions (the reference, and the host path) ------------------------------------------

@@ -25,7 +25,7 @@ A source may write round ``n`` into a peer as soon as it has its own plan, witho
 that peer to reach round ``n``: round ``n`` lands in parity ``n % 2``, whose last user was round
 ``n - 2``. The source finished round ``n - 1``, whose receive waited for every peer's "round
 ``n - 1`` sent"; a peer publishes that only after proving on the host that its caller's stream
-finished with the outputs of the round before (ep.buffer, Note [Round protocol], step 1). So
+finished with the outputs of the round before (ep._rounds, Note [Round protocol], step 1). So
 parity ``n % 2`` is free everywhere, and the copy engines start right after the gathers. The price
 is twice the receive memory.
 """

@@ -7,12 +7,12 @@ Imported only where Triton is (ep._kernels._build); kept apart so that a kernel 
 import triton
 import triton.language as tl
 
-from warmlink.ep._kernels import CALL_SLOTS
+from warmlink.ep._call_block import CALL_SLOTS
 
-# -- the call block (ep._kernels, Note [Fresh send graph]) ------------------------------------------
+# -- the call block (ep._call_block; ep._kernels, Note [Fresh send graph]) -----------------------
 # A fresh SM dispatch's kernels read what changes per call (its tensors' addresses, the token count,
 # the round) from a small int64 block in device memory, so that one captured CUDA graph serves every
-# call. The word of each, in ep._kernels.CALL_SLOTS's order:
+# call. The word of each, in ep._call_block.CALL_SLOTS's order:
 C_IN_RANK = tl.constexpr(CALL_SLOTS.index("in_rank"))
 C_TOPK = tl.constexpr(CALL_SLOTS.index("topk"))
 C_PER_RANK = tl.constexpr(CALL_SLOTS.index("per_rank"))

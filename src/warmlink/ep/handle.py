@@ -37,7 +37,7 @@ class Handle:
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
     num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
-    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._movers)
+    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._senders)
     sm_bases: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -24,7 +24,7 @@ from warmlink._dtypes import dtype_name
 from warmlink.errors import LayoutError
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 
-__all__ = ["is_dtensor", "dtensor_layout", "local_tensor"]
+__all__ = ["is_dtensor", "dtensor_layout", "index_runs", "local_tensor"]
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -42,7 +42,7 @@ def local_tensor(tensor: Any) -> Any:
     return t.detach()
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+def index_runs(indices: list[int]) -> list[tuple[int, int, int]]:
     """``(local_start, global_start, length)`` of each run of consecutive global indices."""
     runs: list[tuple[int, int, int]] = []
     for local, g in enumerate(indices):
@@ -107,7 +107,7 @@ def dtensor_layout(name: str, dt: Any, *, logical: str | None = None) -> TensorL
     if coordinate is None:
         raise LayoutError(f"dtensor_layout: tensor {name!r}: this rank is not in its device mesh {dt.device_mesh!r}")
     global_shape = tuple(dt.shape)
-    per_dim = [_runs(_global_indices(dt, d, coordinate)) for d in range(dt.ndim)]
+    per_dim = [index_runs(_global_indices(dt, d, coordinate)) for d in range(dt.ndim)]
     local = local_tensor(dt)
     want = tuple(sum(n for _, _, n in runs) for runs in per_dim)
     if want != tuple(local.shape):

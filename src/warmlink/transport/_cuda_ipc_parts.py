@@ -11,11 +11,11 @@ from warmlink import _cuda
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.transport.base import Batch, RemoteRegion
 
-__all__ = ["MAX_STREAMS", "COPY_METHODS", "resolve_copy_method", "build_descriptor", "check_descriptor",
+__all__ = ["MAX_STREAMS", "LEGACY_STREAM", "COPY_METHODS", "resolve_copy_method", "build_descriptor", "check_descriptor",
            "CudaIpcRemoteRegion", "CopyPlan"]
 
 MAX_STREAMS = 16
-_LEGACY_STREAM = 1  # cudaStreamLegacy: torch's handle 0 is the legacy default stream, whatever
+LEGACY_STREAM = 1  # cudaStreamLegacy: torch's handle 0 is the legacy default stream, whatever
 # default-stream mode the bindings' runtime was built with
 COPY_METHODS = ("auto", "batch", "loop", "kernel")
 _HEX = frozenset("0123456789abcdef")

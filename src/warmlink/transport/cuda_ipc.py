@@ -38,10 +38,10 @@ from warmlink.pool.streams import lease_stream
 from warmlink.transport import _copy_kernel
 from warmlink.transport._cuda_ipc_parts import (
     COPY_METHODS,
+    LEGACY_STREAM,
     MAX_STREAMS,
     CopyPlan,
     CudaIpcRemoteRegion,
-    _LEGACY_STREAM,
     build_descriptor,
     check_descriptor,
     resolve_copy_method,
@@ -166,7 +166,7 @@ class CudaIpcTransfer(Transfer):
                 return
             device = getattr(getattr(torch_stream, "device", None), "index", None)  # a default stream
             with _cuda.use_device(self.device if device is None else device):
-                _cuda.stream_wait_event(_LEGACY_STREAM, self._event)
+                _cuda.stream_wait_event(LEGACY_STREAM, self._event)
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
         if getattr(self, "_lease", None) is None or _finalizing():
@@ -420,7 +420,7 @@ class CudaIpcLink(Link):
             try:
                 with _cuda.use_device(self.device):
                     current = torch.cuda.current_stream(self.device).cuda_stream
-                    _cuda.event_record(self._order, current or _LEGACY_STREAM)
+                    _cuda.event_record(self._order, current or LEGACY_STREAM)
                     primary = self._streams[0]
                     if kernel is not None:  # See Note [Copy kernel]
                         _cuda.stream_wait_event(primary, self._order)

@@ -41,7 +41,7 @@ import re
 from typing import Any
 
 from warmlink.errors import LayoutError
-from warmlink.refit.dtensor import _runs
+from warmlink.refit.dtensor import index_runs
 from warmlink.refit.families._model import Logical, LogicalModel
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 
@@ -136,7 +136,7 @@ def _sharded(t: Logical, dtype: str, placement: tuple | None, num: int, idx: int
         return TensorLayout(t.name, dtype, (Part(t.name, Shard(t.shape)),))
     dim = placement[1]
     rows = _split_rows(placement, t.shape[dim], num, idx)
-    runs = _runs(rows) or [(0, 0, 0)]
+    runs = index_runs(rows) or [(0, 0, 0)]
     parts = []
     for local, start, n in runs:
         bounds = [(0, d) for d in t.shape]

@@ -1,0 +1,64 @@
+"""What ep's device steps are given: a dispatch's rows, and the call block of a replayed send.
+
+``Sources`` is what a dispatch sends per token. ``CALL_SLOTS`` names the words of the call block
+from which a graph-replayed send's kernels read everything that changes per call (ep._kernels,
+Note [Fresh send graph]); both the launches (ep._kernels) and the kernels (ep._triton) read this
+module, which imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CALL_SLOTS", "FreshShape", "Sources", "call_words"]
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What a dispatch sends per token: ``x`` as int64 words ``[T, W]``, and the optional parts of
+    its meta row: ``topk`` ``[T, k]`` ids, ``weights`` ``[T, k]`` float, ``scales`` ``[T, S]`` float32."""
+
+    x: torch.Tensor
+    topk: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    @property
+    def has_meta(self) -> bool:
+        return self.topk is not None or self.scales is not None
+
+
+# What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).
+CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round")
+
+
+@dataclass(frozen=True)
+class FreshShape:
+    """What a fresh SM send's kernels are specialized for: with the parity, the key of its graph."""
+
+    num_ranks: int
+    num_experts: int
+    num_k: int  # top-k ids per token
+    x_words: int  # int64 words per row of x
+    num_scales: int  # FP8 scales per row (0: BF16/FP16)
+    max_tokens: int
+    meta_k: int  # the buffer's num_topk
+    meta_bytes: int
+    topk: torch.dtype
+    per_rank: torch.dtype
+    per_expert: torch.dtype
+    weights: torch.dtype | None
+
+
+def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
+               rows: torch.Tensor, src: Sources, round_: int) -> tuple[int, ...]:
+    """The call block's words (``CALL_SLOTS``) of one fresh SM send; every tensor must be contiguous
+    (the kernels see only its address)."""
+    optional = (src.weights, src.scales)
+    tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("call_words: every tensor must be contiguous")
+    return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
+            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_)

@@ -1,0 +1,55 @@
+"""How a Buffer moves its bytes, chosen once per Buffer: each from its constructor argument, else
+a default (the environment's, through ``warmlink._env``, where the backend uses it).
+
+Every value is checked before anything is leased; a bad one raises ``ConfigError`` naming the
+argument and the valid choices.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from warmlink import _env
+from warmlink.ep._reduce import PARTS
+from warmlink.errors import ConfigError
+
+__all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_options"]
+
+SENDS = ("sm", "copy", "host")  # ep._senders.SENDERS's keys
+COPY_STREAMS = ("one", "per-peer")
+
+
+class Options(NamedTuple):
+    send: str  # ep._senders: "sm", "copy" (cuda_ipc) or "host" (shm)
+    graphs: bool  # replay send launches as CUDA graphs (ep._kernels, Note [Fresh send graph])
+    copy_streams: str  # "one" copy stream for every destination, or "per-peer"
+    combine_parts: int  # ep._reduce, Note [Pipelined combine]
+
+
+def resolve_options(num_ranks: int, backend: str, send: str | None = None, graphs: bool | None = None,
+                    copy_streams: str | None = None, combine_parts: int | None = None) -> Options:
+    """The Buffer's ``Options``: each argument that is not None, else its default. On cuda_ipc the
+    defaults are ``WARMLINK_EP_SEND``, ``WARMLINK_EP_GRAPH`` and ``WARMLINK_EP_COPY_STREAMS``;
+    elsewhere host copies, which use none of them (the variables are not read)."""
+    cuda = backend == "cuda_ipc"
+    if send is not None and send not in SENDS:
+        raise ConfigError(f"ep.Buffer: send={send!r} is unknown; expected one of {list(SENDS)} (or None: "
+                          "'host' on shm, WARMLINK_EP_SEND on cuda_ipc)")
+    if send is not None and (send == "host") == cuda:
+        fits = ["sm", "copy"] if cuda else ["host"]
+        raise ConfigError(f"ep.Buffer: send={send!r} does not fit backend={backend!r}; expected one of {fits}")
+    if graphs is not None and not isinstance(graphs, bool):
+        raise ConfigError(f"ep.Buffer: graphs={graphs!r}; expected True, False or None (None: WARMLINK_EP_GRAPH)")
+    if copy_streams is not None and copy_streams not in COPY_STREAMS:
+        raise ConfigError(f"ep.Buffer: copy_streams={copy_streams!r} is unknown; expected one of {list(COPY_STREAMS)} "
+                          "(or None: WARMLINK_EP_COPY_STREAMS)")
+    if combine_parts is not None and (type(combine_parts) is not int or not 1 <= combine_parts <= PARTS):
+        raise ConfigError(f"ep.Buffer: combine_parts={combine_parts!r}; expected an int in [1, {PARTS}] (or None: "
+                          f"{PARTS} for three ranks and more, else 1)")
+    return Options(
+        send=send if send is not None else (_env.ep_send() if cuda else "host"),
+        graphs=graphs if graphs is not None else (cuda and _env.ep_graph()),
+        copy_streams=copy_streams if copy_streams is not None else (_env.ep_copy_streams() if cuda else "one"),
+        # two ranks sum in one part: their copies are too short to hide the parts' host work
+        combine_parts=combine_parts if combine_parts is not None else (PARTS if num_ranks > 2 else 1),
+    )

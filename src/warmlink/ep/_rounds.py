@@ -1,0 +1,127 @@
+"""The round protocol of a Buffer's dispatches and combines, over the host mailboxes (ep._mailbox).
+
+# Note [Round protocol]
+A dispatch (and likewise a combine) is one round ``n`` of a handshake in the host mailboxes:
+
+1. before step 4, the host waits once for the caller's stream to reach the start of the round:
+   for the counts of a fresh dispatch (one kernel plans the whole send, ep._kernels), for an event
+   recorded at the start otherwise (a cached dispatch gathers and copies first). It proves that
+   every earlier reader of this rank's receive areas, on that stream, has finished;
+2. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
+3. a fresh dispatch waits until every peer published the same (it needs their counts to know
+   where its rows go, Note [Send order] in ep.layout); with SM sends, kernels trade the counts
+   and store the rows instead, and the host meets the peers after (ep._kernels, Note [SM
+   sends]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
+   parity n % 2, which no one still reads (ep._regions, Note [Two parities]);
+4. every source issues its rows, marks them sent, and publishes "round n sent";
+5. the receive phase (inline or in the hook) checks every peer's "ready" word for round n (the
+   same config, the same dispatch's handle), waits for every source's "round n sent" and its
+   copies, then returns views of the receive area.
+
+Outputs of ``dispatch`` are views of this rank's receive area, valid until the next ``dispatch`` on
+the buffer (as DeepEP's low-latency outputs are). Every wait has the buffer's timeout; a dead peer
+raises ``PeerLostError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from warmlink.ep import _mailbox as mb
+from warmlink.ep._call_config import combine_handle_round, describe_call, describe_combine
+from warmlink.ep.handle import Handle, fill_plan
+from warmlink.errors import ConfigError, MetadataError
+
+__all__ = ["Pending", "Rounds"]
+
+
+@dataclass
+class Pending:
+    """A send phase whose receive phase has not run yet."""
+
+    phase: str
+    round: int
+    done: bool = False
+
+
+class Rounds:
+    """One rank's side of the round protocol (Note [Round protocol]): its round numbers, the
+    meetings in the mailboxes, and the checks that every peer called alike.
+
+    Args:
+        mailbox: this rank's ``Mailbox``, with its peers' attached.
+        rank, num_ranks: this rank and the group size.
+        max_tokens: the slot rows per source (``RegionLayout.max_tokens``).
+        timeout_s: every wait's limit.
+    """
+
+    def __init__(self, mailbox: mb.Mailbox, rank: int, num_ranks: int, max_tokens: int, timeout_s: float) -> None:
+        self.mailbox = mailbox
+        self.rank, self.num_ranks = rank, num_ranks
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.last = {"dispatch": 0, "combine": 0}  # the last round sent, or spent on every rank
+        self.pending: Pending | None = None
+
+    def next(self, op: str) -> int:
+        """The round number of the next ``op`` (``"dispatch"`` or ``"combine"``)."""
+        return self.last[op] + 1
+
+    def end(self, op: str, round_: int) -> None:
+        """``round_`` of ``op`` is sent, or spent on every rank (a refusal every rank raised)."""
+        self.last[op] = round_
+
+    def check_no_pending(self, func: str) -> None:
+        if self.pending is not None and not self.pending.done:
+            raise ConfigError(f"ep.Buffer.{func}: the receive hook of {self.pending.phase} round "
+                              f"{self.pending.round} was not called; call it before the next operation")
+
+    def order(self) -> list[int]:
+        """Peers starting after this rank: ranks start on different peers."""
+        return [(self.rank + i) % self.num_ranks for i in range(1, self.num_ranks)]
+
+    def meet(self, field: int, round_: int) -> None:
+        """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
+        for ``round_``, then check it called with the same config (dispatch) or handle (combine)."""
+        self.mailbox.wait(field, round_, self.timeout_s)
+        if field == mb.DISPATCH:
+            self.check_peer_configs(round_, self.mailbox.config(self.rank, round_))
+            return
+        mine = self.mailbox.combine_handle(self.rank, round_)  # a word: ep._call_config.encode_combine
+        for r in range(self.num_ranks):  # rows are counted by the handle: all ranks must use the same dispatch's
+            theirs = self.mailbox.combine_handle(r, round_)
+            if combine_handle_round(theirs) != combine_handle_round(mine):
+                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round "
+                                  f"{combine_handle_round(theirs)}, this rank with round {combine_handle_round(mine)}; "
+                                  "every rank must pass the handle of the same dispatch")
+            if theirs != mine:
+                raise ConfigError(f"ep.Buffer.combine: rank {r} combines with {describe_combine(theirs)}, this rank with "
+                                  f"{describe_combine(mine)}; every rank must pass x of the same dtype, and topk_weights "
+                                  "of the same width or none")
+
+    def check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
+        """``ConfigError`` when a peer of ``ranks`` (default: all) published another config for ``round_``."""
+        for r in (range(self.num_ranks) if ranks is None else ranks):
+            theirs = self.mailbox.config(r, round_)
+            if r != self.rank and theirs != config:
+                raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank with "
+                                  f"{describe_call(config)}; every rank must pass the same kind of call (a fresh "
+                                  "dispatch with a hook sends through the copy engines, one without through the "
+                                  "Buffer's sender)")
+
+    def complete_plan(self, handle: Handle, round_: int) -> None:
+        """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
+        num_ranks, me, cap = self.num_ranks, self.rank, self.max_tokens
+        epr = handle.num_experts // num_ranks
+        mine = slice(me * epr, (me + 1) * epr)  # only this rank's experts are read
+        matrix, per_expert = [], np.zeros(epr, dtype=np.int64)
+        for s in range(num_ranks):  # plain lists: R is small, and this sits before the first copy
+            per_rank, experts = self.mailbox.counts(s, round_, mine)
+            row = handle.send_counts if s == me else per_rank.tolist()
+            if min(row) < 0 or max(row) > cap:
+                raise MetadataError(f"ep: rank {s} published counts {row}; expected each in [0, {cap}]")
+            matrix.append(row)
+            per_expert += experts
+        fill_plan(handle, matrix, per_expert.tolist(), self.rank)

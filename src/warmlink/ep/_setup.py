@@ -1,0 +1,239 @@
+"""What one rank of an ep group holds, set up once: the rendezvous with its peers and the leases.
+
+``Resources`` leases this rank's region and mailbox, publishes its rank info (ep._info) through
+the store, opens every peer's region, mailbox and events, leases the streams and events a
+``CudaMover`` uses, and builds the mover; ``close`` gives all of it back to the pool.
+``group_store`` makes the store for the ranks of a ``torch.distributed`` group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warmlink import _env
+from warmlink.ep import _mailbox as mb
+from warmlink.ep._info import EVENT_PHASES, KIND, check_config
+from warmlink.ep._cuda_mover import CudaMover
+from warmlink.ep._movers import HostMover
+from warmlink.ep._regions import PARITIES, RegionLayout
+from warmlink.errors import MetadataError
+
+__all__ = ["Resources", "group_store"]
+
+
+class Resources:
+    """This rank's region, mailbox, peers' mappings, pooled streams and events, and mover.
+
+    Args:
+        layout: the group's region layout. rank, num_ranks: this rank and the group size.
+        device: CUDA device, or -1 for host memory (``backend="shm"``).
+        backend: ``"cuda_ipc"`` or ``"shm"``. timeout_s: every store call's and wait's limit.
+        copy_streams: ``"one"`` or ``"per-peer"`` copy streams (cuda_ipc).
+
+    Construction leases the region and mailbox (and gives them back if it fails); ``connect``
+    meets the peers (collective), and when it fails the caller calls ``close``, which gives back
+    whatever was leased so far.
+    """
+
+    def __init__(self, layout: RegionLayout, rank: int, num_ranks: int, device: int, backend: str, timeout_s: float,
+                 copy_streams: str) -> None:
+        from warmlink.transport import lease_link
+
+        self.layout, self.rank, self.num_ranks = layout, rank, num_ranks
+        self.device, self.backend, self.timeout_s = device, backend, timeout_s
+        self.copy_streams = copy_streams
+        self.leases: list = []
+        self.recv_stream = None
+        self.done_events: list[int] = []  # what async_finish records: per (op, parity), then the layout's
+        self.reduced_event = None  # recorded after a combine's sum on the caller's stream (cuda_ipc)
+        self.mover = None
+        self.peers: dict = {}
+        self._remotes: list = []
+        self._event_tokens: list = []
+        self._send_events: dict = {}
+        self._link_lease = self._mail_lease = self._region = self._mail_region = self.link = None
+        try:
+            self._link_lease = lease_link(backend, device, timeout_s)
+            self.link = self._link_lease.resource
+            self._mail_lease = lease_link("shm", -1, timeout_s)
+            self._region = self.link.allocate(layout.nbytes)
+            self._clear_boards()
+            self._mail_region = self._mail_lease.resource.allocate(mb.mailbox_nbytes(num_ranks))
+            self.mailbox = mb.Mailbox(self._mail_region.tensor, rank, num_ranks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _clear_boards(self) -> None:
+        """Zero this rank's count boards before any peer can see its info. A region comes back from
+        the pool with a closed Buffer's bytes, and rounds restart at 1: a board row whose round tag
+        matched would let the exchange (ep._kernels, Note [SM sends]) take another lifecycle's
+        counts instead of waiting for the peer's."""
+        lay, region = self.layout, self._region.tensor
+        for p in range(PARITIES):
+            name = f"board.{p}"
+            start = lay.offsets()[name]
+            region[start:start + lay.area_rows(name) * lay.row_bytes(name)].zero_()
+        if self.device >= 0:  # done on the device before the rank info is published
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def connect(self, store) -> None:
+        """Publish this rank's info, open every peer's, and build the mover. Collective."""
+        from warmlink.rendezvous import schema
+        from warmlink.transport.base import PeerRef, local_identity
+
+        limit_s = self.timeout_s  # each store call's own limit: Note [Store deadlines] in rendezvous.store
+        generation = store.next_generation(f"ep/{self.rank}", timeout_s=limit_s)
+        self.mailbox.set_generation(generation)
+        # Buffers are built collectively: the n-th build of every rank forms epoch n.
+        epoch = (store.add("ep/joins", 1, checked=False, timeout_s=limit_s) - 1) // self.num_ranks + 1
+        host, pid, start = local_identity()
+        events = self._lease_events() if self.backend == "cuda_ipc" else {phase: [] for phase in EVENT_PHASES}
+        info = {
+            "schema_version": 1, "kind": KIND,
+            "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": self.rank,
+                     "world_size": self.num_ranks, "generation": generation, "host": host, "pid": pid,
+                     "start_time": start, "device": self.device, "backend": self.backend},
+            "config": self.layout.config(), "data": self._region.desc, "mailbox": self._mail_region.desc,
+            "events": events,
+        }
+        store.set(f"ep/{epoch}/{self.rank}", schema.encode(info), timeout_s=limit_s)
+        peers, regions = {}, {}
+        recv_events = {f"{phase}.{p}": {} for phase in EVENT_PHASES for p in range(PARITIES)}
+        for r in range(self.num_ranks):
+            if r == self.rank:
+                continue
+            name = f"ep/{r}"
+            theirs = schema.decode(store.get(f"ep/{epoch}/{r}", timeout_s=limit_s), KIND, name)
+            check_config(self.layout.config(), theirs["config"], name)
+            p = theirs["peer"]
+            if p["rank"] != r:
+                raise MetadataError(f"ep rank info from peer={name!r}: peer.rank={p['rank']}; expected {r}")
+            ref = PeerRef(f"{store.prefix}:{name}", p["generation"], p["host"], p["pid"], p["start_time"])
+            self.link.forget_peer(ref.key, keep_process=ref.process_id)  # a replaced process's mappings
+            peers[r] = ref
+            data = self.link.open(ref, theirs["data"])
+            mail = self._mail_lease.resource.open(ref, theirs["mailbox"])
+            self._remotes += [(self.link, data), (self._mail_lease.resource, mail)]
+            if data.nbytes < self.layout.nbytes:
+                raise MetadataError(f"ep rank info from peer={name!r}: data.nbytes={data.nbytes}; expected >= {self.layout.nbytes}")
+            regions[r] = data
+            self.mailbox.attach(r, mail.tensor, ref)
+            for phase in EVENT_PHASES:
+                for p, handle_hex in enumerate(theirs["events"][phase][self.rank::self.num_ranks]):
+                    recv_events[f"{phase}.{p}"][r] = self._open_event(ref, handle_hex)
+        self.peers = peers
+        if self.backend == "cuda_ipc":
+            self.mover = self._cuda_mover(regions, recv_events)
+        else:
+            self.mover = HostMover(self.layout, self.rank, self._region.tensor, {r: reg.tensor for r, reg in regions.items()})
+
+    def _cuda_mover(self, regions: dict, recv_events: dict) -> CudaMover:
+        from warmlink.pool.events import lease_event
+        from warmlink.pool.streams import lease_stream
+
+        # One stream runs the destinations' copies back to back in issue order, each at the full
+        # rate of one copy engine; per-peer streams let them share the sender's egress.
+        own = self.num_ranks if self.copy_streams == "per-peer" else 1
+        leased = [lease_stream(self.device) for _ in range(own)]
+        streams = [leased[d % own] for d in range(self.num_ranks)]
+        local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS + 1)]  # + the combine's "reduced"
+        done = [lease_event(self.device) for _ in range(2 * PARITIES + 1)]
+        self.leases += leased + local + done
+        self.done_events = [e.resource.handle for e in done]
+        # not among self.leases: close() must not order the caller's stream after it (it may
+        # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
+        self.recv_stream = lease_stream(self.device)
+        self.reduced_event = local[-1].resource.handle
+        return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
+                         {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
+                         self.recv_stream.resource, [e.resource.handle for e in local[:-1]],
+                         self._send_events, recv_events, self.peers)
+
+    def _lease_events(self) -> dict:
+        from warmlink import _cuda
+        from warmlink.pool.events import lease_event
+
+        out = {}
+        for phase in EVENT_PHASES:  # the rank info's events[phase][p * R + d] (ep._info)
+            out[phase] = []
+            for p in range(PARITIES):
+                leases = [lease_event(self.device, interprocess=True) for _ in range(self.num_ranks)]
+                self.leases += leases
+                self._send_events[f"{phase}.{p}"] = [lease.resource.handle for lease in leases]
+                out[phase] += [_cuda.ipc_get_event_handle(lease.resource.handle).hex() for lease in leases]
+        return out
+
+    def _open_event(self, ref, handle_hex: str) -> int:
+        from warmlink import _cuda
+        from warmlink.pool.peers import mapping_cache
+
+        cache = mapping_cache("cuda_ipc_event", lambda key: _cuda.ipc_open_event_handle(bytes.fromhex(key[2]), key[3]),
+                              _cuda.event_destroy)
+        event, token = cache.acquire((ref.key, ref.process_id, handle_hex, self.device))
+        self._event_tokens.append((cache, token))
+        return event
+
+    def close(self, recv_failed: bool = False) -> None:
+        """Give regions, mappings, streams and events back to the pool. Idempotent. With
+        ``recv_failed`` the caller's stream is not ordered after the receive stream, which may wait
+        on a dead peer for good."""
+        mover, self.mover = self.mover, None
+        if mover is not None:
+            if self.device >= 0:
+                for lease in self.leases:
+                    if hasattr(lease.resource, "torch_stream"):
+                        torch.cuda.current_stream(self.device).wait_stream(lease.resource.torch_stream())
+            mover.close()
+        for cache, token in self._event_tokens:
+            cache.release(token)
+        self._event_tokens = []
+        for link, region in self._remotes:
+            link.close_region(region)
+        self._remotes = []
+        for lease in reversed(self.leases):
+            lease.release()
+        self.leases = []
+        if self.recv_stream is not None:  # drained by the pool, or destroyed if it cannot drain
+            if not recv_failed:  # its last reads of the region come before the region's reuse
+                torch.cuda.current_stream(self.device).wait_stream(self.recv_stream.resource.torch_stream())
+            self.recv_stream.release()
+            self.recv_stream = None
+        for name in ("_region", "_mail_region"):
+            region = getattr(self, name, None)
+            if region is not None:
+                (self.link if name == "_region" else self._mail_lease.resource).release(region)
+                setattr(self, name, None)
+        for name in ("_mail_lease", "_link_lease"):
+            lease = getattr(self, name, None)
+            if lease is not None:
+                lease.release()
+                setattr(self, name, None)
+        self.link = None
+
+
+def group_store(group, timeout_s: float | None, secret: str | None):
+    """``(store, rank, world size)`` for the ranks of a ``torch.distributed`` group: rank 0 starts
+    a store on loopback and sends its port and secret to the others in one ``broadcast`` of an
+    int64 tensor (nothing pickled). The caller owns the store. Collective over ``group``."""
+    import torch.distributed as dist
+
+    from warmlink.rendezvous import Store
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    limit = timeout_s if timeout_s is not None else _env.default_timeout_s()
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    store = (Store("127.0.0.1", 0, is_server=True, prefix="ep-group", timeout_s=limit, secret=secret)
+             if rank == 0 else None)
+    # [port, secret's length, its UTF-8 bytes one per element, zeros]: one broadcast, any backend
+    sent = [0] * (2 + _env.MAX_SECRET_BYTES)
+    if store is not None:
+        raw = store.secret.encode("utf-8")
+        sent[: 2 + len(raw)] = [store.port, len(raw), *raw]
+    meet = torch.tensor(sent, dtype=torch.int64, device=on)
+    dist.broadcast(meet, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if store is None:
+        port, nbytes, *raw = meet.tolist()
+        store = Store.connect(f"127.0.0.1:{port}", prefix="ep-group", timeout_s=limit,
+                              secret=bytes(raw[:nbytes]).decode("utf-8"))
+    return store, rank, world

@@ -1,0 +1,213 @@
+"""The SM pushes of ``CudaMover``: a fresh dispatch's plan, count exchange and push, and a cached
+dispatch's push, each launched eagerly once, then replayed as a CUDA graph (ep._kernels, Note [SM
+sends], Note [Fresh send graph]).
+
+``SmPushes`` is a part of ``CudaMover`` (ep._cuda_mover), kept apart because it is a concern of
+its own: it reads the mover's addresses, events, streams and host waits, and owns the call blocks,
+the count board's landing place and the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from warmlink._backoff import poll
+from warmlink.ep import _kernels
+from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Sources
+from warmlink.ep._regions import PARITIES, RegionLayout, board_words
+
+__all__ = ["SmPushes"]
+
+log = logging.getLogger("warmlink.ep")
+
+# words of a call block (CALL_SLOTS) a cached dispatch fills
+_ROWS, _X, _SCALES, _TOKENS = (CALL_SLOTS.index(name) for name in ("rows", "x", "scales", "tokens"))
+
+
+class SmPushes:
+    """``CudaMover``'s SM pushes; ``_init_pushes`` makes their state, ``_close_pushes`` destroys their graphs."""
+
+    layout: RegionLayout
+    rank: int
+    device: int
+    _cuda: object
+    _own: torch.Tensor
+    _ptrs: dict[int, int]
+    _offsets: dict[str, int]
+    _send_events: dict
+    _refs: dict
+    _host: torch.Tensor
+    _host_words: int
+    _counted: int
+    _recv_stream: torch.cuda.Stream
+
+    def _init_pushes(self, own: torch.Tensor, pinned: bool) -> None:
+        layout = self.layout
+        # SM sends (ep._kernels, Note [SM sends]): the board's landing place, the host word that ends a wait, and
+        # per parity the exchange's address tables (every rank's board, receive x and meta areas;
+        # then the push's bases, which the exchange writes), made once
+        self._board_row = board_words(layout.num_ranks)
+        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, pin_memory=pinned)
+        self._abort = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
+        self._tables: dict[int, torch.Tensor] = {}
+        # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
+        # its device copy), the plan's words, and per launch key the steps seen run eagerly once,
+        # then their graph
+        self._call_host = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, pin_memory=pinned)
+        self._call_words = self._call_host.numpy()
+        self._call = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, device=own.device)
+        self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
+        self._ran_eagerly: set[tuple] = set()
+        self._graphs: dict[tuple, object] = {}  # launch key -> graph executable
+        # a cached SM dispatch's call block per parity: the CALL_SLOTS words, then its x and meta
+        # bases per destination (its graph replays one push; round n + 2 rewrites round n's block
+        # once round n's push ran: _push_cached)
+        width = len(CALL_SLOTS) + 2 * layout.num_ranks
+        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
+        self._cached_words = self._cached_host.numpy()
+        self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
+
+    def _sm_tables(self, parity: int) -> torch.Tensor:
+        """The exchange's ``[5, R]`` address tables of ``parity`` (ep._kernels.fresh_front), made once."""
+        tables = self._tables.get(parity)
+        if tables is None:
+            ranks = range(self.layout.num_ranks)
+            at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("board", "recv_x", "recv_meta")}
+            rows = [[self._ptrs[r] + at[kind] for r in ranks] for kind in ("board", "recv_x", "recv_meta")]
+            tables = self._tables[parity] = torch.tensor(rows + [[0] * len(ranks)] * 2, dtype=torch.int64,
+                                                         device=self._own.device)
+        return tables
+
+    def send_sm(self, shape: FreshShape, call: tuple[int, ...], round_: int, phase: str, timeout_s: float,
+                graphs: bool = True) -> None:
+        """A fresh dispatch's whole send on the current stream, with no host wait: the exchange
+        kernel trades counts with the peers' exchange kernels through the boards, the board comes
+        to the host, and the push kernel stores every row in its destination; then every
+        destination's event. See Note [SM sends]. ``call``: the call block's words
+        (``_kernels.call_words``). With ``graphs``, the second call of a parity and shape on
+        replays graphs of those steps (Note [Fresh send graph])."""
+        parity = round_ % PARITIES
+        self._call_words[:] = call
+        self._abort_word[0] = 0
+        self._host_words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        key = (parity, shape, timeout_s)
+        current = self._current()
+        # two launches with the board's event between them: an event recorded by a graph node
+        # might read as the previous round's on the host
+        self._launch(("front", *key), lambda: self._fresh_front(key), graphs)
+        self._cuda.event_record(self._counted, current)
+        self._launch(("push", *key), lambda: _kernels.fresh_push(shape, self._call, self._sm_tables(parity)), graphs)
+        self._pushed(phase)
+
+    def _fresh_front(self, key: tuple) -> None:
+        """``send_sm``'s steps up to the board on the host, on the current stream: the call block
+        to the device, ``plan`` and ``exchange``, the plan's words and the board to the host."""
+        parity, shape, timeout_s = key
+        cuda, current = self._cuda, self._current()
+        cuda.memcpy_async(self._call.data_ptr(), self._call_host.data_ptr(), self._call_host.numel() * 8, current)
+        tables = self._sm_tables(parity)
+        _kernels.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
+        words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        cuda.memcpy_async(self._host.data_ptr(), self._words.data_ptr(), words * 8, current)
+        board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
+        cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
+
+    def _capture(self, steps):
+        """A CUDA graph of ``steps()``, captured on the receive stream (a capture needs a stream
+        other than the default one). The steps allocate nothing and compile nothing: they ran
+        eagerly before, with the same tables. A direct ``cudaGraphLaunch`` (``_cuda.graph_launch``)
+        costs about 7 us less host time than torch's ``CUDAGraph.replay`` (one-rank profile)."""
+        with torch.cuda.stream(self._recv_stream):
+            return self._cuda.graph_capture(self._current(), steps)
+
+    def sm_bases(self, dst_rows: list[int], parity: int, x_row_bytes: int) -> list[int]:
+        """``push``'s x bases, then its meta bases, per destination, for rows that start at
+        ``dst_rows[d]`` in each destination's areas of ``parity`` (a cached dispatch's)."""
+        cap, meta = self.layout.max_tokens, self.layout.meta_bytes
+        at = {kind: self._offsets[f"{kind}.{parity}"] for kind in ("recv_x", "recv_meta")}
+        return [self._ptrs[d] + at[kind] + (dst_rows[d] - d * cap) * size
+                for kind, size in (("recv_x", x_row_bytes), ("recv_meta", meta)) for d in range(self.layout.num_ranks)]
+
+    def send_sm_cached(self, rows: torch.Tensor, src: Sources, bases: list[int], parity: int, phase: str,
+                       timeout_s: float, graphs: bool = True) -> None:
+        """A cached dispatch's send on the current stream: the push kernel stores every row at
+        ``bases`` (``sm_bases``), then every destination's event (Note [SM sends]). Its values
+        travel in the parity's call block, so that from the second call of a parity and row shape
+        on one graph launch replays it (Note [Fresh send graph])."""
+        self._push_cached(rows, src, bases, parity, timeout_s, graphs)
+        self._pushed(phase)
+
+    def _push_cached(self, rows: torch.Tensor, src: Sources, bases: list[int], parity: int,
+                     timeout_s: float, graphs: bool) -> None:
+        """The push at ``bases`` from the parity's call block, eager once per key, then a graph.
+
+        The block is rewritten only once the push that last read it (round n - 2) ran: its own
+        send event, recorded right after it on the stream it ran on, completed. On one stream
+        round n - 1's ``wait_begun`` already proved that; the event covers a caller that changes
+        streams between rounds."""
+        last = self._send_events[f"dispatch.{parity}"][self.rank]
+        if not self._cuda.event_query(last):
+            self._poll(lambda: self._cuda.event_query(last), timeout_s, lambda: (
+                f"ep: the cached dispatch two rounds back (parity {parity}) did not run on cuda:{self.device} within "
+                f"{timeout_s:.3g} s; its call block cannot be rewritten"))
+        block = self._cached_words[parity]
+        block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
+        block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
+        block[len(CALL_SLOTS):] = bases
+        key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
+        self._launch(key, lambda: self._cached_push(key), graphs)
+
+    def _pushed(self, phase: str) -> None:
+        """Every destination's event of ``phase`` after an SM push, on the current stream (the
+        push stored every destination's rows: ``sent``'s per-destination copy streams do not apply)."""
+        current = self._current()
+        for event in self._send_events[phase]:
+            self._cuda.event_record(event, current)
+
+    def _cached_push(self, key: tuple) -> None:
+        _, parity, x_words, num_scales = key
+        cuda, current, call, r = self._cuda, self._current(), self._cached_call[parity], self.layout.num_ranks
+        cuda.memcpy_async(call.data_ptr(), self._cached_host[parity].data_ptr(), call.numel() * 8, current)
+        n = len(CALL_SLOTS)
+        _kernels.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
+                                self.layout.meta_bytes, None, None)
+
+    def _launch(self, key: tuple, steps, graphs: bool) -> None:
+        """``steps()`` on the current stream: eagerly the first time for ``key``, then (with
+        ``graphs``) as a graph captured once."""
+        graph = self._graphs.get(key) if graphs else None
+        if graph is None and graphs and key in self._ran_eagerly:
+            graph = self._graphs[key] = self._capture(steps)
+        if graph is not None:
+            self._cuda.graph_launch(graph, self._current())
+        else:
+            steps()
+            self._ran_eagerly.add(key)
+
+    def wait_board(self, round_: int, timeout_s: float, check=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(plan words, board [R, board_words])`` of ``send_sm``'s round, host-polled with a
+        deadline; every 5 ms the peers' liveness and ``check()`` (which raises to give up). Giving
+        up ends the exchange kernel's wait first, so no kernel is left waiting on a peer."""
+        query, counted = self._cuda.event_query, self._counted
+        try:
+            self._poll(lambda: query(counted), timeout_s, lambda: (
+                f"ep: the dispatch's count exchange on cuda:{self.device} did not complete within {timeout_s:.3g} s"),
+                watch=list(self._refs), lost="before the dispatch's count exchange", check=check)
+        except BaseException:
+            self._abort_word[0] = round_
+            poll(lambda: query(counted), 5.0, first_s=1e-4, cap_s=1e-4)
+            raise
+        board = self._board_host.numpy().reshape(self.layout.num_ranks, self._board_row)
+        return self._host[:self._host_words].numpy().copy(), board.copy()
+
+    def _close_pushes(self) -> None:
+        graphs, self._graphs = self._graphs, {}  # they write into this Buffer's mappings
+        for graph in graphs.values():
+            try:
+                self._cuda.graph_destroy(graph)
+            except Exception as exc:  # a broken context: the driver frees it with the context
+                log.warning("ep: could not destroy a fresh-send graph at close: %s", exc)

@@ -1,0 +1,101 @@
+"""A Buffer's choices (ep._options): each from its argument, the environment only when the argument
+is None, and a bad value refused before anything is leased, naming the argument and the choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from warmlink.ep._options import Options, resolve_options
+from warmlink.ep._senders import SENDERS, CopyEngineSender, HostSender, SmSender
+from warmlink.errors import ConfigError
+
+EP_VARIABLES = ("WARMLINK_EP_SEND", "WARMLINK_EP_GRAPH", "WARMLINK_EP_COPY_STREAMS")
+
+
+@pytest.fixture(autouse=True)
+def _no_ep_variables(monkeypatch):
+    for name in EP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults_follow_the_backend_and_the_group_size():
+    assert resolve_options(4, "cuda_ipc") == Options(send="sm", graphs=True, copy_streams="one", combine_parts=4)
+    assert resolve_options(2, "cuda_ipc").combine_parts == 1
+    assert resolve_options(4, "shm") == Options(send="host", graphs=False, copy_streams="one", combine_parts=4)
+
+
+def test_the_environment_supplies_a_default_only_when_the_argument_is_none(monkeypatch):
+    monkeypatch.setenv("WARMLINK_EP_SEND", "copy")
+    monkeypatch.setenv("WARMLINK_EP_GRAPH", "0")
+    monkeypatch.setenv("WARMLINK_EP_COPY_STREAMS", "per-peer")
+    assert resolve_options(4, "cuda_ipc") == Options(send="copy", graphs=False, copy_streams="per-peer", combine_parts=4)
+    assert resolve_options(4, "cuda_ipc", send="sm", graphs=True, copy_streams="one") == Options(
+        send="sm", graphs=True, copy_streams="one", combine_parts=4)
+
+
+def test_an_argument_given_never_reads_its_variable(monkeypatch):
+    for name in EP_VARIABLES:
+        monkeypatch.setenv(name, "bogus")
+    chosen = resolve_options(3, "cuda_ipc", send="copy", graphs=False, copy_streams="per-peer", combine_parts=2)
+    assert chosen == Options(send="copy", graphs=False, copy_streams="per-peer", combine_parts=2)
+    with pytest.raises(ConfigError, match="WARMLINK_EP_SEND='bogus'"):
+        resolve_options(3, "cuda_ipc", graphs=False, copy_streams="per-peer")
+
+
+def test_shm_reads_none_of_the_cuda_variables(monkeypatch):
+    for name in EP_VARIABLES:
+        monkeypatch.setenv(name, "bogus")
+    assert resolve_options(2, "shm") == Options(send="host", graphs=False, copy_streams="one", combine_parts=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"send": "dma"}, r"send='dma' is unknown; expected one of \['sm', 'copy', 'host'\]"),
+    ({"send": "host"}, r"send='host' does not fit backend='cuda_ipc'; expected one of \['sm', 'copy'\]"),
+    ({"graphs": 1}, r"graphs=1; expected True, False or None"),
+    ({"graphs": "yes"}, r"graphs='yes'; expected True, False or None"),
+    ({"copy_streams": "two"}, r"copy_streams='two' is unknown; expected one of \['one', 'per-peer'\]"),
+    ({"combine_parts": 0}, r"combine_parts=0; expected an int in \[1, 4\]"),
+    ({"combine_parts": 5}, r"combine_parts=5; expected an int in \[1, 4\]"),
+    ({"combine_parts": True}, r"combine_parts=True; expected an int in \[1, 4\]"),
+])
+def test_a_bad_value_names_the_argument_and_the_choices(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_options(4, "cuda_ipc", **kwargs)
+
+
+@pytest.mark.parametrize("send", ["sm", "copy"])
+def test_a_cuda_sender_on_shm_is_refused(send):
+    with pytest.raises(ConfigError, match=rf"send='{send}' does not fit backend='shm'; expected one of \['host'\]"):
+        resolve_options(2, "shm", send=send)
+
+
+def test_every_choice_has_its_sender():
+    assert SENDERS == {"sm": SmSender, "copy": CopyEngineSender, "host": HostSender}
+    assert {name: cls.name for name, cls in SENDERS.items()} == {name: name for name in SENDERS}
+    assert SmSender.by_sm(None, hook=False)
+    assert not SmSender.by_sm(None, hook=True)  # a call with a hook goes through the copy engines
+    assert not CopyEngineSender.by_sm(None, hook=False) and not HostSender.by_sm(None, hook=False)
+
+
+def test_a_buffer_refuses_a_bad_choice_before_it_leases_anything():
+    from warmlink import pool
+    from warmlink.ep import Buffer
+
+    before = {k: v["created"] for k, v in pool.stats().items()}
+    with pytest.raises(ConfigError, match=r"ep.Buffer: send='dma' is unknown"):
+        Buffer(None, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, backend="shm", send="dma")
+    assert {k: v["created"] for k, v in pool.stats().items()} == before
+
+
+def test_a_buffer_reports_its_choices():
+    from warmlink.ep import Buffer
+    from warmlink.rendezvous import Store
+
+    store = Store(is_server=True, prefix="ep-options", timeout_s=10)
+    try:
+        with Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, backend="shm", timeout_s=10,
+                    combine_parts=2) as buf:
+            assert (buf.send, buf.graphs, buf.copy_streams, buf.combine_parts) == ("host", False, "one", 2)
+            assert "send='host'" in repr(buf)
+    finally:
+        store.close()
