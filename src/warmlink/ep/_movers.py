@@ -41,7 +41,7 @@ own with one push, replayed from the parity's call block (ep._kernels, Note [Fre
 in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
-never a hung caller's stream). Rows move as int64 words: a row is a multiple of 128 channels.
+never a hung caller's stream). Rows move as int64 words: a row is a multiple of 8 channels.
 
 # Note [Receive work on its own stream]
 The receive work (the unpack, the combine's sum) is launched before the bytes land, on this
@@ -195,7 +195,7 @@ class HostMover(_Gathers):
             then()
 
     def combine_counts(self, counts: list[int], parity: int, timeout_s: float) -> torch.Tensor:
-        return torch.tensor(counts, dtype=torch.int64)
+        return torch.tensor(counts, dtype=torch.int64, device="cpu")
 
     def close(self) -> None:
         self._views = None
@@ -242,22 +242,23 @@ class CudaMover(_Gathers):
         self._recv_events = recv_events
         self._refs = peer_refs
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
-        # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
+        # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes).
+        # Host tensors name the CPU: a caller's torch.set_default_device("cuda") must not move them
         pinned = torch.cuda.is_available()
-        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, pin_memory=pinned)
+        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._host_words = 0
         # SM sends (Note [SM sends]): the board's landing place, the host word that ends a wait, and
         # per parity the exchange's address tables (every rank's board, receive x and meta areas;
         # then the push's bases, which the exchange writes), made once
         self._board_row = board_words(layout.num_ranks)
-        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, pin_memory=pinned)
-        self._abort = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
         # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
         # its device copy), the plan's words, and per launch key the steps seen run eagerly once,
         # then their graph
-        self._call_host = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, pin_memory=pinned)
+        self._call_host = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._call_words = self._call_host.numpy()
         self._call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64, device=own.device)
         self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
@@ -267,11 +268,11 @@ class CudaMover(_Gathers):
         # bases per destination (its graph replays one push; round n + 2 rewrites round n's block
         # once round n's push ran: _push_cached)
         width = len(_kernels.CALL_SLOTS) + 2 * layout.num_ranks
-        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
+        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._cached_words = self._cached_host.numpy()
         self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
         # a combine's per-rank counts per parity, pinned and on the device (combine_counts)
-        self._counts_host = torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, pin_memory=pinned)
+        self._counts_host = torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._counts_words = self._counts_host.numpy()
         self._counts_ptrs = [row.data_ptr() for row in self._counts_host]
         self._counts = list(torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, device=own.device))
