@@ -62,6 +62,7 @@ from warmlink.ep._movers import CudaMover, HostMover, as_words
 from warmlink.ep._reduce import PARTS, combine_sum, part_bounds, part_phase, part_sums
 from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.event import EventOverlap, wait_for
+from warmlink.ep.fp8 import num_scales
 from warmlink.ep.handle import Handle, fill_plan, per_expert_list, plan_from_board
 from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError, MetadataError
@@ -97,7 +98,7 @@ class Buffer(Closing):
             of times).
         rank, num_ranks: this rank and the group size.
         max_tokens_per_rank: the largest batch any rank dispatches.
-        hidden: channels per token (a multiple of 128).
+        hidden: channels per token (a multiple of 8).
         num_topk: experts per token (the most any call passes).
         device: CUDA device (default: the current one, or host memory when CUDA is absent or
             ``backend="shm"``).
@@ -372,7 +373,7 @@ class Buffer(Closing):
         """Send each token once to every rank holding one of its experts.
 
         Args:
-            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, hidden // 128])``,
+            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, ceil(hidden / 128)])``,
                 of the same dtype on every rank.
             handle: a previous dispatch's handle: re-send with the same routing, skipping the layout
                 and the count exchange (``topk_*`` are then not sent).
@@ -675,7 +676,7 @@ class Buffer(Closing):
         kt, dev = handle.num_topk, x.device
         idx = torch.empty(rows, kt, dtype=torch.int64, device=dev) if with_topk else None
         w = torch.empty(rows, kt, dtype=torch.float32, device=dev) if with_weights else None
-        scales = torch.empty(rows, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
+        scales = torch.empty(rows, num_scales(lay.hidden), dtype=torch.float32, device=dev) if fp8 else None
         received = (idx, w, scales)
         if rows > total:  # padded: the receive work fills the first rows, the rest are filled now
             for t, fill in ((idx, -1), (w, 0)):
