@@ -11,12 +11,11 @@ copies (gloo), the only change to the checks' own arithmetic.
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_workers import gloo_group
 from tests.ep._deep_ep_utils import calc_diff, inplace_unique, per_token_cast_back, per_token_cast_to_fp8
 
 
@@ -196,25 +195,22 @@ def intranode_rank(rank: int, num_ranks: int, store, case: dict) -> int:
     """One rank of the test (``_group.run_ranks``; the store it passes is not used: the Buffer
     makes its own from the group). ``case``: num_tokens, hidden, num_topk, num_experts, dist_port,
     cuda, and num_nvl_bytes (None: the largest hint of DeepEP's recommended configs)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{case['dist_port']}", rank=rank, world_size=num_ranks,
-                            timeout=datetime.timedelta(seconds=120))
     try:
-        if case["cuda"]:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        torch.set_default_dtype(torch.bfloat16)
-        torch.set_default_device("cuda" if case["cuda"] else "cpu")
-        group = dist.new_group(list(range(num_ranks)))
-        num_nvl_bytes = case.get("num_nvl_bytes") or max(
-            config.get_nvl_buffer_size_hint(case["hidden"] * 2, num_ranks)
-            for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
-        buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
-                                explicitly_destroy=True, allow_mnnvl=False)
-        torch.manual_seed(rank)
-        passed = test_main(case, 24, rank, num_ranks, rank, buffer, group)
-        buffer.destroy()
-        dist.barrier()
-        return passed
+        with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+            torch.set_default_dtype(torch.bfloat16)  # as DeepEP's init_dist, after the group
+            torch.set_default_device("cuda" if case["cuda"] else "cpu")
+            if case["cuda"]:
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            num_nvl_bytes = case.get("num_nvl_bytes") or max(
+                config.get_nvl_buffer_size_hint(case["hidden"] * 2, num_ranks)
+                for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
+            buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
+                                    explicitly_destroy=True, allow_mnnvl=False)
+            torch.manual_seed(rank)
+            passed = test_main(case, 24, rank, num_ranks, rank, buffer, group)
+            buffer.destroy()
+            dist.barrier()
+            return passed
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)
-        dist.destroy_process_group()

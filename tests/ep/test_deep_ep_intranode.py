@@ -5,28 +5,21 @@ on CPU over shared memory at small shapes, and on a GPU at DeepEP's own shape (4
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from tests.ep._deep_ep_intranode import intranode_rank
+from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 
 # what test_main runs: (previous_event or not) x (async or not) x 4 kinds of x x (top-k or not)
 SETTINGS = 2 * 2 * 4 * 2
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("num_ranks,hidden", [(2, 256), (2, 2880)])
 def test_deep_eps_intranode_checks_pass_on_cpu(num_ranks, hidden):
     case = {"num_tokens": 48, "hidden": hidden, "num_topk": 4, "num_experts": 6 * num_ranks, "cuda": False,
-            "dist_port": _port()}
+            "dist_port": free_port()}
     assert run_ranks(intranode_rank, num_ranks, case=case, timeout_s=240) == [SETTINGS] * num_ranks
 
 
@@ -35,5 +28,5 @@ def test_deep_eps_intranode_checks_pass_on_cpu(num_ranks, hidden):
 @pytest.mark.parametrize("num_ranks", [2, 4])
 def test_deep_eps_intranode_checks_pass_on_gpu_at_deep_eps_shape(num_ranks):
     case = {"num_tokens": 4096, "hidden": 7168, "num_topk": 8, "num_experts": 256, "cuda": True,
-            "num_nvl_bytes": int(2e9), "dist_port": _port()}
+            "num_nvl_bytes": int(2e9), "dist_port": free_port()}
     assert run_ranks(intranode_rank, num_ranks, case=case, timeout_s=600) == [SETTINGS] * num_ranks
