@@ -229,3 +229,38 @@ def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
         attempt("after_destroy", lambda: buffer.combine(recv_x, handle))
         out["held"] = held
     return out
+
+
+def _packed_fp8(case: dict, rank: int):
+    """Rank ``rank``'s FP8 x as raw random bytes (NaN patterns included) and UE8M0 scales as random
+    int32 words over their whole range: every bit pattern must arrive as sent."""
+    gen = torch.Generator().manual_seed(case["seed"] * 100 + 50 + rank)
+    t, h = case["tokens"], case["hidden"]
+    values = torch.randint(0, 256, (t, h), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    cols = -(-(-(-h // 128)) // 4)  # ceil(ceil(h / 128) / 4): four exponents a word
+    words = torch.randint(-(1 << 31), 1 << 31, (t, cols), generator=gen, dtype=torch.int64)
+    return values, words.to(torch.int32)
+
+
+def packed_scales_arrive_bit_for_bit(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """A fresh and a cached dispatch of FP8 x with packed UE8M0 scales; compares what arrives with
+    the rows every source sent this rank (source rank, then token order), bit for bit."""
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        buffer = deep_ep.Buffer(group, case["num_nvl_bytes"], explicitly_destroy=True)
+        _, idx, _ = routed(case, rank)
+        layout = buffer.get_dispatch_layout(idx, case["experts"])
+        x = _packed_fp8(case, rank)
+        (recv_values, recv_words), *_, handle, _ = buffer.dispatch(
+            x, topk_idx=idx, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+        cached_values, cached_words = buffer.dispatch(x, handle=handle)[0]
+        sent = []
+        for s in range(num_ranks):
+            here = ranks_of(routed(case, s)[1], case["experts"], num_ranks)[:, rank]
+            values, words = _packed_fp8(case, s)
+            sent.append((values.view(torch.uint8)[here], words[here]))
+        want_values = torch.cat([v for v, _ in sent])
+        want_words = torch.cat([w for _, w in sent])
+        buffer.destroy()
+        return {"dtype": str(recv_words.dtype), "rows": want_words.shape[0],
+                "fresh": torch.equal(recv_values.view(torch.uint8), want_values) and torch.equal(recv_words, want_words),
+                "cached": torch.equal(cached_values.view(torch.uint8), want_values) and torch.equal(cached_words, want_words)}

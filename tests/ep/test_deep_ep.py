@@ -10,7 +10,13 @@ import pytest
 import torch
 
 import warmlink.ep.deep_ep as deep_ep
-from tests.ep._deep_ep_workers import bias_and_refusals, free_port, megatron_steps, outputs_outlive_later_calls
+from tests.ep._deep_ep_workers import (
+    bias_and_refusals,
+    free_port,
+    megatron_steps,
+    outputs_outlive_later_calls,
+    packed_scales_arrive_bit_for_bit,
+)
 from tests.ep._group import run_ranks
 from warmlink.ep.deep_ep.sizing import needed_bytes, tokens_within
 from warmlink.errors import ConfigError
@@ -156,3 +162,10 @@ def test_bias_is_added_and_calls_the_buffer_cannot_hold_are_refused_on_every_ran
         assert got["bias_shape"].startswith("ConfigError") and "bias Tensor of shape (1, 128)" in got["bias_shape"]
         assert got["round_after"] == "ok"
         assert got["after_destroy"] == "ConfigError: deep_ep.Buffer.combine: the buffer was destroyed"
+
+
+def test_fp8_with_ue8m0_scales_packed_in_int32_arrives_bit_for_bit():
+    case = {"tokens": 30, "hidden": 2880, "experts": 4, "topk": 2, "seed": 11, "dist_port": free_port(),
+            "num_nvl_bytes": 1 << 22}
+    for got in run_ranks(packed_scales_arrive_bit_for_bit, 2, case=case, timeout_s=120):
+        assert got["dtype"] == "torch.int32" and got["rows"] > 0 and got["fresh"] and got["cached"], got
