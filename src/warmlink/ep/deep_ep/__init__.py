@@ -12,7 +12,7 @@
 ``Buffer``, ``Config``, ``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` are DeepEP's names;
 ``utils`` holds the event classes where Megatron imports them (``deep_ep.utils``). What differs
 from DeepEP, and which arguments are accepted but unused, each docstring says; the memory model
-is in ``deep_ep.sizing``. Not here: low-latency mode, internode (RDMA) mode, ``get_comm_stream``
+is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). Not here: low-latency mode, internode (RDMA) mode, ``get_comm_stream``
 and ``get_local_buffer_tensor`` (warmlink has no communication stream or ring buffer to expose).
 """
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep.deep_ep import utils
+from warmlink.ep.deep_ep import sizing, utils
 from warmlink.ep.deep_ep.buffer import Buffer
 from warmlink.ep.deep_ep.config import Config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "utils"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "sizing", "topk_idx_t", "utils"]
 
 topk_idx_t = torch.int64  # DeepEP's expert-id dtype (its default build)
