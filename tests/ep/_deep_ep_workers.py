@@ -214,6 +214,7 @@ def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
         out["one_bias"] = torch.equal(buffer.combine(recv_x, handle, bias=b0)[0], (plain.float() + 0.5).to(plain.dtype))
         out["two_biases"] = torch.equal(buffer.combine(recv_x, handle, bias=(b0, b1))[0],
                                         (plain.float() + 0.5 + b1.float()).to(plain.dtype))
+        inner = buffer.warmlink_buffer
         held = tokens_within(case["num_nvl_bytes"], num_ranks, case["hidden"], case["topk"])  # what the budget holds
         more = x.repeat(-(-(held + 1) // x.shape[0]), 1)[:held + 1]
         more_idx = idx.repeat(-(-(held + 1) // idx.shape[0]), 1)[:held + 1]
@@ -228,6 +229,7 @@ def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
         buffer.destroy()
         attempt("after_destroy", lambda: buffer.combine(recv_x, handle))
         out["held"] = held
+        out["built"] = {"max_tokens": inner.layout.max_tokens, "nbytes": inner.layout.nbytes}
     return out
 
 

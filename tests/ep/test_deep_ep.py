@@ -135,6 +135,10 @@ def test_destroy_needs_explicitly_destroy_as_in_deep_ep():
     buffer.destroy()
     with pytest.raises(ConfigError, match="destroyed"):
         buffer.get_dispatch_layout(torch.zeros(1, 2, dtype=torch.int64), 4)
+    with deep_ep.Buffer(_Group(2), 1 << 20) as scoped:  # warmlink's close, whatever explicitly_destroy says
+        assert scoped.warmlink_buffer is None  # built by the first dispatch only
+    with pytest.raises(ConfigError, match="destroyed"):
+        scoped.get_dispatch_layout(torch.zeros(1, 2, dtype=torch.int64), 4)
 
 
 # -- spawned ranks -------------------------------------------------------------------------------
@@ -161,6 +165,9 @@ def test_bias_is_added_and_calls_the_buffer_cannot_hold_are_refused_on_every_ran
         assert got["plain_tuple_handle"].startswith("ConfigError: deep_ep.Buffer.combine: handle is a tuple")
         assert got["bias_shape"].startswith("ConfigError") and "bias Tensor of shape (1, 128)" in got["bias_shape"]
         assert got["round_after"] == "ok"
+        # built within the budget, as large as it holds
+        assert got["built"] == {"max_tokens": got["held"], "nbytes": needed_bytes(got["held"], 2, 128, 2)}, got
+        assert needed_bytes(got["held"], 2, 128, 2) <= case["num_nvl_bytes"] < needed_bytes(got["held"] + 1, 2, 128, 2)
         assert got["after_destroy"] == "ConfigError: deep_ep.Buffer.combine: the buffer was destroyed"
 
 

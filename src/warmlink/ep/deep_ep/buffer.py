@@ -16,6 +16,9 @@ ranks that call then ends in ``TransferTimeout`` after the Buffer's timeout.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 
 from warmlink.ep import Buffer as _EPBuffer
@@ -276,17 +279,39 @@ class Buffer:
         if not self.explicitly_destroy:
             raise ConfigError("deep_ep.Buffer.destroy: explicitly_destroy=False; a Buffer made without "
                               "explicitly_destroy=True is released when collected")
-        self._release()
+        self.close()
 
-    def _release(self) -> None:
+    def close(self) -> None:
+        """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
+        Collective, as ``destroy``."""
         self._destroyed = True
         inner, self._inner = self._inner, None
         if inner is not None:
             inner.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_inner", None) is not None:
-            self._release()  # the warmlink Buffer warns itself when an explicit destroy was skipped
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
+        """Release when collected, as DeepEP does without ``explicitly_destroy``; with it, warn first."""
+        if getattr(self, "_inner", None) is None or _finalizing():
+            return
+        if self.explicitly_destroy:
+            warnings.warn(f"{self!r} was not destroyed; call destroy() (explicitly_destroy=True)", ResourceWarning,
+                          stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # best effort: a peer may be gone already
+            pass
+
+    @property
+    def warmlink_buffer(self) -> _EPBuffer | None:
+        """The ``warmlink.ep.Buffer`` inside (None before the first dispatch): its ``layout`` (sizes,
+        ``nbytes``) and ``last_phases`` (timings). Not DeepEP's; owned by this Buffer."""
+        return self._inner
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else ("built" if self._inner is not None else "not built yet")
