@@ -215,9 +215,9 @@ class Buffer:
             raise ConfigError("deep_ep.Buffer.dispatch: topk_weights without topk_idx; pass both or neither")
         rows = tokens[0] if isinstance(tokens, tuple) else tokens
         with_topk = topk_idx is not None
+        inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0)
         if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone
             topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
-        inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) else 0)
         recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
             tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
