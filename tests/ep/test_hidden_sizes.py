@@ -4,7 +4,6 @@ carries one scale per 128 channels with the last block partial, as DeepEP's cast
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.ep._group import run_ranks
 from tests.ep._workers import dispatch_combine

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import warmlink.ep.deep_ep as deep_ep
 from tests.ep._deep_ep_workers import free_port, run_snippet
 from tests.ep._group import run_ranks
-import warmlink.ep.deep_ep as deep_ep
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
