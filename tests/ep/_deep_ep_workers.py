@@ -140,13 +140,18 @@ def megatron_steps(rank: int, num_ranks: int, store, case: dict) -> list[str]:
     """Forward and backward through ``FusedDispatch`` / ``FusedCombine`` with an expert that scales
     rank ``r``'s rows by ``r + 1`` and a loss on the local experts' probabilities weighted by
     ``10 * (r + 1)``; every output and gradient is checked against its value from the routing.
-    Returns what was checked, per step."""
+    ``case["cuda"]``: on GPU ``rank % device_count`` (ranks may share one). Returns what was
+    checked, per step."""
     global _buffer
+    on = torch.device("cpu")
+    if case.get("cuda"):
+        on = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(on)
     checked = []
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
         _buffer = None
         for step, async_finish in enumerate((False, True, False)):
-            x, idx, probs = routed(dict(case, seed=case["seed"] + step), rank)
+            x, idx, probs = (t.to(on) for t in routed(dict(case, seed=case["seed"] + step), rank))
             x.requires_grad_(True)
             probs.requires_grad_(True)
             recv_x, recv_idx, recv_probs, tokens_per_expert, handle = FusedDispatch.apply(
@@ -155,19 +160,19 @@ def megatron_steps(rank: int, num_ranks: int, store, case: dict) -> list[str]:
             combined, _ = FusedCombine.apply(hidden, group, handle, async_finish)
             grad_out = torch.randint(-2, 3, combined.shape, generator=torch.Generator().manual_seed(rank + step))
             local = (recv_idx >= 0).float()
-            loss = (combined.float() * grad_out).sum() + (recv_probs * local).sum() * 10 * (rank + 1)
+            loss = (combined.float() * grad_out.to(on)).sum() + (recv_probs * local).sum() * 10 * (rank + 1)
             loss.backward()
 
-            epr = case["experts"] // num_ranks
+            idx, epr = idx.cpu(), case["experts"] // num_ranks
             where = ranks_of(idx, case["experts"], num_ranks)
             scale = (where.float() * torch.arange(1, num_ranks + 1)).sum(1, keepdim=True)  # sum of r + 1 over its ranks
-            assert torch.equal(combined, (x.detach().float() * scale).to(torch.bfloat16)), f"step {step}: combined"
-            assert torch.equal(x.grad, (grad_out * scale).to(torch.bfloat16)), f"step {step}: x.grad"
+            assert torch.equal(combined.cpu(), (x.detach().cpu().float() * scale).to(torch.bfloat16)), f"step {step}: combined"
+            assert torch.equal(x.grad.cpu(), (grad_out * scale).to(torch.bfloat16)), f"step {step}: x.grad"
             owner = torch.where(idx >= 0, idx // epr + 1, 0).float() * 10  # the loss weight of each slot's rank
-            assert torch.equal(probs.grad, owner), f"step {step}: probs.grad"
+            assert torch.equal(probs.grad.cpu(), owner), f"step {step}: probs.grad"
             assert tokens_per_expert.sum().item() == int((recv_idx >= 0).sum()), f"step {step}: tokens per expert"
             checked.append(f"step {step} async={async_finish}: combined, x.grad, probs.grad")
-        _buffer.destroy() if _buffer.explicitly_destroy else None
+        _buffer.close()  # Megatron keeps its buffer for the process's life; the test releases it here
         _buffer = None
     return checked
 

@@ -148,6 +148,16 @@ def test_megatrons_autograd_dispatcher_with_a_buffer_sized_from_the_hint():
     assert all(len(steps) == 3 for steps in results), results
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_megatrons_autograd_dispatcher_with_a_buffer_sized_from_the_hint():
+    # a hint-sized budget at hidden 7168 and 2 ranks holds 576 tokens per rank (README, "DeepEP code, unchanged")
+    case = {"tokens": 512, "hidden": 7168, "experts": 256, "topk": 8, "mask_prob": 0.05, "seed": 3, "cuda": True,
+            "dist_port": free_port()}
+    results = run_ranks(megatron_steps, 2, case=case, timeout_s=300)
+    assert all(len(steps) == 3 for steps in results), results
+
+
 def test_outputs_are_fresh_tensors_that_later_calls_leave_alone():
     case = {"tokens": 24, "hidden": 128, "experts": 4, "topk": 2, "seed": 5, "dist_port": free_port(),
             "num_nvl_bytes": _hint(2, 256)}
