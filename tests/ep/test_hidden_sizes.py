@@ -4,6 +4,7 @@ carries one scale per 128 channels with the last block partial, as DeepEP's cast
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.ep._group import run_ranks
 from tests.ep._workers import dispatch_combine
@@ -33,3 +34,12 @@ def test_a_hidden_size_that_is_not_whole_8_byte_words_is_refused(hidden):
 def test_gpt_oss_hidden_size_dispatches_and_combines_exactly():
     case = {"tokens": [11, 7], "hidden": 2880, "experts": 8, "topk": 4, "seed": 9, "cached": True, "rounds": 2}
     check_against_reference(case, run_ranks(dispatch_combine, 2, case=case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gpt_oss_hidden_size_dispatches_and_combines_exactly(dtype):
+    case = {"tokens": [300, 77], "hidden": 2880, "experts": 16, "topk": 4, "seed": 9, "cached": True, "rounds": 2,
+            "dtype": dtype, "backend": "cuda_ipc"}
+    check_against_reference(case, run_ranks(dispatch_combine, 2, case=case, timeout_s=180))

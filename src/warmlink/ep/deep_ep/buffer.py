@@ -10,8 +10,10 @@ is collective as the constructor is, from that call's hidden size, the widest to
 (the call's, or an earlier ``get_dispatch_layout``'s) and the most tokens per rank that fit
 ``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``. Every rank computes the same sizes.
 A later call with another hidden size, a wider top-k or more tokens than fit raises
-``ConfigError`` naming the budget and the bytes it would need, before any byte moves; on the other
-ranks that call then ends in ``TransferTimeout`` after the Buffer's timeout.
+``ConfigError`` naming the budget and the bytes it would need, before any byte moves. Every rank
+raises when every rank's call is refused (hidden and top-k are the same on every rank); a rank
+whose batch alone is too large raises alone, and its peers' call ends in ``TransferTimeout`` after
+the Buffer's timeout (checking every rank's batch on every call would cost a collective).
 """
 
 from __future__ import annotations
