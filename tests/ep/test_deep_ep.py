@@ -60,6 +60,15 @@ def test_a_group_is_required_and_rdma_bytes_across_nodes_are_refused():
     assert (within.group_size, within.num_nvl_bytes, within.num_rdma_bytes) == (8, 1 << 20, 1024)
 
 
+@pytest.mark.parametrize("name,why", [("low_latency_dispatch", "low-latency mode"),
+                                      ("get_low_latency_rdma_size_hint", "low-latency mode"),
+                                      ("internode_dispatch", "one node"), ("get_comm_stream", "no communication stream")])
+def test_deep_ep_methods_that_are_not_here_raise_saying_why(name, why):
+    buffer = deep_ep.Buffer(_Group(2), 1 << 20)
+    with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: not supported; .*{why}"):
+        getattr(buffer, name)(16, 7168, 2, 256)
+
+
 def test_size_hints_are_deep_eps():
     # DeepEP's own C++ (Config::get_nvl_buffer_size_hint at dd758ca) gives 335709824 bytes here, the
     # 0.31 GiB Megatron asks for at 8 ranks and hidden 7168; within one node the RDMA hint is 0

@@ -26,6 +26,7 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
 from warmlink.ep.deep_ep import sizing
+from warmlink.ep.deep_ep.absent import INTERNODE, LOW_LATENCY, NO_STREAM, not_here
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle
@@ -224,7 +225,7 @@ class Buffer:
             tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
             expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
-        out = DispatchHandle(self._rank_prefix_matrix(inner_handle, rows.device), is_token_in_rank, inner_handle, inner)
+        out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
         if not with_topk:
             recv_idx = recv_w = None
         return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, _event(async_finish)
@@ -320,6 +321,17 @@ class Buffer:
         return (f"deep_ep.Buffer(rank={self.rank}/{self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, {state}, "
                 f"inner={self._inner!r})")
 
+    # -- DeepEP's methods that are not here -------------------------------------------------------
+    get_low_latency_rdma_size_hint = not_here("get_low_latency_rdma_size_hint", LOW_LATENCY)
+    low_latency_dispatch = not_here("low_latency_dispatch", LOW_LATENCY)
+    low_latency_combine = not_here("low_latency_combine", LOW_LATENCY)
+    clean_low_latency_buffer = not_here("clean_low_latency_buffer", LOW_LATENCY)
+    get_next_low_latency_combine_buffer = not_here("get_next_low_latency_combine_buffer", LOW_LATENCY)
+    internode_dispatch = not_here("internode_dispatch", INTERNODE)
+    internode_combine = not_here("internode_combine", INTERNODE)
+    get_comm_stream = not_here("get_comm_stream", NO_STREAM)
+    get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_STREAM)
+
     # -- helpers ---------------------------------------------------------------------------------
     def _check_usable(self, func: str) -> None:
         if self._destroyed:
@@ -370,10 +382,4 @@ class Buffer:
                 raise ConfigError(f"deep_ep.Buffer.combine: bias {type(b).__name__} of shape {tuple(getattr(b, 'shape', ()))} "
                                   f"on {getattr(b, 'device', '?')}; expected a tensor of shape {shape} on {x.device}")
         return biases
-
-    @staticmethod
-    def _rank_prefix_matrix(inner_handle, device: torch.device) -> torch.Tensor:
-        """DeepEP's ``rank_prefix_matrix``: ``[R, R]`` int32, rows ranks ``0..s`` send each rank."""
-        counts = torch.tensor(inner_handle.count_matrix, dtype=torch.int32, device="cpu")
-        return counts.cumsum(0, dtype=torch.int32).to(device)
 

@@ -33,6 +33,13 @@ class DispatchHandle(tuple):
         self.owner = owner
         return self
 
+    @classmethod
+    def of(cls, inner, is_token_in_rank: torch.Tensor, owner, device: torch.device) -> "DispatchHandle":
+        """The handle of a fresh dispatch whose warmlink handle is ``inner`` (its count matrix
+        summed over the sources gives ``rank_prefix_matrix``, made on ``device``)."""
+        counts = torch.tensor(inner.count_matrix, dtype=torch.int32, device="cpu")
+        return cls(counts.cumsum(0, dtype=torch.int32).to(device), is_token_in_rank, inner, owner)
+
     @property
     def rank_prefix_matrix(self) -> torch.Tensor:
         return self[0]
