@@ -12,9 +12,10 @@
 ``Buffer``, ``Config``, ``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` are DeepEP's names;
 ``utils`` holds the event classes where Megatron imports them (``deep_ep.utils``). What differs
 from DeepEP, and which arguments are accepted but unused, each docstring says; the memory model
-is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). Not here: low-latency
-mode, internode (RDMA) mode, ``get_comm_stream`` and ``get_local_buffer_tensor`` (warmlink has no
-communication stream or ring buffer to expose).
+is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). Not here, each raising
+``ConfigError`` saying why (``deep_ep.absent``): low-latency mode, internode (RDMA) mode,
+``get_comm_stream`` and ``get_local_buffer_tensor`` (warmlink has no communication stream or ring
+buffer to expose).
 """
 
 from __future__ import annotations
