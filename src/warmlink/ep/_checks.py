@@ -13,6 +13,7 @@ import torch
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._kernels import words_layout
 from warmlink.ep._regions import RegionLayout
+from warmlink.ep.fp8 import num_scales
 from warmlink.ep.layout import dispatch_layout
 from warmlink.errors import ConfigError
 
@@ -78,16 +79,16 @@ class Checks:
             raise ConfigError(f"ep.Buffer.dispatch: is_token_in_rank.dtype={in_rank.dtype}; expected torch.bool")
 
     def x(self, x):
-        """``(tokens, scales or None)``; FP8 comes as ``(float8_e4m3fn [T, H], float32 [T, H // 128])``."""
+        """``(tokens, scales or None)``; FP8 comes as ``(float8_e4m3fn [T, H], float32 [T, ceil(H / 128)])``."""
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ConfigError(f"ep: FP8 x must be a (tokens, scales) pair; got {len(x)} elements")
             q, s = self.rows(x[0], "x[0]"), self.rows(x[1], "x[1]", x[0].shape[0])
             if q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32:
                 raise ConfigError(f"ep: FP8 x dtypes ({q.dtype}, {s.dtype}); expected (torch.float8_e4m3fn, torch.float32)")
-            if q.shape[1] != self._layout.hidden or s.shape[1] != self._layout.hidden // 128:
+            if q.shape[1] != self._layout.hidden or s.shape[1] != num_scales(self._layout.hidden):
                 raise ConfigError(f"ep: FP8 x shapes {tuple(q.shape)}, {tuple(s.shape)}; expected [T, {self._layout.hidden}] "
-                                  f"and [T, {self._layout.hidden // 128}]")
+                                  f"and [T, {num_scales(self._layout.hidden)}]")
             return q, s
         t = self.rows(x, "x")
         if t.dtype not in X_DTYPES:

@@ -13,7 +13,7 @@ own with one push, replayed from the parity's call block (ep._kernels, Note [Fre
 in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` record an
 interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
 recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
-never a hung caller's stream). Rows move as int64 words: a row is a multiple of 128 channels.
+never a hung caller's stream). Rows move as int64 words: a row is a multiple of 8 channels.
 
 # Note [Receive work on its own stream]
 The receive work (the unpack, the combine's sum) is launched before the bytes land, on this
@@ -89,11 +89,11 @@ class CudaMover(SmPushes, Gathers):
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
         # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
         pinned = torch.cuda.is_available()
-        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, pin_memory=pinned)
+        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._host_words = 0
         self._init_pushes(own, pinned)
         # a combine's per-rank counts per parity, pinned and on the device (combine_counts)
-        self._counts_host = torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, pin_memory=pinned)
+        self._counts_host = torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._counts_words = self._counts_host.numpy()
         self._counts_ptrs = [row.data_ptr() for row in self._counts_host]
         self._counts = list(torch.zeros(PARITIES, layout.num_ranks, dtype=torch.int64, device=own.device))

@@ -164,7 +164,7 @@ class HostMover(Gathers):
             then()
 
     def combine_counts(self, counts: list[int], parity: int, timeout_s: float) -> torch.Tensor:
-        return torch.tensor(counts, dtype=torch.int64)
+        return torch.tensor(counts, dtype=torch.int64, device="cpu")
 
     def close(self) -> None:
         self._views = None

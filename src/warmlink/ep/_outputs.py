@@ -6,6 +6,7 @@ import torch
 
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._regions import RegionLayout
+from warmlink.ep.fp8 import num_scales
 from warmlink.ep.handle import Handle
 
 __all__ = ["dispatch_outputs"]
@@ -26,7 +27,7 @@ def dispatch_outputs(view, layout: RegionLayout, rank: int, num_ranks: int, hand
     kt, dev = handle.num_topk, x.device
     idx = torch.empty(rows, kt, dtype=torch.int64, device=dev) if with_topk else None
     w = torch.empty(rows, kt, dtype=torch.float32, device=dev) if with_weights else None
-    scales = torch.empty(rows, lay.hidden // 128, dtype=torch.float32, device=dev) if fp8 else None
+    scales = torch.empty(rows, num_scales(lay.hidden), dtype=torch.float32, device=dev) if fp8 else None
     received = (idx, w, scales)
     if rows > total:  # padded: the receive work fills the first rows, the rest are filled now
         for t, fill in ((idx, -1), (w, 0)):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmlink.ep.fp8 import FP8_BLOCK
+from warmlink.ep.fp8 import num_scales
 from warmlink.errors import ConfigError
 
 __all__ = ["AREAS", "PARITIES", "RegionLayout", "area", "size_hint"]
@@ -81,8 +81,8 @@ class RegionLayout:
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_tokens", "hidden", "num_topk"):
             _check_positive(name, getattr(self, name))
-        if self.hidden % FP8_BLOCK:
-            raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of {FP8_BLOCK} (FP8 scales are per 128 channels)")
+        if self.hidden % 8:  # every send path moves rows as int64 words, FP8 rows (1 byte a channel) too
+            raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of 8 (rows move as 8-byte words)")
 
     def config(self) -> dict[str, int]:
         """The sizes every rank of a group must share (the ``config`` of its rank info)."""
@@ -96,7 +96,7 @@ class RegionLayout:
     @property
     def meta_bytes(self) -> int:
         """Bytes of one meta row: ids, weights and scales, padded to 16."""
-        return -(-(self.num_topk * 12 + self.hidden // FP8_BLOCK * 4) // 16) * 16
+        return -(-(self.num_topk * 12 + num_scales(self.hidden) * 4) // 16) * 16
 
     def row_bytes(self, area: str) -> int:
         if area.startswith("board"):
@@ -139,7 +139,7 @@ def size_hint(max_tokens_per_rank: int, hidden: int, dtype: torch.dtype = torch.
 
     Args:
         max_tokens_per_rank: the largest batch any rank dispatches.
-        hidden: channels per token (a multiple of 128).
+        hidden: channels per token (a multiple of 8).
         dtype: token dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float8_e4m3fn``
             (regions are sized for 2-byte tokens, so FP8 needs no more).
         num_ranks: ranks of the group.

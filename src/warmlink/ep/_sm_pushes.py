@@ -50,14 +50,14 @@ class SmPushes:
         # per parity the exchange's address tables (every rank's board, receive x and meta areas;
         # then the push's bases, which the exchange writes), made once
         self._board_row = board_words(layout.num_ranks)
-        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, pin_memory=pinned)
-        self._abort = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
         # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
         # its device copy), the plan's words, and per launch key the steps seen run eagerly once,
         # then their graph
-        self._call_host = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, pin_memory=pinned)
+        self._call_host = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._call_words = self._call_host.numpy()
         self._call = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, device=own.device)
         self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
@@ -67,7 +67,7 @@ class SmPushes:
         # bases per destination (its graph replays one push; round n + 2 rewrites round n's block
         # once round n's push ran: _push_cached)
         width = len(CALL_SLOTS) + 2 * layout.num_ranks
-        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, pin_memory=pinned)
+        self._cached_host = torch.zeros(PARITIES, width, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._cached_words = self._cached_host.numpy()
         self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
 

@@ -63,7 +63,7 @@ class Buffer(Closing):
             of times).
         rank, num_ranks: this rank and the group size.
         max_tokens_per_rank: the largest batch any rank dispatches.
-        hidden: channels per token (a multiple of 128).
+        hidden: channels per token (a multiple of 8).
         num_topk: experts per token (the most any call passes).
         device: CUDA device (default: the current one, or host memory when CUDA is absent or
             ``backend="shm"``).
@@ -182,7 +182,7 @@ class Buffer(Closing):
         """Send each token once to every rank holding one of its experts.
 
         Args:
-            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, hidden // 128])``,
+            x: ``[T, hidden]`` bf16/fp16, or FP8 ``(float8_e4m3fn [T, hidden], float32 [T, ceil(hidden / 128)])``,
                 of the same dtype on every rank.
             handle: a previous dispatch's handle: re-send with the same routing, skipping the layout
                 and the count exchange (``topk_*`` are then not sent).

@@ -1,7 +1,7 @@
 """FP8 (e4m3) tokens with one float32 scale per 128 channels, the format DeepEP dispatches.
 
 A token row ``x[t]`` of ``hidden`` channels becomes ``(q[t], s[t])``: ``q`` is ``float8_e4m3fn``
-``[hidden]`` and ``s`` is float32 ``[hidden // 128]``, with ``x[t, j] ~= q[t, j] * s[t, j // 128]``.
+``[hidden]`` and ``s`` is float32 ``[ceil(hidden / 128)]``, with ``x[t, j] ~= q[t, j] * s[t, j // 128]``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,16 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["FP8_BLOCK", "FP8_MAX", "dequantize", "quantize"]
+__all__ = ["FP8_BLOCK", "FP8_MAX", "dequantize", "num_scales", "quantize"]
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def num_scales(hidden: int) -> int:
+    """Scales per token of ``hidden`` channels: one per 128, the last block possibly partial
+    (DeepEP pads the last block with zeros: gpt-oss's 2880 channels have 23 scales)."""
+    return -(-hidden // FP8_BLOCK)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ class Handle:
     recv_starts: list[int] | None = None
     recv_counts: list[int] | None = None
     num_recv_tokens_per_expert_list: list[int] | None = None
+    count_matrix: list[list[int]] | None = None  # [s][d]: rows rank s sends rank d (every rank's view alike)
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
     num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
@@ -69,6 +70,7 @@ def fill_plan(handle: Handle, matrix: list[list[int]], per_expert: list[int], ra
     handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
     handle.dst_rows = [sum(row[d] for row in matrix[:rank]) for d in range(num_ranks)]
     handle.num_recv_tokens_per_expert_list = per_expert
+    handle.count_matrix = [list(row) for row in matrix]
 
 
 def plan_from_board(handle: Handle, board: np.ndarray, round_: int, rank: int, max_tokens: int) -> None:

@@ -181,7 +181,7 @@ class RefitTrainer:
                     f"RefitTrainer: tensor {name!r} dim {split_dim} of {shape} is not divisible by world_size={world_size}"
                 )
             layout = TensorLayout.plain(name, dtype, shape, split_dim=split_dim, num_shards=world_size, shard_idx=rank)
-            init = torch.randn(layout.local_shape, generator=_generator(seed, name, 0, rank)) * 0.02
+            init = torch.randn(layout.local_shape, generator=_generator(seed, name, 0, rank), device="cpu") * 0.02
             self.layouts[name] = layout
             self.tensors[name] = init.to(dtype=getattr(torch, dtype), device=dev).contiguous()
         self.pub = Publisher(self.store, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s)
@@ -214,7 +214,7 @@ class RefitTrainer:
         wait_s = self.pub.begin_update(timeout_s if timeout_s is not None else self.timeout_s)
         self.steps += 1  # after the wait: a step retried after TransferTimeout applies the same update
         for name, t in self.tensors.items():
-            noise = torch.randn(t.shape, generator=_generator(self.seed, name, self.steps, self.rank))
+            noise = torch.randn(t.shape, generator=_generator(self.seed, name, self.steps, self.rank), device="cpu")
             t.add_(noise.to(dtype=t.dtype, device=t.device), alpha=1e-3)
         version = self.pub.publish()
         return {"rank": self.rank, "version": version, "wait_s": wait_s, "step_s": time.perf_counter() - t0}

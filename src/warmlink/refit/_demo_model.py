@@ -148,7 +148,7 @@ def _batch(vocab_size: int, seed: int, device: Any) -> Any:
 
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
-    return torch.randint(0, vocab_size, (_BATCH, _SEQ_LEN), generator=gen).to(device)
+    return torch.randint(0, vocab_size, (_BATCH, _SEQ_LEN), generator=gen, device="cpu").to(device)
 
 
 def train_step(model: Any, optimizer: Any, step: int, seed: int) -> float:

@@ -70,7 +70,7 @@ def _global_indices(dt: Any, dim: int, coordinate: list[int]) -> list[int]:
     size = dt.shape[dim]
     view = [1] * dt.ndim
     view[dim] = size
-    idx = torch.arange(size, dtype=torch.int64).view(view)
+    idx = torch.arange(size, dtype=torch.int64, device="cpu").view(view)
     for mesh_dim, placement in enumerate(dt.placements):
         if _shards(placement) and placement.dim == dim:
             chunks, _ = placement._split_tensor(idx, dt.device_mesh.size(mesh_dim), with_padding=False)

@@ -141,7 +141,7 @@ class CopyPlan:
         self.rest = rest
         self.nbytes = nbytes
         self.num_programs = len(table)
-        self.table = (torch.tensor(table, dtype=torch.int64).reshape(-1).to(f"cuda:{device}" if device >= 0 else "cpu")
+        self.table = (torch.tensor(table, dtype=torch.int64, device="cpu").reshape(-1).to(f"cuda:{device}" if device >= 0 else "cpu")
                       if table else None)
 
     def compile(self, *, variant: str = VARIANT, num_warps: int = NUM_WARPS) -> None:

@@ -163,7 +163,7 @@ def _move(torch, init, remote: str, target: dict, kind: str, src_dev: int) -> di
     if out["error"]:
         out["error"] = f"target: {out['error']}"
         return out
-    pattern = (torch.arange(_NBYTES, dtype=torch.int64) % 251).to(torch.uint8)
+    pattern = (torch.arange(_NBYTES, dtype=torch.int64, device="cpu") % 251).to(torch.uint8)
     a = pattern.to("cpu" if kind == "DRAM" else f"cuda:{src_dev}")
     ids = (0, 0) if kind == "DRAM" else (src_dev, target["device"])
     cleanup = []

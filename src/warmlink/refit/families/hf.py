@@ -125,7 +125,7 @@ def _split_rows(placement: tuple, size: int, num: int, idx: int) -> list[int]:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     split = TorchShard(0) if placement[0] == "shard" else _StridedShard(0, split_factor=placement[2])
-    chunks, _ = split._split_tensor(torch.arange(size), num, with_padding=False)
+    chunks, _ = split._split_tensor(torch.arange(size, device="cpu"), num, with_padding=False)
     return chunks[idx].tolist() if idx < len(chunks) else []
 
 

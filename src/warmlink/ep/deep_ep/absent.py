@@ -1,0 +1,23 @@
+"""DeepEP's ``Buffer`` methods that ``deep_ep.Buffer`` does not offer: each raises ``ConfigError``
+saying why, where an ``AttributeError`` would read like a typo in the caller's code."""
+
+from __future__ import annotations
+
+from warmlink.errors import ConfigError
+
+__all__ = ["INTERNODE", "LOW_LATENCY", "NO_STREAM", "not_here"]
+
+LOW_LATENCY = "low-latency mode is not here (use warmlink.ep.Buffer's receive hooks)"
+INTERNODE = "warmlink.ep runs the ranks of one node"
+NO_STREAM = "warmlink has no communication stream or ring buffer to expose: outputs belong to the caller's stream"
+
+
+def not_here(name: str, why: str) -> staticmethod:
+    """A static method ``name`` that raises ``ConfigError("deep_ep.Buffer.{name}: not supported; {why}")``."""
+
+    def refuse(*args, **kwargs):
+        raise ConfigError(f"deep_ep.Buffer.{name}: not supported; {why}")
+
+    refuse.__name__ = name
+    refuse.__doc__ = f"Not supported: {why}. Raises ConfigError."
+    return staticmethod(refuse)

@@ -1,0 +1,385 @@
+"""``deep_ep.Buffer``: DeepEP's legacy normal-mode ``Buffer``, as DeepEP code calls it, on warmlink's ``ep.Buffer``.
+
+Each method checks DeepEP's arguments, calls the warmlink Buffer once, and gives back DeepEP's
+return tuple: fresh output tensors, DeepEP's handle (``deep_ep.handle``) and ``EventOverlap``.
+
+# Note [Built on first dispatch]
+DeepEP's constructor takes a byte budget, not shapes; warmlink's Buffer is sized by shapes
+(tokens per rank, hidden, top-k). So the warmlink Buffer is built by the first ``dispatch``, which
+is collective as the constructor is, from that call's hidden size, the widest top-k seen so far
+(the call's, or an earlier ``get_dispatch_layout``'s) and the most tokens per rank that fit
+``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``. Every rank computes the same sizes.
+A later call with another hidden size, a wider top-k or more tokens than fit raises
+``ConfigError`` naming the budget and the bytes it would need, before any byte moves. Every rank
+raises when every rank's call is refused (hidden and top-k are the same on every rank); a rank
+whose batch alone is too large raises alone, and its peers' call ends in ``TransferTimeout`` after
+the Buffer's timeout (checking every rank's batch on every call would cost a collective).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from warmlink.ep import Buffer as _EPBuffer
+from warmlink.ep import dispatch_layout
+from warmlink.ep.deep_ep import sizing
+from warmlink.ep.deep_ep.absent import INTERNODE, LOW_LATENCY, NO_STREAM, not_here
+from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
+from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, wait_previous
+from warmlink.ep.deep_ep.handle import DispatchHandle
+from warmlink.ep.deep_ep.scales import pack_scales, unpack_scales
+from warmlink.errors import ConfigError
+
+__all__ = ["Buffer"]
+
+
+def _flag(func: str, name: str, value, refused: str | None = None) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{func}: {name}={value!r}; expected a bool")
+    if value and refused:
+        raise ConfigError(f"{func}: {name}=True {refused}")
+    return value
+
+
+def _event(async_finish: bool) -> EventOverlap:
+    """DeepEP's returned event: recorded after the call's work with ``async_finish``, else empty."""
+    return EventOverlap(EventHandle() if async_finish else None)
+
+
+def _check_config(func: str, config) -> None:
+    if config is not None and not isinstance(config, Config):
+        raise ConfigError(f"{func}: config is a {type(config).__name__}; expected a deep_ep.Config or None")
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` for the ranks of one node: normal-mode dispatch and combine.
+
+    Args:
+        group: the ``torch.distributed`` group of the ep ranks (gloo or NCCL), all on one node.
+        num_nvl_bytes: the byte budget of this rank's buffer, typically the largest
+            ``Config.get_nvl_buffer_size_hint`` of ``get_dispatch_config`` / ``get_combine_config``.
+            The warmlink Buffer within it is built by the first dispatch (Note [Built on first dispatch]).
+        num_rdma_bytes: DeepEP's RDMA buffer, used by DeepEP only across nodes and in low-latency
+            mode. Accepted and unused within one node; refused past ``NVL_PEERS`` ranks.
+        low_latency_mode: must be False (warmlink's low-latency calls are not here).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA and low-latency
+            settings; accepted and ignored (nothing here uses RDMA queue pairs or multi-node NVLink).
+        explicitly_destroy: as DeepEP's: True means the caller calls ``destroy()``; otherwise the
+            buffer is released when collected.
+        enable_shrink: must be False (a low-latency feature).
+        comm: must be None (an mpi4py communicator is not supported; pass ``group``).
+        timeout_s: warmlink's limit for every wait (default ``WARMLINK_TIMEOUT_S``); not DeepEP's.
+
+    Raises:
+        ConfigError: an argument asks for what this Buffer cannot do, naming it.
+
+    Collective? Construction is not (it checks arguments only); the first ``dispatch`` is, as
+    every ``dispatch`` and ``combine``.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 timeout_s: float | None = None) -> None:
+        func = "deep_ep.Buffer"
+        self._inner = None
+        self._destroyed = False
+        if comm is not None:
+            raise ConfigError(f"{func}: comm={type(comm).__name__}; an mpi4py communicator is not supported (pass group, "
+                              "a torch.distributed process group)")
+        if group is None:
+            raise ConfigError(f"{func}: group=None; expected the torch.distributed process group of the ep ranks")
+        _flag(func, "low_latency_mode", low_latency_mode, "is not supported: only DeepEP's normal mode is")
+        _flag(func, "enable_shrink", enable_shrink, "is not supported (a low-latency feature)")
+        self.explicitly_destroy = _flag(func, "explicitly_destroy", explicitly_destroy)
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{func}: {name}={value!r}; expected an int >= 0 (bytes)")
+        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        if num_nvl_bytes == 0:
+            raise ConfigError(f"{func}: num_nvl_bytes=0; normal-mode dispatch needs a budget (size it with "
+                              f"Config.get_nvl_buffer_size_hint, as for DeepEP)")
+        if num_rdma_bytes and self.group_size > NVL_PEERS:
+            raise ConfigError(f"{func}: num_rdma_bytes={num_rdma_bytes} with {self.group_size} ranks is DeepEP's internode "
+                              f"mode; warmlink.ep runs the ranks of one node (at most {NVL_PEERS} in DeepEP's terms)")
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.enable_shrink = False, False
+        self._timeout_s = timeout_s
+        self._widest_topk = 0  # of get_dispatch_layout's calls so far: Note [Built on first dispatch]
+
+    # -- DeepEP's static methods ---------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: FP8 dispatch needs no SM90 build here (DeepEP's tests ask before testing FP8)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count the recommended configs carry (even, as DeepEP requires). warmlink's
+        kernels do not take an SM count: it changes the configs and their size hints only."""
+        if not isinstance(new_num_sms, int) or isinstance(new_num_sms, bool) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ConfigError(f"deep_ep.Buffer.set_num_sms: new_num_sms={new_num_sms!r}; expected an even int > 0")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` at the current point of the current stream (for ``previous_event``)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's recommended dispatch config for ``num_ranks`` ranks (for its size hint)."""
+        return dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's recommended combine config for ``num_ranks`` ranks (for its size hint)."""
+        return combine_config(num_ranks, Buffer.num_sms)
+
+    # -- layout ----------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank
+        [T, R] bool, event)`` for ``topk_idx`` ``[T, K]`` (``topk_idx_t``; -1 = no expert).
+        Local work, not collective; ``allocate_on_comm_stream`` is accepted and ignored (outputs
+        belong to the current stream)."""
+        func = "get_dispatch_layout"
+        self._check_usable(func)
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.is_floating_point():
+            raise ConfigError(f"deep_ep.Buffer.{func}: topk_idx must be a [num_tokens, num_topk] integer tensor; got "
+                              f"{getattr(topk_idx, 'dtype', type(topk_idx).__name__)} of shape "
+                              f"{tuple(getattr(topk_idx, 'shape', ()))}")
+        if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % self.group_size:
+            raise ConfigError(f"deep_ep.Buffer.{func}: num_experts={num_experts!r}; expected a positive multiple of "
+                              f"the group size {self.group_size}")
+        wait_previous(previous_event, func)
+        lay = dispatch_layout(topk_idx, num_experts, self.group_size)
+        self._widest_topk = max(self._widest_topk, topk_idx.shape[1])
+        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, _event(async_finish)
+
+    # -- dispatch and combine ----------------------------------------------------------------------
+    def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each token once to every rank holding one of its experts (DeepEP's intranode dispatch).
+
+        Args:
+            x: ``[T, hidden]`` bf16, or FP8 ``(float8_e4m3fn [T, hidden], scales [T, ceil(hidden / 128)]
+                float32)``, or UE8M0 scales packed four to an int32 ``[T, ceil(ceil(hidden / 128) / 4)]``.
+            handle: an earlier fresh dispatch's handle: a cached dispatch with its routing (then
+                ``topk_idx`` and ``topk_weights`` must be None).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: ``get_dispatch_layout``'s
+                outputs (required for a fresh dispatch). num_tokens_per_rdma_rank: must be None.
+            topk_idx: ``[T, K]`` ``topk_idx_t``, -1 = no expert; None dispatches without top-k
+                (rows go by ``is_token_in_rank``; the per-expert counts still come back).
+            topk_weights: ``[T, K]`` float32, with ``topk_idx`` only.
+            expert_alignment, num_worst_tokens: as DeepEP's (``num_worst_tokens``: every output
+                padded to that many rows, expert id -1; the host still meets the peers, so the call
+                is not graph-capturable here).
+            config: a ``Config`` or None; accepted and unused.
+            previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
+            async_finish: return an event recorded after the call's work.
+            allocate_on_comm_stream: accepted and ignored (outputs belong to the current stream).
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``.
+            ``recv_x`` (or its FP8 pair) is a fresh tensor that no later call writes; rows are
+            ordered by source rank, then source token. A cached dispatch returns
+            ``(recv_x, None, None, None, None, event)``, as DeepEP's.
+
+        Raises:
+            ConfigError: bad arguments, or a call the budget cannot hold (naming the bytes it would
+                need), before any byte moves.
+            TransferTimeout / PeerLostError: a peer stalled or died.
+        """
+        func = "dispatch"
+        self._check_usable(func)
+        _check_config(f"deep_ep.Buffer.{func}", config)
+        if num_tokens_per_rdma_rank is not None:
+            raise ConfigError("deep_ep.Buffer.dispatch: num_tokens_per_rdma_rank is set; it is DeepEP's internode "
+                              "layout, and this Buffer runs within one node (expected None, as get_dispatch_layout returns)")
+        wait_previous(previous_event, func)
+        tokens, packed = pack_scales(x, "deep_ep.Buffer.dispatch")
+        if handle is not None:
+            return self._cached(tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                async_finish)
+        missing = [name for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                        ("num_tokens_per_expert", num_tokens_per_expert)) if t is None]
+        if missing:
+            raise ConfigError(f"deep_ep.Buffer.dispatch: {', '.join(missing)} missing; a dispatch without a handle takes "
+                              "get_dispatch_layout's outputs")
+        if topk_idx is None and topk_weights is not None:
+            raise ConfigError("deep_ep.Buffer.dispatch: topk_weights without topk_idx; pass both or neither")
+        rows = tokens[0] if isinstance(tokens, tuple) else tokens
+        with_topk = topk_idx is not None
+        inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0)
+        if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone
+            topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
+        recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
+            tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
+        if not with_topk:
+            recv_idx = recv_w = None
+        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, _event(async_finish)
+
+    def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens, async_finish):
+        if topk_idx is not None or topk_weights is not None:
+            raise ConfigError("deep_ep.Buffer.dispatch: a cached dispatch (handle=...) takes no topk_idx or topk_weights; "
+                              "they travel with the dispatch that made the handle")
+        inner = self._owner_of(handle, "dispatch")
+        recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
+                                num_worst_tokens=num_worst_tokens)[0]
+        return unpack_scales(recv_x, packed), None, None, None, None, _event(async_finish)
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None,
+                config: Config | None = None, previous_event=None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sum each token's copies from the ranks it went to (DeepEP's intranode combine).
+
+        Args:
+            x: ``[num_recv_tokens, hidden]`` bf16, aligned with the dispatch's ``recv_x``.
+            handle: that dispatch's handle.
+            topk_weights: ``[num_recv_tokens, K]`` float32, summed the same way, or None.
+            bias: None, a ``[T, hidden]`` tensor or a pair of them, added to the sums (in float32
+                after the sum is rounded to x's dtype, then rounded again: within one unit in the last
+                place of DeepEP's single rounding).
+            config, previous_event, async_finish, allocate_on_comm_stream: as ``dispatch``'s.
+
+        Returns:
+            ``(combined_x [T, hidden], combined_topk_weights [T, K] or None, event)``, fresh tensors.
+
+        Raises:
+            ConfigError: bad arguments or a handle of another Buffer, before any byte moves.
+            TransferTimeout / PeerLostError: a peer stalled or died.
+        """
+        func = "combine"
+        self._check_usable(func)
+        _check_config(f"deep_ep.Buffer.{func}", config)
+        inner = self._owner_of(handle, func)
+        biases = self._biases(bias, handle, x)
+        wait_previous(previous_event, func)
+        out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
+        if biases:
+            out = sum((b.float() for b in biases), out.float()).to(out.dtype)
+        return out, out_w, _event(async_finish)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release the buffer (DeepEP's ``destroy``; ``explicitly_destroy=True`` asks for it).
+        Collective: after every rank's last call. Later calls raise ``ConfigError``.
+
+        Raises:
+            ConfigError: the Buffer was made without ``explicitly_destroy=True``, as DeepEP refuses it.
+        """
+        if not self.explicitly_destroy:
+            raise ConfigError("deep_ep.Buffer.destroy: explicitly_destroy=False; a Buffer made without "
+                              "explicitly_destroy=True is released when collected")
+        self.close()
+
+    def close(self) -> None:
+        """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
+        Collective, as ``destroy``."""
+        self._destroyed = True
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
+        """Release when collected, as DeepEP does without ``explicitly_destroy``; with it, warn first."""
+        if getattr(self, "_inner", None) is None or _finalizing():
+            return
+        if self.explicitly_destroy:
+            warnings.warn(f"{self!r} was not destroyed; call destroy() (explicitly_destroy=True)", ResourceWarning,
+                          stacklevel=2)
+        try:
+            self.close()
+        except Exception:  # best effort: a peer may be gone already
+            pass
+
+    @property
+    def warmlink_buffer(self) -> _EPBuffer | None:
+        """The ``warmlink.ep.Buffer`` inside (None before the first dispatch): its ``layout`` (sizes,
+        ``nbytes``) and ``last_phases`` (timings). Not DeepEP's; owned by this Buffer."""
+        return self._inner
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else ("built" if self._inner is not None else "not built yet")
+        return (f"deep_ep.Buffer(rank={self.rank}/{self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, {state}, "
+                f"inner={self._inner!r})")
+
+    # -- DeepEP's methods that are not here -------------------------------------------------------
+    get_low_latency_rdma_size_hint = not_here("get_low_latency_rdma_size_hint", LOW_LATENCY)
+    low_latency_dispatch = not_here("low_latency_dispatch", LOW_LATENCY)
+    low_latency_combine = not_here("low_latency_combine", LOW_LATENCY)
+    clean_low_latency_buffer = not_here("clean_low_latency_buffer", LOW_LATENCY)
+    get_next_low_latency_combine_buffer = not_here("get_next_low_latency_combine_buffer", LOW_LATENCY)
+    internode_dispatch = not_here("internode_dispatch", INTERNODE)
+    internode_combine = not_here("internode_combine", INTERNODE)
+    get_comm_stream = not_here("get_comm_stream", NO_STREAM)
+    get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_STREAM)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _check_usable(self, func: str) -> None:
+        if self._destroyed:
+            raise ConfigError(f"deep_ep.Buffer.{func}: the buffer was destroyed")
+
+    def _built(self, rows: torch.Tensor, num_topk: int) -> _EPBuffer:
+        """The warmlink Buffer for a fresh dispatch of ``rows`` with ``num_topk`` ids per token:
+        built on first use, else checked to hold the call. See Note [Built on first dispatch]."""
+        func = "deep_ep.Buffer.dispatch"
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+            raise ConfigError(f"{func}: x must be a [num_tokens, hidden] tensor; got shape {tuple(getattr(rows, 'shape', ()))}")
+        num_tokens, hidden = rows.shape
+        inner = self._inner
+        if inner is None:
+            topk = max(num_topk, self._widest_topk, 1)
+            held = sizing.tokens_within(self.num_nvl_bytes, self.group_size, hidden, topk)
+            if held < max(num_tokens, 1):
+                raise sizing.refuse(func, self.num_nvl_bytes, num_tokens, self.group_size, hidden, topk, held)
+            device, backend = (rows.device.index, None) if rows.is_cuda else (-1, "shm")
+            self._inner = inner = _EPBuffer.from_group(self.group, max_tokens_per_rank=held, hidden=hidden, num_topk=topk,
+                                                       device=device, backend=backend, timeout_s=self._timeout_s)
+            return inner
+        lay = inner.layout
+        if hidden != lay.hidden or num_topk > lay.num_topk:
+            raise ConfigError(f"{func}: x has hidden={hidden} and {num_topk} experts per token; this Buffer was built by its "
+                              f"first dispatch for hidden={lay.hidden} and num_topk<={lay.num_topk} (see deep_ep.buffer, "
+                              "Note [Built on first dispatch]); use one Buffer per hidden size")
+        if num_tokens > lay.max_tokens:
+            raise sizing.refuse(func, self.num_nvl_bytes, num_tokens, self.group_size, hidden, lay.num_topk, lay.max_tokens)
+        return inner
+
+    def _owner_of(self, handle, func: str) -> _EPBuffer:
+        if not isinstance(handle, DispatchHandle):
+            raise ConfigError(f"deep_ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle a fresh "
+                              "dispatch of this Buffer returned")
+        if handle.owner is not self._inner:
+            raise ConfigError(f"deep_ep.Buffer.{func}: the handle comes from another Buffer; pass a handle of this one")
+        return self._inner
+
+    def _biases(self, bias, handle: DispatchHandle, x) -> tuple:
+        """DeepEP's ``bias``: None, a tensor or a pair, each ``[T, hidden]`` like the combined output."""
+        biases = bias if isinstance(bias, tuple) else (() if bias is None else (bias,))
+        if len(biases) > 2:
+            raise ConfigError(f"deep_ep.Buffer.combine: bias has {len(biases)} tensors; expected at most 2")
+        shape = (handle.inner.num_tokens, self._inner.layout.hidden)
+        for b in biases:
+            if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or b.device != getattr(x, "device", None):
+                raise ConfigError(f"deep_ep.Buffer.combine: bias {type(b).__name__} of shape {tuple(getattr(b, 'shape', ()))} "
+                                  f"on {getattr(b, 'device', '?')}; expected a tensor of shape {shape} on {x.device}")
+        return biases
+

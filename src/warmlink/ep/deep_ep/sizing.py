@@ -1,0 +1,59 @@
+"""How a DeepEP byte budget becomes the sizes of a warmlink ``ep.Buffer``.
+
+DeepEP's normal mode streams tokens through rings, so one ``num_nvl_bytes`` fits any batch.
+warmlink's Buffer holds fixed slots instead (ep._regions): per rank and per parity a receive row
+for every token any source may send, a combine row, and a staging row per destination, so its
+bytes grow with ``max_tokens_per_rank x hidden x num_ranks``. ``deep_ep.Buffer`` therefore builds
+the largest warmlink Buffer whose ``size_hint`` fits the budget, for the hidden size and top-k of
+its first dispatch, and a batch of more tokens than that holds is refused with the bytes it would
+need, never given more memory than the budget.
+
+The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
+computes the same sizes (a group's ranks must share them, ep._info).
+"""
+
+from __future__ import annotations
+
+from warmlink.ep import size_hint
+from warmlink.errors import ConfigError
+
+__all__ = ["MAX_TOKENS", "needed_bytes", "refuse", "tokens_within"]
+
+MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep._info)
+
+
+def needed_bytes(num_tokens: int, num_ranks: int, hidden: int, num_topk: int) -> int:
+    """Bytes of one rank's warmlink Buffer for batches of up to ``num_tokens`` tokens per rank."""
+    return size_hint(max(num_tokens, 1), hidden, num_ranks=num_ranks, num_topk=num_topk)
+
+
+def tokens_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int) -> int:
+    """The most tokens per rank a warmlink Buffer of these sizes holds within ``budget_bytes``
+    (0 when not even one token fits). Buffer bytes grow with the token count, so a bisection finds it.
+
+    Raises:
+        ConfigError: ``hidden`` or ``num_topk`` that a Buffer refuses.
+    """
+    if needed_bytes(1, num_ranks, hidden, num_topk) > budget_bytes:
+        return 0
+    lo, hi = 1, MAX_TOKENS  # needed_bytes(lo) fits; find the last that does
+    if needed_bytes(hi, num_ranks, hidden, num_topk) <= budget_bytes:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if needed_bytes(mid, num_ranks, hidden, num_topk) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def refuse(func: str, budget_bytes: int, num_tokens: int, num_ranks: int, hidden: int, num_topk: int,
+           held: int) -> ConfigError:
+    """The error for a batch of ``num_tokens`` that a budget of ``budget_bytes`` cannot hold."""
+    need = needed_bytes(num_tokens, num_ranks, hidden, num_topk)
+    return ConfigError(
+        f"{func}: x has {num_tokens} tokens; num_nvl_bytes={budget_bytes} ({budget_bytes / 2**30:.3f} GiB) holds at most "
+        f"{held} tokens per rank at hidden={hidden}, num_topk={num_topk} and {num_ranks} ranks, and {num_tokens} need "
+        f"{need} bytes ({need / 2**30:.3f} GiB; warmlink.ep keeps a slot per source rank, not DeepEP's rings): pass "
+        f"num_nvl_bytes >= {need}, or dispatch fewer tokens per call")

@@ -1,0 +1,197 @@
+"""``warmlink.ep.deep_ep``: DeepEP's API as DeepEP code calls it. In one process: arguments refused
+by name, DeepEP's configs and size hints, events, and a batch the budget cannot hold refused with
+the bytes it needs before anything is built. In spawned ranks over a gloo group: Megatron's
+autograd dispatcher, outputs that later calls leave alone, combine's bias, and calls refused
+after the Buffer is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_workers import (
+    bias_and_refusals,
+    free_port,
+    megatron_steps,
+    outputs_outlive_later_calls,
+    packed_scales_arrive_bit_for_bit,
+)
+from tests.ep._group import run_ranks
+from warmlink.ep.deep_ep.sizing import needed_bytes, tokens_within
+from warmlink.errors import ConfigError
+
+
+class _Group:
+    """What the constructor reads of a process group (rank and size): no collective runs in these tests."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _hint(num_ranks: int, hidden_bytes: int) -> int:
+    return max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+               for c in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
+
+
+# -- one process ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,field", [
+    ({"low_latency_mode": True}, "low_latency_mode=True"), ({"enable_shrink": True}, "enable_shrink=True"),
+    ({"num_nvl_bytes": 0}, "num_nvl_bytes=0"), ({"num_nvl_bytes": -1}, "num_nvl_bytes=-1"),
+    ({"comm": object()}, "comm=object"), ({"explicitly_destroy": 1}, "explicitly_destroy=1")])
+def test_what_the_buffer_cannot_do_is_refused_by_name(kwargs, field):
+    args = {"num_nvl_bytes": 1 << 20, **kwargs}
+    with pytest.raises(ConfigError, match=field):
+        deep_ep.Buffer(_Group(2), **args)
+
+
+def test_a_group_is_required_and_rdma_bytes_across_nodes_are_refused():
+    with pytest.raises(ConfigError, match="group=None"):
+        deep_ep.Buffer(None, 1 << 20)
+    with pytest.raises(ConfigError, match="num_rdma_bytes=1024 with 16 ranks is DeepEP's internode mode"):
+        deep_ep.Buffer(_Group(16), 1 << 20, 1024)
+    within = deep_ep.Buffer(_Group(8), 1 << 20, 1024, num_qps_per_rank=1, allow_mnnvl=True)  # accepted, unused
+    assert (within.group_size, within.num_nvl_bytes, within.num_rdma_bytes) == (8, 1 << 20, 1024)
+
+
+@pytest.mark.parametrize("name,why", [("low_latency_dispatch", "low-latency mode"),
+                                      ("get_low_latency_rdma_size_hint", "low-latency mode"),
+                                      ("internode_dispatch", "one node"), ("get_comm_stream", "no communication stream")])
+def test_deep_ep_methods_that_are_not_here_raise_saying_why(name, why):
+    buffer = deep_ep.Buffer(_Group(2), 1 << 20)
+    with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: not supported; .*{why}"):
+        getattr(buffer, name)(16, 7168, 2, 256)
+
+
+def test_size_hints_are_deep_eps():
+    # DeepEP's own C++ (Config::get_nvl_buffer_size_hint at dd758ca) gives 335709824 bytes here, the
+    # 0.31 GiB Megatron asks for at 8 ranks and hidden 7168; within one node the RDMA hint is 0
+    config = deep_ep.Buffer.get_dispatch_config(8)
+    assert config.get_nvl_buffer_size_hint(7168 * 2, 8) == 335709824
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0 and config.get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+    assert config.num_max_rdma_chunked_recv_tokens == 132  # rounded up to a multiple of the chunk, as DeepEP does
+    # the hint grows with the token bytes and the peers, never shrinks
+    assert _hint(2, 512) < _hint(2, 1024) < _hint(4, 1024) < _hint(8, 1024)
+
+
+def test_configs_and_sm_counts_are_checked():
+    with pytest.raises(ConfigError, match="num_ranks=3; expected one of"):
+        deep_ep.Buffer.get_dispatch_config(3)
+    with pytest.raises(ConfigError, match="num_max_nvl_chunked_send_tokens=8; expected fewer"):
+        deep_ep.Config(20, 8, 8)
+    with pytest.raises(ConfigError, match="new_num_sms=7"):
+        deep_ep.Buffer.set_num_sms(7)
+    before = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(24)
+        assert deep_ep.Buffer.get_combine_config(4).num_sms == 24
+    finally:
+        deep_ep.Buffer.set_num_sms(before)
+
+
+def test_events_as_deep_ep_code_uses_them():
+    event = deep_ep.Buffer.capture()
+    assert isinstance(event, deep_ep.utils.EventOverlap) and isinstance(event.event, deep_ep.utils.EventHandle)
+    ran = []
+    event.register_hook_after_wait(lambda: ran.append("hook"))
+    with pytest.raises(ConfigError, match="a hook is registered already"):
+        event.register_hook_after_wait(lambda: None)
+    with event(release_handle=True):
+        ran.append("work")
+    assert ran == ["work", "hook"] and event.event is None
+    with pytest.raises(ConfigError, match="without async_finish=True"):
+        deep_ep.EventOverlap().current_stream_wait()
+
+
+def test_layout_matches_the_routing_and_a_bad_previous_event_is_refused():
+    buffer = deep_ep.Buffer(_Group(2), 1 << 20)
+    idx = torch.tensor([[0, 3], [2, -1], [-1, -1]], dtype=deep_ep.topk_idx_t)
+    per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(idx, 4, async_finish=True)
+    assert per_rank.tolist() == [1, 2] and per_rdma_rank is None and per_expert.tolist() == [1, 0, 1, 1]
+    assert in_rank.tolist() == [[True, True], [False, True], [False, False]]
+    assert isinstance(event, deep_ep.EventOverlap)
+    with pytest.raises(ConfigError, match="previous_event is a str"):
+        buffer.get_dispatch_layout(idx, 4, previous_event="event")
+    with pytest.raises(ConfigError, match="num_experts=3; expected a positive multiple of the group size 2"):
+        buffer.get_dispatch_layout(idx, 3)
+
+
+def test_a_batch_the_budget_cannot_hold_is_refused_with_the_bytes_it_needs_before_anything_is_built():
+    budget = _hint(2, 7168 * 2)  # what Megatron asks for at 2 ranks
+    held = tokens_within(budget, 2, 7168, 8)
+    buffer = deep_ep.Buffer(_Group(2), budget)
+    x = torch.zeros(held + 1, 7168, dtype=torch.bfloat16)
+    idx = torch.zeros(held + 1, 8, dtype=deep_ep.topk_idx_t)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, 256)
+    need = needed_bytes(held + 1, 2, 7168, 8)
+    with pytest.raises(ConfigError, match=f"num_nvl_bytes={budget} .* holds at most {held} tokens .* need {need} bytes"):
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx)
+    assert repr(buffer).endswith("not built yet, inner=None)")
+    assert needed_bytes(held, 2, 7168, 8) <= budget < need
+
+
+def test_destroy_needs_explicitly_destroy_as_in_deep_ep():
+    with pytest.raises(ConfigError, match="explicitly_destroy=False"):
+        deep_ep.Buffer(_Group(2), 1 << 20).destroy()
+    buffer = deep_ep.Buffer(_Group(2), 1 << 20, explicitly_destroy=True)
+    buffer.destroy()
+    with pytest.raises(ConfigError, match="destroyed"):
+        buffer.get_dispatch_layout(torch.zeros(1, 2, dtype=torch.int64), 4)
+    with deep_ep.Buffer(_Group(2), 1 << 20) as scoped:  # warmlink's close, whatever explicitly_destroy says
+        assert scoped.warmlink_buffer is None  # built by the first dispatch only
+    with pytest.raises(ConfigError, match="destroyed"):
+        scoped.get_dispatch_layout(torch.zeros(1, 2, dtype=torch.int64), 4)
+
+
+# -- spawned ranks -------------------------------------------------------------------------------
+def test_megatrons_autograd_dispatcher_with_a_buffer_sized_from_the_hint():
+    case = {"tokens": 40, "hidden": 256, "experts": 8, "topk": 2, "mask_prob": 0.1, "seed": 3, "dist_port": free_port()}
+    results = run_ranks(megatron_steps, 2, case=case, timeout_s=180)
+    assert all(len(steps) == 3 for steps in results), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_megatrons_autograd_dispatcher_with_a_buffer_sized_from_the_hint():
+    # a hint-sized budget at hidden 7168 and 2 ranks holds 576 tokens per rank (README, "DeepEP code, unchanged")
+    case = {"tokens": 512, "hidden": 7168, "experts": 256, "topk": 8, "mask_prob": 0.05, "seed": 3, "cuda": True,
+            "dist_port": free_port()}
+    results = run_ranks(megatron_steps, 2, case=case, timeout_s=300)
+    assert all(len(steps) == 3 for steps in results), results
+
+
+def test_outputs_are_fresh_tensors_that_later_calls_leave_alone():
+    case = {"tokens": 24, "hidden": 128, "experts": 4, "topk": 2, "seed": 5, "dist_port": free_port(),
+            "num_nvl_bytes": _hint(2, 256)}
+    for got in run_ranks(outputs_outlive_later_calls, 2, case=case, timeout_s=120):
+        assert got["same"] and got["later_differ"] and got["rows"] > 0, got
+
+
+def test_bias_is_added_and_calls_the_buffer_cannot_hold_are_refused_on_every_rank():
+    case = {"tokens": 24, "hidden": 128, "experts": 4, "topk": 2, "seed": 7, "dist_port": free_port(),
+            "num_nvl_bytes": 1 << 20}
+    for got in run_ranks(bias_and_refusals, 2, case=case, timeout_s=120):
+        assert got["one_bias"] and got["two_biases"], got
+        assert got["too_many_tokens"].startswith("ConfigError") and f"holds at most {got['held']} tokens" in got["too_many_tokens"]
+        assert got["other_hidden"].startswith("ConfigError") and "built by its first dispatch for hidden=128" in got["other_hidden"]
+        assert got["plain_tuple_handle"].startswith("ConfigError: deep_ep.Buffer.combine: handle is a tuple")
+        assert got["bias_shape"].startswith("ConfigError") and "bias Tensor of shape (1, 128)" in got["bias_shape"]
+        assert got["round_after"] == "ok"
+        # built within the budget, as large as it holds
+        assert got["built"] == {"max_tokens": got["held"], "nbytes": needed_bytes(got["held"], 2, 128, 2)}, got
+        assert needed_bytes(got["held"], 2, 128, 2) <= case["num_nvl_bytes"] < needed_bytes(got["held"] + 1, 2, 128, 2)
+        assert got["after_destroy"] == "ConfigError: deep_ep.Buffer.combine: the buffer was destroyed"
+
+
+def test_fp8_with_ue8m0_scales_packed_in_int32_arrives_bit_for_bit():
+    case = {"tokens": 30, "hidden": 2880, "experts": 4, "topk": 2, "seed": 11, "dist_port": free_port(),
+            "num_nvl_bytes": 1 << 22}
+    for got in run_ranks(packed_scales_arrive_bit_for_bit, 2, case=case, timeout_s=120):
+        assert got["dtype"] == "torch.int32" and got["rows"] > 0 and got["fresh"] and got["cached"], got

@@ -1,0 +1,43 @@
+"""The README's "DeepEP code, unchanged" section: its snippet runs as written on two ranks, and its
+memory figures are what ``deep_ep.sizing`` computes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_workers import free_port, run_snippet
+from tests.ep._group import run_ranks
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def snippet(marker: str) -> str:
+    """The README's python block containing ``marker``, as written."""
+    found = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if marker in b]
+    assert len(found) == 1, f"expected one README python block with {marker!r}, found {len(found)}"
+    return found[0]
+
+
+def test_the_deep_ep_snippet_runs_as_written():
+    case = {"tokens": 20, "hidden": 256, "experts": 8, "topk": 2, "mask_prob": 0.1, "seed": 13,
+            "dist_port": free_port(), "code": snippet("import warmlink.ep.deep_ep as deep_ep")}
+    for got in run_ranks(run_snippet, 2, case=case, timeout_s=120):
+        assert got["ok"] and got["received"] > 0, got
+
+
+def test_the_memory_figures_are_what_sizing_computes():
+    text = " ".join(README.read_text().split())
+    figures, held = [], []
+    for num_ranks in (2, 4, 8):
+        hint = max(c.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+                   for c in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
+        need = deep_ep.sizing.needed_bytes(4096, num_ranks, 7168, 8)
+        figures.append(f"{need / 2**30:.2f}")
+        assert f"{need / hint:.1f} times DeepEP's hint" in text, (num_ranks, need / hint)
+        held.append(str(deep_ep.sizing.tokens_within(hint, num_ranks, 7168, 8)))
+    assert f"needs {' / '.join(figures)} GiB per rank at 2 / 4 / 8 ranks" in text, figures
+    assert f"holds {' / '.join(held)} tokens per rank" in text, held
+    within_2e9 = [deep_ep.sizing.tokens_within(int(2e9), num_ranks, 7168, 8) >= 4096 for num_ranks in (2, 4, 8)]
+    assert within_2e9 == [True, True, False] and "which hold 4096 tokens per rank at 2 and 4 ranks, not at 8" in text
