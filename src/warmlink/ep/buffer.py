@@ -64,6 +64,7 @@ from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep.event import EventOverlap, wait_for
 from warmlink.ep.handle import Handle, fill_plan, per_expert_list, plan_from_board
 from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Buffer"]
@@ -88,7 +89,7 @@ def _device_of(device, backend) -> int:
     return torch.cuda.current_device()
 
 
-class Buffer(Closing):
+class Buffer(LowLatencyMethods, Closing):
     """One rank's end of an ep group: regions, mailboxes and streams, set up once.
 
     Args:
@@ -103,6 +104,8 @@ class Buffer(Closing):
             ``backend="shm"``).
         backend: ``"cuda_ipc"``, ``"shm"`` or None (``WARMLINK_BACKEND``, else by device).
         timeout_s: every wait's limit (default ``WARMLINK_TIMEOUT_S``).
+        low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
+            experts, ``max_tokens_per_rank`` tokens (ep.low_latency; shm backend so far).
 
     Raises:
         ConfigError: bad sizes, or a peer built with different sizes.
@@ -113,7 +116,8 @@ class Buffer(Closing):
     """
 
     def __init__(self, store, rank: int, num_ranks: int, *, max_tokens_per_rank: int, hidden: int,
-                 num_topk: int = 8, device=None, backend: str | None = None, timeout_s: float | None = None) -> None:
+                 num_topk: int = 8, device=None, backend: str | None = None, timeout_s: float | None = None,
+                 low_latency_mode: bool = False, num_experts: int | None = None) -> None:
         from warmlink.transport import lease_link, resolve_backend
 
         self._closed = True
@@ -162,6 +166,7 @@ class Buffer(Closing):
             self.mailbox = mb.Mailbox(self._mail_region.tensor, rank, num_ranks)
             self._closed = False
             self._connect(store)
+            self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
         except BaseException:
             self.close()
             raise
@@ -780,6 +785,7 @@ class Buffer(Closing):
         if getattr(self, "_closed", True) and getattr(self, "_link", None) is None:
             return
         self._closed = True
+        self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None
         mover = getattr(self, "_mover", None)
         if mover is not None:

@@ -1,0 +1,279 @@
+"""The low-latency runtime of one Buffer: its region, mailbox and outputs, and the rounds of its calls.
+
+# Note [Low-latency rounds]
+Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
+
+1. send: check every argument (nothing has moved yet), write the rows into the peers' areas of
+   parity ``n % 2``, then publish the counts and "round n" in this rank's mailbox (payload
+   before round number: ep._mailbox, Note [Mailbox rounds]). There is no wait for the peers:
+   parity ``n % 2`` was last read by round ``n - 2``'s receive, and every peer finished that
+   before it published round ``n - 1``, which this rank's round ``n - 1`` receive waited for (a
+   Buffer takes no call while a hook is outstanding);
+2. receive (inline, or in the hook): wait for every peer's "round n" (the Buffer's timeout; a dead
+   peer raises ``PeerLostError``), check that every rank called with the same arguments
+   (``ConfigError`` on every rank alike), then pack (dispatch) or sum (combine).
+
+``clean_low_latency_buffer`` is a dispatch round that sends no rows: each rank zeroes its region
+and outputs, publishes, and waits for every peer, so no peer writes a later round into a region
+still being zeroed. After a timeout or a lost peer the group's rounds are out of step; every later
+call raises the same error type instead of mixing rounds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from warmlink.ep import _mailbox as mb
+from warmlink.ep._ll_checks import LowLatencyChecks
+from warmlink.ep._ll_connect import Peers, connect
+from warmlink.ep._ll_handle import LowLatencyHandle
+from warmlink.ep._ll_host import HostPath
+from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep._ll_outputs import Outputs
+from warmlink.ep.event import EventOverlap
+from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
+
+__all__ = ["LowLatencyRuntime"]
+
+_SERIALS = itertools.count(1)
+_CLEAN = 1 << 62  # the config word of a clean round
+
+
+def _call_word(tokens: int, topk: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
+    """A dispatch's arguments that every rank must share, in one mailbox word."""
+    return 1 | fp8 << 1 | round_scale << 2 | ue8m0 << 3 | topk << 4 | tokens << 16
+
+
+def _describe(word: int) -> str:
+    if word == _CLEAN:
+        return "clean_low_latency_buffer"
+    return (f"num_max_dispatch_tokens_per_rank={word >> 16}, {(word >> 4) & 0xFFF} top-k columns, "
+            f"use_fp8={bool(word & 2)}, round_scale={bool(word & 4)}, use_ue8m0={bool(word & 8)}")
+
+
+@dataclass
+class _Pending:
+    phase: str
+    round: int
+    done: bool = False
+
+
+class LowLatencyRuntime:
+    """One rank's low-latency mode (shm backend). Collective construction; see ``ep.low_latency``."""
+
+    def __init__(self, store, rank: int, num_ranks: int, *, max_tokens: int, hidden: int, num_experts: int,
+                 num_topk: int, device: int, backend: str, timeout_s: float) -> None:
+        from warmlink.transport import lease_link
+
+        self._closed, self._path = True, None
+        self._peers = Peers()
+        self._leases: list = []
+        self._regions: list = []
+        if backend != "shm":
+            raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; low-latency mode runs on "
+                              "the shm backend (host memory) so far; build the Buffer with backend='shm'")
+        self.layout = LowLatencyLayout(num_ranks, max_tokens, hidden, num_experts, num_topk)
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        self.serial = next(_SERIALS)
+        self._checks = LowLatencyChecks(self.layout, device)
+        self._round = {"dispatch": 0, "combine": 0}
+        self._clean_round = 0
+        self._pending: _Pending | None = None
+        self._broken: BaseException | None = None
+        try:
+            link_lease, mail_lease = lease_link(backend, device, timeout_s), lease_link("shm", -1, timeout_s)
+            self._leases = [link_lease, mail_lease]
+            link, mail_link = link_lease.resource, mail_lease.resource
+            region = link.allocate(self.layout.region_nbytes)
+            self._regions.append((link, region))
+            mail_region = mail_link.allocate(mb.mailbox_nbytes(num_ranks))
+            self._regions.append((mail_link, mail_region))
+            region.tensor.zero_()  # a pooled region comes back with an earlier Buffer's bytes
+            self.mailbox = mb.Mailbox(mail_region.tensor, rank, num_ranks)
+            self._outputs = Outputs(self.layout, device)
+            connect(store, rank, self.layout, device, backend, link, region, mail_link, mail_region, self.mailbox,
+                    timeout_s, self._peers)
+            regions = {r: reg.tensor for r, reg in self._peers.regions.items()}
+            self._path = HostPath(self.layout, rank, {rank: region.tensor, **regions})
+            self._closed = False
+        except BaseException:
+            self.close()
+            raise
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _check_usable(self, func: str) -> None:
+        if self._closed:
+            raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
+        if self._broken is not None:
+            raise type(self._broken)(f"ep.Buffer.{func}: an earlier low-latency call failed ({self._broken}); the "
+                                     "group's rounds are out of step: close this Buffer and build a new one")
+        if self._pending is not None and not self._pending.done:
+            raise ConfigError(f"ep.Buffer.{func}: the receive hook of low-latency {self._pending.phase} round "
+                              f"{self._pending.round} was not called; call it before the next low-latency call")
+
+    def _check_handle(self, handle) -> None:
+        func, latest = "low_latency_combine", self._round["dispatch"]
+        if not isinstance(handle, LowLatencyHandle):
+            raise ConfigError(f"ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle "
+                              "low_latency_dispatch returned")
+        if handle.owner != self.serial:
+            raise ConfigError(f"ep.Buffer.{func}: handle={handle!r} comes from another Buffer; pass the handle this "
+                              "Buffer's low_latency_dispatch returned")
+        if handle.round <= self._clean_round:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} predates "
+                              f"clean_low_latency_buffer (round {self._clean_round}), which zeroed its outputs")
+        if handle.round < latest - 1:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round}; its outputs were reused "
+                              f"by dispatch round {handle.round + LL_PARITIES} (a handle serves until the second "
+                              "dispatch after it); pass a newer handle")
+        if handle.rows_by_source is None:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} whose receive did not "
+                              "complete; it has nothing to combine")
+
+    # -- the round protocol (Note [Low-latency rounds]) -------------------------------------------
+    def _wait(self, field: int, round_: int, costs: torch.Tensor | None) -> None:
+        """Wait for every peer's ``field`` of ``round_``; with ``costs`` (int64 ``[R]``) add to
+        ``costs[s]`` the nanoseconds until source ``s``'s round was seen (sources are awaited in
+        rank order, so a late source's wait also counts in the ranks after it)."""
+        if costs is None:
+            self.mailbox.wait(field, round_, self.timeout_s)
+            return
+        start = time.perf_counter_ns()
+        seen = np.zeros(self.layout.num_ranks, dtype=np.int64)
+        for s in range(self.layout.num_ranks):
+            self.mailbox.wait(field, round_, self.timeout_s, ranks=[s])
+            seen[s] = time.perf_counter_ns() - start
+        costs.add_(torch.from_numpy(seen).to(costs.device))
+
+    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple) -> tuple:
+        """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``."""
+        event = EventOverlap(None, self.device)
+        if not return_recv_hook:
+            self._receive(receive)
+            return (*result, event, None)
+        pending = self._pending = _Pending(phase, round_)
+
+        def hook() -> None:
+            if pending.done:
+                return
+            pending.done = True  # a receive that raises spends the round: the next call may go on
+            self._receive(receive)
+
+        return (*result, event, hook)
+
+    def _receive(self, receive) -> None:
+        try:
+            receive()
+        except (PeerLostError, TransferTimeout) as exc:
+            self._broken = exc
+            raise
+
+    def _same_dispatch(self, round_: int, word: int) -> None:
+        for r in range(self.layout.num_ranks):
+            theirs = self.mailbox.config(r, round_)
+            if theirs != word:
+                raise ConfigError(f"ep.Buffer: low-latency round {round_}: rank {r} called {_describe(theirs)}, "
+                                  f"this rank {_describe(word)}; every rank must make the same call with the same "
+                                  "arguments (this round is spent; the next one may go on)")
+
+    # -- calls -------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
+                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) -> tuple:
+        self._check_usable("low_latency_dispatch")
+        x, topk_idx = self._checks.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                            round_scale, use_ue8m0, async_finish, return_recv_hook, cumulative_stats,
+                                            wait_stats)
+        lay, tokens = self.layout, num_max_dispatch_tokens_per_rank
+        round_ = self._round["dispatch"] + 1
+        p = round_ % LL_PARITIES
+        word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
+        per_rank, per_expert = self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale)
+        self.mailbox.publish_dispatch(round_, word, per_rank, per_expert)
+        self._round["dispatch"] = round_
+        out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
+        n, num_cols = topk_idx.shape
+        dispatched = out.dispatched[:n, :num_cols]
+        dispatched.copy_(topk_idx >= 0)
+        handle = LowLatencyHandle(src_info=out.src_info, layout_range=out.layout_range,
+                                  num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
+                                  num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,
+                                  comb_slot=out.comb_slot, dispatched=dispatched)
+        mine = slice(self.rank * lay.local_experts, (self.rank + 1) * lay.local_experts)
+
+        def receive() -> None:
+            self._wait(mb.DISPATCH, round_, wait_stats)
+            self._same_dispatch(round_, word)
+            counts = np.stack([self.mailbox.counts(s, round_, mine)[1] for s in range(lay.num_ranks)])
+            if counts.min() < 0 or counts.max() > tokens:
+                raise MetadataError(f"ep low-latency dispatch round {round_}: a peer published counts in "
+                                    f"[{counts.min()}, {counts.max()}]; expected each in [0, {tokens}]")
+            handle.rows_by_source = self._path.receive_dispatch(p, counts, tokens, use_fp8, use_ue8m0, out)
+            if cumulative_stats is not None:
+                cumulative_stats.add_(out.count)
+
+        recv_x = (out.x, out.scales) if use_fp8 else out.x
+        return self._finish("dispatch", round_, receive, return_recv_hook, (recv_x, out.count, handle))
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                wait_stats) -> tuple:
+        self._check_usable("low_latency_combine")
+        self._check_handle(handle)
+        x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                         async_finish, return_recv_hook, out, wait_stats)
+        round_ = self._round["combine"] + 1
+        p = round_ % LL_PARITIES
+        self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
+        self.mailbox.publish_combine(round_, handle.round)  # every rank must combine the same dispatch
+        self._round["combine"] = round_
+        combined = out if out is not None else torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16,
+                                                            device=x.device)
+
+        def receive() -> None:
+            self._wait(mb.COMBINE, round_, wait_stats)
+            for r in range(self.layout.num_ranks):
+                theirs = self.mailbox.combine_handle(r, round_)
+                if theirs != handle.round:
+                    raise ConfigError(f"ep.Buffer.low_latency_combine: rank {r} combines the handle of dispatch round "
+                                      f"{theirs}, this rank that of round {handle.round}; every rank must pass the "
+                                      "handle of the same dispatch")
+            self._path.receive_combine(p, topk_idx, topk_weights, combined)
+
+        return self._finish("combine", round_, receive, return_recv_hook, (combined,))
+
+    def clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        func = "clean_low_latency_buffer"
+        self._check_usable(func)
+        self._checks.max_tokens(func, num_max_dispatch_tokens_per_rank)
+        self._checks.experts(func, num_experts)
+        if hidden != self.layout.hidden:
+            raise ConfigError(f"ep.Buffer.{func}: hidden={hidden!r}; this Buffer was built for hidden={self.layout.hidden}")
+        round_ = self._round["dispatch"] + 1
+        self._path.zero()
+        self._outputs.zero()
+        zeros = np.zeros(self.layout.num_ranks, dtype=np.int64)
+        self.mailbox.publish_dispatch(round_, _CLEAN, zeros, np.zeros(self.layout.num_experts, dtype=np.int64))
+        self._round["dispatch"] = self._clean_round = round_
+        self._receive(lambda: self._wait(mb.DISPATCH, round_, None))
+        self._same_dispatch(round_, _CLEAN)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the region, mappings and leases back to the pool. Idempotent."""
+        self._closed = True
+        if self._path is not None:
+            self._path.close()
+            self._path = None
+        for link, region in self._peers.opened:
+            link.close_region(region)
+        self._peers = Peers()
+        for link, region in reversed(self._regions):
+            link.release(region)
+        self._regions = []
+        for lease in reversed(self._leases):
+            lease.release()
+        self._leases = []
