@@ -43,15 +43,17 @@ class HostPath:
     def __init__(self, layout: LowLatencyLayout, rank: int, regions: dict[int, torch.Tensor]) -> None:
         self.layout = layout
         self.rank = rank
-        row = layout.row_bytes
-        self._disp = {(r, p): layout.view(t, "disp", p, torch.uint8, row) for r, t in regions.items()
+        # rows move as int64 words (a row is 2H bytes, H a multiple of 128): byte-wise index copies
+        # run several times slower on the host
+        words = layout.row_bytes // 8
+        self._disp = {(r, p): layout.view(t, "disp", p, torch.int64, words) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
         self._meta = {(r, p): layout.view(t, "disp_meta", p, torch.int64, 1).view(-1) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
-        self._comb = {(r, p): layout.view(t, "comb", p, torch.bfloat16, layout.hidden) for r, t in regions.items()
+        self._comb = {(r, p): layout.view(t, "comb", p, torch.int64, words) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
         self._regions = regions
-        self._stage = torch.empty(layout.max_tokens, row, dtype=torch.uint8)  # one call's rows, cast
+        self._stage = torch.empty(layout.max_tokens, layout.row_bytes, dtype=torch.uint8)  # one call's rows, cast
         self._order = [(rank + i) % layout.num_ranks for i in range(layout.num_ranks)]  # ranks start on different peers
 
     def send_dispatch(self, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
@@ -81,7 +83,7 @@ class HostPath:
         for d in self._order:
             a, b = bounds[d], bounds[d + 1]
             if a < b:
-                self._disp[d, p].index_copy_(0, rows[a:b], stage.index_select(0, token[a:b]))
+                self._disp[d, p].index_copy_(0, rows[a:b], stage.view(torch.int64).index_select(0, token[a:b]))
                 self._meta[d, p].index_copy_(0, rows[a:b], meta[a:b])
         return per_rank.numpy(), counts.numpy()
 
@@ -103,10 +105,10 @@ class HostPath:
         within = torch.from_numpy(_ranges(np.zeros(num_local, dtype=np.int64), totals))
         dst = expert_of * per_expert + within
         rows = self._disp[self.rank, p].index_select(0, src)
-        width = hidden if fp8 else 2 * hidden
-        out.x.view(num_local * per_expert, hidden).view(torch.uint8).index_copy_(0, dst, rows[:, :width])
+        x_words = out.x.view(num_local * per_expert, hidden).view(torch.int64)
+        x_words.index_copy_(0, dst, rows[:, :x_words.shape[1]])
         if fp8:
-            scales = rows[:, hidden:hidden + 4 * lay.num_scales].contiguous().view(torch.float32)
+            scales = rows.view(torch.uint8)[:, hidden:hidden + 4 * lay.num_scales].contiguous().view(torch.float32)
             out.scales.index_put_((expert_of, within), pack_ue8m0(scales) if ue8m0 else scales)
         meta = self._meta[self.rank, p].index_select(0, src)
         out.src_info.view(-1).index_copy_(0, dst, (meta // lay.num_topk).int())
@@ -116,7 +118,7 @@ class HostPath:
 
     def send_combine(self, p: int, x: torch.Tensor, rows_by_source: list[torch.Tensor], comb_slot: torch.Tensor) -> None:
         """Each received row of ``x`` (``[L, R*Tc, H]``) back to its source, at its ``t * K + k`` row."""
-        flat, slots = x.view(-1, self.layout.hidden), comb_slot.reshape(-1)
+        flat, slots = x.view(-1, self.layout.hidden).view(torch.int64), comb_slot.reshape(-1)
         for s in self._order:
             rows = rows_by_source[s]
             if rows.numel():
@@ -124,12 +126,15 @@ class HostPath:
 
     def receive_combine(self, p: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> None:
         """``out[t] = sum_k topk_weights[t, k] * row(t, k)`` over ``topk_idx[t, k] >= 0`` (float32, then BF16)."""
+        lay = self.layout
         n, num_cols = topk_idx.shape
-        comb = self._comb[self.rank, p][:n * self.layout.num_topk].view(n, self.layout.num_topk, self.layout.hidden)[:, :num_cols]
-        valid = (topk_idx >= 0).unsqueeze(2)
-        # where, not a multiply by 0: a slot no rank wrote this round may hold any bits, NaN included
-        terms = torch.where(valid, comb.float() * topk_weights.unsqueeze(2), 0.0)
-        out.copy_(terms.sum(1))
+        comb = self._comb[self.rank, p][:n * lay.num_topk].view(torch.bfloat16).view(n, lay.num_topk, lay.hidden)
+        valid = topk_idx >= 0
+        acc = torch.zeros(n, lay.hidden, dtype=torch.float32)
+        for k in range(num_cols):  # in column order, so every rerun sums alike
+            # where, not a multiply by 0: a slot no rank wrote this round may hold any bits, NaN included
+            acc += torch.where(valid[:, k:k + 1], comb[:, k].float() * topk_weights[:, k:k + 1], 0.0)
+        out.copy_(acc)
 
     def zero(self) -> None:
         """Zero this rank's region (every area of both parities)."""
