@@ -283,8 +283,8 @@ def test_a_skipped_hook_and_a_buffer_without_low_latency_mode_are_refused(one_ra
 def test_size_hint_counts_the_region_and_outputs_and_refuses_bad_sizes():
     from warmlink.ep import Buffer
 
-    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + T*K*2H)
-    region = 2 * (256 * 128 * (2 * 7168 + 8) + 128 * 8 * 2 * 7168)
+    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H)
+    region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168)
     outputs = 2 * (256 * 128 * (2 * 7168 + 4 * 56 + 4 * 14 + 12) + 256 * 8 + 32 * 4 + 128 * 8)
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == region + outputs
     for args, match in (((128, 7168, 8, 250), "num_experts=250; expected a multiple of num_ranks=8"),

@@ -4,8 +4,9 @@ shared-memory regions (the shm backend, and CI). See Note [Low-latency layout].
 The same four steps a device path runs as kernels writing peers' IPC-mapped memory:
 
 - ``send_dispatch``: cast (FP8 on request), then each row into slot ``(e, this rank)`` of its
-  expert's rank, in token order; returns the counts the mailbox carries;
-- ``receive_dispatch``: pack the slots of every source into the outputs, expert by expert;
+  expert's rank, in token order, then the slots' signal words;
+- ``arrived_counts`` and ``receive_dispatch``: read the signal words of every source, then pack
+  its slots into the outputs, expert by expert;
 - ``send_combine``: each received row back to its source, at row ``t * K + k``;
 - ``receive_combine``: the weighted sum of each token's rows, skipping ``-1`` entries.
 """
@@ -18,6 +19,7 @@ import torch
 from warmlink.ep._ll_cast import cast_fp8, pack_ue8m0
 from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
 from warmlink.ep._ll_outputs import ParityViews
+from warmlink.errors import MetadataError
 
 __all__ = ["HostPath"]
 
@@ -50,17 +52,19 @@ class HostPath:
                       for p in range(LL_PARITIES)}
         self._meta = {(r, p): layout.view(t, "disp_meta", p, torch.int64, 1).view(-1) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
+        self._signal = {(r, p): layout.view(t, "signal", p, torch.int64, layout.num_ranks) for r, t in regions.items()
+                        for p in range(LL_PARITIES)}
         self._comb = {(r, p): layout.view(t, "comb", p, torch.int64, words) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
         self._regions = regions
         self._stage = torch.empty(layout.max_tokens, layout.row_bytes, dtype=torch.uint8)  # one call's rows, cast
         self._order = [(rank + i) % layout.num_ranks for i in range(layout.num_ranks)]  # ranks start on different peers
 
-    def send_dispatch(self, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
-                      round_scale: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Write every (token, expert) row of ``x`` into its expert's rank; ``(rows per rank [R],
-        rows per expert [E])``. ``tokens`` is the call's ``num_max_dispatch_tokens_per_rank``."""
-        lay = self.layout
+    def send_dispatch(self, round_: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
+                      round_scale: bool) -> None:
+        """Write every (token, expert) row of ``x`` into its expert's rank, then the signal words of
+        round ``round_``. ``tokens`` is the call's ``num_max_dispatch_tokens_per_rank``."""
+        lay, p = self.layout, round_ % LL_PARITIES
         n, num_cols = topk_idx.shape
         hidden, stage = lay.hidden, self._stage[:n]
         if fp8:
@@ -78,14 +82,30 @@ class HostPath:
         token = entries // num_cols
         rows = ((experts % lay.local_experts) * lay.num_ranks + self.rank) * tokens + slot
         meta = token * lay.num_topk + entries % num_cols
-        per_rank = counts.view(lay.num_ranks, lay.local_experts).sum(1)
-        bounds = [0, *per_rank.cumsum(0).tolist()]
+        per_dest = counts.view(lay.num_ranks, lay.local_experts)
+        signals = per_dest | round_ << 32
+        bounds = [0, *per_dest.sum(1).cumsum(0).tolist()]
         for d in self._order:
             a, b = bounds[d], bounds[d + 1]
             if a < b:
                 self._disp[d, p].index_copy_(0, rows[a:b], stage.view(torch.int64).index_select(0, token[a:b]))
                 self._meta[d, p].index_copy_(0, rows[a:b], meta[a:b])
-        return per_rank.numpy(), counts.numpy()
+            self._signal[d, p][:, self.rank] = signals[d]  # after the rows (x86 keeps stores in order)
+
+    def arrived_counts(self, round_: int) -> np.ndarray:
+        """int64 ``[R, L]``: rows each source wrote into this rank's slots in round ``round_``.
+
+        Raises:
+            MetadataError: a signal word of another round (a source published the round in its
+                mailbox before its counts, or wrote outside its slots).
+        """
+        words = self._signal[self.rank, round_ % LL_PARITIES].numpy().T.copy()
+        tags = words >> 32
+        if (tags != round_).any():
+            s, e = (int(v[0]) for v in np.nonzero(tags != round_))
+            raise MetadataError(f"ep low-latency dispatch round {round_}: rank {s}'s signal word for local expert {e} "
+                                f"holds round {int(tags[s, e])}; expected {round_}")
+        return words & 0xFFFFFFFF
 
     def receive_dispatch(self, p: int, counts: np.ndarray, tokens: int, fp8: bool, ue8m0: bool,
                          out: ParityViews) -> list[torch.Tensor]:

@@ -11,10 +11,13 @@ ep._regions Note [Two parities]), a slot of ``T`` rows per (local expert ``e``, 
 
     disp.p       [L, R, T] rows of 2H bytes: BF16 x, or FP8 x (H bytes) then its H/128 float32 scales
     disp_meta.p  [L, R, T] int64: the row's source token and top-k column, ``t * K + k``
+    signal.p     [L, R] int64: ``round << 32 | count`` of slot ``(e, s)``, written by ``s``
 
 with ``L = E / R`` local experts and ``K`` the Buffer's ``num_topk``. Source ``s`` writes its
-``c[e]`` rows for expert ``e`` into slot ``(e, s)`` in token order, then publishes ``c`` (per
-global expert) with the round in its mailbox (ep._mailbox, Note [Mailbox rounds]). The receiver
+``c[e]`` rows for expert ``e`` into slot ``(e, s)`` in token order, then the slot's signal word
+(every slot of every rank, empty ones too), then "round n" in its mailbox (ep._mailbox, Note
+[Mailbox rounds]); the round in each word proves the counts are this round's. A device path
+polls the signal words instead of the mailbox, so the layout is the same for both. The receiver
 packs slot ``(e, 0)``, then ``(e, 1)``, ... into output row block ``e``: DeepEP's layout,
 ``[L, R * T, H]`` with ``recv_count[e]`` valid rows, in a deterministic order (by source rank,
 then source token) where DeepEP's depends on which warp came first.
@@ -44,7 +47,7 @@ __all__ = ["LL_PARITIES", "LowLatencyLayout"]
 
 LL_PARITIES = 2
 _ALIGN = 256
-_AREAS = ("disp", "disp_meta", "comb")
+_AREAS = ("disp", "disp_meta", "signal", "comb")
 _MAX_EXPERTS = 4096  # the mailbox's per-expert counts (ep._mailbox)
 _UE8M0_PACK = 4  # UE8M0 exponents per int32, as DeepEP packs them
 
@@ -110,7 +113,7 @@ class LowLatencyLayout:
         return -(-self.num_scales // _UE8M0_PACK)
 
     def area_bytes(self, kind: str) -> int:
-        return {"disp": self.slots * self.row_bytes, "disp_meta": self.slots * 8,
+        return {"disp": self.slots * self.row_bytes, "disp_meta": self.slots * 8, "signal": self.num_experts * 8,
                 "comb": self.max_tokens * self.num_topk * self.row_bytes}[kind]
 
     @functools.cached_property
@@ -142,7 +145,7 @@ class LowLatencyLayout:
         return LL_PARITIES * per_parity
 
     def view(self, region, area: str, p: int, dtype, cols: int):
-        """``[rows, cols]`` view of ``area`` (``"disp"``, ``"disp_meta"``, ``"comb"``) of parity ``p``
+        """``[rows, cols]`` view of ``area`` (``"disp"``, ``"disp_meta"``, ``"signal"``, ``"comb"``) of parity ``p``
         in a flat ``uint8`` region tensor."""
         start, nbytes = self.offset(f"{area}.{p}"), self.area_bytes(area)
         flat = region[start:start + nbytes].view(dtype)

@@ -192,8 +192,8 @@ class LowLatencyRuntime:
         round_ = self._round["dispatch"] + 1
         p = round_ % LL_PARITIES
         word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
-        per_rank, per_expert = self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale)
-        self.mailbox.publish_dispatch(round_, word, per_rank, per_expert)
+        self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
+        self.mailbox.publish_dispatch(round_, word)
         self._round["dispatch"] = round_
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
@@ -203,15 +203,14 @@ class LowLatencyRuntime:
                                   num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
                                   num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,
                                   comb_slot=out.comb_slot, dispatched=dispatched)
-        mine = slice(self.rank * lay.local_experts, (self.rank + 1) * lay.local_experts)
 
         def receive() -> None:
             self._wait(mb.DISPATCH, round_, wait_stats)
             self._same_dispatch(round_, word)
-            counts = np.stack([self.mailbox.counts(s, round_, mine)[1] for s in range(lay.num_ranks)])
-            if counts.min() < 0 or counts.max() > tokens:
+            counts = self._path.arrived_counts(round_)
+            if counts.max(initial=0) > tokens:
                 raise MetadataError(f"ep low-latency dispatch round {round_}: a peer published counts in "
-                                    f"[{counts.min()}, {counts.max()}]; expected each in [0, {tokens}]")
+                                    f"up to {counts.max()}; expected each in [0, {tokens}]")
             handle.rows_by_source = self._path.receive_dispatch(p, counts, tokens, use_fp8, use_ue8m0, out)
             if cumulative_stats is not None:
                 cumulative_stats.add_(out.count)
@@ -255,8 +254,7 @@ class LowLatencyRuntime:
         round_ = self._round["dispatch"] + 1
         self._path.zero()
         self._outputs.zero()
-        zeros = np.zeros(self.layout.num_ranks, dtype=np.int64)
-        self.mailbox.publish_dispatch(round_, _CLEAN, zeros, np.zeros(self.layout.num_experts, dtype=np.int64))
+        self.mailbox.publish_dispatch(round_, _CLEAN)
         self._round["dispatch"] = self._clean_round = round_
         self._receive(lambda: self._wait(mb.DISPATCH, round_, None))
         self._same_dispatch(round_, _CLEAN)

@@ -72,7 +72,7 @@ class LowLatencyMethods:
                 no such argument because it reserves a combine row per expert and token).
 
         Returns:
-            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + T*K*2H)``, plus the outputs
+            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H)``, plus the outputs
             this rank fills, ``2 x E*T*(2H + H/32 + 4*ceil(H/512) + 12)`` and a few counts (both
             parities of each). Unlike DeepEP's, no send buffer: rows go straight from ``x`` to the peers.
 
