@@ -173,14 +173,15 @@ class Buffer(LowLatencyMethods, Closing):
 
     @classmethod
     def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,
-                   backend: str | None = None, timeout_s: float | None = None, secret: str | None = None) -> "Buffer":
+                   backend: str | None = None, timeout_s: float | None = None, secret: str | None = None,
+                   low_latency_mode: bool = False, num_experts: int | None = None) -> "Buffer":
         """A Buffer for the ranks of a ``torch.distributed`` group, as DeepEP's ``Buffer(group, ...)``.
 
         Rank 0 of the group starts a rendezvous store on this host's loopback (ep runs within one
         node) under ``secret`` (rank 0's argument, else ``WARMLINK_SECRET``, else a fresh one) and
         sends its port and that secret to the others with one ``broadcast`` of an int64 tensor
         (nothing pickled; the other ranks' ``secret`` is not used); the Buffer owns that store and
-        closes it with itself. Collective over ``group``.
+        closes it with itself. Collective over ``group``. The other arguments are the constructor's.
         """
         import torch.distributed as dist
 
@@ -204,7 +205,8 @@ class Buffer(LowLatencyMethods, Closing):
                                   secret=bytes(raw[:nbytes]).decode("utf-8"))
         try:
             buf = cls(store, rank, world, max_tokens_per_rank=max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
-                      device=device, backend=backend, timeout_s=timeout_s)
+                      device=device, backend=backend, timeout_s=timeout_s, low_latency_mode=low_latency_mode,
+                      num_experts=num_experts)
         except BaseException:
             store.close()
             raise
