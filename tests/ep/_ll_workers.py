@@ -91,6 +91,13 @@ def _dispatch(buf, mine: dict, case: dict, call: dict, stats):
     return out
 
 
+def _received(recv_x, count, handle, stats) -> dict:
+    """Copies of what one dispatch returned (its outputs are reused two dispatches later)."""
+    return {"count": count.clone(), "stats": stats, "src_info": handle[0].clone(), "layout_range": handle[1].clone(),
+            "handle_sizes": list(handle)[2:],
+            "recv_x": tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()}
+
+
 def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """One dispatch + combine per entry of ``case["calls"]`` (``fp8``, ``round_scale``, ``ue8m0``,
     ``hook_delay_s``, ``out``), repeated ``case.get("repeat", 1)`` times; returns this rank's
@@ -102,9 +109,7 @@ def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
         for call in case["calls"] * case.get("repeat", 1):
             stats = torch.zeros(local, dtype=torch.int32)
             recv_x, count, handle, _, _ = _dispatch(buf, mine, case, call, stats)
-            got = {"count": count.clone(), "stats": stats, "src_info": handle[0].clone(),
-                   "layout_range": handle[1].clone(), "handle_sizes": list(handle)[2:],
-                   "recv_x": tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()}
+            got = _received(recv_x, count, handle, stats)
             y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
             out = torch.empty(len(mine["x"]), case["hidden"], dtype=torch.bfloat16) if call.get("out") else None
             delay = call.get("hook_delay_s")
@@ -168,3 +173,62 @@ def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
             attempt("old_handle", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], first[2]))
             report["count"] = _dispatch(buf, mine, case, call, None)[1].clone()
     return report
+
+
+def ll_warm(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Pool objects created by each of three dispatch + combine rounds of one Buffer, and by each of
+    ``case["lifecycles"]`` Buffer lifecycles after it; the wait costs the rounds added up."""
+    from warmlink import pool
+
+    mine = ll_inputs(case)[rank]
+    tokens, experts = max(case["tokens"]), case["experts"]
+    costs = {"dispatch": torch.zeros(num_ranks, dtype=torch.int64), "combine": torch.zeros(num_ranks, dtype=torch.int64)}
+
+    def created(before: dict) -> dict:
+        after = {k: v["created"] for k, v in pool.stats().items()}
+        return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+    def snapshot() -> dict:
+        return {k: v["created"] for k, v in pool.stats().items()}
+
+    rounds, lifecycles = [], []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        y = torch.zeros(experts // num_ranks, num_ranks * tokens, case["hidden"], dtype=torch.bfloat16)
+        for _ in range(3):
+            before = snapshot()
+            handle = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts,
+                                              dispatch_wait_recv_cost_stats=costs["dispatch"])[2]
+            buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
+                                    combine_wait_recv_cost_stats=costs["combine"])
+            rounds.append(created(before))
+    for _ in range(case["lifecycles"]):
+        before = snapshot()
+        with _buffer(rank, num_ranks, store, case) as buf:
+            buf.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts)
+        lifecycles.append(created(before))
+    return {"rounds": rounds, "lifecycles": lifecycles, "costs": costs}
+
+
+def ll_from_group(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """``ll_rounds`` on a Buffer from ``Buffer.from_group`` over a gloo group (no store passed in)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from warmlink.ep import Buffer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{case['dist_port']}", rank=rank,
+                            world_size=num_ranks, timeout=datetime.timedelta(seconds=30))
+    try:
+        mine = ll_inputs(case)[rank]
+        local = case["experts"] // num_ranks
+        with Buffer.from_group(max_tokens_per_rank=max(case["tokens"]), hidden=case["hidden"], num_topk=case["topk"],
+                               backend="shm", timeout_s=30, low_latency_mode=True, num_experts=case["experts"]) as buf:
+            stats = torch.zeros(local, dtype=torch.int32)
+            recv_x, count, handle, _, _ = _dispatch(buf, mine, case, case["calls"][0], stats)
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            got["combined"] = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle)[0].clone()
+        return [got]
+    finally:
+        dist.destroy_process_group()

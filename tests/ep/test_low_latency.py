@@ -300,3 +300,27 @@ def test_a_gpu_buffer_refuses_low_latency_mode_until_the_device_path_exists():
     with pytest.raises(ConfigError, match="low-latency mode runs on the shm backend"):
         LowLatencyRuntime(None, 0, 1, max_tokens=8, hidden=256, num_experts=4, num_topk=2, device=0,
                           backend="cuda_ipc", timeout_s=1.0)
+
+
+def test_rounds_after_the_first_and_later_lifecycles_create_nothing_and_waits_are_counted():
+    from tests.ep._ll_workers import ll_warm
+
+    case = {"tokens": [8, 8], "hidden": 256, "experts": 4, "topk": 2, "lifecycles": 4}
+    for out in run_ranks(ll_warm, 2, case=case, timeout_s=120):
+        assert out["rounds"][1] == {} and out["rounds"][2] == {}, out["rounds"]
+        assert all(c == {} for c in out["lifecycles"][1:]), out["lifecycles"]
+        for phase, costs in out["costs"].items():  # nanoseconds until each source's round was seen, summed
+            assert (costs > 0).all(), (phase, costs)
+
+
+def test_low_latency_buffer_from_a_torch_distributed_group():
+    import socket
+
+    from tests.ep._ll_workers import ll_from_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    case = {"tokens": [9, 14], "hidden": 256, "experts": 8, "topk": 3, "seed": 21, "dist_port": port,
+            "calls": [{"fp8": True}]}
+    check_rounds(case, run_ranks(ll_from_group, 2, case=case))
