@@ -3,15 +3,19 @@
 # Note [Low-latency rounds]
 Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
 
-1. send: check every argument (nothing has moved yet), write the rows into the peers' areas of
-   parity ``n % 2``, then publish the counts and "round n" in this rank's mailbox (payload
-   before round number: ep._mailbox, Note [Mailbox rounds]). There is no wait for the peers:
-   parity ``n % 2`` was last read by round ``n - 2``'s receive, and every peer finished that
-   before it published round ``n - 1``, which this rank's round ``n - 1`` receive waited for (a
-   Buffer takes no call while a hook is outstanding);
+1. send: check every argument (nothing has moved yet); make sure parity ``n % 2`` is free: this
+   rank received round ``n - 2`` (else ``ConfigError``: its hook was not called) and so did every
+   peer (their "received" words, which have almost always passed it already); write the rows into
+   the peers' areas of that parity and the signal words (ep._ll_layout), then publish "round n" and
+   the call's arguments in this rank's mailbox (payload before round number: ep._mailbox, Note
+   [Mailbox rounds]);
 2. receive (inline, or in the hook): wait for every peer's "round n" (the Buffer's timeout; a dead
    peer raises ``PeerLostError``), check that every rank called with the same arguments
-   (``ConfigError`` on every rank alike), then pack (dispatch) or sum (combine).
+   (``ConfigError`` on every rank alike), then pack (dispatch) or sum (combine), and publish
+   "received" up to the last round whose receive, and every one before it, is done.
+
+So two rounds of each phase may await their hooks at once, DeepEP's double buffer: a decode step
+sends micro-batch A, then B, then calls A's hook while B's rows travel.
 
 ``clean_low_latency_buffer`` is a dispatch round that sends no rows: each rank zeroes its region
 and outputs, publishes, and waits for every peer, so no peer writes a later round into a region
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -56,11 +59,7 @@ def _describe(word: int) -> str:
             f"use_fp8={bool(word & 2)}, round_scale={bool(word & 4)}, use_ue8m0={bool(word & 8)}")
 
 
-@dataclass
-class _Pending:
-    phase: str
-    round: int
-    done: bool = False
+_RECEIVED = {"dispatch": mb.DISPATCH_RECEIVED, "combine": mb.COMBINE_RECEIVED}
 
 
 class LowLatencyRuntime:
@@ -82,8 +81,9 @@ class LowLatencyRuntime:
         self.serial = next(_SERIALS)
         self._checks = LowLatencyChecks(self.layout, device)
         self._round = {"dispatch": 0, "combine": 0}
+        self._received = {"dispatch": 0, "combine": 0}  # every round up to this one was received
+        self._done: dict[str, set[int]] = {"dispatch": set(), "combine": set()}  # received past a gap
         self._clean_round = 0
-        self._pending: _Pending | None = None
         self._broken: BaseException | None = None
         try:
             link_lease, mail_lease = lease_link(backend, device, timeout_s), lease_link("shm", -1, timeout_s)
@@ -112,9 +112,18 @@ class LowLatencyRuntime:
         if self._broken is not None:
             raise type(self._broken)(f"ep.Buffer.{func}: an earlier low-latency call failed ({self._broken}); the "
                                      "group's rounds are out of step: close this Buffer and build a new one")
-        if self._pending is not None and not self._pending.done:
-            raise ConfigError(f"ep.Buffer.{func}: the receive hook of low-latency {self._pending.phase} round "
-                              f"{self._pending.round} was not called; call it before the next low-latency call")
+
+    def _next_round(self, phase: str, func: str, outstanding: int = 2) -> int:
+        """The round a new ``phase`` call makes, once its parity is free here and in every peer
+        (Note [Low-latency rounds], step 1); at most ``outstanding`` rounds may await their hooks."""
+        round_ = self._round[phase] + 1
+        if self._received[phase] < round_ - outstanding:
+            waiting = [r for r in range(self._received[phase] + 1, round_) if r not in self._done[phase]]
+            raise ConfigError(f"ep.Buffer.{func}: the receive hooks of low-latency {phase} rounds {waiting} were not "
+                              f"called; at most {outstanding} {phase} rounds may await their hooks (call the oldest first)")
+        if round_ > 2:
+            self._receive(lambda: self.mailbox.wait(_RECEIVED[phase], round_ - 2, self.timeout_s))
+        return round_
 
     def _check_handle(self, handle) -> None:
         func, latest = "low_latency_combine", self._round["dispatch"]
@@ -133,7 +142,7 @@ class LowLatencyRuntime:
                               "dispatch after it); pass a newer handle")
         if handle.rows_by_source is None:
             raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} whose receive did not "
-                              "complete; it has nothing to combine")
+                              "complete; call its hook first (a refused round has nothing to combine)")
 
     # -- the round protocol (Note [Low-latency rounds]) -------------------------------------------
     def _wait(self, field: int, round_: int, costs: torch.Tensor | None) -> None:
@@ -154,24 +163,36 @@ class LowLatencyRuntime:
         """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``."""
         event = EventOverlap(None, self.device)
         if not return_recv_hook:
-            self._receive(receive)
+            self._receive(receive, phase, round_)
             return (*result, event, None)
-        pending = self._pending = _Pending(phase, round_)
+        called = []
 
         def hook() -> None:
-            if pending.done:
-                return
-            pending.done = True  # a receive that raises spends the round: the next call may go on
-            self._receive(receive)
+            if not called:
+                called.append(True)  # a receive that raises spends the round: the next call may go on
+                self._receive(receive, phase, round_)
 
         return (*result, event, hook)
 
-    def _receive(self, receive) -> None:
+    def _receive(self, receive, phase: str | None = None, round_: int = 0) -> None:
+        """Run ``receive``; then mark ``round_`` of ``phase`` received (a round refused on every
+        rank is spent too), or, after a timeout or a lost peer, the Buffer broken."""
         try:
             receive()
         except (PeerLostError, TransferTimeout) as exc:
             self._broken = exc
             raise
+        finally:
+            if phase is not None and self._broken is None:
+                self._mark_received(phase, round_)
+
+    def _mark_received(self, phase: str, round_: int) -> None:
+        done = self._done[phase]
+        done.add(round_)
+        while self._received[phase] + 1 in done:
+            self._received[phase] += 1
+            done.discard(self._received[phase])
+        self.mailbox.publish(_RECEIVED[phase], self._received[phase])
 
     def _same_dispatch(self, round_: int, word: int) -> None:
         for r in range(self.layout.num_ranks):
@@ -189,7 +210,7 @@ class LowLatencyRuntime:
                                             round_scale, use_ue8m0, async_finish, return_recv_hook, cumulative_stats,
                                             wait_stats)
         lay, tokens = self.layout, num_max_dispatch_tokens_per_rank
-        round_ = self._round["dispatch"] + 1
+        round_ = self._next_round("dispatch", "low_latency_dispatch")
         p = round_ % LL_PARITIES
         word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
         self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
@@ -224,7 +245,7 @@ class LowLatencyRuntime:
         self._check_handle(handle)
         x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                                          async_finish, return_recv_hook, out, wait_stats)
-        round_ = self._round["combine"] + 1
+        round_ = self._next_round("combine", "low_latency_combine")
         p = round_ % LL_PARITIES
         self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
         self.mailbox.publish_combine(round_, handle.round)  # every rank must combine the same dispatch
@@ -251,13 +272,20 @@ class LowLatencyRuntime:
         self._checks.experts(func, num_experts)
         if hidden != self.layout.hidden:
             raise ConfigError(f"ep.Buffer.{func}: hidden={hidden!r}; this Buffer was built for hidden={self.layout.hidden}")
-        round_ = self._round["dispatch"] + 1
+        busy = {phase: self._round[phase] - self._received[phase] for phase in self._round}
+        if any(busy.values()):
+            raise ConfigError(f"ep.Buffer.{func}: low-latency rounds await their hooks ({busy}); call them first")
+        round_ = self._next_round("dispatch", func)
         self._path.zero()
         self._outputs.zero()
         self.mailbox.publish_dispatch(round_, _CLEAN)
         self._round["dispatch"] = self._clean_round = round_
-        self._receive(lambda: self._wait(mb.DISPATCH, round_, None))
-        self._same_dispatch(round_, _CLEAN)
+
+        def receive() -> None:
+            self._wait(mb.DISPATCH, round_, None)
+            self._same_dispatch(round_, _CLEAN)
+
+        self._receive(receive, "dispatch", round_)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -94,7 +94,7 @@ class LowLatencyMethods:
             num_max_dispatch_tokens_per_rank, hidden, num_experts: as the Buffer's (checked).
 
         Raises:
-            ConfigError: other sizes, a pending hook, or a peer that made another call.
+            ConfigError: other sizes, a round awaiting its hook, or a peer that made another call.
             TransferTimeout / PeerLostError: a peer stalled or died.
 
         Collective? Yes, counted as a dispatch round. Blocking? Until every peer has cleaned.
@@ -126,8 +126,9 @@ class LowLatencyMethods:
             async_finish: accepted; the outputs are complete on return (host memory), so the
                 event has nothing to wait for.
             return_recv_hook: return after the send phase; ``hook()`` waits for the rows and packs
-                them. Nothing runs between the two (no thread, no kernel). Call the hook before
-                the next low-latency call.
+                them. Nothing runs between the two (no thread, no kernel). Two dispatches (and two
+                combines) may await their hooks at once, as DeepEP's double buffer allows (send
+                micro-batch A, send B, then A's hook); a third raises ``ConfigError``.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``: ``recv_x`` BF16 ``[L, R*T, H]``, or with
@@ -141,12 +142,16 @@ class LowLatencyMethods:
             its hook, returns.
 
         Raises:
-            ConfigError: bad arguments (before any byte moves), a pending hook, no low-latency
-                mode, or ranks that called with different arguments (on every rank alike).
-            TransferTimeout / PeerLostError: a peer stalled or died (within the Buffer's timeout).
+            ConfigError: bad arguments (before any byte moves), two dispatches awaiting their
+                hooks, no low-latency mode, or ranks that called with different arguments (on
+                every rank alike; that round is spent, the next may go on).
+            TransferTimeout / PeerLostError: a peer stalled or died (within the Buffer's timeout);
+                every later call raises the same.
 
         Collective? Yes. Blocking? Waits for the peers' rows (in the hook with
-        ``return_recv_hook``). Warm path? Allocates nothing but small host index tensors.
+        ``return_recv_hook``), and before sending, for the peers to have received the round
+        two before (almost always already true). Warm path? Allocates nothing but small host
+        index tensors.
         """
         return self._runtime("low_latency_dispatch").dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
@@ -177,8 +182,8 @@ class LowLatencyMethods:
             expert gets zeros); ``out`` when given, else a new tensor.
 
         Raises:
-            ConfigError: bad arguments or handle (before any byte moves), a pending hook, or ranks
-                that combine different dispatches (on every rank alike).
+            ConfigError: bad arguments or handle (before any byte moves), two combines awaiting
+                their hooks, or ranks that combine different dispatches (on every rank alike).
             TransferTimeout / PeerLostError: a peer stalled or died.
 
         Collective? Yes. Blocking? As ``low_latency_dispatch``.
