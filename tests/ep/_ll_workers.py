@@ -124,6 +124,29 @@ def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     return results
 
 
+def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """Micro-batches A and B (``case["seeds"]``) overlapped as a decode step does: dispatch A and B
+    (hooks), A's hook, A's combine (hook), B's hook, B's combine (hook), then the combines' hooks."""
+    batches = [ll_inputs(dict(case, seed=seed))[rank] for seed in case["seeds"]]
+    local, tokens = case["experts"] // num_ranks, max(case["tokens"])
+    got = [{}, {}]
+    with _buffer(rank, num_ranks, store, case) as buf:
+        stats = [torch.zeros(local, dtype=torch.int32) for _ in batches]
+        sent = [buf.low_latency_dispatch(b["x"], b["topk_idx"], tokens, case["experts"], return_recv_hook=True,
+                                         cumulative_local_expert_recv_stats=s) for b, s in zip(batches, stats)]
+        combines = []
+        for i, (b, (recv_x, count, handle, _, hook)) in enumerate(zip(batches, sent)):
+            time.sleep(0.005)  # the other micro-batch's work
+            hook()
+            got[i] = _received(recv_x, count, handle, stats[i])
+            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            combines.append(buf.low_latency_combine(y, b["topk_idx"], b["topk_weights"], handle, return_recv_hook=True))
+        for i, (combined, _, hook) in enumerate(combines):
+            hook()
+            got[i]["combined"] = combined.clone()
+    return got
+
+
 def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
     """Run ``case["fault"]`` and return what each call raised here (``"ok"`` when nothing did)."""
     mine = ll_inputs(case)[rank]

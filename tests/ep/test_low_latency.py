@@ -258,17 +258,24 @@ def test_bad_combine_arguments_and_handles_are_refused(one_rank):
         one_rank.low_latency_combine(y, idx, w, handle)
 
 
-def test_a_skipped_hook_and_a_buffer_without_low_latency_mode_are_refused(one_rank):
+def test_two_dispatches_may_await_their_hooks_a_third_is_refused_and_no_mode_no_calls(one_rank):
     from warmlink.ep import Buffer
     from warmlink.rendezvous import Store
 
     x, idx, w = _routing()
-    out = one_rank.low_latency_dispatch(x, idx, 8, 4, return_recv_hook=True)
-    with pytest.raises(ConfigError, match="receive hook of low-latency dispatch round 1 was not called"):
+    first = one_rank.low_latency_dispatch(x, idx, 8, 4, return_recv_hook=True)
+    second = one_rank.low_latency_dispatch(-x, idx, 8, 4, use_fp8=False, return_recv_hook=True)
+    with pytest.raises(ConfigError, match=r"hooks of low-latency dispatch rounds \[1, 2\] were not called"):
         one_rank.low_latency_dispatch(x, idx, 8, 4)
-    out[4]()
-    out[4]()  # a second call of a hook does nothing
-    assert out[1].tolist() == [2, 1, 1, 1]
+    with pytest.raises(ConfigError, match="call its hook first"):
+        one_rank.low_latency_combine(second[0], idx, w, second[2])
+    second[4]()  # hooks may come out of order
+    with pytest.raises(ConfigError, match=r"rounds \[1\] were not called"):
+        one_rank.low_latency_dispatch(x, idx, 8, 4)
+    first[4]()
+    first[4]()  # a second call of a hook does nothing
+    assert first[1].tolist() == [2, 1, 1, 1] and torch.equal(second[0][0, :2], -x[[0, 2]])
+    assert one_rank.low_latency_dispatch(x, idx, 8, 4)[2].round == 3
     store = Store(is_server=True, prefix="ep-ll-plain", timeout_s=10)
     try:
         with Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=256, num_topk=2, backend="shm") as plain:
@@ -311,6 +318,17 @@ def test_rounds_after_the_first_and_later_lifecycles_create_nothing_and_waits_ar
         assert all(c == {} for c in out["lifecycles"][1:]), out["lifecycles"]
         for phase, costs in out["costs"].items():  # nanoseconds until each source's round was seen, summed
             assert (costs > 0).all(), (phase, costs)
+
+
+def test_two_micro_batches_in_flight_match_the_reference():
+    """A decode step's overlap: send A, send B, A's hook while B's rows travel, A's combine, B's hook..."""
+    from tests.ep._ll_workers import ll_two_batches
+
+    case = {"tokens": [24, 17, 30], "hidden": 256, "experts": 12, "topk": 4, "masked": 4, "seeds": [7, 8],
+            "calls": [{"fp8": True}]}
+    results = run_ranks(ll_two_batches, 3, case=case, timeout_s=120)
+    for i, seed in enumerate(case["seeds"]):
+        check_rounds(dict(case, seed=seed), [[r[i]] for r in results])
 
 
 def test_low_latency_buffer_from_a_torch_distributed_group():
