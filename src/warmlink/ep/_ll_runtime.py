@@ -21,6 +21,32 @@ sends micro-batch A, then B, then calls A's hook while B's rows travel.
 and outputs, publishes, and waits for every peer, so no peer writes a later round into a region
 still being zeroed. After a timeout or a lost peer the group's rounds are out of step; every later
 call raises the same error type instead of mixing rounds.
+
+# Note [Low-latency device path]
+What a GPU Buffer needs (not built yet; the API, the layout and the tests stay as they are):
+
+- the region from the cuda_ipc link (a plain cudaMalloc arena, mapped by every peer over CUDA
+  IPC, as the normal mode's), with peer access enabled so that kernels may store to it;
+- a send kernel on the caller's stream: the FP8 cast, each row's slot (its prefix count among
+  this rank's earlier rows to the same expert, from ``topk_idx`` alone), the stores of rows and
+  meta into the peers' mapped slots, a system-scope release fence, then the signal words. Copy
+  engines do not fit: a copy's size and offset would have to reach the host first;
+- a receive kernel, launched by the hook (or right after the send without one): a bounded spin
+  on the round's signal words (the Buffer's timeout as a clock deadline), then the pack into the
+  outputs, whose addresses are fixed per parity, so a captured graph replays into them;
+- the round in a device word that the send kernel advances, so that a graph replay is a new
+  round (the signal tags compare against it); a replay keeps the parity, and so the output
+  addresses, it was captured with, which is safe because the send kernel first checks the
+  peers' "received" words (in the region too) for the last round of that parity; the call's
+  arguments hashed into the signal words' spare bits;
+- failure as a word in pinned host memory (a timed-out spin, a mismatched call) instead of a
+  trap, raised by the next call on the host (``TransferTimeout``, ``PeerLostError`` after the
+  liveness check, ``ConfigError``): no host synchronisation inside a call;
+- combine the same way: a kernel storing rows at ``t * K + k`` and one signal word per source,
+  then the weighted sum in the receive kernel.
+
+Its tests are these ones with ``backend="cuda_ipc"`` and ranks sharing one GPU, plus replays of a
+captured dispatch + hook + combine + hook.
 """
 
 from __future__ import annotations
