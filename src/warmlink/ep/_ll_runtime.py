@@ -256,8 +256,9 @@ class LowLatencyRuntime:
             self._same_dispatch(round_, word)
             counts = self._path.arrived_counts(round_)
             if counts.max(initial=0) > tokens:
-                raise MetadataError(f"ep low-latency dispatch round {round_}: a peer published counts in "
-                                    f"up to {counts.max()}; expected each in [0, {tokens}]")
+                s, e = (int(v[0]) for v in np.nonzero(counts > tokens))
+                raise MetadataError(f"ep low-latency dispatch round {round_}: rank {s} wrote {counts[s, e]} rows for "
+                                    f"local expert {e}; expected at most num_max_dispatch_tokens_per_rank={tokens}")
             handle.rows_by_source = self._path.receive_dispatch(p, counts, tokens, use_fp8, use_ue8m0, out)
             if cumulative_stats is not None:
                 cumulative_stats.add_(out.count)
