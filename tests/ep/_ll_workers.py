@@ -178,6 +178,12 @@ def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
             y = torch.zeros(*out[0][0].shape, dtype=torch.bfloat16)
             attempt("combine", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], out[2]))
             attempt("after", lambda: _dispatch(buf, mine, case, call, None))
+        if fault == "stalled_peer":  # rank 1 builds its Buffer, then makes no call for longer than the timeout
+            if rank == 1:
+                time.sleep(3 * case["timeout_s"])
+                return report
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, call, None))
+            attempt("after", lambda: _dispatch(buf, mine, case, call, None))
         if fault == "fp8_differs":  # rank 1 sends BF16 where the others send FP8; then a round alike
             attempt("dispatch", lambda: _dispatch(buf, mine, case, {"fp8": rank != 1}, None))
             recv_x = _dispatch(buf, mine, case, call, None)[0]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -147,6 +149,14 @@ def test_a_peer_killed_mid_round_raises_peer_lost_and_the_buffer_stays_refused()
         assert report["after"].startswith("PeerLostError") and "out of step" in report["after"], report
 
 
+def test_a_stalled_peer_raises_transfer_timeout_after_the_timeout_naming_it():
+    case = {"tokens": [6, 6], "hidden": 256, "experts": 4, "topk": 2, "fault": "stalled_peer", "timeout_s": 1.0}
+    report = run_ranks(ll_fault, 2, case=case, timeout_s=90)[0]
+    assert report["dispatch"].startswith("TransferTimeout") and "ranks [1]" in report["dispatch"], report
+    assert 1.0 <= report["dispatch_s"] < 2.5, report
+    assert report["after"].startswith("TransferTimeout") and "out of step" in report["after"], report
+
+
 def test_ranks_calling_with_different_arguments_all_refuse_and_the_next_round_works():
     case = {"tokens": [12, 7], "hidden": 256, "experts": 4, "topk": 2, "seed": 5, "fault": "fp8_differs"}
     results = run_ranks(ll_fault, 2, case=case)
@@ -180,18 +190,25 @@ def test_clean_zeroes_the_outputs_and_refuses_older_handles():
 
 
 # -- one rank, in this process: every argument is checked before any byte moves ------------------
-@pytest.fixture
-def one_rank():
+@contextlib.contextmanager
+def _one_rank_buffer(prefix: str):
+    """``(Buffer, store)`` of a one-rank low-latency group: 8 tokens x 256, top-2 of 4 experts."""
     from warmlink.ep import Buffer
     from warmlink.rendezvous import Store
 
-    store = Store(is_server=True, prefix="ep-ll-args", timeout_s=10)
+    store = Store(is_server=True, prefix=prefix, timeout_s=10)
     try:
         with Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=256, num_topk=2, backend="shm", timeout_s=5,
                     low_latency_mode=True, num_experts=4) as buf:
-            yield buf
+            yield buf, store
     finally:
         store.close()
+
+
+@pytest.fixture
+def one_rank():
+    with _one_rank_buffer("ep-ll-args") as (buf, _):
+        yield buf
 
 
 def _routing():
@@ -256,6 +273,11 @@ def test_bad_combine_arguments_and_handles_are_refused(one_rank):
         one_rank.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
     with pytest.raises(ConfigError, match="its outputs were reused by dispatch round 3"):
         one_rank.low_latency_combine(y, idx, w, handle)
+    other = _one_rank_buffer("ep-ll-other")
+    with other as (buf, _):
+        mine = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
+        with pytest.raises(ConfigError, match="comes from another Buffer"):
+            one_rank.low_latency_combine(mine[0].clone(), idx, w, mine[2])
 
 
 def test_two_dispatches_may_await_their_hooks_a_third_is_refused_and_no_mode_no_calls(one_rank):
