@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int_in(1), default=None, help="Buffer capacity per rank, at least --tokens (default --tokens)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
+    p.add_argument("--low-latency", action="store_true",
+                   help="instead: DeepEP's low-latency dispatch (FP8) and combine (BF16), per-call latency beside "
+                   "DeepEP's published figures (bench.ep_low_latency; on the host over shm, by default 2 ranks, "
+                   "32 tokens x 1024, 32 experts)")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a stalled run fails (default 300)")
     p.add_argument("--pin", action="store_true",
@@ -497,6 +501,10 @@ def _run_lifecycles(cfg: dict, args) -> int:
 def run(args) -> int:
     from warmlink.rendezvous import Store
 
+    if args.low_latency:
+        from warmlink.bench.ep_low_latency import run_low_latency
+
+        return run_low_latency(args)
     cfg = _defaults(args)
     problem = _refusal(cfg, args)
     if problem is not None:

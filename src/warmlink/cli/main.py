@@ -16,6 +16,7 @@ examples:
   warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
   warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
   warmlink bench ep                      MoE dispatch/combine on every GPU: normal, hook, FP8 vs torch+NCCL
+  warmlink bench ep --low-latency        DeepEP's low-latency dispatch/combine: per-call latency
   warmlink bench manifest               export and first plan of 40,000 DeepSeek-V3-shaped tensors
   warmlink doctor                        GPUs, peer access, copy-engine bandwidth, backends
 
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "GPUs also the normal-mode sends through the copy engines, and with eager launches instead of CUDA graphs, "
         "and the link's floors (copy engines alone, SM stores alone, the combine's sum alone). Prints time and GB/s per rank "
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
-        "that warmlink's outputs equal the NCCL path's.",
+        "that warmlink's outputs equal the NCCL path's. With --low-latency instead: DeepEP's low-latency dispatch "
+        "(FP8) and combine (BF16), median and p90 per call, beside DeepEP's published figures.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
     sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")

@@ -1,8 +1,11 @@
 """ep: MoE expert-parallel dispatch and combine over pre-registered regions.
 
 ``Buffer`` follows DeepEP's normal-mode API (``get_dispatch_layout``, ``dispatch``, ``combine``,
-``return_recv_hook``, and the ``EventOverlap`` its calls return); ``size_hint`` says how much
-memory a rank's buffer holds; ``fp8`` converts tokens to and from the FP8 format dispatch accepts.
+``return_recv_hook``, and the ``EventOverlap`` its calls return), and, built with
+``low_latency_mode=True``, DeepEP's low-latency calls for decode (``ep.low_latency``, whose
+dispatch returns a ``LowLatencyHandle``; the host moves those rows, on shm only so far).
+``size_hint`` says how much memory a rank's buffer holds; ``fp8`` converts tokens to and from
+the FP8 format dispatch accepts.
 
 Who moves the bytes is chosen once per Buffer (``Buffer(send=...)``): on GPUs, by default, a
 dispatch without a receive hook is sent by kernels that store the rows into the peers' memory
@@ -11,10 +14,11 @@ dispatch with a hook, and every combine, by the copy engines, so no kernel stays
 the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 """
 
+from warmlink.ep._ll_handle import LowLatencyHandle
 from warmlink.ep._regions import size_hint
 from warmlink.ep.buffer import Buffer
 from warmlink.ep.event import EventOverlap
 from warmlink.ep.handle import Handle
 from warmlink.ep.layout import dispatch_layout
 
-__all__ = ["Buffer", "EventOverlap", "Handle", "dispatch_layout", "size_hint"]
+__all__ = ["Buffer", "EventOverlap", "Handle", "LowLatencyHandle", "dispatch_layout", "size_hint"]

@@ -27,7 +27,7 @@ from warmlink.ep._regions import PARITIES
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
-__all__ = ["CONFIG_KEYS", "EVENT_PHASES", "KIND", "check_config", "validate_ep_rank"]
+__all__ = ["CONFIG_KEYS", "EVENT_PHASES", "KIND", "check_config", "validate_ep_rank", "validate_rank_header"]
 
 KIND = "ep_rank"
 CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
@@ -49,17 +49,25 @@ def _closed(obj: Any, keys: tuple[str, ...], path: str, peer: str) -> dict:
     return obj
 
 
-def validate_ep_rank(obj: Any, peer: str) -> dict:
-    """Check a parsed ``ep_rank`` payload; returns it unchanged. Raises ``MetadataError``."""
-    _closed(obj, _KEYS, "payload", peer)
+def validate_rank_header(obj: Any, keys: tuple[str, ...], kind: str, config_keys: tuple[str, ...], peer: str) -> dict:
+    """Check the parts every ep rank payload shares (exactly ``keys``, version, ``kind``, an ep
+    ``peer`` and a ``config`` of exactly ``config_keys``); returns its peer info."""
+    _closed(obj, keys, "payload", peer)
     if obj["schema_version"] not in schema.SUPPORTED_SCHEMA_VERSIONS or type(obj["schema_version"]) is not int:
         _fail(peer, f"schema_version={obj['schema_version']!r} is not supported")
-    if obj["kind"] != KIND:
-        _fail(peer, f"kind={obj['kind']!r}; expected {KIND!r}")
+    if obj["kind"] != kind:
+        _fail(peer, f"kind={obj['kind']!r}; expected {kind!r}")
     info = schema.validate_peer_info(obj["peer"], peer)
     if info["role"] != "ep":
         _fail(peer, f"peer.role={info['role']!r}; expected 'ep'")
-    config = _closed(obj["config"], CONFIG_KEYS, "config", peer)
+    _closed(obj["config"], config_keys, "config", peer)
+    return info
+
+
+def validate_ep_rank(obj: Any, peer: str) -> dict:
+    """Check a parsed ``ep_rank`` payload; returns it unchanged. Raises ``MetadataError``."""
+    info = validate_rank_header(obj, _KEYS, KIND, CONFIG_KEYS, peer)
+    config = obj["config"]
     for key in CONFIG_KEYS:
         value = config[key]
         if type(value) is not int or not 1 <= value <= _MAX[key]:

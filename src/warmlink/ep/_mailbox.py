@@ -26,11 +26,15 @@ from warmlink._backoff import wait_until
 from warmlink.ep._regions import MAX_EXPERTS
 from warmlink.errors import BackendUnavailable
 
-__all__ = ["COMBINE", "COMBINE_SENT", "DISPATCH", "DISPATCH_SENT", "MAX_EXPERTS", "Mailbox", "mailbox_nbytes"]
+__all__ = ["COMBINE", "COMBINE_RECEIVED", "COMBINE_SENT", "DISPATCH", "DISPATCH_RECEIVED", "DISPATCH_SENT", "MAX_EXPERTS",
+           "Mailbox", "mailbox_nbytes"]
 
 GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
-_HEADER = 8
-_FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent"}
+# "received": every round up to this one was received here (ep._ll_runtime, Note [Low-latency rounds])
+DISPATCH_RECEIVED, COMBINE_RECEIVED = 7, 8
+_HEADER = 10
+_FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent",
+                DISPATCH_RECEIVED: "dispatch received", COMBINE_RECEIVED: "combine received"}
 _STORE_ORDERED = ("x86_64", "amd64")  # total store order: see Note [Mailbox rounds]
 _LIVENESS_PERIOD_S = 0.005
 # Busy-wait this long before sleeping: ranks of one step reach a handshake within a few hundred

@@ -42,6 +42,7 @@ from warmlink.ep._setup import Resources, group_store
 from warmlink.ep.event import EventOverlap, wait_for
 from warmlink.ep.handle import Handle, per_expert_list
 from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
@@ -54,7 +55,7 @@ def _device_of(device, backend) -> int:
     return torch.cuda.current_device()
 
 
-class Buffer(Closing):
+class Buffer(LowLatencyMethods, Closing):
     """One rank's end of an ep group: regions, mailboxes and streams, set up once.
 
     Args:
@@ -83,6 +84,8 @@ class Buffer(Closing):
         combine_parts: the parts a combine's rows are sent and summed in, 1 to 4 (ep._reduce,
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
+        low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
+            experts, ``max_tokens_per_rank`` tokens (ep.low_latency; shm backend so far).
 
     Raises:
         ConfigError: bad sizes or options (naming the argument), or a peer built with different sizes.
@@ -95,7 +98,8 @@ class Buffer(Closing):
     def __init__(self, store, rank: int, num_ranks: int, *, max_tokens_per_rank: int, hidden: int,
                  num_topk: int = 8, device=None, backend: str | None = None, timeout_s: float | None = None,
                  send: str | None = None, graphs: bool | None = None, copy_streams: str | None = None,
-                 combine_parts: int | None = None) -> None:
+                 combine_parts: int | None = None, low_latency_mode: bool = False,
+                 num_experts: int | None = None) -> None:
         from warmlink.transport import resolve_backend
 
         self._closed = True
@@ -122,6 +126,7 @@ class Buffer(Closing):
         self._closed = False
         try:
             self._res.connect(store)
+            self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
         except BaseException:
             self.close()
             raise
@@ -142,8 +147,8 @@ class Buffer(Closing):
         node) under ``secret`` (rank 0's argument, else ``WARMLINK_SECRET``, else a fresh one) and
         sends its port and that secret to the others with one ``broadcast`` of an int64 tensor
         (nothing pickled; the other ranks' ``secret`` is not used); the Buffer owns that store and
-        closes it with itself. ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``
-        and ``combine_parts``. Collective over ``group``.
+        closes it with itself. ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``,
+        ``combine_parts``, ``low_latency_mode`` and ``num_experts``. Collective over ``group``.
         """
         store, rank, world = group_store(group, timeout_s, secret)
         try:
@@ -381,6 +386,7 @@ class Buffer(Closing):
         if getattr(self, "_closed", True) and getattr(self, "_res", None) is None:
             return
         self._closed = True
+        self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None
         res, self._res = self._res, None
         if res is not None:

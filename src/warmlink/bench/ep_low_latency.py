@@ -1,0 +1,138 @@
+"""``warmlink bench ep --low-latency``: per-call latency of DeepEP's low-latency dispatch (FP8) and
+combine (BF16), with DeepEP's published figures beside it for reference.
+
+Every rank draws a routing as DeepEP's test does (top-K of random scores, 10 entries masked to
+-1), builds one ``ep.Buffer`` with ``low_latency_mode=True`` and times, on the host clock, each of
+``--iterations`` calls after ``--warmup``: a dispatch, a combine, and in hook mode the send phase
+and the hook of each, called right after the send. Every call waits for its peers' rows, so the
+ranks stay in step without a barrier. The row per operation is the slowest rank's median and p90.
+
+The rows move on the host over shared memory (the shm backend): low-latency mode has no device
+path yet. DeepEP's issue shape (128 tokens x 7168, top-8 of 256) holds about 1.9 GB per rank
+there, so the default is a reduced one; pass ``--tokens 128 --hidden 7168 --experts 256`` for it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+from warmlink.bench._args import refuse
+from warmlink.bench._proc import Group
+
+__all__ = ["DEEPEP_LOW_LATENCY", "run_low_latency"]
+
+# DeepEP's published low-latency figures: deepseek-ai/DeepEP docs/legacy.md ("Low-latency kernels
+# with pure RDMA", linked from README.md as the V1 documentation), at commit dd758ca: H800, one CX7
+# InfiniBand 400 Gb/s NIC per GPU, 128 tokens per batch, 7168 hidden, top-8, FP8 dispatch, BF16 combine.
+# (EP size, dispatch us, dispatch RDMA GB/s, combine us, combine RDMA GB/s)
+DEEPEP_LOW_LATENCY = ((8, 77, 98, 114, 127), (16, 118, 63, 195, 74), (32, 155, 48, 273, 53),
+                      (64, 173, 43, 314, 46), (128, 192, 39, 369, 39), (256, 194, 39, 360, 40))
+_DEEPEP_SOURCE = ("DeepEP docs/legacy.md @dd758ca (linked from its README): H800, CX7 400 Gb/s RDMA, "
+                  "128 tokens, 7168 hidden, top-8, FP8 dispatch, BF16 combine")
+_OPS = ("dispatch", "combine", "dispatch_send", "dispatch_hook", "combine_send", "combine_hook")
+_MASKED = 10  # entries set to -1, as DeepEP's test does
+
+
+def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(4321 + rank)
+    scores = torch.randn(tokens, experts, generator=gen).abs() + 1
+    idx = scores.topk(topk, dim=1).indices
+    for _ in range(_MASKED if tokens else 0):
+        idx[torch.randint(tokens, (1,), generator=gen), torch.randint(topk, (1,), generator=gen)] = -1
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.1).to(torch.bfloat16)
+    return x, idx, torch.rand(tokens, topk, generator=gen)
+
+
+def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, secret: str, cfg: dict) -> None:
+    import torch
+
+    from warmlink.ep import Buffer
+    from warmlink.rendezvous import Store
+
+    torch.set_num_threads(1)
+    tokens, hidden, experts = cfg["tokens"], cfg["hidden"], cfg["experts"]
+    x, idx, w = _routing(rank, tokens, experts, cfg["topk"], hidden)
+    times: dict[str, list[float]] = {op: [] for op in _OPS}
+    with Store.connect(store_address, prefix="bench-ep-ll", timeout_s=cfg["timeout"], secret=secret) as store, \
+            Buffer(store, rank, num_ranks, max_tokens_per_rank=tokens, hidden=hidden, num_topk=cfg["topk"],
+                   backend="shm", timeout_s=cfg["timeout"], low_latency_mode=True, num_experts=experts) as buf:
+        y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16)  # the experts' output
+        for i in range(cfg["warmup"] + cfg["iterations"]):
+            timed = i >= cfg["warmup"]
+            t0 = time.perf_counter()
+            handle = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)[2]
+            t1 = time.perf_counter()
+            buf.low_latency_combine(y, idx, w, handle)
+            t2 = time.perf_counter()
+            hook = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
+            t3 = time.perf_counter()
+            hook[4]()
+            t4 = time.perf_counter()
+            _, _, combine_hook = buf.low_latency_combine(y, idx, w, hook[2], return_recv_hook=True)
+            t5 = time.perf_counter()
+            combine_hook()
+            t6 = time.perf_counter()
+            if timed:
+                for op, t in zip(_OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
+                    times[op].append(t)
+    results.put({"event": "result", "value": {"rank": rank, "times_s": times}})
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _defaults(args) -> dict:
+    def pick(given, default):  # argument > default (STYLE.md, convention 3)
+        return given if given is not None else default
+
+    return {"ranks": pick(args.ranks, 2), "tokens": pick(args.tokens, 32), "hidden": pick(args.hidden, 1024),
+            "experts": pick(args.experts, 32), "topk": args.topk, "iterations": args.iterations,
+            "warmup": args.warmup, "timeout": args.timeout}
+
+
+def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
+    summary = {op: {"median_us": max(statistics.median(r["times_s"][op]) for r in ranks) * 1e6,
+                    "p90_us": max(_p90(r["times_s"][op]) for r in ranks) * 1e6} for op in _OPS}
+    lines = [f"ep low-latency bench: {cfg['ranks']} ranks (CPU, shm: no device path yet), {cfg['tokens']} tokens x "
+             f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, FP8 dispatch, BF16 combine; "
+             f"{cfg['iterations']} calls after {cfg['warmup']} warmup, slowest rank",
+             "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}"]
+    names = {"dispatch": "dispatch (fp8)", "combine": "combine (bf16)", "dispatch_send": "dispatch, hook mode: send",
+             "dispatch_hook": "dispatch, hook mode: hook", "combine_send": "combine, hook mode: send",
+             "combine_hook": "combine, hook mode: hook"}
+    for op in _OPS:
+        lines.append(f"{names[op]:<34}{summary[op]['median_us']:>13.1f}{summary[op]['p90_us']:>11.1f}")
+    lines += ["", f"for reference, {_DEEPEP_SOURCE}:",
+              f"  {'EP':>4}{'dispatch (us)':>15}{'GB/s':>7}{'combine (us)':>15}{'GB/s':>7}"]
+    lines += [f"  {ep:>4}{d:>15}{dg:>7}{c:>15}{cg:>7}" for ep, d, dg, c, cg in DEEPEP_LOW_LATENCY]
+    return lines, summary
+
+
+def run_low_latency(args) -> int:
+    from warmlink.rendezvous import Store
+
+    cfg = _defaults(args)
+    if cfg["experts"] % cfg["ranks"]:
+        return refuse("warmlink bench ep --low-latency", f"--experts={cfg['experts']} is not a multiple of "
+                      f"--ranks={cfg['ranks']}; expected every rank to hold as many experts")
+    if cfg["topk"] > cfg["experts"]:
+        return refuse("warmlink bench ep --low-latency", f"--topk={cfg['topk']} exceeds --experts={cfg['experts']}")
+    with Store(is_server=True, prefix="bench-ep-ll", timeout_s=args.timeout) as server, Group(args.timeout) as group:
+        for r in range(cfg["ranks"]):
+            group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,
+                        secret=server.secret, cfg=cfg)
+        ranks = sorted((m["value"] for m in group.expect("result", cfg["ranks"])), key=lambda r: r["rank"])
+    lines, summary = _table(cfg, ranks)
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "summary": summary, "deepep_published": {"source": _DEEPEP_SOURCE,
+                       "rows": DEEPEP_LOW_LATENCY}, "ranks": ranks,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
+    return 0

@@ -1,0 +1,122 @@
+"""Every check of a low-latency call's arguments, before any byte moves.
+
+A bad shape, dtype, device, size, flag or expert id raises ``ConfigError`` naming the argument.
+Expert ids are read on the host here (the host path holds them there anyway); a device path
+checks them in its send kernel instead (no host synchronisation inside a call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warmlink.ep._ll_handle import LowLatencyHandle
+from warmlink.ep._ll_layout import LowLatencyLayout
+from warmlink.errors import ConfigError
+
+__all__ = ["LowLatencyChecks"]
+
+_TOPK_DTYPES = (torch.int64, torch.int32)
+
+
+def _flag(func: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"ep.Buffer.{func}: {name}={value!r}; expected a bool")
+    return value
+
+
+class LowLatencyChecks:
+    """The checks of one Buffer's low-latency calls: its layout and device (-1 = host)."""
+
+    def __init__(self, layout: LowLatencyLayout, device: int) -> None:
+        self.layout = layout
+        self.device = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+
+    def tensor(self, func: str, name: str, t, dtypes: tuple, shape: tuple | None = None, dims: int | None = None):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"ep.Buffer.{func}: {name} is a {type(t).__name__}; expected a torch.Tensor")
+        if t.dtype not in dtypes:
+            raise ConfigError(f"ep.Buffer.{func}: {name}.dtype={t.dtype}; expected {' or '.join(map(str, dtypes))}")
+        if t.device != self.device:
+            raise ConfigError(f"ep.Buffer.{func}: {name} is on {t.device}; expected {self.device}")
+        if shape is not None and tuple(t.shape) != shape:
+            raise ConfigError(f"ep.Buffer.{func}: {name}.shape={tuple(t.shape)}; expected {shape}")
+        if dims is not None and t.dim() != dims:
+            raise ConfigError(f"ep.Buffer.{func}: {name}.shape={tuple(t.shape)}; expected {dims} dimensions")
+        return t
+
+    def experts(self, func: str, num_experts) -> None:
+        if num_experts != self.layout.num_experts or not isinstance(num_experts, int):
+            raise ConfigError(f"ep.Buffer.{func}: num_experts={num_experts!r}; this Buffer was built for "
+                              f"num_experts={self.layout.num_experts} (a multiple of num_ranks={self.layout.num_ranks})")
+
+    def max_tokens(self, func: str, value) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= self.layout.max_tokens:
+            raise ConfigError(f"ep.Buffer.{func}: num_max_dispatch_tokens_per_rank={value!r}; expected an int in "
+                              f"[1, {self.layout.max_tokens}] (the Buffer's max_tokens_per_rank)")
+        return value
+
+    def topk(self, func: str, topk_idx, num_tokens: int):
+        idx = self.tensor(func, "topk_idx", topk_idx, _TOPK_DTYPES, dims=2)
+        if idx.shape[0] != num_tokens or not 1 <= idx.shape[1] <= self.layout.num_topk:
+            raise ConfigError(f"ep.Buffer.{func}: topk_idx.shape={tuple(idx.shape)}; expected [{num_tokens}, K] with "
+                              f"1 <= K <= num_topk={self.layout.num_topk}")
+        if idx.numel():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -1 or hi >= self.layout.num_experts:
+                raise ConfigError(f"ep.Buffer.{func}: topk_idx has entries in [{lo}, {hi}]; expected every entry in "
+                                  f"[-1, {self.layout.num_experts}) (-1: no expert)")
+        return idx.contiguous()
+
+    def stats(self, func: str, name: str, t, dtype, length: int) -> None:
+        if t is not None:
+            self.tensor(func, name, t, (dtype,), shape=(length,))
+
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                 async_finish, return_recv_hook, cumulative_stats, wait_stats):
+        """``(x, topk_idx)`` contiguous, once every argument of ``low_latency_dispatch`` is checked."""
+        func, lay = "low_latency_dispatch", self.layout
+        for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+            _flag(func, name, value)
+        if round_scale and not use_fp8:
+            raise ConfigError(f"ep.Buffer.{func}: round_scale=True with use_fp8=False; scales exist only with FP8")
+        if use_ue8m0 and not round_scale:
+            raise ConfigError(f"ep.Buffer.{func}: use_ue8m0=True needs round_scale=True (UE8M0 holds powers of two)")
+        self.experts(func, num_experts)
+        tokens = self.max_tokens(func, num_max_dispatch_tokens_per_rank)
+        x = self.tensor(func, "x", x, (torch.bfloat16,), dims=2)
+        if x.shape[1] != lay.hidden:
+            raise ConfigError(f"ep.Buffer.{func}: x has {x.shape[1]} channels; the Buffer was built for hidden={lay.hidden}")
+        if x.shape[0] > tokens:
+            raise ConfigError(f"ep.Buffer.{func}: x has {x.shape[0]} tokens; expected at most "
+                              f"num_max_dispatch_tokens_per_rank={tokens}")
+        idx = self.topk(func, topk_idx, x.shape[0])
+        self.stats(func, "cumulative_local_expert_recv_stats", cumulative_stats, torch.int32, lay.local_experts)
+        self.stats(func, "dispatch_wait_recv_cost_stats", wait_stats, torch.int64, lay.num_ranks)
+        return x.contiguous(), idx
+
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt, zero_copy, async_finish,
+                return_recv_hook, out, wait_stats):
+        """``(x, topk_idx, topk_weights)`` contiguous, once every argument of ``low_latency_combine``
+        is checked (``handle`` is one of this Buffer's current ones: the runtime checked it first)."""
+        func, lay = "low_latency_combine", self.layout
+        for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy), ("async_finish", async_finish),
+                            ("return_recv_hook", return_recv_hook)):
+            _flag(func, name, value)
+        if use_logfmt:
+            raise ConfigError(f"ep.Buffer.{func}: use_logfmt=True is not supported; combine sends BF16 rows")
+        rows = lay.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        x = self.tensor(func, "x", x, (torch.bfloat16,), shape=(lay.local_experts, rows, lay.hidden))
+        shape = (handle.num_tokens, handle.num_topk)
+        idx = self.tensor(func, "topk_idx", topk_idx, _TOPK_DTYPES, shape=shape)
+        weights = self.tensor(func, "topk_weights", topk_weights, (torch.float32,), shape=shape)
+        idx = self.topk(func, idx, handle.num_tokens)
+        if bool((idx >= 0).logical_and_(handle.dispatched.logical_not()).any()):
+            raise ConfigError(f"ep.Buffer.{func}: topk_idx selects experts where the dispatch's topk_idx held -1; "
+                              "pass the dispatch's topk_idx (entries may only be masked to -1)")
+        if out is not None:
+            self.tensor(func, "out", out, (torch.bfloat16,), shape=(handle.num_tokens, lay.hidden))
+            if not out.is_contiguous():
+                raise ConfigError(f"ep.Buffer.{func}: out must be contiguous")
+        self.stats(func, "combine_wait_recv_cost_stats", wait_stats, torch.int64, lay.num_ranks)
+        return x.contiguous(), idx, weights.contiguous()

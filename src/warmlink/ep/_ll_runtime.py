@@ -1,0 +1,332 @@
+"""The low-latency runtime of one Buffer: its region, mailbox and outputs, and the rounds of its calls.
+
+# Note [Low-latency rounds]
+Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
+
+1. send: check every argument (nothing has moved yet); make sure parity ``n % 2`` is free: this
+   rank received round ``n - 2`` (else ``ConfigError``: its hook was not called) and so did every
+   peer (their "received" words, which have almost always passed it already); write the rows into
+   the peers' areas of that parity and the signal words (ep._ll_layout), then publish "round n" and
+   the call's arguments in this rank's mailbox (payload before round number: ep._mailbox, Note
+   [Mailbox rounds]);
+2. receive (inline, or in the hook): wait for every peer's "round n" (the Buffer's timeout; a dead
+   peer raises ``PeerLostError``), check that every rank called with the same arguments
+   (``ConfigError`` on every rank alike), then pack (dispatch) or sum (combine), and publish
+   "received" up to the last round whose receive, and every one before it, is done.
+
+So two rounds of each phase may await their hooks at once, DeepEP's double buffer: a decode step
+sends micro-batch A, then B, then calls A's hook while B's rows travel.
+
+``clean_low_latency_buffer`` is a dispatch round that sends no rows: each rank zeroes its region
+and outputs, publishes, and waits for every peer, so no peer writes a later round into a region
+still being zeroed. After a timeout or a lost peer the group's rounds are out of step; every later
+call raises the same error type instead of mixing rounds.
+
+# Note [Low-latency device path]
+What a GPU Buffer needs (not built yet; the API, the layout and the tests stay as they are):
+
+- the region from the cuda_ipc link (a plain cudaMalloc arena, mapped by every peer over CUDA
+  IPC, as the normal mode's), with peer access enabled so that kernels may store to it;
+- a send kernel on the caller's stream: the FP8 cast, each row's slot (its prefix count among
+  this rank's earlier rows to the same expert, from ``topk_idx`` alone), the stores of rows and
+  meta into the peers' mapped slots, a system-scope release fence, then the signal words. Copy
+  engines do not fit: a copy's size and offset would have to reach the host first;
+- a receive kernel, launched by the hook (or right after the send without one): a bounded spin
+  on the round's signal words (the Buffer's timeout as a clock deadline), then the pack into the
+  outputs, whose addresses are fixed per parity, so a captured graph replays into them;
+- the round in a device word that the send kernel advances, so that a graph replay is a new
+  round (the signal tags compare against it); a replay keeps the parity, and so the output
+  addresses, it was captured with, which is safe because the send kernel first checks the
+  peers' "received" words (in the region too) for the last round of that parity; the call's
+  arguments hashed into the signal words' spare bits;
+- failure as a word in pinned host memory (a timed-out spin, a mismatched call) instead of a
+  trap, raised by the next call on the host (``TransferTimeout``, ``PeerLostError`` after the
+  liveness check, ``ConfigError``): no host synchronisation inside a call;
+- combine the same way: a kernel storing rows at ``t * K + k`` and one signal word per source,
+  then the weighted sum in the receive kernel.
+
+Its tests are these ones with ``backend="cuda_ipc"`` and ranks sharing one GPU, plus replays of a
+captured dispatch + hook + combine + hook.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from warmlink.ep import _mailbox as mb
+from warmlink.ep._ll_checks import LowLatencyChecks
+from warmlink.ep._ll_connect import Peers, connect
+from warmlink.ep._ll_handle import LowLatencyHandle
+from warmlink.ep._ll_host import HostPath
+from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep._ll_outputs import Outputs
+from warmlink.ep.event import EventOverlap
+from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
+
+__all__ = ["LowLatencyRuntime"]
+
+_SERIALS = itertools.count(1)
+_CLEAN = 1 << 62  # the config word of a clean round
+
+
+def _call_word(tokens: int, topk: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
+    """A dispatch's arguments that every rank must share, in one mailbox word."""
+    return 1 | fp8 << 1 | round_scale << 2 | ue8m0 << 3 | topk << 4 | tokens << 16
+
+
+def _describe(word: int) -> str:
+    if word == _CLEAN:
+        return "clean_low_latency_buffer"
+    return (f"num_max_dispatch_tokens_per_rank={word >> 16}, {(word >> 4) & 0xFFF} top-k columns, "
+            f"use_fp8={bool(word & 2)}, round_scale={bool(word & 4)}, use_ue8m0={bool(word & 8)}")
+
+
+_RECEIVED = {"dispatch": mb.DISPATCH_RECEIVED, "combine": mb.COMBINE_RECEIVED}
+
+
+class LowLatencyRuntime:
+    """One rank's low-latency mode (shm backend). Collective construction; see ``ep.low_latency``."""
+
+    def __init__(self, store, rank: int, num_ranks: int, *, max_tokens: int, hidden: int, num_experts: int,
+                 num_topk: int, device: int, backend: str, timeout_s: float) -> None:
+        from warmlink.transport import lease_link
+
+        self._closed, self._path = True, None
+        self._peers = Peers()
+        self._leases: list = []
+        self._regions: list = []
+        if backend != "shm":
+            raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; low-latency mode runs on "
+                              "the shm backend (host memory) so far; build the Buffer with backend='shm'")
+        self.layout = LowLatencyLayout(num_ranks, max_tokens, hidden, num_experts, num_topk)
+        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        self.serial = next(_SERIALS)
+        self._checks = LowLatencyChecks(self.layout, device)
+        self._round = {"dispatch": 0, "combine": 0}
+        self._received = {"dispatch": 0, "combine": 0}  # every round up to this one was received
+        self._done: dict[str, set[int]] = {"dispatch": set(), "combine": set()}  # received past a gap
+        self._clean_round = 0
+        self._broken: BaseException | None = None
+        try:
+            link_lease, mail_lease = lease_link(backend, device, timeout_s), lease_link("shm", -1, timeout_s)
+            self._leases = [link_lease, mail_lease]
+            link, mail_link = link_lease.resource, mail_lease.resource
+            region = link.allocate(self.layout.region_nbytes)
+            self._regions.append((link, region))
+            mail_region = mail_link.allocate(mb.mailbox_nbytes(num_ranks))
+            self._regions.append((mail_link, mail_region))
+            region.tensor.zero_()  # a pooled region comes back with an earlier Buffer's bytes
+            self.mailbox = mb.Mailbox(mail_region.tensor, rank, num_ranks)
+            self._outputs = Outputs(self.layout, device)
+            connect(store, rank, self.layout, device, backend, link, region, mail_link, mail_region, self.mailbox,
+                    timeout_s, self._peers)
+            regions = {r: reg.tensor for r, reg in self._peers.regions.items()}
+            self._path = HostPath(self.layout, rank, {rank: region.tensor, **regions})
+            self._closed = False
+        except BaseException:
+            self.close()
+            raise
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _check_usable(self, func: str) -> None:
+        if self._closed:
+            raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
+        if self._broken is not None:
+            raise type(self._broken)(f"ep.Buffer.{func}: an earlier low-latency call failed ({self._broken}); the "
+                                     "group's rounds are out of step: close this Buffer and build a new one")
+
+    def _next_round(self, phase: str, func: str, outstanding: int = 2) -> int:
+        """The round a new ``phase`` call makes, once its parity is free here and in every peer
+        (Note [Low-latency rounds], step 1); at most ``outstanding`` rounds may await their hooks."""
+        round_ = self._round[phase] + 1
+        if self._received[phase] < round_ - outstanding:
+            waiting = [r for r in range(self._received[phase] + 1, round_) if r not in self._done[phase]]
+            raise ConfigError(f"ep.Buffer.{func}: the receive hooks of low-latency {phase} rounds {waiting} were not "
+                              f"called; at most {outstanding} {phase} rounds may await their hooks (call the oldest first)")
+        if round_ > 2:
+            self._receive(lambda: self.mailbox.wait(_RECEIVED[phase], round_ - 2, self.timeout_s))
+        return round_
+
+    def _check_handle(self, handle) -> None:
+        func, latest = "low_latency_combine", self._round["dispatch"]
+        if not isinstance(handle, LowLatencyHandle):
+            raise ConfigError(f"ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle "
+                              "low_latency_dispatch returned")
+        if handle.owner != self.serial:
+            raise ConfigError(f"ep.Buffer.{func}: handle={handle!r} comes from another Buffer; pass the handle this "
+                              "Buffer's low_latency_dispatch returned")
+        if handle.round <= self._clean_round:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} predates "
+                              f"clean_low_latency_buffer (round {self._clean_round}), which zeroed its outputs")
+        if handle.round < latest - 1:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round}; its outputs were reused "
+                              f"by dispatch round {handle.round + LL_PARITIES} (a handle serves until the second "
+                              "dispatch after it); pass a newer handle")
+        if handle.rows_by_source is None:
+            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} whose receive did not "
+                              "complete; call its hook first (a refused round has nothing to combine)")
+
+    # -- the round protocol (Note [Low-latency rounds]) -------------------------------------------
+    def _wait(self, field: int, round_: int, costs: torch.Tensor | None) -> None:
+        """Wait for every peer's ``field`` of ``round_``; with ``costs`` (int64 ``[R]``) add to
+        ``costs[s]`` the nanoseconds until source ``s``'s round was seen (sources are awaited in
+        rank order, so a late source's wait also counts in the ranks after it)."""
+        if costs is None:
+            self.mailbox.wait(field, round_, self.timeout_s)
+            return
+        start = time.perf_counter_ns()
+        seen = np.zeros(self.layout.num_ranks, dtype=np.int64)
+        for s in range(self.layout.num_ranks):
+            self.mailbox.wait(field, round_, self.timeout_s, ranks=[s])
+            seen[s] = time.perf_counter_ns() - start
+        costs.add_(torch.from_numpy(seen).to(costs.device))
+
+    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple) -> tuple:
+        """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``."""
+        event = EventOverlap(None, self.device)
+        if not return_recv_hook:
+            self._receive(receive, phase, round_)
+            return (*result, event, None)
+        called = []
+
+        def hook() -> None:
+            if not called:
+                called.append(True)  # a receive that raises spends the round: the next call may go on
+                self._receive(receive, phase, round_)
+
+        return (*result, event, hook)
+
+    def _receive(self, receive, phase: str | None = None, round_: int = 0) -> None:
+        """Run ``receive``; then mark ``round_`` of ``phase`` received (a round refused on every
+        rank is spent too), or, after a timeout or a lost peer, the Buffer broken."""
+        try:
+            receive()
+        except (PeerLostError, TransferTimeout) as exc:
+            self._broken = exc
+            raise
+        finally:
+            if phase is not None and self._broken is None:
+                self._mark_received(phase, round_)
+
+    def _mark_received(self, phase: str, round_: int) -> None:
+        done = self._done[phase]
+        done.add(round_)
+        while self._received[phase] + 1 in done:
+            self._received[phase] += 1
+            done.discard(self._received[phase])
+        self.mailbox.publish(_RECEIVED[phase], self._received[phase])
+
+    def _same_dispatch(self, round_: int, word: int) -> None:
+        for r in range(self.layout.num_ranks):
+            theirs = self.mailbox.config(r, round_)
+            if theirs != word:
+                raise ConfigError(f"ep.Buffer: low-latency round {round_}: rank {r} called {_describe(theirs)}, "
+                                  f"this rank {_describe(word)}; every rank must make the same call with the same "
+                                  "arguments (this round is spent; the next one may go on)")
+
+    # -- calls -------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
+                 use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) -> tuple:
+        self._check_usable("low_latency_dispatch")
+        x, topk_idx = self._checks.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                            round_scale, use_ue8m0, async_finish, return_recv_hook, cumulative_stats,
+                                            wait_stats)
+        lay, tokens = self.layout, num_max_dispatch_tokens_per_rank
+        round_ = self._next_round("dispatch", "low_latency_dispatch")
+        p = round_ % LL_PARITIES
+        word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
+        self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
+        self.mailbox.publish_dispatch(round_, word)
+        self._round["dispatch"] = round_
+        out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
+        n, num_cols = topk_idx.shape
+        dispatched = out.dispatched[:n, :num_cols]
+        dispatched.copy_(topk_idx >= 0)
+        handle = LowLatencyHandle(src_info=out.src_info, layout_range=out.layout_range,
+                                  num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
+                                  num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,
+                                  comb_slot=out.comb_slot, dispatched=dispatched)
+
+        def receive() -> None:
+            self._wait(mb.DISPATCH, round_, wait_stats)
+            self._same_dispatch(round_, word)
+            counts = self._path.arrived_counts(round_)
+            if counts.max(initial=0) > tokens:
+                s, e = (int(v[0]) for v in np.nonzero(counts > tokens))
+                raise MetadataError(f"ep low-latency dispatch round {round_}: rank {s} wrote {counts[s, e]} rows for "
+                                    f"local expert {e}; expected at most num_max_dispatch_tokens_per_rank={tokens}")
+            handle.rows_by_source = self._path.receive_dispatch(p, counts, tokens, use_fp8, use_ue8m0, out)
+            if cumulative_stats is not None:
+                cumulative_stats.add_(out.count)
+
+        recv_x = (out.x, out.scales) if use_fp8 else out.x
+        return self._finish("dispatch", round_, receive, return_recv_hook, (recv_x, out.count, handle))
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+                wait_stats) -> tuple:
+        self._check_usable("low_latency_combine")
+        self._check_handle(handle)
+        x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                         async_finish, return_recv_hook, out, wait_stats)
+        round_ = self._next_round("combine", "low_latency_combine")
+        p = round_ % LL_PARITIES
+        self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
+        self.mailbox.publish_combine(round_, handle.round)  # every rank must combine the same dispatch
+        self._round["combine"] = round_
+        combined = out if out is not None else torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16,
+                                                            device=x.device)
+
+        def receive() -> None:
+            self._wait(mb.COMBINE, round_, wait_stats)
+            for r in range(self.layout.num_ranks):
+                theirs = self.mailbox.combine_handle(r, round_)
+                if theirs != handle.round:
+                    raise ConfigError(f"ep.Buffer.low_latency_combine: rank {r} combines the handle of dispatch round "
+                                      f"{theirs}, this rank that of round {handle.round}; every rank must pass the "
+                                      "handle of the same dispatch")
+            self._path.receive_combine(p, topk_idx, topk_weights, combined)
+
+        return self._finish("combine", round_, receive, return_recv_hook, (combined,))
+
+    def clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        func = "clean_low_latency_buffer"
+        self._check_usable(func)
+        self._checks.max_tokens(func, num_max_dispatch_tokens_per_rank)
+        self._checks.experts(func, num_experts)
+        if hidden != self.layout.hidden:
+            raise ConfigError(f"ep.Buffer.{func}: hidden={hidden!r}; this Buffer was built for hidden={self.layout.hidden}")
+        busy = {phase: self._round[phase] - self._received[phase] for phase in self._round}
+        if any(busy.values()):
+            raise ConfigError(f"ep.Buffer.{func}: low-latency rounds await their hooks ({busy}); call them first")
+        round_ = self._next_round("dispatch", func)
+        self._path.zero()
+        self._outputs.zero()
+        self.mailbox.publish_dispatch(round_, _CLEAN)
+        self._round["dispatch"] = self._clean_round = round_
+
+        def receive() -> None:
+            self._wait(mb.DISPATCH, round_, None)
+            self._same_dispatch(round_, _CLEAN)
+
+        self._receive(receive, "dispatch", round_)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the region, mappings and leases back to the pool. Idempotent."""
+        self._closed = True
+        if self._path is not None:
+            self._path.close()
+            self._path = None
+        for link, region in self._peers.opened:
+            link.close_region(region)
+        self._peers = Peers()
+        for link, region in reversed(self._regions):
+            link.release(region)
+        self._regions = []
+        for lease in reversed(self._leases):
+            lease.release()
+        self._leases = []

@@ -1,0 +1,263 @@
+"""Rank-side scenarios of the low-latency tests, run by ``_group.run_ranks`` on shm.
+
+Every rank builds every rank's inputs from one seed (``ll_inputs``), so the parent can run the
+oracle over all of them. Tokens follow DeepEP's test pattern: every channel of rank ``r``'s
+token holds ``r - 128``, but the last 128, which hold the token index; each block of 128
+channels is then constant, so the FP8 cast is exact and a received row names its source.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+RANK_OFFSET = 128
+
+
+def ll_inputs(case: dict) -> list[dict]:
+    """Per rank: ``x`` (BF16, DeepEP's pattern, or random with ``random_x``), ``topk_idx`` (distinct
+    experts per token, ``masked`` random entries set to -1, token 0 masked entirely) and
+    ``topk_weights``."""
+    out = []
+    for r, tokens in enumerate(case["tokens"]):
+        gen = torch.Generator().manual_seed(case.get("seed", 0) * 1000 + r)
+        scores = torch.rand(tokens, case["experts"], generator=gen)
+        idx = scores.topk(case["topk"], dim=1).indices
+        for _ in range(case.get("masked", 0) if tokens else 0):
+            idx[torch.randint(tokens, (1,), generator=gen), torch.randint(case["topk"], (1,), generator=gen)] = -1
+        if tokens > 1 and case.get("masked"):
+            idx[0] = -1  # a token that goes nowhere combines to zeros
+        if case.get("random_x"):
+            x = (torch.randn(tokens, case["hidden"], generator=gen) * 3).to(torch.bfloat16)
+        else:
+            x = torch.full((tokens, case["hidden"]), float(r - RANK_OFFSET), dtype=torch.bfloat16)
+            x[:, -128:] = torch.arange(tokens, dtype=torch.bfloat16).view(-1, 1)
+        w = torch.rand(tokens, case["topk"], generator=gen)
+        out.append({"x": x, "topk_idx": idx, "topk_weights": w})
+    return out
+
+
+def decode_scales(scales: torch.Tensor, hidden: int) -> torch.Tensor:
+    """float32 ``[..., H/128]`` from DeepEP's scales: float32 as they are, packed UE8M0 int32 decoded."""
+    if scales.dtype == torch.float32:
+        return scales
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32)
+    exponents = (scales.unsqueeze(-1) >> shifts) & 0xFF  # byte j of word w is block 4 w + j
+    exponents = exponents.reshape(*scales.shape[:-1], -1)[..., :hidden // 128]
+    return torch.exp2(exponents.float() - 127)
+
+
+def dequantized(recv_x, hidden: int) -> torch.Tensor:
+    """BF16 ``[L, R*T, H]`` of what low_latency_dispatch returned (FP8 pairs cast back)."""
+    if not isinstance(recv_x, tuple):
+        return recv_x.clone()
+    q, scales = recv_x
+    s = decode_scales(scales, hidden)
+    blocks = q.float().view(*q.shape[:-1], hidden // 128, 128) * s.unsqueeze(-1)
+    return blocks.view(q.shape).to(torch.bfloat16)
+
+
+def expert_output(y: torch.Tensor, rank: int, local_experts: int) -> torch.Tensor:
+    """A stand-in for the experts: local expert ``e`` of ``rank`` scales its rows by ``2 ** (g % 3)``
+    (``g`` its global id; exact in BF16), so the combine tells which expert each row came back from."""
+    g = torch.arange(local_experts) + rank * local_experts
+    return (y.float() * torch.exp2((g % 3).float()).view(-1, 1, 1)).to(torch.bfloat16)
+
+
+def _buffer(rank, num_ranks, store, case):
+    from warmlink.ep import Buffer
+
+    return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"])),
+                  hidden=case["hidden"], num_topk=case.get("num_topk", case["topk"]), backend="shm",
+                  timeout_s=case.get("timeout_s", 30.0), low_latency_mode=True, num_experts=case["experts"])
+
+
+def _dispatch(buf, mine: dict, case: dict, call: dict, stats):
+    delay = call.get("hook_delay_s")
+    out = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], case.get("call_tokens", max(case["tokens"])),
+                                   case["experts"], cumulative_local_expert_recv_stats=stats,
+                                   use_fp8=call.get("fp8", True), round_scale=call.get("round_scale", False),
+                                   use_ue8m0=call.get("ue8m0", False), return_recv_hook=delay is not None,
+                                   async_finish=delay is None)
+    if delay is not None:
+        assert out[4] is not None
+        time.sleep(delay)
+        out[4]()
+    else:
+        assert out[4] is None
+        out[3].current_stream_wait()
+    return out
+
+
+def _received(recv_x, count, handle, stats) -> dict:
+    """Copies of what one dispatch returned (its outputs are reused two dispatches later)."""
+    return {"count": count.clone(), "stats": stats, "src_info": handle[0].clone(), "layout_range": handle[1].clone(),
+            "handle_sizes": list(handle)[2:],
+            "recv_x": tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()}
+
+
+def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """One dispatch + combine per entry of ``case["calls"]`` (``fp8``, ``round_scale``, ``ue8m0``,
+    ``hook_delay_s``, ``out``), repeated ``case.get("repeat", 1)`` times; returns this rank's
+    outputs of each (copies)."""
+    mine = ll_inputs(case)[rank]
+    local = case["experts"] // num_ranks
+    results = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for call in case["calls"] * case.get("repeat", 1):
+            stats = torch.zeros(local, dtype=torch.int32)
+            recv_x, count, handle, _, _ = _dispatch(buf, mine, case, call, stats)
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            out = torch.empty(len(mine["x"]), case["hidden"], dtype=torch.bfloat16) if call.get("out") else None
+            delay = call.get("hook_delay_s")
+            combined, _, hook = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
+                                                        return_recv_hook=delay is not None, out=out)
+            if delay is not None:
+                time.sleep(delay)
+                hook()
+            assert out is None or combined.data_ptr() == out.data_ptr()
+            got["combined"] = combined.clone()
+            results.append(got)
+    return results
+
+
+def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """Micro-batches A and B (``case["seeds"]``) overlapped as a decode step does: dispatch A and B
+    (hooks), A's hook, A's combine (hook), B's hook, B's combine (hook), then the combines' hooks."""
+    batches = [ll_inputs(dict(case, seed=seed))[rank] for seed in case["seeds"]]
+    local, tokens = case["experts"] // num_ranks, max(case["tokens"])
+    got = [{}, {}]
+    with _buffer(rank, num_ranks, store, case) as buf:
+        stats = [torch.zeros(local, dtype=torch.int32) for _ in batches]
+        sent = [buf.low_latency_dispatch(b["x"], b["topk_idx"], tokens, case["experts"], return_recv_hook=True,
+                                         cumulative_local_expert_recv_stats=s) for b, s in zip(batches, stats)]
+        combines = []
+        for i, (b, (recv_x, count, handle, _, hook)) in enumerate(zip(batches, sent)):
+            time.sleep(0.005)  # the other micro-batch's work
+            hook()
+            got[i] = _received(recv_x, count, handle, stats[i])
+            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            combines.append(buf.low_latency_combine(y, b["topk_idx"], b["topk_weights"], handle, return_recv_hook=True))
+        for i, (combined, _, hook) in enumerate(combines):
+            hook()
+            got[i]["combined"] = combined.clone()
+    return got
+
+
+def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Run ``case["fault"]`` and return what each call raised here (``"ok"`` when nothing did)."""
+    mine = ll_inputs(case)[rank]
+    fault, report = case["fault"], {}
+
+    def attempt(name: str, call) -> None:
+        start = time.perf_counter()
+        try:
+            call()
+            report[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test compares the type name
+            report[name] = f"{type(exc).__name__}: {exc}"
+        report[name + "_s"] = time.perf_counter() - start
+
+    with _buffer(rank, num_ranks, store, case) as buf:
+        call = {"fp8": True}
+        if fault == "dies_before_dispatch":  # rank 1 leaves once every Buffer is built
+            store.add("built", 1, checked=False)
+            store.wait_until(lambda: store.add("built", 0, checked=False) >= num_ranks, what="every Buffer", timeout_s=30)
+            if rank == 1:
+                os._exit(0)
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, call, None))
+        if fault == "dies_between_dispatch_and_combine":  # rank 1 sends its rows, then dies before its hook
+            out = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], max(case["tokens"]), case["experts"],
+                                           return_recv_hook=True)
+            if rank == 1:
+                os._exit(0)
+            attempt("dispatch", out[4])
+            y = torch.zeros(*out[0][0].shape, dtype=torch.bfloat16)
+            attempt("combine", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], out[2]))
+            attempt("after", lambda: _dispatch(buf, mine, case, call, None))
+        if fault == "stalled_peer":  # rank 1 builds its Buffer, then makes no call for longer than the timeout
+            if rank == 1:
+                time.sleep(3 * case["timeout_s"])
+                return report
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, call, None))
+            attempt("after", lambda: _dispatch(buf, mine, case, call, None))
+        if fault == "fp8_differs":  # rank 1 sends BF16 where the others send FP8; then a round alike
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, {"fp8": rank != 1}, None))
+            recv_x = _dispatch(buf, mine, case, call, None)[0]
+            report["recv_x"] = tuple(t.clone() for t in recv_x)
+        if fault == "combines_differ":  # rank 0 combines the first dispatch's handle, the others the second's
+            first = _dispatch(buf, mine, case, call, None)
+            second = _dispatch(buf, mine, case, call, None)
+            handle = first[2] if rank == 0 else second[2]
+            y = torch.zeros(*first[0][0].shape, dtype=torch.bfloat16)
+            attempt("combine", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle))
+        if fault == "clean":  # a round, a clean, a round: the old handle is refused, the new round is right
+            first = _dispatch(buf, mine, case, call, None)
+            buf.clean_low_latency_buffer(max(case["tokens"]), case["hidden"], case["experts"])
+            report["zeroed"] = bool((first[0][0].view(torch.uint8) == 0).all()) and bool((first[1] == 0).all())
+            y = torch.zeros(*first[0][0].shape, dtype=torch.bfloat16)
+            attempt("old_handle", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], first[2]))
+            report["count"] = _dispatch(buf, mine, case, call, None)[1].clone()
+    return report
+
+
+def ll_warm(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Pool objects created by each of three dispatch + combine rounds of one Buffer, and by each of
+    ``case["lifecycles"]`` Buffer lifecycles after it; the wait costs the rounds added up."""
+    from warmlink import pool
+
+    mine = ll_inputs(case)[rank]
+    tokens, experts = max(case["tokens"]), case["experts"]
+    costs = {"dispatch": torch.zeros(num_ranks, dtype=torch.int64), "combine": torch.zeros(num_ranks, dtype=torch.int64)}
+
+    def created(before: dict) -> dict:
+        after = {k: v["created"] for k, v in pool.stats().items()}
+        return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+    def snapshot() -> dict:
+        return {k: v["created"] for k, v in pool.stats().items()}
+
+    rounds, lifecycles = [], []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        y = torch.zeros(experts // num_ranks, num_ranks * tokens, case["hidden"], dtype=torch.bfloat16)
+        for _ in range(3):
+            before = snapshot()
+            handle = buf.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts,
+                                              dispatch_wait_recv_cost_stats=costs["dispatch"])[2]
+            buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
+                                    combine_wait_recv_cost_stats=costs["combine"])
+            rounds.append(created(before))
+    for _ in range(case["lifecycles"]):
+        before = snapshot()
+        with _buffer(rank, num_ranks, store, case) as buf:
+            buf.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts)
+        lifecycles.append(created(before))
+    return {"rounds": rounds, "lifecycles": lifecycles, "costs": costs}
+
+
+def ll_from_group(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """``ll_rounds`` on a Buffer from ``Buffer.from_group`` over a gloo group (no store passed in)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from warmlink.ep import Buffer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{case['dist_port']}", rank=rank,
+                            world_size=num_ranks, timeout=datetime.timedelta(seconds=30))
+    try:
+        mine = ll_inputs(case)[rank]
+        local = case["experts"] // num_ranks
+        with Buffer.from_group(max_tokens_per_rank=max(case["tokens"]), hidden=case["hidden"], num_topk=case["topk"],
+                               backend="shm", timeout_s=30, low_latency_mode=True, num_experts=case["experts"]) as buf:
+            stats = torch.zeros(local, dtype=torch.int32)
+            recv_x, count, handle, _, _ = _dispatch(buf, mine, case, case["calls"][0], stats)
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            got["combined"] = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle)[0].clone()
+        return [got]
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,38 @@
+"""The low-latency host path on one rank's region, without a Buffer: rows land in their slots in
+token order, the signal words carry the round, and a word of another round is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warmlink.ep._ll_host import HostPath
+from warmlink.ep._ll_layout import LowLatencyLayout
+from warmlink.ep._ll_outputs import Outputs
+from warmlink.errors import MetadataError
+
+
+def test_rows_signals_and_packing_on_one_rank():
+    lay = LowLatencyLayout(num_ranks=1, max_tokens=4, hidden=128, num_experts=3, num_topk=2)
+    path = HostPath(lay, 0, {0: torch.zeros(lay.region_nbytes, dtype=torch.uint8)})
+    x = torch.arange(4 * 128, dtype=torch.float32).view(4, 128).remainder(5).to(torch.bfloat16)
+    idx = torch.tensor([[2, 0], [-1, 2], [0, -1], [1, 2]])
+    path.send_dispatch(1, x, idx, 4, fp8=False, round_scale=False)
+    counts = path.arrived_counts(1)
+    assert counts.tolist() == [[2, 1, 3]]  # [source, local expert]
+    with pytest.raises(MetadataError, match="holds round 1; expected 3"):
+        path.arrived_counts(3)  # the same parity, a later round no source wrote
+    out = Outputs(lay, -1).views(1, 4, fp8=False, ue8m0=False)
+    rows_by_source = path.receive_dispatch(1, counts, 4, False, False, out)
+    assert torch.equal(out.x[2, :3], x[[0, 1, 3]]) and torch.equal(out.x[0, :2], x[[0, 2]])
+    assert out.src_info[2, :3].tolist() == [0, 1, 3] and out.comb_slot[2, :3].tolist() == [0, 3, 7]
+    assert out.count.tolist() == [2, 1, 3] and out.layout_range[:, 0].tolist() == [2, 1, 3]
+    assert rows_by_source[0].tolist() == [0, 1, 4, 8, 9, 10]
+    # combine: expert e sends its rows back times (e + 1); token t sums w * (e + 1) * x[t]
+    y = (out.x.float() * torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)).to(torch.bfloat16)
+    path.send_combine(1, y, rows_by_source, out.comb_slot)
+    w = torch.tensor([[0.5, 1.0], [1.0, 0.25], [2.0, 1.0], [1.0, 1.0]])
+    combined = torch.empty(4, 128, dtype=torch.bfloat16)
+    path.receive_combine(1, idx, w, combined)
+    factor = torch.tensor([0.5 * 3 + 1.0 * 1, 0.25 * 3, 2.0 * 1, 1.0 * 2 + 1.0 * 3])
+    assert torch.equal(combined, (x.float() * factor.view(4, 1)).to(torch.bfloat16))
