@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from warmlink.bench._args import refuse
+from warmlink.bench.args import refuse
 from warmlink.bench._proc import Group
 
 __all__ = ["DEEPEP_LOW_LATENCY", "run_low_latency"]

@@ -57,7 +57,7 @@ class HostPath:
         self._comb = {(r, p): layout.view(t, "comb", p, torch.int64, words) for r, t in regions.items()
                       for p in range(LL_PARITIES)}
         self._regions = regions
-        self._stage = torch.empty(layout.max_tokens, layout.row_bytes, dtype=torch.uint8)  # one call's rows, cast
+        self._stage = torch.empty(layout.max_tokens, layout.row_bytes, dtype=torch.uint8, device="cpu")  # one call's rows, cast
         self._order = [(rank + i) % layout.num_ranks for i in range(layout.num_ranks)]  # ranks start on different peers
 
     def send_dispatch(self, round_: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
@@ -78,7 +78,7 @@ class HostPath:
         experts, order = torch.sort(flat[entries], stable=True)  # by expert (so by rank), tokens in order
         entries = entries[order]
         counts = torch.bincount(experts, minlength=lay.num_experts)
-        slot = torch.arange(experts.numel()) - (counts.cumsum(0) - counts)[experts]
+        slot = torch.arange(experts.numel(), device=experts.device) - (counts.cumsum(0) - counts)[experts]
         token = entries // num_cols
         rows = ((experts % lay.local_experts) * lay.num_ranks + self.rank) * tokens + slot
         meta = token * lay.num_topk + entries % num_cols
@@ -150,7 +150,7 @@ class HostPath:
         n, num_cols = topk_idx.shape
         comb = self._comb[self.rank, p][:n * lay.num_topk].view(torch.bfloat16).view(n, lay.num_topk, lay.hidden)
         valid = topk_idx >= 0
-        acc = torch.zeros(n, lay.hidden, dtype=torch.float32)
+        acc = torch.zeros(n, lay.hidden, dtype=torch.float32, device=comb.device)
         for k in range(num_cols):  # in column order, so every rerun sums alike
             # where, not a multiply by 0: a slot no rank wrote this round may hold any bits, NaN included
             acc += torch.where(valid[:, k:k + 1], comb[:, k].float() * topk_weights[:, k:k + 1], 0.0)
