@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from warmlink.ep._ll_connect import KIND
+from warmlink.ep.low_latency._connect import KIND
 from warmlink.errors import MetadataError
 from warmlink.rendezvous import schema
 

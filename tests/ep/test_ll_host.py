@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warmlink.ep._ll_host import HostPath
-from warmlink.ep._ll_layout import LowLatencyLayout
-from warmlink.ep._ll_outputs import Outputs
+from warmlink.ep.low_latency._host import HostPath
+from warmlink.ep.low_latency._layout import LowLatencyLayout
+from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.errors import MetadataError
 
 

@@ -324,7 +324,7 @@ def test_size_hint_counts_the_region_and_outputs_and_refuses_bad_sizes():
 
 
 def test_a_gpu_buffer_refuses_low_latency_mode_until_the_device_path_exists():
-    from warmlink.ep._ll_runtime import LowLatencyRuntime
+    from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 
     with pytest.raises(ConfigError, match="low-latency mode runs on the shm backend"):
         LowLatencyRuntime(None, 0, 1, max_tokens=8, hidden=256, num_experts=4, num_topk=2, device=0,

@@ -14,11 +14,11 @@ dispatch with a hook, and every combine, by the copy engines, so no kernel stays
 the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 """
 
-from warmlink.ep._ll_handle import LowLatencyHandle
 from warmlink.ep._regions import size_hint
 from warmlink.ep.buffer import Buffer
 from warmlink.ep.event import EventOverlap
 from warmlink.ep.handle import Handle
 from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.low_latency import LowLatencyHandle
 
 __all__ = ["Buffer", "EventOverlap", "Handle", "LowLatencyHandle", "dispatch_layout", "size_hint"]

@@ -30,7 +30,7 @@ __all__ = ["COMBINE", "COMBINE_RECEIVED", "COMBINE_SENT", "DISPATCH", "DISPATCH_
            "Mailbox", "mailbox_nbytes"]
 
 GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
-# "received": every round up to this one was received here (ep._ll_runtime, Note [Low-latency rounds])
+# "received": every round up to this one was received here (ep.low_latency._runtime, Note [Low-latency rounds])
 DISPATCH_RECEIVED, COMBINE_RECEIVED = 7, 8
 _HEADER = 10
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent",

@@ -10,8 +10,8 @@ for decode, where a rank sends at most a few hundred tokens and shapes are fixed
     y = experts(recv_x, recv_count)         # BF16 [L, R * 128, 7168]
     combined_x, _, _ = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
-The memory is set up once, when the Buffer is built (ep._ll_layout, Note [Low-latency layout]);
-the rounds are ep._ll_runtime's Note [Low-latency rounds]. So far the rows move on the host over
+The memory is set up once, when the Buffer is built (ep.low_latency._layout, Note [Low-latency layout]);
+the rounds are ep.low_latency._runtime's Note [Low-latency rounds]. So far the rows move on the host over
 shared memory (the shm backend, and CI): a Buffer on a GPU refuses ``low_latency_mode``.
 """
 
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep._ll_layout import size_hint
+from warmlink.ep.low_latency._handle import LowLatencyHandle
+from warmlink.ep.low_latency._layout import size_hint
 from warmlink.errors import ConfigError
 
-__all__ = ["LowLatencyMethods"]
+__all__ = ["LowLatencyHandle", "LowLatencyMethods"]
 
 
 class LowLatencyMethods:
@@ -42,7 +43,7 @@ class LowLatencyMethods:
             return
         if num_experts is None:
             raise ConfigError("ep.Buffer: low_latency_mode=True needs num_experts (it sizes the receive slots)")
-        from warmlink.ep._ll_runtime import LowLatencyRuntime
+        from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 
         self._low_latency = LowLatencyRuntime(
             store, self.rank, self.num_ranks, max_tokens=self.layout.max_tokens, hidden=self.layout.hidden,

@@ -6,7 +6,7 @@ Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
 1. send: check every argument (nothing has moved yet); make sure parity ``n % 2`` is free: this
    rank received round ``n - 2`` (else ``ConfigError``: its hook was not called) and so did every
    peer (their "received" words, which have almost always passed it already); write the rows into
-   the peers' areas of that parity and the signal words (ep._ll_layout), then publish "round n" and
+   the peers' areas of that parity and the signal words (ep.low_latency._layout), then publish "round n" and
    the call's arguments in this rank's mailbox (payload before round number: ep._mailbox, Note
    [Mailbox rounds]);
 2. receive (inline, or in the hook): wait for every peer's "round n" (the Buffer's timeout; a dead
@@ -58,12 +58,12 @@ import numpy as np
 import torch
 
 from warmlink.ep import _mailbox as mb
-from warmlink.ep._ll_checks import LowLatencyChecks
-from warmlink.ep._ll_connect import Peers, connect
-from warmlink.ep._ll_handle import LowLatencyHandle
-from warmlink.ep._ll_host import HostPath
-from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
-from warmlink.ep._ll_outputs import Outputs
+from warmlink.ep.low_latency._checks import LowLatencyChecks
+from warmlink.ep.low_latency._connect import Peers, connect
+from warmlink.ep.low_latency._handle import LowLatencyHandle
+from warmlink.ep.low_latency._host import HostPath
+from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.ep.event import EventOverlap
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
 

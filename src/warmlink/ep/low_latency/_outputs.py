@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
 
 __all__ = ["Outputs", "ParityViews"]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep._ll_handle import LowLatencyHandle
-from warmlink.ep._ll_layout import LowLatencyLayout
+from warmlink.ep.low_latency._handle import LowLatencyHandle
+from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.errors import ConfigError
 
 __all__ = ["LowLatencyChecks"]

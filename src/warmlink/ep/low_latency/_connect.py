@@ -14,7 +14,7 @@ from typing import Any
 
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._info import validate_rank_header
-from warmlink.ep._ll_layout import LowLatencyLayout
+from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 

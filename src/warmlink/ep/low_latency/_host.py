@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from warmlink.ep._ll_cast import cast_fp8, pack_ue8m0
-from warmlink.ep._ll_layout import LL_PARITIES, LowLatencyLayout
-from warmlink.ep._ll_outputs import ParityViews
+from warmlink.ep.low_latency._cast import cast_fp8, pack_ue8m0
+from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep.low_latency._outputs import ParityViews
 from warmlink.errors import MetadataError
 
 __all__ = ["HostPath"]
