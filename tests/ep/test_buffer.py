@@ -369,3 +369,32 @@ def test_ranks_that_disagree_on_dtype_or_weights_all_refuse_the_call_and_the_nex
     for rank, r in enumerate(results):
         assert r["error"].startswith("ConfigError") and field in r["error"], (rank, r["error"])
     check_against_reference(case, [[r["got"]] for r in results])
+
+
+def test_a_buffer_left_open_is_closed_when_collected():
+    """``Closing.__del__`` closes (with a ResourceWarning) an engine that still holds a link
+    (``_link``): a Buffer dropped without ``close`` gives its regions, mappings, streams and events
+    back to the pool, as deep_ep.Buffer(explicitly_destroy=False) relies on."""
+    import gc
+    import warnings
+
+    from warmlink import pool
+    from warmlink.ep import Buffer
+    from warmlink.rendezvous import Store
+
+    def held() -> dict:  # leased and not given back (the pool keeps what was given back idle)
+        return {kind: c["live"] - c["idle"] for kind, c in pool.stats().items() if c["live"] - c["idle"]}
+
+    store = Store(is_server=True, prefix="ep-collected", timeout_s=10)
+    try:
+        before = held()
+        buf = Buffer(store, 0, 1, max_tokens_per_rank=8, hidden=128, num_topk=2, backend="shm", timeout_s=10)
+        assert held() != before  # it holds leases
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del buf
+            gc.collect()
+        assert any(issubclass(w.category, ResourceWarning) and "was not closed" in str(w.message) for w in caught)
+        assert held() == before
+    finally:
+        store.close()

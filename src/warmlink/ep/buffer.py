@@ -104,6 +104,7 @@ class Buffer(LowLatencyMethods, Closing):
 
         self._closed = True
         self._res = None
+        self._link = None  # Closing's mark of a Buffer that holds leases: its __del__ closes one left open
         if not isinstance(num_ranks, int) or not 1 <= num_ranks <= 1024:
             raise ConfigError(f"ep.Buffer: num_ranks={num_ranks!r}; expected an int in [1, 1024]")
         if not isinstance(rank, int) or not 0 <= rank < num_ranks:
@@ -123,6 +124,7 @@ class Buffer(LowLatencyMethods, Closing):
         self.last_phases: dict[str, float] = {}
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
                               self.copy_streams)
+        self._link = self._res.link
         self._closed = False
         try:
             self._res.connect(store)
@@ -388,7 +390,7 @@ class Buffer(LowLatencyMethods, Closing):
         self._closed = True
         self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None
-        res, self._res = self._res, None
+        res, self._res, self._link = self._res, None, None
         if res is not None:
             res.close(recv_failed=self._recv_failed)
         self._recv_failed = False
