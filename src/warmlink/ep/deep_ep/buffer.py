@@ -28,7 +28,7 @@ from warmlink.ep import dispatch_layout
 from warmlink.ep.deep_ep import sizing
 from warmlink.ep.deep_ep.absent import INTERNODE, LOW_LATENCY, NO_STREAM, not_here
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
-from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, wait_previous
+from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle
 from warmlink.ep.deep_ep.scales import pack_scales, unpack_scales
 from warmlink.errors import ConfigError
@@ -42,11 +42,6 @@ def _flag(func: str, name: str, value, refused: str | None = None) -> bool:
     if value and refused:
         raise ConfigError(f"{func}: {name}=True {refused}")
     return value
-
-
-def _event(async_finish: bool) -> EventOverlap:
-    """DeepEP's returned event: recorded after the call's work with ``async_finish``, else empty."""
-    return EventOverlap(EventHandle() if async_finish else None)
 
 
 def _check_config(func: str, config) -> None:
@@ -160,7 +155,7 @@ class Buffer:
         wait_previous(previous_event, func)
         lay = dispatch_layout(topk_idx, num_experts, self.group_size)
         self._widest_topk = max(self._widest_topk, topk_idx.shape[1])
-        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, _event(async_finish)
+        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, returned_event(async_finish)
 
     # -- dispatch and combine ----------------------------------------------------------------------
     def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -228,7 +223,7 @@ class Buffer:
         out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
         if not with_topk:
             recv_idx = recv_w = None
-        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, _event(async_finish)
+        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, returned_event(async_finish)
 
     def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens, async_finish):
         if topk_idx is not None or topk_weights is not None:
@@ -237,7 +232,7 @@ class Buffer:
         inner = self._owner_of(handle, "dispatch")
         recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
                                 num_worst_tokens=num_worst_tokens)[0]
-        return unpack_scales(recv_x, packed), None, None, None, None, _event(async_finish)
+        return unpack_scales(recv_x, packed), None, None, None, None, returned_event(async_finish)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -269,7 +264,7 @@ class Buffer:
         out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
         if biases:
             out = sum((b.float() for b in biases), out.float()).to(out.dtype)
-        return out, out_w, _event(async_finish)
+        return out, out_w, returned_event(async_finish)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def destroy(self) -> None:
