@@ -103,6 +103,8 @@ def test_low_latency_arguments_and_what_is_not_here_are_refused_by_name():
         normal.low_latency_dispatch(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int64), 2, 2)
     with pytest.raises(ConfigError, match="made with low_latency_mode=False"):
         normal.clean_low_latency_buffer(2, 128, 2)
+    with pytest.raises(ConfigError, match="made with low_latency_mode=False"):  # the mode first, then the shapes
+        normal.low_latency_dispatch(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 2, 2)
     # low-latency within one node may use more ranks than DeepEP's NVLink domain: num_rdma_bytes is its budget there
     assert deep_ep.Buffer(_Group(16), 0, 1 << 20, low_latency_mode=True).num_rdma_bytes == 1 << 20
     buffer = deep_ep.Buffer(_Group(2), 0, 1 << 20, low_latency_mode=True)

@@ -74,6 +74,7 @@ class LowLatencyCalls:
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         func = "low_latency_dispatch"
+        self._check_low_latency(func)
         hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         num_topk = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else None
         if hidden is None or num_topk is None:
@@ -138,7 +139,6 @@ class LowLatencyCalls:
     def _low_latency(self, func: str, tokens, hidden: int, num_experts, num_topk: int, device) -> _EPBuffer:
         """The low-latency warmlink Buffer for a call of these shapes: built on the first call within
         ``num_rdma_bytes``, else checked against the built one (Note [Low-latency built on first call])."""
-        self._check_low_latency(func)
         if self._ll is not None:
             self._check_shape(func, tokens, hidden, num_experts, num_topk)
             return self._ll
