@@ -42,7 +42,7 @@ def _hint(num_ranks: int, hidden_bytes: int) -> int:
 
 # -- one process ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,field", [
-    ({"low_latency_mode": True}, "low_latency_mode=True"), ({"enable_shrink": True}, "enable_shrink=True"),
+    ({"low_latency_mode": 1}, "low_latency_mode=1"), ({"enable_shrink": True}, "enable_shrink=True"),
     ({"num_nvl_bytes": 0}, "num_nvl_bytes=0"), ({"num_nvl_bytes": -1}, "num_nvl_bytes=-1"),
     ({"comm": object()}, "comm=object"), ({"explicitly_destroy": 1}, "explicitly_destroy=1")])
 def test_what_the_buffer_cannot_do_is_refused_by_name(kwargs, field):
@@ -60,8 +60,8 @@ def test_a_group_is_required_and_rdma_bytes_across_nodes_are_refused():
     assert (within.group_size, within.num_nvl_bytes, within.num_rdma_bytes) == (8, 1 << 20, 1024)
 
 
-@pytest.mark.parametrize("name,why", [("low_latency_dispatch", "low-latency mode"),
-                                      ("get_low_latency_rdma_size_hint", "low-latency mode"),
+@pytest.mark.parametrize("name,why", [("get_next_low_latency_combine_buffer", "no send buffer"),
+                                      ("low_latency_update_mask_buffer", "mask buffer"),
                                       ("internode_dispatch", "one node"), ("get_comm_stream", "no communication stream")])
 def test_deep_ep_methods_that_are_not_here_raise_saying_why(name, why):
     buffer = deep_ep.Buffer(_Group(2), 1 << 20)

@@ -1,4 +1,4 @@
-"""DeepEP's normal-mode Python API on warmlink.ep, so that DeepEP-based code runs unchanged::
+"""DeepEP's Python API (normal and low-latency mode) on warmlink.ep, so that DeepEP-based code runs unchanged::
 
     import warmlink.ep.deep_ep as deep_ep
 
@@ -12,10 +12,12 @@
 ``Buffer``, ``Config``, ``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` are DeepEP's names;
 ``utils`` holds the event classes where Megatron imports them (``deep_ep.utils``). What differs
 from DeepEP, and which arguments are accepted but unused, each docstring says; the memory model
-is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). Not here, each raising
-``ConfigError`` saying why (``deep_ep.absent``): low-latency mode, internode (RDMA) mode,
-``get_comm_stream`` and ``get_local_buffer_tensor`` (warmlink has no communication stream or ring
-buffer to expose).
+is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). With
+``low_latency_mode=True`` the low-latency calls run within ``num_rdma_bytes``
+(``deep_ep.low_latency``; shm backend so far). Not here, each raising ``ConfigError`` saying why
+(``deep_ep.absent``): internode (RDMA) mode, the low-latency mask buffer,
+``get_next_low_latency_combine_buffer``, ``get_comm_stream`` and ``get_local_buffer_tensor``
+(warmlink has no communication stream or ring buffer to expose).
 """
 
 from __future__ import annotations

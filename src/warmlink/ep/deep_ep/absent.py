@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from warmlink.errors import ConfigError
 
-__all__ = ["INTERNODE", "LOW_LATENCY", "NO_STREAM", "not_here"]
+__all__ = ["INTERNODE", "MASK", "NO_STREAM", "ZERO_COPY", "not_here"]
 
-LOW_LATENCY = "low-latency mode is not here (use warmlink.ep.Buffer's receive hooks)"
+MASK = ("the low-latency mask buffer (masking failed ranks) is not implemented: a lost peer raises PeerLostError "
+        "and the Buffer stays refused")
+ZERO_COPY = ("low_latency_combine reads its x itself (zero_copy is accepted and unused): there is no send buffer "
+             "to write into")
 INTERNODE = "warmlink.ep runs the ranks of one node"
 NO_STREAM = "warmlink has no communication stream or ring buffer to expose: outputs belong to the caller's stream"
 

@@ -26,10 +26,11 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
 from warmlink.ep.deep_ep import sizing
-from warmlink.ep.deep_ep.absent import INTERNODE, LOW_LATENCY, NO_STREAM, not_here
+from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_STREAM, ZERO_COPY, not_here
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
-from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, wait_previous
+from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle
+from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
 from warmlink.ep.deep_ep.scales import pack_scales, unpack_scales
 from warmlink.errors import ConfigError
 
@@ -44,40 +45,38 @@ def _flag(func: str, name: str, value, refused: str | None = None) -> bool:
     return value
 
 
-def _event(async_finish: bool) -> EventOverlap:
-    """DeepEP's returned event: recorded after the call's work with ``async_finish``, else empty."""
-    return EventOverlap(EventHandle() if async_finish else None)
-
-
 def _check_config(func: str, config) -> None:
     if config is not None and not isinstance(config, Config):
         raise ConfigError(f"{func}: config is a {type(config).__name__}; expected a deep_ep.Config or None")
 
 
-class Buffer:
-    """DeepEP's ``Buffer`` for the ranks of one node: normal-mode dispatch and combine.
+class Buffer(LowLatencyCalls):
+    """DeepEP's ``Buffer`` for the ranks of one node: normal-mode dispatch and combine, and the
+    low-latency calls with ``low_latency_mode=True`` (``deep_ep.low_latency``).
 
     Args:
         group: the ``torch.distributed`` group of the ep ranks (gloo or NCCL), all on one node.
-        num_nvl_bytes: the byte budget of this rank's buffer, typically the largest
+        num_nvl_bytes: the byte budget of this rank's normal-mode buffer, typically the largest
             ``Config.get_nvl_buffer_size_hint`` of ``get_dispatch_config`` / ``get_combine_config``.
             The warmlink Buffer within it is built by the first dispatch (Note [Built on first dispatch]).
-        num_rdma_bytes: DeepEP's RDMA buffer, used by DeepEP only across nodes and in low-latency
-            mode. Accepted and unused within one node; refused past ``NVL_PEERS`` ranks.
-        low_latency_mode: must be False (warmlink's low-latency calls are not here).
+            May be 0 with ``low_latency_mode`` (then normal-mode ``dispatch`` is refused).
+        num_rdma_bytes: with ``low_latency_mode``, the byte budget of the low-latency calls, from
+            ``get_low_latency_rdma_size_hint`` (Note [Low-latency built on first call]). Otherwise
+            DeepEP's internode buffer: accepted and unused within one node; refused past ``NVL_PEERS`` ranks.
+        low_latency_mode: also offer DeepEP's low-latency calls (shm backend so far: ``x`` on the CPU).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA and low-latency
             settings; accepted and ignored (nothing here uses RDMA queue pairs or multi-node NVLink).
         explicitly_destroy: as DeepEP's: True means the caller calls ``destroy()``; otherwise the
             buffer is released when collected.
-        enable_shrink: must be False (a low-latency feature).
+        enable_shrink: must be False (the mask buffer is not here).
         comm: must be None (an mpi4py communicator is not supported; pass ``group``).
         timeout_s: warmlink's limit for every wait (default ``WARMLINK_TIMEOUT_S``); not DeepEP's.
 
     Raises:
         ConfigError: an argument asks for what this Buffer cannot do, naming it.
 
-    Collective? Construction is not (it checks arguments only); the first ``dispatch`` is, as
-    every ``dispatch`` and ``combine``.
+    Collective? Construction is not (it checks arguments only); the first ``dispatch`` and the
+    first ``low_latency_dispatch`` are, as every call that moves tokens.
     """
 
     num_sms: int = 20
@@ -94,21 +93,24 @@ class Buffer:
                               "a torch.distributed process group)")
         if group is None:
             raise ConfigError(f"{func}: group=None; expected the torch.distributed process group of the ep ranks")
-        _flag(func, "low_latency_mode", low_latency_mode, "is not supported: only DeepEP's normal mode is")
-        _flag(func, "enable_shrink", enable_shrink, "is not supported (a low-latency feature)")
+        self.low_latency_mode = _flag(func, "low_latency_mode", low_latency_mode)
+        _flag(func, "enable_shrink", enable_shrink, f"is not supported: {MASK}")
         self.explicitly_destroy = _flag(func, "explicitly_destroy", explicitly_destroy)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{func}: {name}={value!r}; expected an int >= 0 (bytes)")
         self.group, self.rank, self.group_size = group, group.rank(), group.size()
-        if num_nvl_bytes == 0:
+        if num_nvl_bytes == 0 and not low_latency_mode:
             raise ConfigError(f"{func}: num_nvl_bytes=0; normal-mode dispatch needs a budget (size it with "
                               f"Config.get_nvl_buffer_size_hint, as for DeepEP)")
-        if num_rdma_bytes and self.group_size > NVL_PEERS:
+        if num_rdma_bytes == 0 and low_latency_mode:
+            raise ConfigError(f"{func}: low_latency_mode=True with num_rdma_bytes=0; the low-latency calls need a budget "
+                              "(size it with Buffer.get_low_latency_rdma_size_hint, as for DeepEP)")
+        if num_rdma_bytes and self.group_size > NVL_PEERS and not low_latency_mode:
             raise ConfigError(f"{func}: num_rdma_bytes={num_rdma_bytes} with {self.group_size} ranks is DeepEP's internode "
                               f"mode; warmlink.ep runs the ranks of one node (at most {NVL_PEERS} in DeepEP's terms)")
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode, self.enable_shrink = False, False
+        self.enable_shrink = False
         self._timeout_s = timeout_s
         self._widest_topk = 0  # of get_dispatch_layout's calls so far: Note [Built on first dispatch]
 
@@ -160,7 +162,7 @@ class Buffer:
         wait_previous(previous_event, func)
         lay = dispatch_layout(topk_idx, num_experts, self.group_size)
         self._widest_topk = max(self._widest_topk, topk_idx.shape[1])
-        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, _event(async_finish)
+        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, returned_event(async_finish)
 
     # -- dispatch and combine ----------------------------------------------------------------------
     def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -228,7 +230,7 @@ class Buffer:
         out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
         if not with_topk:
             recv_idx = recv_w = None
-        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, _event(async_finish)
+        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, returned_event(async_finish)
 
     def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens, async_finish):
         if topk_idx is not None or topk_weights is not None:
@@ -237,7 +239,7 @@ class Buffer:
         inner = self._owner_of(handle, "dispatch")
         recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
                                 num_worst_tokens=num_worst_tokens)[0]
-        return unpack_scales(recv_x, packed), None, None, None, None, _event(async_finish)
+        return unpack_scales(recv_x, packed), None, None, None, None, returned_event(async_finish)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -269,7 +271,7 @@ class Buffer:
         out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
         if biases:
             out = sum((b.float() for b in biases), out.float()).to(out.dtype)
-        return out, out_w, _event(async_finish)
+        return out, out_w, returned_event(async_finish)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -288,9 +290,10 @@ class Buffer:
         """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
         Collective, as ``destroy``."""
         self._destroyed = True
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            inner.close()
+        for inner in (self._inner, self._ll):
+            if inner is not None:
+                inner.close()
+        self._inner = self._ll = None
 
     def __enter__(self) -> "Buffer":
         return self
@@ -300,7 +303,7 @@ class Buffer:
 
     def __del__(self, _finalizing=sys.is_finalizing) -> None:  # bound now: module globals are gone at exit
         """Release when collected, as DeepEP does without ``explicitly_destroy``; with it, warn first."""
-        if getattr(self, "_inner", None) is None or _finalizing():
+        if (getattr(self, "_inner", None) is None and getattr(self, "_ll", None) is None) or _finalizing():
             return
         if self.explicitly_destroy:
             warnings.warn(f"{self!r} was not destroyed; call destroy() (explicitly_destroy=True)", ResourceWarning,
@@ -312,21 +315,27 @@ class Buffer:
 
     @property
     def warmlink_buffer(self) -> _EPBuffer | None:
-        """The ``warmlink.ep.Buffer`` inside (None before the first dispatch): its ``layout`` (sizes,
-        ``nbytes``) and ``last_phases`` (timings). Not DeepEP's; owned by this Buffer."""
+        """The normal-mode ``warmlink.ep.Buffer`` inside (None before the first dispatch): its ``layout``
+        (sizes, ``nbytes``) and ``last_phases`` (timings). Not DeepEP's; owned by this Buffer."""
         return self._inner
+
+    @property
+    def warmlink_low_latency_buffer(self) -> _EPBuffer | None:
+        """The low-latency ``warmlink.ep.Buffer`` inside (None before the first ``low_latency_dispatch``).
+        Not DeepEP's; owned by this Buffer."""
+        return self._ll
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else ("built" if self._inner is not None else "not built yet")
+        low_latency = f", num_rdma_bytes={self.num_rdma_bytes}, low_latency={self._ll!r}" if self.low_latency_mode else ""
         return (f"deep_ep.Buffer(rank={self.rank}/{self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, {state}, "
-                f"inner={self._inner!r})")
+                f"inner={self._inner!r}{low_latency})")
 
     # -- DeepEP's methods that are not here -------------------------------------------------------
-    get_low_latency_rdma_size_hint = not_here("get_low_latency_rdma_size_hint", LOW_LATENCY)
-    low_latency_dispatch = not_here("low_latency_dispatch", LOW_LATENCY)
-    low_latency_combine = not_here("low_latency_combine", LOW_LATENCY)
-    clean_low_latency_buffer = not_here("clean_low_latency_buffer", LOW_LATENCY)
-    get_next_low_latency_combine_buffer = not_here("get_next_low_latency_combine_buffer", LOW_LATENCY)
+    get_next_low_latency_combine_buffer = not_here("get_next_low_latency_combine_buffer", ZERO_COPY)
+    low_latency_update_mask_buffer = not_here("low_latency_update_mask_buffer", MASK)
+    low_latency_query_mask_buffer = not_here("low_latency_query_mask_buffer", MASK)
+    low_latency_clean_mask_buffer = not_here("low_latency_clean_mask_buffer", MASK)
     internode_dispatch = not_here("internode_dispatch", INTERNODE)
     internode_combine = not_here("internode_combine", INTERNODE)
     get_comm_stream = not_here("get_comm_stream", NO_STREAM)
@@ -345,6 +354,10 @@ class Buffer:
             raise ConfigError(f"{func}: x must be a [num_tokens, hidden] tensor; got shape {tuple(getattr(rows, 'shape', ()))}")
         num_tokens, hidden = rows.shape
         inner = self._inner
+        if inner is None and self.num_nvl_bytes == 0:
+            raise ConfigError(f"{func}: num_nvl_bytes=0; this Buffer was made for the low-latency calls only, and "
+                              "normal-mode dispatch needs a budget (pass num_nvl_bytes from "
+                              "Config.get_nvl_buffer_size_hint, as for DeepEP)")
         if inner is None:
             topk = max(num_topk, self._widest_topk, 1)
             held = sizing.tokens_within(self.num_nvl_bytes, self.group_size, hidden, topk)

@@ -17,7 +17,7 @@ import torch
 from warmlink.ep.event import wait_for
 from warmlink.errors import ConfigError
 
-__all__ = ["EventHandle", "EventOverlap", "wait_previous"]
+__all__ = ["EventHandle", "EventOverlap", "returned_event", "wait_previous"]
 
 
 class EventHandle:
@@ -100,6 +100,11 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         return f"deep_ep.EventOverlap(event={self.event!r})"
+
+
+def returned_event(async_finish: bool) -> EventOverlap:
+    """DeepEP's returned event: recorded after the call's work with ``async_finish``, else empty."""
+    return EventOverlap(EventHandle() if async_finish else None)
 
 
 def wait_previous(previous_event, func: str) -> None:

@@ -10,14 +10,19 @@ need, never given more memory than the budget.
 
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
 computes the same sizes (a group's ranks must share them, ep._info).
+
+Low-latency mode is sized by its call's shapes, as DeepEP's is: ``low_latency_bytes`` is what the
+warmlink Buffer built for them holds, its low-latency region and outputs
+(``ep.Buffer.get_low_latency_rdma_size_hint``) plus the normal-mode slots every ``ep.Buffer``
+holds for the same sizes (``ep.size_hint``), and ``num_rdma_bytes`` must hold that.
 """
 
 from __future__ import annotations
 
-from warmlink.ep import size_hint
+from warmlink.ep import Buffer, size_hint
 from warmlink.errors import ConfigError
 
-__all__ = ["MAX_TOKENS", "needed_bytes", "refuse", "tokens_within"]
+__all__ = ["MAX_TOKENS", "low_latency_bytes", "needed_bytes", "refuse", "tokens_within"]
 
 MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep._info)
 
@@ -57,3 +62,17 @@ def refuse(func: str, budget_bytes: int, num_tokens: int, num_ranks: int, hidden
         f"{held} tokens per rank at hidden={hidden}, num_topk={num_topk} and {num_ranks} ranks, and {num_tokens} need "
         f"{need} bytes ({need / 2**30:.3f} GiB; warmlink.ep keeps a slot per source rank, not DeepEP's rings): pass "
         f"num_nvl_bytes >= {need}, or dispatch fewer tokens per call")
+
+
+def low_latency_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
+                      num_topk: int = 8) -> int:
+    """Bytes of one rank's warmlink Buffer in low-latency mode for these sizes: the low-latency
+    region and outputs plus the normal-mode slots of the same Buffer.
+
+    Raises:
+        ConfigError: sizes the low-latency mode refuses (hidden not a multiple of 128, num_experts
+            not a multiple of num_ranks, a size that is not a positive int).
+    """
+    tokens = num_max_dispatch_tokens_per_rank
+    return (Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, num_experts, num_topk=num_topk)
+            + size_hint(tokens, hidden, num_ranks=num_ranks, num_topk=num_topk))

@@ -1,0 +1,85 @@
+"""Rank-side scenarios of the ``deep_ep`` low-latency tests: DeepEP's low-latency calls through
+``warmlink.ep.deep_ep`` over a gloo group on the CPU, returning what ``_ll_workers.ll_rounds``
+returns so that the same oracle checks them (``test_low_latency.check_rounds``)."""
+
+from __future__ import annotations
+
+import torch
+
+import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_workers import gloo_group, ranks_of, routed
+from tests.ep._ll_workers import _dispatch, _received, dequantized, expert_output, ll_inputs
+
+
+def _attempt(report: dict, name: str, call) -> None:
+    try:
+        call()
+        report[name] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+        report[name] = f"{type(exc).__name__}: {exc}"
+
+
+def _normal_round(buffer, case: dict, rank: int, num_ranks: int) -> bool:
+    """A normal-mode dispatch and combine on the same ``deep_ep.Buffer``: each token comes back
+    summed once per rank it went to (as ``_deep_ep_workers.run_snippet`` checks)."""
+    normal = {"tokens": 12, "hidden": case["hidden"], "experts": case["experts"], "topk": 2, "seed": 9}
+    x, idx, probs = routed(normal, rank)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, case["experts"])
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=per_rank,
+                                                      is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    combined = buffer.combine(recv_x, handle, topk_weights=recv_w)[0]
+    where = ranks_of(idx, case["experts"], num_ranks)
+    return torch.equal(combined, (x.float() * where.sum(1, keepdim=True)).to(torch.bfloat16))
+
+
+def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """DeepEP's test sequence through ``deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes,
+    low_latency_mode=True, ...)`` sized by its hint: a clean before anything is built, then one
+    dispatch + combine per ``case["calls"]`` (with a normal-mode round after the first when
+    ``num_nvl_bytes``), then calls of other shapes (each refused), and a round that still works.
+    Returns ``{"rounds": [ll_rounds' entries], "report": {call: "ok" or the error}}``."""
+    mine = ll_inputs(case)[rank]
+    tokens, hidden, experts, topk = max(case["tokens"]), case["hidden"], case["experts"], case["topk"]
+    local = experts // num_ranks
+    rounds, report = [], {}
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts, num_topk=topk)
+        buffer = deep_ep.Buffer(group, case.get("num_nvl_bytes", 0), num_rdma_bytes, low_latency_mode=True,
+                                num_qps_per_rank=local, explicitly_destroy=True, timeout_s=30)
+        buffer.clean_low_latency_buffer(tokens, hidden, experts)  # nothing built yet: nothing to clean
+        report["built_by_clean"] = buffer.warmlink_low_latency_buffer is not None
+        for i, call in enumerate(case["calls"]):
+            stats = torch.zeros(local, dtype=torch.int32)
+            recv_x, count, handle, event, _ = _dispatch(buffer, mine, case, call, stats)
+            report.setdefault("events", set()).add(type(event).__name__)
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(dequantized(recv_x, hidden), rank, local)
+            delay = call.get("hook_delay_s")
+            combined, event, hook = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
+                                                               return_recv_hook=delay is not None,
+                                                               async_finish=delay is None)
+            hook() if delay is not None else event.current_stream_wait()
+            got["combined"] = combined.clone()
+            rounds.append(got)
+            if i == 0 and case.get("num_nvl_bytes"):
+                report["normal_round"] = _normal_round(buffer, case, rank, num_ranks)
+            if i == 0:
+                buffer.clean_low_latency_buffer(tokens, hidden, experts)
+        inner = buffer.warmlink_low_latency_buffer
+        report["built"] = {"max_tokens": inner.layout.max_tokens, "hidden": inner.layout.hidden,
+                           "num_topk": inner.layout.num_topk, "num_rdma_bytes": num_rdma_bytes}
+        x, idx = mine["x"], mine["topk_idx"]
+        _attempt(report, "other_tokens", lambda: buffer.low_latency_dispatch(x, idx, tokens + 1, experts))
+        _attempt(report, "other_hidden", lambda: buffer.low_latency_dispatch(torch.cat([x, x], 1), idx, tokens, experts))
+        _attempt(report, "other_experts", lambda: buffer.low_latency_dispatch(x, idx, tokens, 2 * experts))
+        _attempt(report, "wider_topk", lambda: buffer.low_latency_dispatch(x, torch.cat([idx, idx[:, :1]], 1), tokens,
+                                                                           experts))
+        _attempt(report, "other_clean", lambda: buffer.clean_low_latency_buffer(tokens, hidden + 128, experts))
+        _attempt(report, "next_combine_buffer", lambda: buffer.get_next_low_latency_combine_buffer(handle))
+        if not case.get("num_nvl_bytes"):
+            _attempt(report, "normal_dispatch", lambda: _normal_round(buffer, case, rank, num_ranks))
+        _attempt(report, "round_after", lambda: _dispatch(buffer, mine, case, case["calls"][0], None))
+        buffer.destroy()
+        _attempt(report, "after_destroy", lambda: _dispatch(buffer, mine, case, case["calls"][0], None))
+    report["events"] = sorted(report.get("events", ()))
+    return {"rounds": rounds, "report": report}

@@ -1,0 +1,115 @@
+"""``warmlink.ep.deep_ep``'s low-latency calls as DeepEP code makes them
+(``Buffer(group, 0, num_rdma_bytes, low_latency_mode=True, ...)``, DeepEP's
+tests/legacy/test_low_latency.py): in spawned ranks over a gloo group, checked against the same
+oracle as ``ep.Buffer``'s own low-latency calls; in one process, the budget and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_ll_workers import deep_ep_ll_rounds
+from tests.ep._deep_ep_workers import free_port
+from tests.ep._group import run_ranks
+from tests.ep.test_low_latency import check_rounds
+from warmlink.ep import Buffer as EPBuffer
+from warmlink.ep import size_hint
+from warmlink.errors import ConfigError
+
+
+class _Group:
+    """What the constructor reads of a process group: no collective can run on it, so a call that
+    got as far as building a warmlink Buffer would fail with another error."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+CASES = {
+    "low-latency only, bf16, fp8 and UE8M0, hooks and events": {
+        "tokens": [16, 11], "hidden": 256, "experts": 8, "topk": 3, "masked": 4, "seed": 21,
+        "calls": [{"fp8": False}, {"fp8": True, "hook_delay_s": 0.0},
+                  {"fp8": True, "round_scale": True, "ue8m0": True}]},
+    "both modes in one Buffer": {
+        "tokens": [9, 14], "hidden": 256, "experts": 4, "topk": 2, "masked": 3, "seed": 22, "num_nvl_bytes": 1 << 22,
+        "calls": [{"fp8": True}, {"fp8": False, "hook_delay_s": 0.0}]},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_deep_ep_low_latency_calls_match_the_reference_and_other_shapes_are_refused(name):
+    case = dict(CASES[name], dist_port=free_port())
+    results = run_ranks(deep_ep_ll_rounds, 2, case=case, timeout_s=120)
+    check_rounds(case, [r["rounds"] for r in results])
+    tokens, hidden, experts = max(case["tokens"]), case["hidden"], case["experts"]
+    for r in results:
+        report = r["report"]
+        assert report["built_by_clean"] is False and report["events"] == ["EventOverlap"], report
+        assert report["built"] == {"max_tokens": tokens, "hidden": hidden, "num_topk": case["topk"],
+                                   "num_rdma_bytes": EPBuffer.get_low_latency_rdma_size_hint(
+                                       tokens, hidden, 2, experts, num_topk=case["topk"])
+                                   + size_hint(tokens, hidden, num_ranks=2, num_topk=case["topk"])}, report
+        built = (f"built by its first call for num_max_dispatch_tokens_per_rank={tokens}, hidden={hidden}, "
+                 f"num_experts={experts} and at most {case['topk']} top-k columns")
+        for call, asked in (("other_tokens", f"num_max_dispatch_tokens_per_rank={tokens + 1}, hidden={hidden}"),
+                            ("other_hidden", f"hidden={2 * hidden}, num_experts={experts}"),
+                            ("other_experts", f"num_experts={2 * experts} and"),
+                            ("wider_topk", f"and {case['topk'] + 1} top-k columns"),
+                            ("other_clean", f"hidden={hidden + 128}, num_experts={experts};")):
+            assert report[call].startswith("ConfigError: deep_ep.Buffer.") and asked in report[call], (call, report)
+            assert built in report[call], (call, report[call])
+        assert report["next_combine_buffer"].startswith(
+            "ConfigError: deep_ep.Buffer.get_next_low_latency_combine_buffer: not supported; low_latency_combine reads")
+        if case.get("num_nvl_bytes"):
+            assert report["normal_round"] is True, report
+        else:
+            assert report["normal_dispatch"].startswith("ConfigError") and "num_nvl_bytes=0" in report["normal_dispatch"]
+        assert report["round_after"] == "ok", report
+        assert report["after_destroy"] == "ConfigError: deep_ep.Buffer.low_latency_dispatch: the buffer was destroyed"
+
+
+def test_a_shape_the_budget_cannot_hold_is_refused_naming_both_before_anything_is_built():
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16)  # DeepEP's call: top-8 assumed
+    assert hint == EPBuffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16) + size_hint(64, 7168, num_ranks=2)
+    buffer = deep_ep.Buffer(_Group(2), 0, hint - 1, low_latency_mode=True, num_qps_per_rank=8)
+    x = torch.zeros(64, 7168, dtype=torch.bfloat16)
+    idx = torch.zeros(64, 8, dtype=deep_ep.topk_idx_t)
+    with pytest.raises(ConfigError, match=f"need {hint} bytes .*num_rdma_bytes={hint - 1} .*cannot hold them"):
+        buffer.low_latency_dispatch(x, idx, 64, 16)
+    wider = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16, num_topk=9)
+    assert wider > hint
+    with pytest.raises(ConfigError, match=f"9 top-k columns on 2 ranks need {wider} bytes .*num_topk=9"):
+        deep_ep.Buffer(_Group(2), 0, hint, low_latency_mode=True).low_latency_dispatch(
+            x, torch.zeros(64, 9, dtype=deep_ep.topk_idx_t), 64, 16)
+    assert buffer.warmlink_low_latency_buffer is None and buffer.warmlink_buffer is None
+    with pytest.raises(ConfigError, match="no low_latency_dispatch on this Buffer yet"):
+        buffer.low_latency_combine(x, idx, torch.zeros(64, 8), None)
+
+
+def test_low_latency_arguments_and_what_is_not_here_are_refused_by_name():
+    with pytest.raises(ConfigError, match="low_latency_mode=True with num_rdma_bytes=0"):
+        deep_ep.Buffer(_Group(2), 0, 0, low_latency_mode=True)
+    with pytest.raises(ConfigError, match="enable_shrink=True is not supported: the low-latency mask buffer"):
+        deep_ep.Buffer(_Group(2), 0, 1 << 20, low_latency_mode=True, enable_shrink=True)
+    normal = deep_ep.Buffer(_Group(2), 1 << 20)
+    with pytest.raises(ConfigError, match="made with low_latency_mode=False"):
+        normal.low_latency_dispatch(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int64), 2, 2)
+    with pytest.raises(ConfigError, match="made with low_latency_mode=False"):
+        normal.clean_low_latency_buffer(2, 128, 2)
+    with pytest.raises(ConfigError, match="made with low_latency_mode=False"):  # the mode first, then the shapes
+        normal.low_latency_dispatch(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 2, 2)
+    # low-latency within one node may use more ranks than DeepEP's NVLink domain: num_rdma_bytes is its budget there
+    assert deep_ep.Buffer(_Group(16), 0, 1 << 20, low_latency_mode=True).num_rdma_bytes == 1 << 20
+    buffer = deep_ep.Buffer(_Group(2), 0, 1 << 20, low_latency_mode=True)
+    for name in ("low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"):
+        with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: not supported; the low-latency mask buffer"):
+            getattr(buffer, name)(0)
+    with pytest.raises(ConfigError, match="x and topk_idx must be 2-D tensors"):
+        buffer.low_latency_dispatch(torch.zeros(128, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64), 2, 2)
