@@ -331,6 +331,20 @@ def test_a_gpu_buffer_refuses_low_latency_mode_until_the_device_path_exists():
                           backend="cuda_ipc", timeout_s=1.0)
 
 
+def test_a_buffer_checks_low_latency_arguments_before_it_leases_anything():
+    """ep.Buffer calls this check before its resources connect: a GPU Buffer with low-latency mode
+    is refused without opening any peer's memory first."""
+    from types import SimpleNamespace
+
+    from warmlink.ep.low_latency import LowLatencyMethods
+
+    with pytest.raises(ConfigError, match="low-latency mode runs on the shm backend"):
+        LowLatencyMethods._check_low_latency(SimpleNamespace(backend="cuda_ipc"), True, 16)
+    with pytest.raises(ConfigError, match="needs num_experts"):
+        LowLatencyMethods._check_low_latency(SimpleNamespace(backend="shm"), True, None)
+    LowLatencyMethods._check_low_latency(SimpleNamespace(backend="shm"), True, 16)  # takes it
+
+
 def test_rounds_after_the_first_and_later_lifecycles_create_nothing_and_waits_are_counted():
     from tests.ep._ll_workers import ll_warm
 

@@ -1,14 +1,7 @@
 """``Buffer``: MoE dispatch and combine over pre-registered regions, with optional receive hooks.
 
-The API follows DeepEP's normal mode so that MoE code can switch with small changes::
-
-    buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=4096, hidden=7168, num_topk=8)
-    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buf.get_dispatch_layout(topk_idx, 256)
-    recv_x, recv_topk_idx, recv_topk_weights, tokens_per_expert, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
-    y = experts(recv_x, recv_topk_idx, recv_topk_weights)
-    combined_x, combined_weights, _ = buf.combine(y, handle, topk_weights=recv_topk_weights)
+The API follows DeepEP's normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``; the
+README's "MoE dispatch and combine" shows a call sequence), so MoE code switches with small changes.
 
 Each call is a round of the protocol in ep._rounds (Note [Round protocol]); a dispatch's rows move
 through the Buffer's sender (ep._senders: SMs, copy engines or host copies, chosen once by
@@ -119,6 +112,7 @@ class Buffer(LowLatencyMethods, Closing):
             raise ConfigError(f"ep.Buffer: backend={self.backend!r} does not fit device={self.device}")
         self.send, self.graphs, self.copy_streams, self.combine_parts = resolve_options(
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
+        self._check_low_latency(low_latency_mode, num_experts)
         self._recv_failed = False
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
@@ -129,15 +123,15 @@ class Buffer(LowLatencyMethods, Closing):
         try:
             self._res.connect(store)
             self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
+            self.mailbox, self.peers, self._mover = self._res.mailbox, self._res.peers, self._res.mover
+            self._done_events = self._res.done_events  # what async_finish records: per (op, parity), then the layout's
+            self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
+            self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
+            self._combiner = Combiner(self._mover, self.layout, rank, self._rounds.order(), self.combine_parts,
+                                      self.device, self._res.reduced_event, self.timeout_s)
         except BaseException:
             self.close()
             raise
-        self.mailbox, self.peers, self._mover = self._res.mailbox, self._res.peers, self._res.mover
-        self._done_events = self._res.done_events  # what async_finish records: per (op, parity), then the layout's
-        self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
-        self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
-        self._combiner = Combiner(self._mover, self.layout, rank, self._rounds.order(), self.combine_parts,
-                                  self.device, self._res.reduced_event, self.timeout_s)
 
     @classmethod
     def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,

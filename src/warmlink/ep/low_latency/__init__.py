@@ -32,8 +32,8 @@ class LowLatencyMethods:
 
     _low_latency = None
 
-    def _open_low_latency(self, store, low_latency_mode: bool, num_experts: int | None, num_topk: int) -> None:
-        """Build the low-latency runtime (collective) when ``low_latency_mode``; called by ``__init__``."""
+    def _check_low_latency(self, low_latency_mode: bool, num_experts: int | None) -> None:
+        """Refuse low-latency arguments this Buffer cannot take, before ``__init__`` leases anything."""
         if not isinstance(low_latency_mode, bool):
             raise ConfigError(f"ep.Buffer: low_latency_mode={low_latency_mode!r}; expected a bool")
         if not low_latency_mode:
@@ -43,6 +43,15 @@ class LowLatencyMethods:
             return
         if num_experts is None:
             raise ConfigError("ep.Buffer: low_latency_mode=True needs num_experts (it sizes the receive slots)")
+        from warmlink.ep.low_latency._runtime import refuse_backend
+
+        refuse_backend(self.backend)
+
+    def _open_low_latency(self, store, low_latency_mode: bool, num_experts: int | None, num_topk: int) -> None:
+        """Build the low-latency runtime (collective) when ``low_latency_mode``; called by ``__init__``
+        after ``_check_low_latency``."""
+        if not low_latency_mode:
+            return
         from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 
         self._low_latency = LowLatencyRuntime(

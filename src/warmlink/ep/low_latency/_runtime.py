@@ -67,7 +67,7 @@ from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.ep.event import EventOverlap
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
 
-__all__ = ["LowLatencyRuntime"]
+__all__ = ["LowLatencyRuntime", "refuse_backend"]
 
 _SERIALS = itertools.count(1)
 _CLEAN = 1 << 62  # the config word of a clean round
@@ -88,6 +88,13 @@ def _describe(word: int) -> str:
 _RECEIVED = {"dispatch": mb.DISPATCH_RECEIVED, "combine": mb.COMBINE_RECEIVED}
 
 
+def refuse_backend(backend: str) -> None:
+    """Raise ``ConfigError`` unless low-latency mode runs on ``backend`` (Note [Low-latency device path])."""
+    if backend != "shm":
+        raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; low-latency mode runs on "
+                          "the shm backend (host memory) so far; build the Buffer with backend='shm'")
+
+
 class LowLatencyRuntime:
     """One rank's low-latency mode (shm backend). Collective construction; see ``ep.low_latency``."""
 
@@ -99,9 +106,7 @@ class LowLatencyRuntime:
         self._peers = Peers()
         self._leases: list = []
         self._regions: list = []
-        if backend != "shm":
-            raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; low-latency mode runs on "
-                              "the shm backend (host memory) so far; build the Buffer with backend='shm'")
+        refuse_backend(backend)
         self.layout = LowLatencyLayout(num_ranks, max_tokens, hidden, num_experts, num_topk)
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
         self.serial = next(_SERIALS)
