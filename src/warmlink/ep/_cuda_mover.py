@@ -7,7 +7,7 @@ and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped reg
 (``flush_all``: every peer's in one ``cudaMemcpyBatchAsync`` on the shared copy stream): the gather
 runs for tens of microseconds on the SMs, and the copy engines move the bytes while no SM waits.
 (A gather per destination let the first copy start sooner, but cost a launch per peer on the
-host, and a slow rank's host then delayed its last copy; BENCHMARKS.md.) A cached dispatch knows
+host, and a slow rank's host then delayed its last copy; benchmarks/history-2026-11-22.md.) A cached dispatch knows
 where its own rows go before it sends, so ``gather_all`` stages the peers' rows and places its
 own with one push, replayed from the parity's call block (ep._kernels, Note [Fresh send graph]):
 in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` record an
@@ -191,7 +191,7 @@ class CudaMover(SmPushes, Gathers):
     def copy_all(self, copies) -> None:
         """``copy`` of each ``(dest, rows, area, row0)``. With one copy stream for every destination
         (the default) as one ``cudaMemcpyBatchAsync``: copies issued one by one left the copy
-        engine idle ~5 us between each two (a combine in parts issues 3 per part; BENCHMARKS.md)."""
+        engine idle ~5 us between each two (a combine in parts issues 3 per part; benchmarks/history-2026-11-22.md)."""
         if not self._batch:
             for copy in copies:
                 self.copy(*copy)

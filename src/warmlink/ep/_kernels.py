@@ -19,7 +19,7 @@ the same outputs: tests run both on the CPU, the kernels through Triton's interp
 A fresh dispatch must learn every peer's counts before its rows can land (Note [Send order] in
 ep.layout). Through the host that costs a count copy, a mailbox meeting that waits for the
 slowest rank's host, and the copy issue: 0.3-0.5 ms on 4 x H200 before the first byte, while the
-bytes then take ~0.47 ms whether copy engines or SM stores move them (BENCHMARKS.md, "SM stores
+bytes then take ~0.47 ms whether copy engines or SM stores move them (benchmarks/history-2026-11-22.md, "SM stores
 alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's normal mode does:
 
 1. ``exchange``, one program per destination ``d``, right after ``plan`` on the caller's stream:

@@ -18,7 +18,7 @@ tokens are summed after the last byte. The split needs no word on the wire: both
 A group of two ranks combines in one part: its copies take ~0.18 ms, less than the host work the
 parts add (a batch of copies, events and a sum launch per part). On 2 x H200 four parts were
 slower than one at the median of ten paired runs on a fast host (by 8%) and in all four paired
-runs on slower hosts (by 6-58%; BENCHMARKS.md). The parts are for three ranks and more, whose
+runs on slower hosts (by 6-58%; benchmarks/history-2026-11-24.md). The parts are for three ranks and more, whose
 copies take 0.44 ms and up at the bench shapes.
 """
 

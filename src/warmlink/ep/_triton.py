@@ -339,7 +339,7 @@ def sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, h
 def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, counts_ptr, part, slot_rows,
                num_ranks: tl.constexpr, parts: tl.constexpr, block: tl.constexpr):
     # a program per token, walking its row in blocks of columns (as fast as a program per block
-    # for the whole sum, BENCHMARKS.md). With parts > 1 a program whose token is not in ``part``
+    # for the whole sum, benchmarks/history-2026-11-22.md). With parts > 1 a program whose token is not in ``part``
     # (token_part) exits after reading its rows: a part's launch costs about its own tokens.
     token = tl.program_id(0)
     if parts == 1:

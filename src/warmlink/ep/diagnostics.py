@@ -60,7 +60,7 @@ def copy_floor(buf, send_counts: list[int], timed) -> dict:
 
 
 # the push's schedules: (programs per SM, warps per program); the first is the Buffer's own
-# (ep._kernels.push's defaults); more programs or warps measured no faster (BENCHMARKS.md)
+# (ep._kernels.push's defaults); more programs or warps measured no faster (benchmarks/history-2026-11-22.md)
 PUSH_SCHEDULES = {"a program per SM": (1, 4), "2 per SM": (2, 4), "4 per SM, 8 warps": (4, 8)}
 
 
