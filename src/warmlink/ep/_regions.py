@@ -40,7 +40,7 @@ import torch
 from warmlink.ep.fp8 import num_scales
 from warmlink.errors import ConfigError
 
-__all__ = ["AREAS", "PARITIES", "RegionLayout", "area", "size_hint"]
+__all__ = ["AREAS", "MAX_EXPERTS", "PARITIES", "RegionLayout", "area", "check_positive", "size_hint"]
 
 _ALIGN = 256
 # x rows are sized for the widest token dtype (2 bytes).
@@ -62,9 +62,10 @@ def area(kind: str, round_: int) -> str:
     return f"{kind}.{round_ % PARITIES}"
 
 
-def _check_positive(name: str, value) -> int:
+def check_positive(name: str, value, where: str = "ep") -> int:
+    """``value`` if it is an int > 0, else ``ConfigError`` naming ``name`` (a layout's size)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"ep: {name}={value!r}; expected an int > 0")
+        raise ConfigError(f"{where}: {name}={value!r}; expected an int > 0")
     return value
 
 
@@ -80,7 +81,7 @@ class RegionLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_tokens", "hidden", "num_topk"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.hidden % 8:  # every send path moves rows as int64 words, FP8 rows (1 byte a channel) too
             raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of 8 (rows move as 8-byte words)")
 

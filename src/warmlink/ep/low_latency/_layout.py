@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from warmlink.ep._regions import MAX_EXPERTS, check_positive
 from warmlink.ep.fp8 import FP8_BLOCK
 from warmlink.errors import ConfigError
 
@@ -48,14 +49,7 @@ __all__ = ["LL_PARITIES", "LowLatencyLayout"]
 LL_PARITIES = 2
 _ALIGN = 256
 _AREAS = ("disp", "disp_meta", "signal", "comb")
-_MAX_EXPERTS = 4096  # the mailbox's per-expert counts (ep._mailbox)
 _UE8M0_PACK = 4  # UE8M0 exponents per int32, as DeepEP packs them
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"ep low-latency: {name}={value!r}; expected an int > 0")
-    return value
 
 
 @dataclass(frozen=True)
@@ -76,13 +70,13 @@ class LowLatencyLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_tokens", "hidden", "num_experts", "num_topk"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name), "ep low-latency")
         if self.hidden % FP8_BLOCK:
             raise ConfigError(f"ep low-latency: hidden={self.hidden}; expected a multiple of {FP8_BLOCK} "
                               "(FP8 scales are per 128 channels)")
-        if self.num_experts % self.num_ranks or self.num_experts > _MAX_EXPERTS:
+        if self.num_experts % self.num_ranks or self.num_experts > MAX_EXPERTS:
             raise ConfigError(f"ep low-latency: num_experts={self.num_experts}; expected a multiple of "
-                              f"num_ranks={self.num_ranks}, at most {_MAX_EXPERTS}")
+                              f"num_ranks={self.num_ranks}, at most {MAX_EXPERTS}")
 
     def config(self) -> dict[str, int]:
         """What every rank of a group must share (its rank info's ``config``)."""
