@@ -4,13 +4,15 @@
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
-#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT)
+#        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
+#         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
+#         TAG prefixes the bench-ep, bench-full and bench-colocated record names)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset PYTORCH_CUDA_ALLOC_CONF
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 wl() { python3 -m warmlink.cli.main "$@"; }
 for stage in "$@"; do
@@ -45,7 +47,7 @@ for d in range(torch.cuda.device_count()):
     bench-small)
       timeout 420 python3 -m warmlink.cli.main bench refit --scale 0.1 --cycles 3 --json "$OUT/refit_small.json" 2>&1 | tee "$OUT/refit_small.log" | tail -70 ;;
     bench-full)
-      timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full.json" --plot "$OUT/refit_full.png" 2>&1 | tee "$OUT/refit_full.log" | tail -90 ;;
+      timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full${TAG:-}.json" --plot "$OUT/refit_full${TAG:-}.png" 2>&1 | tee "$OUT/refit_full${TAG:-}.log" | tail -90 ;;
     tests-refit)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/refit tests/transport tests/pool tests/bench 2>&1 | tee "$OUT/gpu_tests_refit.log" | tail -40 ;;
     bench-colocated)
@@ -67,7 +69,7 @@ for d in range(torch.cuda.device_count()):
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
-        timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_$i.json" 2>&1 | tee "$OUT/ep_$i.log" | tail -22
+        timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_${TAG:-}$i.json" 2>&1 | tee "$OUT/ep_${TAG:-}$i.log" | tail -22
       done ;;
     bench-ep-pin)
       # unpinned and pinned rank processes in turn, so that both see the same machine

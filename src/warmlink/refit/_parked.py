@@ -100,14 +100,15 @@ class ReceiveState:
         return _plans.get(sig, lambda _sig: build_plan(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
                                                        name_map=name_map, _signature=sig))
 
-    def buffers(self, plan, parity: int, targets=None, where: tuple | None = None
+    def buffers(self, plan, parity: int, targets=None, where: int | None = None
                 ) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
         """Buffers for ``plan`` to pull into, their token for ``release_buffers`` or
         ``keep_installed``, and (swap, pooling on) the other half of the double buffer, made now
         so that the next cycle allocates nothing. ``parity``: the half the pull writes.
         ``targets`` (install ``"direct"``): per plan tensor, the tensor to pull straight into or
-        None, and ``where`` their addresses now: part of the key, so that a target whose memory
-        was replaced gets new buffers instead of a pull into memory it no longer uses."""
+        None, and ``where`` a key for their addresses now (``TargetAddresses.current_key``): part
+        of the cache key, so that a target whose memory was replaced gets new buffers instead of
+        a pull into memory it no longer uses."""
         def make(_key) -> ReceiveBuffers:
             return ReceiveBuffers(self.link, plan, targets)
 

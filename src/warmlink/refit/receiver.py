@@ -26,6 +26,7 @@ from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError, WarmlinkError
 from warmlink.refit import _parked, protocol, translate
+from warmlink.refit._addresses import TargetAddresses
 from warmlink.refit._board import CLOSED, PUBLISHED, STATE_NAMES, ReaderBoard
 from warmlink.refit._cycle import Cycle, CycleReport, RefitHandle, created_counts
 from warmlink.refit._declare import module_tensors
@@ -122,7 +123,7 @@ class Receiver(Closing):
         self.installed_version = 0
         self._last_named: list[tuple[str, object]] = []
         self._installs: dict[int, _InstallWork] = {}
-        self._targets_of: tuple | None = None  # (plan, its targets in plan order), install "direct"
+        self._targets_of: tuple | None = None  # (plan, its targets in plan order, their addresses), install "direct"
         self._on_boards: list | None = None  # the boards this cycle entered (Note [Version board]); None: the store
         self._revoked: list | None = None  # per rank, its revocation count at entry (store sync only)
         self._healthy = False  # the last cycle installed: what this receiver holds may be parked
@@ -544,15 +545,15 @@ class Receiver(Closing):
         rep.created = cycle.created()
         return rep
 
-    def _direct_targets(self, plan) -> tuple[list, tuple]:
-        """Per tensor of ``plan`` its target, in plan order (found once per plan), and where the
-        targets' memory is now (asked every cycle: a target whose ``.data`` was replaced must
-        never be pulled into at its old address). Install "direct"."""
+    def _direct_targets(self, plan) -> tuple[list, int]:
+        """Per tensor of ``plan`` its target, in plan order (found once per plan), and a key for
+        where the targets' memory is now (asked every cycle: a target whose ``.data`` was replaced
+        must never be pulled into at its old address). Install "direct"."""
         cached = self._targets_of
         if cached is None or cached[0] is not plan:
             targets = [self._targets.get(tp.dst) for tp in plan.tensors]
-            cached = self._targets_of = (plan, targets, [t for t in targets if t is not None])
-        return cached[1], tuple([t.data_ptr() for t in cached[2]])
+            cached = self._targets_of = (plan, targets, TargetAddresses([t for t in targets if t is not None]))
+        return cached[1], cached[2].current_key()
 
     def _install_work(self, plan, bufs) -> "_InstallWork":
         """What ``_finish`` does after the pull into ``bufs``, worked out once per buffer set (a
