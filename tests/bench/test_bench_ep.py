@@ -36,3 +36,15 @@ def test_bench_ep_lifecycles_reuse_everything_with_the_pool_on(tmp_path, capsys)
     assert record["summary"]["pool_off"]["created"].get("arena", 0) >= 1
     for rank in record["pool_on"]:
         assert all(not row["created"] for row in rank[1:]), rank
+
+
+def test_bench_ep_runs_a_hidden_size_that_is_not_a_multiple_of_128(tmp_path, capsys):
+    """gpt-oss's 2880 channels, scaled down: FP8 with a partial last block of scales, checked against NCCL."""
+    out = tmp_path / "ep.json"
+    args = [a if a != "256" else "200" for a in SMALL]
+    assert main(["bench", "ep", *args, "--iterations", "2", "--warmup", "1", "--gemm", "0", "--json", str(out)]) == 0
+    assert "warmlink dispatch fp8" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["summary"]["checks"]["dispatch_fp8"] and all(record["summary"]["checks"].values())
+    rank = record["ranks"][0]
+    assert rank["bytes"]["fp8"] == rank["cross_rows"] * (200 + 2 * 4)  # 200 FP8 channels and 2 float32 scales

@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int_in(1, _MAX_RANKS), default=None,
                    help="ranks (default: every visible GPU, at most 8; 4 on CPU)")
     p.add_argument("--tokens", type=int_in(1), default=None, help="tokens per rank (default 4096 on GPU, 128 on CPU)")
-    p.add_argument("--hidden", type=int_in(128, multiple=128), default=None,
-                   help="channels per token, a multiple of 128 (default 7168 on GPU, 512 on CPU)")
+    p.add_argument("--hidden", type=int_in(8, multiple=8), default=None,
+                   help="channels per token, a multiple of 8, e.g. gpt-oss's 2880 (default 7168 on GPU, 512 on CPU)")
     p.add_argument("--experts", type=int_in(1, _MAX_EXPERTS), default=None,
                    help="experts in total, a multiple of --ranks (default 256 on GPU, 16 on CPU)")
     p.add_argument("--topk", type=int_in(1), default=8, help="experts per token, at most --experts (default 8)")
@@ -153,7 +153,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     from warmlink.bench.ep_nccl import nccl_combine, nccl_dispatch, time_nccl_ep
     from warmlink.ep import Buffer
     from warmlink.ep.diagnostics import copy_floor, push_floor, sum_alone
-    from warmlink.ep.fp8 import quantize
+    from warmlink.ep.fp8 import num_scales, quantize
     from warmlink.rendezvous import Store
 
     cuda = cfg["cuda"]
@@ -221,7 +221,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     out["checks"] = checks
     cross = sum(n for d, n in enumerate(handle.send_counts) if d != rank)
     out["cross_rows"] = cross
-    out["bytes"] = {"bf16": cross * H * 2, "fp8": cross * (H + H // 128 * 4)}
+    out["bytes"] = {"bf16": cross * H * 2, "fp8": cross * (H + num_scales(H) * 4)}
     out["combine_bytes"] = sum(n for s, n in enumerate(handle.recv_counts) if s != rank) * H * 2
     out["recv_rows"] = sum(handle.recv_counts)  # own rows included: DeepEP's count
 
@@ -424,12 +424,14 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
         summary[name] = {"ms": t * 1e3, "gb_s": gbs, "gb_s_deepep_count": deepep, **({"vs_nccl": base / t} if base else {})}
         lines.append(f"{name:<40}{t * 1e3:>11.3f}{gbs:>15.1f}{deepep:>14.1f}{(f'{base / t:.2f}x' if base else ''):>9}")
 
+    from warmlink.ep.fp8 import num_scales
+
     H = cfg["hidden"]
     b16 = min(r["bytes"]["bf16"] for r in ranks)
     b8 = min(r["bytes"]["fp8"] for r in ranks)
     bc = min(r["combine_bytes"] for r in ranks)
     received = min(r["recv_rows"] for r in ranks)
-    d16, d8 = received * H * 2, received * (H + H // 128 * 4)
+    d16, d8 = received * H * 2, received * (H + num_scales(H) * 4)
     for op in _OPS:
         nbytes, deepep = (bc, d16) if op.startswith("combine") else ((b8, d8) if "fp8" in op else (b16, d16))
         base = nccl["combine"] if op.startswith("combine") else nccl["dispatch"]

@@ -17,7 +17,7 @@ builds without FP8 support.
 # Note [EP baseline bytes and time]
 Bytes: ``a2a_bytes`` is what this rank *sends to other ranks* of x in dispatch, i.e.
 ``sum over d != rank of num_tokens_per_rank[d] * row_bytes``, with ``row_bytes = H * 2`` for bf16
-and ``H + (H // 128) * 4`` for the FP8 tuple (values and float32 scales). Rows a rank keeps for
+and ``H + ceil(H / 128) * 4`` for the FP8 tuple (values and float32 scales). Rows a rank keeps for
 itself and the metadata (counts, top-k ids, weights) are not counted: they are not "the bytes that
 cross". ``combine_bytes`` is likewise what this rank sends back to other ranks in combine
 (``sum over s != rank of recv rows from s * H * 2``; combine always moves bf16, as DeepEP's does).
@@ -75,7 +75,7 @@ class NcclDispatchResult:
     """Dispatch outputs, shaped as DeepEP's normal-mode ``dispatch`` returns them.
 
     Attributes:
-        recv_x: ``[N, H]`` in x's dtype, or the tuple ``(x_fp8 [N, H], scales float32 [N, H // 128])``.
+        recv_x: ``[N, H]`` in x's dtype, or the tuple ``(x_fp8 [N, H], scales float32 [N, ceil(H / 128)])``.
         recv_topk_idx: ``[N, K]`` int64, local expert ids (0 <= id < E // R) or -1.
         recv_topk_weights: ``[N, K]`` in the weights' dtype, 0 where the id is -1; None without weights.
         num_recv_tokens_per_expert_list: rows received per local expert (list of E // R ints).
@@ -141,16 +141,13 @@ def _split_x(x, num_tokens: int, where: str):
     if values.dim() != 2 or values.shape[0] != num_tokens:
         raise LayoutError(f"{where}: x shape={tuple(values.shape)} invalid; expected [num_tokens={num_tokens}, hidden]")
     if scales is not None:
-        hidden = values.shape[1]
-        if values.dtype != torch.float8_e4m3fn or hidden % _FP8_BLOCK:
-            raise LayoutError(
-                f"{where}: FP8 x dtype={values.dtype} hidden={hidden} invalid; "
-                f"expected float8_e4m3fn with hidden % {_FP8_BLOCK} == 0"
-            )
-        if tuple(scales.shape) != (num_tokens, hidden // _FP8_BLOCK) or scales.dtype != torch.float32:
+        hidden, blocks = values.shape[1], -(-values.shape[1] // _FP8_BLOCK)  # a last block may be partial
+        if values.dtype != torch.float8_e4m3fn:
+            raise LayoutError(f"{where}: FP8 x dtype={values.dtype} invalid; expected float8_e4m3fn")
+        if tuple(scales.shape) != (num_tokens, blocks) or scales.dtype != torch.float32:
             raise LayoutError(
                 f"{where}: FP8 scales shape={tuple(scales.shape)} dtype={scales.dtype} invalid; "
-                f"expected [{num_tokens}, {hidden // _FP8_BLOCK}] float32"
+                f"expected [{num_tokens}, ceil({hidden} / {_FP8_BLOCK}) = {blocks}] float32"
             )
     return values, scales
 
@@ -170,7 +167,7 @@ def nccl_dispatch(x, topk_idx, topk_weights, num_experts: int, group=None) -> Nc
 
     Args:
         x: ``[T, H]`` (bf16 or any dtype the backend moves), or the FP8 tuple ``(x_fp8
-            float8_e4m3fn [T, H], scales float32 [T, H // 128])``; T may be 0.
+            float8_e4m3fn [T, H], scales float32 [T, ceil(H / 128)])``; T may be 0.
         topk_idx: ``[T, K]`` int64 expert ids in ``[-1, E)``, -1 = masked; expert e lives on rank
             ``e // (E // R)``.
         topk_weights: ``[T, K]`` float32, or None.

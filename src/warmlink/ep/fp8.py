@@ -23,22 +23,33 @@ def num_scales(hidden: int) -> int:
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H]`` float tensor -> ``(float8_e4m3fn [T, H], float32 scales [T, H // 128])``.
+    """``[T, H]`` float tensor -> ``(float8_e4m3fn [T, H], float32 scales [T, num_scales(H)])``.
+
+    A last block of fewer than 128 channels is scaled as if padded with zeros, as DeepEP does.
 
     Raises:
-        ConfigError: ``H`` is not a multiple of 128.
+        ConfigError: ``x`` is not 2-D.
     """
-    if x.dim() != 2 or x.shape[1] % FP8_BLOCK:
-        raise ConfigError(f"fp8.quantize: x.shape={tuple(x.shape)}; expected [tokens, hidden] with hidden % {FP8_BLOCK} == 0")
+    if x.dim() != 2:
+        raise ConfigError(f"fp8.quantize: x.shape={tuple(x.shape)}; expected [tokens, hidden]")
     t, h = x.shape
-    blocks = x.float().view(t, h // FP8_BLOCK, FP8_BLOCK)
+    blocks = _blocks(x.float())
     amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
     scales = amax / FP8_MAX
-    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, h)
-    return q, scales
+    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, -1)[:, :h]
+    return q.contiguous(), scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Inverse of ``quantize`` (up to FP8 rounding)."""
     t, h = q.shape
-    return (q.float().view(t, h // FP8_BLOCK, FP8_BLOCK) * scales.unsqueeze(2)).view(t, h).to(dtype)
+    return (_blocks(q.float()) * scales.unsqueeze(2)).view(t, -1)[:, :h].to(dtype)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` float32 as ``[T, num_scales(H), 128]``, the last block padded with zeros."""
+    t, h = x.shape
+    pad = num_scales(h) * FP8_BLOCK - h
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(t, -1, FP8_BLOCK)
