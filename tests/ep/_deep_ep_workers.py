@@ -196,8 +196,8 @@ def outputs_outlive_later_calls(rank: int, num_ranks: int, store, case: dict) ->
 
 
 def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """combine with one and two biases; then calls the built Buffer cannot hold or must refuse,
-    each followed by a round that works. Returns what each call raised, and the checks' results."""
+    """combine with one and two biases; then a batch larger than the built Buffer holds (sent in
+    rounds) and calls it must refuse, each followed by a round that works. Returns what each call raised, and the checks' results."""
     out: dict = {}
 
     def attempt(name: str, call) -> None:
@@ -224,9 +224,9 @@ def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
         more = x.repeat(-(-(held + 1) // x.shape[0]), 1)[:held + 1]
         more_idx = idx.repeat(-(-(held + 1) // idx.shape[0]), 1)[:held + 1]
         more_layout = buffer.get_dispatch_layout(more_idx, case["experts"])
-        attempt("too_many_tokens", lambda: buffer.dispatch(more, topk_idx=more_idx, num_tokens_per_rank=more_layout[0],
-                                                           is_token_in_rank=more_layout[3],
-                                                           num_tokens_per_expert=more_layout[2]))
+        attempt("more_than_held", lambda: buffer.dispatch(more, topk_idx=more_idx, num_tokens_per_rank=more_layout[0],
+                                                          is_token_in_rank=more_layout[3],
+                                                          num_tokens_per_expert=more_layout[2]))
         attempt("other_hidden", lambda: buffer.dispatch(x[:, :8].contiguous(), topk_idx=idx, **args))
         attempt("plain_tuple_handle", lambda: buffer.combine(recv_x, tuple(handle)))
         attempt("bias_shape", lambda: buffer.combine(recv_x, handle, bias=b0[:1]))

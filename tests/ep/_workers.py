@@ -406,3 +406,37 @@ def disagree_then_agree(rank: int, num_ranks: int, store, case: dict) -> dict:
         combined_x, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
         got.update(combined_x=_cpu(combined_x), combined_w=_cpu(combined_w), y=_cpu(y))
     return {"error": error, "got": got}
+
+
+def gathered_ints(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """``Buffer.all_gather_int`` many times in a row, rank 1 late every few meets; then a refused
+    value, and last a meet that rank 0 calls alone (its peers stop): what each raised."""
+    import random
+    import time
+
+    from warmlink.ep import Buffer
+    from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
+
+    out: dict = {"wrong": []}
+    buf = Buffer(store, rank, num_ranks, max_tokens_per_rank=4, hidden=8, num_topk=2, backend="shm", timeout_s=10)
+    rng = random.Random(rank)
+    for i in range(case["meets"]):
+        if rank == 1 and i % 7 == 0:
+            time.sleep(rng.uniform(0, 0.01))
+        got = buf.all_gather_int(1000 * i + rank)
+        if got != [1000 * i + r for r in range(num_ranks)]:
+            out["wrong"].append((i, got))
+    try:
+        buf.all_gather_int(-1)
+    except ConfigError as exc:
+        out["refused"] = str(exc)
+    if rank == 0:
+        try:
+            buf.all_gather_int(5, timeout_s=1.0)
+            out["alone"] = "returned"
+        except (TransferTimeout, PeerLostError) as exc:
+            out["alone"] = type(exc).__name__
+    else:
+        time.sleep(case["linger_s"])  # alive but not meeting: rank 0 must time out, not hang
+    buf.close()
+    return out

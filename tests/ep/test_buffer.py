@@ -18,6 +18,7 @@ from tests.ep._workers import (
     changing_rounds,
     dispatch_combine,
     expect_error,
+    gathered_ints,
     lifecycle_counts,
     warm_rounds,
 )
@@ -398,3 +399,13 @@ def test_a_buffer_left_open_is_closed_when_collected():
         assert held() == before
     finally:
         store.close()
+
+
+def test_all_gather_int_gives_every_ranks_value_in_order_and_a_lone_caller_times_out():
+    """Host-only meets through the mailboxes, 60 in a row with one rank late now and then: no
+    value is read from the wrong meet; a bad value is refused; a meet no peer joins raises."""
+    results = run_ranks(gathered_ints, 3, case={"meets": 60, "linger_s": 3.0}, timeout_s=120)
+    for got in results:
+        assert got["wrong"] == [], got["wrong"][:3]
+        assert "value=-1; expected an int in [0, 2**63)" in got["refused"]
+    assert results[0]["alone"] == "TransferTimeout"  # its peers were alive and not meeting

@@ -27,3 +27,9 @@ def test_quantize_scales_each_block_by_its_own_largest_value_and_round_trips(hid
 def test_quantize_refuses_what_is_not_a_matrix() -> None:
     with pytest.raises(ConfigError, match=r"expected \[tokens, hidden\]"):
         quantize(torch.zeros(4))
+
+
+def test_a_rank_without_tokens_quantizes_to_empty_tensors() -> None:
+    q, scales = quantize(torch.zeros(0, 2880))
+    assert q.shape == (0, 2880) and scales.shape == (0, 23)
+    assert dequantize(q, scales).shape == (0, 2880)

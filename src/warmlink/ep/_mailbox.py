@@ -27,14 +27,15 @@ from warmlink.ep._regions import MAX_EXPERTS
 from warmlink.errors import BackendUnavailable
 
 __all__ = ["COMBINE", "COMBINE_RECEIVED", "COMBINE_SENT", "DISPATCH", "DISPATCH_RECEIVED", "DISPATCH_SENT", "MAX_EXPERTS",
-           "Mailbox", "mailbox_nbytes"]
+           "MEET", "Mailbox", "mailbox_nbytes"]
 
 GENERATION, DISPATCH, DISPATCH_SENT, COMBINE, COMBINE_SENT, COMBINE_HANDLE = range(6)  # COMBINE_HANDLE: 2 words
 # "received": every round up to this one was received here (ep.low_latency._runtime, Note [Low-latency rounds])
 DISPATCH_RECEIVED, COMBINE_RECEIVED = 7, 8
-_HEADER = 10
+MEET, MEET_VALUE = 9, 10  # Buffer.all_gather_int: its round, then one value word per parity (2 words)
+_HEADER = 12
 _FIELD_NAMES = {DISPATCH: "dispatch", DISPATCH_SENT: "dispatch sent", COMBINE: "combine", COMBINE_SENT: "combine sent",
-                DISPATCH_RECEIVED: "dispatch received", COMBINE_RECEIVED: "combine received"}
+                DISPATCH_RECEIVED: "dispatch received", COMBINE_RECEIVED: "combine received", MEET: "all_gather_int"}
 _STORE_ORDERED = ("x86_64", "amd64")  # total store order: see Note [Mailbox rounds]
 _LIVENESS_PERIOD_S = 0.005
 # Busy-wait this long before sleeping: ranks of one step reach a handshake within a few hundred
@@ -114,6 +115,14 @@ class Mailbox:
 
     def combine_handle(self, rank: int, round_: int) -> int:
         return int(self._peers[rank][COMBINE_HANDLE + round_ % 2])
+
+    def publish_meet(self, round_: int, value: int) -> None:
+        """``value`` for meet ``round_`` in its parity word, then the round (Note [Mailbox rounds])."""
+        self._own[MEET_VALUE + round_ % 2] = value
+        self._own[MEET] = round_
+
+    def meet_value(self, rank: int, round_: int) -> int:
+        return int(self._peers[rank][MEET_VALUE + round_ % 2])
 
     # -- reading --------------------------------------------------------------------------------
     def counts(self, rank: int, round_: int, experts: slice) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from warmlink import _env
 from warmlink.ep._reduce import PARTS
 from warmlink.errors import ConfigError
 
-__all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_options"]
+__all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_device", "resolve_options"]
 
 SENDS = ("sm", "copy", "host")  # ep._senders.SENDERS's keys
 COPY_STREAMS = ("one", "per-peer")
@@ -24,6 +24,17 @@ class Options(NamedTuple):
     graphs: bool  # replay send launches as CUDA graphs (ep._kernels, Note [Fresh send graph])
     copy_streams: str  # "one" copy stream for every destination, or "per-peer"
     combine_parts: int  # ep._reduce, Note [Pipelined combine]
+
+
+def resolve_device(device, backend: str | None) -> int:
+    """The Buffer's CUDA device index, or -1 for host memory (``backend="shm"`` or no CUDA)."""
+    import torch
+
+    if device is not None:
+        return device.index if isinstance(device, torch.device) else int(device)
+    if backend == "shm" or not torch.cuda.is_available():
+        return -1
+    return torch.cuda.current_device()
 
 
 def resolve_options(num_ranks: int, backend: str, send: str | None = None, graphs: bool | None = None,

@@ -64,6 +64,15 @@ class Rounds:
         self.timeout_s = timeout_s
         self.last = {"dispatch": 0, "combine": 0}  # the last round sent, or spent on every rank
         self.pending: Pending | None = None
+        self.meets = 0  # all_gather_int rounds so far
+
+    def all_gather_int(self, value: int, timeout_s: float) -> list[int]:
+        """Every rank's ``value`` in rank order, through the mailboxes (a peer at most one meet
+        ahead writes the other parity's word, so this meet's values stay until all are read)."""
+        self.meets += 1
+        self.mailbox.publish_meet(self.meets, value)
+        self.mailbox.wait(mb.MEET, self.meets, timeout_s)
+        return [self.mailbox.meet_value(r, self.meets) for r in range(self.num_ranks)]
 
     def next(self, op: str) -> int:
         """The round number of the next ``op`` (``"dispatch"`` or ``"combine"``)."""

@@ -29,7 +29,7 @@ from warmlink.ep._movers import as_words
 from warmlink.ep._outputs import dispatch_outputs
 from warmlink.ep._regions import PARITIES, RegionLayout, area
 from warmlink.ep._rounds import Pending, Rounds
-from warmlink.ep._options import resolve_options
+from warmlink.ep._options import resolve_device, resolve_options
 from warmlink.ep._senders import SENDERS, FreshSend
 from warmlink.ep._setup import Resources, group_store
 from warmlink.ep.event import EventOverlap, wait_for
@@ -39,14 +39,6 @@ from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
-
-def _device_of(device, backend) -> int:
-    if device is not None:
-        return device.index if isinstance(device, torch.device) else int(device)
-    if backend == "shm" or not torch.cuda.is_available():
-        return -1
-    return torch.cuda.current_device()
-
 
 class Buffer(LowLatencyMethods, Closing):
     """One rank's end of an ep group: regions, mailboxes and streams, set up once.
@@ -105,7 +97,7 @@ class Buffer(LowLatencyMethods, Closing):
         self.layout = RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk)
         self.rank, self.num_ranks = rank, num_ranks
         self.timeout_s = float(timeout_s) if timeout_s is not None else _env.default_timeout_s()
-        self.device = _device_of(device, backend)
+        self.device = resolve_device(device, backend)
         self.backend = resolve_backend(backend, self.device)
         self._checks = Checks(self.layout, num_ranks, self.device)
         if (self.backend == "shm") != (self.device < 0):
@@ -169,6 +161,15 @@ class Buffer(LowLatencyMethods, Closing):
         lay = dispatch_layout(self._checks.topk(topk_idx, "topk_idx"), num_experts, self.num_ranks)
         return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
                 self._overlap(2 * PARITIES, async_finish))
+
+    def all_gather_int(self, value: int, *, timeout_s: float | None = None) -> list[int]:
+        """Every rank's ``value`` (an int in ``[0, 2**63)``), in rank order: a host-only collective
+        through the mailboxes, with liveness checks and a timeout (default the Buffer's):
+        ``PeerLostError``, ``TransferTimeout``. No kernel. ``deep_ep`` agrees on a call's rounds with it."""
+        self._check_open("all_gather_int")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+            raise ConfigError(f"ep.Buffer.all_gather_int: value={value!r}; expected an int in [0, 2**63)")
+        return self._rounds.all_gather_int(value, self.timeout_s if timeout_s is None else timeout_s)
 
     def _check_open(self, func: str) -> None:
         if self._closed:

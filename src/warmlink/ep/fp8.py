@@ -36,14 +36,15 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _blocks(x.float())
     amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
     scales = amax / FP8_MAX
-    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, -1)[:, :h]
+    q = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(t, blocks.shape[1] * FP8_BLOCK)[:, :h]
     return q.contiguous(), scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Inverse of ``quantize`` (up to FP8 rounding)."""
     t, h = q.shape
-    return (_blocks(q.float()) * scales.unsqueeze(2)).view(t, -1)[:, :h].to(dtype)
+    blocks = _blocks(q.float())
+    return (blocks * scales.unsqueeze(2)).view(t, blocks.shape[1] * FP8_BLOCK)[:, :h].to(dtype)
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -52,4 +53,4 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     pad = num_scales(h) * FP8_BLOCK - h
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.view(t, -1, FP8_BLOCK)
+    return x.view(t, num_scales(h), FP8_BLOCK)

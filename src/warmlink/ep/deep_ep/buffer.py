@@ -1,19 +1,16 @@
 """``deep_ep.Buffer``: DeepEP's legacy normal-mode ``Buffer``, as DeepEP code calls it, on warmlink's ``ep.Buffer``.
 
-Each method checks DeepEP's arguments, calls the warmlink Buffer once, and gives back DeepEP's
+Each method checks DeepEP's arguments, calls the warmlink Buffer (once per round), and gives back DeepEP's
 return tuple: fresh output tensors, DeepEP's handle (``deep_ep.handle``) and ``EventOverlap``.
 
 # Note [Built on first dispatch]
-DeepEP's constructor takes a byte budget, not shapes; warmlink's Buffer is sized by shapes
-(tokens per rank, hidden, top-k). So the warmlink Buffer is built by the first ``dispatch``, which
-is collective as the constructor is, from that call's hidden size, the widest top-k seen so far
-(the call's, or an earlier ``get_dispatch_layout``'s) and the most tokens per rank that fit
-``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``. Every rank computes the same sizes.
-A later call with another hidden size, a wider top-k or more tokens than fit raises
-``ConfigError`` naming the budget and the bytes it would need, before any byte moves. Every rank
-raises when every rank's call is refused (hidden and top-k are the same on every rank); a rank
-whose batch alone is too large raises alone, and its peers' call ends in ``TransferTimeout`` after
-the Buffer's timeout (checking every rank's batch on every call would cost a collective).
+DeepEP's constructor takes a byte budget, not shapes; warmlink's Buffer is sized by shapes. So the
+warmlink Buffer is built by the first ``dispatch`` (collective, as the constructor is) for that
+call's hidden size, the widest top-k seen so far and the most tokens per rank that fit
+``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``; every rank computes the same sizes.
+A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). A later
+call with another hidden size or a wider top-k raises ``ConfigError`` before any byte moves, on
+every rank (those are the same on every rank), and so does a budget that holds not one token.
 """
 
 from __future__ import annotations
@@ -25,11 +22,11 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
-from warmlink.ep.deep_ep import sizing
+from warmlink.ep.deep_ep import rounds, sizing
 from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_STREAM, ZERO_COPY, not_here
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
-from warmlink.ep.deep_ep.handle import DispatchHandle
+from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
 from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
 from warmlink.ep.deep_ep.scales import pack_scales, unpack_scales
 from warmlink.errors import ConfigError
@@ -196,8 +193,8 @@ class Buffer(LowLatencyCalls):
             ``(recv_x, None, None, None, None, event)``, as DeepEP's.
 
         Raises:
-            ConfigError: bad arguments, or a call the budget cannot hold (naming the bytes it would
-                need), before any byte moves.
+            ConfigError: bad arguments, or a budget that holds not one token (naming the bytes
+                one needs), before any byte moves.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         func = "dispatch"
@@ -223,6 +220,15 @@ class Buffer(LowLatencyCalls):
         inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0)
         if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone
             topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
+        num_rounds = rounds.rounds_needed(inner, rows.shape[0])  # Note [Rounds beyond the budget]
+        if num_rounds > 1:
+            recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
+                inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,
+                num_tokens_per_expert.numel(), with_topk, expert_alignment, num_worst_tokens)
+            out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens or sum(r.rows.shape[0] for r in done),
+                                           is_token_in_rank, inner, rows.device)
+            return (unpack_scales(recv_x, packed, fresh=True), recv_idx if with_topk else None,
+                    recv_w if with_topk else None, per_expert, out, returned_event(async_finish))
         recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
             tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -237,6 +243,9 @@ class Buffer(LowLatencyCalls):
             raise ConfigError("deep_ep.Buffer.dispatch: a cached dispatch (handle=...) takes no topk_idx or topk_weights; "
                               "they travel with the dispatch that made the handle")
         inner = self._owner_of(handle, "dispatch")
+        if handle.rounds is not None:  # Note [Rounds beyond the budget]
+            recv_x = rounds.dispatch_cached_rounds(inner, tokens, handle.rounds, handle.num_output_rows)
+            return unpack_scales(recv_x, packed, fresh=True), None, None, None, None, returned_event(async_finish)
         recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
                                 num_worst_tokens=num_worst_tokens)[0]
         return unpack_scales(recv_x, packed), None, None, None, None, returned_event(async_finish)
@@ -266,9 +275,12 @@ class Buffer(LowLatencyCalls):
         self._check_usable(func)
         _check_config(f"deep_ep.Buffer.{func}", config)
         inner = self._owner_of(handle, func)
-        biases = self._biases(bias, handle, x)
+        biases = combine_biases(bias, handle, self._inner.layout.hidden, x)
         wait_previous(previous_event, func)
-        out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
+        if handle.rounds is not None:  # Note [Rounds beyond the budget]
+            out, out_w = rounds.combine_rounds(inner, x, topk_weights, handle.rounds, handle.num_tokens)
+        else:
+            out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
         if biases:
             out = sum((b.float() for b in biases), out.float()).to(out.dtype)
         return out, out_w, returned_event(async_finish)
@@ -361,8 +373,8 @@ class Buffer(LowLatencyCalls):
         if inner is None:
             topk = max(num_topk, self._widest_topk, 1)
             held = sizing.tokens_within(self.num_nvl_bytes, self.group_size, hidden, topk)
-            if held < max(num_tokens, 1):
-                raise sizing.refuse(func, self.num_nvl_bytes, num_tokens, self.group_size, hidden, topk, held)
+            if held == 0:  # a larger batch goes in several rounds (Note [Rounds beyond the budget]); not one token fits
+                raise sizing.refuse(func, self.num_nvl_bytes, self.group_size, hidden, topk)
             device, backend = (rows.device.index, None) if rows.is_cuda else (-1, "shm")
             self._inner = inner = _EPBuffer.from_group(self.group, max_tokens_per_rank=held, hidden=hidden, num_topk=topk,
                                                        device=device, backend=backend, timeout_s=self._timeout_s)
@@ -372,8 +384,6 @@ class Buffer(LowLatencyCalls):
             raise ConfigError(f"{func}: x has hidden={hidden} and {num_topk} experts per token; this Buffer was built by its "
                               f"first dispatch for hidden={lay.hidden} and num_topk<={lay.num_topk} (see deep_ep.buffer, "
                               "Note [Built on first dispatch]); use one Buffer per hidden size")
-        if num_tokens > lay.max_tokens:
-            raise sizing.refuse(func, self.num_nvl_bytes, num_tokens, self.group_size, hidden, lay.num_topk, lay.max_tokens)
         return inner
 
     def _owner_of(self, handle, func: str) -> _EPBuffer:
@@ -383,16 +393,4 @@ class Buffer(LowLatencyCalls):
         if handle.owner is not self._inner:
             raise ConfigError(f"deep_ep.Buffer.{func}: the handle comes from another Buffer; pass a handle of this one")
         return self._inner
-
-    def _biases(self, bias, handle: DispatchHandle, x) -> tuple:
-        """DeepEP's ``bias``: None, a tensor or a pair, each ``[T, hidden]`` like the combined output."""
-        biases = bias if isinstance(bias, tuple) else (() if bias is None else (bias,))
-        if len(biases) > 2:
-            raise ConfigError(f"deep_ep.Buffer.combine: bias has {len(biases)} tensors; expected at most 2")
-        shape = (handle.inner.num_tokens, self._inner.layout.hidden)
-        for b in biases:
-            if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or b.device != getattr(x, "device", None):
-                raise ConfigError(f"deep_ep.Buffer.combine: bias {type(b).__name__} of shape {tuple(getattr(b, 'shape', ()))} "
-                                  f"on {getattr(b, 'device', '?')}; expected a tensor of shape {shape} on {x.device}")
-        return biases
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DispatchHandle"]
+from warmlink.errors import ConfigError
+
+__all__ = ["DispatchHandle", "combine_biases"]
 
 
 class DispatchHandle(tuple):
@@ -27,18 +29,27 @@ class DispatchHandle(tuple):
     ``is_token_in_rank``: ``[T, R]`` bool, the dispatch's own argument.
     """
 
-    def __new__(cls, rank_prefix_matrix: torch.Tensor, is_token_in_rank: torch.Tensor, inner, owner) -> "DispatchHandle":
+    def __new__(cls, rank_prefix_matrix: torch.Tensor, is_token_in_rank: torch.Tensor, inner, owner,
+                rounds=None, num_recv: int = 0) -> "DispatchHandle":
         self = super().__new__(cls, (rank_prefix_matrix, None, None, None, is_token_in_rank, None))
         self.inner = inner
         self.owner = owner
+        self.rounds = rounds  # a batch sent in several rounds (deep_ep.rounds): each round's; else None
+        self._num_recv = num_recv
         return self
 
     @classmethod
     def of(cls, inner, is_token_in_rank: torch.Tensor, owner, device: torch.device) -> "DispatchHandle":
         """The handle of a fresh dispatch whose warmlink handle is ``inner`` (its count matrix
         summed over the sources gives ``rank_prefix_matrix``, made on ``device``)."""
-        counts = torch.tensor(inner.count_matrix, dtype=torch.int32, device="cpu")
-        return cls(counts.cumsum(0, dtype=torch.int32).to(device), is_token_in_rank, inner, owner)
+        return cls(_prefix(inner.count_matrix, device), is_token_in_rank, inner, owner)
+
+    @classmethod
+    def of_rounds(cls, rounds: list, matrix: list[list[int]], num_recv: int, is_token_in_rank: torch.Tensor, owner,
+                  device: torch.device) -> "DispatchHandle":
+        """The handle of a fresh dispatch sent in ``rounds`` (deep_ep.rounds, Note [Rounds beyond
+        the budget]); ``matrix``: their count matrices summed; ``num_recv``: its outputs' rows."""
+        return cls(_prefix(matrix, device), is_token_in_rank, None, owner, rounds, num_recv)
 
     @property
     def rank_prefix_matrix(self) -> torch.Tensor:
@@ -51,8 +62,39 @@ class DispatchHandle(tuple):
     @property
     def num_recv_tokens(self) -> int:
         """Rows this rank received (its outputs have ``num_worst_tokens`` rows when that was set)."""
+        if self.rounds is not None:
+            return sum(r.rows.shape[0] for r in self.rounds)
         return self.inner.num_recv_tokens
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this rank dispatched (the rows of its combine's outputs)."""
+        return self.rounds[-1].stop if self.rounds is not None else self.inner.num_tokens
+
+    @property
+    def num_output_rows(self) -> int:
+        """Rows of the dispatch's outputs: ``num_worst_tokens`` when that was set, else the rows received."""
+        return self._num_recv if self.rounds is not None else (self.inner.num_worst_tokens or self.inner.num_recv_tokens)
+
     def __repr__(self) -> str:
-        return (f"deep_ep.DispatchHandle(num_tokens={self.inner.num_tokens}, num_recv_tokens={self.num_recv_tokens}, "
-                f"round={self.inner.round})")
+        where = f"rounds={len(self.rounds)}" if self.rounds is not None else f"round={self.inner.round}"
+        return f"deep_ep.DispatchHandle(num_tokens={self.num_tokens}, num_recv_tokens={self.num_recv_tokens}, {where})"
+
+
+def _prefix(matrix: list[list[int]], device: torch.device) -> torch.Tensor:
+    """DeepEP's ``rank_prefix_matrix``: the count matrix summed over the sources, int32 on ``device``."""
+    return torch.tensor(matrix, dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32).to(device)
+
+
+def combine_biases(bias, handle: DispatchHandle, hidden: int, x) -> tuple:
+    """DeepEP's combine ``bias``: None, a tensor or a pair, each ``[T, hidden]`` like the combined
+    output of ``handle``'s dispatch, on ``x``'s device; the tensors as a tuple."""
+    biases = bias if isinstance(bias, tuple) else (() if bias is None else (bias,))
+    if len(biases) > 2:
+        raise ConfigError(f"deep_ep.Buffer.combine: bias has {len(biases)} tensors; expected at most 2")
+    shape = (handle.num_tokens, hidden)
+    for b in biases:
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or b.device != getattr(x, "device", None):
+            raise ConfigError(f"deep_ep.Buffer.combine: bias {type(b).__name__} of shape {tuple(getattr(b, 'shape', ()))} "
+                              f"on {getattr(b, 'device', '?')}; expected a tensor of shape {shape} on {x.device}")
+    return biases

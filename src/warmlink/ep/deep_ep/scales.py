@@ -36,11 +36,12 @@ def pack_scales(x, func: str):
     return (values, carried.view(torch.float32)), cols
 
 
-def unpack_scales(recv_x, packed_cols: int):
-    """DeepEP's ``recv_x`` from warmlink's: fresh tensors, the packed int32 scales taken back out."""
+def unpack_scales(recv_x, packed_cols: int, fresh: bool = False):
+    """DeepEP's ``recv_x`` from warmlink's: fresh tensors (``fresh``: ``recv_x`` is one already,
+    not a view of the receive area), the packed int32 scales taken back out."""
     if not isinstance(recv_x, tuple):
-        return recv_x.clone()
+        return recv_x if fresh else recv_x.clone()
     values, scales = recv_x
     if packed_cols:
         scales = scales.view(torch.int32)[:, :packed_cols].contiguous()
-    return values.clone(), scales  # the scales are already a fresh tensor of warmlink's unpack
+    return (values if fresh else values.clone()), scales  # the scales are already a fresh tensor of warmlink's unpack

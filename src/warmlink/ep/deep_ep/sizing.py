@@ -5,8 +5,8 @@ warmlink's Buffer holds fixed slots instead (ep._regions): per rank and per pari
 for every token any source may send, a combine row, and a staging row per destination, so its
 bytes grow with ``max_tokens_per_rank x hidden x num_ranks``. ``deep_ep.Buffer`` therefore builds
 the largest warmlink Buffer whose ``size_hint`` fits the budget, for the hidden size and top-k of
-its first dispatch, and a batch of more tokens than that holds is refused with the bytes it would
-need, never given more memory than the budget.
+its first dispatch, and sends a batch of more tokens than that holds in several rounds
+(deep_ep.rounds), never taking more memory than the budget.
 
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
 computes the same sizes (a group's ranks must share them, ep._info).
@@ -53,15 +53,13 @@ def tokens_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int)
     return lo
 
 
-def refuse(func: str, budget_bytes: int, num_tokens: int, num_ranks: int, hidden: int, num_topk: int,
-           held: int) -> ConfigError:
-    """The error for a batch of ``num_tokens`` that a budget of ``budget_bytes`` cannot hold."""
-    need = needed_bytes(num_tokens, num_ranks, hidden, num_topk)
+def refuse(func: str, budget_bytes: int, num_ranks: int, hidden: int, num_topk: int) -> ConfigError:
+    """The error for a budget of ``budget_bytes`` that holds not one token per rank."""
+    need = needed_bytes(1, num_ranks, hidden, num_topk)
     return ConfigError(
-        f"{func}: x has {num_tokens} tokens; num_nvl_bytes={budget_bytes} ({budget_bytes / 2**30:.3f} GiB) holds at most "
-        f"{held} tokens per rank at hidden={hidden}, num_topk={num_topk} and {num_ranks} ranks, and {num_tokens} need "
-        f"{need} bytes ({need / 2**30:.3f} GiB; warmlink.ep keeps a slot per source rank, not DeepEP's rings): pass "
-        f"num_nvl_bytes >= {need}, or dispatch fewer tokens per call")
+        f"{func}: num_nvl_bytes={budget_bytes} ({budget_bytes / 2**30:.3f} GiB) holds not one token per rank at "
+        f"hidden={hidden}, num_topk={num_topk} and {num_ranks} ranks; one needs {need} bytes (warmlink.ep keeps a slot "
+        f"per source rank, not DeepEP's rings): pass num_nvl_bytes >= {need}, e.g. from Config.get_nvl_buffer_size_hint")
 
 
 def low_latency_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,

@@ -1,0 +1,181 @@
+"""Batches larger than the warmlink Buffer inside holds, sent in several rounds.
+
+# Note [Rounds beyond the budget]
+DeepEP streams any batch through rings that fit its byte budget. A warmlink Buffer holds a slot
+row per token instead (ep._regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
+budget (``sizing.tokens_within``: C tokens per rank) and sends a larger batch as several rounds of
+at most C tokens from each rank: round k carries each rank's tokens ``[kC, (k+1)C)``, none for a
+rank that has fewer. Every rank must run the same number of rounds, so a fresh dispatch first
+gathers every rank's token count (``ep.Buffer.all_gather_int``: host mailboxes, no kernel) and
+runs ``ceil(max / C)``; one round is the plain call. The outputs are fresh tensors in DeepEP's
+order (source rank, then source token): round k's rows from source s land after that source's
+rows of the earlier rounds. Each round's rows are copied out of the receive area before the next
+round starts (a round's host waits for the caller's stream first, Note [Round protocol] in
+ep._rounds), then placed. The handle keeps every round's warmlink handle and where its rows went:
+a cached dispatch replays the same rounds, and a combine sends each round's rows back with its
+round's handle, each token summed in the one round that carried it. Memory stays within the
+budget; each extra round costs a round's fixed host time and one more copy of its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warmlink.errors import ConfigError
+
+__all__ = ["Round", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "rounds_needed"]
+
+
+@dataclass
+class Round:
+    """One round of a batch sent in several: its warmlink handle, this rank's tokens
+    ``[start, stop)``, and ``rows``: where each row it received lies in the call's outputs."""
+
+    handle: object
+    start: int
+    stop: int
+    rows: torch.Tensor
+
+
+def rounds_needed(inner, num_tokens: int) -> int:
+    """Rounds of a fresh dispatch: every rank's count gathered, then ``ceil(max / C)``. Collective."""
+    most = max(inner.all_gather_int(num_tokens))
+    return max(1, -(-most // inner.layout.max_tokens))
+
+
+def _rows_of(tokens, lo: int, hi: int):
+    return tuple(t[lo:hi] for t in tokens) if isinstance(tokens, tuple) else tokens[lo:hi]
+
+
+def dispatch_rounds(inner, tokens, num_rounds: int, in_rank: torch.Tensor, topk_idx: torch.Tensor,
+                    topk_weights, per_expert: torch.Tensor, num_experts: int, with_topk: bool, expert_alignment: int,
+                    num_worst_tokens: int):
+    """A fresh dispatch of ``tokens`` in ``num_rounds`` rounds (Note [Rounds beyond the budget]).
+
+    ``topk_idx`` is the call's (the all -1 column of a dispatch without top-k, whose per-expert
+    counts ``per_expert`` then travel with the first round). Returns ``(recv_x, recv_idx, recv_w,
+    num_recv_tokens_per_expert_list, rounds, count_matrix)``, the outputs fresh and in DeepEP's
+    order. Collective.
+
+    Raises:
+        ConfigError: a rank would receive more rows than ``num_worst_tokens`` (every rank alike,
+            after the rounds: each holds the same counts).
+    """
+    cap, num_tokens = inner.layout.max_tokens, in_rank.shape[0]
+    got, bounds = [], []
+    for k in range(num_rounds):
+        lo, hi = min(k * cap, num_tokens), min((k + 1) * cap, num_tokens)
+        sub_in_rank = in_rank[lo:hi]
+        if with_topk:
+            counts = inner.get_dispatch_layout(topk_idx[lo:hi], num_experts)[2]
+        else:
+            counts = per_expert if k == 0 else torch.zeros_like(per_expert)
+        recv_x, recv_idx, recv_w, _, handle, _ = inner.dispatch(
+            _rows_of(tokens, lo, hi), num_tokens_per_rank=sub_in_rank.sum(0, dtype=torch.int32),
+            is_token_in_rank=sub_in_rank, num_tokens_per_expert=counts, topk_idx=topk_idx[lo:hi],
+            topk_weights=None if topk_weights is None else topk_weights[lo:hi])
+        # the receive area is reused two rounds on: this round's rows leave it now
+        values = tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()
+        got.append((values, recv_idx, recv_w, handle))
+        bounds.append((lo, hi))
+    handles = [g[3] for g in got]
+    matrix = _summed([h.count_matrix for h in handles])
+    total = _check_worst(matrix, inner.rank, num_worst_tokens)
+    places = _places([h.recv_counts for h in handles], _device_of(got[0][0]))
+    rows_out = num_worst_tokens or total
+    first = got[0]
+    out_x = _like(first[0], rows_out)
+    out_idx, out_w = _like(first[1], rows_out, fill=-1), _like(first[2], rows_out, fill=0)
+    for (values, recv_idx, recv_w, _), rows in zip(got, places):
+        for out, part in (*zip(_flat(out_x), _flat(values)), (out_idx, recv_idx), (out_w, recv_w)):
+            if out is not None:
+                _place(out, rows, part)
+    per_expert_sums = [sum(col) for col in zip(*(h.num_recv_tokens_per_expert_list for h in handles))]
+    per_expert_list = [] if num_worst_tokens else [-(-n // expert_alignment) * expert_alignment for n in per_expert_sums]
+    rounds = [Round(h, lo, hi, rows) for h, (lo, hi), rows in zip(handles, bounds, places)]
+    return out_x, out_idx, out_w, per_expert_list, rounds, matrix
+
+
+def dispatch_cached_rounds(inner, tokens, rounds: list[Round], num_recv: int):
+    """A cached dispatch of ``tokens`` through ``rounds`` (a fresh dispatch's): fresh outputs
+    with ``num_recv`` rows (its padded count), each round's rows copied out before the next
+    round starts. Collective."""
+    out = None
+    for r in rounds:
+        recv_x = inner.dispatch(_rows_of(tokens, r.start, r.stop), handle=r.handle)[0]
+        if out is None:
+            out = _like(recv_x, num_recv)
+        for dst, part in zip(_flat(out), _flat(recv_x)):
+            _place(dst, r.rows, part)
+    return out
+
+
+def combine_rounds(inner, x: torch.Tensor, topk_weights, rounds: list[Round], num_tokens: int):
+    """``(combined_x [num_tokens, hidden], combined_weights or None)`` of ``x`` (rows in the
+    dispatch's output order) through ``rounds``: each round sends back the rows it carried, and
+    this rank's tokens of that round get their sums. Collective."""
+    out = x.new_empty(num_tokens, x.shape[1])
+    out_w = None if topk_weights is None else topk_weights.new_empty(num_tokens, topk_weights.shape[1])
+    for r in rounds:
+        w = None if topk_weights is None else topk_weights.index_select(0, r.rows)
+        summed, summed_w, _ = inner.combine(x.index_select(0, r.rows), r.handle, topk_weights=w)
+        out[r.start:r.stop] = summed
+        if out_w is not None:
+            out_w[r.start:r.stop] = summed_w
+    return out, out_w
+
+
+def _device_of(values) -> torch.device:
+    return _flat(values)[0].device
+
+
+def _summed(matrices: list[list[list[int]]]) -> list[list[int]]:
+    return [[sum(m[s][d] for m in matrices) for d in range(len(matrices[0]))] for s in range(len(matrices[0]))]
+
+
+def _check_worst(matrix: list[list[int]], rank: int, num_worst_tokens: int) -> int:
+    """This rank's rows over every round; refuses, on every rank alike, rows past ``num_worst_tokens``."""
+    totals = [sum(row[d] for row in matrix) for d in range(len(matrix))]
+    over = {d: n for d, n in enumerate(totals) if n > num_worst_tokens} if num_worst_tokens else {}
+    if over:
+        raise ConfigError(f"deep_ep.Buffer.dispatch: ranks receive {over} rows over the call's rounds; "
+                          f"num_worst_tokens={num_worst_tokens} is the most any may (pass a larger num_worst_tokens, "
+                          "or 0 for outputs sized by the counts)")
+    return totals[rank]
+
+
+def _places(per_round: list[list[int]], device) -> list[torch.Tensor]:
+    """Per round, the output row of each row it received (received by source rank, then token):
+    source s's rows of round k follow its rows of rounds before k, after every earlier source's."""
+    num_ranks = len(per_round[0])
+    per_source = [sum(counts[s] for counts in per_round) for s in range(num_ranks)]
+    start = [sum(per_source[:s]) for s in range(num_ranks)]
+    places = []
+    for counts in per_round:
+        parts = [torch.arange(start[s], start[s] + counts[s], dtype=torch.int64, device="cpu") for s in range(num_ranks)]
+        places.append(torch.cat(parts).to(device))
+        start = [start[s] + counts[s] for s in range(num_ranks)]
+    return places
+
+
+def _like(t, rows: int, fill=None):
+    """A fresh tensor (or pair) shaped like ``t`` with ``rows`` rows: zeros, or ``fill``; None for None."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_like(part, rows) for part in t)
+    out = t.new_zeros((rows, *t.shape[1:]))
+    return out.fill_(fill) if fill else out
+
+
+def _place(out: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> None:
+    """``out[rows] = part``; FP8 moves as bytes (torch has no index copy for float8 types)."""
+    if out.element_size() == 1:
+        out, part = out.view(torch.uint8), part.view(torch.uint8)
+    out.index_copy_(0, rows, part)
+
+
+def _flat(t) -> tuple:
+    return t if isinstance(t, tuple) else (t,)

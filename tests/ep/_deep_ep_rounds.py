@@ -1,0 +1,79 @@
+"""Rank side of the several-rounds tests (deep_ep.rounds, Note [Rounds beyond the budget]): the
+same batches through a deep_ep Buffer that holds them in one round and one whose budget holds a
+few tokens per rank, compared bit for bit. Ranks hold different token counts, one of them none."""
+
+from __future__ import annotations
+
+import torch
+
+import warmlink.ep.deep_ep as deep_ep
+from tests.ep._deep_ep_workers import gloo_group
+from warmlink.ep.deep_ep.sizing import needed_bytes
+from warmlink.errors import ConfigError
+from warmlink.ep.fp8 import quantize
+
+
+def _inputs(case: dict, rank: int):
+    gen = torch.Generator().manual_seed(case["seed"] * 100 + rank)
+    t = case["tokens"][rank]
+    x = torch.randint(-3, 4, (t, case["hidden"]), generator=gen).to(torch.bfloat16)
+    idx = torch.rand(t, case["experts"], generator=gen).topk(case["topk"], dim=1).indices
+    idx[torch.rand(t, case["topk"], generator=gen) < 0.2] = -1
+    return x, idx.to(deep_ep.topk_idx_t), torch.rand(t, case["topk"], generator=gen)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Every call kind through both Buffers; per kind, whether the outputs are identical."""
+    out: dict = {}
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        x, idx, w = _inputs(case, rank)
+        small_budget = needed_bytes(case["held"], num_ranks, case["hidden"], case["topk"])
+        one = deep_ep.Buffer(group, needed_bytes(max(case["tokens"]), num_ranks, case["hidden"], case["topk"]))
+        many = deep_ep.Buffer(group, small_budget)
+        lay = one.get_dispatch_layout(idx, case["experts"])
+        args = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2]}
+        got = {}
+        for name, buf in (("one", one), ("many", many)):
+            r = {}
+            recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                                           expert_alignment=4, **args)
+            r["dispatch"] = (recv_x, recv_idx, recv_w, per_expert, handle[0], handle[4])
+            y = recv_x.float().mul(rank + 2).to(torch.bfloat16)  # an "expert" that differs per rank
+            r["combine"] = buf.combine(y, handle, topk_weights=recv_w)[:2]
+            r["cached"] = buf.dispatch(x, handle=handle)[0]
+            r["fp8"] = buf.dispatch(quantize(x), topk_idx=idx, topk_weights=w, **args)[0]
+            r["no_topk"] = buf.dispatch(x, **args)[:4]
+            worst = 2 * sum(case["tokens"])
+            padded = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, **args)
+            r["padded"] = padded[:4]
+            r["padded_combine"] = buf.combine(padded[0], padded[4], topk_weights=padded[2])[:2]
+            try:
+                buf.dispatch(x, topk_idx=idx, num_worst_tokens=1, **args)
+                r["too_few_worst"] = "ok"
+            except ConfigError as exc:
+                r["too_few_worst"] = f"ConfigError: {exc}"
+            r["rounds"] = None if handle.rounds is None else len(handle.rounds)
+            r["repr"] = repr(handle)
+            got[name] = r
+        for kind in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine"):
+            out[kind] = _same(got["one"][kind], got["many"][kind])
+        out["rounds"] = (got["one"]["rounds"], got["many"]["rounds"])
+        out["too_few_worst"] = (got["one"]["too_few_worst"], got["many"]["too_few_worst"])
+        out["repr"] = got["many"]["repr"]
+        out["inner_tokens"] = many.warmlink_buffer.layout.max_tokens
+        out["inner_bytes"] = many.warmlink_buffer.layout.nbytes
+        out["budget"] = small_budget
+        out["received"] = int(got["one"]["dispatch"][0].shape[0])
+        many.close()
+        one.close()
+    return out

@@ -1,0 +1,24 @@
+"""A batch larger than a deep_ep Buffer's budget holds goes in several rounds (deep_ep.rounds,
+Note [Rounds beyond the budget]) and gives exactly what one round gives: fresh and cached
+dispatch, FP8, a dispatch without top-k, padded outputs and combine with weights, with ranks that
+hold different token counts (one of them none). Spawned ranks over a gloo group on the CPU."""
+
+from __future__ import annotations
+
+from tests.ep._deep_ep_rounds import rounds_equal_one_round
+from tests.ep._deep_ep_workers import free_port
+from tests.ep._group import run_ranks
+from warmlink.ep.deep_ep.sizing import needed_bytes
+
+
+def test_several_rounds_give_exactly_what_one_round_gives():
+    case = {"tokens": [23, 9, 0], "held": 4, "hidden": 256, "experts": 6, "topk": 2, "seed": 13, "dist_port": free_port()}
+    for got in run_ranks(rounds_equal_one_round, 3, case=case, timeout_s=240):
+        assert {k: got[k] for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")} == {
+            k: True for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")}, got
+        assert got["rounds"] == (None, 6), got  # ceil(23 / 4): every rank runs the most any rank needs
+        one, many = got["too_few_worst"]
+        assert one.startswith("ConfigError") and many.startswith("ConfigError") and "num_worst_tokens=1" in many, got
+        # the Buffer inside stays within the budget, as large as it holds
+        assert got["inner_tokens"] == 4 and got["inner_bytes"] <= got["budget"] < needed_bytes(5, 3, 256, 2), got
+        assert "rounds=6" in got["repr"], got
