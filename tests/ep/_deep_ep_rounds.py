@@ -65,6 +65,15 @@ def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict
             r["rounds"] = None if handle.rounds is None else len(handle.rounds)
             r["repr"] = repr(handle)
             got[name] = r
+        # one rank's wrong routing shape: every rank raises at once, nothing is sent, the next call works
+        bad = dict(args, is_token_in_rank=args["is_token_in_rank"][:-1]) if rank == 1 else args
+        try:
+            many.dispatch(x, topk_idx=idx, **bad)
+            out["one_bad_rank"] = "ok"
+        except ConfigError as exc:
+            out["one_bad_rank"] = str(exc)
+        out["after_bad"] = _same(many.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=4, **args)[0],
+                                 got["many"]["dispatch"][0])
         for kind in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine"):
             out[kind] = _same(got["one"][kind], got["many"][kind])
         out["rounds"] = (got["one"]["rounds"], got["many"]["rounds"])

@@ -13,7 +13,10 @@ from warmlink.ep.deep_ep.sizing import needed_bytes
 
 def test_several_rounds_give_exactly_what_one_round_gives():
     case = {"tokens": [23, 9, 0], "held": 4, "hidden": 256, "experts": 6, "topk": 2, "seed": 13, "dist_port": free_port()}
-    for got in run_ranks(rounds_equal_one_round, 3, case=case, timeout_s=240):
+    for rank, got in enumerate(run_ranks(rounds_equal_one_round, 3, case=case, timeout_s=240)):
+        # rank 1 passed a wrong is_token_in_rank: it says what; the others say who, at once
+        expected = "is_token_in_rank has shape" if rank == 1 else "ranks [1] refused their arguments"
+        assert expected in got["one_bad_rank"] and got["after_bad"], got
         assert {k: got[k] for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")} == {
             k: True for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")}, got
         assert got["rounds"] == (None, 6), got  # ceil(23 / 4): every rank runs the most any rank needs

@@ -220,7 +220,9 @@ class Buffer(LowLatencyCalls):
         inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0)
         if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone
             topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
-        num_rounds = rounds.rounds_needed(inner, rows.shape[0])  # Note [Rounds beyond the budget]
+        problem = rounds.argument_problem(rows.shape[0], self.group_size, is_token_in_rank, topk_idx, topk_weights,
+                                          num_tokens_per_expert)
+        num_rounds = rounds.rounds_needed(inner, rows.shape[0], problem)  # Note [Rounds beyond the budget]
         if num_rounds > 1:
             recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
                 inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,

@@ -25,7 +25,7 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["Round", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "rounds_needed"]
+__all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "rounds_needed"]
 
 
 @dataclass
@@ -39,10 +39,37 @@ class Round:
     rows: torch.Tensor
 
 
-def rounds_needed(inner, num_tokens: int) -> int:
-    """Rounds of a fresh dispatch: every rank's count gathered, then ``ceil(max / C)``. Collective."""
-    most = max(inner.all_gather_int(num_tokens))
-    return max(1, -(-most // inner.layout.max_tokens))
+_REFUSED = 1 << 62  # a rank's meet value when its own arguments are wrong: every rank raises, none sends
+
+
+def rounds_needed(inner, num_tokens: int, problem: str | None = None) -> int:
+    """Rounds of a fresh dispatch: every rank's count gathered, then ``ceil(max / C)``. A rank
+    whose arguments have a ``problem`` says so in the same meet, so that every rank raises
+    ``ConfigError`` before any byte moves instead of its peers waiting out their timeout. Collective."""
+    counts = inner.all_gather_int(_REFUSED if problem else num_tokens)
+    if problem:
+        raise ConfigError(problem)
+    refused = [r for r, n in enumerate(counts) if n >= _REFUSED]
+    if refused:
+        raise ConfigError(f"deep_ep.Buffer.dispatch: ranks {refused} refused their arguments (each raised why); "
+                          "nothing was sent")
+    return max(1, -(-max(counts) // inner.layout.max_tokens))
+
+
+def argument_problem(num_tokens: int, num_ranks: int, in_rank, topk_idx, topk_weights, per_expert) -> str | None:
+    """What is wrong with a fresh dispatch's routing shapes, which the rounds would slice (ep checks
+    each round's values, and its own refusals reach every rank), or None."""
+    shapes = {"is_token_in_rank": (in_rank, (num_tokens, num_ranks)),
+              "topk_idx": (topk_idx, (num_tokens, getattr(topk_idx, "shape", (0, 0))[-1])),
+              "topk_weights": (topk_weights, (num_tokens, getattr(topk_idx, "shape", (0, 0))[-1]))}
+    for name, (t, shape) in shapes.items():
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
+            return (f"deep_ep.Buffer.dispatch: {name} has shape {tuple(getattr(t, 'shape', ()))}; expected {shape} "
+                    f"(x has {num_tokens} tokens; pass get_dispatch_layout's outputs for this topk_idx)")
+    if not isinstance(per_expert, torch.Tensor) or per_expert.dim() != 1:
+        return (f"deep_ep.Buffer.dispatch: num_tokens_per_expert has shape {tuple(getattr(per_expert, 'shape', ()))}; "
+                "expected [num_experts]")
+    return None
 
 
 def _rows_of(tokens, lo: int, hi: int):
