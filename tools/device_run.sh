@@ -6,7 +6,7 @@
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
-#         TAG prefixes the bench-ep, bench-full and bench-colocated record names)
+#         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
@@ -69,7 +69,7 @@ for d in range(torch.cuda.device_count()):
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
-        timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --json "$OUT/ep_${TAG:-}$i.json" 2>&1 | tee "$OUT/ep_${TAG:-}$i.log" | tail -22
+        timeout 240 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} ${EP_ARGS:-} --json "$OUT/ep_${TAG:-}$i.json" 2>&1 | tee "$OUT/ep_${TAG:-}$i.log" | tail -22
       done ;;
     bench-ep-pin)
       # unpinned and pinned rank processes in turn, so that both see the same machine

@@ -48,3 +48,16 @@ def test_bench_ep_runs_a_hidden_size_that_is_not_a_multiple_of_128(tmp_path, cap
     assert record["summary"]["checks"]["dispatch_fp8"] and all(record["summary"]["checks"].values())
     rank = record["ranks"][0]
     assert rank["bytes"]["fp8"] == rank["cross_rows"] * (200 + 2 * 4)  # 200 FP8 channels and 2 float32 scales
+
+
+def test_bench_ep_times_the_deep_ep_drop_in_with_both_budgets(tmp_path, capsys):
+    out = tmp_path / "ep.json"
+    assert main(["bench", "ep", *SMALL, "--iterations", "2", "--warmup", "1", "--gemm", "0", "--deep-ep",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for row in ("deep_ep dispatch, hint budget", "deep_ep cached, batch budget (1 round)", "deep_ep combine, hint budget"):
+        assert row in text
+    record = json.loads(out.read_text())
+    for rank in record["ranks"]:
+        assert rank["deep_ep_s"]["one_round"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
+        assert rank["deep_ep_s"]["one_round"]["budget"] >= 1 and rank["deep_ep_s"]["hint"]["dispatch"] > 0

@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="store_true",
                    help="pin each rank process to its own share of the CPU cores (when there are at least two per "
                    "rank); off by default: on 4 x H200 it did not make the runs faster or steadier")
+    p.add_argument("--deep-ep", action="store_true",
+                   help="also time the DeepEP drop-in (warmlink.ep.deep_ep): with DeepEP's hint-sized budget, where "
+                   "a batch larger than it holds goes in several rounds, and with a budget that holds it in one")
 
 
 def _free_port() -> int:
@@ -337,6 +340,10 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     out["combine_phases_s"] = phases_of(combine)
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])
+    if cfg["deep_ep"]:
+        from warmlink.bench.ep_deep_ep import time_deep_ep
+
+        out["deep_ep_s"] = time_deep_ep(x, topk_idx, weights, E, timed)
     if cuda and cfg["gemm"]:
         m = cfg["gemm"]
         a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
@@ -380,7 +387,7 @@ def _defaults(args) -> dict:
         "tokens": pick(args.tokens, 4096 if cuda else 128), "hidden": pick(args.hidden, 7168 if cuda else 512),
         "experts": pick(args.experts, 256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
-        "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin,
+        "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin, "deep_ep": args.deep_ep,
     }
 
 
@@ -402,6 +409,7 @@ def _refusal(cfg: dict, args) -> str | None:
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
+    from warmlink.bench.ep_deep_ep import BUDGET_NAMES, BUDGETS
     from warmlink.ep.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
 
     def worst(get):
@@ -439,6 +447,14 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     row("torch+NCCL dispatch (bf16)", nccl["dispatch"], b16, d16, None)
     row("torch+NCCL combine (bf16)", nccl["combine"], bc, d16, None)
     row("NCCL all_to_all_single, same bytes", nccl["a2a"], b16, d16, None)
+    if "deep_ep_s" in ranks[0]:
+        for budget in BUDGETS:
+            rounds = ranks[0]["deep_ep_s"][budget]["rounds"]
+            what = f"{rounds} round{'s' if rounds > 1 else ''}"
+            for op, nbytes, base in (("dispatch", b16, nccl["dispatch"]), ("cached", b16, None),
+                                     ("combine", bc, nccl["combine"])):
+                row(f"deep_ep {op}, {BUDGET_NAMES[budget]} ({what})",
+                    worst(lambda r, b=budget, o=op: r["deep_ep_s"][b][o]), nbytes, d16, base)
     if "floor_s" in ranks[0]:
         for name in FLOOR_SCHEDULES:
             row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, d16, None)
