@@ -12,7 +12,8 @@
 ``Buffer``, ``Config``, ``EventHandle``, ``EventOverlap`` and ``topk_idx_t`` are DeepEP's names;
 ``utils`` holds the event classes where Megatron imports them (``deep_ep.utils``). What differs
 from DeepEP, and which arguments are accepted but unused, each docstring says; the memory model
-is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget for a batch). With
+is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget that holds a batch in one round; a
+batch larger than the budget holds goes in several, ``deep_ep.rounds``). With
 ``low_latency_mode=True`` the low-latency calls run within ``num_rdma_bytes``
 (``deep_ep.low_latency``; shm backend so far). Not here, each raising ``ConfigError`` saying why
 (``deep_ep.absent``): internode (RDMA) mode, the low-latency mask buffer,
