@@ -23,12 +23,12 @@ def time_deep_ep(x, topk_idx, weights, num_experts: int, timed) -> dict:
     num_ranks, (num_tokens, hidden), num_topk = dist.get_world_size(), x.shape, topk_idx.shape[1]
     hint = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
                for c in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
-    out = {}
+    topk_idx, out = topk_idx.to(deep_ep.topk_idx_t), {}
     for name, budget in zip(BUDGETS, (hint, needed_bytes(num_tokens, num_ranks, hidden, num_topk))):
         with deep_ep.Buffer(dist.group.WORLD, budget) as buf:
-            lay = buf.get_dispatch_layout(topk_idx.to(deep_ep.topk_idx_t), num_experts)
+            lay = buf.get_dispatch_layout(topk_idx, num_experts)
             kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2],
-                  "topk_idx": topk_idx.to(deep_ep.topk_idx_t), "topk_weights": weights}
+                  "topk_idx": topk_idx, "topk_weights": weights}
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kw)
             out[name] = {"budget": budget, "rounds": len(handle.rounds) if handle.rounds is not None else 1,
                          "dispatch": timed(lambda: buf.dispatch(x, **kw)),

@@ -12,7 +12,7 @@ import torch
 
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
-__all__ = ["Handle", "fill_plan", "per_expert_list", "plan_from_board"]
+__all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board"]
 
 
 @dataclass
@@ -54,18 +54,25 @@ def per_expert_list(handle: Handle, expert_alignment: int) -> list[int]:
     return [-(-n // expert_alignment) * expert_alignment for n in handle.num_recv_tokens_per_expert_list]
 
 
+def check_worst_tokens(matrix: list[list[int]], num_worst_tokens: int, func: str) -> list[int]:
+    """The rows each rank receives under ``matrix[s][d]`` (rows ``s`` sends ``d``). Every rank holds
+    the same matrix, so a rank that would receive more than ``num_worst_tokens`` (0: no bound)
+    makes every rank raise ``ConfigError`` alike."""
+    totals = [sum(row[d] for row in matrix) for d in range(len(matrix))]
+    over = {d: n for d, n in enumerate(totals) if n > num_worst_tokens} if num_worst_tokens else {}
+    if over:
+        raise ConfigError(f"{func}: ranks receive {over} rows; num_worst_tokens={num_worst_tokens} is the most "
+                          "any may (pass a larger num_worst_tokens, or 0 for outputs sized by the counts)")
+    return totals
+
+
 def fill_plan(handle: Handle, matrix: list[list[int]], per_expert: list[int], rank: int) -> None:
     """The handle's receive counts and starts, and rank ``rank``'s rows in each destination, from
     ``matrix[s][d]`` (rows ``s`` sends ``d``): ``d``'s rows come by source (Note [Send order] in
     ep.layout). Every rank holds the same matrix, so a rank that would receive more rows than the
     call's ``num_worst_tokens`` makes every rank refuse the round alike (``ConfigError``)."""
-    num_ranks, worst = len(matrix), handle.num_worst_tokens
-    if worst:
-        totals = [sum(row[d] for row in matrix) for d in range(num_ranks)]
-        over = {d: n for d, n in enumerate(totals) if n > worst}
-        if over:
-            raise ConfigError(f"ep.Buffer.dispatch: ranks receive {over} rows; num_worst_tokens={worst} is the most "
-                              "any may (pass a larger num_worst_tokens, or 0 for outputs sized by the counts)")
+    num_ranks = len(matrix)
+    check_worst_tokens(matrix, handle.num_worst_tokens, "ep.Buffer.dispatch")
     handle.recv_counts = [row[rank] for row in matrix]
     handle.recv_starts = [sum(handle.recv_counts[:s]) for s in range(num_ranks)]
     handle.dst_rows = [sum(row[d] for row in matrix[:rank]) for d in range(num_ranks)]

@@ -227,8 +227,7 @@ class Buffer(LowLatencyCalls):
             recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
                 inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,
                 num_tokens_per_expert.numel(), with_topk, expert_alignment, num_worst_tokens)
-            out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens or sum(r.rows.shape[0] for r in done),
-                                           is_token_in_rank, inner, rows.device)
+            out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens, is_token_in_rank, inner, rows.device)
             return (unpack_scales(recv_x, packed, fresh=True), recv_idx if with_topk else None,
                     recv_w if with_topk else None, per_expert, out, returned_event(async_finish))
         recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(

@@ -30,12 +30,12 @@ class DispatchHandle(tuple):
     """
 
     def __new__(cls, rank_prefix_matrix: torch.Tensor, is_token_in_rank: torch.Tensor, inner, owner,
-                rounds=None, num_recv: int = 0) -> "DispatchHandle":
+                rounds=None, num_worst_tokens: int = 0) -> "DispatchHandle":
         self = super().__new__(cls, (rank_prefix_matrix, None, None, None, is_token_in_rank, None))
         self.inner = inner
         self.owner = owner
         self.rounds = rounds  # a batch sent in several rounds (deep_ep.rounds): each round's; else None
-        self._num_recv = num_recv
+        self._num_worst_tokens = num_worst_tokens  # with rounds (the inner handle holds its own otherwise)
         return self
 
     @classmethod
@@ -45,11 +45,11 @@ class DispatchHandle(tuple):
         return cls(_prefix(inner.count_matrix, device), is_token_in_rank, inner, owner)
 
     @classmethod
-    def of_rounds(cls, rounds: list, matrix: list[list[int]], num_recv: int, is_token_in_rank: torch.Tensor, owner,
-                  device: torch.device) -> "DispatchHandle":
+    def of_rounds(cls, rounds: list, matrix: list[list[int]], num_worst_tokens: int, is_token_in_rank: torch.Tensor,
+                  owner, device: torch.device) -> "DispatchHandle":
         """The handle of a fresh dispatch sent in ``rounds`` (deep_ep.rounds, Note [Rounds beyond
-        the budget]); ``matrix``: their count matrices summed; ``num_recv``: its outputs' rows."""
-        return cls(_prefix(matrix, device), is_token_in_rank, None, owner, rounds, num_recv)
+        the budget]); ``matrix``: their count matrices summed; ``num_worst_tokens``: the call's."""
+        return cls(_prefix(matrix, device), is_token_in_rank, None, owner, rounds, num_worst_tokens)
 
     @property
     def rank_prefix_matrix(self) -> torch.Tensor:
@@ -74,7 +74,8 @@ class DispatchHandle(tuple):
     @property
     def num_output_rows(self) -> int:
         """Rows of the dispatch's outputs: ``num_worst_tokens`` when that was set, else the rows received."""
-        return self._num_recv if self.rounds is not None else (self.inner.num_worst_tokens or self.inner.num_recv_tokens)
+        worst = self._num_worst_tokens if self.rounds is not None else self.inner.num_worst_tokens
+        return worst or self.num_recv_tokens
 
     def __repr__(self) -> str:
         where = f"rounds={len(self.rounds)}" if self.rounds is not None else f"round={self.inner.round}"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warmlink.ep.handle import check_worst_tokens
 from warmlink.errors import ConfigError
 
 __all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "rounds_needed"]
@@ -109,8 +110,9 @@ def dispatch_rounds(inner, tokens, num_rounds: int, in_rank: torch.Tensor, topk_
         bounds.append((lo, hi))
     handles = [g[3] for g in got]
     matrix = _summed([h.count_matrix for h in handles])
-    total = _check_worst(matrix, inner.rank, num_worst_tokens)
-    places = _places([h.recv_counts for h in handles], _device_of(got[0][0]))
+    # every rank holds the summed matrix, so all refuse alike
+    total = check_worst_tokens(matrix, num_worst_tokens, "deep_ep.Buffer.dispatch (in rounds)")[inner.rank]
+    places = _places([h.recv_counts for h in handles], _flat(got[0][0])[0].device)
     rows_out = num_worst_tokens or total
     first = got[0]
     out_x = _like(first[0], rows_out)
@@ -154,23 +156,8 @@ def combine_rounds(inner, x: torch.Tensor, topk_weights, rounds: list[Round], nu
     return out, out_w
 
 
-def _device_of(values) -> torch.device:
-    return _flat(values)[0].device
-
-
 def _summed(matrices: list[list[list[int]]]) -> list[list[int]]:
     return [[sum(m[s][d] for m in matrices) for d in range(len(matrices[0]))] for s in range(len(matrices[0]))]
-
-
-def _check_worst(matrix: list[list[int]], rank: int, num_worst_tokens: int) -> int:
-    """This rank's rows over every round; refuses, on every rank alike, rows past ``num_worst_tokens``."""
-    totals = [sum(row[d] for row in matrix) for d in range(len(matrix))]
-    over = {d: n for d, n in enumerate(totals) if n > num_worst_tokens} if num_worst_tokens else {}
-    if over:
-        raise ConfigError(f"deep_ep.Buffer.dispatch: ranks receive {over} rows over the call's rounds; "
-                          f"num_worst_tokens={num_worst_tokens} is the most any may (pass a larger num_worst_tokens, "
-                          "or 0 for outputs sized by the counts)")
-    return totals[rank]
 
 
 def _places(per_round: list[list[int]], device) -> list[torch.Tensor]:
