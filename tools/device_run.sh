@@ -2,7 +2,7 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep tests-refit host-profile demo doctor
 #        bench-small bench-colocated contention
-#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life
+#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life tests-ll bench-ll
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
@@ -63,6 +63,12 @@ for d in range(torch.cuda.device_count()):
       timeout 150 python3 -m warmlink.cli.main bench lifecycle --iterations ${ITERATIONS:-100} --json "$OUT/lifecycle.json" 2>&1 | tee "$OUT/lifecycle.log" | tail -40 ;;
     bench-reconfigure)
       timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
+    tests-ll)
+      timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_low_latency_gpu.py tests/ep/test_deep_ep_low_latency.py tests/bench/test_bench_ep_low_latency.py 2>&1 | tee "$OUT/gpu_tests_ll.log" | tail -30 ;;
+    bench-ll)
+      for i in $(seq 1 ${REPEATS_EP:-3}); do
+        timeout 240 python3 -m warmlink.cli.main bench ep --low-latency --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | tee "$OUT/ll_${TAG:-}$i.log" | head -12
+      done ;;
     tests-ep)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     host-profile)

@@ -1,8 +1,10 @@
-"""``warmlink bench ep --low-latency`` end to end on CPU ranks over shm."""
+"""``warmlink bench ep --low-latency`` end to end: CPU ranks over shm, and GPU ranks (gpu-marked)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from warmlink.bench.ep_low_latency import DEEPEP_LOW_LATENCY
 from warmlink.cli.main import main
@@ -29,3 +31,17 @@ def test_bench_ep_low_latency_prints_each_call_beside_deepeps_figures(tmp_path, 
 def test_bench_ep_low_latency_refuses_experts_that_do_not_divide(capsys):
     assert main(["bench", "ep", "--low-latency", "--ranks", "3", "--experts", "8"]) != 0
     assert "--experts=8 is not a multiple of --ranks=3" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_bench_ep_low_latency_times_the_device_path(tmp_path, capsys):
+    out = tmp_path / "ll.json"
+    args = ["bench", "ep", "--low-latency", "--ranks", "2", "--tokens", "32", "--hidden", "1024", "--experts", "16",
+            "--iterations", "5", "--warmup", "2", "--timeout", "120", "--json", str(out)]
+    assert main(args) == 0
+    assert "cuda_ipc, CUDA events" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["config"]["device"] == "cuda"
+    for op, row in record["summary"].items():
+        assert 0 < row["median_us"] <= row["p90_us"], (op, row)

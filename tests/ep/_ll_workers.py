@@ -66,11 +66,20 @@ def expert_output(y: torch.Tensor, rank: int, local_experts: int) -> torch.Tenso
     return (y.float() * torch.exp2((g % 3).float()).view(-1, 1, 1)).to(torch.bfloat16)
 
 
+def _device(case: dict) -> str:
+    """Where a case's tensors live: ``"cuda"`` for ``backend="cuda_ipc"`` (the device path), else the host."""
+    return "cuda" if case.get("backend") == "cuda_ipc" else "cpu"
+
+
+def _mine(case: dict, rank: int) -> dict:
+    return {k: v.to(_device(case)) for k, v in ll_inputs(case)[rank].items()}
+
+
 def _buffer(rank, num_ranks, store, case):
     from warmlink.ep import Buffer
 
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"])),
-                  hidden=case["hidden"], num_topk=case.get("num_topk", case["topk"]), backend="shm",
+                  hidden=case["hidden"], num_topk=case.get("num_topk", case["topk"]), backend=case.get("backend", "shm"),
                   timeout_s=case.get("timeout_s", 30.0), low_latency_mode=True, num_experts=case["experts"])
 
 
@@ -92,26 +101,29 @@ def _dispatch(buf, mine: dict, case: dict, call: dict, stats):
 
 
 def _received(recv_x, count, handle, stats) -> dict:
-    """Copies of what one dispatch returned (its outputs are reused two dispatches later)."""
-    return {"count": count.clone(), "stats": stats, "src_info": handle[0].clone(), "layout_range": handle[1].clone(),
+    """Host copies of what one dispatch returned (its outputs are reused two dispatches later)."""
+    def copy(t):
+        return t.to("cpu", copy=True)
+
+    return {"count": copy(count), "stats": copy(stats), "src_info": copy(handle[0]), "layout_range": copy(handle[1]),
             "handle_sizes": list(handle)[2:],
-            "recv_x": tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()}
+            "recv_x": tuple(copy(t) for t in recv_x) if isinstance(recv_x, tuple) else copy(recv_x)}
 
 
 def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """One dispatch + combine per entry of ``case["calls"]`` (``fp8``, ``round_scale``, ``ue8m0``,
     ``hook_delay_s``, ``out``), repeated ``case.get("repeat", 1)`` times; returns this rank's
     outputs of each (copies)."""
-    mine = ll_inputs(case)[rank]
+    mine, dev = _mine(case, rank), _device(case)
     local = case["experts"] // num_ranks
     results = []
     with _buffer(rank, num_ranks, store, case) as buf:
         for call in case["calls"] * case.get("repeat", 1):
-            stats = torch.zeros(local, dtype=torch.int32)
+            stats = torch.zeros(local, dtype=torch.int32, device=dev)
             recv_x, count, handle, _, _ = _dispatch(buf, mine, case, call, stats)
             got = _received(recv_x, count, handle, stats)
-            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
-            out = torch.empty(len(mine["x"]), case["hidden"], dtype=torch.bfloat16) if call.get("out") else None
+            y = expert_output(dequantized(got["recv_x"], case["hidden"]), rank, local).to(dev)
+            out = torch.empty(len(mine["x"]), case["hidden"], dtype=torch.bfloat16, device=dev) if call.get("out") else None
             delay = call.get("hook_delay_s")
             combined, _, hook = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
                                                         return_recv_hook=delay is not None, out=out)
@@ -119,7 +131,7 @@ def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
                 time.sleep(delay)
                 hook()
             assert out is None or combined.data_ptr() == out.data_ptr()
-            got["combined"] = combined.clone()
+            got["combined"] = combined.to("cpu", copy=True)
             results.append(got)
     return results
 
@@ -127,11 +139,11 @@ def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
 def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """Micro-batches A and B (``case["seeds"]``) overlapped as a decode step does: dispatch A and B
     (hooks), A's hook, A's combine (hook), B's hook, B's combine (hook), then the combines' hooks."""
-    batches = [ll_inputs(dict(case, seed=seed))[rank] for seed in case["seeds"]]
-    local, tokens = case["experts"] // num_ranks, max(case["tokens"])
+    batches = [_mine(dict(case, seed=seed), rank) for seed in case["seeds"]]
+    local, tokens, dev = case["experts"] // num_ranks, max(case["tokens"]), _device(case)
     got = [{}, {}]
     with _buffer(rank, num_ranks, store, case) as buf:
-        stats = [torch.zeros(local, dtype=torch.int32) for _ in batches]
+        stats = [torch.zeros(local, dtype=torch.int32, device=dev) for _ in batches]
         sent = [buf.low_latency_dispatch(b["x"], b["topk_idx"], tokens, case["experts"], return_recv_hook=True,
                                          cumulative_local_expert_recv_stats=s) for b, s in zip(batches, stats)]
         combines = []
@@ -139,12 +151,88 @@ def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
             time.sleep(0.005)  # the other micro-batch's work
             hook()
             got[i] = _received(recv_x, count, handle, stats[i])
-            y = expert_output(dequantized(recv_x, case["hidden"]), rank, local)
+            y = expert_output(dequantized(got[i]["recv_x"], case["hidden"]), rank, local).to(dev)
             combines.append(buf.low_latency_combine(y, b["topk_idx"], b["topk_weights"], handle, return_recv_hook=True))
         for i, (combined, _, hook) in enumerate(combines):
             hook()
-            got[i]["combined"] = combined.clone()
+            got[i]["combined"] = combined.to("cpu", copy=True)
     return got
+
+
+def ll_graph(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """A BF16 dispatch + hook + experts + combine + hook captured once in a CUDA graph, then
+    replayed once per seed of ``case["seeds"]`` with that seed's inputs copied into the captured
+    ones; returns each replay's outputs."""
+    batches = [_mine(dict(case, seed=seed), rank) for seed in case["seeds"]]
+    local, tokens, hidden = case["experts"] // num_ranks, max(case["tokens"]), case["hidden"]
+    static = {k: v.clone() for k, v in batches[0].items()}
+    stats = torch.zeros(local, dtype=torch.int32, device="cuda")
+    out = torch.empty(len(static["x"]), hidden, dtype=torch.bfloat16, device="cuda")
+    factors = torch.exp2(((torch.arange(local) + rank * local) % 3).float()).view(-1, 1, 1).cuda()  # expert_output's
+    results = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        def step():
+            recv_x, count, handle, _, hook = buf.low_latency_dispatch(
+                static["x"], static["topk_idx"], tokens, case["experts"], use_fp8=False, return_recv_hook=True,
+                cumulative_local_expert_recv_stats=stats)
+            hook()
+            y = (recv_x.float() * factors).to(torch.bfloat16)
+            _, _, hook = buf.low_latency_combine(y, static["topk_idx"], static["topk_weights"], handle,
+                                                 return_recv_hook=True, out=out)
+            hook()
+            return recv_x, count, handle
+
+        for _ in range(2):  # both parities once, eagerly: every kernel is compiled before the capture
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recv_x, count, handle = step()
+        for b in batches:
+            for k in static:
+                static[k].copy_(b[k])
+            stats.zero_()
+            graph.replay()
+            got = _received(recv_x, count, handle, stats)
+            got["combined"] = out.cpu()
+            results.append(got)
+    return results
+
+
+def ll_device_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """``case["fault"]`` on the device path, where a kernel reports and a later call raises: what
+    each call raised here (``"ok"`` when nothing did)."""
+    mine = _mine(case, rank)
+    report = {}
+
+    def attempt(name: str, call) -> None:
+        try:
+            call()
+            torch.cuda.synchronize()
+            report[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - the test compares the type name
+            report[name] = f"{type(exc).__name__}: {exc}"
+
+    with _buffer(rank, num_ranks, store, case) as buf:
+        fp8 = {"fp8": True}
+        if case["fault"] == "stalled_peer":  # rank 1 makes no call for longer than the timeout
+            if rank == 1:
+                time.sleep(3 * case["timeout_s"])
+                return report
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, fp8, None))
+            attempt("after", lambda: _dispatch(buf, mine, case, fp8, None))
+            attempt("later", lambda: _dispatch(buf, mine, case, fp8, None))
+        if case["fault"] == "fp8_differs":  # rank 1 sends BF16 where the others send FP8; then rounds alike
+            attempt("dispatch", lambda: _dispatch(buf, mine, case, {"fp8": rank != 1}, None))
+            attempt("after", lambda: _dispatch(buf, mine, case, fp8, None))
+            recv_x = _dispatch(buf, mine, case, fp8, None)[0]
+            report["recv_x"] = tuple(t.cpu() for t in recv_x)
+        if case["fault"] == "clean":
+            first = _dispatch(buf, mine, case, fp8, None)
+            buf.clean_low_latency_buffer(max(case["tokens"]), case["hidden"], case["experts"])
+            report["zeroed"] = bool((first[0][0].view(torch.uint8) == 0).all()) and bool((first[1] == 0).all())
+            report["count"] = _dispatch(buf, mine, case, fp8, None)[1].cpu()
+    return report
 
 
 def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:

@@ -11,25 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ep._interpreter import CLOCK, numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from warmlink.ep import _kernels
 from warmlink.ep.layout import dispatch_layout
 
 triton = pytest.importorskip("triton")
-tl = triton.language  # visible to the jit'd fakes below, as the interpreter requires
-
-
-def _numpy_scalars_in_the_interpreter() -> None:
-    """Triton 3.6's interpreter turns a scalar into an int with ``int(array of shape [1])``, which
-    NumPy >= 2.5 refuses; loops over a runtime bound then fail. Read the one element instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +23,7 @@ def kernels():
     import triton
 
     assert triton.knobs.runtime.interpret, "run with TRITON_INTERPRET=1 (test_kernels.py does)"
-    _numpy_scalars_in_the_interpreter()
+    numpy_scalars_in_the_interpreter()
     return _kernels._build()
 
 
@@ -160,31 +146,12 @@ def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta
 
 
 # -- the count exchange (ep._kernels, Note [SM sends]) ---------------------------------------------
-_CLOCK = [0]
-
-
-def _advance_clock() -> int:
-    _CLOCK[0] += 1_000_000  # every read of the device clock is a millisecond later
-    return _CLOCK[0]
-
-
-@triton.jit
-def _fake_clock():
-    return _advance_clock()
-
-
-@triton.jit
-def _no_fence():
-    pass
-
-
 @pytest.fixture
 def exchange_kernels(kernels, monkeypatch):
     """The kernels with the exchange's PTX helpers (clock, system fence) swapped for Python ones."""
     from warmlink.ep import _triton
 
-    monkeypatch.setattr(_triton, "device_clock_ns", _fake_clock)
-    monkeypatch.setattr(_triton, "fence_system", _no_fence)
+    swap_ptx_helpers(monkeypatch, _triton)
     return kernels
 
 
@@ -237,12 +204,12 @@ def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange
     if fault in ("a peer never posted", "the host aborted"):
         peers[3] = (5, 1, [9, 9, 9, 9])  # its row of round 5: stale
     aborted = fault == "the host aborted"
-    start = _CLOCK[0]
+    start = CLOCK[0]
     boards, x_bases, meta_bases, own_rows, _ = _exchange(exchange_kernels, peers, own_valid=fault != "this rank refused",
                                                          abort_round=7 if aborted else 3, timeout_s=10.0 if aborted else 0.05)
     assert x_bases == [0] * 4 and meta_bases == [0] * 4
     if aborted:  # the abort word ended every program's wait at once, long before its 10 s deadline
-        assert _CLOCK[0] - start < 0.1e9, (_CLOCK[0] - start) / 1e9
+        assert CLOCK[0] - start < 0.1e9, (CLOCK[0] - start) / 1e9
     for d, board in enumerate(boards):  # its own row still went out, flagged as it was
         assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
 

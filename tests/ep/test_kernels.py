@@ -1,5 +1,6 @@
-"""Runs ``interpreted_kernels.py`` (the ep kernels against their torch versions) in a child pytest
-with Triton's interpreter, which must be chosen before Triton is imported."""
+"""Runs ``interpreted_kernels.py`` (the ep kernels against their torch versions) and
+``interpreted_ll_kernels.py`` (low-latency mode's device path against its host path) in child
+pytests with Triton's interpreter, which must be chosen before Triton is imported."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_ep_kernels_equal_their_torch_versions_in_the_interpreter():
+def _interpreted(name: str) -> None:
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "interpreted_kernels.py")],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / name)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=here.parent.parent)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+def test_ep_kernels_equal_their_torch_versions_in_the_interpreter():
+    _interpreted("interpreted_kernels.py")
+
+
+def test_low_latency_device_path_equals_the_host_path_in_the_interpreter():
+    _interpreted("interpreted_ll_kernels.py")
 
 
 @pytest.mark.gpu

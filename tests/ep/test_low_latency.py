@@ -119,7 +119,11 @@ def test_dispatch_and_combine_match_the_reference(name):
 def test_twenty_reruns_are_identical():
     case = {"tokens": [32, 29], "hidden": 256, "experts": 16, "topk": 4, "masked": 6, "seed": 4, "repeat": 20,
             "calls": [{"fp8": True, "hook_delay_s": 0.0}]}
-    results = run_ranks(ll_rounds, 2, case=case, timeout_s=120)
+    check_identical_reruns(case, run_ranks(ll_rounds, 2, case=case, timeout_s=120))
+
+
+def check_identical_reruns(case: dict, results: list[list[dict]]) -> None:
+    """Every round right, and every rerun bit for bit the first one."""
     check_rounds(case, results)
     for rounds in results:
         for got in rounds[1:]:
@@ -312,8 +316,8 @@ def test_two_dispatches_may_await_their_hooks_a_third_is_refused_and_no_mode_no_
 def test_size_hint_counts_the_region_and_outputs_and_refuses_bad_sizes():
     from warmlink.ep import Buffer
 
-    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H)
-    region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168)
+    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H + 256)
+    region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168 + 256)
     outputs = 2 * (256 * 128 * (2 * 7168 + 4 * 56 + 4 * 14 + 12) + 256 * 8 + 32 * 4 + 128 * 8)
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == region + outputs
     for args, match in (((128, 7168, 8, 250), "num_experts=250; expected a multiple of num_ranks=8"),
@@ -323,26 +327,21 @@ def test_size_hint_counts_the_region_and_outputs_and_refuses_bad_sizes():
             Buffer.get_low_latency_rdma_size_hint(*args)
 
 
-def test_a_gpu_buffer_refuses_low_latency_mode_until_the_device_path_exists():
-    from warmlink.ep.low_latency._runtime import LowLatencyRuntime
-
-    with pytest.raises(ConfigError, match="low-latency mode runs on the shm backend"):
-        LowLatencyRuntime(None, 0, 1, max_tokens=8, hidden=256, num_experts=4, num_topk=2, device=0,
-                          backend="cuda_ipc", timeout_s=1.0)
-
-
-def test_a_buffer_checks_low_latency_arguments_before_it_leases_anything():
-    """ep.Buffer calls this check before its resources connect: a GPU Buffer with low-latency mode
-    is refused without opening any peer's memory first."""
+def test_a_gpu_buffer_without_triton_or_another_backend_is_refused_before_it_leases_anything(monkeypatch):
+    """ep.Buffer calls this check before its resources connect: a Buffer whose low-latency mode
+    cannot run is refused without opening any peer's memory first."""
     from types import SimpleNamespace
 
     from warmlink.ep.low_latency import LowLatencyMethods
 
-    with pytest.raises(ConfigError, match="low-latency mode runs on the shm backend"):
-        LowLatencyMethods._check_low_latency(SimpleNamespace(backend="cuda_ipc"), True, 16)
+    with pytest.raises(ConfigError, match="backend='nixl'; expected 'shm' or 'cuda_ipc'"):
+        LowLatencyMethods._check_low_latency(SimpleNamespace(backend="nixl"), True, 16)
     with pytest.raises(ConfigError, match="needs num_experts"):
         LowLatencyMethods._check_low_latency(SimpleNamespace(backend="shm"), True, None)
     LowLatencyMethods._check_low_latency(SimpleNamespace(backend="shm"), True, 16)  # takes it
+    monkeypatch.setitem(__import__("sys").modules, "triton", None)  # import triton raises ImportError
+    with pytest.raises(ConfigError, match="on a GPU needs Triton"):
+        LowLatencyMethods._check_low_latency(SimpleNamespace(backend="cuda_ipc"), True, 16)
 
 
 def test_rounds_after_the_first_and_later_lifecycles_create_nothing_and_waits_are_counted():

@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
     p.add_argument("--low-latency", action="store_true",
                    help="instead: DeepEP's low-latency dispatch (FP8) and combine (BF16), per-call latency beside "
-                   "DeepEP's published figures (bench.ep_low_latency; on the host over shm, by default 2 ranks, "
-                   "32 tokens x 1024, 32 experts)")
+                   "DeepEP's published figures (bench.ep_low_latency): on GPUs one rank per GPU (two sharing one "
+                   "GPU), 128 tokens x 7168, top-8 of 256 by default; without CUDA on the host over shm, 2 ranks, "
+                   "32 tokens x 1024, 32 experts")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a stalled run fails (default 300)")
     p.add_argument("--pin", action="store_true",

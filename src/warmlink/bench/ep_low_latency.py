@@ -2,14 +2,16 @@
 combine (BF16), with DeepEP's published figures beside it for reference.
 
 Every rank draws a routing as DeepEP's test does (top-K of random scores, 10 entries masked to
--1), builds one ``ep.Buffer`` with ``low_latency_mode=True`` and times, on the host clock, each of
-``--iterations`` calls after ``--warmup``: a dispatch, a combine, and in hook mode the send phase
-and the hook of each, called right after the send. Every call waits for its peers' rows, so the
-ranks stay in step without a barrier. The row per operation is the slowest rank's median and p90.
+-1), builds one ``ep.Buffer`` with ``low_latency_mode=True`` and times each of ``--iterations``
+calls after ``--warmup``: a dispatch, a combine, and in hook mode the send phase and the hook of
+each, called right after the send. Every call waits for its peers' rows, so the ranks stay in
+step without a barrier. The row per operation is the slowest rank's median and p90.
 
-The rows move on the host over shared memory (the shm backend): low-latency mode has no device
-path yet. DeepEP's issue shape (128 tokens x 7168, top-8 of 256) holds about 1.9 GB per rank
-there, so the default is a reduced one; pass ``--tokens 128 --hidden 7168 --experts 256`` for it.
+With CUDA: one rank per GPU (cuda_ipc, the device path), DeepEP's shape by default (128 tokens x
+7168, top-8 of 256), timed by CUDA events around each call's kernels; with one GPU two ranks
+share it, which times the kernels and the protocol but not a link. Without CUDA the rows move on
+the host over shared memory (the shm backend), timed on the host clock; DeepEP's shape holds
+about 1.9 GB per rank there, so the default is a reduced one.
 """
 
 from __future__ import annotations
@@ -55,31 +57,64 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
 
     torch.set_num_threads(1)
     tokens, hidden, experts = cfg["tokens"], cfg["hidden"], cfg["experts"]
-    x, idx, w = _routing(rank, tokens, experts, cfg["topk"], hidden)
+    gpu = cfg["device"] == "cuda"
+    if gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    x, idx, w = (t.to(dev) for t in _routing(rank, tokens, experts, cfg["topk"], hidden))
     times: dict[str, list[float]] = {op: [] for op in _OPS}
+    marks = _Marks(gpu)
     with Store.connect(store_address, prefix="bench-ep-ll", timeout_s=cfg["timeout"], secret=secret) as store, \
             Buffer(store, rank, num_ranks, max_tokens_per_rank=tokens, hidden=hidden, num_topk=cfg["topk"],
-                   backend="shm", timeout_s=cfg["timeout"], low_latency_mode=True, num_experts=experts) as buf:
-        y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16)  # the experts' output
+                   backend="cuda_ipc" if gpu else "shm", timeout_s=cfg["timeout"], low_latency_mode=True,
+                   num_experts=experts) as buf:
+        y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device=dev)
         for i in range(cfg["warmup"] + cfg["iterations"]):
-            timed = i >= cfg["warmup"]
-            t0 = time.perf_counter()
+            marks.mark()
             handle = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)[2]
-            t1 = time.perf_counter()
+            marks.mark()
             buf.low_latency_combine(y, idx, w, handle)
-            t2 = time.perf_counter()
+            marks.mark()
             hook = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
-            t3 = time.perf_counter()
+            marks.mark()
             hook[4]()
-            t4 = time.perf_counter()
+            marks.mark()
             _, _, combine_hook = buf.low_latency_combine(y, idx, w, hook[2], return_recv_hook=True)
-            t5 = time.perf_counter()
+            marks.mark()
             combine_hook()
-            t6 = time.perf_counter()
-            if timed:
-                for op, t in zip(_OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
+            marks.mark()
+            spans = marks.spans()
+            if i >= cfg["warmup"]:
+                for op, t in zip(_OPS, spans, strict=True):
                     times[op].append(t)
     results.put({"event": "result", "value": {"rank": rank, "times_s": times}})
+
+
+class _Marks:
+    """Time between consecutive ``mark()`` calls: CUDA events on the current stream (the calls
+    return at launch), or the host clock."""
+
+    def __init__(self, gpu: bool) -> None:
+        import torch
+
+        self._gpu = gpu
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(len(_OPS) + 1)] if gpu else []
+        self._at: list[float] = []
+
+    def mark(self) -> None:
+        if self._gpu:
+            self._events[len(self._at)].record()
+            self._at.append(0.0)
+        else:
+            self._at.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between the marks so far (then starts over); waits for the GPU."""
+        at, self._at = self._at, []
+        if self._gpu:
+            self._events[len(at) - 1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._events, self._events[1:len(at)])]
+        return [b - a for a, b in zip(at, at[1:])]
 
 
 def _p90(values: list[float]) -> float:
@@ -88,18 +123,27 @@ def _p90(values: list[float]) -> float:
 
 
 def _defaults(args) -> dict:
+    import torch
+
     def pick(given, default):  # argument > default (STYLE.md, convention 3)
         return given if given is not None else default
 
-    return {"ranks": pick(args.ranks, 2), "tokens": pick(args.tokens, 32), "hidden": pick(args.hidden, 1024),
-            "experts": pick(args.experts, 32), "topk": args.topk, "iterations": args.iterations,
-            "warmup": args.warmup, "timeout": args.timeout}
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"ranks": pick(args.ranks, max(2, min(gpus, 8))), "tokens": pick(args.tokens, 128 if gpus else 32),
+            "hidden": pick(args.hidden, 7168 if gpus else 1024), "experts": pick(args.experts, 256 if gpus else 32),
+            "topk": args.topk, "iterations": args.iterations, "warmup": args.warmup, "timeout": args.timeout,
+            "device": "cuda" if gpus else "cpu", "gpus": gpus}
 
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     summary = {op: {"median_us": max(statistics.median(r["times_s"][op]) for r in ranks) * 1e6,
                     "p90_us": max(_p90(r["times_s"][op]) for r in ranks) * 1e6} for op in _OPS}
-    lines = [f"ep low-latency bench: {cfg['ranks']} ranks (CPU, shm: no device path yet), {cfg['tokens']} tokens x "
+    if cfg["device"] == "cuda":
+        where = f"{cfg['gpus']} GPU(s), cuda_ipc, CUDA events" + (
+            "; ranks share GPUs: kernels and protocol, not a link" if cfg["ranks"] > cfg["gpus"] else "")
+    else:
+        where = "CPU, shm, host clock"
+    lines = [f"ep low-latency bench: {cfg['ranks']} ranks ({where}), {cfg['tokens']} tokens x "
              f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, FP8 dispatch, BF16 combine; "
              f"{cfg['iterations']} calls after {cfg['warmup']} warmup, slowest rank",
              "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}"]

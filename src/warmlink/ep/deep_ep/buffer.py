@@ -60,7 +60,7 @@ class Buffer(LowLatencyCalls):
         num_rdma_bytes: with ``low_latency_mode``, the byte budget of the low-latency calls, from
             ``get_low_latency_rdma_size_hint`` (Note [Low-latency built on first call]). Otherwise
             DeepEP's internode buffer: accepted and unused within one node; refused past ``NVL_PEERS`` ranks.
-        low_latency_mode: also offer DeepEP's low-latency calls (shm backend so far: ``x`` on the CPU).
+        low_latency_mode: also offer DeepEP's low-latency calls (on the host over shm, or on a GPU: ep.low_latency).
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA and low-latency
             settings; accepted and ignored (nothing here uses RDMA queue pairs or multi-node NVLink).
         explicitly_destroy: as DeepEP's: True means the caller calls ``destroy()``; otherwise the

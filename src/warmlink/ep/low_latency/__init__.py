@@ -11,8 +11,10 @@ for decode, where a rank sends at most a few hundred tokens and shapes are fixed
     combined_x, _, _ = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
 
 The memory is set up once, when the Buffer is built (ep.low_latency._layout, Note [Low-latency layout]);
-the rounds are ep.low_latency._runtime's Note [Low-latency rounds]. So far the rows move on the host over
-shared memory (the shm backend, and CI): a Buffer on a GPU refuses ``low_latency_mode``.
+the rounds are ep.low_latency._runtime's Note [Low-latency rounds]. On the shm backend (and in CI) the
+host moves the rows; on a GPU (cuda_ipc, with Triton) kernels do, and a call never waits on the host,
+so a dispatch + hook + combine + hook can be captured in a CUDA graph and replayed
+(ep.low_latency._device, Note [Low-latency device path]).
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ class LowLatencyMethods:
                 no such argument because it reserves a combine row per expert and token).
 
         Returns:
-            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H)``, plus the outputs
+            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H + 256*ceil(24R/256))``
+            (the last term: the device path's signal and ack words), plus the outputs
             this rank fills, ``2 x E*T*(2H + H/32 + 4*ceil(H/512) + 12)`` and a few counts (both
             parities of each). Unlike DeepEP's, no send buffer: rows go straight from ``x`` to the peers.
 
@@ -133,10 +136,11 @@ class LowLatencyMethods:
             use_fp8: send FP8 e4m3 with one float32 scale per 128 channels (DeepEP's cast).
             round_scale: round scales up to powers of two (needs ``use_fp8``).
             use_ue8m0: return scales as packed UE8M0 exponents (needs ``round_scale``).
-            async_finish: accepted; the outputs are complete on return (host memory), so the
-                event has nothing to wait for.
+            async_finish: accepted; on the host the outputs are complete on return, and on a GPU
+                every kernel runs on the caller's stream, so the event has nothing to wait for.
             return_recv_hook: return after the send phase; ``hook()`` waits for the rows and packs
-                them. Nothing runs between the two (no thread, no kernel). Two dispatches (and two
+                them (on a GPU: launches the kernel that does). Nothing runs between the two (no
+                thread, no kernel). Two dispatches (and two
                 combines) may await their hooks at once, as DeepEP's double buffer allows (send
                 micro-batch A, send B, then A's hook); a third raises ``ConfigError``.
 
@@ -149,19 +153,22 @@ class LowLatencyMethods:
             ``LowLatencyHandle`` (DeepEP's 5-tuple by index). ``event`` an ``EventOverlap``;
             ``hook`` None without ``return_recv_hook``. The tensors are the Buffer's, valid until
             the second dispatch after this one (DeepEP's double buffer); filled when the call, or
-            its hook, returns.
+            its hook, returns (on a GPU: by the work it queued on the current stream).
 
         Raises:
             ConfigError: bad arguments (before any byte moves), two dispatches awaiting their
                 hooks, no low-latency mode, or ranks that called with different arguments (on
-                every rank alike; that round is spent, the next may go on).
-            TransferTimeout / PeerLostError: a peer stalled or died (within the Buffer's timeout);
-                every later call raises the same.
+                every rank alike; that round is spent, the next may go on). On a GPU expert ids
+                and the ranks' arguments are checked by the kernels: the call after the one at
+                fault raises (the faulty round moved no rows, or its outputs are not valid).
+            TransferTimeout / PeerLostError: a peer stalled or died (within the Buffer's timeout;
+                on a GPU raised by the next call); every later call raises the same.
 
-        Collective? Yes. Blocking? Waits for the peers' rows (in the hook with
+        Collective? Yes. Blocking? On the host: waits for the peers' rows (in the hook with
         ``return_recv_hook``), and before sending, for the peers to have received the round
-        two before (almost always already true). Warm path? Allocates nothing but small host
-        index tensors.
+        two before (almost always already true). On a GPU the kernels wait for the same,
+        never the host: capturable in a CUDA graph. Warm path? Allocates nothing but small host
+        index tensors (on a GPU: nothing).
         """
         return self._runtime("low_latency_dispatch").dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,

@@ -1,8 +1,9 @@
 """Every check of a low-latency call's arguments, before any byte moves.
 
 A bad shape, dtype, device, size, flag or expert id raises ``ConfigError`` naming the argument.
-Expert ids are read on the host here (the host path holds them there anyway); a device path
-checks them in its send kernel instead (no host synchronisation inside a call).
+Expert ids are read on the host here for the host path (it holds them there anyway); the device
+path checks them in its kernels instead (no host synchronisation inside a call: Note
+[Low-latency device path]).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ def _flag(func: str, name: str, value) -> bool:
 
 
 class LowLatencyChecks:
-    """The checks of one Buffer's low-latency calls: its layout and device (-1 = host)."""
+    """The checks of one Buffer's low-latency calls: its layout and device (-1 = host);
+    ``read_values``: also check expert ids, which reads them on the host."""
 
-    def __init__(self, layout: LowLatencyLayout, device: int) -> None:
+    def __init__(self, layout: LowLatencyLayout, device: int, read_values: bool = True) -> None:
         self.layout = layout
+        self.read_values = read_values
         self.device = torch.device("cpu") if device < 0 else torch.device("cuda", device)
 
     def tensor(self, func: str, name: str, t, dtypes: tuple, shape: tuple | None = None, dims: int | None = None):
@@ -60,7 +63,7 @@ class LowLatencyChecks:
         if idx.shape[0] != num_tokens or not 1 <= idx.shape[1] <= self.layout.num_topk:
             raise ConfigError(f"ep.Buffer.{func}: topk_idx.shape={tuple(idx.shape)}; expected [{num_tokens}, K] with "
                               f"1 <= K <= num_topk={self.layout.num_topk}")
-        if idx.numel():
+        if idx.numel() and self.read_values:
             lo, hi = int(idx.min()), int(idx.max())
             if lo < -1 or hi >= self.layout.num_experts:
                 raise ConfigError(f"ep.Buffer.{func}: topk_idx has entries in [{lo}, {hi}]; expected every entry in "
@@ -111,7 +114,7 @@ class LowLatencyChecks:
         idx = self.tensor(func, "topk_idx", topk_idx, _TOPK_DTYPES, shape=shape)
         weights = self.tensor(func, "topk_weights", topk_weights, (torch.float32,), shape=shape)
         idx = self.topk(func, idx, handle.num_tokens)
-        if bool((idx >= 0).logical_and_(handle.dispatched.logical_not()).any()):
+        if self.read_values and bool((idx >= 0).logical_and_(handle.dispatched.logical_not()).any()):
             raise ConfigError(f"ep.Buffer.{func}: topk_idx selects experts where the dispatch's topk_idx held -1; "
                               "pass the dispatch's topk_idx (entries may only be masked to -1)")
         if out is not None:

@@ -25,6 +25,8 @@ then source token) where DeepEP's depends on which warp came first.
 Combine. Source ``s`` holds, per parity, one row per (token, top-k column):
 
     comb.p       [T, K] rows of 2H bytes (BF16), written by the rank of expert ``topk_idx[t, k]``
+    words.p      [3, R] int64: the device path's combine signal word of each expert rank, and its
+                 "received" (ack) words of dispatch and combine (Note [Low-latency device path])
 
 Each (t, k) has one writer, so nothing is summed on the wire; ``s`` sums the rows of its valid
 (t, k) with its weights once every rank published the round. DeepEP reserves a row per (expert,
@@ -48,7 +50,7 @@ __all__ = ["LL_PARITIES", "LowLatencyLayout"]
 
 LL_PARITIES = 2
 _ALIGN = 256
-_AREAS = ("disp", "disp_meta", "signal", "comb")
+_AREAS = ("disp", "disp_meta", "signal", "comb", "words")
 _UE8M0_PACK = 4  # UE8M0 exponents per int32, as DeepEP packs them
 
 
@@ -108,7 +110,7 @@ class LowLatencyLayout:
 
     def area_bytes(self, kind: str) -> int:
         return {"disp": self.slots * self.row_bytes, "disp_meta": self.slots * 8, "signal": self.num_experts * 8,
-                "comb": self.max_tokens * self.num_topk * self.row_bytes}[kind]
+                "comb": self.max_tokens * self.num_topk * self.row_bytes, "words": 3 * self.num_ranks * 8}[kind]
 
     @functools.cached_property
     def _offsets(self) -> dict[str, int]:

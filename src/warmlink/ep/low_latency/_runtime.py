@@ -22,31 +22,8 @@ and outputs, publishes, and waits for every peer, so no peer writes a later roun
 still being zeroed. After a timeout or a lost peer the group's rounds are out of step; every later
 call raises the same error type instead of mixing rounds.
 
-# Note [Low-latency device path]
-What a GPU Buffer needs (not built yet; the API, the layout and the tests stay as they are):
-
-- the region from the cuda_ipc link (a plain cudaMalloc arena, mapped by every peer over CUDA
-  IPC, as the normal mode's), with peer access enabled so that kernels may store to it;
-- a send kernel on the caller's stream: the FP8 cast, each row's slot (its prefix count among
-  this rank's earlier rows to the same expert, from ``topk_idx`` alone), the stores of rows and
-  meta into the peers' mapped slots, a system-scope release fence, then the signal words. Copy
-  engines do not fit: a copy's size and offset would have to reach the host first;
-- a receive kernel, launched by the hook (or right after the send without one): a bounded spin
-  on the round's signal words (the Buffer's timeout as a clock deadline), then the pack into the
-  outputs, whose addresses are fixed per parity, so a captured graph replays into them;
-- the round in a device word that the send kernel advances, so that a graph replay is a new
-  round (the signal tags compare against it); a replay keeps the parity, and so the output
-  addresses, it was captured with, which is safe because the send kernel first checks the
-  peers' "received" words (in the region too) for the last round of that parity; the call's
-  arguments hashed into the signal words' spare bits;
-- failure as a word in pinned host memory (a timed-out spin, a mismatched call) instead of a
-  trap, raised by the next call on the host (``TransferTimeout``, ``PeerLostError`` after the
-  liveness check, ``ConfigError``): no host synchronisation inside a call;
-- combine the same way: a kernel storing rows at ``t * K + k`` and one signal word per source,
-  then the weighted sum in the receive kernel.
-
-Its tests are these ones with ``backend="cuda_ipc"`` and ranks sharing one GPU, plus replays of a
-captured dispatch + hook + combine + hook.
+A Buffer on a GPU runs the same rounds without the host: ep.low_latency._device, Note
+[Low-latency device path].
 """
 
 from __future__ import annotations
@@ -57,9 +34,12 @@ import time
 import numpy as np
 import torch
 
+from warmlink import _cuda
 from warmlink.ep import _mailbox as mb
+from warmlink.ep._launch import current_stream
 from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._connect import Peers, connect
+from warmlink.ep.low_latency._device import DevicePath, call_tag
 from warmlink.ep.low_latency._handle import LowLatencyHandle
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
@@ -89,17 +69,26 @@ _RECEIVED = {"dispatch": mb.DISPATCH_RECEIVED, "combine": mb.COMBINE_RECEIVED}
 
 
 def refuse_backend(backend: str) -> None:
-    """Raise ``ConfigError`` unless low-latency mode runs on ``backend`` (Note [Low-latency device path])."""
-    if backend != "shm":
-        raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; low-latency mode runs on "
-                          "the shm backend (host memory) so far; build the Buffer with backend='shm'")
+    """Raise ``ConfigError`` unless low-latency mode runs on ``backend``: shm (the host path), or
+    cuda_ipc where Triton is (the device path's kernels)."""
+    if backend == "shm":
+        return
+    if backend != "cuda_ipc":
+        raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; expected 'shm' or 'cuda_ipc'")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("ep.Buffer: low_latency_mode=True on a GPU needs Triton (its kernels move the rows); "
+                          "install triton, or build the Buffer with backend='shm'") from exc
 
 
 class LowLatencyRuntime:
-    """One rank's low-latency mode (shm backend). Collective construction; see ``ep.low_latency``."""
+    """One rank's low-latency mode (the host path on shm, the device path on cuda_ipc). Collective
+    construction; see ``ep.low_latency``."""
 
     def __init__(self, store, rank: int, num_ranks: int, *, max_tokens: int, hidden: int, num_experts: int,
                  num_topk: int, device: int, backend: str, timeout_s: float) -> None:
+        from warmlink.pool.events import lease_event
         from warmlink.transport import lease_link
 
         self._closed, self._path = True, None
@@ -110,7 +99,9 @@ class LowLatencyRuntime:
         self.layout = LowLatencyLayout(num_ranks, max_tokens, hidden, num_experts, num_topk)
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
         self.serial = next(_SERIALS)
-        self._checks = LowLatencyChecks(self.layout, device)
+        self._on_device = backend != "shm"
+        self._checks = LowLatencyChecks(self.layout, device, read_values=not self._on_device)
+        self._meets = 0  # the device path's clean meets (mailbox MEET rounds)
         self._round = {"dispatch": 0, "combine": 0}
         self._received = {"dispatch": 0, "combine": 0}  # every round up to this one was received
         self._done: dict[str, set[int]] = {"dispatch": set(), "combine": set()}  # received past a gap
@@ -125,12 +116,24 @@ class LowLatencyRuntime:
             mail_region = mail_link.allocate(mb.mailbox_nbytes(num_ranks))
             self._regions.append((mail_link, mail_region))
             region.tensor.zero_()  # a pooled region comes back with an earlier Buffer's bytes
+            if self._on_device:
+                torch.cuda.synchronize(device)  # zeroed before any peer can map it
             self.mailbox = mb.Mailbox(mail_region.tensor, rank, num_ranks)
             self._outputs = Outputs(self.layout, device)
             connect(store, rank, self.layout, device, backend, link, region, mail_link, mail_region, self.mailbox,
                     timeout_s, self._peers)
-            regions = {r: reg.tensor for r, reg in self._peers.regions.items()}
-            self._path = HostPath(self.layout, rank, {rank: region.tensor, **regions})
+            if self._on_device:
+                self._events = {}
+                for key in ((phase, p) for phase in ("dispatch", "combine") for p in range(LL_PARITIES)):
+                    lease = lease_event(device)
+                    self._leases.append(lease)
+                    self._events[key] = lease
+                bases = {rank: region.ptr, **{r: reg.ptr for r, reg in self._peers.regions.items()}}
+                self._path = DevicePath(self.layout, rank, bases, torch.device("cuda", device), timeout_s)
+            else:
+                regions = {r: reg.tensor for r, reg in self._peers.regions.items()}
+                self._path = HostPath(self.layout, rank, {rank: region.tensor, **regions})
+            self._region = region
             self._closed = False
         except BaseException:
             self.close()
@@ -143,6 +146,17 @@ class LowLatencyRuntime:
         if self._broken is not None:
             raise type(self._broken)(f"ep.Buffer.{func}: an earlier low-latency call failed ({self._broken}); the "
                                      "group's rounds are out of step: close this Buffer and build a new one")
+        if self._on_device:
+            self._raise_device_failure(func)
+
+    def _raise_device_failure(self, func: str) -> None:
+        """Raise what a kernel of an earlier call reported (Note [Low-latency device path]); a
+        timeout or a lost peer breaks the Buffer for good."""
+        exc = self._path.failure_error(f"ep.Buffer.{func}", self.device, self._peers.refs)
+        if isinstance(exc, (TransferTimeout, PeerLostError)):
+            self._broken = exc
+        if exc is not None:
+            raise exc
 
     def _next_round(self, phase: str, func: str, outstanding: int = 2) -> int:
         """The round a new ``phase`` call makes, once its parity is free here and in every peer
@@ -152,7 +166,7 @@ class LowLatencyRuntime:
             waiting = [r for r in range(self._received[phase] + 1, round_) if r not in self._done[phase]]
             raise ConfigError(f"ep.Buffer.{func}: the receive hooks of low-latency {phase} rounds {waiting} were not "
                               f"called; at most {outstanding} {phase} rounds may await their hooks (call the oldest first)")
-        if round_ > 2:
+        if round_ > 2 and not self._on_device:  # on a device, each send kernel waits for the acks
             self._receive(lambda: self.mailbox.wait(_RECEIVED[phase], round_ - 2, self.timeout_s))
         return round_
 
@@ -190,11 +204,18 @@ class LowLatencyRuntime:
             seen[s] = time.perf_counter_ns() - start
         costs.add_(torch.from_numpy(seen).to(costs.device))
 
-    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple) -> tuple:
-        """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``."""
-        event = EventOverlap(None, self.device)
+    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, async_finish: bool,
+                result: tuple) -> tuple:
+        """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``.
+        On a GPU with ``async_finish`` the event marks the call's last kernel on the current stream."""
         if not return_recv_hook:
             self._receive(receive, phase, round_)
+        event = EventOverlap(None, self.device)
+        if self._on_device and async_finish:
+            handle = self._events[phase, round_ % LL_PARITIES].resource.handle
+            _cuda.event_record(handle, current_stream(self.device))
+            event = EventOverlap(handle, self.device)
+        if not return_recv_hook:
             return (*result, event, None)
         called = []
 
@@ -244,8 +265,12 @@ class LowLatencyRuntime:
         round_ = self._next_round("dispatch", "low_latency_dispatch")
         p = round_ % LL_PARITIES
         word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
-        self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
-        self.mailbox.publish_dispatch(round_, word)
+        tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
+        if self._on_device:
+            self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale, tag)
+        else:
+            self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
+            self.mailbox.publish_dispatch(round_, word)
         self._round["dispatch"] = round_
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
@@ -255,6 +280,10 @@ class LowLatencyRuntime:
                                   num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
                                   num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,
                                   comb_slot=out.comb_slot, dispatched=dispatched)
+
+        def receive_on_device() -> None:
+            self._path.receive_dispatch(p, tokens, use_fp8, use_ue8m0, out, tag, cumulative_stats, wait_stats)
+            handle.rows_by_source = ()  # the kernels' combine reads the handle's tensors instead
 
         def receive() -> None:
             self._wait(mb.DISPATCH, round_, wait_stats)
@@ -269,7 +298,8 @@ class LowLatencyRuntime:
                 cumulative_stats.add_(out.count)
 
         recv_x = (out.x, out.scales) if use_fp8 else out.x
-        return self._finish("dispatch", round_, receive, return_recv_hook, (recv_x, out.count, handle))
+        return self._finish("dispatch", round_, receive_on_device if self._on_device else receive, return_recv_hook,
+                            async_finish, (recv_x, out.count, handle))
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 wait_stats) -> tuple:
@@ -279,11 +309,19 @@ class LowLatencyRuntime:
                                                          async_finish, return_recv_hook, out, wait_stats)
         round_ = self._next_round("combine", "low_latency_combine")
         p = round_ % LL_PARITIES
-        self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
-        self.mailbox.publish_combine(round_, handle.round)  # every rank must combine the same dispatch
+        tag = handle.round & 0xFFFFFF  # every rank must combine the same dispatch
+        if self._on_device:
+            self._path.send_combine(p, x, handle, tag)
+        else:
+            self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
+            self.mailbox.publish_combine(round_, handle.round)
         self._round["combine"] = round_
         combined = out if out is not None else torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16,
                                                             device=x.device)
+        if self._on_device:  # the dispatch's mask is a [N, K] view of [T, num_topk]: the kernel's strides
+            return self._finish("combine", round_, lambda: self._path.receive_combine(
+                p, topk_idx, topk_weights, handle.dispatched, combined, tag, wait_stats), return_recv_hook, async_finish,
+                (combined,))
 
         def receive() -> None:
             self._wait(mb.COMBINE, round_, wait_stats)
@@ -295,7 +333,7 @@ class LowLatencyRuntime:
                                       "handle of the same dispatch")
             self._path.receive_combine(p, topk_idx, topk_weights, combined)
 
-        return self._finish("combine", round_, receive, return_recv_hook, (combined,))
+        return self._finish("combine", round_, receive, return_recv_hook, async_finish, (combined,))
 
     def clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
         func = "clean_low_latency_buffer"
@@ -307,6 +345,9 @@ class LowLatencyRuntime:
         busy = {phase: self._round[phase] - self._received[phase] for phase in self._round}
         if any(busy.values()):
             raise ConfigError(f"ep.Buffer.{func}: low-latency rounds await their hooks ({busy}); call them first")
+        if self._on_device:
+            self._clean_on_device()
+            return
         round_ = self._next_round("dispatch", func)
         self._path.zero()
         self._outputs.zero()
@@ -318,6 +359,27 @@ class LowLatencyRuntime:
             self._same_dispatch(round_, _CLEAN)
 
         self._receive(receive, "dispatch", round_)
+
+    def _clean_on_device(self) -> None:
+        """Zero the rows and outputs once no kernel of any rank can still write them: every rank's
+        stream has drained before the first meet; the second keeps a peer's next call from
+        writing into a region still being zeroed. Sequence numbers go on (Note [Low-latency device path])."""
+        torch.cuda.synchronize(self.device)
+        self._raise_device_failure("clean_low_latency_buffer")
+        self._meet()
+        for area in ("disp", "disp_meta", "comb"):
+            for p in range(LL_PARITIES):
+                at = self.layout.offset(f"{area}.{p}")
+                self._region.tensor[at:at + self.layout.area_bytes(area)].zero_()
+        self._outputs.zero()
+        torch.cuda.synchronize(self.device)
+        self._meet()
+        self._clean_round = self._round["dispatch"]
+
+    def _meet(self) -> None:
+        self._meets += 1
+        self.mailbox.publish_meet(self._meets, _CLEAN)
+        self._receive(lambda: self.mailbox.wait(mb.MEET, self._meets, self.timeout_s))
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

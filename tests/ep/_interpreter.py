@@ -1,0 +1,47 @@
+"""What Triton's interpreter needs before ep's kernels run in it (the ``interpreted_*`` test files)."""
+
+from __future__ import annotations
+
+try:
+    import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the jit'd fakes below
+except ImportError:  # the interpreted_* files run only where Triton is
+    tl = None
+
+
+def numpy_scalars_in_the_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with ``int(array of shape [1])``, which
+    NumPy >= 2.5 refuses; loops over a runtime bound then fail. Read the one element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+CLOCK = [0]  # the fake device clock, in nanoseconds
+
+
+def advance_clock() -> int:
+    CLOCK[0] += 1_000_000  # every read of the device clock is a millisecond later
+    return CLOCK[0]
+
+
+def swap_ptx_helpers(monkeypatch, module) -> None:
+    """Give ``module``'s kernels Python stand-ins for the clock and the system fence (PTX, which
+    the interpreter cannot run); the interpreter resolves a kernel's helpers through its module."""
+    import triton
+
+    monkeypatch.setattr(module, "device_clock_ns", triton.jit(_fake_clock))
+    monkeypatch.setattr(module, "fence_system", triton.jit(_no_fence))
+
+
+def _fake_clock():
+    return advance_clock()
+
+
+def _no_fence():
+    pass

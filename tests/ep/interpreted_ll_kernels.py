@@ -1,0 +1,203 @@
+"""Low-latency mode's device path (ep.low_latency._device) through Triton's interpreter, against the
+host path (ep.low_latency._host) on the same inputs.
+
+Run by ``test_kernels.py`` in a child pytest with ``TRITON_INTERPRET=1``. Every rank's region is
+host memory of this one process; each rank's kernels run in turn, as a stream would order them,
+so a receive kernel finds its peers' signal words written. The GPU runs the same kernels across
+processes in the ep GPU tests.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.ep._interpreter import numpy_scalars_in_the_interpreter, swap_ptx_helpers
+from tests.ep._ll_workers import dequantized, expert_output, ll_inputs
+from warmlink.ep.low_latency._device import F_MISMATCH, F_REFUSED, F_TIMEOUT, F_UNMASKED, DevicePath, build_kernels
+from warmlink.ep.low_latency._host import HostPath
+from warmlink.ep.low_latency._layout import LowLatencyLayout
+from warmlink.ep.low_latency._outputs import Outputs
+
+triton = pytest.importorskip("triton")
+
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert triton.knobs.runtime.interpret, "run with TRITON_INTERPRET=1 (test_kernels.py does)"
+    numpy_scalars_in_the_interpreter()
+    from warmlink.ep.low_latency import _triton
+
+    mp = pytest.MonkeyPatch()
+    swap_ptx_helpers(mp, _triton)
+    yield build_kernels(interpreted=True)
+    mp.undo()
+
+
+class Group:
+    """``case``'s ranks twice: on the device path (interpreted) and on the host path."""
+
+    def __init__(self, case: dict, kernels) -> None:
+        num_ranks = len(case["tokens"])
+        self.case = case
+        self.lay = lay = LowLatencyLayout(num_ranks, max(case["tokens"]), case["hidden"], case["experts"], case["topk"])
+        self.inputs = ll_inputs(case)
+        self.regions = [torch.zeros(lay.region_nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
+        bases = {r: t.data_ptr() for r, t in enumerate(self.regions)}
+        self.dev = [DevicePath(lay, r, bases, torch.device("cpu"), 0.05, kernels) for r in range(num_ranks)]
+        host_regions = {r: torch.zeros(lay.region_nbytes, dtype=torch.uint8) for r in range(num_ranks)}
+        self.host = [HostPath(lay, r, host_regions) for r in range(num_ranks)]
+        self.out = [Outputs(lay, -1) for _ in range(num_ranks)]
+        self.host_out = [Outputs(lay, -1) for _ in range(num_ranks)]
+        self.ranks = range(num_ranks)
+        self.dispatched = {}  # each sender's mask of its last dispatch, [T, K] as a handle's
+
+    def dispatch(self, round_: int, fp8: bool, round_scale: bool = False, ue8m0: bool = False, tags=None,
+                 receivers=None, senders=None):
+        """Round ``round_`` on both paths; returns each receiver's device-path and host-path views."""
+        lay, tokens, p = self.lay, self.lay.max_tokens, round_ % 2
+        for s in senders if senders is not None else self.ranks:
+            mine = self.inputs[s]
+            # a tag with its high bit set: an int32 argument that a kernel shifts must not sign-extend
+            self.dev[s].send_dispatch(p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, tags[s] if tags else 201)
+            if senders is None:
+                self.host[s].send_dispatch(round_, mine["x"], mine["topk_idx"], tokens, fp8, round_scale)
+            mask = torch.zeros(lay.max_tokens, lay.num_topk, dtype=torch.bool)
+            mask[:len(mine["x"]), :mine["topk_idx"].shape[1]] = mine["topk_idx"] >= 0
+            self.dispatched[s] = mask
+        got = {}
+        for d in receivers if receivers is not None else self.ranks:
+            out = self.out[d].views(p, tokens, fp8, ue8m0)
+            self.dev[d].receive_dispatch(p, tokens, fp8, ue8m0, out, tags[d] if tags else 201, None, None)
+            want = self.host_out[d].views(p, tokens, fp8, ue8m0)
+            if senders is None:
+                rows = self.host[d].receive_dispatch(p, self.host[d].arrived_counts(round_), tokens, fp8, ue8m0, want)
+                got[d] = (out, want, rows)
+        return got
+
+    def combine(self, round_: int, got: dict, tags=(7, 7, 7)):
+        """Each rank sends back expert_output of what it received; returns (device, host) combined rows."""
+        lay, p = self.lay, round_ % 2
+        for d in self.ranks:
+            out, want, rows = got[d]
+            y = expert_output(dequantized((out.x, out.scales) if out.scales is not None else out.x, lay.hidden), d,
+                              lay.local_experts).contiguous()
+            handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
+                                     num_max_dispatch_tokens_per_rank=lay.max_tokens)
+            self.dev[d].send_combine(p, y, handle, tags[d])
+            self.host[d].send_combine(p, y, rows, want.comb_slot)
+        combined = {}
+        for s in self.ranks:
+            mine = self.inputs[s]
+            n = len(mine["x"])
+            a, b = (torch.full((n, lay.hidden), 9.0, dtype=torch.bfloat16) for _ in range(2))
+            self.dev[s].receive_combine(p, mine["topk_idx"], mine["topk_weights"], self.dispatched[s], a, tags[s], None)
+            self.host[s].receive_combine(p, mine["topk_idx"], mine["topk_weights"], b)
+            combined[s] = (a, b)
+        return combined
+
+
+def _check_dispatch(group: Group, got: dict, fp8: bool, exact: bool) -> None:
+    lay = group.lay
+    for d, (out, want, _) in got.items():
+        assert torch.equal(out.count, want.count), d
+        assert torch.equal(out.layout_range, want.layout_range), d
+        for e in range(lay.local_experts):
+            n = int(want.count[e])
+            assert torch.equal(out.src_info[e, :n], want.src_info[e, :n]), (d, e)
+            assert torch.equal(out.comb_slot[e, :n], want.comb_slot[e, :n]), (d, e)
+            if exact:
+                assert torch.equal(out.x[e, :n].view(torch.uint8), want.x[e, :n].view(torch.uint8)), (d, e)
+                if fp8:
+                    assert torch.equal(out.scales[e, :n], want.scales[e, :n]), (d, e)
+            else:
+                assert torch.equal(out.scales[e, :n], want.scales[e, :n]), (d, e)
+                a, b = out.x[e, :n].float(), want.x[e, :n].float()
+                # Triton 3.9's interpreter rounds to e4m3 its own way: ties away from zero, and a
+                # mantissa that rounds up is not carried into the exponent (1.99 -> 1.0 where CUDA
+                # and torch give 2.0); the GPU tests compare CUDA's cast with torch's
+                step = torch.exp2(torch.floor(torch.log2(b.abs().clamp(min=2**-9))) - 3)
+                carry = (b.abs() == torch.exp2(torch.log2(b.abs()).round())) & (a == b / 2)
+                assert (((a - b).abs() <= step) | carry).all() and (a != b).float().mean() < 0.1, (d, e)
+
+
+_CASE = {"tokens": [12, 7, 0], "hidden": 256, "experts": 6, "topk": 3, "masked": 4, "seed": 5}
+
+
+@pytest.mark.parametrize("fp8,round_scale,ue8m0,random_x", [(False, False, False, False), (True, False, False, False),
+                                                             (True, True, True, False), (True, False, False, True)])
+def test_device_path_packs_and_combines_what_the_host_path_does_over_both_parities(kernels, fp8, round_scale, ue8m0,
+                                                                                    random_x):
+    group = Group(dict(_CASE, random_x=random_x), kernels)
+    for round_ in (1, 2, 3, 4):  # each parity twice: sequence numbers and acks go on
+        got = group.dispatch(round_, fp8, round_scale, ue8m0)
+        _check_dispatch(group, got, fp8, exact=not random_x)
+        for s, (a, b) in group.combine(round_, got).items():
+            assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6), s
+            assert (a[group.inputs[s]["topk_idx"].lt(0).all(1)] == 0).all()
+    for path in group.dev:
+        assert path.failure() is None
+        assert path.state[:4].tolist() == [2, 2, 2, 2]  # dispatch and combine sequence of each parity
+
+
+def test_a_missing_sender_times_the_receive_out_and_stops_every_later_kernel(kernels):
+    group = Group(_CASE, kernels)
+    group.dispatch(1, True, senders=[0, 1], receivers=[0])
+    assert group.dev[0].failure() == (F_TIMEOUT, "dispatch", 1, 2)
+    assert group.dev[0].failure() == (F_TIMEOUT, "dispatch", 1, 2), "a timeout stays reported"
+    assert group.dev[0].state[4] == 1
+    before = group.regions[1].clone()
+    group.dispatch(3, True, senders=[0], receivers=[])  # a failed rank sends nothing more
+    assert torch.equal(group.regions[1], before)
+
+
+def test_a_sender_waits_for_the_ack_of_its_parity_before_it_overwrites(kernels):
+    group = Group(_CASE, kernels)
+    group.dispatch(1, False, senders=[0], receivers=[])  # nobody received round 1 (parity 1)
+    group.dispatch(3, False, senders=[0], receivers=[])  # parity 1 again: rank 0 must wait for the acks
+    code, phase, seq, rank = group.dev[0].failure()
+    assert (code, phase, seq) == (F_TIMEOUT, "dispatch", 2) and rank in (0, 1, 2)
+
+
+def test_ranks_with_other_arguments_are_refused_once_and_the_next_round_goes_on(kernels):
+    group = Group(_CASE, kernels)
+    group.dispatch(1, True, tags=[1, 2, 1])
+    for d in group.ranks:
+        code, phase, seq, rank = group.dev[d].failure()
+        assert (code, phase, seq) == (F_MISMATCH, "dispatch", 1) and rank in (0, 1), d
+        assert group.dev[d].failure() is None, "reported once"
+    _check_dispatch(group, group.dispatch(3, True), True, exact=True)  # parity 1 again: the acks came
+
+
+def test_an_expert_id_out_of_range_moves_no_row_and_every_rank_refuses_the_round(kernels):
+    group = Group(_CASE, kernels)
+    group.inputs[1]["topk_idx"][2, 0] = group.lay.num_experts
+    lay = group.lay
+    at, nbytes = lay.offset("disp.1"), lay.area_bytes("disp")
+    group.dispatch(1, True, senders=[1], receivers=[])
+    assert all(bool((r[at:at + nbytes] == 0).all()) for r in group.regions)
+    for s in (0, 2):
+        group.dispatch(1, True, senders=[s], receivers=[])
+    for d in group.ranks:
+        group.dev[d].receive_dispatch(1, lay.max_tokens, True, False, group.out[d].views(1, lay.max_tokens, True, False),
+                                      201, None, None)
+        assert group.dev[d].failure() == (F_REFUSED, "dispatch", 1, 1), d
+
+
+def test_a_combine_that_unmasks_an_entry_is_reported_and_ranks_combining_other_dispatches_refuse(kernels):
+    group = Group(_CASE, kernels)
+    got = group.dispatch(1, False)
+    t = int((group.inputs[0]["topk_idx"] < 0).any(1).nonzero()[-1])
+    k = int((group.inputs[0]["topk_idx"][t] < 0).nonzero()[0])
+    group.inputs[0]["topk_idx"][t, k] = 0  # an entry the dispatch did not send
+    group.combine(1, got)
+    assert group.dev[0].failure() == (F_UNMASKED, "combine", 1, 0)
+    group.inputs[0]["topk_idx"][t, k] = -1
+    got = group.dispatch(2, False)
+    group.combine(2, got, tags=(3, 4, 3))  # rank 1 combines another dispatch's handle
+    for d in group.ranks:
+        code, phase, seq, rank = group.dev[d].failure()
+        assert (code, phase, seq) == (F_MISMATCH, "combine", 1) and rank in (0, 1), d

@@ -1,0 +1,71 @@
+"""Low-latency mode's device path (ep.low_latency._device) on a GPU, ranks sharing it: the CPU
+tests' cases and oracle (test_low_latency.py), CUDA graph replays, and failures raised by a later
+call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ep._group import run_ranks
+from tests.ep._ll_workers import RANK_OFFSET, dequantized, ll_device_fault, ll_graph, ll_rounds, ll_two_batches
+from tests.ep.test_low_latency import CASES, _counts, check_identical_reruns, check_rounds, reference_routes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+_ON_GPU = {"backend": "cuda_ipc"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_dispatch_and_combine_match_the_reference(name):
+    case = dict(CASES[name], **_ON_GPU)
+    check_rounds(case, run_ranks(ll_rounds, len(case["tokens"]), case=case, timeout_s=300))
+
+
+def test_gpu_twenty_reruns_are_identical_and_two_micro_batches_overlap():
+    case = {"tokens": [32, 29], "hidden": 7168, "experts": 16, "topk": 4, "masked": 6, "seed": 4, "repeat": 20,
+            "calls": [{"fp8": True, "hook_delay_s": 0.0}], **_ON_GPU}
+    check_identical_reruns(case, run_ranks(ll_rounds, 2, case=case, timeout_s=300))
+    case = {"tokens": [24, 17, 30], "hidden": 256, "experts": 12, "topk": 4, "masked": 4, "seeds": [7, 8],
+            "calls": [{"fp8": True}], **_ON_GPU}
+    results = run_ranks(ll_two_batches, 3, case=case, timeout_s=300)
+    for i, seed in enumerate(case["seeds"]):
+        check_rounds(dict(case, seed=seed), [[r[i]] for r in results])
+
+
+def test_gpu_a_captured_dispatch_and_combine_replay_with_each_replays_inputs():
+    case = {"tokens": [16, 11], "hidden": 1024, "experts": 8, "topk": 3, "masked": 3, "seeds": [1, 2, 3, 4, 5],
+            "calls": [{"fp8": False}], **_ON_GPU}
+    results = run_ranks(ll_graph, 2, case=case, timeout_s=300)
+    for i, seed in enumerate(case["seeds"]):
+        check_rounds(dict(case, seed=seed), [[r[i]] for r in results])
+
+
+def test_gpu_a_stalled_peer_is_raised_by_the_next_call_and_every_later_one():
+    case = {"tokens": [6, 6], "hidden": 256, "experts": 4, "topk": 2, "fault": "stalled_peer", "timeout_s": 2.0,
+            **_ON_GPU}
+    report = run_ranks(ll_device_fault, 2, case=case, timeout_s=120)[0]
+    assert report["dispatch"] == "ok", report  # the kernel's wait ended at its deadline; nothing raises inside a call
+    assert report["after"].startswith("TransferTimeout") and "rank 1" in report["after"], report
+    assert report["later"].startswith("TransferTimeout") and "out of step" in report["later"], report
+
+
+def test_gpu_ranks_calling_with_different_arguments_all_refuse_once_then_rounds_go_on():
+    case = {"tokens": [12, 7], "hidden": 256, "experts": 4, "topk": 2, "seed": 5, "fault": "fp8_differs", **_ON_GPU}
+    results = run_ranks(ll_device_fault, 2, case=case, timeout_s=120)
+    routes = reference_routes(case)
+    for d, report in enumerate(results):
+        assert report["dispatch"] == "ok", report
+        assert report["after"].startswith("ConfigError") and "other arguments" in report["after"], report
+        deq = dequantized(report["recv_x"], case["hidden"])
+        for e, rows in enumerate(routes[d]):
+            assert all((deq[e, j, :-128] == s - RANK_OFFSET).all() and (deq[e, j, -128:] == t).all()
+                       for j, (s, t, _) in enumerate(rows)), (d, e)
+
+
+def test_gpu_clean_zeroes_the_outputs_and_the_next_round_is_right():
+    case = {"tokens": [10, 5], "hidden": 256, "experts": 4, "topk": 2, "seed": 6, "fault": "clean", **_ON_GPU}
+    routes = reference_routes(case)
+    for d, report in enumerate(run_ranks(ll_device_fault, 2, case=case, timeout_s=120)):
+        assert report["zeroed"], report
+        assert torch.equal(report["count"], _counts(routes, d))
