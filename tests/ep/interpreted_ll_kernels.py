@@ -61,12 +61,14 @@ class Group:
         lay, tokens, p = self.lay, self.lay.max_tokens, round_ % 2
         for s in senders if senders is not None else self.ranks:
             mine = self.inputs[s]
+            mask = torch.full((lay.max_tokens, lay.num_topk), True)  # the send writes its [N, K] corner
             # a tag with its high bit set: an int32 argument that a kernel shifts must not sign-extend
-            self.dev[s].send_dispatch(p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, tags[s] if tags else 201)
+            self.dev[s].send_dispatch(p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, tags[s] if tags else 201,
+                                      mask)
+            n, num_cols = mine["topk_idx"].shape
+            assert torch.equal(mask[:n, :num_cols], mine["topk_idx"] >= 0)
             if senders is None:
                 self.host[s].send_dispatch(round_, mine["x"], mine["topk_idx"], tokens, fp8, round_scale)
-            mask = torch.zeros(lay.max_tokens, lay.num_topk, dtype=torch.bool)
-            mask[:len(mine["x"]), :mine["topk_idx"].shape[1]] = mine["topk_idx"] >= 0
             self.dispatched[s] = mask
         got = {}
         for d in receivers if receivers is not None else self.ranks:

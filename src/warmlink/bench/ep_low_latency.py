@@ -34,6 +34,7 @@ DEEPEP_LOW_LATENCY = ((8, 77, 98, 114, 127), (16, 118, 63, 195, 74), (32, 155, 4
 _DEEPEP_SOURCE = ("DeepEP docs/legacy.md @dd758ca (linked from its README): H800, CX7 400 Gb/s RDMA, "
                   "128 tokens, 7168 hidden, top-8, FP8 dispatch, BF16 combine")
 _OPS = ("dispatch", "combine", "dispatch_send", "dispatch_hook", "combine_send", "combine_hook")
+_GRAPH_OPS = ("dispatch_graph", "combine_graph")  # GPUs only: replays of captured calls, no host launches
 _MASKED = 10  # entries set to -1, as DeepEP's test does
 
 
@@ -87,7 +88,36 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             if i >= cfg["warmup"]:
                 for op, t in zip(_OPS, spans, strict=True):
                     times[op].append(t)
+        if gpu:
+            times.update(_graph_times(buf, x, idx, w, y, tokens, experts, cfg, marks))
     results.put({"event": "result", "value": {"rank": rank, "times_s": times}})
+
+
+def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks) -> dict[str, list[float]]:
+    """A dispatch + hook and a combine + hook captured in CUDA graphs, as a decode step runs them,
+    each replay timed: the device's own latency, without the host's launches."""
+    import torch
+
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    dispatch, combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dispatch):
+        sent = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
+        sent[4]()
+    with torch.cuda.graph(combine):
+        hook = buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True, out=out)[2]
+        hook()
+    times: dict[str, list[float]] = {op: [] for op in _GRAPH_OPS}
+    for i in range(cfg["warmup"] + cfg["iterations"]):
+        marks.mark()
+        dispatch.replay()
+        marks.mark()
+        combine.replay()
+        marks.mark()
+        spans = marks.spans()
+        if i >= cfg["warmup"]:
+            for op, t in zip(_GRAPH_OPS, spans, strict=True):
+                times[op].append(t)
+    return times
 
 
 class _Marks:
@@ -136,8 +166,9 @@ def _defaults(args) -> dict:
 
 
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
+    ops = [op for op in (*_OPS, *_GRAPH_OPS) if op in ranks[0]["times_s"]]
     summary = {op: {"median_us": max(statistics.median(r["times_s"][op]) for r in ranks) * 1e6,
-                    "p90_us": max(_p90(r["times_s"][op]) for r in ranks) * 1e6} for op in _OPS}
+                    "p90_us": max(_p90(r["times_s"][op]) for r in ranks) * 1e6} for op in ops}
     if cfg["device"] == "cuda":
         where = f"{cfg['gpus']} GPU(s), cuda_ipc, CUDA events" + (
             "; ranks share GPUs: kernels and protocol, not a link" if cfg["ranks"] > cfg["gpus"] else "")
@@ -149,8 +180,9 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
              "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}"]
     names = {"dispatch": "dispatch (fp8)", "combine": "combine (bf16)", "dispatch_send": "dispatch, hook mode: send",
              "dispatch_hook": "dispatch, hook mode: hook", "combine_send": "combine, hook mode: send",
-             "combine_hook": "combine, hook mode: hook"}
-    for op in _OPS:
+             "combine_hook": "combine, hook mode: hook", "dispatch_graph": "dispatch + hook, CUDA graph replay",
+             "combine_graph": "combine + hook, CUDA graph replay"}
+    for op in ops:
         lines.append(f"{names[op]:<34}{summary[op]['median_us']:>13.1f}{summary[op]['p90_us']:>11.1f}")
     lines += ["", f"for reference, {_DEEPEP_SOURCE}:",
               f"  {'EP':>4}{'dispatch (us)':>15}{'GB/s':>7}{'combine (us)':>15}{'GB/s':>7}"]

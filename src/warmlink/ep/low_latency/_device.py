@@ -117,11 +117,14 @@ class DevicePath:
 
     # -- dispatch ---------------------------------------------------------------------------------
     def send_dispatch(self, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool, round_scale: bool,
-                      tag: int) -> None:
+                      tag: int, dispatched: torch.Tensor) -> None:
+        """Launch the dispatch's send; ``dispatched`` (bool ``[T, num_topk]``) gets the handle's
+        mask of the entries sent, ``topk_idx >= 0``, in its top-left ``[N, K]``."""
         lay, k = self.layout, self.kernels
         n, num_cols = topk_idx.shape
-        launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, self.slots, self.counts, self.state, n * num_cols,
-                                                        lay.num_experts), {"BLOCK": _SLOT_BLOCK})
+        launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, self.slots, self.counts, self.state, dispatched,
+                                                        n * num_cols, num_cols, lay.num_experts),
+               {"NUM_TOPK": lay.num_topk, "BLOCK": _SLOT_BLOCK})
         launch(k.dispatch_send_kernel, (max(n, 1),),
                (x, topk_idx, self.slots, self.counts, self.bases, self.state, self.fail.data_ptr(), self.rank, n,
                 num_cols, tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],

@@ -266,16 +266,16 @@ class LowLatencyRuntime:
         p = round_ % LL_PARITIES
         word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
         tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
-        if self._on_device:
-            self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale, tag)
-        else:
-            self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
-            self.mailbox.publish_dispatch(round_, word)
-        self._round["dispatch"] = round_
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
         dispatched = out.dispatched[:n, :num_cols]
-        dispatched.copy_(topk_idx >= 0)
+        if self._on_device:
+            self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale, tag, out.dispatched)
+        else:
+            self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
+            self.mailbox.publish_dispatch(round_, word)
+            dispatched.copy_(topk_idx >= 0)
+        self._round["dispatch"] = round_
         handle = LowLatencyHandle(src_info=out.src_info, layout_range=out.layout_range,
                                   num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
                                   num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,

@@ -81,9 +81,11 @@ def last_program(state_ptr, slot, total):
 
 # -- dispatch ---------------------------------------------------------------------------------------
 @triton.jit
-def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, num_entries, num_experts, BLOCK: tl.constexpr):
+def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, mask_ptr, num_entries, num_cols, num_experts,
+                 NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr):
     # program e < E: the slot of each (token, column) that goes to expert e (its rank among this
-    # rank's rows to e, in token order) and e's count; program E: whether any id is out of range
+    # rank's rows to e, in token order) and e's count; program E: whether any id is out of range,
+    # and the handle's mask of the entries sent ([T, NUM_TOPK] storage)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if e < num_experts:
@@ -102,6 +104,7 @@ def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, num_entries, num_expe
             i = start + offs
             v = tl.load(topk_ptr + i, mask=i < num_entries, other=-1).to(tl.int64)
             bad += tl.sum(((v < -1) | (v >= num_experts)).to(tl.int32), 0)
+            tl.store(mask_ptr + (i // num_cols) * NUM_TOPK + i % num_cols, v >= 0, mask=i < num_entries)
         tl.store(state_ptr + S_BAD, (bad > 0).to(tl.int64))
 
 
@@ -128,11 +131,11 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
         tl.store(state_ptr + S_FAILED, 1)
     go = (tl.load(state_ptr + S_FAILED, volatile=True) == 0) & (tl.load(state_ptr + S_BAD) == 0)
     if go & (t < num_tokens):
-        cols = tl.arange(0, H_BLOCK)
-        in_row = cols < HIDDEN
-        v = tl.load(x_ptr + t * HIDDEN + cols, mask=in_row, other=0.0)
         nb = tl.arange(0, H_BLOCK // 128)
+        w = tl.arange(0, H_BLOCK // 8) if FP8 else tl.arange(0, H_BLOCK // 4)
         if FP8:  # as ep.low_latency._cast.cast_fp8
+            cols = tl.arange(0, H_BLOCK)
+            v = tl.load(x_ptr + t * HIDDEN + cols, mask=cols < HIDDEN, other=0.0)
             blocks = tl.reshape(v.to(tl.float32), (H_BLOCK // 128, 128))
             amax = tl.maximum(tl.max(tl.abs(blocks), 1), 1e-4)
             scale = tl.div_rn(amax, 448.0)
@@ -140,7 +143,12 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
                 bits = scale.to(tl.int32, bitcast=True)
                 scale = (((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
             qx = tl.clamp(tl.div_rn(blocks, scale[:, None]), -448.0, 448.0)
-            qx = tl.reshape(qx, (H_BLOCK,)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            qx = tl.reshape(qx, (H_BLOCK // 8, 8)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            # eight bytes to a word: the stores into the peer are 8 bytes wide, not one
+            shifts = (tl.arange(0, 8) * 8).to(tl.int64)
+            row_words = tl.sum(qx.to(tl.uint8, bitcast=True).to(tl.int64) << shifts[None, :], 1)
+        else:
+            row_words = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + t * (HIDDEN // 4) + w, mask=w < HIDDEN // 4)
         for k in range(num_cols):
             e = tl.load(topk_ptr + t * num_cols + k).to(tl.int64)
             if e >= 0:
@@ -149,10 +157,10 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
                 base = tl.load(bases_ptr + d)
                 at = base + disp_off + row * (2 * HIDDEN)
                 if FP8:
-                    tl.store(at.to(tl.pointer_type(tl.float8e4nv)) + cols, qx, mask=in_row)
+                    tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 8)
                     tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32)) + nb, scale, mask=nb < HIDDEN // 128)
                 else:
-                    tl.store(at.to(tl.pointer_type(tl.bfloat16)) + cols, v, mask=in_row)
+                    tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 4)
                 tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + k)
     if last_program(state_ptr, S_DONE_DISPATCH, tl.num_programs(0)):
         if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
@@ -317,13 +325,18 @@ def combine_recv_kernel(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wai
         elif t < num_tokens:
             cols = tl.arange(0, H_BLOCK)
             in_row = cols < HIDDEN
+            w4 = tl.arange(0, H_BLOCK // 4)
+            shifts = (tl.arange(0, 4) * 16).to(tl.int64)
             acc = tl.zeros([H_BLOCK], dtype=tl.float32)
             for k in range(num_cols):
                 if tl.load(topk_ptr + t * num_cols + k) >= 0:
                     if tl.load(dispatched_ptr + t * NUM_TOPK + k) != 0:
-                        row = (own + comb_off + (t * NUM_TOPK + k) * (2 * HIDDEN)).to(tl.pointer_type(tl.bfloat16))
-                        weight = tl.load(w_ptr + t * num_cols + k)
-                        acc += tl.load(row + cols, mask=in_row, other=0.0).to(tl.float32) * weight
+                        # the row as 8-byte words (wide loads), then its four BF16 values each
+                        row = (own + comb_off + (t * NUM_TOPK + k) * (2 * HIDDEN)).to(tl.pointer_type(tl.int64))
+                        data = tl.load(row + w4, mask=w4 < HIDDEN // 4, other=0)
+                        halves = ((data[:, None] >> shifts[None, :]) & 0xFFFF).to(tl.uint16)
+                        values = tl.reshape(halves.to(tl.bfloat16, bitcast=True), (H_BLOCK,)).to(tl.float32)
+                        acc += values * tl.load(w_ptr + t * num_cols + k)
                     else:  # a row no rank sent: refuse rather than sum stale bytes
                         report(fail_ptr, F_UNMASKED, seq_slot, q, me)
             tl.store(out_ptr + t * HIDDEN + cols, acc.to(tl.bfloat16), mask=in_row)
