@@ -1,0 +1,78 @@
+"""Low-latency mode's kernels compile for Hopper (sm_90) on a machine without a GPU, with the
+arguments ``DevicePath`` passes them: a kernel that only the GPU would refuse (a type the
+interpreter forgives, an argument Triton specializes to a constant) fails here, in CI."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from warmlink.ep.low_latency._device import DevicePath  # noqa: E402
+from warmlink.ep.low_latency._layout import LowLatencyLayout  # noqa: E402
+from warmlink.ep.low_latency._outputs import Outputs  # noqa: E402
+
+_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1", torch.bfloat16: "*bf16",
+          torch.float32: "*fp32", torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8"}
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **constexprs)`` records the call."""
+
+    def __init__(self, calls: list, jit) -> None:
+        self.calls, self.jit = calls, jit
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.calls.append((self.jit, args, constexprs))
+
+
+def _signature(jit, args: tuple, constexprs: dict) -> tuple[dict, dict]:
+    """Triton's view of a launch: pointers by dtype, an int of 1 as the constant Triton makes it."""
+    names = jit.arg_names
+    sig, consts = {}, dict(constexprs)
+    for name, value in zip(names, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            sig[name] = _TYPES[value.dtype]
+        elif isinstance(value, bool) or value == 1:
+            sig[name], consts[name] = "constexpr", value
+        else:
+            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, consts
+
+
+@pytest.mark.parametrize("rank,fp8,round_scale,ue8m0,stats", [(0, True, False, False, True), (1, True, True, True, False),
+                                                              (1, False, False, False, True)])
+def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path_passes(rank, fp8, round_scale, ue8m0,
+                                                                                      stats):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from warmlink.ep.low_latency import _triton
+
+    calls: list = []
+    kernels = SimpleNamespace(**{name: _Recorder(calls, getattr(_triton, name)) for name in
+                                 ("slots_kernel", "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel",
+                                  "combine_recv_kernel")})
+    lay = LowLatencyLayout(2, 128, 7168, 256, 8)
+    path = DevicePath(lay, rank, {0: 1 << 40, 1: 1 << 41}, torch.device("cpu"), 30.0, kernels)
+    out = Outputs(lay, -1).views(1, 32, fp8, ue8m0)  # 32 tokens: a tag of 1 with FP8, as Triton then specializes it
+    x, idx = torch.zeros(32, 7168, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.int64)
+    counts = torch.zeros(lay.local_experts, dtype=torch.int32) if stats else None
+    waits = torch.zeros(2, dtype=torch.int64) if stats else None
+    path.send_dispatch(1, x, idx, 32, fp8, round_scale, 1 if fp8 else 0, out.dispatched)
+    path.receive_dispatch(1, 32, fp8, ue8m0, out, 1 if fp8 else 0, counts, waits)
+    handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot, num_max_dispatch_tokens_per_rank=32)
+    y = torch.zeros(lay.local_experts, 64, 7168, dtype=torch.bfloat16)
+    path.send_combine(1, y, handle, 1)
+    path.receive_combine(1, idx, torch.zeros(32, 8), out.dispatched, torch.zeros(32, 7168, dtype=torch.bfloat16), 1, waits)
+    assert len(calls) == 5
+    for jit, args, constexprs in calls:
+        options = {"num_warps": constexprs.pop("num_warps", 4)}
+        sig, consts = _signature(jit, args, constexprs)
+        triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=options)
