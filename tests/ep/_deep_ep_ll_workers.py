@@ -1,5 +1,6 @@
 """Rank-side scenarios of the ``deep_ep`` low-latency tests: DeepEP's low-latency calls through
-``warmlink.ep.deep_ep`` over a gloo group on the CPU, returning what ``_ll_workers.ll_rounds``
+``warmlink.ep.deep_ep`` over a gloo group (tensors on the CPU, or with ``case["cuda"]`` on the
+GPU), returning what ``_ll_workers.ll_rounds``
 returns so that the same oracle checks them (``test_low_latency.check_rounds``)."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     dispatch + combine per ``case["calls"]`` (with a normal-mode round after the first when
     ``num_nvl_bytes``), then calls of other shapes (each refused), and a round that still works.
     Returns ``{"rounds": [ll_rounds' entries], "report": {call: "ok" or the error}}``."""
-    mine = ll_inputs(case)[rank]
+    dev = "cuda" if case.get("cuda") else "cpu"  # on a GPU the low-latency Buffer runs its device path
+    mine = {k: v.to(dev) for k, v in ll_inputs(case)[rank].items()}
     tokens, hidden, experts, topk = max(case["tokens"]), case["hidden"], case["experts"], case["topk"]
     local = experts // num_ranks
     rounds, report = [], {}
@@ -49,17 +51,17 @@ def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
         buffer.clean_low_latency_buffer(tokens, hidden, experts)  # nothing built yet: nothing to clean
         report["built_by_clean"] = buffer.warmlink_low_latency_buffer is not None
         for i, call in enumerate(case["calls"]):
-            stats = torch.zeros(local, dtype=torch.int32)
+            stats = torch.zeros(local, dtype=torch.int32, device=dev)
             recv_x, count, handle, event, _ = _dispatch(buffer, mine, case, call, stats)
             report.setdefault("events", set()).add(type(event).__name__)
             got = _received(recv_x, count, handle, stats)
-            y = expert_output(dequantized(recv_x, hidden), rank, local)
+            y = expert_output(dequantized(got["recv_x"], hidden), rank, local).to(dev)
             delay = call.get("hook_delay_s")
             combined, event, hook = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
                                                                return_recv_hook=delay is not None,
                                                                async_finish=delay is None)
             hook() if delay is not None else event.current_stream_wait()
-            got["combined"] = combined.clone()
+            got["combined"] = combined.to("cpu", copy=True)
             rounds.append(got)
             if i == 0 and case.get("num_nvl_bytes"):
                 report["normal_round"] = _normal_round(buffer, case, rank, num_ranks)

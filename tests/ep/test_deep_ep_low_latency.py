@@ -45,7 +45,19 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_deep_ep_low_latency_calls_match_the_reference_and_other_shapes_are_refused(name):
-    case = dict(CASES[name], dist_port=free_port())
+    _check_deep_ep_low_latency(dict(CASES[name], dist_port=free_port()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_deep_ep_low_latency_calls_run_the_device_path_and_match_the_reference():
+    """The same sequence with every tensor on the GPU (ranks sharing it): the low-latency Buffer
+    that the first call builds runs the device path (ep.low_latency._device)."""
+    _check_deep_ep_low_latency(dict(CASES["low-latency only, bf16, fp8 and UE8M0, hooks and events"],
+                                    dist_port=free_port(), cuda=True))
+
+
+def _check_deep_ep_low_latency(case: dict) -> None:
     results = run_ranks(deep_ep_ll_rounds, 2, case=case, timeout_s=120)
     check_rounds(case, [r["rounds"] for r in results])
     tokens, hidden, experts = max(case["tokens"]), case["hidden"], case["experts"]

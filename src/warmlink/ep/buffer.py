@@ -70,7 +70,7 @@ class Buffer(LowLatencyMethods, Closing):
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
-            experts, ``max_tokens_per_rank`` tokens (ep.low_latency; shm backend so far).
+            experts, ``max_tokens_per_rank`` tokens (ep.low_latency: host copies on shm, kernels on cuda_ipc).
 
     Raises:
         ConfigError: bad sizes or options (naming the argument), or a peer built with different sizes.

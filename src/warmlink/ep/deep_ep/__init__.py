@@ -15,7 +15,7 @@ from DeepEP, and which arguments are accepted but unused, each docstring says; t
 is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget that holds a batch in one round; a
 batch larger than the budget holds goes in several, ``deep_ep.rounds``). With
 ``low_latency_mode=True`` the low-latency calls run within ``num_rdma_bytes``
-(``deep_ep.low_latency``; shm backend so far). Not here, each raising ``ConfigError`` saying why
+(``deep_ep.low_latency``; on the host over shm, or on a GPU). Not here, each raising ``ConfigError`` saying why
 (``deep_ep.absent``): internode (RDMA) mode, the low-latency mask buffer,
 ``get_next_low_latency_combine_buffer``, ``get_comm_stream`` and ``get_local_buffer_tensor``
 (warmlink has no communication stream or ring buffer to expose).

@@ -1,7 +1,8 @@
 """The host data path of low-latency mode: this process's CPU writes rows straight into its peers'
 shared-memory regions (the shm backend, and CI). See Note [Low-latency layout].
 
-The same four steps a device path runs as kernels writing peers' IPC-mapped memory:
+The same four steps the device path (ep.low_latency._device) runs as kernels writing peers'
+IPC-mapped memory:
 
 - ``send_dispatch``: cast (FP8 on request), then each row into slot ``(e, this rank)`` of its
   expert's rank, in token order, then the slots' signal words;

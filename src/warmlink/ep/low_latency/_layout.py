@@ -16,8 +16,9 @@ ep._regions Note [Two parities]), a slot of ``T`` rows per (local expert ``e``, 
 with ``L = E / R`` local experts and ``K`` the Buffer's ``num_topk``. Source ``s`` writes its
 ``c[e]`` rows for expert ``e`` into slot ``(e, s)`` in token order, then the slot's signal word
 (every slot of every rank, empty ones too), then "round n" in its mailbox (ep._mailbox, Note
-[Mailbox rounds]); the round in each word proves the counts are this round's. A device path
-polls the signal words instead of the mailbox, so the layout is the same for both. The receiver
+[Mailbox rounds]); the round in each word proves the counts are this round's. The device path
+(Note [Low-latency device path]) polls the signal words instead of the mailbox, its sequence
+number in their high half, so the layout is the same for both. The receiver
 packs slot ``(e, 0)``, then ``(e, 1)``, ... into output row block ``e``: DeepEP's layout,
 ``[L, R * T, H]`` with ``recv_count[e]`` valid rows, in a deterministic order (by source rank,
 then source token) where DeepEP's depends on which warp came first.
