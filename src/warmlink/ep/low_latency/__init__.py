@@ -191,7 +191,8 @@ class LowLatencyMethods:
             zero_copy: accepted: ``x`` is always read (no ``get_next_low_latency_combine_buffer``).
             async_finish, return_recv_hook: as ``low_latency_dispatch``'s.
             out: optional BF16 ``[N, H]`` contiguous, written and returned.
-            combine_wait_recv_cost_stats: optional int64 ``[R]``, as the dispatch's.
+            combine_wait_recv_cost_stats: optional int64 ``[R]``, as the dispatch's (on a GPU the
+                wait for the last expert rank, added to every source's entry).
 
         Returns:
             ``(combined_x, event, hook)``: ``combined_x`` BF16 ``[N, H]``, ``sum_k topk_weights[t, k]
