@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.ep._interpreter import numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from tests.ep._ll_workers import dequantized, expert_output, ll_inputs
@@ -43,7 +45,8 @@ class Group:
     def __init__(self, case: dict, kernels) -> None:
         num_ranks = len(case["tokens"])
         self.case = case
-        self.lay = lay = LowLatencyLayout(num_ranks, max(case["tokens"]), case["hidden"], case["experts"], case["topk"])
+        self.lay = lay = LowLatencyLayout(num_ranks, max(1, *case["tokens"]), case["hidden"], case["experts"],
+                                          case["topk"])
         self.inputs = ll_inputs(case)
         self.regions = [torch.zeros(lay.region_nbytes, dtype=torch.uint8) for _ in range(num_ranks)]
         bases = {r: t.data_ptr() for r, t in enumerate(self.regions)}
@@ -203,3 +206,28 @@ def test_a_combine_that_unmasks_an_entry_is_reported_and_ranks_combining_other_d
     for d in group.ranks:
         code, phase, seq, rank = group.dev[d].failure()
         assert (code, phase, seq) == (F_MISMATCH, "combine", 1) and rank in (0, 1), d
+
+
+@st.composite
+def _cases(draw) -> dict:
+    num_ranks, local = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    experts = num_ranks * local
+    return {"tokens": draw(st.lists(st.integers(0, 9), min_size=num_ranks, max_size=num_ranks)),
+            "hidden": draw(st.sampled_from([128, 384])), "experts": experts,
+            "topk": draw(st.integers(1, min(experts, 4))), "masked": draw(st.integers(0, 6)),
+            "seed": draw(st.integers(0, 10**6)), "fp8": draw(st.booleans()), "round_scale": draw(st.booleans())}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_cases())
+def test_any_routing_packs_and_combines_as_the_host_path_does(kernels, case):
+    """Random groups (1-4 ranks, ranks without tokens, every entry of a token masked, top-1 to
+    top-4): both parities, the device path against the host path."""
+    group = Group(case, kernels)
+    fp8, round_scale = case["fp8"], case["fp8"] and case["round_scale"]
+    for round_ in (1, 2):
+        got = group.dispatch(round_, fp8, round_scale, ue8m0=round_scale)
+        _check_dispatch(group, got, fp8, exact=not round_scale)
+        for s, (a, b) in group.combine(round_, got, tags=(7,) * len(case["tokens"])).items():
+            assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6), s
+    assert all(path.failure() is None for path in group.dev)

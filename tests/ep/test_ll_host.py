@@ -36,3 +36,13 @@ def test_rows_signals_and_packing_on_one_rank():
     path.receive_combine(1, idx, w, combined)
     factor = torch.tensor([0.5 * 3 + 1.0 * 1, 0.25 * 3, 2.0 * 1, 1.0 * 2 + 1.0 * 3])
     assert torch.equal(combined, (x.float() * factor.view(4, 1)).to(torch.bfloat16))
+
+
+def test_a_rank_without_tokens_sends_fp8_with_one_scale_per_row():
+    """No tokens, FP8, hidden 128: torch's empty [0, 1] scales may have stride 0, which no byte
+    view takes; the send still writes its signal words (found by the interpreted device-path fuzz)."""
+    lay = LowLatencyLayout(num_ranks=1, max_tokens=2, hidden=128, num_experts=1, num_topk=1)
+    path = HostPath(lay, 0, {0: torch.zeros(lay.region_nbytes, dtype=torch.uint8)})
+    path.send_dispatch(1, torch.zeros(0, 128, dtype=torch.bfloat16), torch.zeros(0, 1, dtype=torch.int64), 2, fp8=True,
+                       round_scale=False)
+    assert path.arrived_counts(1).tolist() == [[0]]

@@ -68,11 +68,11 @@ class HostPath:
         lay, p = self.layout, round_ % LL_PARITIES
         n, num_cols = topk_idx.shape
         hidden, stage = lay.hidden, self._stage[:n]
-        if fp8:
+        if fp8 and n:  # (no tokens: an empty [0, 1] of scales can have stride 0, which no byte view takes)
             q, scales = cast_fp8(x, round_scale)
             stage[:, :hidden].copy_(q.view(torch.uint8))
             stage[:, hidden:hidden + 4 * lay.num_scales].copy_(scales.view(torch.uint8))
-        else:
+        elif not fp8:
             stage.copy_(x.view(torch.uint8))
         flat = topk_idx.reshape(-1).long()
         entries = (flat >= 0).nonzero().squeeze(1)
