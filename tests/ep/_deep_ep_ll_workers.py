@@ -40,6 +40,8 @@ def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     ``num_nvl_bytes``), then calls of other shapes (each refused), and a round that still works.
     Returns ``{"rounds": [ll_rounds' entries], "report": {call: "ok" or the error}}``."""
     dev = "cuda" if case.get("cuda") else "cpu"  # on a GPU the low-latency Buffer runs its device path
+    if case.get("cuda"):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     mine = {k: v.to(dev) for k, v in ll_inputs(case)[rank].items()}
     tokens, hidden, experts, topk = max(case["tokens"]), case["hidden"], case["experts"], case["topk"]
     local = experts // num_ranks

@@ -72,6 +72,10 @@ def _device(case: dict) -> str:
 
 
 def _mine(case: dict, rank: int) -> dict:
+    """This rank's inputs where the case runs; on GPUs each rank takes GPU ``rank % count`` first
+    (ranks share GPUs when there are fewer GPUs than ranks)."""
+    if _device(case) == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     return {k: v.to(_device(case)) for k, v in ll_inputs(case)[rank].items()}
 
 

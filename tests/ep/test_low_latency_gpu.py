@@ -1,6 +1,6 @@
-"""Low-latency mode's device path (ep.low_latency._device) on a GPU, ranks sharing it: the CPU
-tests' cases and oracle (test_low_latency.py), CUDA graph replays, and failures raised by a later
-call."""
+"""Low-latency mode's device path (ep.low_latency._device) on GPUs, rank r on GPU r % count (on one
+GPU the ranks share it; on several the rows cross NVLink): the CPU tests' cases and oracle
+(test_low_latency.py), CUDA graph replays, and failures raised by a later call."""
 
 from __future__ import annotations
 

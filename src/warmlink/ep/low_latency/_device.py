@@ -49,7 +49,7 @@ from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
 __all__ = ["DevicePath", "build_kernels", "call_tag"]
 
-STATE_WORDS = 9  # seq of (dispatch, combine) x parity, failed, bad input, three done counters
+STATE_WORDS = 16  # seq of (dispatch, combine) x parity, failed, bad input by parity, done counters (_triton)
 F_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED = 1, 2, 3, 4
 _SLOT_BLOCK = 256
 _KERNELS = ("slots_kernel", "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel")
@@ -101,8 +101,9 @@ class DevicePath:
         lay = layout
         self.bases = torch.tensor([bases[r] for r in range(lay.num_ranks)], dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
-        self.slots = torch.empty(lay.max_tokens * lay.num_topk, dtype=torch.int32, device=device)
-        self.counts = torch.empty(lay.num_experts, dtype=torch.int32, device=device)
+        # per parity, as every word a send writes: two calls may run on two streams at once
+        self.slots = torch.empty(2, lay.max_tokens * lay.num_topk, dtype=torch.int32, device=device)
+        self.counts = torch.empty(2, lay.num_experts, dtype=torch.int32, device=device)
         # read by the next call on the host, written by any kernel that fails (mapped: UVA)
         self.fail = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
         self._off = {name: {p: lay.offset(f"{name}.{p}") for p in range(2)} for name in ("disp", "disp_meta", "signal",
@@ -122,11 +123,12 @@ class DevicePath:
         mask of the entries sent, ``topk_idx >= 0``, in its top-left ``[N, K]``."""
         lay, k = self.layout, self.kernels
         n, num_cols = topk_idx.shape
-        launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, self.slots, self.counts, self.state, dispatched,
-                                                        n * num_cols, num_cols, lay.num_experts),
+        slots, counts = self.slots[p], self.counts[p]
+        launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, slots, counts, self.state, dispatched, n * num_cols,
+                                                        num_cols, lay.num_experts, p),
                {"NUM_TOPK": lay.num_topk, "BLOCK": _SLOT_BLOCK})
         launch(k.dispatch_send_kernel, (max(n, 1),),
-               (x, topk_idx, self.slots, self.counts, self.bases, self.state, self.fail.data_ptr(), self.rank, n,
+               (x, topk_idx, slots, counts, self.bases, self.state, self.fail.data_ptr(), self.rank, n,
                 num_cols, tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],
                 self._words(p, "dispatch_ack"), p, tag, self.timeout_ns),
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "LOCAL": lay.local_experts,

@@ -11,11 +11,13 @@ import triton.language as tl
 from warmlink.ep._triton import device_clock_ns, fence_system
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
+# (words 0-3: the sequence numbers of dispatch and combine, by parity: a kernel's ``seq_slot``)
 S_FAILED = tl.constexpr(4)  # a wait timed out: every later kernel does nothing
-S_BAD = tl.constexpr(5)  # this dispatch's topk_idx holds an id outside [-1, E)
-S_DONE_DISPATCH = tl.constexpr(6)  # programs of the running kernel that finished (the last one signals)
-S_DONE_COMBINE = tl.constexpr(7)
-S_DONE_RECV = tl.constexpr(8)
+S_BAD = tl.constexpr(5)  # + seq_slot: this parity's dispatch holds an expert id outside [-1, E)
+# + seq_slot: programs of a send / receive kernel that finished (the last one signals); per phase
+# and parity, so that calls of the two parities may run on two streams at once
+S_DONE_SEND = tl.constexpr(8)
+S_DONE_RECV = tl.constexpr(12)
 # Failure codes, in the pinned host word the next call reads
 F_TIMEOUT = tl.constexpr(1)
 F_MISMATCH = tl.constexpr(2)
@@ -54,6 +56,7 @@ def spin(ptrs, mask, want, start, timeout_ns, SHIFT: tl.constexpr, AT_LEAST: tl.
             missing = tl.sum((mask & ((words >> SHIFT) != want)).to(tl.int32), 0)
         late = ((device_clock_ns() - start) > timeout_ns).to(tl.int32)
     late = (missing > 0).to(tl.int32)
+    tl.debug_barrier()  # the rows this program reads next are ordered after the acquire, in every thread
     return words, late
 
 
@@ -81,7 +84,7 @@ def last_program(state_ptr, slot, total):
 
 # -- dispatch ---------------------------------------------------------------------------------------
 @triton.jit
-def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, mask_ptr, num_entries, num_cols, num_experts,
+def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, mask_ptr, num_entries, num_cols, num_experts, seq_slot,
                  NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr):
     # program e < E: the slot of each (token, column) that goes to expert e (its rank among this
     # rank's rows to e, in token order) and e's count; program E: whether any id is out of range,
@@ -105,7 +108,7 @@ def slots_kernel(topk_ptr, slot_ptr, count_ptr, state_ptr, mask_ptr, num_entries
             v = tl.load(topk_ptr + i, mask=i < num_entries, other=-1).to(tl.int64)
             bad += tl.sum(((v < -1) | (v >= num_experts)).to(tl.int32), 0)
             tl.store(mask_ptr + (i // num_cols) * NUM_TOPK + i % num_cols, v >= 0, mask=i < num_entries)
-        tl.store(state_ptr + S_BAD, (bad > 0).to(tl.int64))
+        tl.store(state_ptr + S_BAD + seq_slot, (bad > 0).to(tl.int64))
 
 
 @triton.jit
@@ -129,7 +132,7 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
     if late != 0:
         report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(rm, words, q - 1, r, 0, True))
         tl.store(state_ptr + S_FAILED, 1)
-    go = (tl.load(state_ptr + S_FAILED, volatile=True) == 0) & (tl.load(state_ptr + S_BAD) == 0)
+    go = (tl.load(state_ptr + S_FAILED, volatile=True) == 0) & (tl.load(state_ptr + S_BAD + seq_slot) == 0)
     if go & (t < num_tokens):
         nb = tl.arange(0, H_BLOCK // 128)
         w = tl.arange(0, H_BLOCK // 8) if FP8 else tl.arange(0, H_BLOCK // 4)
@@ -162,9 +165,9 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
                 else:
                     tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 4)
                 tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + k)
-    if last_program(state_ptr, S_DONE_DISPATCH, tl.num_programs(0)):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, tl.num_programs(0)):
         if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
-            refused = tl.load(state_ptr + S_BAD) != 0
+            refused = tl.load(state_ptr + S_BAD + seq_slot) != 0
             el = tl.arange(0, L_BLOCK)
             m = el < LOCAL
             for d in range(NUM_RANKS):
@@ -252,7 +255,7 @@ def dispatch_recv_kernel(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, sr
                     meta = tl.load((own + meta_off + slot * 8).to(tl.pointer_type(tl.int64)))
                     tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32))
                     tl.store(comb_slot_ptr + flat, meta)
-    if last_program(state_ptr, S_DONE_RECV, tl.num_programs(0) * tl.num_programs(1)):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, tl.num_programs(0) * tl.num_programs(1)):
         if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
             acks = (tl.load(bases_ptr + r, mask=rm, other=0) + ack_off + me * 8).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(acks, q + tl.zeros([R_BLOCK], dtype=tl.int64), mask=rm, sem="release", scope="sys")
@@ -289,7 +292,7 @@ def combine_send_kernel(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, f
             data = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, mask=w < words_per_row)
             tl.store((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)) + w, data,
                      mask=w < words_per_row)
-    if last_program(state_ptr, S_DONE_COMBINE, tl.num_programs(0) * tl.num_programs(1)):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, tl.num_programs(0) * tl.num_programs(1)):
         if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
             at = (tl.load(bases_ptr + r, mask=rm, other=0) + comb_signal_off + me * 8).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(at, (q << 32) | (tag + tl.zeros([R_BLOCK], dtype=tl.int64)), mask=rm, sem="release",
@@ -340,7 +343,7 @@ def combine_recv_kernel(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wai
                     else:  # a row no rank sent: refuse rather than sum stale bytes
                         report(fail_ptr, F_UNMASKED, seq_slot, q, me)
             tl.store(out_ptr + t * HIDDEN + cols, acc.to(tl.bfloat16), mask=in_row)
-    if last_program(state_ptr, S_DONE_RECV, tl.num_programs(0)):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, tl.num_programs(0)):
         if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
             acks = (tl.load(bases_ptr + r, mask=rm, other=0) + ack_off + me * 8).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(acks, q + tl.zeros([R_BLOCK], dtype=tl.int64), mask=rm, sem="release", scope="sys")
