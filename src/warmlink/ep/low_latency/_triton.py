@@ -200,13 +200,15 @@ def dispatch_recv_kernel(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, sr
     if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
         signals = (own + signal_off + (e * NUM_RANKS + r) * 8).to(tl.pointer_type(tl.int64))
         start = device_clock_ns()
-        words, late = spin(signals, r == s, q, start, timeout_ns, 32, False)
+        waited = r == s
+        words, late = spin(signals, waited, q, start, timeout_ns, 32, False)
         if HAS_WAIT & (e == 0):
             tl.atomic_add(wait_stats_ptr + s, device_clock_ns() - start)
         if late == 0:
-            words, late = spin(signals, rm, q, start, timeout_ns, 32, False)
-        if late != 0:
-            report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(rm, words, q, r, 32, False))
+            waited = rm
+            words, late = spin(signals, waited, q, start, timeout_ns, 32, False)
+        if late != 0:  # the rank named is one this program waited for (its other words were not read)
+            report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(waited, words, q, r, 32, False))
             tl.store(state_ptr + S_FAILED, 1)
         else:
             counts = words & 0xFFFFFF
