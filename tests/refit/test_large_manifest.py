@@ -1,5 +1,5 @@
 """A manifest past TCPStore's 8 MiB value limit: 40,000 DeepSeek-V3-shaped tensors published over shm,
-planned against and partly refitted in this process (Note [Blobs] in warmlink.rendezvous.store).
+planned against and partly refitted in this process (Note [Blobs] in warmlink.rendezvous._blobs).
 
 Tensors are tiny (``warmlink.bench.manifest``: widths / 128); their number is what makes the manifest
 large. One publisher is exported once for the module; tests that need other publishers use small ones.

@@ -1,5 +1,5 @@
 """Values past TCPStore's 8 MiB limit: ``Store.set`` refuses them, ``set_blob``/``get_blob`` chunk them
-(Note [Blobs] in warmlink.rendezvous.store). A real TCPStore server on 127.0.0.1, no GPU."""
+(Note [Blobs] in warmlink.rendezvous._blobs). A real TCPStore server on 127.0.0.1, no GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
-from warmlink.rendezvous.store import _BLOB_MAGIC, Store
+from warmlink.rendezvous._blobs import BLOB_MAGIC
+from warmlink.rendezvous.store import Store
 
 CHUNK = schema.MIN_CHUNK_BYTES
 
@@ -25,12 +26,12 @@ def server():
 
 def _header(store: Store, key: str) -> dict:
     raw = store.try_get(key)
-    assert raw is not None and raw.startswith(_BLOB_MAGIC)
-    return json.loads(raw[len(_BLOB_MAGIC):])
+    assert raw is not None and raw.startswith(BLOB_MAGIC)
+    return json.loads(raw[len(BLOB_MAGIC):])
 
 
 def _set_header(store: Store, key: str, header: dict) -> None:
-    store.set(key, _BLOB_MAGIC + json.dumps(header).encode())
+    store.set(key, BLOB_MAGIC + json.dumps(header).encode())
 
 
 def _chunk(key: str, header: dict, idx: int) -> str:
@@ -76,7 +77,7 @@ def test_small_blob_is_one_plain_value(server: Store) -> None:
     server.set_blob("empty", b"")
     assert server.get_blob("empty") == b""
     # Data that looks like a header is always chunked, so it is never read as one.
-    fake = _BLOB_MAGIC + b'{"kind": "blob_header"}'
+    fake = BLOB_MAGIC + b'{"kind": "blob_header"}'
     server.set_blob("fake", fake)
     assert server.get_blob("fake") == fake and _header(server, "fake")["num_chunks"] == 1
 
@@ -132,7 +133,7 @@ def _corrupt(store: Store, key: str, header: dict, what: str) -> None:
     elif what == "extra-field":
         _set_header(store, key, {**header, "nonce": 1})
     elif what == "not-json":
-        store.set(key, _BLOB_MAGIC + b"{not json")
+        store.set(key, BLOB_MAGIC + b"{not json")
     else:
         raise AssertionError(what)
 

@@ -11,7 +11,7 @@ time (``time.process_time``, steadier on a shared host), in this one process:
 
 * **export**, per publisher rank: ``Publisher.export()``, which builds the manifest, validates it
   (``schema.encode``), writes it to the store (a blob past 4 MiB, Note [Blobs] in
-  ``rendezvous.store``) and copies the tensors into staging once. Declaring the tensors (``add``)
+  ``rendezvous._blobs``) and copies the tensors into staging once. Declaring the tensors (``add``)
   is timed apart.
 * **first plan** of a receiver, per receiver layout: what its first refit does before it
   allocates: read every rank's manifest (``Store.get_blob``), validate it (``schema.decode``),

@@ -9,7 +9,7 @@ keeps metadata from peers validated (DESIGN invariant 3); all are off with pooli
   through the same ``Store`` object, keeps that manifest and its generation instead of drawing a new
   generation and writing the manifest again. The stored bytes are read back first (one round trip;
   a manifest past one store value is a blob, read back and checked whole, Note [Blobs] in
-  ``rendezvous.store``) and must still be exactly what was written. A generation is reused only
+  ``rendezvous._blobs``) and must still be exactly what was written. A generation is reused only
   through the ``Store`` object that drew it: another server (a restarted one at the same address)
   may have handed out the same number for other content. Equal manifests name the same process, regions and offsets,
   so receivers holding that generation hold valid mappings.

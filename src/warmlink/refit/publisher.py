@@ -264,7 +264,7 @@ class Publisher(Closing):
         generation = self.store.next_generation(f"pub/{self.rank}")
         manifest["peer"]["generation"] = generation
         raw = schema.encode(manifest)  # validated: a bad manifest is refused before it is published
-        # A blob: manifests of large models pass one store value (Note [Blobs] in rendezvous.store).
+        # A blob: manifests of large models pass one store value (Note [Blobs] in rendezvous._blobs).
         self.store.set_blob(protocol.manifest_key(self.rank, generation), raw)
         if pool.enabled():
             _exported.put(self.store, self.rank, (generation, manifest, raw))

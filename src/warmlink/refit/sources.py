@@ -114,7 +114,7 @@ class SourceSet:
 
     def _load(self, rank: int, generation: int) -> _Source:
         peer_name = f"publisher/{rank}"
-        try:  # a blob: See Note [Blobs] in rendezvous.store
+        try:  # a blob: See Note [Blobs] in rendezvous._blobs
             raw = self.store.get_blob(protocol.manifest_key(rank, generation))
         except MetadataError as e:
             raise MetadataError(f"publisher manifest from peer={peer_name!r}: {e}") from None

@@ -23,7 +23,7 @@ characters. ``mem="DRAM"`` goes with ``device=-1``, ``mem="VRAM"`` with a device
 
 # Note [Blob header]
 A value larger than one store value (``MAX_VALUE_BYTES``) travels as chunks under sub-keys and a
-``blob_header`` under its key (Note [Blobs] in ``rendezvous.store``): ``nbytes`` of data, at
+``blob_header`` under its key (Note [Blobs] in ``rendezvous._blobs``): ``nbytes`` of data, at
 most ``MAX_PAYLOAD_BYTES``, cut into ``num_chunks`` chunks of ``chunk_nbytes`` (the last one
 shorter), and the lowercase hex SHA-256 of the whole. The counts must agree before a reader
 fetches any chunk, so the header alone bounds what a reader buffers.

@@ -29,19 +29,6 @@ Found on torch 2.9+ (libuv backend) and worked around here:
   connection for good. ``set`` and ``compare_set`` refuse values over ``schema.MAX_VALUE_BYTES``
   (8 MiB less room for the MAC) before sending anything; larger data goes through ``set_blob``.
 
-# Note [Blobs]
-``set_blob`` stores up to ``schema.MAX_PAYLOAD_BYTES``. Data that fits one chunk is stored as it is
-under its key (one round trip, as ``set``). Larger data is cut into chunks stored under
-``{key}/blob/{sha256}/{i}``, written first, and then a header (``_BLOB_MAGIC`` and a JSON
-``blob_header``, Note [Blob header] in ``rendezvous.schema``) is written under the key, last: a
-reader that sees the header sees every chunk. Chunk keys are named by the digest of the whole, so
-an overwrite never mixes old and new chunks: a reader fetches the chunks of the header it read,
-checks their count and sizes (no chunk past the last either, which a writer removes) and the
-digest, and raises MetadataError naming the key otherwise. Data that itself starts with ``_BLOB_MAGIC`` always takes
-the chunked form, so the value under a key is never read as the other form. Superseded chunks are
-left in place (a reader may still be fetching them): refit writes each manifest once, under a key
-of its own generation.
-
 # Note [Store deadlines]
 Every call ends by its limit, even when the server is stopped or the network partitions. A call's
 limit is its ``timeout_s`` (default: the store's), cut to what is left of the enclosing
@@ -65,7 +52,6 @@ times out says what it waited for rather than that its last round trip was cut s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 import logging
 import math
@@ -82,16 +68,14 @@ from warmlink import _env
 from warmlink._backoff import wait_until
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferError, TransferTimeout, WarmlinkError
 from warmlink.rendezvous import _client, _mac, schema
+from warmlink.rendezvous._blobs import BlobMethods, as_bytes
 
 __all__ = ["Store"]
 
 logger = logging.getLogger("warmlink.rendezvous")
 
 _MAX_KEY_CHARS = 1024
-_MAX_BLOB_KEY_CHARS = _MAX_KEY_CHARS - 128  # room for "/blob/{sha256}/{i}"
 _GENERATION_PREFIX = "__generation__/"
-_BLOB_MAGIC = b"\x00warmlink.blob\x00"  # See Note [Blobs]
-_CHUNK_BYTES = 4 << 20  # set_blob's default: a 12 MB manifest is three chunks
 _MIN_CALL_S = 0.25  # the least time one round trip gets. See Note [Store deadlines]
 
 
@@ -102,14 +86,6 @@ def _timeout(value: float | None, func: str, *, zero: bool = False) -> float:
         raise ConfigError(f"{func}: timeout_s={seconds!r} invalid; expected a finite number of seconds "
                           f"{'>=' if zero else '>'} 0")
     return float(seconds)
-
-
-def _as_bytes(value: bytes | bytearray | memoryview | str, func: str, key: str) -> bytes:
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    raise ConfigError(f"{func}: value for key={key!r} has type {type(value).__name__}; expected bytes or str")
 
 
 def _fits(value: bytes, func: str, key: str) -> bytes:
@@ -134,11 +110,7 @@ def _counter(value: int, func: str, key: str) -> int:
     return value
 
 
-def _chunk_key(key: str, digest: str, idx: int) -> str:
-    return f"{key}/blob/{digest}/{idx}"
-
-
-class Store:
+class Store(BlobMethods):
     """Rendezvous key-value store. Owns the TCPStore server when ``is_server=True``.
 
     Args:
@@ -393,7 +365,7 @@ class Store:
                 the connection stays usable. Larger data goes through ``set_blob``.
             TransferTimeout: the store did not take it within ``timeout_s``.
         """
-        value = _fits(_as_bytes(value, "Store.set", key), "Store.set", self._key(key, "set"))
+        value = _fits(as_bytes(value, "Store.set", key), "Store.set", self._key(key, "set"))
         value = self._mac.seal(key, value)
         self._call("set", key, "set", key, value, limit_s=self._limit(timeout_s, "Store.set"), nbytes=len(value),
                    confirm=True)
@@ -496,7 +468,7 @@ class Store:
             MetadataError: the value now stored fails its MAC (names ``key``).
         """
         self._key(key, "compare_set")
-        exp, des = (_fits(_as_bytes(v, "Store.compare_set", key), "Store.compare_set", key) for v in (expected, desired))
+        exp, des = (_fits(as_bytes(v, "Store.compare_set", key), "Store.compare_set", key) for v in (expected, desired))
         exp, des = (exp and self._mac.seal(key, exp)), self._mac.seal(key, des)
         now = bytes(self._call("compare_set", key, "compare_set", key, exp, des,
                                limit_s=self._limit(timeout_s, "Store.compare_set"), nbytes=len(exp) + len(des)))
@@ -539,103 +511,6 @@ class Store:
         """Wait for ``key`` and return its payload, validated by ``schema.decode(raw, expected_kind, peer)``.
         Raises MetadataError naming ``key`` and ``peer`` for a value that fails its MAC."""
         return schema.decode(self.get(key, timeout_s=timeout_s, peer=peer), expected_kind, peer)
-
-    # -- blobs: values past one store value (Note [Blobs]) ---------------------------------------------
-    def set_blob(self, key: str, data: bytes | str, *, chunk_nbytes: int = _CHUNK_BYTES,
-                 timeout_s: float | None = None) -> None:
-        """Store ``data`` of up to ``schema.MAX_PAYLOAD_BYTES`` (64 MiB) under ``key``, for ``get_blob``.
-
-        Args:
-            key: at most 896 characters (chunk keys extend it).
-            data: bytes, or str as UTF-8. Up to ``chunk_nbytes`` it is stored as one value.
-            chunk_nbytes: bytes per chunk, ``schema.MIN_CHUNK_BYTES`` (1 KiB) to
-                ``schema.MAX_VALUE_BYTES`` (8 MiB less 64 bytes); default 4 MiB.
-            timeout_s: seconds for every round trip together (None: the store's).
-
-        Raises:
-            MetadataError: ``data`` is over ``schema.MAX_PAYLOAD_BYTES``; nothing is written.
-            ConfigError: a bad key or ``chunk_nbytes``.
-            TransferTimeout: the store did not take it all within ``timeout_s``.
-
-        Blocking? One round trip per chunk, plus one for the header. Warm path? No: for metadata
-        written once (manifests).
-        """
-        func = "Store.set_blob"
-        data = _as_bytes(data, func, self._blob_key(key, "set_blob"))
-        if type(chunk_nbytes) is not int or not schema.MIN_CHUNK_BYTES <= chunk_nbytes <= schema.MAX_VALUE_BYTES:
-            raise ConfigError(f"{func}: chunk_nbytes={chunk_nbytes!r} out of range; expected an int in "
-                              f"[{schema.MIN_CHUNK_BYTES}, {schema.MAX_VALUE_BYTES}] bytes")
-        if len(data) > schema.MAX_PAYLOAD_BYTES:
-            raise MetadataError(f"{func}: key={key!r}: data of {len(data)} bytes exceeds the limit; expected at most "
-                                f"{schema.MAX_PAYLOAD_BYTES} bytes (schema.MAX_PAYLOAD_BYTES)")
-        with self.deadline(self._limit(timeout_s, func)):
-            self._write_blob(key, data, chunk_nbytes)
-
-    def _write_blob(self, key: str, data: bytes, chunk_nbytes: int) -> None:
-        if len(data) <= chunk_nbytes and not data.startswith(_BLOB_MAGIC):
-            self.set(key, data)
-            return
-        digest = hashlib.sha256(data).hexdigest()
-        num_chunks = -(-len(data) // chunk_nbytes)
-        for i in range(num_chunks):  # every chunk before the header: See Note [Blobs]
-            self.set(_chunk_key(key, digest, i), data[i * chunk_nbytes : (i + 1) * chunk_nbytes])
-        self.delete(_chunk_key(key, digest, num_chunks))  # a stray one past the last: readers refuse it
-        header = {"schema_version": 1, "kind": "blob_header", "nbytes": len(data), "chunk_nbytes": chunk_nbytes,
-                  "num_chunks": num_chunks, "sha256": digest}
-        self.set(key, _BLOB_MAGIC + schema.encode(header))
-
-    def get_blob(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes:
-        """Wait until ``key`` exists and return the data ``set_blob`` stored there, checked whole.
-
-        Raises:
-            TransferTimeout: ``key`` did not appear within ``timeout_s`` (``None``: the store's).
-            MetadataError: a bad header, or chunks missing, extra, of the wrong size or not matching
-                the header's SHA-256, or a header or chunk that fails its MAC (names the key, and
-                ``peer``, who is expected to have written it, where given). Memory is bounded by the
-                header's checked ``nbytes``, at most ``schema.MAX_PAYLOAD_BYTES``.
-        """
-        with self.deadline(self._limit(timeout_s, "Store.get_blob")):
-            value = self.get(self._blob_key(key, "get_blob"), timeout_s=timeout_s, peer=peer)
-            return self._read_blob(key, value, "get_blob", peer)
-
-    def try_get_blob(self, key: str, *, timeout_s: float | None = None, peer: str | None = None) -> bytes | None:
-        """As ``get_blob``, but ``None`` at once when ``key`` is absent."""
-        with self.deadline(self._limit(timeout_s, "Store.try_get_blob")):
-            value = self.try_get(self._blob_key(key, "try_get_blob"), peer=peer)
-            return None if value is None else self._read_blob(key, value, "try_get_blob", peer)
-
-    def _read_blob(self, key: str, value: bytes, func: str, peer: str | None) -> bytes:
-        if not value.startswith(_BLOB_MAGIC):
-            return value
-        where = f"Store.{func}: key={key!r}"
-        try:
-            header = schema.decode(value[len(_BLOB_MAGIC) :], "blob_header", self.address if peer is None else peer)
-        except MetadataError as e:
-            raise MetadataError(f"{where}: {e}") from None
-        nbytes, chunk_nbytes, num_chunks, digest = (header[k] for k in ("nbytes", "chunk_nbytes", "num_chunks", "sha256"))
-        sha, chunks = hashlib.sha256(), []
-        for i in range(num_chunks):
-            got = self.try_get(_chunk_key(key, digest, i), peer=peer)
-            want = min(chunk_nbytes, nbytes - i * chunk_nbytes)
-            if got is None or len(got) != want:
-                raise MetadataError(
-                    f"{where}: chunk {i} of num_chunks={num_chunks} is "
-                    f"{'missing' if got is None else f'{len(got)} bytes'}; expected {want} bytes"
-                )
-            sha.update(got)
-            chunks.append(got)
-        if self._fetch(_chunk_key(key, digest, num_chunks), func, self._limit(None, f"Store.{func}")) is not None:
-            raise MetadataError(f"{where}: a chunk {num_chunks} exists; expected num_chunks={num_chunks} chunks")
-        if sha.hexdigest() != digest:
-            raise MetadataError(f"{where}: SHA-256 of the chunks is {sha.hexdigest()}; expected {digest} from its header")
-        return b"".join(chunks)
-
-    def _blob_key(self, key: str, func: str) -> str:
-        if not isinstance(key, str) or not 1 <= len(key) <= _MAX_BLOB_KEY_CHARS:
-            raise ConfigError(
-                f"Store.{func}: key={key!r} invalid; expected a string of 1 to {_MAX_BLOB_KEY_CHARS} characters"
-            )
-        return key
 
     def next_generation(self, slot: str, *, timeout_s: float | None = None) -> int:
         """Bump and return the generation counter of ``slot`` (e.g. ``"pub/1"``); the first call returns 1."""
