@@ -102,19 +102,18 @@ class DevicePath:
         self.bases = torch.tensor([bases[r] for r in range(lay.num_ranks)], dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
         # per parity, as every word a send writes: two calls may run on two streams at once
-        self.slots = torch.empty(2, lay.max_tokens * lay.num_topk, dtype=torch.int32, device=device)
-        self.counts = torch.empty(2, lay.num_experts, dtype=torch.int32, device=device)
+        self.slots = list(torch.empty(2, lay.max_tokens * lay.num_topk, dtype=torch.int32, device=device))
+        self.counts = list(torch.empty(2, lay.num_experts, dtype=torch.int32, device=device))
         # read by the next call on the host, written by any kernel that fails (mapped: UVA)
         self.fail = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
+        self._fail_words, self._fail_ptr = self.fail.numpy(), self.fail.data_ptr()  # read on every call
         self._off = {name: {p: lay.offset(f"{name}.{p}") for p in range(2)} for name in ("disp", "disp_meta", "signal",
-                                                                                          "comb", "words")}
+                                                                                          "comb")}
+        # the parts of each parity's words area (ep.low_latency._layout): combine signals, then acks
+        for part, at in (("comb_signal", 0), ("dispatch_ack", lay.num_ranks), ("combine_ack", 2 * lay.num_ranks)):
+            self._off[part] = {p: lay.offset(f"words.{p}") + 8 * at for p in range(2)}
         self._r_block = _pow2(lay.num_ranks, 2)
         self._h_block = _pow2(lay.hidden, 128)
-
-    def _words(self, p: int, part: str) -> int:
-        """Byte offset of the ``part`` of parity ``p``'s words area (ep.low_latency._layout)."""
-        r = self.layout.num_ranks
-        return self._off["words"][p] + 8 * {"comb_signal": 0, "dispatch_ack": r, "combine_ack": 2 * r}[part]
 
     # -- dispatch ---------------------------------------------------------------------------------
     def send_dispatch(self, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool, round_scale: bool,
@@ -123,14 +122,14 @@ class DevicePath:
         mask of the entries sent, ``topk_idx >= 0``, in its top-left ``[N, K]``."""
         lay, k = self.layout, self.kernels
         n, num_cols = topk_idx.shape
-        slots, counts = self.slots[p], self.counts[p]
+        slots, counts = self.slots[p], self.counts[p]  # views made once
         launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, slots, counts, self.state, dispatched, n * num_cols,
                                                         num_cols, lay.num_experts, p),
                {"NUM_TOPK": lay.num_topk, "BLOCK": _SLOT_BLOCK})
         launch(k.dispatch_send_kernel, (max(n, 1),),
-               (x, topk_idx, slots, counts, self.bases, self.state, self.fail.data_ptr(), self.rank, n,
+               (x, topk_idx, slots, counts, self.bases, self.state, self._fail_ptr, self.rank, n,
                 num_cols, tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],
-                self._words(p, "dispatch_ack"), p, tag, self.timeout_ns),
+                self._off["dispatch_ack"][p], p, tag, self.timeout_ns),
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "LOCAL": lay.local_experts,
                 "L_BLOCK": _pow2(lay.local_experts, 2), "HIDDEN": lay.hidden, "H_BLOCK": self._h_block,
                 "NUM_TOPK": lay.num_topk, "FP8": fp8, "ROUND_SCALE": round_scale}, num_warps=8)
@@ -143,9 +142,9 @@ class DevicePath:
         launch(self.kernels.dispatch_recv_kernel, (lay.local_experts, lay.num_ranks),
                (self.bases, out.x, scales, out.count, out.src_info, out.layout_range, out.comb_slot,
                 cumulative_stats if cumulative_stats is not None else out.count,
-                wait_stats if wait_stats is not None else self.state, self.state, self.fail.data_ptr(), self.rank,
+                wait_stats if wait_stats is not None else self.state, self.state, self._fail_ptr, self.rank,
                 tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],
-                self._words(p, "dispatch_ack"), p, tag, self.timeout_ns),
+                self._off["dispatch_ack"][p], p, tag, self.timeout_ns),
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "LOCAL": lay.local_experts, "HIDDEN": lay.hidden,
                 "W_BLOCK": _pow2(words, 16), "NUM_TOPK": lay.num_topk, "FP8": fp8, "UE8M0": ue8m0,
                 "S_BLOCK": _pow2(lay.num_scales, 4), "HAS_CUM": cumulative_stats is not None,
@@ -155,9 +154,9 @@ class DevicePath:
     def send_combine(self, p: int, x: torch.Tensor, handle, tag: int) -> None:
         lay = self.layout
         launch(self.kernels.combine_send_kernel, (lay.local_experts, lay.num_ranks),
-               (x, handle.layout_range, handle.comb_slot, self.bases, self.state, self.fail.data_ptr(), self.rank,
+               (x, handle.layout_range, handle.comb_slot, self.bases, self.state, self._fail_ptr, self.rank,
                 lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, self._off["comb"][p],
-                self._words(p, "comb_signal"), self._words(p, "combine_ack"), 2 + p, tag, self.timeout_ns),
+                self._off["comb_signal"][p], self._off["combine_ack"][p], 2 + p, tag, self.timeout_ns),
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "HIDDEN": lay.hidden,
                 "W_BLOCK": _pow2(lay.hidden // 4, 16)}, num_warps=4)
 
@@ -167,8 +166,8 @@ class DevicePath:
         n, num_cols = topk_idx.shape
         launch(self.kernels.combine_recv_kernel, (max(n, 1),),
                (self.bases, topk_idx, topk_weights, dispatched, out, wait_stats if wait_stats is not None else self.state,
-                self.state, self.fail.data_ptr(), self.rank, n, num_cols, self._off["comb"][p],
-                self._words(p, "comb_signal"), self._words(p, "combine_ack"), 2 + p, tag, self.timeout_ns),
+                self.state, self._fail_ptr, self.rank, n, num_cols, self._off["comb"][p],
+                self._off["comb_signal"][p], self._off["combine_ack"][p], 2 + p, tag, self.timeout_ns),
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "HIDDEN": lay.hidden, "H_BLOCK": self._h_block,
                 "NUM_TOPK": lay.num_topk, "HAS_WAIT": wait_stats is not None}, num_warps=8)
 
@@ -176,12 +175,13 @@ class DevicePath:
     def failure(self) -> tuple[int, str, int, int] | None:
         """``(code, phase, seq, rank)`` a kernel reported, or None; a code other than
         ``F_TIMEOUT`` is cleared (it is raised once). Reads pinned memory: no synchronisation."""
-        code = int(self.fail[0])
+        words = self._fail_words
+        code = int(words[0])
         if not code:
             return None
-        slot, seq, rank = (int(v) for v in self.fail[1:].tolist())
+        slot, seq, rank = (int(v) for v in words[1:])
         if code != F_TIMEOUT:
-            self.fail[0] = 0
+            words[0] = 0
         return code, "dispatch" if slot < 2 else "combine", seq, rank
 
     def failure_error(self, func: str, device: int, refs: dict) -> Exception | None:

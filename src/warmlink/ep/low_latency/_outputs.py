@@ -16,7 +16,7 @@ from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
 __all__ = ["Outputs", "ParityViews"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParityViews:
     """The views one call fills: ``x`` (BF16 ``[L, R*Tc, H]`` or FP8 data of that shape),
     ``scales`` (float32 ``[L, R*Tc, S]`` or int32 ``[L, R*Tc, ceil(S/4)]``, column-major in the last two
@@ -51,8 +51,17 @@ class Outputs:
         self._comb_slot = each(rows, torch.int64)
         self._layout_range = each(layout.num_experts, torch.int64)
         self._dispatched = each(layout.max_tokens * layout.num_topk, torch.bool)
+        self._views: dict[tuple, ParityViews] = {}
 
     def views(self, p: int, tokens: int, fp8: bool, ue8m0: bool) -> ParityViews:
+        """The views of parity ``p`` for a call of ``tokens`` (made once per shape: the storage is fixed)."""
+        key = (p, tokens, fp8, ue8m0)
+        got = self._views.get(key)
+        if got is None:
+            got = self._views[key] = self._make_views(p, tokens, fp8, ue8m0)
+        return got
+
+    def _make_views(self, p: int, tokens: int, fp8: bool, ue8m0: bool) -> ParityViews:
         lay = self.layout
         num_local, per_expert, hidden = lay.local_experts, lay.num_ranks * tokens, lay.hidden
         rows = num_local * per_expert

@@ -70,6 +70,18 @@ def first_missing(mask, words, want, r, SHIFT: tl.constexpr, AT_LEAST: tl.conste
 
 
 @triton.jit
+def wait_or_fail(ptrs, mask, want, start, timeout_ns, r, state_ptr, fail_ptr, seq_slot, q,
+                 SHIFT: tl.constexpr, AT_LEAST: tl.constexpr):
+    # spin; past the deadline report a rank among those this wait read, and mark the device state
+    # failed (every later kernel does nothing); returns the words and 1 if the wait timed out
+    words, late = spin(ptrs, mask, want, start, timeout_ns, SHIFT, AT_LEAST)
+    if late != 0:
+        report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(mask, words, want, r, SHIFT, AT_LEAST))
+        tl.store(state_ptr + S_FAILED, 1)
+    return words, late
+
+
+@triton.jit
 def last_program(state_ptr, slot, total):
     # every thread's earlier stores reach the system, then count this program done; 1 in the
     # program that finished last (it resets the count for the next call)
@@ -128,10 +140,7 @@ def dispatch_send_kernel(x_ptr, topk_ptr, slot_ptr, count_ptr, bases_ptr, state_
     # every destination received this parity's previous round (its ack word here), so nothing it
     # has not read yet is overwritten (Note [Low-latency device path])
     acks = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
-    words, late = spin(acks, rm, q - 1, device_clock_ns(), timeout_ns, 0, True)
-    if late != 0:
-        report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(rm, words, q - 1, r, 0, True))
-        tl.store(state_ptr + S_FAILED, 1)
+    wait_or_fail(acks, rm, q - 1, device_clock_ns(), timeout_ns, r, state_ptr, fail_ptr, seq_slot, q, 0, True)
     go = (tl.load(state_ptr + S_FAILED, volatile=True) == 0) & (tl.load(state_ptr + S_BAD + seq_slot) == 0)
     if go & (t < num_tokens):
         nb = tl.arange(0, H_BLOCK // 128)
@@ -200,17 +209,15 @@ def dispatch_recv_kernel(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, sr
     if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
         signals = (own + signal_off + (e * NUM_RANKS + r) * 8).to(tl.pointer_type(tl.int64))
         start = device_clock_ns()
-        waited = r == s
-        words, late = spin(signals, waited, q, start, timeout_ns, 32, False)
+        # source s first (the wait its stats count), then every source (the counts below it)
+        words, late = wait_or_fail(signals, r == s, q, start, timeout_ns, r, state_ptr, fail_ptr, seq_slot, q, 32,
+                                   False)
         if HAS_WAIT & (e == 0):
             tl.atomic_add(wait_stats_ptr + s, device_clock_ns() - start)
         if late == 0:
-            waited = rm
-            words, late = spin(signals, waited, q, start, timeout_ns, 32, False)
-        if late != 0:  # the rank named is one this program waited for (its other words were not read)
-            report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(waited, words, q, r, 32, False))
-            tl.store(state_ptr + S_FAILED, 1)
-        else:
+            words, late = wait_or_fail(signals, rm, q, start, timeout_ns, r, state_ptr, fail_ptr, seq_slot, q, 32,
+                                       False)
+        if late == 0:
             counts = words & 0xFFFFFF
             tags = (words >> 24) & 0xFF
             if tl.sum((rm & (tags != tag)).to(tl.int32), 0) > 0:
@@ -277,10 +284,7 @@ def combine_send_kernel(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, f
     rm = r < NUM_RANKS
     own = tl.load(bases_ptr + me)
     ack = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
-    words, late = spin(ack, r == s, q - 1, device_clock_ns(), timeout_ns, 0, True)
-    if late != 0:
-        report(fail_ptr, F_TIMEOUT, seq_slot, q, s)
-        tl.store(state_ptr + S_FAILED, 1)
+    wait_or_fail(ack, r == s, q - 1, device_clock_ns(), timeout_ns, r, state_ptr, fail_ptr, seq_slot, q, 0, True)
     if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
         packed = tl.load(range_ptr + e * NUM_RANKS + s)
         begin = packed >> 32
@@ -318,16 +322,14 @@ def combine_recv_kernel(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wai
     if tl.load(state_ptr + S_FAILED, volatile=True) == 0:
         signals = (own + comb_signal_off + r * 8).to(tl.pointer_type(tl.int64))
         start = device_clock_ns()
-        words, late = spin(signals, rm, q, start, timeout_ns, 32, False)
+        words, late = wait_or_fail(signals, rm, q, start, timeout_ns, r, state_ptr, fail_ptr, seq_slot, q, 32, False)
         if HAS_WAIT & (t == 0):
             tl.atomic_add(wait_stats_ptr + r, tl.zeros([R_BLOCK], dtype=tl.int64) + (device_clock_ns() - start),
                           mask=rm)
-        if late != 0:
-            report(fail_ptr, F_TIMEOUT, seq_slot, q, first_missing(rm, words, q, r, 32, False))
-            tl.store(state_ptr + S_FAILED, 1)
-        elif tl.sum((rm & ((words & 0xFFFFFF) != tag)).to(tl.int32), 0) > 0:
-            report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(rm & ((words & 0xFFFFFF) != tag), r, _BIG), 0))
-        elif t < num_tokens:
+        other = rm & ((words & 0xFFFFFF) != tag)  # expert ranks that combined another dispatch
+        if (late == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
+            report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, _BIG), 0))
+        elif (late == 0) & (t < num_tokens):
             cols = tl.arange(0, H_BLOCK)
             in_row = cols < HIDDEN
             w4 = tl.arange(0, H_BLOCK // 4)
