@@ -33,7 +33,7 @@ STEPS = [
     (_cuda_mover.CudaMover, "wait_board"), (_senders.StagedSender, "_handle"), (_rounds.Rounds, "meet"),
     (_senders, "plan_from_board"), (_cuda_mover.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
     (buffer, "dispatch_outputs"), (_cuda_mover.CudaMover, "arrived"), (_outputs, "unpack_meta"),
-    (_cuda_mover.CudaMover, "_push_cached"), (_cuda_mover.CudaMover, "wait_begun"), (_senders.SmSender, "send_cached"),
+    (_cuda_mover.CudaMover, "_push_cached"), (_cuda, "stream_wait_value"), (_cuda, "stream_write_value"), (_senders.SmSender, "send_cached"),
     (_cuda_mover.CudaMover, "gather_all"), (_cuda_mover.CudaMover, "flush_all"),
 ]
 

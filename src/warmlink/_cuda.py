@@ -32,7 +32,8 @@ __all__ = [
     "stream_create", "stream_destroy", "stream_query", "stream_synchronize", "stream_wait_event",
     "stream_priority_range", "event_create", "event_record", "event_query", "event_synchronize",
     "event_elapsed_ms", "event_destroy", "memcpy_async", "memcpy_2d_async", "memcpy_batch_async",
-    "batch_supported", "IPC_HANDLE_BYTES",
+    "batch_supported", "IPC_HANDLE_BYTES", "host_register", "host_unregister", "stream_memops_supported",
+    "stream_write_value", "stream_wait_value",
 ]
 
 log = logging.getLogger("warmlink.cuda")
@@ -617,3 +618,49 @@ def memcpy_batch_async(dsts: list[int], srcs: list[int], sizes: list[int], strea
     if err:
         where = f" at copy {result[1]}" if len(result) > 1 and result[1] is not None else ""
         check(err, f"cudaMemcpyBatchAsync({count} copies){where}")
+
+
+# -- stream memory operations on registered host memory -------------------------------------------
+# (ep._flags, Note [Arrival flags]: words that other processes' streams write and this process's
+# streams wait for, and that the CPU can store to with no CUDA call)
+def host_register(ptr: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for every context (portable, mapped); the
+    device address of its first byte. Undo with ``host_unregister``."""
+    rt = _load()
+    flags = rt.cudaHostRegisterPortable | rt.cudaHostRegisterMapped
+    check(rt.cudaHostRegister(ptr, nbytes, flags), f"cudaHostRegister({ptr:#x}, {nbytes} bytes)")
+    try:
+        return int(check(rt.cudaHostGetDevicePointer(ptr, 0), f"cudaHostGetDevicePointer({ptr:#x})"))
+    except BaseException:
+        rt.cudaHostUnregister(ptr)
+        raise
+
+
+def host_unregister(ptr: int) -> None:
+    check((_rt or _load()).cudaHostUnregister(ptr), f"cudaHostUnregister({ptr:#x})")
+
+
+@functools.cache
+def stream_memops_supported(device: int) -> bool:
+    """Whether ``device`` runs 64-bit stream memory operations (``stream_write_value``/``stream_wait_value``)."""
+    drv = _driver()
+    attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+    return bool(check(drv.cuDeviceGetAttribute(attr, device), f"cuDeviceGetAttribute(64-bit stream memops, {device})"))
+
+
+def stream_write_value(stream: int, address: int, value: int) -> None:
+    """Store the 64-bit ``value`` at device ``address`` once the work queued on ``stream`` before it
+    ran, after a system-wide fence (so whoever sees the value sees that work's writes)."""
+    drv = _drv or _driver()
+    err = drv.cuStreamWriteValue64(stream, address, value, 0)[0]
+    if err:
+        check(err, f"cuStreamWriteValue64({address:#x}, {value})")
+
+
+def stream_wait_value(stream: int, address: int, value: int) -> None:
+    """Hold the work queued on ``stream`` after this until the 64-bit word at device ``address``
+    is at least ``value`` (a cyclic comparison: values must stay within 2**63 of each other)."""
+    drv = _drv or _driver()
+    err = drv.cuStreamWaitValue64(stream, address, value, 0)[0]
+    if err:
+        check(err, f"cuStreamWaitValue64({address:#x}, {value})")

@@ -248,7 +248,38 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 y_first, h_first = first[0].clone(), first[4]
                 second = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
                 y, h = (y_first, h_first) if rank == 0 else (second[0].clone(), second[4])
-                buf.combine(y, h)
+                if not gpu:
+                    buf.combine(y, h)
+                    return "ok"
+                try:  # the device does not wait for the peers: the combine refuses the peers that published,
+                    buf.combine(y, h)  # and the next call, once every rank has, the others
+                    refused = None
+                except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                    refused = f"{type(exc).__name__}: {exc}"
+                store.add("combined", 1, checked=False)
+                store.wait_until(lambda: store.add("combined", 0, checked=False) >= num_ranks, what="every combine",
+                                 timeout_s=case.get("timeout_s", 30.0))
+                if refused:
+                    return refused
+                buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                return "ok"
+            if fault == "dies_after_dispatch":  # rank 1 dies once the others launched their combine
+                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                if rank == 1:
+                    import os
+
+                    store.wait_until(lambda: store.add("launched", 0, checked=False) >= num_ranks - 1,
+                                     what="the peers' combines", timeout_s=case.get("timeout_s", 30.0))
+                    os._exit(0)
+                buf.combine(out[0].clone(), out[4])  # returns at launch: rank 1's rows never come
+                store.add("launched", 1, checked=False)
+                start = time.perf_counter()
+                torch.cuda.synchronize(device)  # the watchdog releases the receive stream
+                drained = time.perf_counter() - start
+                try:
+                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+                except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                    return f"{type(exc).__name__}: {exc} [drained in {drained:.1f} s]"
                 return "ok"
             if fault == "mixed_hook":  # rank 0 asks for a hook (copy engines), the others do not (SMs)
                 out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=rank == 0)
@@ -439,4 +470,28 @@ def gathered_ints(rank: int, num_ranks: int, store, case: dict) -> dict:
     else:
         time.sleep(case["linger_s"])  # alive but not meeting: rank 0 must time out, not hang
     buf.close()
+    return out
+
+
+def returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """After one round that every rank runs at once (a kernel's first launch loads its module, which
+    CUDA may hold until the device is idle), rank 0 launches a cached dispatch and a combine before
+    any peer calls either (the peers wait for its word in the store): neither may wait for a peer on
+    the host. Returns this rank's outputs of those calls and of the warm-up round."""
+    mine = case_inputs(case)[rank]
+    device = rank_device(rank, case)
+    x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
+    with _buffer(rank, num_ranks, store, case) as buf:
+        fresh = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
+        handle, y = fresh[4], fresh[0].clone()
+        out = {"fresh": _cpu(fresh[0]), "cached_together": _cpu(buf.dispatch(x, handle=handle)[0]),
+               "combined_together": _cpu(buf.combine(y, handle)[0])}
+        if rank:
+            store.wait_until(lambda: store.add("rank 0 returned", 0, checked=False) >= 1, what="rank 0's calls",
+                             timeout_s=case.get("timeout_s", 30.0))
+        cached = buf.dispatch(x, handle=handle)[0]
+        combined = buf.combine(y, handle)[0]
+        if not rank:
+            store.add("rank 0 returned", 1, checked=False)
+        out.update(cached=_cpu(cached), combined=_cpu(combined))
     return out

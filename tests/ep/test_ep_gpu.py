@@ -15,6 +15,7 @@ from tests.ep._workers import (
     expect_error,
     hook_leaves_streams_idle,
     lifecycle_counts,
+    returns_at_launch,
     warm_rounds,
 )
 from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
@@ -180,3 +181,32 @@ def test_gpu_ranks_mixing_hook_and_normal_mode_are_refused_not_corrupted():
     errors = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
     for e in errors:  # rank 0 meets in the mailboxes, the others trade counts on the device: each sees the other kind
         assert e.startswith("ConfigError") and "sm_sends" in e and "drain" not in e, e
+
+
+# -- arrival flags (ep._flags, Note [Arrival flags]) -------------------------------------------------
+@needs_gpu
+def test_gpu_a_cached_dispatch_and_a_combine_return_before_any_peer_calls():
+    """Rank 0's calls return while its peers wait for it: the device, not the host, waits for their
+    rows (a host wait would deadlock until the store's timeout). The outputs equal the same calls
+    made by every rank at once (tests.ep._workers.returns_at_launch)."""
+    case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 30,
+            "timeout_s": 20.0}
+    for out in run_ranks(returns_at_launch, RANKS, case=case, timeout_s=180):
+        assert torch.equal(out["cached"], out["fresh"]) and torch.equal(out["cached_together"], out["fresh"])
+        assert torch.equal(out["combined"], out["combined_together"])
+
+
+@needs_gpu
+def test_gpu_a_peer_that_dies_after_the_launch_fails_the_next_call_and_never_hangs_the_stream():
+    ranks = max(RANKS, 2)
+    case = dict(_FAULT, tokens=[6] * ranks, experts=2 * ranks, fault="dies_after_dispatch")
+    errors = [e for r, e in enumerate(run_ranks(expect_error, ranks, case=case, timeout_s=120)) if r != 1]
+    for e in errors:  # the watchdog saw rank 1 gone within about a second and released the receive stream
+        assert e.startswith("PeerLostError") and "rank 1" in e, e
+
+
+@needs_gpu
+def test_gpu_a_combine_with_another_ranks_handle_is_refused_by_the_next_call():
+    case = dict(_FAULT, tokens=_tokens(6, 9), fault="stale_handle")
+    for e in run_ranks(expect_error, RANKS, case=case, timeout_s=120):
+        assert e.startswith("ConfigError") and "handle of dispatch round" in e, e

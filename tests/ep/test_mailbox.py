@@ -35,3 +35,67 @@ def test_meet_values_live_in_their_parity_word(monkeypatch) -> None:
     box.publish_meet(1, 11)
     box.publish_meet(2, 22)
     assert box._own[_mailbox.MEET] == 2 and box.meet_value(0, 1) == 11 and box.meet_value(0, 2) == 22
+
+
+def _pair(monkeypatch):
+    """Rank 0's Rounds over two mailboxes (rank 1's written directly, as its process would)."""
+    from warmlink.ep._rounds import Rounds
+
+    monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
+    segment = _own(2)
+    mine, theirs = _mailbox.Mailbox(_own(2), 0, 2), _mailbox.Mailbox(segment, 1, 2)
+    mine.attach(1, segment, None)
+    return Rounds(mine, 0, 2, 4, 1.0), theirs
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_without_a_host_wait_a_peers_other_combine_handle_is_refused_now_or_at_the_next_call(monkeypatch, late):
+    """With arrival flags (ep._flags) the receive phase does not wait for the peers: it checks the
+    ones that published, and the next call checks the rest (Rounds.check_published / check_late)."""
+    from warmlink.ep._call_config import encode_combine
+    from warmlink.errors import ConfigError
+
+    rounds, theirs = _pair(monkeypatch)
+    rounds.mailbox.publish_combine(3, encode_combine(2, torch.bfloat16, 0))
+    other = encode_combine(1, torch.bfloat16, 0)  # rank 1 combines with an older dispatch's handle
+    if not late:
+        theirs.publish_combine(3, other)
+        with pytest.raises(ConfigError, match="rank 1 combines with the handle of dispatch round 1"):
+            rounds.check_published(_mailbox.COMBINE, 3)
+        return
+    rounds.check_published(_mailbox.COMBINE, 3)  # rank 1 is not there yet: nothing to check, no wait
+    rounds.check_late()
+    assert [(f, r, ranks) for f, r, _, ranks in rounds.late] == [(_mailbox.COMBINE, 3, [1])]
+    theirs.publish_combine(3, other)
+    with pytest.raises(ConfigError, match="dispatch round 1"):
+        rounds.check_late()
+    assert rounds.late == []
+
+
+def test_a_peer_that_published_the_same_call_passes_the_late_check(monkeypatch):
+    from warmlink.ep._call_config import encode_combine
+
+    rounds, theirs = _pair(monkeypatch)
+    word = encode_combine(2, torch.bfloat16, 0)
+    rounds.mailbox.publish_combine(3, word)
+    rounds.check_published(_mailbox.COMBINE, 3)
+    theirs.publish_combine(3, word)
+    rounds.check_late()
+    assert rounds.late == []
+
+
+def test_a_peer_already_past_the_round_is_not_compared_with_a_newer_word(monkeypatch):
+    """Rank 1 moved two combines on: its word of this parity is now round 5's. Comparing it with
+    this rank's round 3 would refuse a call that was right, so it goes unchecked."""
+    from warmlink.ep._call_config import encode_combine
+
+    rounds, theirs = _pair(monkeypatch)
+    rounds.mailbox.publish_combine(3, encode_combine(2, torch.bfloat16, 0))
+    rounds.check_published(_mailbox.COMBINE, 3)
+    theirs.publish_combine(3, encode_combine(2, torch.bfloat16, 0))
+    theirs.publish_combine(4, encode_combine(3, torch.bfloat16, 0))
+    theirs.publish_combine(5, encode_combine(4, torch.bfloat16, 0))
+    rounds.mailbox.publish_combine(5, encode_combine(4, torch.bfloat16, 0))  # this rank's own word moved on too
+    rounds.check_late()
+    assert rounds.late == []
+

@@ -1,35 +1,36 @@
-"""The receive work on its own stream (Note [Receive work on its own stream] in ep._cuda_mover), with a
-fake CUDA: the work waits for the peers' events, and the caller's stream is ordered after it only
-once the host saw the bytes arrive; a stalled or dead sender raises and leaves the caller's stream
-untouched."""
+"""The receive work on its own stream (Note [Receive work on its own stream] in ep._cuda_mover) and
+the arrival flags (ep._flags, Note [Arrival flags]), with a fake CUDA: the work waits on the device
+for the sources' flags and the host returns at launch; a stalled or dead source fails the Buffer at
+its next call, and every word this rank waits on is released, so no stream stays blocked."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 
+import numpy as np
 import pytest
 import torch
 
-from warmlink.ep import _cuda_mover, _movers, _sm_pushes
+from warmlink.ep import _cuda_mover, _flags, _movers, _sm_pushes
 from warmlink.ep._call_block import Sources
+from warmlink.ep._flags import RELEASE, ArrivalFlags, arrival_value
 from warmlink.ep._regions import RegionLayout
 from warmlink.ep.buffer import Buffer
 from warmlink.errors import PeerLostError, TransferTimeout
 
 CALLER, COPY, SIDE = 11, 12, 13  # stream handles
-PEER_EVENT = 201
 SEND_EVENTS = [100, 101]
 LOCAL = [300, 301, 302, 303, 304]  # gathered, begun, counted, send_done, received
 SEND_DONE, RECEIVED = LOCAL[-2], LOCAL[-1]
+OWN_FLAGS, PEER_FLAGS = 0x10000, 0x20000  # device addresses of rank 0's and rank 1's flag words
 
 
 class FakeCuda:
-    """Records stream waits, event records and queries; the peer's event completes after ``ready_after`` polls."""
+    """Records stream waits (on events and on flag words), event records, flag stores and queries."""
 
-    def __init__(self, ready_after: int | None) -> None:
+    def __init__(self) -> None:
         self.calls: list[tuple] = []
-        self.ready_after = ready_after
-        self.polls = 0
 
     def event_record(self, event, stream):
         self.calls.append(("record", event, stream))
@@ -37,12 +38,15 @@ class FakeCuda:
     def stream_wait_event(self, stream, event):
         self.calls.append(("wait", stream, event))
 
+    def stream_wait_value(self, stream, address, value):
+        self.calls.append(("wait value", stream, address, value))
+
+    def stream_write_value(self, stream, address, value):
+        self.calls.append(("write value", stream, address, value))
+
     def event_query(self, event):
-        if event != PEER_EVENT:
-            return True
-        self.polls += 1
         self.calls.append(("query", event))
-        return self.ready_after is not None and self.polls > self.ready_after
+        return True
 
 
 class FakeStream:
@@ -55,7 +59,7 @@ class FakeStream:
 
 
 class Ref:
-    def __init__(self, alive: bool) -> None:
+    def __init__(self, alive: bool = True) -> None:
         self.pid = 4242
         self._alive = alive
 
@@ -63,56 +67,118 @@ class Ref:
         return self._alive
 
 
-def _mover(monkeypatch, fake: FakeCuda, alive: bool = True) -> _cuda_mover.CudaMover:
+def _flags_of(fake, timeout_s: float = 5.0, alive: bool = True, num_ranks: int = 2):
+    words = _flags.flags_nbytes(num_ranks) // 8
+    own, peer = np.zeros(words, dtype=np.int64), np.zeros(words, dtype=np.int64)
+    flags = ArrivalFlags(fake, own, OWN_FLAGS, 0, num_ranks, timeout_s, {1: Ref(alive)})
+    flags.attach(1, peer, PEER_FLAGS)
+    return flags, own, peer
+
+
+def _mover(monkeypatch, fake: FakeCuda, alive: bool = True, timeout_s: float = 5.0) -> _cuda_mover.CudaMover:
     assert len(LOCAL) == _cuda_mover.CudaMover.LOCAL_EVENTS  # what Buffer leases for it
     layout = RegionLayout(2, 4, 128, 2)
+    flags = _flags_of(fake, timeout_s, alive)[0]
     mover = _cuda_mover.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
-                              [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL, {"dispatch.0": SEND_EVENTS},
-                              {"dispatch.0": {1: PEER_EVENT}}, {1: Ref(alive)})
+                                  [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL,
+                                  {"dispatch.0": SEND_EVENTS, "combine.0": SEND_EVENTS,
+                                   "combine_part0.0": SEND_EVENTS}, flags, {1: Ref(alive)})
     mover._cuda = fake
     monkeypatch.setattr(_cuda_mover, "current_stream", lambda device: CALLER)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     return mover
 
 
-def test_receive_work_waits_for_the_peers_and_the_caller_waits_for_it_after_the_poll(monkeypatch):
-    fake = FakeCuda(ready_after=3)
+def _own_word(flags, kind: int, op: str, rank: int) -> int:
+    return OWN_FLAGS + flags._index(kind, op, rank) * 8
+
+
+def test_receive_work_waits_for_the_flags_on_the_device_and_the_host_returns_at_launch(monkeypatch):
+    fake = FakeCuda()
     mover = _mover(monkeypatch, fake)
+    mover.start_round("dispatch", 3)
+    fake.calls.clear()
     ran = []
     mover.arrived(range(2), "dispatch.0", 5.0, then=lambda: ran.append(len(fake.calls)))
     calls = fake.calls
-    assert ran == [2]  # launched after its two waits, before any poll
-    assert calls[:2] == [("wait", SIDE, SEND_DONE), ("wait", SIDE, PEER_EVENT)]
+    assert not [c for c in calls if c[0] == "query"]  # no host poll of anything
+    arrived = _own_word(mover.flags, 0, "dispatch", 1)
+    assert ran == [2]  # launched right after its two waits
+    assert calls[:2] == [("wait", SIDE, SEND_DONE), ("wait value", SIDE, arrived, arrival_value(3))]
     assert calls[2] == ("record", RECEIVED, SIDE)
-    last_poll = max(i for i, c in enumerate(calls) if c[0] == "query")
-    caller_waits = [i for i, c in enumerate(calls) if c[:2] == ("wait", CALLER)]
-    assert fake.polls == 4 and min(caller_waits) > last_poll
-    assert [calls[i][2] for i in caller_waits] == [*SEND_EVENTS, RECEIVED]
+    assert [c[2] for c in calls if c[:2] == ("wait", CALLER)] == [*SEND_EVENTS, RECEIVED]
+    assert mover.flags.pending()
 
 
-def test_each_early_part_waits_for_its_own_events_and_only_the_last_is_polled(monkeypatch):
+def test_each_early_part_waits_for_its_own_part_and_the_sum_frees_the_combine_area(monkeypatch):
     """The combine's parts (ep._reduce, Note [Pipelined combine]): each part's sum follows the
-    peer's event of that part; the host polls only the last phase's."""
-    part_event = 205
-    fake = FakeCuda(ready_after=0)
+    source's flag of that part; the last part's value covers every part; after the sum the peers
+    learn that this rank's combine area of the round is free."""
+    fake = FakeCuda()
     mover = _mover(monkeypatch, fake)
-    mover._recv_events["combine_part0.0"] = {1: part_event}
+    mover.start_round("combine", 5)
     ran = []
-    mover.arrived(range(2), "dispatch.0", 5.0, then=lambda: ran.append(("last", len(fake.calls))),
+    mover.arrived(range(2), "combine.0", 5.0, then=lambda: ran.append(("last", len(fake.calls))),
                   early=[("combine_part0.0", lambda: ran.append(("part0", len(fake.calls))))])
-    calls = fake.calls
-    assert calls[:3] == [("wait", SIDE, SEND_DONE), ("wait", SIDE, part_event), ("wait", SIDE, PEER_EVENT)]
+    arrived = _own_word(mover.flags, 0, "combine", 1)
+    waits = [c for c in fake.calls if c[0] == "wait value"]
+    assert waits == [("wait value", SIDE, arrived, arrival_value(5, 0)), ("wait value", SIDE, arrived, arrival_value(5, 3))]
     assert ran == [("part0", 2), ("last", 3)]
-    assert {c[1] for c in calls if c[0] == "query"} == {PEER_EVENT}
+    freed_at_peer = PEER_FLAGS + mover.flags._index(1, "combine", 0) * 8
+    assert ("write value", SIDE, freed_at_peer, 5) in fake.calls
+
+
+def test_sends_signal_each_destination_and_cached_rounds_wait_for_the_peers_to_free_their_areas(monkeypatch):
+    fake = FakeCuda()
+    mover = _mover(monkeypatch, fake)
+    mover.start_round("dispatch", 1)
+    assert not [c for c in fake.calls if c[0] == "write value"]  # round 1 frees nothing
+    mover.gate("dispatch", 2, sm=True)
+    assert not fake.calls  # rounds 1 and 2 use fresh areas
+    mover.start_round("dispatch", 4)
+    freed_at_peer = PEER_FLAGS + mover.flags._index(1, "dispatch", 0) * 8
+    assert fake.calls[-1] == ("write value", CALLER, freed_at_peer, 3)
+    mover.gate("dispatch", 4, sm=False)
+    assert fake.calls[-1] == ("wait value", COPY, _own_word(mover.flags, 1, "dispatch", 1), 2)
+    mover.sent(1, "dispatch.0")
+    arrived_at_peer = PEER_FLAGS + mover.flags._index(0, "dispatch", 0) * 8
+    assert fake.calls[-2:] == [("record", SEND_EVENTS[1], COPY), ("write value", COPY, arrived_at_peer, arrival_value(4))]
+
+
+def test_met_waits_are_dropped_and_the_host_never_blocks():
+    flags, own, _ = _flags_of(FakeCuda())
+    flags.wait_arrived(SIDE, "combine", range(2), arrival_value(2, 3), "combine.0 bytes")
+    assert flags.pending()
+    flags.check()  # not met, not late: nothing happens
+    own[flags._index(0, "combine", 1)] = arrival_value(2, 3)  # what rank 1's stream stores
+    flags.check()
+    assert not flags.pending()
 
 
 @pytest.mark.parametrize("alive, error", [(True, TransferTimeout), (False, PeerLostError)])
-def test_a_stalled_or_dead_sender_never_reaches_the_callers_stream(monkeypatch, alive, error):
-    fake = FakeCuda(ready_after=None)
-    mover = _mover(monkeypatch, fake, alive=alive)
-    with pytest.raises(error):
-        mover.arrived(range(2), "dispatch.0", 0.02, then=lambda: None)
-    assert not [c for c in fake.calls if c[:2] == ("wait", CALLER)]
+def test_a_late_or_dead_source_fails_the_buffer_and_releases_every_wait(alive, error):
+    flags, own, peer = _flags_of(FakeCuda(), timeout_s=0.0, alive=alive)
+    flags.wait_arrived(SIDE, "dispatch", range(2), arrival_value(7), "dispatch.1 bytes")
+    time.sleep(0.01)
+    with pytest.raises(error, match="rank"):
+        flags.check()
+    assert (own == RELEASE).all()  # every stream of this rank that waits on a flag goes on
+    assert not peer.any()  # a rank releases only its own words
+    with pytest.raises(error):  # and every later call raises too
+        flags.check()
+
+
+def test_the_watchdog_fails_a_wait_on_a_dead_rank_with_no_call(monkeypatch):
+    """A caller that waits on its stream and never calls again: the watchdog thread probes the
+    ranks and releases the stream."""
+    monkeypatch.setattr(_flags, "_WATCH_PERIOD_S", 0.01)
+    monkeypatch.setattr(_flags, "_WATCHDOG", _flags._Watchdog())
+    flags, own, _ = _flags_of(FakeCuda(), timeout_s=60.0, alive=False)
+    flags.wait_arrived(SIDE, "dispatch", range(2), arrival_value(1), "dispatch.1 bytes")
+    deadline = time.monotonic() + 30.0
+    while flags.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(flags.error, PeerLostError) and (own == RELEASE).all()
 
 
 def test_buffer_marks_its_receive_stream_failed():
@@ -136,8 +202,9 @@ class StalledBoard(FakeCuda):
     exchange kernel does when it sees it; ``None``: never."""
 
     def __init__(self, mover_box: list, abort_ends_it: bool = True) -> None:
-        super().__init__(ready_after=None)
+        super().__init__()
         self.box, self.abort_ends_it = mover_box, abort_ends_it
+        self.polls = 0
 
     def event_query(self, event):
         if event != COUNTED:
@@ -166,7 +233,7 @@ def test_giving_up_on_the_board_aborts_the_exchange_and_raises(monkeypatch, why)
 
 
 def test_a_board_that_arrives_is_read_without_aborting(monkeypatch):
-    fake = FakeCuda(ready_after=None)  # every event but the peer's is complete: the board is in
+    fake = FakeCuda()  # every event is complete: the board is in
     mover = _mover(monkeypatch, fake)
     mover._host_words = 3
     mover._host[:3] = torch.tensor([4, 5, 6])
@@ -188,8 +255,9 @@ class PendingOwnEvent(FakeCuda):
     queries; each query checks that the parity's call block still holds round n - 2's words."""
 
     def __init__(self, mover_box: list, polls: int | None) -> None:
-        super().__init__(ready_after=0)
+        super().__init__()
         self.box, self.pending, self.rewritten_early = mover_box, polls, False
+        self.polls = 0
 
     def event_query(self, event):
         if event != SEND_EVENTS[0]:
@@ -233,8 +301,9 @@ class PendingCombine(FakeCuda):
     OWN = 150
 
     def __init__(self, mover_box: list, polls: int | None) -> None:
-        super().__init__(ready_after=0)
+        super().__init__()
         self.box, self.pending, self.rewritten_early = mover_box, polls, False
+        self.polls = 0
 
     def event_query(self, event):
         if event != self.OWN:
@@ -282,7 +351,7 @@ class Copies(FakeCuda):
 def test_copy_all_is_one_batch_on_the_shared_stream_or_one_copy_each(monkeypatch, batch):
     """copy_all (the combine's parts): one cudaMemcpyBatchAsync on the copy stream every destination
     shares, or, without it, a copy per entry; empty entries move nothing either way."""
-    fake = Copies(ready_after=0)
+    fake = Copies()
     mover = _mover(monkeypatch, fake)
     mover._batch = batch
     rows = torch.zeros(6, 16, dtype=torch.bfloat16)  # 32 bytes a row: 4 int64 words
@@ -298,15 +367,18 @@ def test_copy_all_is_one_batch_on_the_shared_stream_or_one_copy_each(monkeypatch
 
 def test_flush_all_batches_the_peers_copies_then_marks_every_destination(monkeypatch):
     """flush_all (a copy-engine dispatch): the staged rows of every peer in one batch on the shared
-    copy stream, then each destination's event, this rank's own on the caller's stream."""
-    fake = Copies(ready_after=0)
+    copy stream, then this rank's own event on the caller's stream, and each peer's event and
+    arrival flag on the copy stream."""
+    fake = Copies()
     mover = _mover(monkeypatch, fake)
     mover._batch = True
+    mover.start_round("dispatch", 1)
     x = torch.zeros(3, 16, dtype=torch.int64)  # 128 bytes a row, no meta
     src = Sources(x)
     mover.flush_all("dispatch.0", src, ("recv_x.0", "recv_meta.0"), [(1, 2, 3), (0, 0, 0)])
     slot = 1 * mover.layout.max_tokens
     staged = mover._views.parts(0, src, _movers.STAGE)[0].data_ptr() + slot * 128
     there = mover._ptrs[1] + mover._offsets["recv_x.0"] + 2 * 128
-    assert fake.calls == [("batch", [there], [staged], [3 * 128], COPY),
-                          ("record", SEND_EVENTS[1], COPY), ("record", SEND_EVENTS[0], CALLER)]
+    arrived_at_peer = PEER_FLAGS + mover.flags._index(0, "dispatch", 0) * 8
+    assert fake.calls == [("batch", [there], [staged], [3 * 128], COPY), ("record", SEND_EVENTS[0], CALLER),
+                          ("record", SEND_EVENTS[1], COPY), ("write value", COPY, arrived_at_peer, arrival_value(1))]

@@ -12,6 +12,10 @@ dispatch without a receive hook is sent by kernels that store the rows into the 
 (``send="sm"``), or by the copy engines after the ranks meet on the host (``send="copy"``); a
 dispatch with a hook, and every combine, by the copy engines, so no kernel stays resident while
 the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
+
+On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
+peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch still waits for
+its counts, as DeepEP's does.
 """
 
 from warmlink.ep._regions import size_hint

@@ -9,8 +9,6 @@ import time
 
 import torch
 
-from warmlink._backoff import wait_until
-from warmlink.ep._launch import current_stream
 from warmlink.ep._movers import as_words
 from warmlink.ep._reduce import combine_sum, part_bounds, part_phase, part_sums
 from warmlink.ep._regions import PARITIES, RegionLayout, area
@@ -26,15 +24,12 @@ class Combiner:
         mover: the Buffer's mover. layout: the group's region layout. rank: this rank.
         order: the peers in the order this rank sends to them (ep._rounds, ``Rounds.order``).
         parts: the parts of every combine (every rank must use the same).
-        device: CUDA device, or -1. reduced_event: a pooled event recorded after each sum (CUDA).
-        timeout_s: the limit of the wait for the sum two rounds back.
+        timeout_s: the limit of the wait for the counts' pinned row (``mover.combine_counts``).
     """
 
-    def __init__(self, mover, layout: RegionLayout, rank: int, order: list[int], parts: int, device: int,
-                 reduced_event, timeout_s: float) -> None:
+    def __init__(self, mover, layout: RegionLayout, rank: int, order: list[int], parts: int, timeout_s: float) -> None:
         self.mover, self.layout, self.rank, self.order = mover, layout, rank, order
-        self.parts, self.device, self.timeout_s = parts, device, timeout_s
-        self._reduced_event = reduced_event
+        self.parts, self.timeout_s = parts, timeout_s
 
     def send(self, handle: Handle, rows: torch.Tensor, weights: torch.Tensor | None, round_: int) -> torch.Tensor:
         """Issue every peer's rows of ``rows`` (and ``weights``, with the last part) into its combine
@@ -43,6 +38,7 @@ class Combiner:
         # the rows each rank sends back, for the sum's parts (Note [Pipelined combine]); before begin
         counts = mover.combine_counts(handle.send_counts, parity, self.timeout_s)
         mover.begin()
+        mover.gate("combine", round_, sm=False)  # the peers' sums of round n - 2 read these areas
         comb_x, comb_w = area("comb_x", round_), area("comb_w", round_)
         slot = self.rank * self.layout.max_tokens
         parts, words = self.parts, as_words(rows)  # one view for every part's copy
@@ -82,20 +78,4 @@ class Combiner:
         # rows/weights stay referenced until this returns
         early = [(part_phase(k, parity, parts), sums[k]) for k in range(parts - 1)]
         arrived(f"combine.{parity}", last, (out, out_w), early)
-        self._mark_reduced()
         return queued[0]
-
-    def _mark_reduced(self) -> None:
-        if self.device >= 0:
-            from warmlink import _cuda
-
-            _cuda.event_record(self._reduced_event, current_stream(self.device))
-
-    def wait_reduced(self) -> None:
-        """Block (bounded) until this rank's last combine sum finished reading its combine area."""
-        if self.device < 0:
-            return
-        from warmlink import _cuda
-
-        wait_until(lambda: _cuda.event_query(self._reduced_event), timeout_s=self.timeout_s, first_s=20e-6, cap_s=20e-6,
-                   what=f"ep: the previous combine's sum did not finish within {self.timeout_s:.3g} s on cuda:{self.device}")

@@ -16,14 +16,13 @@ recorded for this round, polls it from the host (a dead or stalled sender turns 
 never a hung caller's stream). Rows move as int64 words: a row is a multiple of 8 channels.
 
 # Note [Receive work on its own stream]
-The receive work (the unpack, the combine's sum) is launched before the bytes land, on this
-rank's receive stream, behind stream waits on the sources' events: it starts the moment the last
-byte is in, not a host poll and a 20-30 us launch later. The host still polls the same events
-(deadline, liveness) and only then makes the caller's stream wait for the receive stream, so a
-dead sender can block the receive stream, never the caller's. Outputs the receive work writes are
-marked with ``record_stream``, so the allocator never hands their memory out while it may still
-run; a Buffer whose receive failed gives the stream back to the pool, which destroys a stream that
-does not drain (pool.streams).
+The receive work (the unpack, the combine's sum) is launched at once on this rank's receive
+stream, behind stream waits on the sources' arrival flags (ep._flags, Note [Arrival flags]): it
+starts the moment the last byte is in, and the host returns at launch. The caller's stream is
+ordered after the receive work with a local event. A dead or stalled sender fails the Buffer at
+its deadline and its flags are released from the CPU, so the receive stream never waits for
+good. Outputs the receive work writes are marked with ``record_stream``, so the allocator never
+hands their memory out while it may still run.
 """
 
 from __future__ import annotations
@@ -36,18 +35,31 @@ import torch
 from warmlink._backoff import wait_until
 from warmlink.ep import _kernels
 from warmlink.ep._call_block import Sources
+from warmlink.ep._flags import OPS, arrival_value
 from warmlink.ep._launch import current_stream, on_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._movers import STAGE, Gathers, Views, as_words
 from warmlink.ep._regions import PARITIES, RegionLayout
 from warmlink.ep._sm_pushes import SmPushes
 
-__all__ = ["CudaMover"]
+__all__ = ["CudaMover", "phase_flag"]
+
+
+def phase_flag(phase: str) -> tuple[str, int]:
+    """``(op, part)`` of an event phase's arrival flag: ``dispatch.<p>`` is part 0,
+    ``combine_part<k>.<p>`` part k, and ``combine.<p>`` (a combine's last part) part 3, so that
+    its value covers every earlier part's (ep._reduce: at most 4 parts)."""
+    name = phase.split(".", 1)[0]
+    if name == "dispatch":
+        return "dispatch", 0
+    if name == "combine":
+        return "combine", 3
+    return "combine", int(name.removeprefix("combine_part"))
 
 
 class CudaMover(SmPushes, Gathers):
     """Copy-engine copies into peers' IPC-mapped regions (Note [Copy-engine sends]), and the SM
-    pushes of ep._sm_pushes.
+    pushes of ep._sm_pushes, ordered between ranks by arrival flags (ep._flags).
 
     Args:
         layout: the group's region layout.
@@ -59,14 +71,15 @@ class CudaMover(SmPushes, Gathers):
         local_events: ``LOCAL_EVENTS`` pooled event handles: for ``gather``, ``begin``,
             ``to_host``, ``send_done`` and the end of the receive work.
         send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
-        recv_events: ``{phase: {source: opened event handle}}`` (the sources' events toward this rank).
+        flags: the group's ``ArrivalFlags``.
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
     """
 
     LOCAL_EVENTS = 5
+    host_ordered = False  # arrival flags order the bytes (ep._flags)
 
     def __init__(self, layout: RegionLayout, rank: int, device: int, own: torch.Tensor, peer_ptrs: dict[int, int],
-                 streams: list, recv_stream, local_events: list[int], send_events: dict, recv_events: dict,
+                 streams: list, recv_stream, local_events: list[int], send_events: dict, flags,
                  peer_refs: dict) -> None:
         from warmlink import _cuda
 
@@ -84,7 +97,8 @@ class CudaMover(SmPushes, Gathers):
         self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
         self._recv_stream = recv_stream.torch_stream()
         self._send_events = send_events
-        self._recv_events = recv_events
+        self.flags = flags
+        self._rounds = {op: 0 for op in OPS}  # the round of each op in progress (start_round)
         self._refs = peer_refs
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
         # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
@@ -106,8 +120,34 @@ class CudaMover(SmPushes, Gathers):
         mapping): for diagnostics that move the same bytes outside the protocol (bench ep)."""
         return self._ptrs[rank] + self._offsets[area]
 
+    def start_round(self, op: str, round_: int) -> None:
+        """Round ``round_`` of ``op`` starts on the caller's stream: a dispatch's start frees the
+        areas of round ``round_ - 1``'s outputs for round ``round_ + 1`` (Note [Arrival flags])."""
+        self._rounds[op] = round_
+        if op == "dispatch" and round_ > 1:
+            self.flags.signal_freed(self._current(), op, round_ - 1)
+
+    def gate(self, op: str, round_: int, sm: bool) -> None:
+        """Hold the writes of round ``round_`` of ``op`` into the peers (the SMs' push on the caller's
+        stream, or the copy streams) until each peer freed its areas (Note [Arrival flags])."""
+        peers = range(self.layout.num_ranks)
+        for stream in ([self._current()] if sm else self._copy_streams):
+            self.flags.gate(stream, op, peers, round_)
+
+    def check(self) -> None:
+        """Raise a failure of an earlier call's arrival (ep._flags); never blocks."""
+        self.flags.check()
+
+    def _mark_sent(self, phase: str, stream: int, dests) -> None:
+        """Record ``phase``'s send event of each of ``dests`` on ``stream`` (this rank orders its
+        caller after it), and signal the rows' arrival to each of them."""
+        for d in dests:
+            self._cuda.event_record(self._send_events[phase][d], stream)
+        op, part = phase_flag(phase)
+        self.flags.signal_arrived(stream, op, dests, arrival_value(self._rounds[op], part))
+
     def begin(self, copies: bool = True) -> None:
-        """Mark the start of a round on the caller's current stream (``wait_begun``), and order
+        """Mark the start of a round on the caller's current stream, and order
         every destination's copy stream after it (``copies=False``: the SMs send, or the copies
         wait for a later event on this stream)."""
         self._cuda.event_record(self._begun, self._current())
@@ -150,7 +190,7 @@ class CudaMover(SmPushes, Gathers):
         stream = self._streams[dest]
         for dst, staged, nbytes in self._flush_copies(dest, src, row0, count, parts):
             self._cuda.memcpy_async(dst, staged, nbytes, stream)
-        self._cuda.event_record(self._send_events[phase][dest], stream)
+        self._mark_sent(phase, stream, [dest])
 
     def flush_all(self, phase: str, src: Sources, parts: tuple[str, ...], plan) -> None:
         """``flush`` of each ``(dest, row0, count)`` of ``plan``. With one copy stream for every
@@ -165,9 +205,10 @@ class CudaMover(SmPushes, Gathers):
                   for c in self._flush_copies(dest, src, row0, count, parts)]
         if copies:
             self._cuda.memcpy_batch_async(*(list(column) for column in zip(*copies)), self._copy_streams[0])
-        for dest, _, _ in plan:
-            stream = self._current() if dest == self.rank else self._streams[dest]
-            self._cuda.event_record(self._send_events[phase][dest], stream)
+        peers = [dest for dest, _, _ in plan if dest != self.rank]
+        if len(peers) < len(plan):
+            self._cuda.event_record(self._send_events[phase][self.rank], self._current())
+        self._mark_sent(phase, self._copy_streams[0], peers)
 
     def _flush_copies(self, dest: int, src: Sources, row0: int, count: int, parts: tuple[str, ...]):
         """``(destination address, staged address, bytes)`` of each area ``flush`` copies."""
@@ -207,7 +248,10 @@ class CudaMover(SmPushes, Gathers):
         self._cuda.memcpy_batch_async(dsts, srcs, sizes, self._copy_streams[0])
 
     def sent(self, dest: int, phase: str) -> None:
-        self._cuda.event_record(self._send_events[phase][dest], self._streams[dest])
+        if dest == self.rank:
+            self._cuda.event_record(self._send_events[phase][dest], self._streams[dest])
+        else:
+            self._mark_sent(phase, self._streams[dest], [dest])
 
     def start_to_host(self, words: torch.Tensor) -> None:
         """Queue the copy of ``words`` (int64) to pinned host memory on the current stream."""
@@ -223,11 +267,6 @@ class CudaMover(SmPushes, Gathers):
             f"ep: the caller's stream on cuda:{self.device} did not reach the dispatch's count copy within "
             f"{timeout_s:.3g} s"))
         return self._host[:self._host_words].numpy().copy()
-
-    def wait_begun(self, timeout_s: float) -> None:
-        """Host-poll, with a deadline, until the caller's stream ran everything queued before ``begin``."""
-        self._poll(lambda: self._cuda.event_query(self._begun), timeout_s, lambda: (
-            f"ep: the caller's stream on cuda:{self.device} did not reach the round's start within {timeout_s:.3g} s"))
 
     def _poll(self, done, timeout_s: float, late, watch=(), lost: str = "", check=None) -> None:
         """Host-poll ``done()`` until it is true. Every 5 ms: ``PeerLostError`` when a rank in
@@ -250,14 +289,15 @@ class CudaMover(SmPushes, Gathers):
 
     def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=(), early=()) -> None:
         """Launch each ``(phase, work)`` of ``early``, then ``then``, on the receive stream, each
-        behind the peers' events of its phase (Note [Receive work on its own stream]); host-poll
-        the events of ``phase`` (deadline, liveness; a source's earlier phases ran before it on its
-        stream), then order the current stream after the receive work and after this rank's own
-        pushes of ``phase`` (so the caller may reuse its inputs). ``writes``: the tensors the work
-        writes."""
-        pending = [s for s in sources if s != self.rank]
-        current = self._current()
-        if then is not None:
+        behind the sources' arrival flags of its phase (Note [Receive work on its own stream]);
+        then order the current stream after the receive work and after this rank's own pushes of
+        ``phase`` (so the caller may reuse its inputs). No host wait: a late or dead source fails
+        the Buffer at its deadline (``check``). ``writes``: the tensors the work writes."""
+        current, flags = self._current(), self.flags
+        if then is None:  # nothing to run: the caller's stream waits for the bytes itself
+            op, part = phase_flag(phase)
+            flags.wait_arrived(current, op, sources, arrival_value(self._rounds[op], part), f"{phase} bytes")
+        else:
             side = self._recv_stream
             self._cuda.stream_wait_event(side.cuda_stream, self._send_done)
             for t in writes:
@@ -265,18 +305,13 @@ class CudaMover(SmPushes, Gathers):
                     t.record_stream(side)
             with on_stream(side):
                 for stage, work in (*early, (phase, then)):
-                    for s in pending:
-                        self._cuda.stream_wait_event(side.cuda_stream, self._recv_events[stage][s])
+                    op, part = phase_flag(stage)
+                    flags.wait_arrived(side.cuda_stream, op, sources, arrival_value(self._rounds[op], part),
+                                       f"{stage} bytes of round {self._rounds[op]}")
                     work()
+            if phase_flag(phase)[0] == "combine":  # the sum read the combine area: peers may reuse it
+                flags.signal_freed(side.cuda_stream, "combine", self._rounds["combine"])
             self._cuda.event_record(self._received, side.cuda_stream)
-        query, events = self._cuda.event_query, self._recv_events[phase]
-
-        def landed() -> bool:
-            pending[:] = [s for s in pending if not query(events[s])]
-            return not pending
-
-        self._poll(landed, timeout_s, lambda: f"ep: {phase} bytes from ranks {pending} not complete after {timeout_s:.3g} s",
-                   watch=pending, lost=f"with its {phase} bytes in flight")
         for event in self._send_events[phase]:
             self._cuda.stream_wait_event(current, event)
         if then is not None:

@@ -131,6 +131,10 @@ class Mailbox:
         box = self._peers[rank]
         return box[base:base + r].copy(), box[base + r + experts.start:base + r + experts.stop].copy()
 
+    def round_of(self, rank: int, field: int) -> int:
+        """The round ``rank`` last published in ``field``."""
+        return int(self._peers[rank][field])
+
     def published(self, field: int, round_: int) -> list[int]:
         """The ranks (this one included) whose ``field`` has reached ``round_``, without waiting."""
         return [r for r, box in self._peers.items() if box[field] >= round_]

@@ -18,12 +18,19 @@ Both movers offer the same operations, so the senders (ep._senders) and the comb
   several such at once; ``sent(dest, phase)`` marks them;
 - ``start_to_host(words)`` / ``wait_host(timeout_s)``: a small device vector on the host (the
   dispatch's one wait for the device), with work queued in between;
-- ``wait_begun(timeout_s)``: block until the caller's stream reached ``begin``;
+- ``start_round(op, round_)``: round ``round_`` of ``op`` starts on the caller's stream;
+- ``gate(op, round_, sm)``: later writes of that round into the peers wait until the peers
+  freed the areas they land in (ep._flags, Note [Arrival flags]; the host protocol of ep._rounds
+  orders host copies, so the ``HostMover`` needs nothing);
+- ``check()``: raise the failure of an earlier call's arrival (never blocks);
+- ``host_ordered``: whether the host meets of ep._rounds order the bytes (``HostMover``), or
+  arrival flags do on the device (``CudaMover``: a call returns at launch);
 - ``send_done()``: the end of a send phase on the caller's stream (what the receive work follows);
 - ``arrived(sources, phase, timeout_s, then, writes, early)``: run ``then`` (the receive work:
   the unpack, the combine's sum) once the marks of ``sources`` toward this rank are complete
   (and each ``(phase, work)`` of ``early`` once that phase's marks are: the combine's parts),
-  block until they are, then order the caller's stream after it and after this rank's own pushes;
+  then order the caller's stream after it and after this rank's own pushes (the ``HostMover``
+  runs the work at once: the host protocol waited for the bytes);
 - ``combine_counts(counts, parity, timeout_s)``: a combine's per-rank row counts where its sum
   can read them (ep._reduce, Note [Pipelined combine]).
 
@@ -109,6 +116,8 @@ class Gathers:
 class HostMover(Gathers):
     """Shared-memory regions written directly by this process's CPU (the shm backend)."""
 
+    host_ordered = True
+
     def __init__(self, layout: RegionLayout, rank: int, own: torch.Tensor, peers: dict[int, torch.Tensor]) -> None:
         self.layout = layout
         self.rank = rank
@@ -151,7 +160,13 @@ class HostMover(Gathers):
         words, self._words = self._words, None
         return words.numpy().copy()
 
-    def wait_begun(self, timeout_s: float) -> None:
+    def start_round(self, op: str, round_: int) -> None:
+        pass
+
+    def gate(self, op: str, round_: int, sm: bool) -> None:
+        pass
+
+    def check(self) -> None:
         pass
 
     def send_done(self) -> None:

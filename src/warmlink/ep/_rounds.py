@@ -3,20 +3,23 @@
 # Note [Round protocol]
 A dispatch (and likewise a combine) is one round ``n`` of a handshake in the host mailboxes:
 
-1. before step 4, the host waits once for the caller's stream to reach the start of the round:
-   for the counts of a fresh dispatch (one kernel plans the whole send, ep._kernels), for an event
-   recorded at the start otherwise (a cached dispatch gathers and copies first). It proves that
-   every earlier reader of this rank's receive areas, on that stream, has finished;
-2. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
-3. a fresh dispatch waits until every peer published the same (it needs their counts to know
-   where its rows go, Note [Send order] in ep.layout); with SM sends, kernels trade the counts
-   and store the rows instead, and the host meets the peers after (ep._kernels, Note [SM
-   sends]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
-   parity n % 2, which no one still reads (ep._regions, Note [Two parities]);
-4. every source issues its rows, marks them sent, and publishes "round n sent";
-5. the receive phase (inline or in the hook) checks every peer's "ready" word for round n (the
-   same config, the same dispatch's handle), waits for every source's "round n sent" and its
-   copies, then returns views of the receive area.
+1. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
+2. a fresh dispatch waits until every peer published the same (it needs their counts to know
+   where its rows go, Note [Send order] in ep.layout; a peer publishes them once its stream
+   reached the round, so the receive areas of round n - 2 are free); with SM sends, kernels trade
+   the counts and store the rows instead, and the host meets the peers after (ep._kernels, Note
+   [SM sends]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
+   parity n % 2 (ep._regions, Note [Two parities]), which round n - 2 used. On the device, the
+   arrival flags' ``freed`` words hold the writes until every peer is done with them (ep._flags,
+   Note [Arrival flags]); with host copies, this rank's host passed round n - 1's step 4, which
+   waited for every peer's host to pass round n - 1's start;
+3. every source issues its rows, marks them sent (on the device: arrival flags), and publishes
+   "round n sent";
+4. the receive phase (inline or in the hook). With host copies it checks every peer's "ready"
+   word for round n (the same config, the same dispatch's handle), waits for every source's
+   "round n sent", then does the receive work. On the device, the receive work waits for the
+   arrival flags on the receive stream, and the host checks the "ready" words of the peers that
+   published already (the others at the next call) and returns at launch.
 
 Outputs of ``dispatch`` are views of this rank's receive area, valid until the next ``dispatch`` on
 the buffer (as DeepEP's low-latency outputs are). Every wait has the buffer's timeout; a dead peer
@@ -35,6 +38,10 @@ from warmlink.ep.handle import Handle, fill_plan
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Pending", "Rounds"]
+
+_CONFIG_MISMATCH = ("ep.Buffer.dispatch: rank {rank} dispatches with {theirs}, this rank with {mine}; every rank must "
+                    "pass the same kind of call (a fresh dispatch with a hook sends through the copy engines, one "
+                    "without through the Buffer's sender)")
 
 
 @dataclass
@@ -65,6 +72,7 @@ class Rounds:
         self.last = {"dispatch": 0, "combine": 0}  # the last round sent, or spent on every rank
         self.pending: Pending | None = None
         self.meets = 0  # all_gather_int rounds so far
+        self.late: list[tuple[int, int, int, list[int]]] = []  # (field, round, own word, ranks) to check later
 
     def all_gather_int(self, value: int, timeout_s: float) -> list[int]:
         """Every rank's ``value`` in rank order, through the mailboxes (a peer at most one meet
@@ -95,12 +103,64 @@ class Rounds:
         """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
         for ``round_``, then check it called with the same config (dispatch) or handle (combine)."""
         self.mailbox.wait(field, round_, self.timeout_s)
+        mine = self._word(self.rank, field, round_)
+        self._check_words(field, round_, mine, {r: self._word(r, field, round_) for r in range(self.num_ranks)})
+
+    def before_receive(self, field: int, sent: int, round_: int, host_ordered: bool, checks: bool = True) -> None:
+        """Step 4 of Note [Round protocol] before the receive work: with host copies
+        (``host_ordered``) wait until every peer published ``field`` (checked, when ``checks``) and
+        ``sent`` for ``round_``; with arrival flags only check the peers that published already."""
+        if host_ordered:
+            if checks:
+                self.meet(field, round_)
+            self.mailbox.wait(sent, round_, self.timeout_s)
+        elif checks:
+            self.check_published(field, round_)
+
+    def check_published(self, field: int, round_: int) -> None:
+        """``meet``'s checks, without its wait, for the peers that published ``field`` of
+        ``round_`` already; ``check_late`` checks the others at a later call (with arrival flags,
+        ep._flags, the device orders the bytes and the host does not wait for the peers)."""
+        self._check_now(field, round_, self._word(self.rank, field, round_), range(self.num_ranks))
+
+    def check_late(self) -> None:
+        """``check_published``'s checks of the peers that have published since."""
+        late, self.late = self.late, []
+        for field, round_, mine, ranks in late:
+            self._check_now(field, round_, mine, ranks)
+
+    def _check_now(self, field: int, round_: int, mine: int, ranks) -> None:
+        """Check the words of ``ranks`` that are readable now against ``mine``; note the ranks not
+        there yet in ``late``. A peer already past ``round_`` goes unchecked: the word of
+        ``round_ + 2`` may be replacing this round's (a mailbox keeps two rounds), and the arrival
+        flags still bound its bytes."""
+        words, behind = {}, []
+        for r in ranks:
+            at = self.mailbox.round_of(r, field)
+            word = self._word(r, field, round_)
+            if at < round_:
+                behind.append(r)
+            elif at == round_ and self.mailbox.round_of(r, field) == round_:  # still round_ after the read
+                words[r] = word
+        if behind:
+            self.late.append((field, round_, mine, behind))
+        self._check_words(field, round_, mine, words)
+
+    def _word(self, rank: int, field: int, round_: int) -> int:
+        """The word ``rank`` published with ``field`` of ``round_``: a dispatch's config or a combine's handle."""
+        mailbox = self.mailbox
+        return mailbox.config(rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(rank, round_)
+
+    def _check_words(self, field: int, round_: int, mine: int, words: dict[int, int]) -> None:
+        """``ConfigError`` when a rank's word of ``words`` is not ``mine``: another config (dispatch)
+        or combine handle (combine) for ``round_`` than this rank's."""
         if field == mb.DISPATCH:
-            self.check_peer_configs(round_, self.mailbox.config(self.rank, round_))
+            for r, theirs in words.items():
+                if r != self.rank and theirs != mine:
+                    raise ConfigError(_CONFIG_MISMATCH.format(rank=r, theirs=describe_call(theirs),
+                                                              mine=describe_call(mine)))
             return
-        mine = self.mailbox.combine_handle(self.rank, round_)  # a word: ep._call_config.encode_combine
-        for r in range(self.num_ranks):  # rows are counted by the handle: all ranks must use the same dispatch's
-            theirs = self.mailbox.combine_handle(r, round_)
+        for r, theirs in words.items():  # rows are counted by the handle: all ranks must use the same dispatch's
             if combine_handle_round(theirs) != combine_handle_round(mine):
                 raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round "
                                   f"{combine_handle_round(theirs)}, this rank with round {combine_handle_round(mine)}; "
@@ -115,10 +175,7 @@ class Rounds:
         for r in (range(self.num_ranks) if ranks is None else ranks):
             theirs = self.mailbox.config(r, round_)
             if r != self.rank and theirs != config:
-                raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank with "
-                                  f"{describe_call(config)}; every rank must pass the same kind of call (a fresh "
-                                  "dispatch with a hook sends through the copy engines, one without through the "
-                                  "Buffer's sender)")
+                raise ConfigError(_CONFIG_MISMATCH.format(rank=r, theirs=describe_call(theirs), mine=describe_call(config)))
 
     def complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""

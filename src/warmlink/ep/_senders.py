@@ -118,6 +118,7 @@ class StagedSender:
         mover.begin(copies=False)  # the copies wait for the gather, which follows the start
         mover.gather_all(handle.combine_rows, src, parts, handle.dst_rows[me] - me * self.layout.max_tokens,
                          round_ % PARITIES, self.rounds.timeout_s, self.graphs)
+        mover.gate("dispatch", round_, sm=False)  # no peer meets a cached dispatch: Note [Arrival flags] in ep._flags
         mover.flush_all(phase, src, parts, [(d, handle.dst_rows[d], handle.send_counts[d])
                                             for d in (*self.rounds.order(), me)])
 
@@ -189,6 +190,7 @@ class SmSender(CopyEngineSender):
             return
         mover = self.mover
         mover.begin(copies=False)  # the SMs push
+        mover.gate("dispatch", round_, sm=True)
         key = (self.serial, round_ % PARITIES, src.x.shape[1])  # addresses of this Buffer's mappings
         bases = handle.sm_bases.get(key)
         if bases is None:

@@ -8,15 +8,17 @@ the store, opens every peer's region, mailbox and events, leases the streams and
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from warmlink import _env
 from warmlink.ep import _mailbox as mb
+from warmlink.ep._flags import ArrivalFlags, flags_nbytes, flags_page
 from warmlink.ep._info import EVENT_PHASES, KIND, check_config
 from warmlink.ep._cuda_mover import CudaMover
 from warmlink.ep._movers import HostMover
 from warmlink.ep._regions import PARITIES, RegionLayout
-from warmlink.errors import MetadataError
+from warmlink.errors import BackendUnavailable, MetadataError
 
 __all__ = ["Resources", "group_store"]
 
@@ -45,12 +47,13 @@ class Resources:
         self.leases: list = []
         self.recv_stream = None
         self.done_events: list[int] = []  # what async_finish records: per (op, parity), then the layout's
-        self.reduced_event = None  # recorded after a combine's sum on the caller's stream (cuda_ipc)
         self.mover = None
         self.peers: dict = {}
         self._remotes: list = []
-        self._event_tokens: list = []
         self._send_events: dict = {}
+        self.flags: ArrivalFlags | None = None  # cuda_ipc: ep._flags
+        self._registered: list[int] = []  # host addresses of flag pages registered with CUDA
+        self._flags_at, self._flags_bytes = flags_page(mb.mailbox_nbytes(num_ranks), num_ranks)
         self._link_lease = self._mail_lease = self._region = self._mail_region = self.link = None
         try:
             self._link_lease = lease_link(backend, device, timeout_s)
@@ -58,7 +61,8 @@ class Resources:
             self._mail_lease = lease_link("shm", -1, timeout_s)
             self._region = self.link.allocate(layout.nbytes)
             self._clear_boards()
-            self._mail_region = self._mail_lease.resource.allocate(mb.mailbox_nbytes(num_ranks))
+            self._mail_region = self._mail_lease.resource.allocate(self._flags_at + self._flags_bytes)
+            self._mail_region.tensor.zero_()  # the flag words too, before any peer can see them
             self.mailbox = mb.Mailbox(self._mail_region.tensor, rank, num_ranks)
         except BaseException:
             self.close()
@@ -98,8 +102,7 @@ class Resources:
             "events": events,
         }
         store.set(f"ep/{epoch}/{self.rank}", schema.encode(info), timeout_s=limit_s)
-        peers, regions = {}, {}
-        recv_events = {f"{phase}.{p}": {} for phase in EVENT_PHASES for p in range(PARITIES)}
+        peers, regions, mails = {}, {}, {}
         for r in range(self.num_ranks):
             if r == self.rank:
                 continue
@@ -119,16 +122,36 @@ class Resources:
                 raise MetadataError(f"ep rank info from peer={name!r}: data.nbytes={data.nbytes}; expected >= {self.layout.nbytes}")
             regions[r] = data
             self.mailbox.attach(r, mail.tensor, ref)
-            for phase in EVENT_PHASES:
-                for p, handle_hex in enumerate(theirs["events"][phase][self.rank::self.num_ranks]):
-                    recv_events[f"{phase}.{p}"][r] = self._open_event(ref, handle_hex)
+            mails[r] = mail.tensor
         self.peers = peers
         if self.backend == "cuda_ipc":
-            self.mover = self._cuda_mover(regions, recv_events)
+            self.flags = self._arrival_flags(mails)
+            self.mover = self._cuda_mover(regions)
         else:
             self.mover = HostMover(self.layout, self.rank, self._region.tensor, {r: reg.tensor for r, reg in regions.items()})
 
-    def _cuda_mover(self, regions: dict, recv_events: dict) -> CudaMover:
+    def _arrival_flags(self, mails: dict) -> ArrivalFlags:
+        """This rank's and its peers' flag words (ep._flags), registered with CUDA in this process."""
+        from warmlink import _cuda
+
+        if not _cuda.stream_memops_supported(self.device):
+            raise BackendUnavailable(f"ep.Buffer: cuda:{self.device} runs no 64-bit stream memory operations "
+                                     "(cuStreamWaitValue64), which the arrival flags of ep._flags need")
+        words = flags_nbytes(self.num_ranks) // 8
+
+        def page(segment):
+            view = segment[self._flags_at:self._flags_at + self._flags_bytes]
+            address = _cuda.host_register(view.data_ptr(), view.numel())
+            self._registered.append(view.data_ptr())
+            return view.numpy().view(np.int64)[:words], address
+
+        flags = ArrivalFlags(_cuda, *page(self._mail_region.tensor), self.rank, self.num_ranks, self.timeout_s,
+                             self.peers)
+        for r, segment in mails.items():
+            flags.attach(r, *page(segment))
+        return flags
+
+    def _cuda_mover(self, regions: dict) -> CudaMover:
         from warmlink.pool.events import lease_event
         from warmlink.pool.streams import lease_stream
 
@@ -137,18 +160,17 @@ class Resources:
         own = self.num_ranks if self.copy_streams == "per-peer" else 1
         leased = [lease_stream(self.device) for _ in range(own)]
         streams = [leased[d % own] for d in range(self.num_ranks)]
-        local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS + 1)]  # + the combine's "reduced"
+        local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS)]
         done = [lease_event(self.device) for _ in range(2 * PARITIES + 1)]
         self.leases += leased + local + done
         self.done_events = [e.resource.handle for e in done]
         # not among self.leases: close() must not order the caller's stream after it (it may
         # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
         self.recv_stream = lease_stream(self.device)
-        self.reduced_event = local[-1].resource.handle
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                          {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
-                         self.recv_stream.resource, [e.resource.handle for e in local[:-1]],
-                         self._send_events, recv_events, self.peers)
+                         self.recv_stream.resource, [e.resource.handle for e in local],
+                         self._send_events, self.flags, self.peers)
 
     def _lease_events(self) -> dict:
         from warmlink import _cuda
@@ -164,30 +186,32 @@ class Resources:
                 out[phase] += [_cuda.ipc_get_event_handle(lease.resource.handle).hex() for lease in leases]
         return out
 
-    def _open_event(self, ref, handle_hex: str) -> int:
+    def _unregister_flags(self) -> None:
+        """Unregister the flag pages once no queued stream work can touch them: every stream that
+        waited on one was released (``ArrivalFlags.close``), so the device drains."""
+        registered, self._registered = self._registered, []
+        if not registered:
+            return
         from warmlink import _cuda
-        from warmlink.pool.peers import mapping_cache
 
-        cache = mapping_cache("cuda_ipc_event", lambda key: _cuda.ipc_open_event_handle(bytes.fromhex(key[2]), key[3]),
-                              _cuda.event_destroy)
-        event, token = cache.acquire((ref.key, ref.process_id, handle_hex, self.device))
-        self._event_tokens.append((cache, token))
-        return event
+        torch.cuda.synchronize(self.device)
+        for address in registered:
+            _cuda.host_unregister(address)
 
     def close(self, recv_failed: bool = False) -> None:
         """Give regions, mappings, streams and events back to the pool. Idempotent. With
-        ``recv_failed`` the caller's stream is not ordered after the receive stream, which may wait
-        on a dead peer for good."""
+        ``recv_failed`` the caller's stream is not ordered after the receive stream."""
         mover, self.mover = self.mover, None
+        flags, self.flags = self.flags, None
+        if flags is not None:  # no stream of this rank waits on a flag any more
+            flags.close()
         if mover is not None:
             if self.device >= 0:
                 for lease in self.leases:
                     if hasattr(lease.resource, "torch_stream"):
                         torch.cuda.current_stream(self.device).wait_stream(lease.resource.torch_stream())
             mover.close()
-        for cache, token in self._event_tokens:
-            cache.release(token)
-        self._event_tokens = []
+        self._unregister_flags()
         for link, region in self._remotes:
             link.close_region(region)
         self._remotes = []

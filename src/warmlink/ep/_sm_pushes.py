@@ -146,9 +146,8 @@ class SmPushes:
         """The push at ``bases`` from the parity's call block, eager once per key, then a graph.
 
         The block is rewritten only once the push that last read it (round n - 2) ran: its own
-        send event, recorded right after it on the stream it ran on, completed. On one stream
-        round n - 1's ``wait_begun`` already proved that; the event covers a caller that changes
-        streams between rounds."""
+        send event, recorded right after it on the stream it ran on, completed (so a caller more
+        than a round ahead of its stream waits here)."""
         last = self._send_events[f"dispatch.{parity}"][self.rank]
         if not self._cuda.event_query(last):
             self._poll(lambda: self._cuda.event_query(last), timeout_s, lambda: (
@@ -162,11 +161,10 @@ class SmPushes:
         self._launch(key, lambda: self._cached_push(key), graphs)
 
     def _pushed(self, phase: str) -> None:
-        """Every destination's event of ``phase`` after an SM push, on the current stream (the
-        push stored every destination's rows: ``sent``'s per-destination copy streams do not apply)."""
-        current = self._current()
-        for event in self._send_events[phase]:
-            self._cuda.event_record(event, current)
+        """Every destination's event and arrival flag of ``phase`` after an SM push, on the current
+        stream (the push stored every destination's rows: ``sent``'s per-destination copy streams
+        do not apply)."""
+        self._mark_sent(phase, self._current(), range(self.layout.num_ranks))
 
     def _cached_push(self, key: tuple) -> None:
         _, parity, x_words, num_scales = key

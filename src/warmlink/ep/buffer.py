@@ -120,7 +120,7 @@ class Buffer(LowLatencyMethods, Closing):
             self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
             self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
             self._combiner = Combiner(self._mover, self.layout, rank, self._rounds.order(), self.combine_parts,
-                                      self.device, self._res.reduced_event, self.timeout_s)
+                                      self.timeout_s)
         except BaseException:
             self.close()
             raise
@@ -175,6 +175,8 @@ class Buffer(LowLatencyMethods, Closing):
         if self._closed:
             raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
         self._rounds.check_no_pending(func)
+        self._mover.check()  # an earlier call's bytes that never came (ep._flags): close releases its waits
+        self._rounds.check_late()  # the peers' words of earlier rounds, checked once they published
 
     def dispatch(self, x, handle: Handle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -229,6 +231,7 @@ class Buffer(LowLatencyMethods, Closing):
         num_tokens = tokens.shape[0]
         rounds, mover = self._rounds, self._mover
         round_ = rounds.next("dispatch")
+        mover.start_round("dispatch", round_)
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
         cached = handle is not None
@@ -257,8 +260,6 @@ class Buffer(LowLatencyMethods, Closing):
             handle = self._sender.send_fresh(FreshSend(src, in_rank, per_rank, per_expert, num_experts, config,
                                                        num_worst_tokens, round_, phase, parts), marks, return_recv_hook)
         mover.send_done()
-        if cached:  # see ep._rounds, Note [Round protocol], step 1 (a fresh dispatch waited for its counts)
-            mover.wait_begun(self.timeout_s)
         self.mailbox.publish(mb.DISPATCH_SENT, round_)
         rounds.end("dispatch", round_)
         marks["sent"] = time.perf_counter()
@@ -273,9 +274,8 @@ class Buffer(LowLatencyMethods, Closing):
 
         def receive() -> None:
             t3 = time.perf_counter()
-            if cached:  # a fresh dispatch met the peers before sending
-                rounds.meet(mb.DISPATCH, round_)
-            self.mailbox.wait(mb.DISPATCH_SENT, round_, self.timeout_s)
+            # a fresh dispatch met the peers before sending
+            rounds.before_receive(mb.DISPATCH, mb.DISPATCH_SENT, round_, mover.host_ordered, checks=cached)
             self._arrived(phase, unpack, unpacked)
             self.last_marks["received"] = time.perf_counter()
             self.last_phases["receive"] = self.last_marks["received"] - t3
@@ -315,8 +315,7 @@ class Buffer(LowLatencyMethods, Closing):
         rows, weights = self._checks.combine(x, topk_weights, handle)
         rounds, combiner = self._rounds, self._combiner
         round_ = rounds.next("combine")
-        if rounds.last["combine"]:  # the sum of the round before last read this parity: see Note [Two parities]
-            combiner.wait_reduced()
+        self._mover.start_round("combine", round_)
         word = encode_combine(handle.round, rows.dtype, weights.shape[1] if weights is not None else 0)
         self.mailbox.publish_combine(round_, word)  # no wait for the peers: Note [Two parities]
         t1 = time.perf_counter()
@@ -330,8 +329,7 @@ class Buffer(LowLatencyMethods, Closing):
 
         def receive() -> None:
             t2 = time.perf_counter()
-            rounds.meet(mb.COMBINE, round_)
-            self.mailbox.wait(mb.COMBINE_SENT, round_, self.timeout_s)
+            rounds.before_receive(mb.COMBINE, mb.COMBINE_SENT, round_, self._mover.host_ordered)
             queued = combiner.receive(handle, rows, weights, round_, counts, out, out_w, self._arrived)
             # "queued": from the receive's start until the last sum is queued (the rest waits for bytes)
             self.last_phases.update(receive=time.perf_counter() - t2, queued=queued - t2)
