@@ -382,3 +382,24 @@ def test_flush_all_batches_the_peers_copies_then_marks_every_destination(monkeyp
     arrived_at_peer = PEER_FLAGS + mover.flags._index(0, "dispatch", 0) * 8
     assert fake.calls == [("batch", [there], [staged], [3 * 128], COPY), ("record", SEND_EVENTS[0], CALLER),
                           ("record", SEND_EVENTS[1], COPY), ("write value", COPY, arrived_at_peer, arrival_value(1))]
+
+
+def test_released_words_stay_released_until_forget(monkeypatch):
+    """A slow peer (not a dead one) may store a round over RELEASE after a failure; a wait of a
+    later round, queued before it, would then block again. The next sweep stores RELEASE again,
+    until close's forget, after which the pages belong to the pool and nothing stores there."""
+    monkeypatch.setattr(_flags, "_WATCHDOG", _flags._Watchdog())
+    flags, own, _ = _flags_of(FakeCuda(), timeout_s=0.0)
+    flags.wait_arrived(SIDE, "dispatch", range(2), arrival_value(7), "dispatch.1 bytes")
+    time.sleep(0.01)
+    with pytest.raises(TransferTimeout):
+        flags.check()
+    own[flags._index(0, "dispatch", 1)] = arrival_value(7)  # the slow peer's stream, late
+    assert flags.pending()  # the watchdog keeps sweeping a released Buffer
+    flags.sweep(liveness=True)
+    assert (own == RELEASE).all()
+    flags.close()
+    flags.forget()
+    own[:] = 0  # the pool's next Buffer zeroes the page
+    flags.sweep(liveness=True)
+    assert not own.any() and not flags.pending()

@@ -18,8 +18,9 @@ host waits for any of it: the host only notes what each wait expects, with a dea
 call's ``check`` (and, for a caller that stops calling, a watchdog thread that wakes at most once
 a second) drops what was met; a wait past its deadline, or on a rank whose process died, fails
 the Buffer: the error is raised by the Buffer's next call and every call after, and every word
-this rank waits on is set to ``RELEASE`` from the CPU, so no stream of this process stays blocked
-on a dead peer. The work those streams then run reads whatever the areas hold: after a failure,
+this rank waits on is set to ``RELEASE`` from the CPU, and kept so until the Buffer closes (a slow
+peer's stream may still store a round over it), so no stream of this process stays blocked on a
+dead or stalled peer. The work those streams then run reads whatever the areas hold: after a failure,
 outputs of the calls in flight are garbage, and the error says so.
 
 A rank only ever releases its own words: a stalled rank that was released by a peer must not let
@@ -92,6 +93,7 @@ class ArrivalFlags:
         self._expected: list[_Expected] = []
         self._lock = threading.Lock()
         self.error: WarmlinkError | None = None
+        self._released = False  # failed or closing: this rank's words stay RELEASE until forget()
 
     def attach(self, rank: int, words: np.ndarray, address: int) -> None:
         """``rank``'s words, and their device address in this process."""
@@ -150,14 +152,20 @@ class ArrivalFlags:
             raise self.error
 
     def pending(self) -> bool:
+        """Whether the watchdog has work here: waits to check, or released words to keep released."""
         with self._lock:
-            return bool(self._expected)
+            return bool(self._expected) or self._released
 
     def sweep(self, liveness: bool) -> None:
         """Drop met waits; fail on a missed deadline, or on a dead rank (probed with ``liveness``,
-        else only once a deadline passed)."""
+        else only once a deadline passed). Once released, store ``RELEASE`` again: a peer that is
+        slow, not dead, may have stored a round over it, which a wait of a later round, queued
+        before the failure, would not pass."""
         now, own = time.monotonic(), self._words[self.rank]
         with self._lock:
+            if self._released:
+                own[:] = RELEASE
+                return
             keep = []
             for e in self._expected:
                 missing = sorted({r for index, value, r in e.words if own[index] < value})
@@ -183,14 +191,25 @@ class ArrivalFlags:
         """Record ``error`` and let every stream of this rank that waits on a flag go (see the Note)."""
         if self.error is None:
             self.error = error
+        self._release()
+
+    def _release(self) -> None:
+        self._released = True
         self._words[self.rank][:] = RELEASE
         self._expected = []
 
     def close(self) -> None:
-        """Stop expecting anything; let any stream still waiting go (the Buffer is closing)."""
+        """Stop expecting anything and let any stream still waiting go, until ``forget`` (the Buffer
+        is closing: its streams drain, then its flag pages are unregistered)."""
         with self._lock:
+            self._release()
+        _WATCHDOG.watch(self)
+
+    def forget(self) -> None:
+        """Stop storing to this rank's words (its pages are about to go back to the pool)."""
+        with self._lock:
+            self._released = False
             self._expected = []
-            self._words[self.rank][:] = RELEASE
         _WATCHDOG.forget(self)
 
 

@@ -203,7 +203,7 @@ class Resources:
         ``recv_failed`` the caller's stream is not ordered after the receive stream."""
         mover, self.mover = self.mover, None
         flags, self.flags = self.flags, None
-        if flags is not None:  # no stream of this rank waits on a flag any more
+        if flags is not None:  # no stream of this rank waits on a flag any more, until forget()
             flags.close()
         if mover is not None:
             if self.device >= 0:
@@ -211,7 +211,11 @@ class Resources:
                     if hasattr(lease.resource, "torch_stream"):
                         torch.cuda.current_stream(self.device).wait_stream(lease.resource.torch_stream())
             mover.close()
-        self._unregister_flags()
+        try:
+            self._unregister_flags()
+        finally:
+            if flags is not None:
+                flags.forget()
         for link, region in self._remotes:
             link.close_region(region)
         self._remotes = []
