@@ -262,7 +262,7 @@ class CudaMover(SmPushes, Gathers):
 
     def wait_host(self, timeout_s: float) -> np.ndarray:
         """The words of ``start_to_host``, host-polled with a deadline; everything queued on the
-        stream before them has finished too (ep._rounds, Note [Round protocol], step 1)."""
+        stream before them has finished too (a fresh dispatch's one wait for the device)."""
         self._poll(lambda: self._cuda.event_query(self._counted), timeout_s, lambda: (
             f"ep: the caller's stream on cuda:{self.device} did not reach the dispatch's count copy within "
             f"{timeout_s:.3g} s"))

@@ -23,11 +23,13 @@ each rank), so a peer can never write outside its slot or past the area.
 # Note [Two parities]
 A source may write round ``n`` into a peer as soon as it has its own plan, without waiting for
 that peer to reach round ``n``: round ``n`` lands in parity ``n % 2``, whose last user was round
-``n - 2``. The source finished round ``n - 1``, whose receive waited for every peer's "round
-``n - 1`` sent"; a peer publishes that only after proving on the host that its caller's stream
-finished with the outputs of the round before (ep._rounds, Note [Round protocol], step 1). So
-parity ``n % 2`` is free everywhere, and the copy engines start right after the gathers. The price
-is twice the receive memory.
+``n - 2``. On GPUs the writes of a cached dispatch or a combine wait on the device for each
+peer's ``freed`` word (ep._flags, Note [Arrival flags]), which that peer's stream stores once it
+is done with round ``n - 2``'s area (a fresh dispatch's count exchange already waits for every
+peer to reach round ``n``). With host copies the source's host finished round ``n - 1``, whose
+receive waited for every peer's host to pass the start of round ``n - 1`` (ep._rounds, Note
+[Round protocol], step 4). So the copies start right after the gathers, with no host waiting for
+a peer. The price is twice the receive memory.
 """
 
 from __future__ import annotations

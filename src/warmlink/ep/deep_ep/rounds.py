@@ -9,9 +9,10 @@ rank that has fewer. Every rank must run the same number of rounds, so a fresh d
 gathers every rank's token count (``ep.Buffer.all_gather_int``: host mailboxes, no kernel) and
 runs ``ceil(max / C)``; one round is the plain call. The outputs are fresh tensors in DeepEP's
 order (source rank, then source token): round k's rows from source s land after that source's
-rows of the earlier rounds. Each round's rows are copied out of the receive area before the next
-round starts (a round's host waits for the caller's stream first, Note [Round protocol] in
-ep._rounds), then placed. The handle keeps every round's warmlink handle and where its rows went:
+rows of the earlier rounds. Each round's rows are copied out of the receive area on the caller's
+stream before the next round starts, then placed; no peer writes that area again before this
+rank's stream has passed the copy (a fresh round's count exchange, or a cached round's arrival
+flags, Note [Arrival flags] in ep._flags). The handle keeps every round's warmlink handle and where its rows went:
 a cached dispatch replays the same rounds, and a combine sends each round's rows back with its
 round's handle, each token summed in the one round that carried it. Memory stays within the
 budget; each extra round costs a round's fixed host time and one more copy of its rows.
