@@ -39,10 +39,6 @@ from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Pending", "Rounds"]
 
-_CONFIG_MISMATCH = ("ep.Buffer.dispatch: rank {rank} dispatches with {theirs}, this rank with {mine}; every rank must "
-                    "pass the same kind of call (a fresh dispatch with a hook sends through the copy engines, one "
-                    "without through the Buffer's sender)")
-
 
 @dataclass
 class Pending:
@@ -157,8 +153,10 @@ class Rounds:
         if field == mb.DISPATCH:
             for r, theirs in words.items():
                 if r != self.rank and theirs != mine:
-                    raise ConfigError(_CONFIG_MISMATCH.format(rank=r, theirs=describe_call(theirs),
-                                                              mine=describe_call(mine)))
+                    raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank "
+                                      f"with {describe_call(mine)}; every rank must pass the same kind of call (a fresh "
+                                      "dispatch with a hook sends through the copy engines, one without through the "
+                                      "Buffer's sender)")
             return
         for r, theirs in words.items():  # rows are counted by the handle: all ranks must use the same dispatch's
             if combine_handle_round(theirs) != combine_handle_round(mine):
@@ -172,10 +170,8 @@ class Rounds:
 
     def check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
         """``ConfigError`` when a peer of ``ranks`` (default: all) published another config for ``round_``."""
-        for r in (range(self.num_ranks) if ranks is None else ranks):
-            theirs = self.mailbox.config(r, round_)
-            if r != self.rank and theirs != config:
-                raise ConfigError(_CONFIG_MISMATCH.format(rank=r, theirs=describe_call(theirs), mine=describe_call(config)))
+        ranks = range(self.num_ranks) if ranks is None else ranks
+        self._check_words(mb.DISPATCH, round_, config, {r: self.mailbox.config(r, round_) for r in ranks})
 
     def complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""
