@@ -99,7 +99,7 @@ def test_receive_work_waits_for_the_flags_on_the_device_and_the_host_returns_at_
     mover.start_round("dispatch", 3)
     fake.calls.clear()
     ran = []
-    mover.arrived(range(2), "dispatch.0", 5.0, then=lambda: ran.append(len(fake.calls)))
+    mover.arrived(range(2), "dispatch.0", then=lambda: ran.append(len(fake.calls)))
     calls = fake.calls
     assert not [c for c in calls if c[0] == "query"]  # no host poll of anything
     arrived = _own_word(mover.flags, 0, "dispatch", 1)
@@ -118,7 +118,7 @@ def test_each_early_part_waits_for_its_own_part_and_the_sum_frees_the_combine_ar
     mover = _mover(monkeypatch, fake)
     mover.start_round("combine", 5)
     ran = []
-    mover.arrived(range(2), "combine.0", 5.0, then=lambda: ran.append(("last", len(fake.calls))),
+    mover.arrived(range(2), "combine.0", then=lambda: ran.append(("last", len(fake.calls))),
                   early=[("combine_part0.0", lambda: ran.append(("part0", len(fake.calls))))])
     arrived = _own_word(mover.flags, 0, "combine", 1)
     waits = [c for c in fake.calls if c[0] == "wait value"]

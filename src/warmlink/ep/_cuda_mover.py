@@ -10,10 +10,10 @@ runs for tens of microseconds on the SMs, and the copy engines move the bytes wh
 host, and a slow rank's host then delayed its last copy; benchmarks/history-2026-11-22.md.) A cached dispatch knows
 where its own rows go before it sends, so ``gather_all`` stages the peers' rows and places its
 own with one push, replayed from the parity's call block (ep._kernels, Note [Fresh send graph]):
-in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` record an
-interprocess event on the copy stream; the receiver, once the sender's mailbox says the event was
-recorded for this round, polls it from the host (a dead or stalled sender turns into a timeout,
-never a hung caller's stream). Rows move as int64 words: a row is a multiple of 8 channels.
+in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` store
+the rows' arrival flag in each destination from the copy stream (ep._flags, Note [Arrival
+flags]), and record this rank's send event there, which its caller's stream waits for before the
+inputs are reused. Rows move as int64 words: a row is a multiple of 8 channels.
 
 # Note [Receive work on its own stream]
 The receive work (the unpack, the combine's sum) is launched at once on this rank's receive
@@ -27,6 +27,7 @@ hands their memory out while it may still run.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -45,6 +46,7 @@ from warmlink.ep._sm_pushes import SmPushes
 __all__ = ["CudaMover", "phase_flag"]
 
 
+@functools.cache  # a handful of phase names, looked up on every send and receive
 def phase_flag(phase: str) -> tuple[str, int]:
     """``(op, part)`` of an event phase's arrival flag: ``dispatch.<p>`` is part 0,
     ``combine_part<k>.<p>`` part k, and ``combine.<p>`` (a combine's last part) part 3, so that
@@ -287,7 +289,7 @@ class CudaMover(SmPushes, Gathers):
     def send_done(self) -> None:
         self._cuda.event_record(self._send_done, self._current())
 
-    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=(), early=()) -> None:
+    def arrived(self, sources, phase: str, then=None, writes=(), early=()) -> None:
         """Launch each ``(phase, work)`` of ``early``, then ``then``, on the receive stream, each
         behind the sources' arrival flags of its phase (Note [Receive work on its own stream]);
         then order the current stream after the receive work and after this rank's own pushes of

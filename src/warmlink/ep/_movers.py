@@ -26,7 +26,7 @@ Both movers offer the same operations, so the senders (ep._senders) and the comb
 - ``host_ordered``: whether the host meets of ep._rounds order the bytes (``HostMover``), or
   arrival flags do on the device (``CudaMover``: a call returns at launch);
 - ``send_done()``: the end of a send phase on the caller's stream (what the receive work follows);
-- ``arrived(sources, phase, timeout_s, then, writes, early)``: run ``then`` (the receive work:
+- ``arrived(sources, phase, then, writes, early)``: run ``then`` (the receive work:
   the unpack, the combine's sum) once the marks of ``sources`` toward this rank are complete
   (and each ``(phase, work)`` of ``early`` once that phase's marks are: the combine's parts),
   then order the caller's stream after it and after this rank's own pushes (the ``HostMover``
@@ -172,7 +172,7 @@ class HostMover(Gathers):
     def send_done(self) -> None:
         pass
 
-    def arrived(self, sources, phase: str, timeout_s: float, then=None, writes=(), early=()) -> None:
+    def arrived(self, sources, phase: str, then=None, writes=(), early=()) -> None:
         for _, work in early:  # the mailbox's "sent" round already ordered the copies
             work()
         if then is not None:

@@ -367,7 +367,7 @@ class Buffer(LowLatencyMethods, Closing):
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
         dead peer for good, so ``close`` stops ordering the caller's stream after it."""
         try:
-            self._mover.arrived(range(self.num_ranks), phase, self.timeout_s, then=then, writes=writes, early=early)
+            self._mover.arrived(range(self.num_ranks), phase, then=then, writes=writes, early=early)
         except BaseException:
             self._recv_failed = True
             raise
