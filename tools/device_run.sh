@@ -70,7 +70,7 @@ for d in range(torch.cuda.device_count()):
         timeout 240 python3 -m warmlink.cli.main bench ep --low-latency --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | tee "$OUT/ll_${TAG:-}$i.log" | head -12
       done ;;
     tests-ep)
-      timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
+      timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     host-profile)
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)

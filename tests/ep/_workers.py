@@ -61,7 +61,7 @@ def _buffer(rank, num_ranks, store, case):
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"]) or 1),
                   hidden=case["hidden"], num_topk=case["topk"], device=device, backend=case.get("backend", "shm"),
                   timeout_s=case.get("timeout_s", 30.0), combine_parts=case.get("combine_parts"),
-                  send=case.get("send"))
+                  send=case.get("send"), copy_streams=case.get("copy_streams"))
 
 
 def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
@@ -72,7 +72,7 @@ def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]
     times), misaligned_x (x 8 bytes past a 16-byte boundary), layout (pass get_dispatch_layout's outputs), combine_dtype, skew_s (ranks read their
     outputs and start the next call after different sleeps, so fast ranks run ahead), late_start_s
     (every rank but 0 starts that late), num_worst_tokens and expert_alignment (DeepEP's padding
-    arguments), async_finish (the returned events are waited on), combine_parts and send (the
+    arguments), async_finish (the returned events are waited on), combine_parts, copy_streams and send (the
     Buffer's arguments, on every rank).
     """
     mine = case_inputs(case)[rank]

@@ -16,6 +16,7 @@ from tests.ep._group import run_ranks
 from tests.ep.test_buffer import check_against_reference
 from warmlink.ep import _cuda_mover, _movers
 from warmlink.ep._regions import RegionLayout
+from warmlink.transport.cuda_ipc import CopyEngines
 
 _HAS_CUDA = torch.cuda.is_available()
 
@@ -32,8 +33,9 @@ def test_a_cuda_movers_host_words_are_on_the_cpu_whatever_the_default_device():
     own = torch.zeros(layout.nbytes, dtype=torch.uint8, device="cpu")
     torch.set_default_device("meta")
     try:
-        mover = _cuda_mover.CudaMover(layout, 0, 0, own, {1: 0}, [_Stream()] * 2, _Stream(), [0] * _cuda_mover.CudaMover.LOCAL_EVENTS,
-                                  {}, {}, {})
+        mover = _cuda_mover.CudaMover(layout, 0, 0, own, {1: 0}, CopyEngines([_Stream()], 0, [], batched=True), _Stream(),
+                                      [0] * _cuda_mover.CudaMover.LOCAL_EVENTS,
+                                      {}, {}, {})
     finally:
         torch.set_default_device(None)
     host = {name: t for name, t in vars(mover).items() if isinstance(t, torch.Tensor) and t.device.type == "cpu"}

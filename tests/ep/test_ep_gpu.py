@@ -50,6 +50,10 @@ GPU_CASES = {
     # the other sender: no hook, the host meets the peers and the copy engines push (fresh and cached)
     "copy-engine sends, cached": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32, "topk": 8,
                                   "mask_prob": 0.1, "cached": True, "cached_repeats": 3, "send": "copy", "seed": 23},
+    # a copy stream per destination: each peer's copies on its own stream of the link
+    "copy-engine sends, per-peer streams": {"tokens": _tokens(300, 41, 77, 512), "hidden": 1024, "experts": 32,
+                                            "topk": 8, "cached": True, "send": "copy", "copy_streams": "per-peer",
+                                            "seed": 24},
 }
 
 

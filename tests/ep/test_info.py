@@ -9,24 +9,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink.ep._info import EVENT_PHASES, check_config, validate_ep_rank
+from warmlink.ep._info import check_config, validate_ep_rank
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
-HANDLE = "ab" * 64
+HANDLE = "ab" * 64  # an IPC memory handle's hex
 
 
 def good(kind: str = "cuda_ipc") -> dict:
     data = ({"kind": "cuda_ipc", "handle": HANDLE, "alloc_nbytes": 1 << 20, "offset": 0, "nbytes": 1 << 20, "device": 1,
              "buffer_id": 7, "device_uuid": "0123456789abcdef" * 2} if kind == "cuda_ipc" else {"kind": "shm", "name": "wl-1-ab-0", "offset": 0, "nbytes": 4096})
-    events = [HANDLE] * 4 if kind == "cuda_ipc" else []
     return {
         "schema_version": 1, "kind": "ep_rank",
         "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": 1, "world_size": 2, "generation": 3,
                  "host": "h", "pid": 10, "start_time": 5, "device": 1 if kind == "cuda_ipc" else -1, "backend": kind},
         "config": {"num_ranks": 2, "max_tokens": 64, "hidden": 128, "num_topk": 2},
         "data": data, "mailbox": {"kind": "shm", "name": "wl-1-ab-1", "offset": 0, "nbytes": 4096},
-        "events": {phase: list(events) for phase in EVENT_PHASES},
     }
 
 
@@ -39,10 +37,8 @@ def test_valid_payloads_round_trip(kind):
 @pytest.mark.parametrize("mutate, field", [
     (lambda p: p["config"].update(hidden=0), "config.hidden"),
     (lambda p: p["config"].update(num_ranks=3), "num_ranks"),
-    (lambda p: p["events"].update(dispatch=["zz"] * 4), "events.dispatch[0]"),
-    (lambda p: p["events"].update(combine=[HANDLE]), "events.combine"),
-    (lambda p: p["events"].pop("combine"), "events"),
-    (lambda p: p["events"].pop("combine_part0"), "events"),
+    (lambda p: p.update(events={"dispatch": [HANDLE] * 4}), "keys"),  # the handles of earlier versions
+    (lambda p: p.pop("mailbox"), "keys"),
     (lambda p: p["mailbox"].update(kind="cuda_ipc"), "mailbox"),
     (lambda p: p["peer"].update(role="publisher"), "peer.role"),
     (lambda p: p.update(extra=1), "keys"),

@@ -18,11 +18,14 @@ from warmlink.ep._flags import RELEASE, ArrivalFlags, arrival_value
 from warmlink.ep._regions import RegionLayout
 from warmlink.ep.buffer import Buffer
 from warmlink.errors import PeerLostError, TransferTimeout
+from warmlink.transport.cuda_ipc import CopyEngines
 
 CALLER, COPY, SIDE = 11, 12, 13  # stream handles
 SEND_EVENTS = [100, 101]
-LOCAL = [300, 301, 302, 303, 304]  # gathered, begun, counted, send_done, received
+LOCAL = [302, 303, 304]  # counted, send_done, received
 SEND_DONE, RECEIVED = LOCAL[-2], LOCAL[-1]
+ORDER, JOIN = 305, 306  # the copy engines' events (transport._copy_engines)
+PEER_COPY = 14  # rank 1's copy stream, with a stream per destination
 OWN_FLAGS, PEER_FLAGS = 0x10000, 0x20000  # device addresses of rank 0's and rank 1's flag words
 
 
@@ -75,12 +78,15 @@ def _flags_of(fake, timeout_s: float = 5.0, alive: bool = True, num_ranks: int =
     return flags, own, peer
 
 
-def _mover(monkeypatch, fake: FakeCuda, alive: bool = True, timeout_s: float = 5.0) -> _cuda_mover.CudaMover:
+def _mover(monkeypatch, fake: FakeCuda, alive: bool = True, timeout_s: float = 5.0,
+           copy_streams=(COPY,)) -> _cuda_mover.CudaMover:
     assert len(LOCAL) == _cuda_mover.CudaMover.LOCAL_EVENTS  # what Buffer leases for it
     layout = RegionLayout(2, 4, 128, 2)
     flags = _flags_of(fake, timeout_s, alive)[0]
     mover = _cuda_mover.CudaMover(layout, 0, 0, torch.zeros(layout.nbytes, dtype=torch.uint8), {1: 0},
-                                  [FakeStream(COPY)] * 2, FakeStream(SIDE), LOCAL,
+                                  CopyEngines([FakeStream(h) for h in copy_streams], ORDER, [JOIN] * (len(copy_streams) - 1),
+                                              batched=True, cuda=fake),
+                                  FakeStream(SIDE), LOCAL,
                                   {"dispatch.0": SEND_EVENTS, "combine.0": SEND_EVENTS,
                                    "combine_part0.0": SEND_EVENTS}, flags, {1: Ref(alive)})
     mover._cuda = fake
@@ -194,7 +200,7 @@ def test_buffer_marks_its_receive_stream_failed():
 
 
 # -- the count exchange's host wait (ep._kernels, Note [SM sends]) ---------------------------------
-COUNTED = LOCAL[2]
+COUNTED = LOCAL[0]
 
 
 class StalledBoard(FakeCuda):
@@ -353,7 +359,7 @@ def test_copy_all_is_one_batch_on_the_shared_stream_or_one_copy_each(monkeypatch
     shares, or, without it, a copy per entry; empty entries move nothing either way."""
     fake = Copies()
     mover = _mover(monkeypatch, fake)
-    mover._batch = batch
+    mover._engines.batched = batch
     rows = torch.zeros(6, 16, dtype=torch.bfloat16)  # 32 bytes a row: 4 int64 words
     area = "comb_x.0"
     there = mover._ptrs[1] + mover._offsets[area]
@@ -371,7 +377,6 @@ def test_flush_all_batches_the_peers_copies_then_marks_every_destination(monkeyp
     arrival flag on the copy stream."""
     fake = Copies()
     mover = _mover(monkeypatch, fake)
-    mover._batch = True
     mover.start_round("dispatch", 1)
     x = torch.zeros(3, 16, dtype=torch.int64)  # 128 bytes a row, no meta
     src = Sources(x)
@@ -403,3 +408,23 @@ def test_released_words_stay_released_until_forget(monkeypatch):
     own[:] = 0  # the pool's next Buffer zeroes the page
     flags.sweep(liveness=True)
     assert not own.any() and not flags.pending()
+
+
+def test_a_stream_per_destination_copies_each_peers_rows_on_its_own_stream(monkeypatch):
+    """copy_streams="per-peer": the link's copy engines hold a stream per destination; begin orders
+    every one after the caller, and a peer's copies, event and arrival flag all go on its stream."""
+    fake = Copies()
+    mover = _mover(monkeypatch, fake, copy_streams=(COPY, PEER_COPY))
+    mover.start_round("dispatch", 1)
+    mover.begin()
+    assert fake.calls == [("record", ORDER, CALLER), ("wait", COPY, ORDER), ("wait", PEER_COPY, ORDER)]
+    fake.calls.clear()
+    x = torch.zeros(3, 16, dtype=torch.int64)
+    src = Sources(x)
+    mover.flush_all("dispatch.0", src, ("recv_x.0", "recv_meta.0"), [(0, 0, 1), (1, 2, 3)])
+    staged = mover._views.parts(0, src, _movers.STAGE)[0].data_ptr() + mover.layout.max_tokens * 128
+    there = mover._ptrs[1] + mover._offsets["recv_x.0"] + 2 * 128
+    arrived_at_peer = PEER_FLAGS + mover.flags._index(0, "dispatch", 0) * 8
+    assert fake.calls == [("record", SEND_EVENTS[0], CALLER), ("batch", [there], [staged], [3 * 128], PEER_COPY),
+                          ("record", SEND_EVENTS[1], PEER_COPY),
+                          ("write value", PEER_COPY, arrived_at_peer, arrival_value(1))]

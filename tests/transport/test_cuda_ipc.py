@@ -213,7 +213,7 @@ def test_link_logic_over_host_memory(host_cuda, copy_method, num_streams):
     assert all(torch.equal(loc.tensor, v) for loc, v in zip(locs, views))
     kinds = {entry[0] for entry in host_cuda.log}
     assert ("batch" in kinds) == (copy_method == "batch") and ("memcpy" in kinds) == (copy_method == "loop")
-    assert host_cuda.log[0] == ("record", recv._order, 7), "copies wait on the current torch stream first"
+    assert host_cuda.log[0] == ("record", recv.engines._order, 7), "copies wait on the current torch stream first"
     for loc in locs:
         loc.tensor.add_(1)
     recv.write(batch).wait()

@@ -1,7 +1,7 @@
 """``warmlink bench ep --lifecycles N``: ep Buffers created and destroyed again and again (seed 002).
 
 An MoE job that builds its communication buffer per phase or per test pays for the buffer every
-time: a region of ~0.7 GB per rank, its IPC export, every peer opening it, interprocess events,
+time: a region of ~0.7 GB per rank, its IPC export, every peer opening it, events,
 streams. Here every rank process runs N lifecycles (Buffer create, first dispatch, first combine,
 close), once with the pool on and once with ``WARMLINK_POOL=0`` (``pool.set_enabled(False)``, in
 fresh processes), and reports per-phase medians, what each lifecycle created, and the ratio.

@@ -2,10 +2,12 @@
 
 # Note [Copy-engine sends]
 On CUDA a gather is one kernel on the caller's stream (ep._kernels) into this rank's staging
-slots, for every peer at once; ``gather`` then records one event that the copy streams wait for,
-and ``flush`` issues one ``cudaMemcpyAsync`` per area into the peer's mapped region
-(``flush_all``: every peer's in one ``cudaMemcpyBatchAsync`` on the shared copy stream): the gather
-runs for tens of microseconds on the SMs, and the copy engines move the bytes while no SM waits.
+slots, for every peer at once; the copy streams then follow the caller's stream, and ``flush``
+copies each area into the peer's mapped region (``flush_all``: every peer's in one
+``cudaMemcpyBatchAsync`` on the shared copy stream). The copies go through the link's
+``CopyEngines`` (transport._copy_engines), the copy path refit's batches take too, on the link's
+pooled streams: the gather runs for tens of microseconds on the SMs, and the copy engines move the
+bytes while no SM waits.
 (A gather per destination let the first copy start sooner, but cost a launch per peer on the
 host, and a slow rank's host then delayed its last copy; benchmarks/history-2026-11-22.md.) A cached dispatch knows
 where its own rows go before it sends, so ``gather_all`` stages the peers' rows and places its
@@ -40,10 +42,15 @@ from warmlink.ep._flags import OPS, arrival_value
 from warmlink.ep._launch import current_stream, on_stream
 from warmlink.ep._mailbox import MAX_EXPERTS
 from warmlink.ep._movers import STAGE, Gathers, Views, as_words
+from warmlink.ep._reduce import PARTS
 from warmlink.ep._regions import PARITIES, RegionLayout
 from warmlink.ep._sm_pushes import SmPushes
 
-__all__ = ["CudaMover", "phase_flag"]
+__all__ = ["CudaMover", "SEND_PHASES", "phase_flag"]
+
+# the phases of a round that record send events: a combine's parts but the last have their own
+# (ep._reduce, Note [Pipelined combine]); each has one per parity (ep._regions, Note [Two parities])
+SEND_PHASES = ("dispatch", "combine", *(f"combine_part{k}" for k in range(PARTS - 1)))
 
 
 @functools.cache  # a handful of phase names, looked up on every send and receive
@@ -68,20 +75,21 @@ class CudaMover(SmPushes, Gathers):
         rank, device: this rank and its CUDA device.
         own: flat ``uint8`` device tensor of this rank's region.
         peer_ptrs: ``{rank: address of byte 0 of that peer's region in this process}``.
-        streams: the pooled ``Stream`` of each destination (one stream may serve them all).
+        engines: the ``CopyEngines`` of this rank's cuda_ipc link (transport._copy_engines):
+            destination ``d`` copies on its stream ``d % len(engines)`` (one stream may serve all).
         recv_stream: the pooled ``Stream`` of the receive work (Note [Receive work on its own stream]).
-        local_events: ``LOCAL_EVENTS`` pooled event handles: for ``gather``, ``begin``,
-            ``to_host``, ``send_done`` and the end of the receive work.
-        send_events: ``{phase: [interprocess event handle per destination]}`` (this rank records).
+        local_events: ``LOCAL_EVENTS`` pooled event handles: for ``to_host``, ``send_done`` and
+            the end of the receive work.
+        send_events: ``{phase: [event handle per destination]}`` (this rank records and waits on them).
         flags: the group's ``ArrivalFlags``.
         peer_refs: ``{rank: PeerRef}`` for liveness checks while waiting.
     """
 
-    LOCAL_EVENTS = 5
+    LOCAL_EVENTS = 3
     host_ordered = False  # arrival flags order the bytes (ep._flags)
 
     def __init__(self, layout: RegionLayout, rank: int, device: int, own: torch.Tensor, peer_ptrs: dict[int, int],
-                 streams: list, recv_stream, local_events: list[int], send_events: dict, flags,
+                 engines, recv_stream, local_events: list[int], send_events: dict, flags,
                  peer_refs: dict) -> None:
         from warmlink import _cuda
 
@@ -93,10 +101,12 @@ class CudaMover(SmPushes, Gathers):
         self._views = Views(layout, {rank: own})
         self._ptrs = {rank: own.data_ptr(), **peer_ptrs}
         self._offsets = layout.offsets()
-        self._streams = [s.handle for s in streams]
-        self._copy_streams = list(dict.fromkeys(self._streams))  # each once: one stream may serve every peer
-        self._batch = len(self._copy_streams) == 1 and _cuda.batch_supported()  # copy_all in one call
-        self._gathered, self._begun, self._counted, self._send_done, self._received = local_events
+        self._engines = engines
+        self._index = [d % len(engines) for d in range(layout.num_ranks)]  # each destination's copy stream
+        self._streams = [engines.handles[i] for i in self._index]
+        self._copy_streams = engines.handles
+        self._shared = len(engines) == 1  # every destination's copies in one call (flush_all, copy_all)
+        self._counted, self._send_done, self._received = local_events
         self._recv_stream = recv_stream.torch_stream()
         self._send_events = send_events
         self.flags = flags
@@ -149,13 +159,10 @@ class CudaMover(SmPushes, Gathers):
         self.flags.signal_arrived(stream, op, dests, arrival_value(self._rounds[op], part))
 
     def begin(self, copies: bool = True) -> None:
-        """Mark the start of a round on the caller's current stream, and order
-        every destination's copy stream after it (``copies=False``: the SMs send, or the copies
-        wait for a later event on this stream)."""
-        self._cuda.event_record(self._begun, self._current())
+        """Order every destination's copy stream after the work queued so far on the caller's
+        stream (``copies=False``: the SMs send, or the copies wait for a later point of it)."""
         if copies:
-            for s in self._copy_streams:
-                self._cuda.stream_wait_event(s, self._begun)
+            self._engines.follow(self._current())
 
     def gather(self, rows: torch.Tensor, src: Sources, dests: range, skip: int) -> None:
         """One kernel on the current stream stages the rows of ``dests`` (but ``skip``); the copies
@@ -179,9 +186,7 @@ class CudaMover(SmPushes, Gathers):
 
     def _copies_follow(self) -> None:
         """Order every copy stream after the work queued so far on the current stream (a gather)."""
-        self._cuda.event_record(self._gathered, self._current())
-        for s in self._copy_streams:
-            self._cuda.stream_wait_event(s, self._gathered)
+        self._engines.follow(self._current())
 
     def flush(self, dest: int, phase: str, src: Sources, row0: int, count: int, parts: tuple[str, ...]) -> None:
         """Copy ``count`` staged rows of ``dest`` to rows ``row0...`` of its ``parts`` once gathered,
@@ -189,24 +194,24 @@ class CudaMover(SmPushes, Gathers):
         if dest == self.rank:
             self._cuda.event_record(self._send_events[phase][dest], self._current())
             return
-        stream = self._streams[dest]
-        for dst, staged, nbytes in self._flush_copies(dest, src, row0, count, parts):
-            self._cuda.memcpy_async(dst, staged, nbytes, stream)
-        self._mark_sent(phase, stream, [dest])
+        copies = self._flush_copies(dest, src, row0, count, parts)
+        if copies:
+            self._engines.copy(*(list(column) for column in zip(*copies)), self._index[dest])
+        self._mark_sent(phase, self._streams[dest], [dest])
 
     def flush_all(self, phase: str, src: Sources, parts: tuple[str, ...], plan) -> None:
         """``flush`` of each ``(dest, row0, count)`` of ``plan``. With one copy stream for every
         destination (the default) as one batch, then every destination's mark: a receiver then
         waits for the whole batch, which ends when its last destination's copy would have anyway
         (the copies ran back to back), with no idle copy engine between copies (``copy_all``)."""
-        if not self._batch:
+        if not self._shared:
             for dest, row0, count in plan:
                 self.flush(dest, phase, src, row0, count, parts)
             return
         copies = [c for dest, row0, count in plan if dest != self.rank
                   for c in self._flush_copies(dest, src, row0, count, parts)]
         if copies:
-            self._cuda.memcpy_batch_async(*(list(column) for column in zip(*copies)), self._copy_streams[0])
+            self._engines.copy(*(list(column) for column in zip(*copies)))
         peers = [dest for dest, _, _ in plan if dest != self.rank]
         if len(peers) < len(plan):
             self._cuda.event_record(self._send_events[phase][self.rank], self._current())
@@ -228,14 +233,14 @@ class CudaMover(SmPushes, Gathers):
         words = as_words(rows)
         if words.shape[0]:
             row_nbytes = words.shape[1] * words.element_size()
-            self._cuda.memcpy_async(self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes, words.data_ptr(),
-                                    words.shape[0] * row_nbytes, self._streams[dest])
+            self._engines.copy([self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes], [words.data_ptr()],
+                               [words.shape[0] * row_nbytes], self._index[dest])
 
     def copy_all(self, copies) -> None:
         """``copy`` of each ``(dest, rows, area, row0)``. With one copy stream for every destination
         (the default) as one ``cudaMemcpyBatchAsync``: copies issued one by one left the copy
         engine idle ~5 us between each two (a combine in parts issues 3 per part; benchmarks/history-2026-11-22.md)."""
-        if not self._batch:
+        if not self._shared:
             for copy in copies:
                 self.copy(*copy)
             return
@@ -247,7 +252,7 @@ class CudaMover(SmPushes, Gathers):
                 dsts.append(self._ptrs[dest] + self._offsets[area] + row0 * row_nbytes)
                 srcs.append(words.data_ptr())
                 sizes.append(words.shape[0] * row_nbytes)
-        self._cuda.memcpy_batch_async(dsts, srcs, sizes, self._copy_streams[0])
+        self._engines.copy(dsts, srcs, sizes)
 
     def sent(self, dest: int, phase: str) -> None:
         if dest == self.rank:

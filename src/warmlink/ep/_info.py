@@ -5,13 +5,10 @@
     {"schema_version": 1, "kind": "ep_rank",
      "peer": <peer_info payload, role "ep">,
      "config": {"num_ranks": R, "max_tokens": T, "hidden": H, "num_topk": K},
-     "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>,
-     "events": {"dispatch": [2R handles], "combine": [2R handles],
-                "combine_part0": [2R handles], ...}}   (128 hex chars each; [] on shm)
+     "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>}
 
-``events[phase][p * R + d]`` is the interprocess event this rank records once its ``phase`` bytes
-of a round of parity ``p`` toward rank ``d`` are issued (ep._regions, Note [Two parities]); a
-combine's parts but the last have phases of their own (ep._reduce, Note [Pipelined combine]).
+No event handles: peers learn that bytes landed from arrival flags in the mailbox segment
+(ep._flags, Note [Arrival flags]), never by opening each other's events.
 
 A peer whose config differs from this rank's is refused with a ``ConfigError`` naming the field:
 regions laid out differently would put bytes in the wrong place.
@@ -19,21 +16,16 @@ regions laid out differently would put bytes in the wrong place.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from warmlink.ep._reduce import PARTS
-from warmlink.ep._regions import PARITIES
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 
-__all__ = ["CONFIG_KEYS", "EVENT_PHASES", "KIND", "check_config", "validate_ep_rank", "validate_rank_header"]
+__all__ = ["CONFIG_KEYS", "KIND", "check_config", "validate_ep_rank", "validate_rank_header"]
 
 KIND = "ep_rank"
 CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
-EVENT_PHASES = ("dispatch", "combine", *(f"combine_part{k}" for k in range(PARTS - 1)))
-_KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox", "events")
-_HANDLE = re.compile(r"[0-9a-f]{128}")
+_KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox")
 _MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10}
 
 
@@ -78,15 +70,6 @@ def validate_ep_rank(obj: Any, peer: str) -> dict:
     mailbox = schema.validate_region(obj["mailbox"], peer, "mailbox")
     if mailbox["kind"] != "shm":
         _fail(peer, f"mailbox.kind={mailbox['kind']!r}; expected 'shm'")
-    events = _closed(obj["events"], EVENT_PHASES, "events", peer)
-    for phase, handles in events.items():
-        if type(handles) is not list or len(handles) not in (0, PARITIES * config["num_ranks"]):
-            _fail(peer, f"events.{phase} must be a list of 0 or {PARITIES * config['num_ranks']} handles")
-        for i, h in enumerate(handles):
-            if type(h) is not str or not _HANDLE.fullmatch(h):
-                _fail(peer, f"events.{phase}[{i}] invalid; expected 128 lowercase hex characters")
-    if any((obj["data"]["kind"] == "cuda_ipc") != bool(handles) for handles in events.values()):
-        _fail(peer, f"events do not match data.kind={obj['data']['kind']!r}; expected handles exactly for cuda_ipc")
     return obj
 
 
@@ -98,5 +81,5 @@ def check_config(mine: dict, theirs: dict, peer: str) -> None:
                               "every rank of a group must build its Buffer with the same sizes")
 
 
-# 1024 ranks' event handles take 1.3 MB (5 phases x 2 parities x 1024 x 131 bytes)
-schema.register_kind(KIND, validate_ep_rank, max_bytes=4 << 20)
+# a payload is under 2 KB: peer info, config and two region descriptors
+schema.register_kind(KIND, validate_ep_rank, max_bytes=64 << 10)

@@ -31,8 +31,8 @@ alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's norm
    below it. The base is 0 (nothing is stored) when any rank refused its input or the wait ended.
 2. The board and the plan words are copied to the host, queued before the push.
 3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
-   peers' mapped regions and this rank's own. One interprocess event per destination follows it,
-   and the receive side is the copy-engine path's (ep._cuda_mover).
+   peers' mapped regions and this rank's own. An arrival flag per destination follows it
+   (ep._flags), and the receive side is the copy-engine path's (ep._cuda_mover).
 
 A cached dispatch already knows where its rows go (its handle): without a hook it launches only
 ``push``, at bases made once per handle and parity.

@@ -1,7 +1,7 @@
 """What one rank of an ep group holds, set up once: the rendezvous with its peers and the leases.
 
 ``Resources`` leases this rank's region and mailbox, publishes its rank info (ep._info) through
-the store, opens every peer's region, mailbox and events, leases the streams and events a
+the store, opens every peer's region and mailbox, leases the streams and events a
 ``CudaMover`` uses, and builds the mover; ``close`` gives all of it back to the pool.
 ``group_store`` makes the store for the ranks of a ``torch.distributed`` group.
 """
@@ -14,8 +14,8 @@ import torch
 from warmlink import _env
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._flags import ArrivalFlags, flags_nbytes, flags_page
-from warmlink.ep._info import EVENT_PHASES, KIND, check_config
-from warmlink.ep._cuda_mover import CudaMover
+from warmlink.ep._info import KIND, check_config
+from warmlink.ep._cuda_mover import SEND_PHASES, CudaMover
 from warmlink.ep._movers import HostMover
 from warmlink.ep._regions import PARITIES, RegionLayout
 from warmlink.errors import BackendUnavailable, MetadataError
@@ -56,7 +56,7 @@ class Resources:
         self._flags_at, self._flags_bytes = flags_page(mb.mailbox_nbytes(num_ranks), num_ranks)
         self._link_lease = self._mail_lease = self._region = self._mail_region = self.link = None
         try:
-            self._link_lease = lease_link(backend, device, timeout_s)
+            self._link_lease = lease_link(backend, device, timeout_s, **self._link_options())
             self.link = self._link_lease.resource
             self._mail_lease = lease_link("shm", -1, timeout_s)
             self._region = self.link.allocate(layout.nbytes)
@@ -67,6 +67,16 @@ class Resources:
         except BaseException:
             self.close()
             raise
+
+    def _link_options(self) -> dict:
+        """The data link's options: with ``copy_streams="per-peer"`` a copy stream per destination
+        (up to the link's limit, then shared round-robin). One copy stream is the link default,
+        so a Buffer then leases the same pooled links as refit does."""
+        if self.backend != "cuda_ipc" or self.copy_streams != "per-peer" or self.num_ranks == 1:
+            return {}
+        from warmlink.transport.cuda_ipc import MAX_STREAMS
+
+        return {"num_streams": min(self.num_ranks, MAX_STREAMS)}
 
     def _clear_boards(self) -> None:
         """Zero this rank's count boards before any peer can see its info. A region comes back from
@@ -92,14 +102,12 @@ class Resources:
         # Buffers are built collectively: the n-th build of every rank forms epoch n.
         epoch = (store.add("ep/joins", 1, checked=False, timeout_s=limit_s) - 1) // self.num_ranks + 1
         host, pid, start = local_identity()
-        events = self._lease_events() if self.backend == "cuda_ipc" else {phase: [] for phase in EVENT_PHASES}
         info = {
             "schema_version": 1, "kind": KIND,
             "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": self.rank,
                      "world_size": self.num_ranks, "generation": generation, "host": host, "pid": pid,
                      "start_time": start, "device": self.device, "backend": self.backend},
             "config": self.layout.config(), "data": self._region.desc, "mailbox": self._mail_region.desc,
-            "events": events,
         }
         store.set(f"ep/{epoch}/{self.rank}", schema.encode(info), timeout_s=limit_s)
         peers, regions, mails = {}, {}, {}
@@ -125,6 +133,7 @@ class Resources:
             mails[r] = mail.tensor
         self.peers = peers
         if self.backend == "cuda_ipc":
+            self._lease_send_events()
             self.flags = self._arrival_flags(mails)
             self.mover = self._cuda_mover(regions)
         else:
@@ -155,36 +164,32 @@ class Resources:
         from warmlink.pool.events import lease_event
         from warmlink.pool.streams import lease_stream
 
-        # One stream runs the destinations' copies back to back in issue order, each at the full
-        # rate of one copy engine; per-peer streams let them share the sender's egress.
-        own = self.num_ranks if self.copy_streams == "per-peer" else 1
-        leased = [lease_stream(self.device) for _ in range(own)]
-        streams = [leased[d % own] for d in range(self.num_ranks)]
+        # The link's copy streams (_link_options): one runs the destinations' copies back to back
+        # in issue order, each at the full rate of one copy engine; per-peer streams let them
+        # share the sender's egress.
         local = [lease_event(self.device) for _ in range(CudaMover.LOCAL_EVENTS)]
         done = [lease_event(self.device) for _ in range(2 * PARITIES + 1)]
-        self.leases += leased + local + done
+        self.leases += local + done
         self.done_events = [e.resource.handle for e in done]
         # not among self.leases: close() must not order the caller's stream after it (it may
         # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
         self.recv_stream = lease_stream(self.device)
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
-                         {r: reg.ptr for r, reg in regions.items()}, [s.resource for s in streams],
+                         {r: reg.ptr for r, reg in regions.items()}, self.link.engines,
                          self.recv_stream.resource, [e.resource.handle for e in local],
                          self._send_events, self.flags, self.peers)
 
-    def _lease_events(self) -> dict:
-        from warmlink import _cuda
+    def _lease_send_events(self) -> None:
+        """The mover's send events: ``[phase.parity][d]`` is recorded once this rank's bytes of
+        that phase toward rank ``d`` are issued, and only this rank waits on it (its caller's
+        stream, before inputs are reused): local events, no IPC handles."""
         from warmlink.pool.events import lease_event
 
-        out = {}
-        for phase in EVENT_PHASES:  # the rank info's events[phase][p * R + d] (ep._info)
-            out[phase] = []
+        for phase in SEND_PHASES:
             for p in range(PARITIES):
-                leases = [lease_event(self.device, interprocess=True) for _ in range(self.num_ranks)]
+                leases = [lease_event(self.device) for _ in range(self.num_ranks)]
                 self.leases += leases
                 self._send_events[f"{phase}.{p}"] = [lease.resource.handle for lease in leases]
-                out[phase] += [_cuda.ipc_get_event_handle(lease.resource.handle).hex() for lease in leases]
-        return out
 
     def _unregister_flags(self) -> None:
         """Unregister the flag pages once no queued stream work can touch them: every stream that
@@ -206,10 +211,10 @@ class Resources:
         if flags is not None:  # no stream of this rank waits on a flag any more, until forget()
             flags.close()
         if mover is not None:
-            if self.device >= 0:
-                for lease in self.leases:
-                    if hasattr(lease.resource, "torch_stream"):
-                        torch.cuda.current_stream(self.device).wait_stream(lease.resource.torch_stream())
+            engines = getattr(self.link, "engines", None)  # cuda_ipc's (transport._copy_engines)
+            if engines is not None:  # the region goes back to the pool once the copies that read it ran
+                for stream in engines.streams:
+                    torch.cuda.current_stream(self.device).wait_stream(stream.torch_stream())
             mover.close()
         try:
             self._unregister_flags()

@@ -36,6 +36,7 @@ from warmlink.pool.events import lease_event
 from warmlink.pool.registrations import registration_cache
 from warmlink.pool.streams import lease_stream
 from warmlink.transport import _copy_kernel
+from warmlink.transport._copy_engines import CopyEngines
 from warmlink.transport._cuda_ipc_parts import (
     COPY_METHODS,
     LEGACY_STREAM,
@@ -48,7 +49,7 @@ from warmlink.transport._cuda_ipc_parts import (
 )
 from warmlink.transport.base import Batch, Link, LocalRegion, PeerRef, RemoteRegion, Transfer
 
-__all__ = ["CudaIpcLink", "CudaIpcTransfer", "CudaIpcRemoteRegion", "COPY_METHODS", "build_descriptor",
+__all__ = ["CudaIpcLink", "CudaIpcTransfer", "CudaIpcRemoteRegion", "CopyEngines", "COPY_METHODS", "MAX_STREAMS", "build_descriptor",
            "check_descriptor", "resolve_copy_method"]
 
 log = logging.getLogger("warmlink.transport")
@@ -239,9 +240,11 @@ class CudaIpcLink(Link):
         except BaseException:
             self._release_leases()
             raise
-        self._streams = [lease.resource.handle for lease in self._leases[:num_streams]]
-        self._order = self._leases[num_streams].resource.handle
-        self._joins = [lease.resource.handle for lease in self._leases[num_streams + 1:]]
+        self.engines = CopyEngines([lease.resource for lease in self._leases[:num_streams]],
+                                   self._leases[num_streams].resource.handle,
+                                   [lease.resource.handle for lease in self._leases[num_streams + 1:]],
+                                   batched=self.copy_method == "batch")
+        self._streams = self.engines.handles
         self._closed = False
 
     def __repr__(self) -> str:
@@ -412,35 +415,24 @@ class CudaIpcLink(Link):
             plan = batch.prepared = CopyPlan.build(batch, self.device, kernel=self.kernel_copies)
         kernel = plan.kernel(direction) if plan.same_device else None
         work = plan.work(direction, self.num_streams, kernel=kernel is not None)
-        batched = self.copy_method == "batch"
+        engines = self.engines
         with self._lock:
             self._check_open(direction)
             self._sweep_deferred()
             done = lease_event(self.device)
             try:
                 with _cuda.use_device(self.device):
-                    current = torch.cuda.current_stream(self.device).cuda_stream
-                    _cuda.event_record(self._order, current or LEGACY_STREAM)
-                    primary = self._streams[0]
+                    engines.follow(torch.cuda.current_stream(self.device).cuda_stream or LEGACY_STREAM)
                     if kernel is not None:  # See Note [Copy kernel]
-                        _cuda.stream_wait_event(primary, self._order)
-                        kernel.launch(primary)
+                        kernel.launch(engines.handles[0])
                     for idx, (dsts, srcs, sizes, strided) in enumerate(work):
-                        stream = self._streams[idx]
                         if idx and not sizes and not strided:
                             continue
-                        _cuda.stream_wait_event(stream, self._order)
-                        if batched:
-                            _cuda.memcpy_batch_async(dsts, srcs, sizes, stream)
-                        else:
-                            for dst, src, nbytes in zip(dsts, srcs, sizes):
-                                _cuda.memcpy_async(dst, src, nbytes, stream)
-                        for args in strided:
-                            _cuda.memcpy_2d_async(*args, stream)
-                        if idx:  # join: the primary stream waits for this one
-                            _cuda.event_record(self._joins[idx - 1], stream)
-                            _cuda.stream_wait_event(primary, self._joins[idx - 1])
-                    _cuda.event_record(done.resource.handle, primary)
+                        engines.copy(dsts, srcs, sizes, idx)
+                        engines.copy_2d(strided, idx)
+                        if idx:
+                            engines.join(idx)
+                    _cuda.event_record(done.resource.handle, engines.handles[0])
             except BaseException:
                 done.release()
                 raise
