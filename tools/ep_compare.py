@@ -1,0 +1,47 @@
+"""Compare ``warmlink bench ep --json`` records of two or more codes run in the same lease.
+
+Usage: python tools/ep_compare.py --code this='benchmarks/ep_*_this*.json' --code previous='...'
+       [--baseline 'torch+NCCL combine (bf16)']
+
+Prints, per operation, each code's median time over its runs and the median over runs of the
+time divided by the same run's baseline (an unchanged operation), so that a machine whose speed
+swings between runs compares codes by what each run measured beside itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+
+
+def _records(pattern: str) -> list[dict]:
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise SystemExit(f"ep_compare: no file matches {pattern!r}")
+    return [json.load(open(p))["summary"] for p in paths]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
+                   help="a code's name and the glob of its JSON records (give two or more)")
+    p.add_argument("--baseline", default="torch+NCCL combine (bf16)",
+                   help="the operation each run's times are divided by (default: %(default)s)")
+    args = p.parse_args()
+    codes = dict(c.split("=", 1) for c in args.code)
+    runs = {name: _records(pattern) for name, pattern in codes.items()}
+    first = next(iter(runs.values()))[0]
+    ops = [k for k, v in first.items() if isinstance(v, dict) and "ms" in v]
+    names = list(runs)
+    print(f"runs: {', '.join(f'{n} {len(r)}' for n, r in runs.items())}; ms median | median ratio to {args.baseline!r}")
+    print(f"{'operation':40s} " + " ".join(f"{n:>10s}" for n in names) + " | " + " ".join(f"{n:>10s}" for n in names))
+    for op in ops:
+        ms = [statistics.median(r[op]["ms"] for r in runs[n]) for n in names]
+        ratio = [statistics.median(r[op]["ms"] / r[args.baseline]["ms"] for r in runs[n]) for n in names]
+        print(f"{op[:40]:40s} " + " ".join(f"{m:10.3f}" for m in ms) + " | " + " ".join(f"{x:10.2f}" for x in ratio))
+
+
+if __name__ == "__main__":
+    main()
