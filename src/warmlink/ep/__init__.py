@@ -3,7 +3,7 @@
 ``Buffer`` follows DeepEP's normal-mode API (``get_dispatch_layout``, ``dispatch``, ``combine``,
 ``return_recv_hook``, and the ``EventOverlap`` its calls return), and, built with
 ``low_latency_mode=True``, DeepEP's low-latency calls for decode (``ep.low_latency``, whose
-dispatch returns a ``LowLatencyHandle``; the host moves those rows, on shm only so far).
+dispatch returns a ``LowLatencyHandle``; kernels move those rows on GPUs, the host on shm).
 ``size_hint`` says how much memory a rank's buffer holds; ``fp8`` converts tokens to and from
 the FP8 format dispatch accepts.
 
@@ -15,7 +15,8 @@ the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 
 On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
 peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch still waits for
-its counts, as DeepEP's does.
+its counts, as DeepEP's does without ``num_worst_tokens`` (with it, DeepEP's returns at launch
+and warmlink's still meets the peers on the host).
 """
 
 from warmlink.ep._regions import size_hint
