@@ -5,10 +5,16 @@ hold different token counts (one of them none). Spawned ranks over a gloo group 
 
 from __future__ import annotations
 
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tests.ep._deep_ep_rounds import rounds_equal_one_round
 from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
+from warmlink.ep.deep_ep.rounds import _round_counts
 from warmlink.ep.deep_ep.sizing import needed_bytes
+from warmlink.ep.layout import dispatch_layout
 
 
 def test_several_rounds_give_exactly_what_one_round_gives():
@@ -25,3 +31,23 @@ def test_several_rounds_give_exactly_what_one_round_gives():
         # the Buffer inside stays within the budget, as large as it holds
         assert got["inner_tokens"] == 4 and got["inner_bytes"] <= got["budget"] < needed_bytes(5, 3, 256, 2), got
         assert "rounds=6" in got["repr"], got
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 4), st.data())
+def test_every_rounds_counts_in_one_pass_equal_a_layout_per_round(num_tokens, cap, num_ranks, data):
+    """The counts each round sends (deep_ep.rounds._round_counts) equal ``dispatch_layout`` of the
+    round's tokens, -1 and out-of-range ids included (neither is counted)."""
+    experts = num_ranks * data.draw(st.integers(1, 3))
+    topk = data.draw(st.integers(1, 3))
+    ids = data.draw(st.lists(st.integers(-2, experts), min_size=num_tokens * topk, max_size=num_tokens * topk))
+    topk_idx = torch.tensor(ids, dtype=torch.int64).view(num_tokens, topk)
+    in_rank = dispatch_layout(topk_idx, experts, num_ranks).is_token_in_rank
+    num_rounds = -(-num_tokens // cap)
+    per_rank, per_expert = _round_counts(in_rank, topk_idx, experts, cap, num_rounds)
+    _, no_topk = _round_counts(in_rank, None, experts, cap, num_rounds)
+    assert no_topk is None
+    for k in range(num_rounds):
+        lay = dispatch_layout(topk_idx[k * cap:(k + 1) * cap], experts, num_ranks)
+        assert torch.equal(per_rank[k], in_rank[k * cap:(k + 1) * cap].sum(0, dtype=torch.int32))
+        assert torch.equal(per_expert[k], lay.num_tokens_per_expert)

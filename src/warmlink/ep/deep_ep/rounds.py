@@ -15,7 +15,9 @@ rank's stream has passed the copy (a fresh round's count exchange, or a cached r
 flags, Note [Arrival flags] in ep._flags). The handle keeps every round's warmlink handle and where its rows went:
 a cached dispatch replays the same rounds, and a combine sends each round's rows back with its
 round's handle, each token summed in the one round that carried it. Memory stays within the
-budget; each extra round costs a round's fixed host time and one more copy of its rows.
+budget; each extra round costs a round's fixed host time and one more copy of its rows. Every
+round's counts per rank and per expert are made before the first round, in one pass
+(``_round_counts``), not by a layout per round.
 """
 
 from __future__ import annotations
@@ -93,17 +95,18 @@ def dispatch_rounds(inner, tokens, num_rounds: int, in_rank: torch.Tensor, topk_
             after the rounds: each holds the same counts).
     """
     cap, num_tokens = inner.layout.max_tokens, in_rank.shape[0]
+    round_per_rank, round_per_expert = _round_counts(in_rank, topk_idx if with_topk else None, num_experts, cap,
+                                                     num_rounds)
     got, bounds = [], []
     for k in range(num_rounds):
         lo, hi = min(k * cap, num_tokens), min((k + 1) * cap, num_tokens)
-        sub_in_rank = in_rank[lo:hi]
         if with_topk:
-            counts = inner.get_dispatch_layout(topk_idx[lo:hi], num_experts)[2]
+            counts = round_per_expert[k]
         else:
             counts = per_expert if k == 0 else torch.zeros_like(per_expert)
         recv_x, recv_idx, recv_w, _, handle, _ = inner.dispatch(
-            _rows_of(tokens, lo, hi), num_tokens_per_rank=sub_in_rank.sum(0, dtype=torch.int32),
-            is_token_in_rank=sub_in_rank, num_tokens_per_expert=counts, topk_idx=topk_idx[lo:hi],
+            _rows_of(tokens, lo, hi), num_tokens_per_rank=round_per_rank[k],
+            is_token_in_rank=in_rank[lo:hi], num_tokens_per_expert=counts, topk_idx=topk_idx[lo:hi],
             topk_weights=None if topk_weights is None else topk_weights[lo:hi])
         # the receive area is reused two rounds on: this round's rows leave it now
         values = tuple(t.clone() for t in recv_x) if isinstance(recv_x, tuple) else recv_x.clone()
@@ -155,6 +158,26 @@ def combine_rounds(inner, x: torch.Tensor, topk_weights, rounds: list[Round], nu
         if out_w is not None:
             out_w[r.start:r.stop] = summed_w
     return out, out_w
+
+
+def _round_counts(in_rank: torch.Tensor, topk_idx: torch.Tensor | None, num_experts: int, cap: int, num_rounds: int):
+    """``(per_rank [rounds, R], per_expert [rounds, E])`` int32: each round's token count per
+    destination rank and its (token, expert) count per expert (ids outside ``[0, E)`` not
+    counted, as ``get_dispatch_layout``'s), all rounds in one pass on the device: a layout per
+    round cost ~0.3 ms of host each (15 rounds: ~4.5 ms of a 12 ms dispatch on an H100).
+    ``per_expert`` is None without ``topk_idx``."""
+    dev = in_rank.device
+    round_of = torch.arange(in_rank.shape[0], device=dev) // cap
+    per_rank = torch.zeros(num_rounds, in_rank.shape[1], dtype=torch.int32, device=dev)
+    per_rank.index_add_(0, round_of, in_rank.to(torch.int32))
+    if topk_idx is None:
+        return per_rank, None
+    idx = topk_idx.long()
+    column = torch.where((idx >= 0) & (idx < num_experts), idx, num_experts)  # a dump column, sliced off
+    slots = (round_of[:, None] * (num_experts + 1) + column).reshape(-1)
+    per_expert = torch.zeros(num_rounds * (num_experts + 1), dtype=torch.int32, device=dev)
+    per_expert.scatter_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+    return per_rank, per_expert.view(num_rounds, num_experts + 1)[:, :num_experts]
 
 
 def _summed(matrices: list[list[list[int]]]) -> list[list[int]]:
