@@ -23,7 +23,7 @@ import weakref
 import pytest
 import torch
 
-from warmlink import pool
+from warmlink import _cuda, pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError
 from warmlink.transport.base import Copy, PeerRef, local_identity
 from warmlink.transport._cuda_ipc_parts import COPY_METHODS, CopyPlan, build_descriptor, check_descriptor, resolve_copy_method
@@ -188,6 +188,19 @@ def host_cuda(monkeypatch):
     cuda_ipc._mappings.evict(lambda k: k[0] == "pub/0")
     streams.clear_idle()
     events.clear_idle()
+
+
+def test_recycle_waits_for_every_copy_stream_then_gives_back_what_the_last_user_held(host_cuda, monkeypatch):
+    """A pooled link's recycle (transport.lease_link) queries each of its copy engines' streams, and
+    only once they drained releases the regions its last user left."""
+    link = CudaIpcLink(0, 5.0, num_streams=2)
+    host_cuda.links.append(link)
+    region = link.register(host_cuda.alloc(4096, seed=3))
+    queried = []
+    monkeypatch.setattr(_cuda, "stream_query", lambda s: queried.append(s) or True)
+    assert link.recycle()
+    assert sorted(queried) == sorted(link.engines.handles) and len(queried) == 2
+    assert region._closed
 
 
 @pytest.mark.parametrize("copy_method, num_streams", [("batch", 1), ("loop", 1), ("batch", 3), ("loop", 2)])

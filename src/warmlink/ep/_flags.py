@@ -42,8 +42,6 @@ __all__ = ["ArrivalFlags", "OPS", "RELEASE", "arrival_value", "flags_nbytes", "f
 OPS = ("dispatch", "combine")
 RELEASE = 1 << 62  # above any round's value: a released wait passes
 _WATCH_PERIOD_S = 1.0  # the watchdog's liveness checks while something is expected
-
-
 PAGE = 4096
 
 

@@ -244,7 +244,6 @@ class CudaIpcLink(Link):
                                    self._leases[num_streams].resource.handle,
                                    [lease.resource.handle for lease in self._leases[num_streams + 1:]],
                                    batched=self.copy_method == "batch")
-        self._streams = self.engines.handles
         self._closed = False
 
     def __repr__(self) -> str:
@@ -464,7 +463,7 @@ class CudaIpcLink(Link):
             return False
         # Idle first: regions are released only once no copy can still touch them.
         try:
-            idle = all(wait_until(lambda s=s: _cuda.stream_query(s), DRAIN_TIMEOUT_S) for s in self._streams)
+            idle = all(wait_until(lambda s=s: _cuda.stream_query(s), DRAIN_TIMEOUT_S) for s in self.engines.handles)
         except WarmlinkError:
             return False
         if not idle:
