@@ -495,3 +495,55 @@ def returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> dict:
             store.add("rank 0 returned", 1, checked=False)
         out.update(cached=_cpu(cached), combined=_cpu(combined))
     return out
+
+
+def runs_on_the_comm_stream(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Calls made with ``async_finish=True`` run on the Buffer's communication stream (ep._comm_stream,
+    Note [Communication stream]). With that stream held on a host word (a stream wait no kernel
+    ends), a cached dispatch and a combine still return, the caller's stream runs past them, and
+    their events stay unreached until the word is stored. Returns the outputs of each call made
+    with and without ``async_finish`` (a fresh dispatch too, after a ``previous_event``), and what
+    was seen while the stream was held."""
+    import ctypes
+    import mmap
+
+    from warmlink import _cuda
+
+    mine = _mine_on_device(rank, case)
+    x, idx, w, experts = mine["x"], mine["topk_idx"], mine["topk_weights"], case["experts"]
+    with _buffer(rank, num_ranks, store, case) as buf:
+        fresh = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts)
+        handle, y = fresh[4], fresh[0].clone()
+        out = {"fresh": _cpu(fresh[:3]), "cached": _cpu(buf.dispatch(x, handle=handle)[0]),
+               "combined": _cpu(buf.combine(y, handle)[0])}
+        before = torch.cuda.Event()
+        before.record()
+        again = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, previous_event=before,
+                             async_finish=True)
+        again[5].current_stream_wait()
+        out["fresh_async"] = _cpu(again[:3])
+        page = mmap.mmap(-1, mmap.PAGESIZE)  # a page of its own: registering it touches no other allocation
+        word = ctypes.c_int64.from_buffer(page)
+        address = ctypes.addressof(word)
+        try:
+            _cuda.stream_wait_value(buf.get_comm_stream().cuda_stream, _cuda.host_register(address, 8), 1)
+            cached = buf.dispatch(x, handle=handle, async_finish=True)
+            combined = buf.combine(y, handle, async_finish=True)
+            mark = torch.cuda.Event()
+            mark.record()
+            deadline = time.monotonic() + 60
+            while not mark.query():  # the caller's stream is not ordered after the held calls
+                assert time.monotonic() < deadline, "the caller's stream waited for the communication stream"
+                time.sleep(0.001)
+            out["held"] = [_cuda.event_query(cached[5].event), _cuda.event_query(combined[2].event)]
+            word.value = 1
+            cached[5].current_stream_wait()
+            combined[2].current_stream_wait()
+            out.update(cached_async=_cpu(cached[0]), combined_async=_cpu(combined[0]))
+        finally:
+            word.value = 1
+            torch.cuda.synchronize()
+            _cuda.host_unregister(address)
+            del word
+            page.close()
+    return out

@@ -189,6 +189,8 @@ def test_deepep_arguments_are_checked_before_any_byte_moves():
             combined, _, event = buf.combine(out[0].clone(), out[4], async_finish=True)
             event.current_stream_wait()  # on host memory the outputs are complete: nothing to wait for
             assert torch.equal(combined, x * 1)  # one rank: each token's single copy comes back
+            with pytest.raises(ConfigError, match="a host-memory Buffer has no stream"):
+                buf.get_comm_stream()
     finally:
         store.close()
 

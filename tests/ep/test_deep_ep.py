@@ -62,11 +62,25 @@ def test_a_group_is_required_and_rdma_bytes_across_nodes_are_refused():
 
 @pytest.mark.parametrize("name,why", [("get_next_low_latency_combine_buffer", "no send buffer"),
                                       ("low_latency_update_mask_buffer", "mask buffer"),
-                                      ("internode_dispatch", "one node"), ("get_comm_stream", "no communication stream")])
+                                      ("internode_dispatch", "one node"), ("get_local_buffer_tensor", "no ring buffer")])
 def test_deep_ep_methods_that_are_not_here_raise_saying_why(name, why):
     buffer = deep_ep.Buffer(_Group(2), 1 << 20)
     with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: not supported; .*{why}"):
         getattr(buffer, name)(16, 7168, 2, 256)
+
+
+def test_get_comm_stream_is_the_stream_async_calls_run_on_or_says_there_is_none():
+    buffer = deep_ep.Buffer(_Group(2), 1 << 20, explicitly_destroy=True)
+    try:
+        if torch.cuda.is_available():  # leased once: every async_finish call runs on it
+            stream = buffer.get_comm_stream()
+            assert isinstance(stream, torch.cuda.Stream) and buffer.get_comm_stream() is stream
+            assert stream != torch.cuda.current_stream()
+        else:
+            with pytest.raises(ConfigError, match="CUDA is not available; this Buffer's calls run on the host"):
+                buffer.get_comm_stream()
+    finally:
+        buffer.destroy()
 
 
 def test_size_hints_are_deep_eps():

@@ -16,6 +16,7 @@ from tests.ep._workers import (
     hook_leaves_streams_idle,
     lifecycle_counts,
     returns_at_launch,
+    runs_on_the_comm_stream,
     warm_rounds,
 )
 from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
@@ -214,3 +215,16 @@ def test_gpu_a_combine_with_another_ranks_handle_is_refused_by_the_next_call():
     case = dict(_FAULT, tokens=_tokens(6, 9), fault="stale_handle")
     for e in run_ranks(expect_error, RANKS, case=case, timeout_s=120):
         assert e.startswith("ConfigError") and "handle of dispatch round" in e, e
+
+
+@needs_gpu
+def test_gpu_async_finish_calls_run_on_the_communication_stream():
+    """With ``async_finish=True`` the caller's stream is not ordered after the call: held on its
+    communication stream, a cached dispatch and a combine return, the caller's stream runs on, and
+    their events wait; released, every output equals the same call's without ``async_finish``."""
+    case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 31}
+    for out in run_ranks(runs_on_the_comm_stream, RANKS, case=case, timeout_s=180):
+        assert out["held"] == [False, False]
+        for a, b in zip(out["fresh"], out["fresh_async"]):
+            assert torch.equal(a, b)
+        assert torch.equal(out["cached"], out["cached_async"]) and torch.equal(out["combined"], out["combined_async"])

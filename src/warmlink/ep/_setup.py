@@ -13,6 +13,7 @@ import torch
 
 from warmlink import _env
 from warmlink.ep import _mailbox as mb
+from warmlink.ep._comm_stream import CommStream
 from warmlink.ep._flags import ArrivalFlags, flags_nbytes, flags_page
 from warmlink.ep._info import KIND, check_config
 from warmlink.ep._cuda_mover import SEND_PHASES, CudaMover
@@ -46,6 +47,7 @@ class Resources:
         self.copy_streams = copy_streams
         self.leases: list = []
         self.recv_stream = None
+        self.comm = None  # cuda_ipc: where async_finish calls run (ep._comm_stream)
         self.done_events: list[int] = []  # what async_finish records: per (op, parity), then the layout's
         self.mover = None
         self.peers: dict = {}
@@ -174,6 +176,7 @@ class Resources:
         # not among self.leases: close() must not order the caller's stream after it (it may
         # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
         self.recv_stream = lease_stream(self.device)
+        self.comm = CommStream.lease(self.device)  # not among self.leases either: it may wait on the receive stream
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                          {r: reg.ptr for r, reg in regions.items()}, self.link.engines,
                          self.recv_stream.resource, [e.resource.handle for e in local],
@@ -227,6 +230,9 @@ class Resources:
         for lease in reversed(self.leases):
             lease.release()
         self.leases = []
+        if self.comm is not None:
+            self.comm.close(drain=not recv_failed)
+            self.comm = None
         if self.recv_stream is not None:  # drained by the pool, or destroyed if it cannot drain
             if not recv_failed:  # its last reads of the region come before the region's reuse
                 torch.cuda.current_stream(self.device).wait_stream(self.recv_stream.resource.torch_stream())

@@ -24,6 +24,7 @@ from warmlink.ep._call_block import Sources
 from warmlink.ep._call_config import encode_call, encode_combine
 from warmlink.ep._checks import Checks
 from warmlink.ep._combine import Combiner
+from warmlink.ep._comm_stream import INLINE
 from warmlink.ep._launch import current_stream
 from warmlink.ep._movers import as_words
 from warmlink.ep._outputs import dispatch_outputs
@@ -88,7 +89,7 @@ class Buffer(LowLatencyMethods, Closing):
         from warmlink.transport import resolve_backend
 
         self._closed = True
-        self._res = None
+        self._res = self._comm = None
         self._link = None  # Closing's mark of a Buffer that holds leases: its __del__ closes one left open
         if not isinstance(num_ranks, int) or not 1 <= num_ranks <= 1024:
             raise ConfigError(f"ep.Buffer: num_ranks={num_ranks!r}; expected an int in [1, 1024]")
@@ -116,6 +117,7 @@ class Buffer(LowLatencyMethods, Closing):
             self._res.connect(store)
             self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
             self.mailbox, self.peers, self._mover = self._res.mailbox, self._res.peers, self._res.mover
+            self._comm = self._res.comm  # None on shm: every call has finished on return
             self._done_events = self._res.done_events  # what async_finish records: per (op, parity), then the layout's
             self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
             self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
@@ -152,15 +154,20 @@ class Buffer(LowLatencyMethods, Closing):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """DeepEP's layout tuple: ``(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)``
-        (``event``: an ``ep.EventOverlap``, as ``dispatch`` returns).
+        (``event``: an ``ep.EventOverlap``; ``previous_event``, ``async_finish`` and
+        ``allocate_on_comm_stream`` as ``dispatch``'s).
 
         Entries outside ``[-1, num_experts)`` are routed nowhere here and refused by ``dispatch``.
         """
         self._checks.experts(num_experts)
-        wait_for(previous_event, "get_dispatch_layout")
-        lay = dispatch_layout(self._checks.topk(topk_idx, "topk_idx"), num_experts, self.num_ranks)
-        return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
-                self._overlap(2 * PARITIES, async_finish))
+        topk = self._checks.topk(topk_idx, "topk_idx")
+        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+            wait_for(previous_event, "get_dispatch_layout")
+            call.hold(topk)
+            lay = dispatch_layout(topk, num_experts, self.num_ranks)
+            call.give(lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank)
+            return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
+                    self._overlap(2 * PARITIES, async_finish))
 
     def all_gather_int(self, value: int, *, timeout_s: float | None = None) -> list[int]:
         """Every rank's ``value`` (an int in ``[0, 2**63)``), in rank order: a host-only collective
@@ -170,6 +177,18 @@ class Buffer(LowLatencyMethods, Closing):
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
             raise ConfigError(f"ep.Buffer.all_gather_int: value={value!r}; expected an int in [0, 2**63)")
         return self._rounds.all_gather_int(value, self.timeout_s if timeout_s is None else timeout_s)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream calls made with ``async_finish=True`` run on (DeepEP's name; ep._comm_stream,
+        Note [Communication stream]).
+
+        Raises:
+            ConfigError: a host-memory Buffer (its calls run on the host and finish on return), or a closed one.
+        """
+        if self._comm is None:
+            raise ConfigError("ep.Buffer.get_comm_stream: " + ("the buffer is closed" if self._closed else
+                              "a host-memory Buffer has no stream: its calls run on the host and finish on return"))
+        return self._comm.stream
 
     def _check_open(self, func: str) -> None:
         if self._closed:
@@ -206,16 +225,23 @@ class Buffer(LowLatencyMethods, Closing):
                 empty (the handle keeps the counts). If any rank would receive more rows, every rank
                 raises ``ConfigError`` and the round is spent. Unlike DeepEP's, the host still meets
                 the peers, so the call is not graph-capturable. A cached dispatch pads as its handle's.
-            previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the current stream waits for first.
-            async_finish: also record an event after the call's work (``EventOverlap``); the caller's
-                stream is ordered after the outputs either way.
-            ``allocate_on_comm_stream`` and ``config`` are accepted for compatibility and unused.
+            previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the call's work waits for first.
+            async_finish: run the call on the Buffer's communication stream (``get_comm_stream()``)
+                after the caller's stream and ``previous_event``, and return an ``EventOverlap``
+                marking its end: the caller's stream is not ordered after the call, so its next work
+                overlaps the call's; wait for the event before reading the outputs. Without it the
+                call runs on the caller's stream, which is thus ordered after the outputs
+                (ep._comm_stream, Note [Communication stream]).
+            allocate_on_comm_stream: accepted; with ``async_finish`` the outputs are always allocated
+                on the communication stream and marked used by the caller's (the note says why).
+            ``config`` is accepted for compatibility and unused.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``,
             plus ``hook`` when asked (the tensors are filled when it returns). ``recv_x`` rows are
             ordered by source rank, then source token, and are a view of the receive area valid until
-            the next dispatch; ``recv_topk_idx`` holds local expert ids (-1 elsewhere). ``event`` is an
+            the next dispatch (on CUDA: until the next dispatch's stream runs past the caller's
+            reads); ``recv_topk_idx`` holds local expert ids (-1 elsewhere). ``event`` is an
             ``ep.EventOverlap`` (in hook mode it marks the send phase).
 
         Raises:
@@ -225,7 +251,19 @@ class Buffer(LowLatencyMethods, Closing):
         """
         self._check_open("dispatch")
         self._checks.padding(expert_alignment, num_worst_tokens)
-        wait_for(previous_event, "dispatch")
+        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+            wait_for(previous_event, "dispatch")
+            call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+            if isinstance(handle, Handle):
+                call.hold(handle.is_token_in_rank, handle.combine_rows)
+            out = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                 topk_weights, expert_alignment, num_worst_tokens, async_finish, num_experts,
+                                 return_recv_hook)
+            call.give(out[:3], out[4].combine_rows)
+            return out
+
+    def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                  expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
         t0 = time.perf_counter()
         tokens, scales = self._checks.x(x)
         num_tokens = tokens.shape[0]
@@ -295,7 +333,7 @@ class Buffer(LowLatencyMethods, Closing):
             topk_weights: optional ``[num_recv_tokens, K]`` float32, summed the same way (every rank
                 passes them with the same ``K``, or none does).
             return_recv_hook: return after the send phase, with a hook that finishes the receive.
-            previous_event, async_finish: as ``dispatch``'s.
+            previous_event, async_finish, allocate_on_comm_stream: as ``dispatch``'s.
 
         Returns:
             ``(combined_x [T, hidden], combined_topk_weights or None, event)``, plus ``hook`` when
@@ -310,9 +348,16 @@ class Buffer(LowLatencyMethods, Closing):
         self._check_open("combine")
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
-        wait_for(previous_event, "combine")
-        t0 = time.perf_counter()
         rows, weights = self._checks.combine(x, topk_weights, handle)
+        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+            wait_for(previous_event, "combine")
+            call.hold(rows, weights, handle.is_token_in_rank, handle.combine_rows)
+            out = self._combine(rows, weights, handle, async_finish, return_recv_hook)
+            call.give(out[:2])
+            return out
+
+    def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
+        t0 = time.perf_counter()
         rounds, combiner = self._rounds, self._combiner
         round_ = rounds.next("combine")
         self._mover.start_round("combine", round_)
@@ -337,6 +382,13 @@ class Buffer(LowLatencyMethods, Closing):
         return self._finish("combine", round_, receive, return_recv_hook, (out, out_w), async_finish)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _call(self, async_finish: bool):
+        """Where a call runs: the communication stream with ``async_finish`` on CUDA, else the
+        caller's stream (ep._comm_stream, Note [Communication stream])."""
+        if not async_finish or self._comm is None:
+            return INLINE
+        return self._comm.call(after_caller=True)  # recv_x views: the note says why
+
     def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple, async_finish: bool):
         """Run the receive phase now and return ``(*result, event)``, or return ``(*result, event,
         hook)`` whose hook runs it once (the event then marks the send phase, as DeepEP's does)."""
@@ -387,7 +439,7 @@ class Buffer(LowLatencyMethods, Closing):
         if res is not None:
             res.close(recv_failed=self._recv_failed)
         self._recv_failed = False
-        self._mover = self._sender = self._combiner = None
+        self._mover = self._sender = self._combiner = self._comm = None
         if owned is not None:
             owned.close()
 

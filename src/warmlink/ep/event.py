@@ -1,10 +1,8 @@
 """``EventOverlap``: what ``dispatch`` and ``combine`` return where DeepEP returns its event.
 
-DeepEP's calls run on a communication stream; with ``async_finish=True`` they return an event the
-caller's stream must wait on (``event.current_stream_wait()``) before it reads the outputs. ep's
-calls already order the caller's current stream after their outputs, so the event only matters to
-a caller that reads them on another stream; it is here so that code written for DeepEP runs
-unchanged, and so that ``previous_event`` can take it back.
+As DeepEP's, a call made with ``async_finish=True`` runs on the Buffer's communication stream and
+returns an event the caller's stream must wait on (``event.current_stream_wait()``) before it
+reads the outputs (ep._comm_stream, Note [Communication stream]); ``previous_event`` takes it back.
 """
 
 from __future__ import annotations

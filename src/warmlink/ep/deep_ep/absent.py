@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from warmlink.errors import ConfigError
 
-__all__ = ["INTERNODE", "MASK", "NO_STREAM", "ZERO_COPY", "not_here"]
+__all__ = ["INTERNODE", "MASK", "NO_RING", "ZERO_COPY", "not_here"]
 
 MASK = ("the low-latency mask buffer (masking failed ranks) is not implemented: a lost peer raises PeerLostError "
         "and the Buffer stays refused")
 ZERO_COPY = ("low_latency_combine reads its x itself (zero_copy is accepted and unused): there is no send buffer "
              "to write into")
 INTERNODE = "warmlink.ep runs the ranks of one node"
-NO_STREAM = "warmlink has no communication stream or ring buffer to expose: outputs belong to the caller's stream"
+NO_RING = ("warmlink has no ring buffer to expose: rows land in per-source slots of the receive area, and outputs "
+           "are fresh tensors")
 
 
 def not_here(name: str, why: str) -> staticmethod:

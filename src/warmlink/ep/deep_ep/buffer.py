@@ -15,6 +15,7 @@ every rank (those are the same on every rank), and so does a budget that holds n
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
@@ -22,8 +23,9 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
+from warmlink.ep._comm_stream import INLINE, CommStream
 from warmlink.ep.deep_ep import rounds, sizing
-from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_STREAM, ZERO_COPY, not_here
+from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, ZERO_COPY, not_here
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
@@ -83,7 +85,8 @@ class Buffer(LowLatencyCalls):
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  timeout_s: float | None = None) -> None:
         func = "deep_ep.Buffer"
-        self._inner = None
+        self._inner = self._comm = None
+        self._comm_failed = False
         self._destroyed = False
         if comm is not None:
             raise ConfigError(f"{func}: comm={type(comm).__name__}; an mpi4py communicator is not supported (pass group, "
@@ -145,8 +148,8 @@ class Buffer(LowLatencyCalls):
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32, is_token_in_rank
         [T, R] bool, event)`` for ``topk_idx`` ``[T, K]`` (``topk_idx_t``; -1 = no expert).
-        Local work, not collective; ``allocate_on_comm_stream`` is accepted and ignored (outputs
-        belong to the current stream)."""
+        Local work, not collective; ``previous_event``, ``async_finish`` and ``allocate_on_comm_stream``
+        as ``dispatch``'s."""
         func = "get_dispatch_layout"
         self._check_usable(func)
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.is_floating_point():
@@ -156,10 +159,14 @@ class Buffer(LowLatencyCalls):
         if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % self.group_size:
             raise ConfigError(f"deep_ep.Buffer.{func}: num_experts={num_experts!r}; expected a positive multiple of "
                               f"the group size {self.group_size}")
-        wait_previous(previous_event, func)
-        lay = dispatch_layout(topk_idx, num_experts, self.group_size)
         self._widest_topk = max(self._widest_topk, topk_idx.shape[1])
-        return lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank, returned_event(async_finish)
+        with self._call(async_finish, previous_event, topk_idx) as call:  # ep._comm_stream, Note [Communication stream]
+            wait_previous(previous_event, func)
+            call.hold(topk_idx)
+            lay = dispatch_layout(topk_idx, num_experts, self.group_size)
+            call.give(lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank)
+            return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
+                    returned_event(async_finish))
 
     # -- dispatch and combine ----------------------------------------------------------------------
     def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
@@ -183,8 +190,13 @@ class Buffer(LowLatencyCalls):
                 is not graph-capturable here).
             config: a ``Config`` or None; accepted and unused.
             previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
-            async_finish: return an event recorded after the call's work.
-            allocate_on_comm_stream: accepted and ignored (outputs belong to the current stream).
+            async_finish: as DeepEP's: run on the communication stream (``get_comm_stream()``) after
+                ``previous_event`` (or, without one, the current stream), leave the current stream
+                unordered after the call, and return the event that marks its end. Without it the
+                call runs on the current stream.
+            allocate_on_comm_stream: accepted; with ``async_finish`` outputs are always allocated on
+                the communication stream and marked used by the current one (ep._comm_stream,
+                Note [Communication stream], says why).
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``.
@@ -203,11 +215,25 @@ class Buffer(LowLatencyCalls):
         if num_tokens_per_rdma_rank is not None:
             raise ConfigError("deep_ep.Buffer.dispatch: num_tokens_per_rdma_rank is set; it is DeepEP's internode "
                               "layout, and this Buffer runs within one node (expected None, as get_dispatch_layout returns)")
-        wait_previous(previous_event, func)
-        tokens, packed = pack_scales(x, "deep_ep.Buffer.dispatch")
-        if handle is not None:
-            return self._cached(tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                async_finish)
+        rows = x[0] if isinstance(x, tuple) else x
+        with self._call(async_finish, previous_event, rows) as call:  # ep._comm_stream, Note [Communication stream]
+            wait_previous(previous_event, func)
+            call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+            tokens, packed = pack_scales(x, "deep_ep.Buffer.dispatch")
+            if handle is not None:
+                if isinstance(handle, DispatchHandle):
+                    call.hold(handle.tensors())
+                out = self._cached(tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+            else:
+                out = self._fresh(tokens, packed, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                  topk_weights, expert_alignment, num_worst_tokens)
+                call.give(out[4].tensors())
+            call.give(out[:3])
+            return (*out, returned_event(async_finish))
+
+    def _fresh(self, tokens, packed, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+               topk_weights, expert_alignment, num_worst_tokens):
+        """A fresh dispatch's five outputs (``dispatch``'s but the event)."""
         missing = [name for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                                         ("num_tokens_per_expert", num_tokens_per_expert)) if t is None]
         if missing:
@@ -229,7 +255,7 @@ class Buffer(LowLatencyCalls):
                 num_tokens_per_expert.numel(), with_topk, expert_alignment, num_worst_tokens)
             out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens, is_token_in_rank, inner, rows.device)
             return (unpack_scales(recv_x, packed, fresh=True), recv_idx if with_topk else None,
-                    recv_w if with_topk else None, per_expert, out, returned_event(async_finish))
+                    recv_w if with_topk else None, per_expert, out)
         recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
             tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
             num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -237,19 +263,19 @@ class Buffer(LowLatencyCalls):
         out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
         if not with_topk:
             recv_idx = recv_w = None
-        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out, returned_event(async_finish)
+        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out
 
-    def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens, async_finish):
+    def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens):
         if topk_idx is not None or topk_weights is not None:
             raise ConfigError("deep_ep.Buffer.dispatch: a cached dispatch (handle=...) takes no topk_idx or topk_weights; "
                               "they travel with the dispatch that made the handle")
         inner = self._owner_of(handle, "dispatch")
         if handle.rounds is not None:  # Note [Rounds beyond the budget]
             recv_x = rounds.dispatch_cached_rounds(inner, tokens, handle.rounds, handle.num_output_rows)
-            return unpack_scales(recv_x, packed, fresh=True), None, None, None, None, returned_event(async_finish)
+            return unpack_scales(recv_x, packed, fresh=True), None, None, None, None
         recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
                                 num_worst_tokens=num_worst_tokens)[0]
-        return unpack_scales(recv_x, packed), None, None, None, None, returned_event(async_finish)
+        return unpack_scales(recv_x, packed), None, None, None, None
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -277,14 +303,17 @@ class Buffer(LowLatencyCalls):
         _check_config(f"deep_ep.Buffer.{func}", config)
         inner = self._owner_of(handle, func)
         biases = combine_biases(bias, handle, self._inner.layout.hidden, x)
-        wait_previous(previous_event, func)
-        if handle.rounds is not None:  # Note [Rounds beyond the budget]
-            out, out_w = rounds.combine_rounds(inner, x, topk_weights, handle.rounds, handle.num_tokens)
-        else:
-            out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
-        if biases:
-            out = sum((b.float() for b in biases), out.float()).to(out.dtype)
-        return out, out_w, returned_event(async_finish)
+        with self._call(async_finish, previous_event, x) as call:  # ep._comm_stream, Note [Communication stream]
+            wait_previous(previous_event, func)
+            call.hold(x, topk_weights, biases, handle.tensors())
+            if handle.rounds is not None:  # Note [Rounds beyond the budget]
+                out, out_w = rounds.combine_rounds(inner, x, topk_weights, handle.rounds, handle.num_tokens)
+            else:
+                out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
+            if biases:
+                out = sum((b.float() for b in biases), out.float()).to(out.dtype)
+            call.give(out, out_w)
+            return out, out_w, returned_event(async_finish)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -303,6 +332,9 @@ class Buffer(LowLatencyCalls):
         """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
         Collective, as ``destroy``."""
         self._destroyed = True
+        comm, self._comm = self._comm, None
+        if comm is not None:  # not after a failed call: its work may wait on a peer that is gone
+            comm.close(drain=not self._comm_failed)
         for inner in (self._inner, self._ll):
             if inner is not None:
                 inner.close()
@@ -351,10 +383,42 @@ class Buffer(LowLatencyCalls):
     low_latency_clean_mask_buffer = not_here("low_latency_clean_mask_buffer", MASK)
     internode_dispatch = not_here("internode_dispatch", INTERNODE)
     internode_combine = not_here("internode_combine", INTERNODE)
-    get_comm_stream = not_here("get_comm_stream", NO_STREAM)
-    get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_STREAM)
+    get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_RING)
 
     # -- helpers ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _call(self, async_finish: bool, previous_event, like):
+        """Where a call runs: with ``async_finish`` on CUDA, this Buffer's communication stream on
+        ``like``'s device (ep._comm_stream, Note [Communication stream]); else the caller's stream."""
+        if not async_finish or not isinstance(like, torch.Tensor) or not like.is_cuda:
+            yield INLINE
+            return
+        device = like.device.index
+        if self._comm is None:
+            self._comm = CommStream.lease(device)
+        elif self._comm.device != device:
+            raise ConfigError(f"deep_ep.Buffer: a call on cuda:{device}; this Buffer's calls run on cuda:{self._comm.device}")
+        try:  # as DeepEP's: after previous_event alone when there is one (ep._comm_stream, Note [Communication stream])
+            with self._comm.call(after_caller=previous_event is None) as call:
+                yield call
+        except BaseException:
+            self._comm_failed = True
+            raise
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The stream calls made with ``async_finish=True`` run on (DeepEP's; ep._comm_stream, Note
+        [Communication stream]), on the current CUDA device unless a call chose it already.
+
+        Raises:
+            ConfigError: CUDA is not available (calls then run on the host, over shared memory).
+        """
+        if self._comm is None:
+            if not torch.cuda.is_available():
+                raise ConfigError("deep_ep.Buffer.get_comm_stream: CUDA is not available; this Buffer's calls run on "
+                                  "the host, over shared memory, and finish on return")
+            self._comm = CommStream.lease(torch.cuda.current_device())
+        return self._comm.stream
+
     def _check_usable(self, func: str) -> None:
         if self._destroyed:
             raise ConfigError(f"deep_ep.Buffer.{func}: the buffer was destroyed")

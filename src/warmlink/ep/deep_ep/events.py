@@ -1,10 +1,9 @@
 """DeepEP's ``EventHandle`` and ``EventOverlap``: a point on the current CUDA stream, and the
 wrapper every ``deep_ep.Buffer`` call returns and takes back as ``previous_event``.
 
-warmlink's calls order the caller's current stream after their outputs, so DeepEP's
-``async_finish`` event is recorded on that stream after the call's last work: a stream that waits
-for it sees complete outputs, and the caller's own stream needs no wait (waiting is harmless).
-Where no CUDA work was ever issued in this process (shared-memory ranks on the CPU), every call has
+As DeepEP's, a call made with ``async_finish=True`` runs on the Buffer's communication stream and
+returns an event recorded there after its last work: the caller's stream waits for it before it
+reads the outputs (ep._comm_stream, Note [Communication stream]). Where no CUDA work was ever issued in this process (shared-memory ranks on the CPU), every call has
 finished on return and an event marks nothing: it records nothing and waiting returns at once.
 """
 

@@ -51,6 +51,13 @@ class DispatchHandle(tuple):
         the budget]); ``matrix``: their count matrices summed; ``num_worst_tokens``: the call's."""
         return cls(_prefix(matrix, device), is_token_in_rank, None, owner, rounds, num_worst_tokens)
 
+    def tensors(self) -> tuple:
+        """Every tensor the handle holds (its own and its warmlink handles'), for marking the
+        streams that use them (ep._comm_stream, Note [Communication stream])."""
+        inners = [r.handle for r in self.rounds] if self.rounds is not None else [self.inner]
+        extra = [r.rows for r in self.rounds] if self.rounds is not None else []
+        return (self[0], self[4], *extra, *(t for h in inners for t in (h.is_token_in_rank, h.combine_rows)))
+
     @property
     def rank_prefix_matrix(self) -> torch.Tensor:
         return self[0]
