@@ -14,7 +14,9 @@ the median over ``--iterations``:
   permutation, ``all_to_all_single``, ``index_add_``) and a bare ``all_to_all_single`` of the same
   bytes;
 - overlap: a GEMM alone, a hook-mode dispatch alone, and send -> GEMM -> hook together, for a
-  fresh dispatch and for a cached one;
+  fresh dispatch and for a cached one; and a combine and a cached dispatch followed by the GEMM
+  on the caller's stream, made without and with ``async_finish`` (which runs the call on the
+  Buffer's communication stream, so the GEMM does not wait for it);
 - on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
   them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
   and the combine's sum alone on the device.
@@ -356,6 +358,20 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         out["overlap_s"] = {"gemm": timed(lambda: a @ b), "dispatch_hook": times["dispatch_bf16_hook"],
                             "send_gemm_hook": timed(overlapped), "cached_hook": timed(cached_hook),
                             "send_gemm_hook_cached": timed(lambda: overlapped(True))}
+        # async_finish: the call runs on the communication stream and the GEMM queued after it
+        # on the caller's stream overlaps it (ep._comm_stream); without it the GEMM waits
+        calls = {"combine": (lambda **kw: buf.combine(y_keep, h_keep, **kw), 2),
+                 "cached": (lambda **kw: buf.dispatch(x, handle=h_keep, **kw), 5)}
+
+        def async_then_gemm(call, at: int) -> None:
+            event = call(async_finish=True)[at]
+            a @ b
+            event.current_stream_wait()
+
+        for name, (call, at) in calls.items():
+            out["overlap_s"][f"{name}_alone"] = timed(call)
+            out["overlap_s"][f"{name}_gemm"] = timed(lambda c=call: (c(), a @ b))
+            out["overlap_s"][f"{name}_async_gemm"] = timed(lambda c=call, i=at: async_then_gemm(c, i))
         out["overlap_parts_s"] = {kind: _overlap_parts(lambda c=cached: buf.dispatch(
             x, handle=h_keep, return_recv_hook=True) if c else buf.dispatch(x, **kwargs, return_recv_hook=True),
             lambda: a @ b, flag, cfg["iterations"]) for kind, cached in (("fresh", False), ("cached", True))}

@@ -95,6 +95,15 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
             summary[name] = {"gemm_ms": g * 1e3, "dispatch_ms": d * 1e3, "together_ms": both * 1e3, "ratio": both / max(g, d)}
             lines.append(f"{name.replace('_', ', ')}: GEMM {g * 1e3:.3f} ms, {which} {d * 1e3:.3f} ms, send -> GEMM -> hook "
                          f"{both * 1e3:.3f} ms = {both / max(g, d):.2f} x the longer (goal <= 1.15)")
+    if "combine_async_gemm" in ranks[0].get("overlap_s", {}):
+        for name in ("combine", "cached"):
+            g, alone, inline, both = (worst(lambda r, k=k: r["overlap_s"][k])
+                                      for k in ("gemm", f"{name}_alone", f"{name}_gemm", f"{name}_async_gemm"))
+            summary[f"async_{name}"] = {"gemm_ms": g * 1e3, "call_ms": alone * 1e3, "inline_ms": inline * 1e3,
+                                        "async_ms": both * 1e3, "ratio": both / inline}
+            what = "combine" if name == "combine" else "cached dispatch"
+            lines.append(f"async_finish, {what}: GEMM {g * 1e3:.3f} ms, {what} {alone * 1e3:.3f} ms; {what} then GEMM "
+                         f"{inline * 1e3:.3f} ms, with async_finish {both * 1e3:.3f} ms = {both / inline:.2f} x")
     for r in ranks:
         for kind, p in r.get("overlap_parts_s", {}).items():
             lines.append(f"  {kind} send -> GEMM -> hook, rank {r['rank']} (ms): send {p['send'] * 1e3:.3f}, hook "

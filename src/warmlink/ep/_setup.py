@@ -176,11 +176,19 @@ class Resources:
         # not among self.leases: close() must not order the caller's stream after it (it may
         # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
         self.recv_stream = lease_stream(self.device)
-        self.comm = CommStream.lease(self.device)  # not among self.leases either: it may wait on the receive stream
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                          {r: reg.ptr for r, reg in regions.items()}, self.link.engines,
                          self.recv_stream.resource, [e.resource.handle for e in local],
                          self._send_events, self.flags, self.peers)
+
+    def comm_stream(self) -> CommStream:
+        """The communication stream (ep._comm_stream), leased by the first call that asks for it
+        and kept until ``close``: a Buffer never called with ``async_finish`` holds one stream
+        fewer, so its other streams keep the hardware queues they had (CUDA maps streams onto a
+        few queues by creation order, and streams sharing one wait for each other's work)."""
+        if self.comm is None:
+            self.comm = CommStream.lease(self.device)  # not among self.leases: it may wait on the receive stream
+        return self.comm
 
     def _lease_send_events(self) -> None:
         """The mover's send events: ``[phase.parity][d]`` is recorded once this rank's bytes of

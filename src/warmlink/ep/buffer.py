@@ -8,40 +8,35 @@ through the Buffer's sender (ep._senders: SMs, copy engines or host copies, chos
 ``send=``), a combine's through ep._combine. With ``return_recv_hook=True`` each call returns
 after its send phase (rows packed per destination, the bytes handed to the copy engines, the
 round marked sent) with one more element, ``hook``; no kernel stays resident. ``hook()`` waits
-for arrival and finishes the receive.
+for arrival and finishes the receive. This module checks a call's arguments and picks its stream
+(with ``async_finish``, the communication stream: ep._comm_stream); the round bodies are
+ep._round_calls'.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from warmlink import _env
 from warmlink._closing import Closing
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._call_block import Sources
-from warmlink.ep._call_config import encode_call, encode_combine
 from warmlink.ep._checks import Checks
 from warmlink.ep._combine import Combiner
 from warmlink.ep._comm_stream import INLINE
-from warmlink.ep._launch import current_stream
-from warmlink.ep._movers import as_words
-from warmlink.ep._outputs import dispatch_outputs
-from warmlink.ep._regions import PARITIES, RegionLayout, area
-from warmlink.ep._rounds import Pending, Rounds
+from warmlink.ep._regions import PARITIES, RegionLayout
+from warmlink.ep._round_calls import RoundCalls
+from warmlink.ep._rounds import Rounds
 from warmlink.ep._options import resolve_device, resolve_options
-from warmlink.ep._senders import SENDERS, FreshSend
+from warmlink.ep._senders import SENDERS
 from warmlink.ep._setup import Resources, group_store
-from warmlink.ep.event import EventOverlap, wait_for
-from warmlink.ep.handle import Handle, per_expert_list
+from warmlink.ep.event import wait_for
+from warmlink.ep.handle import Handle
 from warmlink.ep.layout import dispatch_layout
 from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
 
-class Buffer(LowLatencyMethods, Closing):
+class Buffer(LowLatencyMethods, RoundCalls, Closing):
     """One rank's end of an ep group: regions, mailboxes and streams, set up once.
 
     Args:
@@ -89,7 +84,7 @@ class Buffer(LowLatencyMethods, Closing):
         from warmlink.transport import resolve_backend
 
         self._closed = True
-        self._res = self._comm = None
+        self._res = None
         self._link = None  # Closing's mark of a Buffer that holds leases: its __del__ closes one left open
         if not isinstance(num_ranks, int) or not 1 <= num_ranks <= 1024:
             raise ConfigError(f"ep.Buffer: num_ranks={num_ranks!r}; expected an int in [1, 1024]")
@@ -117,7 +112,6 @@ class Buffer(LowLatencyMethods, Closing):
             self._res.connect(store)
             self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
             self.mailbox, self.peers, self._mover = self._res.mailbox, self._res.peers, self._res.mover
-            self._comm = self._res.comm  # None on shm: every call has finished on return
             self._done_events = self._res.done_events  # what async_finish records: per (op, parity), then the layout's
             self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
             self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
@@ -161,7 +155,7 @@ class Buffer(LowLatencyMethods, Closing):
         """
         self._checks.experts(num_experts)
         topk = self._checks.topk(topk_idx, "topk_idx")
-        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream (not a hot path)
             wait_for(previous_event, "get_dispatch_layout")
             call.hold(topk)
             lay = dispatch_layout(topk, num_experts, self.num_ranks)
@@ -185,10 +179,12 @@ class Buffer(LowLatencyMethods, Closing):
         Raises:
             ConfigError: a host-memory Buffer (its calls run on the host and finish on return), or a closed one.
         """
-        if self._comm is None:
-            raise ConfigError("ep.Buffer.get_comm_stream: " + ("the buffer is closed" if self._closed else
-                              "a host-memory Buffer has no stream: its calls run on the host and finish on return"))
-        return self._comm.stream
+        if self._closed:
+            raise ConfigError("ep.Buffer.get_comm_stream: the buffer is closed")
+        if self.device < 0:
+            raise ConfigError("ep.Buffer.get_comm_stream: a host-memory Buffer has no stream: its calls run on the "
+                              "host and finish on return")
+        return self._res.comm_stream().stream
 
     def _check_open(self, func: str) -> None:
         if self._closed:
@@ -251,75 +247,19 @@ class Buffer(LowLatencyMethods, Closing):
         """
         self._check_open("dispatch")
         self._checks.padding(expert_alignment, num_worst_tokens)
-        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+        args = (x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook)
+        if not self._on_comm(async_finish):
+            wait_for(previous_event, "dispatch")
+            return self._dispatch(*args)
+        with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
             wait_for(previous_event, "dispatch")
             call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             if isinstance(handle, Handle):
                 call.hold(handle.is_token_in_rank, handle.combine_rows)
-            out = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
-                                 topk_weights, expert_alignment, num_worst_tokens, async_finish, num_experts,
-                                 return_recv_hook)
+            out = self._dispatch(*args)
             call.give(out[:3], out[4].combine_rows)
             return out
-
-    def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                  expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
-        t0 = time.perf_counter()
-        tokens, scales = self._checks.x(x)
-        num_tokens = tokens.shape[0]
-        rounds, mover = self._rounds, self._mover
-        round_ = rounds.next("dispatch")
-        mover.start_round("dispatch", round_)
-        phase = f"dispatch.{round_ % PARITIES}"
-        parts = (area("recv_x", round_), area("recv_meta", round_))
-        cached = handle is not None
-        if cached:
-            if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
-                raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
-            if num_worst_tokens not in (0, handle.num_worst_tokens):
-                raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
-                                  f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
-            config = encode_call(handle.num_experts, 0, tokens.dtype, True, num_worst_tokens=handle.num_worst_tokens)
-            src = Sources(as_words(tokens), scales=scales)
-            self.mailbox.publish_dispatch(round_, config)
-            marks = {"start": t0, "counts": time.perf_counter()}
-            # No wait for the peers (ep._regions, Note [Two parities]): the bytes move at once.
-            self._sender.send_cached(handle, src, round_, phase, parts, return_recv_hook)
-            marks["staged"] = marks["ready"] = time.perf_counter()
-        else:
-            topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
-                tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            # the send path is part of the config: a rank that meets in the mailbox while another
-            # trades counts on the device would read counts that were never published
-            config = encode_call(num_experts, topk.shape[1], tokens.dtype, False, self._sender.by_sm(return_recv_hook),
-                                 num_worst_tokens, weights is not None)
-            marks = {"start": t0, "checked": time.perf_counter()}
-            src = Sources(as_words(tokens), topk, weights, scales)
-            handle = self._sender.send_fresh(FreshSend(src, in_rank, per_rank, per_expert, num_experts, config,
-                                                       num_worst_tokens, round_, phase, parts), marks, return_recv_hook)
-        mover.send_done()
-        self.mailbox.publish(mb.DISPATCH_SENT, round_)
-        rounds.end("dispatch", round_)
-        marks["sent"] = time.perf_counter()
-        staged = marks.get("staged", marks["counts"])  # a fresh dispatch stages nothing apart
-        self.last_phases = {"layout": marks["counts"] - t0, "stage": staged - marks["counts"],
-                            "handshake": marks["ready"] - staged, "send": marks["sent"] - marks["ready"]}
-        # host clock marks (CLOCK_MONOTONIC, comparable across processes of one host) for skew analysis
-        self.last_marks = marks
-        recv_x, recv_idx, recv_w, unpack, unpacked = dispatch_outputs(
-            mover.own_view, self.layout, self.rank, self.num_ranks, handle, parts, tokens.dtype, scales is not None,
-            src.topk is not None, src.weights is not None)
-
-        def receive() -> None:
-            t3 = time.perf_counter()
-            # a fresh dispatch met the peers before sending
-            rounds.before_receive(mb.DISPATCH, mb.DISPATCH_SENT, round_, mover.host_ordered, checks=cached)
-            self._arrived(phase, unpack, unpacked)
-            self.last_marks["received"] = time.perf_counter()
-            self.last_phases["receive"] = self.last_marks["received"] - t3
-
-        result = (recv_x, recv_idx, recv_w, per_expert_list(handle, expert_alignment), handle)
-        return self._finish("dispatch", round_, receive, return_recv_hook, result, async_finish)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None, config=None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
@@ -349,80 +289,29 @@ class Buffer(LowLatencyMethods, Closing):
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
         rows, weights = self._checks.combine(x, topk_weights, handle)
-        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream
+        if not self._on_comm(async_finish):
+            wait_for(previous_event, "combine")
+            return self._combine(rows, weights, handle, async_finish, return_recv_hook)
+        with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
             wait_for(previous_event, "combine")
             call.hold(rows, weights, handle.is_token_in_rank, handle.combine_rows)
             out = self._combine(rows, weights, handle, async_finish, return_recv_hook)
             call.give(out[:2])
             return out
 
-    def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
-        t0 = time.perf_counter()
-        rounds, combiner = self._rounds, self._combiner
-        round_ = rounds.next("combine")
-        self._mover.start_round("combine", round_)
-        word = encode_combine(handle.round, rows.dtype, weights.shape[1] if weights is not None else 0)
-        self.mailbox.publish_combine(round_, word)  # no wait for the peers: Note [Two parities]
-        t1 = time.perf_counter()
-        counts = combiner.send(handle, rows, weights, round_)
-        self.mailbox.publish(mb.COMBINE_SENT, round_)
-        rounds.end("combine", round_)
-        self.last_phases = {"handshake": t1 - t0, "send": time.perf_counter() - t1}
-        out = torch.empty(handle.num_tokens, self.layout.hidden, dtype=rows.dtype, device=rows.device)
-        out_w = None if weights is None else torch.empty(handle.num_tokens, weights.shape[1], dtype=torch.float32,
-                                                         device=rows.device)
-
-        def receive() -> None:
-            t2 = time.perf_counter()
-            rounds.before_receive(mb.COMBINE, mb.COMBINE_SENT, round_, self._mover.host_ordered)
-            queued = combiner.receive(handle, rows, weights, round_, counts, out, out_w, self._arrived)
-            # "queued": from the receive's start until the last sum is queued (the rest waits for bytes)
-            self.last_phases.update(receive=time.perf_counter() - t2, queued=queued - t2)
-
-        return self._finish("combine", round_, receive, return_recv_hook, (out, out_w), async_finish)
-
     # -- helpers ----------------------------------------------------------------------------------
+    def _on_comm(self, async_finish: bool) -> bool:
+        """Whether a call runs on the communication stream: with ``async_finish`` on CUDA (ep._comm_stream,
+        Note [Communication stream]). It then waits for the caller's stream too: ``recv_x`` is a view."""
+        if not async_finish or self.device < 0:
+            return False
+        if self._res is None:
+            raise ConfigError("ep.Buffer: the buffer is closed")
+        return True
+
     def _call(self, async_finish: bool):
-        """Where a call runs: the communication stream with ``async_finish`` on CUDA, else the
-        caller's stream (ep._comm_stream, Note [Communication stream])."""
-        if not async_finish or self._comm is None:
-            return INLINE
-        return self._comm.call(after_caller=True)  # recv_x views: the note says why
-
-    def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, result: tuple, async_finish: bool):
-        """Run the receive phase now and return ``(*result, event)``, or return ``(*result, event,
-        hook)`` whose hook runs it once (the event then marks the send phase, as DeepEP's does)."""
-        slot = (phase == "combine") * PARITIES + round_ % PARITIES
-        if not return_recv_hook:
-            receive()
-            return (*result, self._overlap(slot, async_finish))
-        pending = self._rounds.pending = Pending(phase, round_)
-
-        def hook() -> None:
-            if not pending.done:
-                receive()
-                pending.done = True
-
-        return (*result, self._overlap(slot, async_finish), hook)
-
-    def _overlap(self, slot: int, async_finish: bool) -> EventOverlap:
-        """DeepEP's event: with ``async_finish`` on CUDA, pooled event ``slot`` recorded on the current stream now."""
-        if self.device < 0 or not async_finish:
-            return EventOverlap(None, self.device)
-        from warmlink import _cuda
-
-        event = self._done_events[slot]
-        _cuda.event_record(event, current_stream(self.device))
-        return EventOverlap(event, self.device)
-
-    def _arrived(self, phase: str, then, writes, early=()) -> None:
-        """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a
-        dead peer for good, so ``close`` stops ordering the caller's stream after it."""
-        try:
-            self._mover.arrived(range(self.num_ranks), phase, then=then, writes=writes, early=early)
-        except BaseException:
-            self._recv_failed = True
-            raise
+        """The context a call runs in: ``_on_comm``'s stream, else the caller's (``INLINE``)."""
+        return self._res.comm_stream().call(after_caller=True) if self._on_comm(async_finish) else INLINE
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -439,7 +328,7 @@ class Buffer(LowLatencyMethods, Closing):
         if res is not None:
             res.close(recv_failed=self._recv_failed)
         self._recv_failed = False
-        self._mover = self._sender = self._combiner = self._comm = None
+        self._mover = self._sender = self._combiner = None
         if owned is not None:
             owned.close()
 

@@ -15,7 +15,6 @@ every rank (those are the same on every rank), and so does a budget that holds n
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
 
@@ -23,14 +22,14 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
-from warmlink.ep._comm_stream import INLINE, CommStream
-from warmlink.ep.deep_ep import rounds, sizing
+from warmlink.ep.deep_ep import calls, sizing
 from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, ZERO_COPY, not_here
+from warmlink.ep.deep_ep.comm import CommCalls
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
 from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
-from warmlink.ep.deep_ep.scales import pack_scales, unpack_scales
+from warmlink.ep.deep_ep.scales import pack_scales
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
@@ -49,7 +48,7 @@ def _check_config(func: str, config) -> None:
         raise ConfigError(f"{func}: config is a {type(config).__name__}; expected a deep_ep.Config or None")
 
 
-class Buffer(LowLatencyCalls):
+class Buffer(LowLatencyCalls, CommCalls):
     """DeepEP's ``Buffer`` for the ranks of one node: normal-mode dispatch and combine, and the
     low-latency calls with ``low_latency_mode=True`` (``deep_ep.low_latency``).
 
@@ -85,8 +84,7 @@ class Buffer(LowLatencyCalls):
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  timeout_s: float | None = None) -> None:
         func = "deep_ep.Buffer"
-        self._inner = self._comm = None
-        self._comm_failed = False
+        self._inner = None
         self._destroyed = False
         if comm is not None:
             raise ConfigError(f"{func}: comm={type(comm).__name__}; an mpi4py communicator is not supported (pass group, "
@@ -242,40 +240,16 @@ class Buffer(LowLatencyCalls):
         if topk_idx is None and topk_weights is not None:
             raise ConfigError("deep_ep.Buffer.dispatch: topk_weights without topk_idx; pass both or neither")
         rows = tokens[0] if isinstance(tokens, tuple) else tokens
-        with_topk = topk_idx is not None
         inner = self._built(rows, topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else 0)
-        if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone
-            topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
-        problem = rounds.argument_problem(rows.shape[0], self.group_size, is_token_in_rank, topk_idx, topk_weights,
-                                          num_tokens_per_expert)
-        num_rounds = rounds.rounds_needed(inner, rows.shape[0], problem)  # Note [Rounds beyond the budget]
-        if num_rounds > 1:
-            recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
-                inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,
-                num_tokens_per_expert.numel(), with_topk, expert_alignment, num_worst_tokens)
-            out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens, is_token_in_rank, inner, rows.device)
-            return (unpack_scales(recv_x, packed, fresh=True), recv_idx if with_topk else None,
-                    recv_w if with_topk else None, per_expert, out)
-        recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
-            tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
-        out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
-        if not with_topk:
-            recv_idx = recv_w = None
-        return unpack_scales(recv_x, packed), recv_idx, recv_w, per_expert, out
+        return calls.fresh(inner, self.group_size, tokens, packed, num_tokens_per_rank, is_token_in_rank,
+                           num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
 
     def _cached(self, tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens):
         if topk_idx is not None or topk_weights is not None:
             raise ConfigError("deep_ep.Buffer.dispatch: a cached dispatch (handle=...) takes no topk_idx or topk_weights; "
                               "they travel with the dispatch that made the handle")
         inner = self._owner_of(handle, "dispatch")
-        if handle.rounds is not None:  # Note [Rounds beyond the budget]
-            recv_x = rounds.dispatch_cached_rounds(inner, tokens, handle.rounds, handle.num_output_rows)
-            return unpack_scales(recv_x, packed, fresh=True), None, None, None, None
-        recv_x = inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
-                                num_worst_tokens=num_worst_tokens)[0]
-        return unpack_scales(recv_x, packed), None, None, None, None
+        return calls.cached(inner, tokens, packed, handle, expert_alignment, num_worst_tokens)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event=None, async_finish: bool = False,
@@ -306,12 +280,7 @@ class Buffer(LowLatencyCalls):
         with self._call(async_finish, previous_event, x) as call:  # ep._comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
             call.hold(x, topk_weights, biases, handle.tensors())
-            if handle.rounds is not None:  # Note [Rounds beyond the budget]
-                out, out_w = rounds.combine_rounds(inner, x, topk_weights, handle.rounds, handle.num_tokens)
-            else:
-                out, out_w, _ = inner.combine(x, handle.inner, topk_weights=topk_weights)
-            if biases:
-                out = sum((b.float() for b in biases), out.float()).to(out.dtype)
+            out, out_w = calls.combine(inner, x, handle, topk_weights, biases)
             call.give(out, out_w)
             return out, out_w, returned_event(async_finish)
 
@@ -332,9 +301,7 @@ class Buffer(LowLatencyCalls):
         """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
         Collective, as ``destroy``."""
         self._destroyed = True
-        comm, self._comm = self._comm, None
-        if comm is not None:  # not after a failed call: its work may wait on a peer that is gone
-            comm.close(drain=not self._comm_failed)
+        self._close_comm()
         for inner in (self._inner, self._ll):
             if inner is not None:
                 inner.close()
@@ -386,39 +353,6 @@ class Buffer(LowLatencyCalls):
     get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_RING)
 
     # -- helpers ---------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _call(self, async_finish: bool, previous_event, like):
-        """Where a call runs: with ``async_finish`` on CUDA, this Buffer's communication stream on
-        ``like``'s device (ep._comm_stream, Note [Communication stream]); else the caller's stream."""
-        if not async_finish or not isinstance(like, torch.Tensor) or not like.is_cuda:
-            yield INLINE
-            return
-        device = like.device.index
-        if self._comm is None:
-            self._comm = CommStream.lease(device)
-        elif self._comm.device != device:
-            raise ConfigError(f"deep_ep.Buffer: a call on cuda:{device}; this Buffer's calls run on cuda:{self._comm.device}")
-        try:  # as DeepEP's: after previous_event alone when there is one (ep._comm_stream, Note [Communication stream])
-            with self._comm.call(after_caller=previous_event is None) as call:
-                yield call
-        except BaseException:
-            self._comm_failed = True
-            raise
-
-    def get_comm_stream(self) -> torch.cuda.Stream:
-        """The stream calls made with ``async_finish=True`` run on (DeepEP's; ep._comm_stream, Note
-        [Communication stream]), on the current CUDA device unless a call chose it already.
-
-        Raises:
-            ConfigError: CUDA is not available (calls then run on the host, over shared memory).
-        """
-        if self._comm is None:
-            if not torch.cuda.is_available():
-                raise ConfigError("deep_ep.Buffer.get_comm_stream: CUDA is not available; this Buffer's calls run on "
-                                  "the host, over shared memory, and finish on return")
-            self._comm = CommStream.lease(torch.cuda.current_device())
-        return self._comm.stream
-
     def _check_usable(self, func: str) -> None:
         if self._destroyed:
             raise ConfigError(f"deep_ep.Buffer.{func}: the buffer was destroyed")

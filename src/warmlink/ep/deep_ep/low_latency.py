@@ -18,6 +18,8 @@ modes, as DeepEP's does.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from warmlink.ep import Buffer as _EPBuffer
@@ -28,12 +30,19 @@ from warmlink.errors import ConfigError
 __all__ = ["LowLatencyCalls"]
 
 
+def _check_async(func: str, async_finish) -> None:
+    """The inner Buffer is called with ``async_finish=False`` (this Buffer's stream runs the call): check it here."""
+    if not isinstance(async_finish, bool):
+        raise ConfigError(f"deep_ep.Buffer.{func}: async_finish={async_finish!r}; expected a bool")
+
+
 class LowLatencyCalls:
     """``deep_ep.Buffer``'s low-latency calls; each checks the shapes against the built warmlink
     Buffer (or builds it) and calls that Buffer's method of the same name once."""
 
     _ll: _EPBuffer | None = None
     _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
+    _call: Callable  # deep_ep.Buffer's: where a call runs (ep._comm_stream, Note [Communication stream])
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -75,6 +84,7 @@ class LowLatencyCalls:
         """
         func = "low_latency_dispatch"
         self._check_low_latency(func)
+        _check_async(func, async_finish)
         hidden = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
         num_topk = topk_idx.shape[1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 else None
         if hidden is None or num_topk is None:
@@ -82,10 +92,13 @@ class LowLatencyCalls:
                               f"[num_tokens, num_topk]); got shapes {tuple(getattr(x, 'shape', ()))} and "
                               f"{tuple(getattr(topk_idx, 'shape', ()))}")
         inner = self._low_latency(func, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, x.device)
-        recv_x, count, handle, _, hook = inner.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        return recv_x, count, handle, returned_event(async_finish), hook
+        # as DeepEP's: on the communication stream with async_finish and no hook (ep._comm_stream)
+        with self._call(async_finish is True and not return_recv_hook, None, x) as call:
+            call.hold(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+            recv_x, count, handle, _, hook = inner.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, False, return_recv_hook)
+            return recv_x, count, handle, returned_event(async_finish), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -105,13 +118,17 @@ class LowLatencyCalls:
         """
         func = "low_latency_combine"
         self._check_low_latency(func)
+        _check_async(func, async_finish)
         if self._ll is None:
             raise ConfigError(f"deep_ep.Buffer.{func}: no low_latency_dispatch on this Buffer yet; pass the handle "
                               "its low_latency_dispatch returned")
-        combined, _, hook = self._ll.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                                                         async_finish, return_recv_hook, out,
-                                                         combine_wait_recv_cost_stats)
-        return combined, returned_event(async_finish), hook
+        with self._call(async_finish is True and not return_recv_hook, None, x) as call:  # as the dispatch's
+            call.hold(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
+            combined, _, hook = self._ll.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                             False, return_recv_hook, out, combine_wait_recv_cost_stats)
+            if out is None:
+                call.give(combined)
+            return combined, returned_event(async_finish), hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP's ``clean_low_latency_buffer``: zero the low-latency region and outputs and meet

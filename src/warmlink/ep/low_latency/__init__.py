@@ -19,6 +19,8 @@ so a dispatch + hook + combine + hook can be captured in a CUDA graph and replay
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from warmlink.ep.low_latency._handle import LowLatencyHandle
@@ -33,6 +35,7 @@ class LowLatencyMethods:
     Buffer's low-latency runtime, built at construction with ``low_latency_mode=True``."""
 
     _low_latency = None
+    _call: Callable  # ep.Buffer's: where a call runs (ep._comm_stream, Note [Communication stream])
 
     def _check_low_latency(self, low_latency_mode: bool, num_experts: int | None) -> None:
         """Refuse low-latency arguments this Buffer cannot take, before ``__init__`` leases anything."""
@@ -136,8 +139,11 @@ class LowLatencyMethods:
             use_fp8: send FP8 e4m3 with one float32 scale per 128 channels (DeepEP's cast).
             round_scale: round scales up to powers of two (needs ``use_fp8``).
             use_ue8m0: return scales as packed UE8M0 exponents (needs ``round_scale``).
-            async_finish: accepted; on the host the outputs are complete on return, and on a GPU
-                every kernel runs on the caller's stream, so the event has nothing to wait for.
+            async_finish: on a GPU and without ``return_recv_hook``, run on the Buffer's
+                communication stream and return an event marking the call's end, which the caller
+                waits for before reading the outputs (ep._comm_stream, Note [Communication stream]);
+                with a hook the call runs on the caller's stream (DeepEP refuses both at once).
+                On the host the outputs are complete on return.
             return_recv_hook: return after the send phase; ``hook()`` waits for the rows and packs
                 them (on a GPU: launches the kernel that does). Nothing runs between the two (no
                 thread, no kernel). Two dispatches (and two
@@ -153,7 +159,8 @@ class LowLatencyMethods:
             ``LowLatencyHandle`` (DeepEP's 5-tuple by index). ``event`` an ``EventOverlap``;
             ``hook`` None without ``return_recv_hook``. The tensors are the Buffer's, valid until
             the second dispatch after this one (DeepEP's double buffer); filled when the call, or
-            its hook, returns (on a GPU: by the work it queued on the current stream).
+            its hook, returns (on a GPU: by the work it queued on the current stream, or with
+            ``async_finish`` on the communication stream).
 
         Raises:
             ConfigError: bad arguments (before any byte moves), two dispatches awaiting their
@@ -170,9 +177,12 @@ class LowLatencyMethods:
         never the host: capturable in a CUDA graph. Warm path? Allocates nothing but small host
         index tensors (on a GPU: nothing).
         """
-        return self._runtime("low_latency_dispatch").dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        runtime = self._runtime("low_latency_dispatch")
+        with self._call(async_finish is True and not return_recv_hook) as call:  # ep._comm_stream
+            call.hold(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+            return runtime.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -206,6 +216,11 @@ class LowLatencyMethods:
 
         Collective? Yes. Blocking? As ``low_latency_dispatch``.
         """
-        return self._runtime("low_latency_combine").combine(
-            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats)
+        runtime = self._runtime("low_latency_combine")
+        with self._call(async_finish is True and not return_recv_hook) as call:  # ep._comm_stream
+            call.hold(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
+            result = runtime.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                     return_recv_hook, out, combine_wait_recv_cost_stats)
+            if out is None:
+                call.give(result[0])
+            return result
