@@ -5,7 +5,9 @@ Usage: python tools/ep_compare.py --code this='benchmarks/ep_*_this*.json' --cod
 
 Prints, per operation, each code's median time over its runs and the median over runs of the
 time divided by the same run's baseline (an unchanged operation), so that a machine whose speed
-swings between runs compares codes by what each run measured beside itself.
+swings between runs compares codes by what each run measured beside itself. With ``--quantiles``
+it prints each code's minimum, first quartile and median instead: on a machine whose runs fall
+into a fast and a slow mode, the lower statistics compare the fast runs.
 """
 
 from __future__ import annotations
@@ -23,18 +25,36 @@ def _records(pattern: str) -> list[dict]:
     return [json.load(open(p))["summary"] for p in paths]
 
 
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated between the two nearest."""
+    at = (len(ordered) - 1) * q
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
                    help="a code's name and the glob of its JSON records (give two or more)")
     p.add_argument("--baseline", default="torch+NCCL combine (bf16)",
                    help="the operation each run's times are divided by (default: %(default)s)")
+    p.add_argument("--quantiles", action="store_true", help="print min, first quartile and median per code")
     args = p.parse_args()
     codes = dict(c.split("=", 1) for c in args.code)
     runs = {name: _records(pattern) for name, pattern in codes.items()}
     first = next(iter(runs.values()))[0]
     ops = [k for k, v in first.items() if isinstance(v, dict) and "ms" in v]
     names = list(runs)
+    if args.quantiles:
+        print(f"runs: {', '.join(f'{n} {len(r)}' for n, r in runs.items())}; ms: min / q25 / median per code")
+        for op in ops:
+            cells = []
+            for n in names:
+                ms = sorted(r[op]["ms"] for r in runs[n])
+                cells.append(f"{ms[0]:.3f} / {_quantile(ms, 0.25):.3f} / {statistics.median(ms):.3f}")
+            print(f"{op[:40]:40s} " + " | ".join(f"{n} {c}" for n, c in zip(names, cells)))
+        return
     print(f"runs: {', '.join(f'{n} {len(r)}' for n, r in runs.items())}; ms median | median ratio to {args.baseline!r}")
     print(f"{'operation':40s} " + " ".join(f"{n:>10s}" for n in names) + " | " + " ".join(f"{n:>10s}" for n in names))
     for op in ops:

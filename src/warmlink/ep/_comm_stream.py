@@ -8,8 +8,9 @@ stream instead, so that the caller's stream is *not* ordered after it and the ca
 overlaps the call's: the communication stream first waits, runs the call's work, and the returned
 event marks its end; the caller waits for that event (``event.current_stream_wait()``) before it
 reads the outputs. The host returns as it does without ``async_finish`` (at launch, but for a
-fresh dispatch, whose outputs are sized by counts the host must read). What the stream first waits
-for: ``deep_ep.Buffer``'s, as DeepEP's, for ``previous_event`` alone (for the caller's stream
+fresh dispatch, whose outputs are sized by counts the host must read). A call with a receive hook
+runs on the caller's stream whatever ``async_finish`` says: it overlaps by returning before its
+receive (DeepEP's low-latency calls take not both). What the stream first waits for: ``deep_ep.Buffer``'s, as DeepEP's, for ``previous_event`` alone (for the caller's stream
 without one); ``ep.Buffer``'s for the caller's stream and ``previous_event``, because its ``recv_x``
 is a view of the receive area: a dispatch lets the peers overwrite the area of the dispatch before
 last once its stream reaches it (ep._flags, Note [Arrival flags]), and the caller's reads of that

@@ -225,7 +225,8 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
             async_finish: run the call on the Buffer's communication stream (``get_comm_stream()``)
                 after the caller's stream and ``previous_event``, and return an ``EventOverlap``
                 marking its end: the caller's stream is not ordered after the call, so its next work
-                overlaps the call's; wait for the event before reading the outputs. Without it the
+                overlaps the call's; wait for the event before reading the outputs. Without it, or
+                with a receive hook (which is how hook mode overlaps; DeepEP takes not both), the
                 call runs on the caller's stream, which is thus ordered after the outputs
                 (ep._comm_stream, Note [Communication stream]).
             allocate_on_comm_stream: accepted; with ``async_finish`` the outputs are always allocated
@@ -249,7 +250,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         self._checks.padding(expert_alignment, num_worst_tokens)
         args = (x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                 expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook)
-        if not self._on_comm(async_finish):
+        if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "dispatch")
             return self._dispatch(*args)
         with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
@@ -289,7 +290,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
         rows, weights = self._checks.combine(x, topk_weights, handle)
-        if not self._on_comm(async_finish):
+        if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")
             return self._combine(rows, weights, handle, async_finish, return_recv_hook)
         with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
@@ -301,8 +302,9 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
 
     # -- helpers ----------------------------------------------------------------------------------
     def _on_comm(self, async_finish: bool) -> bool:
-        """Whether a call runs on the communication stream: with ``async_finish`` on CUDA (ep._comm_stream,
-        Note [Communication stream]). It then waits for the caller's stream too: ``recv_x`` is a view."""
+        """Whether a call runs on the communication stream: with ``async_finish`` (and no hook) on CUDA
+        (ep._comm_stream, Note [Communication stream]). It then waits for the caller's stream too:
+        ``recv_x`` is a view."""
         if not async_finish or self.device < 0:
             return False
         if self._res is None:
