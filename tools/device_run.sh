@@ -2,11 +2,12 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep tests-refit host-profile demo doctor
 #        bench-small bench-colocated contention
-#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life tests-ll bench-ll
+#        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
-#         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep)
+#         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
+#         compare-ep: PAIRS, PREV (the previous code's src, default .prev/src, carried))
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
@@ -85,6 +86,21 @@ for d in range(torch.cuda.device_count()):
           timeout 200 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} $pin --json "$OUT/$tag.json" 2>&1 | tee "$OUT/$tag.log" | sed -n 6,17p
         done
       done ;;
+    compare-ep)
+      # PAIRS runs of the previous code (PREV, default .prev/src: carry it) and this one, interleaved,
+      # rotating which goes first; then min / q25 / median per code (tools/ep_compare.py --quantiles)
+      mkdir -p "$OUT/compare"
+      for i in $(seq 1 ${PAIRS:-10}); do
+        order="previous this"; [ $((i % 2)) = 0 ] && order="this previous"
+        for code in $order; do
+          src="$PWD/src"; [ $code = previous ] && src="${PREV:-$PWD/.prev/src}"
+          PYTHONPATH="$src" timeout 60 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --pin ${EP_ARGS:-} \
+            --json "$OUT/compare/ep_${code}_$i.json" > "$OUT/compare/ep_${code}_$i.log" 2>&1
+        done
+      done
+      python3 tools/ep_compare.py --quantiles --code previous="$OUT/compare/ep_previous_*.json" --code this="$OUT/compare/ep_this_*.json" \
+        | tee "$OUT/compare.txt"
+      tar czf "$OUT/compare.tgz" -C "$OUT" compare && rm -rf "$OUT/compare" ;;
     bench-ep-life)
       for i in $(seq 1 ${REPEATS_EP:-2}); do
         timeout 280 python3 -m warmlink.cli.main bench ep --lifecycles ${LIFECYCLES:-30} --json "$OUT/ep_life_$i.json" 2>&1 | tee "$OUT/ep_life_$i.log" | tail -12

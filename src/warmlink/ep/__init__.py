@@ -16,7 +16,9 @@ the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
 peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch still waits for
 its counts, as DeepEP's does without ``num_worst_tokens`` (with it, DeepEP's returns at launch
-and warmlink's still meets the peers on the host).
+and warmlink's still meets the peers on the host). With ``async_finish=True`` a call runs on the
+Buffer's communication stream, so the caller's stream is not ordered after it
+(``ep._comm_stream``).
 """
 
 from warmlink.ep._regions import size_hint
