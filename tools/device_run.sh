@@ -7,7 +7,8 @@
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
-#         compare-ep: PAIRS, PREV (the previous code's src, default .prev/src, carried))
+#         compare-ep: PAIRS, PREV (the previous code's src, default .prev/src, carried), SHUFFLE=1 (pair i times the
+#         dispatch rows in seed i's order, both codes alike; needs a previous code with --shuffle))
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
@@ -94,7 +95,8 @@ for d in range(torch.cuda.device_count()):
         order="previous this"; [ $((i % 2)) = 0 ] && order="this previous"
         for code in $order; do
           src="$PWD/src"; [ $code = previous ] && src="${PREV:-$PWD/.prev/src}"
-          PYTHONPATH="$src" timeout 60 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --pin ${EP_ARGS:-} \
+          PYTHONPATH="$src" timeout 60 python3 -m warmlink.cli.main bench ep --iterations ${ITERATIONS_EP:-30} --pin \
+            ${SHUFFLE:+--shuffle $i} ${EP_ARGS:-} \
             --json "$OUT/compare/ep_${code}_$i.json" > "$OUT/compare/ep_${code}_$i.log" 2>&1
         done
       done

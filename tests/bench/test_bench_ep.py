@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 from warmlink.cli.main import main
 
@@ -61,3 +62,18 @@ def test_bench_ep_times_the_deep_ep_drop_in_with_both_budgets(tmp_path, capsys):
     for rank in record["ranks"]:
         assert rank["deep_ep_s"]["one_round"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
         assert rank["deep_ep_s"]["one_round"]["budget"] >= 1 and rank["deep_ep_s"]["hint"]["dispatch"] > 0
+
+
+def test_bench_ep_shuffle_times_the_dispatch_rows_in_the_seeds_order_on_every_rank(tmp_path, capsys):
+    out = tmp_path / "shuffled.json"
+    assert main(["bench", "ep", *SMALL, "--iterations", "1", "--warmup", "0", "--gemm", "0", "--shuffle", "3",
+                 "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    plain = ["dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
+             "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy"]
+    expected = list(plain)
+    random.Random(3).shuffle(expected)
+    assert expected != plain
+    for rank in record["ranks"]:
+        assert rank["dispatch_order"] == expected and set(plain) <= set(rank["times_s"])
+    assert all(record["summary"]["checks"].values()) and "warmlink dispatch fp8 hook" in capsys.readouterr().out

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import socket
 import statistics
 import time
@@ -76,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="store_true",
                    help="pin each rank process to its own share of the CPU cores (when there are at least two per "
                    "rank); off by default: on 4 x H200 it did not make the runs faster or steadier")
+    p.add_argument("--shuffle", type=int_in(0), default=None, metavar="SEED",
+                   help="time the dispatch rows in an order drawn from SEED, the same on every rank (default: the "
+                        "table's order); comparing codes over runs with different seeds ties no row to a place in the run")
     p.add_argument("--deep-ep", action="store_true",
                    help="also time the DeepEP drop-in (warmlink.ep.deep_ep): with DeepEP's hint-sized budget, where "
                    "a batch larger than it holds goes in several rounds, and with a budget that holds it in one")
@@ -270,17 +274,21 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         if hook:
             r[-1]()
 
-    times = {
-        "dispatch_bf16": timed(lambda: dispatch(x)),
-        "dispatch_bf16_eager": timed(lambda: dispatch_on(eager, x)),
-        "dispatch_bf16_hook": timed(lambda: dispatch(x, True)),
-        "dispatch_bf16_copy": timed(lambda: dispatch_on(copy_engines, x)),
-        "dispatch_fp8": timed(lambda: dispatch(x8)),
-        "dispatch_fp8_hook": timed(lambda: dispatch(x8, True)),
-        "dispatch_cached": timed(lambda: buf.dispatch(x, handle=h_keep)),
-        "dispatch_cached_eager": timed(lambda: eager.dispatch(x, handle=handles[id(eager)])),
-        "dispatch_cached_copy": timed(lambda: copy_engines.dispatch(x, handle=handles[id(copy_engines)])),
-    }
+    dispatches = [
+        ("dispatch_bf16", lambda: dispatch(x)),
+        ("dispatch_bf16_eager", lambda: dispatch_on(eager, x)),
+        ("dispatch_bf16_hook", lambda: dispatch(x, True)),
+        ("dispatch_bf16_copy", lambda: dispatch_on(copy_engines, x)),
+        ("dispatch_fp8", lambda: dispatch(x8)),
+        ("dispatch_fp8_hook", lambda: dispatch(x8, True)),
+        ("dispatch_cached", lambda: buf.dispatch(x, handle=h_keep)),
+        ("dispatch_cached_eager", lambda: eager.dispatch(x, handle=handles[id(eager)])),
+        ("dispatch_cached_copy", lambda: copy_engines.dispatch(x, handle=handles[id(copy_engines)])),
+    ]
+    if cfg["shuffle"] is not None:  # the same order on every rank: the calls are collective
+        random.Random(cfg["shuffle"]).shuffle(dispatches)
+    out["dispatch_order"] = [name for name, _ in dispatches]
+    times = {name: timed(fn) for name, fn in dispatches}
 
     def phases_of(fn, marks=None) -> dict:
         """Median host time of each phase ``fn``'s call reports in ``buf.last_phases``."""
@@ -398,7 +406,7 @@ def _defaults(args) -> dict:
         "tokens": pick(args.tokens, 4096 if cuda else 128), "hidden": pick(args.hidden, 7168 if cuda else 512),
         "experts": pick(args.experts, 256 if cuda else 16), "topk": args.topk, "iterations": args.iterations,
         "warmup": args.warmup, "gemm": args.gemm, "timeout": args.timeout,
-        "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin, "deep_ep": args.deep_ep,
+        "lifecycles": args.lifecycles, "profile": args.profile, "pin": args.pin, "deep_ep": args.deep_ep, "shuffle": args.shuffle,
     }
 
 
