@@ -10,11 +10,14 @@ event marks its end; the caller waits for that event (``event.current_stream_wai
 reads the outputs. The host returns as it does without ``async_finish`` (at launch, but for a
 fresh dispatch, whose outputs are sized by counts the host must read). A call with a receive hook
 runs on the caller's stream whatever ``async_finish`` says: it overlaps by returning before its
-receive (DeepEP's low-latency calls take not both). What the stream first waits for: ``deep_ep.Buffer``'s, as DeepEP's, for ``previous_event`` alone (for the caller's stream
-without one); ``ep.Buffer``'s for the caller's stream and ``previous_event``, because its ``recv_x``
-is a view of the receive area: a dispatch lets the peers overwrite the area of the dispatch before
-last once its stream reaches it (ep._flags, Note [Arrival flags]), and the caller's reads of that
-area must come first. (``deep_ep.Buffer`` copies ``recv_x`` out on the communication stream.)
+receive (DeepEP's low-latency calls take not both).
+
+What the stream first waits for: ``deep_ep.Buffer``'s, as DeepEP's, for ``previous_event`` alone
+(for the caller's stream without one); ``ep.Buffer``'s for the caller's stream and
+``previous_event``, because its ``recv_x`` is a view of the receive area: a dispatch lets the peers
+overwrite the area of the dispatch before last once its stream reaches it (ep._flags, Note
+[Arrival flags]), and the caller's reads of that area must come first. (``deep_ep.Buffer`` copies
+``recv_x`` out on the communication stream.)
 
 Tensors cross the two streams, and the caching allocator reuses memory per stream, so:
 - the call's inputs (from the caller's stream) are marked used by the communication stream
@@ -69,17 +72,16 @@ def _flat(tensors):
 class _OnComm:
     """One call's stay on the communication stream (Note [Communication stream])."""
 
-    __slots__ = ("_comm", "_after_caller", "_caller", "_caller_stream", "_switch")
+    __slots__ = ("_comm", "_after_caller", "_caller", "_switch")
 
     def __init__(self, comm: "CommStream", after_caller: bool) -> None:
         self._comm, self._after_caller = comm, after_caller
 
     def __enter__(self) -> "_OnComm":
         comm = self._comm
-        self._caller_stream = torch.cuda.current_stream(comm.device)
-        self._caller = self._caller_stream.cuda_stream
+        self._caller = torch.cuda.current_stream(comm.device)
         if self._after_caller:
-            comm.cuda.event_record(comm.entry_event, self._caller)
+            comm.cuda.event_record(comm.entry_event, self._caller.cuda_stream)
             comm.cuda.stream_wait_event(comm.raw, comm.entry_event)
         self._switch = on_stream(comm.stream)
         self._switch.__enter__()
@@ -90,7 +92,7 @@ class _OnComm:
         if exc_type is not None:  # whatever the call issued comes before the caller's next work
             comm = self._comm
             comm.cuda.event_record(comm.exit_event, comm.raw)
-            comm.cuda.stream_wait_event(self._caller, comm.exit_event)
+            comm.cuda.stream_wait_event(self._caller.cuda_stream, comm.exit_event)
 
     def hold(self, *tensors) -> None:
         """Mark the caller's ``tensors`` (nested tuples and None allowed) used by the communication stream."""
@@ -101,7 +103,7 @@ class _OnComm:
     def give(self, *tensors) -> None:
         """Mark the call's output ``tensors`` used by the caller's stream."""
         for t in _flat(tensors):
-            t.record_stream(self._caller_stream)
+            t.record_stream(self._caller)
 
 
 class CommStream:

@@ -253,7 +253,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "dispatch")
             return self._dispatch(*args)
-        with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
+        with self._call(True) as call:  # Note [Communication stream] in ep._comm_stream
             wait_for(previous_event, "dispatch")
             call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             if isinstance(handle, Handle):
@@ -293,7 +293,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")
             return self._combine(rows, weights, handle, async_finish, return_recv_hook)
-        with self._res.comm_stream().call(after_caller=True) as call:  # Note [Communication stream] in ep._comm_stream
+        with self._call(True) as call:  # Note [Communication stream] in ep._comm_stream
             wait_for(previous_event, "combine")
             call.hold(rows, weights, handle.is_token_in_rank, handle.combine_rows)
             out = self._combine(rows, weights, handle, async_finish, return_recv_hook)
