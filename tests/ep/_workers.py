@@ -6,6 +6,7 @@ run the oracle over all of them and compare each rank's outputs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -287,17 +288,20 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                     out[-1]()
                 return "ok"
             if fault == "worst_too_small_then_exact":  # every rank refuses the padded round; the next works
-                try:
-                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], num_worst_tokens=1,
-                                 return_recv_hook=bool(case.get("hook")))
+                hook, first, padded_ids = bool(case.get("hook")), "ok", None
+                try:  # raised by the call, or, when it returned at launch (SM sends), by the next one
+                    out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], num_worst_tokens=1,
+                                       return_recv_hook=hook)
+                    padded_ids = _cpu(out[1])
+                    first = "returned"
+                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=hook)
                 except Exception as exc:  # noqa: BLE001 - the test compares the type name
-                    first = f"{type(exc).__name__}: {exc}"
-                else:
-                    first = "ok"
-                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=bool(case.get("hook")))
-                if case.get("hook"):
+                    error = f"{type(exc).__name__}: {exc}"
+                    first = f"returned, then {error}" if first == "returned" else error
+                out = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"], return_recv_hook=hook)
+                if hook:
                     out[-1]()
-                return first, _cpu(out[0])
+                return first, _cpu(out[0]), padded_ids
             if fault == "refused_then_valid":  # rank 0's bad id spends the round on every rank; the next works
                 bad = idx.clone()
                 bad[0, 0] = case["experts"] + 3
@@ -497,6 +501,33 @@ def returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _held(stream: int):
+    """Hold ``stream`` (a raw CUDA stream) on a host word until the block ends: a stream wait no
+    kernel ends. Yields the release, which the block may call earlier."""
+    import ctypes
+    import mmap
+
+    from warmlink import _cuda
+
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # a page of its own: registering it touches no other allocation
+    view = ctypes.c_int64.from_buffer(page)
+    address = ctypes.addressof(view)
+    del view  # the page stays mapped (and the address valid) until it is closed
+
+    def release() -> None:
+        page[:8] = (1).to_bytes(8, "little")  # one byte changes: the stream never reads a torn word
+
+    try:
+        _cuda.stream_wait_value(stream, _cuda.host_register(address, 8), 1)
+        yield release
+    finally:
+        release()
+        torch.cuda.synchronize()
+        _cuda.host_unregister(address)
+        page.close()
+
+
 def runs_on_the_comm_stream(rank: int, num_ranks: int, store, case: dict) -> dict:
     """Calls made with ``async_finish=True`` run on the Buffer's communication stream (ep._comm_stream,
     Note [Communication stream]). With that stream held on a host word (a stream wait no kernel
@@ -504,9 +535,6 @@ def runs_on_the_comm_stream(rank: int, num_ranks: int, store, case: dict) -> dic
     their events stay unreached until the word is stored. Returns the outputs of each call made
     with and without ``async_finish`` (a fresh dispatch too, after a ``previous_event``), and what
     was seen while the stream was held."""
-    import ctypes
-    import mmap
-
     from warmlink import _cuda
 
     mine = _mine_on_device(rank, case)
@@ -522,28 +550,66 @@ def runs_on_the_comm_stream(rank: int, num_ranks: int, store, case: dict) -> dic
                              async_finish=True)
         again[5].current_stream_wait()
         out["fresh_async"] = _cpu(again[:3])
-        page = mmap.mmap(-1, mmap.PAGESIZE)  # a page of its own: registering it touches no other allocation
-        word = ctypes.c_int64.from_buffer(page)
-        address = ctypes.addressof(word)
-        try:
-            _cuda.stream_wait_value(buf.get_comm_stream().cuda_stream, _cuda.host_register(address, 8), 1)
+        with _held(buf.get_comm_stream().cuda_stream) as release:
             cached = buf.dispatch(x, handle=handle, async_finish=True)
             combined = buf.combine(y, handle, async_finish=True)
-            mark = torch.cuda.Event()
-            mark.record()
-            deadline = time.monotonic() + 60
-            while not mark.query():  # the caller's stream is not ordered after the held calls
-                assert time.monotonic() < deadline, "the caller's stream waited for the communication stream"
-                time.sleep(0.001)
+            _caller_runs_on()
             out["held"] = [_cuda.event_query(cached[5].event), _cuda.event_query(combined[2].event)]
-            word.value = 1
+            release()
             cached[5].current_stream_wait()
             combined[2].current_stream_wait()
             out.update(cached_async=_cpu(cached[0]), combined_async=_cpu(combined[0]))
-        finally:
-            word.value = 1
-            torch.cuda.synchronize()
-            _cuda.host_unregister(address)
-            del word
-            page.close()
+    return out
+
+
+def _caller_runs_on() -> None:
+    """Fail unless the caller's stream reaches an event recorded now (it is not held behind another stream)."""
+    mark = torch.cuda.Event()
+    mark.record()
+    deadline = time.monotonic() + 60
+    while not mark.query():
+        assert time.monotonic() < deadline, "the caller's stream waited for the communication stream"
+        time.sleep(0.001)
+
+
+def padded_returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """A fresh dispatch with ``num_worst_tokens`` returns at launch (ep._senders, Note [Padded
+    dispatch returns at launch]): with the stream it runs on held on a host word, so that no
+    kernel of it (nor the count exchange of any rank) can run, it still returns, its handle
+    pending; once released, the combine (which resolves the handle) and every output equal the
+    same calls made unheld. Held first: the caller's stream; then, with ``async_finish``, the
+    communication stream, while the caller's stream runs on. The calls before warm both parities
+    up (the first call of a shape runs eagerly and makes tables, the second captures its graphs)."""
+    from warmlink import _cuda
+
+    mine = _mine_on_device(rank, case)
+    x, idx, w, experts, worst = mine["x"], mine["topk_idx"], mine["topk_weights"], case["experts"], case["worst"]
+
+    def call(**kw):
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=experts, num_worst_tokens=worst, **kw)
+
+    def finish(d, **kw):
+        if kw.get("async_finish"):
+            d[5].current_stream_wait()
+        c = buf.combine(d[0].clone(), d[4], topk_weights=d[2], **kw)
+        if kw.get("async_finish"):
+            c[2].current_stream_wait()
+        return {"dispatched": _cpu(d[:3]), "combined": _cpu(c[:2]), "num_recv_tokens": d[4].num_recv_tokens}
+
+    out = {}
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for _ in range(4):
+            out["unheld"] = finish(call())
+        with _held(torch.cuda.current_stream().cuda_stream) as release:
+            d = call()
+            out["held_caller"] = [d[4].pending is not None, torch.cuda.current_stream().query()]
+            release()
+            out["caller"] = finish(d)
+        finish(call(async_finish=True), async_finish=True)  # leases the communication stream
+        with _held(buf.get_comm_stream().cuda_stream) as release:
+            d = call(async_finish=True)
+            _caller_runs_on()
+            out["held_comm"] = [d[4].pending is not None, _cuda.event_query(d[5].event)]
+            release()
+            out["comm"] = finish(d, async_finish=True)
     return out

@@ -116,6 +116,49 @@ def test_unpack_kernel_equals_torch(kernels, parts):
         assert torch.equal(idx, torch.where((raw >= 4) & (raw < 8), raw - 4, -1))
 
 
+def _board(counts: list[list[int]], round_: int, row: int = 9) -> torch.Tensor:
+    """A count board of ``round_``: row ``s`` holds the tag, a valid flag and ``counts[s]`` (rows ``s`` sends each rank)."""
+    board = torch.full((len(counts), row), 5, dtype=torch.int64)  # stale words past the counts
+    board[:, 0], board[:, 1] = round_, 1
+    board[:, 2:2 + len(counts)] = torch.tensor(counts)
+    return board
+
+
+@pytest.mark.parametrize("case", ["received", "exactly full", "late source", "refused input",
+                                  "a rank over the bound", "nothing received"])
+def test_a_padded_unpack_reads_its_rows_received_from_the_board(kernels, case):
+    """ep._senders, Note [Padded dispatch returns at launch]: the unpack learns the rows received on
+    the device; rows past them, and every row of a round some rank refused or missed, get id -1
+    and weight 0 (their scales are not written)."""
+    gen = torch.Generator().manual_seed(13)
+    padded_rows, meta_k, k, me, round_ = 40, 4, 3, 1, 7
+    counts = {"received": [[3, 9, 2], [1, 4, 0], [0, 12, 5]], "exactly full": [[0, 20, 0], [0, 10, 0], [0, 10, 0]],
+              "a rank over the bound": [[41, 1, 0], [0, 1, 0], [0, 1, 0]],
+              "nothing received": [[3, 0, 2], [1, 0, 0], [0, 0, 5]]}.get(case, [[3, 9, 2], [1, 4, 0], [0, 12, 5]])
+    board = _board(counts, round_)
+    if case == "late source":
+        board[2, 0] = round_ - 2
+    if case == "refused input":
+        board[0, 1] = 0
+    want_rows = {"received": 25, "exactly full": 40, "nothing received": 0}.get(case, 0)
+    meta = torch.randint(0, 256, (padded_rows, 80), dtype=torch.uint8, generator=gen)
+    ids = meta.view(torch.int64)
+    ids[:, :k] = torch.randint(4, 8, (padded_rows, k), generator=gen)  # every id is this rank's
+    meta.view(torch.float32)[:, 2 * meta_k:2 * meta_k + k] = 0.5
+    padded = _kernels.Padded(board, round_, me)
+    assert padded.received(padded_rows) == want_rows
+    outs = []
+    for kern in (None, kernels):
+        idx, w, scales = torch.full((padded_rows, k), 99), torch.full((padded_rows, k), 9.0), torch.full((padded_rows, 6), 9.0)
+        _kernels.unpack(meta, meta_k, idx, w, scales, base=4, experts_per_rank=4, kernels=kern, padded=padded)
+        outs.append((idx, w, scales))
+    for want, got in zip(*outs):
+        assert torch.equal(want, got)
+    idx, w, scales = outs[1]
+    assert torch.equal(idx[:want_rows], ids[:want_rows, :k] - 4) and (w[:want_rows] == 0.5).all()
+    assert (idx[want_rows:] == -1).all() and (w[want_rows:] == 0).all() and (scales[want_rows:] == 9.0).all()
+
+
 @pytest.mark.parametrize("meta", ["ids+weights", "scales", "all", "none"])
 @pytest.mark.parametrize("skip,unsent", [(-1, None), (1, None), (-1, 2)])
 def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta, skip, unsent):

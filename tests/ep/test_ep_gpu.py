@@ -15,6 +15,7 @@ from tests.ep._workers import (
     expect_error,
     hook_leaves_streams_idle,
     lifecycle_counts,
+    padded_returns_at_launch,
     returns_at_launch,
     runs_on_the_comm_stream,
     warm_rounds,
@@ -85,14 +86,19 @@ def test_gpu_padded_hook_dispatches_through_the_copy_engines_match_the_reference
 @needs_gpu
 @pytest.mark.parametrize("hook", [False, True], ids=["sm sends", "copy engines"])
 def test_gpu_too_few_worst_tokens_make_every_rank_refuse_the_round_and_the_next_one_works(hook):
+    """Through the copy engines the call raises; with SM sends it returns at launch, its outputs all
+    padding, and the next call raises (ep._senders, Note [Padded dispatch returns at launch])."""
     case = {"tokens": _tokens(6, 9), "hidden": 256, "experts": 2 * RANKS, "topk": 2, "backend": "cuda_ipc",
             "timeout_s": 10.0, "fault": "worst_too_small_then_exact", "hook": hook, "seed": 23}
     results = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
-    for first, _ in results:
-        assert first.startswith("ConfigError") and "num_worst_tokens=1" in first, first
+    for first, _, padded_ids in results:
+        raised = first.removeprefix("returned, then ") if not hook else first
+        assert raised.startswith("ConfigError") and "num_worst_tokens=1" in raised, first
+        if not hook:
+            assert first.startswith("returned, then ") and padded_ids.shape == (1, 2) and (padded_ids == -1).all(), first
     inputs = case_inputs(case)
     ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
-    assert all(torch.equal(recv_x, want["recv_x"]) for (_, recv_x), want in zip(results, ref, strict=True))
+    assert all(torch.equal(recv_x, want["recv_x"]) for (_, recv_x, _), want in zip(results, ref, strict=True))
 
 
 @needs_gpu
@@ -215,6 +221,34 @@ def test_gpu_a_combine_with_another_ranks_handle_is_refused_by_the_next_call():
     case = dict(_FAULT, tokens=_tokens(6, 9), fault="stale_handle")
     for e in run_ranks(expect_error, RANKS, case=case, timeout_s=120):
         assert e.startswith("ConfigError") and "handle of dispatch round" in e, e
+
+
+@needs_gpu
+def test_gpu_a_padded_fresh_dispatch_returns_at_launch():
+    """With its stream held so that no kernel of it can run, a dispatch with ``num_worst_tokens``
+    returns, on the caller's stream and (``async_finish``) on the communication stream; released,
+    every output equals the unheld calls', and those equal the reference (ep._senders, Note
+    [Padded dispatch returns at launch])."""
+    case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 37,
+            "worst": RANKS * 200}
+    results = run_ranks(padded_returns_at_launch, RANKS, case=case, timeout_s=180)
+    inputs = case_inputs(case)
+    ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                             [i["topk_weights"] for i in inputs], case["experts"])
+    for out, want in zip(results, ref, strict=True):
+        assert out["held_caller"] == [True, False] and out["held_comm"] == [True, False], out
+        unheld = out["unheld"]
+        n = unheld["num_recv_tokens"]
+        assert n == want["recv_x"].shape[0]
+        recv_x, recv_idx, recv_w = unheld["dispatched"]
+        assert torch.equal(recv_x[:n], want["recv_x"]) and torch.equal(recv_idx[:n], want["recv_topk_idx"])
+        assert torch.equal(recv_w[:n], want["recv_topk_weights"]) and recv_x.shape[0] == case["worst"]
+        assert (recv_idx[n:] == -1).all() and (recv_w[n:] == 0).all()
+        for held in (out["caller"], out["comm"]):  # padding rows of x hold stale bytes: compared up to n
+            x_held, *rest_held = held["dispatched"]
+            assert held["num_recv_tokens"] == n and torch.equal(x_held[:n], recv_x[:n])
+            assert all(torch.equal(a, b) for a, b in zip(rest_held, (recv_idx, recv_w)))
+            assert all(torch.equal(a, b) for a, b in zip(held["combined"], unheld["combined"]))
 
 
 @needs_gpu

@@ -1,6 +1,7 @@
-"""Low-latency mode's kernels compile for Hopper (sm_90) on a machine without a GPU, with the
-arguments ``DevicePath`` passes them: a kernel that only the GPU would refuse (a type the
-interpreter forgives, an argument Triton specializes to a constant) fails here, in CI."""
+"""Low-latency mode's kernels, and normal mode's unpack, compile for Hopper (sm_90) on a machine
+without a GPU, with the arguments their launches pass them: a kernel that only the GPU would
+refuse (a type the interpreter forgives, an argument Triton specializes to a constant) fails
+here, in CI."""
 
 from __future__ import annotations
 
@@ -76,3 +77,23 @@ def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path
         sig, consts = _signature(jit, args, constexprs)
         triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options=options)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_dispatch_unpack_compiles_for_sm90_padded_or_not(padded):
+    """ep._kernels.unpack, with and without a padded dispatch's board (ep._senders, Note [Padded
+    dispatch returns at launch]), as a device run would launch it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from warmlink.ep import _kernels, _triton as ep_triton
+
+    calls: list = []
+    kernels = SimpleNamespace(unpack=_Recorder(calls, ep_triton.unpack_kernel))
+    rows, k = 64, 8
+    board = _kernels.Padded(torch.zeros(4, 1030, dtype=torch.int64), 9, 2) if padded else None
+    _kernels.unpack(torch.zeros(rows, 320, dtype=torch.uint8), k, torch.zeros(rows, k, dtype=torch.int64),
+                    torch.zeros(rows, k), torch.zeros(rows, 56), 64, 64, kernels=kernels, padded=board)
+    (jit, args, constexprs), = calls
+    sig, consts = _signature(jit, args, constexprs)
+    triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))

@@ -17,6 +17,9 @@ the median over ``--iterations``:
   fresh dispatch and for a cached one; and a combine and a cached dispatch followed by the GEMM
   on the caller's stream, made without and with ``async_finish`` (which runs the call on the
   Buffer's communication stream, so the GEMM does not wait for it);
+- the host time until a call returns: a fresh dispatch, the same with ``num_worst_tokens`` (which
+  returns at launch on GPUs), a cached dispatch and a combine, on an idle device and (GPUs) behind
+  about 1 ms of queued device work;
 - on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
   them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
   and the combine's sum alone on the device.
@@ -47,6 +50,7 @@ from warmlink.bench.ep_table import table
 __all__ = ["add_arguments", "run"]
 
 _MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
+_BUSY_CYCLES = 2_000_000  # torch.cuda._sleep's spin: about 1 ms at an H100's or H200's 1.98 GHz
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -307,6 +311,31 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     out["dispatch_phases_s"] = phases_of(lambda: dispatch(x), marks)
     out["dispatch_marks"] = marks
     out["cached_phases_s"] = phases_of(lambda: buf.dispatch(x, handle=h_keep))
+
+    def returned(fn, busy: bool) -> float:
+        """Median host time until ``fn``'s call returns (its device work may still be running);
+        with ``busy``, behind about 1 ms of device work queued on the caller's stream (GPUs only)."""
+        samples = []
+        for _ in range(cfg["iterations"]):
+            dist.all_reduce(flag)
+            sync()
+            if busy and cuda:
+                torch.cuda._sleep(_BUSY_CYCLES)
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        sync()
+        return statistics.median(samples)
+
+    # a padded fresh dispatch returns at launch on GPUs (ep._senders, Note [Padded dispatch returns
+    # at launch]); each call first resolves the one before, whose device work the sync has ended
+    padded = {**kwargs, "num_worst_tokens": num_ranks * T}
+    calls = {"fresh": lambda: buf.dispatch(x, **kwargs), "fresh_padded": lambda: buf.dispatch(x, **padded),
+             "cached": lambda: buf.dispatch(x, handle=h_keep), "combine": combine}
+    out["returns_s"] = {name: returned(fn, False) for name, fn in calls.items()}
+    if cuda:
+        out["returns_busy_s"] = {name: returned(fn, True) for name, fn in calls.items()}
+    checks["dispatch_x_padded"] = bool(torch.equal(buf.dispatch(x, **padded)[0][:ref.recv_x.shape[0]], ref.recv_x))
     profile_dir = cfg["profile"]
     if profile_dir and rank == 0 and cuda:  # a kernel/copy timeline of a few dispatches, for diagnosis
         from torch.profiler import ProfilerActivity, profile

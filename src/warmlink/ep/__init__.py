@@ -14,9 +14,10 @@ dispatch with a hook, and every combine, by the copy engines, so no kernel stays
 the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 
 On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
-peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch still waits for
-its counts, as DeepEP's does without ``num_worst_tokens`` (with it, DeepEP's returns at launch
-and warmlink's still meets the peers on the host). With ``async_finish=True`` a call runs on the
+peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch waits for its
+counts, as DeepEP's does, unless its outputs are padded (``num_worst_tokens``): then, as DeepEP's,
+it returns at launch too, and the next call brings its counts to the host (``ep._senders``, Note
+[Padded dispatch returns at launch]). With ``async_finish=True`` a call runs on the
 Buffer's communication stream, so the caller's stream is not ordered after it
 (``ep._comm_stream``).
 """

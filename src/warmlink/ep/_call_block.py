@@ -1,6 +1,8 @@
-"""What ep's device steps are given: a dispatch's rows, and the call block of a replayed send.
+"""What ep's device steps are given: a dispatch's rows, a padded unpack's board, and the call
+block of a replayed send.
 
-``Sources`` is what a dispatch sends per token. ``CALL_SLOTS`` names the words of the call block
+``Sources`` is what a dispatch sends per token; ``Padded`` where a padded dispatch's unpack learns
+how many rows came. ``CALL_SLOTS`` names the words of the call block
 from which a graph-replayed send's kernels read everything that changes per call (ep._kernels,
 Note [Fresh send graph]); both the launches (ep._kernels) and the kernels (ep._triton) read this
 module, which imports neither.
@@ -9,10 +11,11 @@ module, which imports neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["CALL_SLOTS", "FreshShape", "Sources", "call_words"]
+__all__ = ["CALL_SLOTS", "FreshShape", "Padded", "Sources", "call_words"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,23 @@ class Sources:
     @property
     def has_meta(self) -> bool:
         return self.topk is not None or self.scales is not None
+
+
+class Padded(NamedTuple):
+    """A padded dispatch's ``[R, board row]`` count board of ``round`` (a copy), and this rank
+    (ep._senders, Note [Padded dispatch returns at launch])."""
+
+    board: torch.Tensor
+    round: int
+    rank: int
+
+    def received(self, rows: int) -> int:
+        """The kernel's rows received, on the host: 0 for a round with a late or refused source,
+        or a rank receiving more than ``rows``."""
+        board, r = self.board.cpu(), self.board.shape[0]
+        totals = board[:, 2:2 + r].sum(0)
+        ok = bool((board[:, 0] == self.round).all() and board[:, 1].all() and totals.max() <= rows)
+        return int(totals[self.rank]) if ok else 0
 
 
 # What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).

@@ -299,7 +299,8 @@ class CudaMover(SmPushes, Gathers):
         behind the sources' arrival flags of its phase (Note [Receive work on its own stream]);
         then order the current stream after the receive work and after this rank's own pushes of
         ``phase`` (so the caller may reuse its inputs). No host wait: a late or dead source fails
-        the Buffer at its deadline (``check``). ``writes``: the tensors the work writes."""
+        the Buffer at its deadline (``check``). ``writes``: the tensors the work writes (or reads
+        apart from its bytes: a padded unpack's board)."""
         current, flags = self._current(), self.flags
         if then is None:  # nothing to run: the caller's stream waits for the bytes itself
             op, part = phase_flag(phase)

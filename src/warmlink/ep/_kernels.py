@@ -56,12 +56,12 @@ board: an ordinary record, whose state the host sees change at once (an event re
 node might still read as the previous round's). What changes per call (every input's address, the
 new ``rows`` tensor the handle keeps, the token count, the round) is in the call block
 (``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
-kernels' ``*_call_kernel`` forms read it there. One block is enough: a fresh dispatch waits for
-its own board, which comes after the block's copy, before it returns. The first call of a parity
-and shape runs the same steps eagerly (compiling the kernels: nothing compiles during a capture),
-the next one captures them. A cached dispatch's one push is replayed the same way, from a call
-block per parity that also holds its handle's bases (ep._sm_pushes). ``ep.Buffer(graphs=False)``
-keeps every call eager (bench ep times both in one run).
+kernels' ``*_call_kernel`` forms read it there. One block is enough: the host waits for a
+fresh dispatch's board, which comes after the block's copy, before the next one (a padded one's
+when it is resolved: ep._senders). The first call of a parity and shape runs the steps eagerly
+(compiling the kernels: nothing compiles during a capture), the next one captures them. A cached
+dispatch's push is replayed the same way, from a call block per parity that also holds its
+handle's bases (ep._sm_pushes). ``ep.Buffer(graphs=False)`` keeps every call eager.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ from typing import NamedTuple
 
 import torch
 
-from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Sources, call_words
+from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Padded, Sources, call_words
 from warmlink.ep._launch import FastLaunch, launch
 
-__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Sources", "call_words", "exchange", "fresh_front", "fresh_push",
-           "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
+__all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Padded", "Sources", "call_words", "exchange", "fresh_front",
+           "fresh_push", "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
@@ -138,7 +138,13 @@ def _gather_torch(rows, src: Sources, x_out, meta_out, meta_k, shift, dests, ski
             floats[at, 3 * meta_k:3 * meta_k + s] = src.scales.index_select(0, tokens)
 
 
-def _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank):
+def _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank, padded=None):
+    if padded is not None:  # the rows received (the kernel's, from the board), then the padding rows
+        total = padded.received(meta.shape[0])
+        for t, fill in ((idx, -1), (w, 0)):
+            if t is not None:
+                t[total:].fill_(fill)
+        meta, idx, w, scales = (t[:total] if t is not None else None for t in (meta, idx, w, scales))
     ids, floats = _meta_views(meta)
     if idx is not None:
         raw = ids[:, :idx.shape[1]]
@@ -247,12 +253,14 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
 
 
 def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.Tensor | None,
-           scales: torch.Tensor | None, base: int, experts_per_rank: int, kernels=None) -> None:
+           scales: torch.Tensor | None, base: int, experts_per_rank: int, kernels=None, padded: Padded | None = None) -> None:
     """Fill ``idx`` (local expert ids, -1 for experts elsewhere or masked), ``w`` (0 where ``idx``
-    is -1) and ``scales`` from ``[N, meta_bytes]`` uint8 meta rows. ``w`` needs ``idx``."""
+    is -1) and ``scales`` from ``[N, meta_bytes]`` uint8 meta rows. ``w`` needs ``idx``. With
+    ``padded``, only the rows received are (its board says how many, on the device), and the
+    others get id -1 and weight 0."""
     kernels = kernels or (_kernels() if meta.is_cuda else None)
     if kernels is None:
-        _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank)
+        _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank, padded)
         return
     total = meta.shape[0]
     if not total or (idx is None and scales is None):
@@ -260,12 +268,14 @@ def unpack(meta: torch.Tensor, meta_k: int, idx: torch.Tensor | None, w: torch.T
     ids, floats = _meta_views(meta)
     num_k = idx.shape[1] if idx is not None else 0
     num_scales = scales.shape[1] if scales is not None else 0
+    board = padded.board if padded is not None else ids
     args = (ids, floats, idx if idx is not None else ids, w if w is not None else floats,
             scales if scales is not None else floats, total, num_k, num_scales, meta.shape[1] // 8, meta_k, base,
-            experts_per_rank)
+            experts_per_rank, board, *((padded.round, padded.rank, *board.shape) if padded else (0, 0, 0, 0)))
     launch(kernels.unpack, (_cdiv(total, _UNPACK_ROWS),), args, {
         "ROWS": _UNPACK_ROWS, "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales), "HAS_TOPK": idx is not None,
-        "HAS_W": w is not None, "HAS_S": scales is not None})
+        "HAS_W": w is not None, "HAS_S": scales is not None, "PADDED": padded is not None,
+        "R_BLOCK": _pow2(board.shape[0]) if padded else 1})
 
 
 @functools.cache

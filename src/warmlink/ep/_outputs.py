@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from warmlink.ep._call_block import Padded
 from warmlink.ep._kernels import unpack as unpack_meta
 from warmlink.ep._regions import RegionLayout
 from warmlink.ep.fp8 import num_scales
@@ -17,10 +18,13 @@ def dispatch_outputs(view, layout: RegionLayout, rank: int, num_ranks: int, hand
     """``(recv_x, recv_topk_idx, recv_topk_weights, unpack, writes)``: ``recv_x`` is a view of the
     receive area (``view``: the mover's ``own_view``); ``unpack``, the receive-phase step, fills
     the other outputs (and FP8 scales), ``writes``, made now so that hook mode can return them
-    before the bytes land (None when there is nothing to unpack). With ``num_worst_tokens`` the
-    outputs have that many rows; the rows past the received ones get expert id -1 and weight 0
-    now, on the caller's stream (the receive work writes only the others)."""
-    total, lay = handle.num_recv_tokens, layout
+    before the bytes land (None when there is nothing to unpack), with what the unpack reads
+    beside them. With ``num_worst_tokens`` the outputs have that many rows; the rows past the
+    received ones get expert id -1 and weight 0: now, on the caller's stream, or, for a handle
+    still pending (ep._senders, Note [Padded dispatch returns at launch]), by the unpack, which
+    reads the rows received from the handle's board on the device."""
+    lay, pending = layout, handle.pending is not None
+    total = handle.num_worst_tokens if pending else handle.num_recv_tokens
     rows = handle.num_worst_tokens or total
     x = view(parts[0], torch.float8_e4m3fn if fp8 else dtype, lay.hidden)[:rows]
     meta = view(parts[1], torch.uint8, lay.meta_bytes)[:total]
@@ -35,9 +39,10 @@ def dispatch_outputs(view, layout: RegionLayout, rank: int, num_ranks: int, hand
                 t[total:].fill_(fill)
         received = tuple(t[:total] if t is not None else None for t in received)
     epr = handle.num_experts // num_ranks
+    padded = Padded(handle.board, handle.round, rank) if pending else None
 
     def unpack() -> None:
-        unpack_meta(meta, lay.num_topk, *received, rank * epr, epr)
+        unpack_meta(meta, lay.num_topk, *received, rank * epr, epr, padded=padded)
 
     busy = total and (idx is not None or scales is not None)
-    return ((x, scales) if fp8 else x), idx, w, (unpack if busy else None), (idx, w, scales)
+    return ((x, scales) if fp8 else x), idx, w, (unpack if busy else None), (idx, w, scales, handle.board)

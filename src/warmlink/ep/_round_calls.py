@@ -45,6 +45,7 @@ class RoundCalls:
         if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
+            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
             if num_worst_tokens not in (0, handle.num_worst_tokens):
                 raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
                                   f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")

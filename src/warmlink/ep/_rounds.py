@@ -8,7 +8,8 @@ A dispatch (and likewise a combine) is one round ``n`` of a handshake in the hos
    where its rows go, Note [Send order] in ep.layout; a peer publishes them once its stream
    reached the round, so the receive areas of round n - 2 are free); with SM sends, kernels trade
    the counts and store the rows instead, and the host meets the peers after (ep._kernels, Note
-   [SM sends]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
+   [SM sends]; a padded dispatch's host at its next call: ep._senders, Note [Padded dispatch
+   returns at launch]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
    parity n % 2 (ep._regions, Note [Two parities]), which round n - 2 used. On the device, the
    arrival flags' ``freed`` words hold the writes until every peer is done with them (ep._flags,
    Note [Arrival flags]); with host copies, this rank's host passed round n - 1's step 4, which

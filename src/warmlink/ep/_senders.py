@@ -11,10 +11,32 @@
 Each sends a fresh dispatch (``send_fresh``: plan, meet, move) and a cached one (``send_cached``:
 the handle's plan, no meeting), and says whether a fresh call's rows move by SMs, which is part
 of the config word every rank checks (``by_sm``). The round protocol around them is ep._rounds'.
+
+# Note [Padded dispatch returns at launch]
+A fresh SM dispatch used to wait on the host for its count board (Note [SM sends] in ep._kernels)
+before returning: its outputs' row count, the unpack and the handle's plan come from the peers'
+counts. With ``num_worst_tokens`` the outputs' shape is known at the call, so, as DeepEP's, it
+returns at launch:
+
+- its handle is pending (ep.handle, ``Handle.resolve``): the board is copied on the device, right
+  after the exchange, into a tensor the handle keeps, and the counts reach the host when the
+  Buffer's next call (or a reader of the counts) resolves it. That waits for this rank's exchange
+  on the device, not for its push, and it comes before the next fresh send rewrites the call
+  block, the board's and words' landing places and the event;
+- the unpack reads the received row count from that copy on the device, and gives every row past
+  it expert id -1 and weight 0 (ep._kernels.unpack, ``Padded``). A round any rank refused (a bad
+  input, a late peer, a rank receiving more than ``num_worst_tokens`` rows) received nothing:
+  every row is padding, so no expert sees a row of a refused round;
+- the refusal itself is raised by the next call on every rank alike (each reads the same board),
+  and by every use of the handle after it.
+
+The copy-engine and host senders still meet the peers on the host first: they issue their copies
+from the counts.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import NamedTuple, Protocol
@@ -66,6 +88,12 @@ class Sender(Protocol):
                     hook: bool) -> None:
         """Issue every row where ``handle`` says, with no wait for the peers."""
 
+    def resolve(self) -> None:
+        """Resolve the last fresh dispatch's handle if it is still pending (Note [Padded dispatch returns at launch])."""
+
+    def abandon(self) -> None:
+        """At close: end a pending dispatch's count exchange on the device without waiting for it."""
+
 
 class StagedSender:
     """Staged copies: gather, meet in the mailboxes, copy (Note [Copy-engine sends] in ep._cuda_mover),
@@ -80,6 +108,12 @@ class StagedSender:
 
     def by_sm(self, hook: bool) -> bool:
         return False
+
+    def resolve(self) -> None:
+        """Nothing is pending: a staged fresh dispatch meets the peers before it returns."""
+
+    def abandon(self) -> None:
+        pass
 
     def send_fresh(self, call: FreshSend, marks: dict, hook: bool) -> Handle:
         """The counts go to the host, the ranks meet in the mailboxes, then the copies."""
@@ -155,32 +189,64 @@ class SmSender(CopyEngineSender):
     def by_sm(self, hook: bool) -> bool:
         return not hook
 
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.unresolved: Handle | None = None  # the last padded dispatch's, until resolved
+
+    def resolve(self) -> None:
+        handle, self.unresolved = self.unresolved, None
+        if handle is not None:
+            handle.resolve()
+
+    def abandon(self) -> None:
+        handle, self.unresolved = self.unresolved, None
+        if handle is not None and handle.pending is not None:
+            self.mover.abort_exchange(handle.round)
+
     def send_fresh(self, call: FreshSend, marks: dict, hook: bool) -> Handle:
-        """The plan, count exchange and push on the caller's stream; then the handle from the board."""
+        """The plan, count exchange and push on the caller's stream; then the handle from the board,
+        or, with ``num_worst_tokens``, a pending handle (Note [Padded dispatch returns at launch])."""
         if hook:
             return super().send_fresh(call, marks, hook)
         mover, rounds, src, round_ = self.mover, self.rounds, call.src, call.round
         rows = torch.empty(src.x.shape[0], rounds.num_ranks, dtype=torch.int64, device=src.x.device)  # the handle's
         in_rank, per_rank, per_expert = (t.contiguous() for t in (call.in_rank, call.per_rank, call.per_expert))
         call = call._replace(in_rank=in_rank, per_rank=per_rank, per_expert=per_expert)
+        padded = bool(call.num_worst_tokens)
+        board = mover.board_like() if padded else None
         # before the launch: a first call compiles its kernels there (seconds), and a peer that
         # called the other kind must see this call's kind before its wait for it ends
         rounds.mailbox.publish_dispatch(round_, call.config)
         mover.send_sm(self._shape(call), call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_), round_,
-                      call.phase, rounds.timeout_s, self.graphs)
+                      call.phase, rounds.timeout_s, self.graphs, board_copy=board)
         marks["planned"] = marks["launched"] = time.perf_counter()
+        handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
+                        round=round_, num_worst_tokens=call.num_worst_tokens, board=board)
+        if padded:
+            handle.pending = functools.partial(self._complete, handle, call)
+            self.unresolved = handle
+            marks["counts"] = marks["met"] = marks["ready"] = time.perf_counter()
+        else:
+            self._complete(handle, call, marks)
+        return handle
+
+    def _complete(self, handle: Handle, call: FreshSend, marks: dict | None = None) -> None:
+        """Fill ``handle``'s plan in from the board of its round, waited for on the host; a refusal
+        spends the round on every rank (each read the same board)."""
+        mover, rounds, round_ = self.mover, self.rounds, call.round
         words, board = mover.wait_board(round_, rounds.timeout_s, lambda: rounds.check_peer_configs(
             round_, call.config, rounds.mailbox.published(mb.DISPATCH, round_)))
+        marks = {} if marks is None else marks
         try:
-            handle = self._handle(words, call, rows, marks)[0]
+            handle.send_counts = self.checks.counts(words, handle.num_tokens, call.num_experts)[0].tolist()
+            marks["counts"] = time.perf_counter()
             rounds.meet(mb.DISPATCH, round_)
             marks["met"] = time.perf_counter()
             plan_from_board(handle, board, round_, rounds.rank, self.layout.max_tokens)
-        except ConfigError:  # every rank's board showed the same refusal: the round is spent everywhere
+        except ConfigError:  # a padded round was marked sent already: ending it again changes nothing
             rounds.end("dispatch", round_)
             raise
         marks["ready"] = time.perf_counter()
-        return handle
 
     def send_cached(self, handle: Handle, src: Sources, round_: int, phase: str, parts: tuple[str, str],
                     hook: bool) -> None:

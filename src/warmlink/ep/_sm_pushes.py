@@ -83,13 +83,13 @@ class SmPushes:
         return tables
 
     def send_sm(self, shape: FreshShape, call: tuple[int, ...], round_: int, phase: str, timeout_s: float,
-                graphs: bool = True) -> None:
+                graphs: bool = True, board_copy: torch.Tensor | None = None) -> None:
         """A fresh dispatch's whole send on the current stream, with no host wait: the exchange
         kernel trades counts with the peers' exchange kernels through the boards, the board comes
-        to the host, and the push kernel stores every row in its destination; then every
-        destination's event. See Note [SM sends]. ``call``: the call block's words
-        (``_kernels.call_words``). With ``graphs``, the second call of a parity and shape on
-        replays graphs of those steps (Note [Fresh send graph])."""
+        to the host (and into ``board_copy``, a ``board_like()`` tensor, when given), and the push
+        kernel stores every row in its destination; then every destination's event. See Note [SM
+        sends]. ``call``: the call block's words (``_kernels.call_words``). With ``graphs``, the
+        second call of a parity and shape on replays graphs of those steps (Note [Fresh send graph])."""
         parity = round_ % PARITIES
         self._call_words[:] = call
         self._abort_word[0] = 0
@@ -99,6 +99,9 @@ class SmPushes:
         # two launches with the board's event between them: an event recorded by a graph node
         # might read as the previous round's on the host
         self._launch(("front", *key), lambda: self._fresh_front(key), graphs)
+        if board_copy is not None:  # before the event: resolving the handle then implies the copy ran
+            board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
+            self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
         self._cuda.event_record(self._counted, current)
         self._launch(("push", *key), lambda: _kernels.fresh_push(shape, self._call, self._sm_tables(parity)), graphs)
         self._pushed(phase)
@@ -185,6 +188,15 @@ class SmPushes:
         else:
             steps()
             self._ran_eagerly.add(key)
+
+    def board_like(self) -> torch.Tensor:
+        """A fresh ``[R, board row]`` int64 device tensor for ``send_sm``'s ``board_copy``."""
+        return torch.empty(self.layout.num_ranks, self._board_row, dtype=torch.int64, device=self._own.device)
+
+    def abort_exchange(self, round_: int) -> None:
+        """End ``round_``'s count exchange on the device if it still waits for a peer (at close,
+        for a dispatch nobody waited for: no kernel is left waiting after the Buffer is gone)."""
+        self._abort_word[0] = round_
 
     def wait_board(self, round_: int, timeout_s: float, check=None) -> tuple[np.ndarray, np.ndarray]:
         """``(plan words, board [R, board_words])`` of ``send_sm``'s round, host-polled with a

@@ -133,22 +133,39 @@ def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, i
                         tl.store(floats_out_ptr + at * 2 * meta_words + 3 * meta_k + sc, ss, mask=sc < num_scales)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["round_"])  # one kernel for every round, never a compile mid-run
 def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_scales, meta_words, meta_k,
-                  base, experts_per_rank, ROWS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
-                  HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+                  base, experts_per_rank, board_ptr, round_, me, num_ranks, board_row,
+                  ROWS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
+                  HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
+                  PADDED: tl.constexpr, R_BLOCK: tl.constexpr):
+    # PADDED: ``total`` rows are padded outputs, and the rows received come from the round's count
+    # board (ep._senders, Note [Padded dispatch returns at launch]): none when a source's tag is
+    # not the round's or its input was refused, or a rank receives more than ``total``
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-    live = r < total
+    received = total
+    if PADDED:
+        d = tl.arange(0, R_BLOCK)
+        totals = tl.zeros([R_BLOCK], dtype=tl.int64)
+        bad = tl.zeros([], dtype=tl.int32)
+        for source in range(num_ranks):
+            row = board_ptr + source * board_row
+            bad += ((tl.load(row) != round_) | (tl.load(row + 1) == 0)).to(tl.int32)
+            totals += tl.load(row + 2 + d, mask=d < num_ranks, other=0)
+        ok = (bad == 0) & (tl.max(totals, 0) <= total)
+        received = tl.where(ok, tl.sum(tl.where(d == me, totals, 0), 0), 0)
+    live = r < received
     if HAS_TOPK:
         k = tl.arange(0, K_BLOCK)[None, :]
         m = live & (k < num_k)
         raw = tl.load(ids_ptr + r * meta_words + k, mask=m, other=-1)
         local = raw - base
         here = (raw >= 0) & (local >= 0) & (local < experts_per_rank)
-        tl.store(idx_ptr + r * num_k + k, tl.where(here, local, -1), mask=m)
+        pad = (r < total) & (k < num_k) & (r >= received)  # empty without PADDED
+        tl.store(idx_ptr + r * num_k + k, tl.where(here & m, local, -1), mask=m | pad)
         if HAS_W:
             w = tl.load(floats_ptr + r * 2 * meta_words + 2 * meta_k + k, mask=m, other=0.0)
-            tl.store(w_ptr + r * num_k + k, tl.where(here, w, 0.0), mask=m)
+            tl.store(w_ptr + r * num_k + k, tl.where(here & m, w, 0.0), mask=m | pad)
     if HAS_S:
         s = tl.arange(0, S_BLOCK)[None, :]
         m = live & (s < num_scales)

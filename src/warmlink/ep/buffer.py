@@ -189,6 +189,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
     def _check_open(self, func: str) -> None:
         if self._closed:
             raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
+        self._sender.resolve()  # a padded dispatch's counts, and its refusal: ep._senders
         self._rounds.check_no_pending(func)
         self._mover.check()  # an earlier call's bytes that never came (ep._flags): close releases its waits
         self._rounds.check_late()  # the peers' words of earlier rounds, checked once they published
@@ -219,8 +220,12 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
                 max_tokens_per_rank``; every rank passes the same): rows past the received ones hold
                 stale bytes, expert id -1 and weight 0, and ``num_recv_tokens_per_expert_list`` is
                 empty (the handle keeps the counts). If any rank would receive more rows, every rank
-                raises ``ConfigError`` and the round is spent. Unlike DeepEP's, the host still meets
-                the peers, so the call is not graph-capturable. A cached dispatch pads as its handle's.
+                raises ``ConfigError`` and the round is spent. With SM sends (no hook) the call
+                returns at launch, as DeepEP's: the handle's counts reach the host at the Buffer's
+                next call, which raises such a refusal (and so does every use of the handle); the
+                refused round's outputs are all padding (ep._senders, Note [Padded dispatch returns
+                at launch]). Its round numbers are host ints, so it is not graph-capturable. A
+                cached dispatch pads as its handle's.
             previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the call's work waits for first.
             async_finish: run the call on the Buffer's communication stream (``get_comm_stream()``)
                 after the caller's stream and ``previous_event``, and return an ``EventOverlap``
@@ -289,6 +294,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         self._check_open("combine")
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
+        handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
         rows, weights = self._checks.combine(x, topk_weights, handle)
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")
@@ -324,6 +330,8 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if getattr(self, "_closed", True) and getattr(self, "_res", None) is None:
             return
         self._closed = True
+        if getattr(self, "_sender", None) is not None:
+            self._sender.abandon()
         self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None
         res, self._res, self._link = self._res, None, None

@@ -1,11 +1,13 @@
 """``Handle``: what a dispatch leaves for its combine and its cached re-dispatches, and how its plan
 is filled in once every rank's counts are known (from the mailboxes, or from an SM dispatch's count
-board, ep._kernels Note [SM sends]).
+board, ep._kernels Note [SM sends]; a padded SM dispatch's plan later, ep._senders Note [Padded
+dispatch returns at launch]).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,7 +24,10 @@ class Handle:
     Counts are host ints (the round protocol brought them there); ``combine_rows[t, d]`` is token
     ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep._kernels.plan), ``dst_rows[d]``
     where this rank's rows start in ``d``'s receive area, ``recv_starts[s]`` / ``recv_counts[s]``
-    where source ``s``'s rows lie in this rank's output.
+    where source ``s``'s rows lie in this rank's output. A padded SM dispatch returns before its
+    counts reach the host (ep._senders, Note [Padded dispatch returns at launch]): until
+    ``resolve()`` (which the Buffer's next call makes) they are None, and ``board`` holds the
+    round's count board on the device.
     """
 
     num_experts: int
@@ -40,9 +45,27 @@ class Handle:
     num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
     # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._senders)
     sm_bases: dict = field(default_factory=dict, repr=False)
+    board: torch.Tensor | None = field(default=None, repr=False)  # [R, board row] int64: the padded round's counts
+    pending: Callable[[], None] | None = field(default=None, repr=False)  # fills the counts in (resolve)
+    error: BaseException | None = field(default=None, repr=False)  # what resolving raised: raised at every use
+
+    def resolve(self) -> None:
+        """Bring a padded SM dispatch's counts to the host; raise what that round ended with (a
+        refusal every rank raises alike, or a peer's timeout) now and at every later use. The
+        host waits for this rank's count exchange on the device, not for its push. No-op otherwise."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending()
+            except BaseException as exc:
+                self.error = exc
+                raise
+        if self.error is not None:
+            raise self.error
 
     @property
     def num_recv_tokens(self) -> int:
+        self.resolve()
         return sum(self.recv_counts)
 
 

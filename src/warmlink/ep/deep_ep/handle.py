@@ -41,7 +41,12 @@ class DispatchHandle(tuple):
     @classmethod
     def of(cls, inner, is_token_in_rank: torch.Tensor, owner, device: torch.device) -> "DispatchHandle":
         """The handle of a fresh dispatch whose warmlink handle is ``inner`` (its count matrix
-        summed over the sources gives ``rank_prefix_matrix``, made on ``device``)."""
+        summed over the sources gives ``rank_prefix_matrix``, made on ``device``; for a padded
+        dispatch that returned at launch, from its board on the device: ep._senders, Note [Padded
+        dispatch returns at launch])."""
+        if inner.pending is not None:
+            matrix = inner.board[:, 2:2 + inner.board.shape[0]]  # [s][d]: rows s sends d
+            return cls(matrix.cumsum(0, dtype=torch.int32), is_token_in_rank, inner, owner)
         return cls(_prefix(inner.count_matrix, device), is_token_in_rank, inner, owner)
 
     @classmethod
