@@ -186,12 +186,12 @@ class SmSender(CopyEngineSender):
 
     name = "sm"
 
-    def by_sm(self, hook: bool) -> bool:
-        return not hook
-
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.unresolved: Handle | None = None  # the last padded dispatch's, until resolved
+
+    def by_sm(self, hook: bool) -> bool:
+        return not hook
 
     def resolve(self) -> None:
         handle, self.unresolved = self.unresolved, None
@@ -243,8 +243,8 @@ class SmSender(CopyEngineSender):
             rounds.meet(mb.DISPATCH, round_)
             marks["met"] = time.perf_counter()
             plan_from_board(handle, board, round_, rounds.rank, self.layout.max_tokens)
-        except ConfigError:  # a padded round was marked sent already: ending it again changes nothing
-            rounds.end("dispatch", round_)
+        except ConfigError:  # every rank's board showed the same refusal: the round is spent everywhere
+            rounds.end("dispatch", round_)  # (a padded round was ended when it was sent)
             raise
         marks["ready"] = time.perf_counter()
 
