@@ -195,6 +195,37 @@ def outputs_outlive_later_calls(rank: int, num_ranks: int, store, case: dict) ->
         return {"same": same, "later_differ": moved, "rows": first[0].shape[0]}
 
 
+def padded_like_unpadded(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """A fresh dispatch with ``num_worst_tokens`` (which returns at launch on a GPU, its handle's
+    ``rank_prefix_matrix`` summed from the count board on the device: ep._senders, Note [Padded
+    dispatch returns at launch]) beside the same dispatch without: the same handle contents, rows,
+    padding and combine. ``case["cuda"]``: on GPU ``rank % device_count``."""
+    on = torch.device("cpu")
+    if case.get("cuda"):
+        on = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(on)
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        x, idx, probs = (t.to(on) for t in routed(case, rank))
+        buffer = deep_ep.Buffer(group, case["num_nvl_bytes"], explicitly_destroy=True)
+        layout = buffer.get_dispatch_layout(idx, case["experts"])
+        args = {"num_tokens_per_rank": layout[0], "is_token_in_rank": layout[3], "num_tokens_per_expert": layout[2],
+                "topk_idx": idx, "topk_weights": probs}
+        plain = buffer.dispatch(x, **args)
+        worst = case["tokens"] * num_ranks
+        padded = buffer.dispatch(x, **args, num_worst_tokens=worst)
+        n = plain[0].shape[0]
+        out = {"prefix": torch.equal(padded[4][0], plain[4][0]), "is_token_in_rank": torch.equal(padded[4][4], plain[4][4]),
+               "rows": padded[0].shape[0] == worst and torch.equal(padded[0][:n], plain[0]),
+               "ids": torch.equal(padded[1][:n], plain[1]) and bool((padded[1][n:] == -1).all()),
+               "weights": torch.equal(padded[2][:n], plain[2]) and bool((padded[2][n:] == 0).all()),
+               "per_expert_list": padded[3] == []}
+        combined = buffer.combine(padded[0], padded[4], padded[2])
+        want = buffer.combine(plain[0], plain[4], plain[2])
+        out["combine"] = torch.equal(combined[0], want[0]) and torch.equal(combined[1], want[1])
+        buffer.destroy()
+        return out
+
+
 def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
     """combine with one and two biases; then a batch larger than the built Buffer holds (sent in
     rounds) and calls it must refuse, each followed by a round that works. Returns what each call raised, and the checks' results."""

@@ -16,6 +16,7 @@ from tests.ep._deep_ep_workers import (
     megatron_steps,
     outputs_outlive_later_calls,
     packed_scales_arrive_bit_for_bit,
+    padded_like_unpadded,
 )
 from tests.ep._group import run_ranks
 from warmlink.ep.deep_ep.sizing import needed_bytes, tokens_within
@@ -184,6 +185,17 @@ def test_outputs_are_fresh_tensors_that_later_calls_leave_alone():
             "num_nvl_bytes": _hint(2, 256)}
     for got in run_ranks(outputs_outlive_later_calls, 2, case=case, timeout_s=120):
         assert got["same"] and got["later_differ"] and got["rows"] > 0, got
+
+
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])], ids=["shm", "gpu"])
+def test_a_padded_dispatch_gives_the_handle_rows_and_combine_of_an_unpadded_one(cuda):
+    """On a GPU the padded one returns at launch and its ``rank_prefix_matrix`` comes from the count
+    board on the device (ep._senders, Note [Padded dispatch returns at launch])."""
+    case = {"tokens": 48, "hidden": 256, "experts": 8, "topk": 2, "mask_prob": 0.1, "seed": 9, "cuda": cuda,
+            "dist_port": free_port(), "num_nvl_bytes": 1 << 22}
+    for got in run_ranks(padded_like_unpadded, 2, case=case, timeout_s=180):
+        assert all(got.values()), got
 
 
 def test_bias_is_added_larger_batches_go_in_rounds_and_bad_calls_are_refused_on_every_rank():
