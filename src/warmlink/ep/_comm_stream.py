@@ -7,8 +7,9 @@ without the wait. A call made with ``async_finish=True`` runs on the Buffer's co
 stream instead, so that the caller's stream is *not* ordered after it and the caller's next work
 overlaps the call's: the communication stream first waits, runs the call's work, and the returned
 event marks its end; the caller waits for that event (``event.current_stream_wait()``) before it
-reads the outputs. The host returns as it does without ``async_finish`` (at launch, but for a
-fresh dispatch, whose outputs are sized by counts the host must read). A call with a receive hook
+reads the outputs. The host returns as it does without ``async_finish`` (at launch, but for an
+unpadded fresh dispatch, whose outputs are sized by counts the host must read: ep._senders, Note
+[Padded dispatch returns at launch]). A call with a receive hook
 runs on the caller's stream whatever ``async_finish`` says: it overlaps by returning before its
 receive (DeepEP's low-latency calls take not both).
 
