@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.ep._interpreter import CLOCK, numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from warmlink.ep import _kernels
@@ -157,6 +159,37 @@ def test_a_padded_unpack_reads_its_rows_received_from_the_board(kernels, case):
     idx, w, scales = outs[1]
     assert torch.equal(idx[:want_rows], ids[:want_rows, :k] - 4) and (w[:want_rows] == 0.5).all()
     assert (idx[want_rows:] == -1).all() and (w[want_rows:] == 0).all() and (scales[want_rows:] == 9.0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_padded_unpack_of_any_board_equals_its_torch_version_and_pads_a_refused_round_whole(kernels, data):
+    """Fuzzed boards (late tags, refused inputs, counts around the bound): the kernel and the torch
+    version agree bit for bit, and a round with any late or refused source gives only padding."""
+    num_ranks = data.draw(st.integers(1, 5), label="ranks")
+    me = data.draw(st.integers(0, num_ranks - 1), label="rank")
+    rows, k, round_ = data.draw(st.integers(1, 70), label="padded rows"), 2, 11
+    counts = data.draw(st.lists(st.lists(st.integers(0, 30), min_size=num_ranks, max_size=num_ranks),
+                                min_size=num_ranks, max_size=num_ranks), label="counts")
+    board = _board(counts, round_)
+    late = data.draw(st.lists(st.booleans(), min_size=num_ranks, max_size=num_ranks), label="late")
+    refused = data.draw(st.lists(st.booleans(), min_size=num_ranks, max_size=num_ranks), label="refused")
+    for s, (is_late, is_refused) in enumerate(zip(late, refused)):
+        board[s, 0] = round_ - 2 if is_late else round_
+        board[s, 1] = 0 if is_refused else 1
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99), label="seed"))
+    meta = torch.randint(0, 256, (rows, 48), dtype=torch.uint8, generator=gen)
+    meta.view(torch.int64)[:, :k] = torch.randint(-1, 8, (rows, k), generator=gen)
+    padded = _kernels.Padded(board, round_, me)
+    outs = []
+    for kern in (None, kernels):
+        idx, w = torch.full((rows, k), 99), torch.full((rows, k), 9.0)
+        _kernels.unpack(meta, 2, idx, w, None, base=4, experts_per_rank=4, kernels=kern, padded=padded)
+        outs.append((idx, w))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
+    if any(late) or any(refused):
+        assert padded.received(rows) == 0 and (outs[1][0] == -1).all() and (outs[1][1] == 0).all()
 
 
 @pytest.mark.parametrize("meta", ["ids+weights", "scales", "all", "none"])
