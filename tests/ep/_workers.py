@@ -374,6 +374,27 @@ def from_group_round(rank: int, num_ranks: int, store, case: dict) -> list[dict]
         dist.destroy_process_group()
 
 
+def from_group_across_hosts(rank: int, num_ranks: int, store, case: dict) -> str:
+    """``Buffer.from_group`` with the last rank seeing another machine's boot id: what each rank raised."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from warmlink.ep import Buffer, _setup
+
+    if rank == num_ranks - 1:
+        _setup.host_id = lambda: 12345  # another machine's
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{case['dist_port']}", rank=rank, world_size=num_ranks,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        with Buffer.from_group(max_tokens_per_rank=4, hidden=64, num_topk=2, backend="shm", timeout_s=30):
+            return "built"
+    except Exception as exc:  # noqa: BLE001 - the test compares the type name
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()
+
+
 def _routed_everywhere(idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """``idx`` with token 0 sent to an expert on every rank (its copies then sit at row 0 of every
     slot, where the index of an absent copy lands)."""

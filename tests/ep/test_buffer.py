@@ -325,6 +325,16 @@ def test_buffer_from_a_torch_distributed_group():
     check_against_reference(case, run_ranks(from_group_round, 2, case=case))
 
 
+def test_from_group_refuses_a_group_across_machines_on_every_rank():
+    """ep runs within one node: a rank on another machine (another kernel boot id) makes every rank
+    raise before any store or region is used, instead of the others waiting out their timeout."""
+    from tests.ep._deep_ep_workers import free_port
+    from tests.ep._workers import from_group_across_hosts
+
+    for got in run_ranks(from_group_across_hosts, 3, case={"dist_port": free_port()}, timeout_s=120):
+        assert got.startswith("ConfigError") and "ranks [2]" in got and "one node" in got, got
+
+
 def test_as_words_views_rows_as_int64_words_or_bytes_without_copying():
     from warmlink.ep._movers import as_words
 

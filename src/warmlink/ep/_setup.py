@@ -19,7 +19,7 @@ from warmlink.ep._info import KIND, check_config
 from warmlink.ep._cuda_mover import SEND_PHASES, CudaMover
 from warmlink.ep._movers import HostMover
 from warmlink.ep._regions import PARITIES, RegionLayout
-from warmlink.errors import BackendUnavailable, MetadataError
+from warmlink.errors import BackendUnavailable, ConfigError, MetadataError
 
 __all__ = ["Resources", "group_store"]
 
@@ -259,10 +259,29 @@ class Resources:
         self.link = None
 
 
+def host_id() -> int:
+    """This machine's kernel boot id as a 63-bit int (processes that share it can map each other's
+    memory), or a digest of the host name where there is none."""
+    import hashlib
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            raw = f.read().strip().replace("-", "")
+        return int(raw, 16) & ((1 << 63) - 1)
+    except (OSError, ValueError):
+        return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") >> 1
+
+
 def group_store(group, timeout_s: float | None, secret: str | None):
     """``(store, rank, world size)`` for the ranks of a ``torch.distributed`` group: rank 0 starts
-    a store on loopback and sends its port and secret to the others in one ``broadcast`` of an
-    int64 tensor (nothing pickled). The caller owns the store. Collective over ``group``."""
+    a store on loopback, and one ``all_gather`` of int64 rows (nothing pickled) sends its port and
+    secret to the others and every rank's ``host_id`` to all. The caller owns the store. Collective
+    over ``group``.
+
+    Raises:
+        ConfigError: on every rank, when the ranks are not all on one machine (ep runs within one node).
+    """
     import torch.distributed as dist
 
     from warmlink.rendezvous import Store
@@ -272,15 +291,28 @@ def group_store(group, timeout_s: float | None, secret: str | None):
     on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     store = (Store("127.0.0.1", 0, is_server=True, prefix="ep-group", timeout_s=limit, secret=secret)
              if rank == 0 else None)
-    # [port, secret's length, its UTF-8 bytes one per element, zeros]: one broadcast, any backend
-    sent = [0] * (2 + _env.MAX_SECRET_BYTES)
-    if store is not None:
-        raw = store.secret.encode("utf-8")
-        sent[: 2 + len(raw)] = [store.port, len(raw), *raw]
-    meet = torch.tensor(sent, dtype=torch.int64, device=on)
-    dist.broadcast(meet, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    try:
+        # a row per rank: [host id, port, secret's length, its UTF-8 bytes one per element, zeros]
+        sent = [host_id()] + [0] * (2 + _env.MAX_SECRET_BYTES)
+        if store is not None:
+            raw = store.secret.encode("utf-8")
+            sent[1: 3 + len(raw)] = [store.port, len(raw), *raw]
+        mine = torch.tensor(sent, dtype=torch.int64, device=on)
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine, group=group)
+        table = torch.stack(rows).cpu()
+        hosts, first = table[:, 0].tolist(), table[0].tolist()
+        if len(set(hosts)) > 1:
+            apart = [r for r, h in enumerate(hosts) if h != hosts[0]]
+            raise ConfigError(f"ep.Buffer.from_group: ranks {apart} of the group run on another machine than rank 0; "
+                              "ep runs within one node (its ranks map each other's memory): build the group from "
+                              "one node's ranks")
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     if store is None:
-        port, nbytes, *raw = meet.tolist()
+        _, port, nbytes, *raw = first
         store = Store.connect(f"127.0.0.1:{port}", prefix="ep-group", timeout_s=limit,
                               secret=bytes(raw[:nbytes]).decode("utf-8"))
     return store, rank, world

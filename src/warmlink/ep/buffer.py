@@ -128,11 +128,12 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         """A Buffer for the ranks of a ``torch.distributed`` group, as DeepEP's ``Buffer(group, ...)``.
 
         Rank 0 of the group starts a rendezvous store on this host's loopback (ep runs within one
-        node) under ``secret`` (rank 0's argument, else ``WARMLINK_SECRET``, else a fresh one) and
-        sends its port and that secret to the others with one ``broadcast`` of an int64 tensor
-        (nothing pickled; the other ranks' ``secret`` is not used); the Buffer owns that store and
-        closes it with itself. ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``,
-        ``combine_parts``, ``low_latency_mode`` and ``num_experts``. Collective over ``group``.
+        node: every rank raises ``ConfigError`` when the group spans machines) under ``secret``
+        (rank 0's argument, else ``WARMLINK_SECRET``, else a fresh one) and sends its port and that
+        secret to the others with one ``all_gather`` of int64 rows (nothing pickled; the other
+        ranks' ``secret`` is not used); the Buffer owns that store and closes it with itself.
+        ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``, ``combine_parts``,
+        ``low_latency_mode`` and ``num_experts``. Collective over ``group``.
         """
         store, rank, world = group_store(group, timeout_s, secret)
         try:
