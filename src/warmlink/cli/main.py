@@ -102,14 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     from warmlink.bench import ep
 
     ep.add_arguments(bench_sub.add_parser(
-        "ep", help="MoE dispatch/combine (issue 4): normal and hook mode, BF16 and FP8, vs torch + NCCL",
+        "ep", help="MoE dispatch/combine: normal and hook mode, BF16 and FP8, vs torch + NCCL",
         description="One process per GPU (CPU ranks over shm without a GPU) with random top-k routing: warmlink "
         "dispatch (BF16, FP8, cached handle) and combine (BF16) in normal and hook mode, beside torch + NCCL "
         "dispatch/combine and a bare all_to_all_single of the same bytes, plus a GEMM overlapped between send and "
         "hook, in one run; the combine also summed in one, two and four parts (the default: one part for two ranks, "
         "four for more). On "
         "GPUs also the normal-mode sends through the copy engines, and with eager launches instead of CUDA graphs, "
-        "and the link's floors (copy engines alone, SM stores alone, the combine's sum alone). Prints time and GB/s per rank "
+        "and the link's floors (copy engines alone, SM stores alone, the combine's sum alone); and the host time "
+        "until a call returns (a fresh dispatch, padded with num_worst_tokens or not, a cached one, a combine), on an "
+        "idle device and, on GPUs, behind about 1 ms of queued device work. Prints time and GB/s per rank "
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
         "that warmlink's outputs equal the NCCL path's. With --low-latency instead: DeepEP's low-latency dispatch "
         "(FP8) and combine (BF16), median and p90 per call, beside DeepEP's published figures.",
