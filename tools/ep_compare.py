@@ -3,9 +3,10 @@
 Usage: python tools/ep_compare.py --code this='benchmarks/ep_*_this*.json' --code previous='...'
        [--baseline 'torch+NCCL combine (bf16)']
 
-Prints, per operation, each code's median time over its runs and the median over runs of the
-time divided by the same run's baseline (an unchanged operation), so that a machine whose speed
-swings between runs compares codes by what each run measured beside itself. With ``--quantiles``
+Prints, per operation (and per call's host time until it returns, where the records hold it), each
+code's median time over its runs and the median over runs of the time divided by the same run's
+baseline (an unchanged operation), so that a machine whose speed swings between runs compares
+codes by what each run measured beside itself. Rows that some run lacks are left out. With ``--quantiles``
 it prints each code's minimum, first quartile and median instead: on a machine whose runs fall
 into a fast and a slow mode, the lower statistics compare the fast runs.
 """
@@ -19,10 +20,19 @@ import statistics
 
 
 def _records(pattern: str) -> list[dict]:
+    """Per run, ``{operation: ms}``: the timed operations, then the host time until each call
+    returns (idle, and behind queued device work) where the record has it."""
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise SystemExit(f"ep_compare: no file matches {pattern!r}")
-    return [json.load(open(p))["summary"] for p in paths]
+    runs = []
+    for path in paths:
+        summary = json.load(open(path))["summary"]
+        run = {k: v["ms"] for k, v in summary.items() if isinstance(v, dict) and "ms" in v}
+        for key, when in (("returns_ms", "idle"), ("returns_busy_ms", "behind work")):
+            run.update({f"returns, {when}: {call.replace('_', ' ')}": ms for call, ms in summary.get(key, {}).items()})
+        runs.append(run)
+    return runs
 
 
 def _quantile(ordered: list[float], q: float) -> float:
@@ -43,23 +53,22 @@ def main() -> None:
     args = p.parse_args()
     codes = dict(c.split("=", 1) for c in args.code)
     runs = {name: _records(pattern) for name, pattern in codes.items()}
-    first = next(iter(runs.values()))[0]
-    ops = [k for k, v in first.items() if isinstance(v, dict) and "ms" in v]
+    ops = [op for op in next(iter(runs.values()))[0] if all(op in r for rs in runs.values() for r in rs)]
     names = list(runs)
     if args.quantiles:
         print(f"runs: {', '.join(f'{n} {len(r)}' for n, r in runs.items())}; ms: min / q25 / median per code")
         for op in ops:
             cells = []
             for n in names:
-                ms = sorted(r[op]["ms"] for r in runs[n])
+                ms = sorted(r[op] for r in runs[n])
                 cells.append(f"{ms[0]:.3f} / {_quantile(ms, 0.25):.3f} / {statistics.median(ms):.3f}")
             print(f"{op[:40]:40s} " + " | ".join(f"{n} {c}" for n, c in zip(names, cells)))
         return
     print(f"runs: {', '.join(f'{n} {len(r)}' for n, r in runs.items())}; ms median | median ratio to {args.baseline!r}")
     print(f"{'operation':40s} " + " ".join(f"{n:>10s}" for n in names) + " | " + " ".join(f"{n:>10s}" for n in names))
     for op in ops:
-        ms = [statistics.median(r[op]["ms"] for r in runs[n]) for n in names]
-        ratio = [statistics.median(r[op]["ms"] / r[args.baseline]["ms"] for r in runs[n]) for n in names]
+        ms = [statistics.median(r[op] for r in runs[n]) for n in names]
+        ratio = [statistics.median(r[op] / r[args.baseline] for r in runs[n]) for n in names]
         print(f"{op[:40]:40s} " + " ".join(f"{m:10.3f}" for m in ms) + " | " + " ".join(f"{x:10.2f}" for x in ratio))
 
 
