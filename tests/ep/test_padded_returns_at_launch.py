@@ -121,3 +121,17 @@ def test_closing_with_a_pending_dispatch_ends_its_exchange_without_waiting():
     assert device.aborted == [ROUND] and device.waits == []
     sender.resolve()
     assert device.waits == [], "an abandoned dispatch is not waited for"
+
+
+def test_an_interrupted_resolve_leaves_a_handle_that_refuses_every_use():
+    sender, call, device = _rank0()
+    handle = sender.send_fresh(call, {}, hook=False)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    device.wait_board = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sender.resolve()
+    with pytest.raises(ConfigError, match=r"round 1 never reached the host \(KeyboardInterrupt while waiting\)"):
+        handle.resolve()

@@ -57,8 +57,13 @@ class Handle:
         if pending is not None:
             try:
                 pending()
-            except BaseException as exc:
+            except Exception as exc:
                 self.error = exc
+                raise
+            except BaseException as exc:  # an interrupt: later uses get an error, not the interrupt again
+                self.error = ConfigError(f"ep.Buffer.dispatch: the counts of dispatch round {self.round} never reached "
+                                         f"the host ({type(exc).__name__} while waiting); its outputs and handle are "
+                                         "void: dispatch again")
                 raise
         if self.error is not None:
             raise self.error
