@@ -29,7 +29,7 @@ def _records(pattern: str) -> list[dict]:
     for path in paths:
         summary = json.load(open(path))["summary"]
         run = {k: v["ms"] for k, v in summary.items() if isinstance(v, dict) and "ms" in v}
-        for key, when in (("returns_ms", "idle"), ("returns_busy_ms", "behind work")):
+        for key, when in (("returns_ms", "idle"), ("returns_busy_ms", "behind work"), ("returns_late_ms", "peers late")):
             run.update({f"returns, {when}: {call.replace('_', ' ')}": ms for call, ms in summary.get(key, {}).items()})
         runs.append(run)
     return runs

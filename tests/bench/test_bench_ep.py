@@ -26,6 +26,11 @@ def test_bench_ep_prints_every_operation_and_checks_outputs(tmp_path, capsys):
     row = record["summary"]["warmlink dispatch bf16"]
     received = min(r["recv_rows"] for r in ranks) * 256 * 2
     assert abs(row["gb_s_deepep_count"] / row["gb_s"] - received / min(r["bytes"]["bf16"] for r in ranks)) < 1e-9
+    # the host time until each call returns, idle and with rank 0's peer late (no queued work on CPU)
+    calls = {"fresh", "fresh_padded", "cached", "combine"}
+    summary = record["summary"]
+    assert set(summary["returns_ms"]) == set(summary["returns_late_ms"]) == calls and "returns_busy_ms" not in summary
+    assert "host time until the call returns, every peer of rank 0 ~1 ms late" in text
 
 
 def test_bench_ep_lifecycles_reuse_everything_with_the_pool_on(tmp_path, capsys):

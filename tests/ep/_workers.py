@@ -634,3 +634,47 @@ def padded_returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> di
             release()
             out["comm"] = finish(d, async_finish=True)
     return out
+
+
+def calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """A call on another stream than the last call's runs after it on the device (ep._comm_stream,
+    Note [Communication stream]). An async fresh dispatch of ``x`` whose push is held on a host word
+    (its count exchange ran, so its host returned), then a padded fresh dispatch of ``-x`` on the
+    caller's stream, which rewrites the device words that push reads; released, the async
+    dispatch's outputs are still ``x``'s. The calls before warm both parities up, so that the
+    held calls replay graphs. Returns both calls' outputs and the same calls' unheld."""
+    mine = _mine_on_device(rank, case)
+    x, idx, w, experts, worst = mine["x"], mine["topk_idx"], mine["topk_weights"], case["experts"], case["worst"]
+
+    def call(tokens, **kw):
+        return buf.dispatch(tokens, topk_idx=idx, topk_weights=w, num_experts=experts, **kw)
+
+    out = {}
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for _ in range(4):
+            first = call(x, async_finish=True)
+            first[5].current_stream_wait()
+            out["unheld_first"] = _cpu(first[:3])
+            second = call(-x, num_worst_tokens=worst)
+            out["unheld_second"], out["unheld_n"] = _cpu(second[:3]), second[4].num_recv_tokens
+        mover, launch = buf._mover, buf._mover._launch
+        with contextlib.ExitStack() as stack:
+            held = []
+
+            def launch_held(key, steps, graphs):  # the push waits on a host word; the exchange before it runs
+                if key[0] == "push" and not held:
+                    held.append(stack.enter_context(_held(mover._current())))
+                launch(key, steps, graphs)
+
+            mover._launch = launch_held
+            try:
+                first = call(x, async_finish=True)
+            finally:
+                del mover._launch
+            assert held, "the async dispatch launched no push"
+            second = call(-x, num_worst_tokens=worst)
+            out["second_pending"] = second[4].pending is not None
+            held[0]()
+            first[5].current_stream_wait()
+            out["first"], out["second"], out["n"] = _cpu(first[:3]), _cpu(second[:3]), second[4].num_recv_tokens
+    return out

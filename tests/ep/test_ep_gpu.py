@@ -9,6 +9,7 @@ from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
 from tests.ep._workers import (
     after_an_earlier_lifecycle,
+    calls_keep_their_order,
     case_inputs,
     changing_rounds,
     dispatch_combine,
@@ -249,6 +250,23 @@ def test_gpu_a_padded_fresh_dispatch_returns_at_launch():
             assert held["num_recv_tokens"] == n and torch.equal(x_held[:n], recv_x[:n])
             assert all(torch.equal(a, b) for a, b in zip(rest_held, (recv_idx, recv_w)))
             assert all(torch.equal(a, b) for a, b in zip(held["combined"], unheld["combined"]))
+
+
+@needs_gpu
+def test_gpu_a_call_on_the_callers_stream_runs_after_an_async_call_still_queued():
+    """Calls of one Buffer keep their issue order on the device whichever stream each runs on
+    (ep._comm_stream, Note [Communication stream]): with an async dispatch's push held on the
+    communication stream, a padded dispatch of other tokens on the caller's stream returns but
+    waits on the device; released, each call's outputs equal the same call's unheld, instead of
+    the async one pushing the second one's rows."""
+    case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 41,
+            "worst": RANKS * 200}
+    for out in run_ranks(calls_keep_their_order, RANKS, case=case, timeout_s=180):
+        assert out["second_pending"]  # it returned at launch though its stream waits
+        assert all(torch.equal(a, b) for a, b in zip(out["first"], out["unheld_first"]))
+        n = out["n"]  # rows past it are padding: x holds stale bytes there
+        assert n == out["unheld_n"] and n > 0
+        assert all(torch.equal(a[:n], b[:n]) for a, b in zip(out["second"], out["unheld_second"]))
 
 
 @needs_gpu

@@ -20,7 +20,7 @@ from warmlink.ep.buffer import Buffer
 from warmlink.errors import PeerLostError, TransferTimeout
 from warmlink.transport.cuda_ipc import CopyEngines
 
-CALLER, COPY, SIDE = 11, 12, 13  # stream handles
+CALLER, COPY, SIDE, COMM = 11, 12, 13, 15  # stream handles
 SEND_EVENTS = [100, 101]
 LOCAL = [302, 303, 304]  # counted, send_done, received
 SEND_DONE, RECEIVED = LOCAL[-2], LOCAL[-1]
@@ -428,3 +428,27 @@ def test_a_stream_per_destination_copies_each_peers_rows_on_its_own_stream(monke
     assert fake.calls == [("record", SEND_EVENTS[0], CALLER), ("batch", [there], [staged], [3 * 128], PEER_COPY),
                           ("record", SEND_EVENTS[1], PEER_COPY),
                           ("write value", PEER_COPY, arrived_at_peer, arrival_value(1))]
+
+
+def test_a_call_on_another_stream_than_the_last_send_first_waits_for_that_send(monkeypatch):
+    """Calls of one Buffer keep their issue order on the device (Note [Communication stream]): a
+    fresh SM send's kernels read the mover's call block when they run, so a call on the caller's
+    stream after an async one (on the communication stream) must not run ahead of its push."""
+    fake = FakeCuda()
+    mover = _mover(monkeypatch, fake)
+    current = [CALLER]
+    monkeypatch.setattr(_cuda_mover, "current_stream", lambda device: current[0])
+    for round_ in (1, 2):  # the first call waits for nothing, and a call on the last one's stream neither
+        mover.start_round("dispatch", round_)
+        mover.send_done()
+    assert not [c for c in fake.calls if c[0] == "wait"]
+    current[0] = COMM
+    fake.calls.clear()
+    mover.start_round("dispatch", 3)  # an async call: after the caller's last send
+    assert fake.calls[0] == ("wait", COMM, SEND_DONE)
+    mover.send_done()
+    assert fake.calls[-1] == ("record", SEND_DONE, COMM)
+    current[0] = CALLER
+    fake.calls.clear()
+    mover.start_round("combine", 1)  # back on the caller's stream: after the async send
+    assert fake.calls == [("wait", CALLER, SEND_DONE)]

@@ -18,8 +18,9 @@ the median over ``--iterations``:
   on the caller's stream, made without and with ``async_finish`` (which runs the call on the
   Buffer's communication stream, so the GEMM does not wait for it);
 - the host time until a call returns: a fresh dispatch, the same with ``num_worst_tokens`` (which
-  returns at launch on GPUs), a cached dispatch and a combine, on an idle device and (GPUs) behind
-  about 1 ms of queued device work;
+  returns at launch on GPUs), a cached dispatch and a combine, on an idle device, (GPUs) behind
+  about 1 ms of queued device work, and (two or more ranks) while every peer of rank 0 calls about
+  1 ms after it;
 - on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
   them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
   and the combine's sum alone on the device.
@@ -51,6 +52,14 @@ __all__ = ["add_arguments", "run"]
 
 _MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
 _BUSY_CYCLES = 2_000_000  # torch.cuda._sleep's spin: about 1 ms at an H100's or H200's 1.98 GHz
+_LATE_S = 1e-3  # how late a late peer calls (bench rows "returns_late_s")
+
+
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` on the host (a sleep would wake up to ~0.1 ms later than asked)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -312,15 +321,18 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     out["dispatch_marks"] = marks
     out["cached_phases_s"] = phases_of(lambda: buf.dispatch(x, handle=h_keep))
 
-    def returned(fn, busy: bool) -> float:
+    def returned(fn, busy: bool = False, late: bool = False) -> float:
         """Median host time until ``fn``'s call returns (its device work may still be running);
-        with ``busy``, behind about 1 ms of device work queued on the caller's stream (GPUs only)."""
+        with ``busy``, behind about 1 ms of device work queued on the caller's stream (GPUs only);
+        with ``late``, every rank but rank 0 calls about 1 ms after it (a late peer)."""
         samples = []
         for _ in range(cfg["iterations"]):
             dist.all_reduce(flag)
             sync()
             if busy and cuda:
                 torch.cuda._sleep(_BUSY_CYCLES)
+            if late and rank != 0:
+                _spin(_LATE_S)
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
@@ -332,9 +344,11 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     padded = {**kwargs, "num_worst_tokens": num_ranks * T}
     calls = {"fresh": lambda: buf.dispatch(x, **kwargs), "fresh_padded": lambda: buf.dispatch(x, **padded),
              "cached": lambda: buf.dispatch(x, handle=h_keep), "combine": combine}
-    out["returns_s"] = {name: returned(fn, False) for name, fn in calls.items()}
+    out["returns_s"] = {name: returned(fn) for name, fn in calls.items()}
     if cuda:
-        out["returns_busy_s"] = {name: returned(fn, True) for name, fn in calls.items()}
+        out["returns_busy_s"] = {name: returned(fn, busy=True) for name, fn in calls.items()}
+    if num_ranks > 1:
+        out["returns_late_s"] = {name: returned(fn, late=True) for name, fn in calls.items()}
     checks["dispatch_x_padded"] = bool(torch.equal(buf.dispatch(x, **padded)[0][:ref.recv_x.shape[0]], ref.recv_x))
     profile_dir = cfg["profile"]
     if profile_dir and rank == 0 and cuda:  # a kernel/copy timeline of a few dispatches, for diagnosis

@@ -81,7 +81,8 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
             if key in r:
                 lines.append(f"{what} phases, rank {r['rank']} (host ms): "
                              + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in r[key].items()))
-    for key, when in (("returns_s", "idle device"), ("returns_busy_s", "behind ~1 ms of device work")):
+    for key, when in (("returns_s", "idle device"), ("returns_busy_s", "behind ~1 ms of device work"),
+                      ("returns_late_s", "every peer of rank 0 ~1 ms late (the slowest rank: rank 0)")):
         if key in ranks[0]:
             summary[key[:-2] + "_ms"] = got = {k: worst(lambda r, k=k: r[key][k]) * 1e3 for k in ranks[0][key]}
             lines.append(f"host time until the call returns, {when} (ms): "

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "GPUs also the normal-mode sends through the copy engines, and with eager launches instead of CUDA graphs, "
         "and the link's floors (copy engines alone, SM stores alone, the combine's sum alone); and the host time "
         "until a call returns (a fresh dispatch, padded with num_worst_tokens or not, a cached one, a combine), on an "
-        "idle device and, on GPUs, behind about 1 ms of queued device work. Prints time and GB/s per rank "
+        "idle device, on GPUs behind about 1 ms of queued device work, and with two or more ranks while every peer "
+        "of rank 0 calls about 1 ms after it. Prints time and GB/s per rank "
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
         "that warmlink's outputs equal the NCCL path's. With --low-latency instead: DeepEP's low-latency dispatch "
         "(FP8) and combine (BF16), median and p90 per call, beside DeepEP's published figures.",

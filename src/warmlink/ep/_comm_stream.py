@@ -30,6 +30,15 @@ Tensors cross the two streams, and the caching allocator reuses memory per strea
   still be read by that work when the call would write it: only the communication stream's own
   pool is safe to write without waiting.
 A call that raises leaves the caller's stream ordered after whatever it issued.
+
+The calls of one Buffer keep their issue order on the device, whichever stream each runs on: a
+call on another stream than the last call's send phase first waits for that send's end
+(``CudaMover.start_round``). They share device words that each call's kernels read when they run,
+not when they are launched: a fresh SM send's call block, the push bases its exchange writes, the
+plan's words. Without the wait, an async call whose push is still queued on the communication
+stream behind other work would push with the next call's block, if that call ran on the caller's
+stream first: another call's rows, with no error. A call on the same stream as the last waits for
+nothing.
 """
 
 from __future__ import annotations

@@ -111,6 +111,7 @@ class CudaMover(SmPushes, Gathers):
         self._send_events = send_events
         self.flags = flags
         self._rounds = {op: 0 for op in OPS}  # the round of each op in progress (start_round)
+        self._sent_on: int | None = None  # the stream of the last send phase, whose end _send_done marks
         self._refs = peer_refs
         # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
         # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
@@ -133,11 +134,16 @@ class CudaMover(SmPushes, Gathers):
         return self._ptrs[rank] + self._offsets[area]
 
     def start_round(self, op: str, round_: int) -> None:
-        """Round ``round_`` of ``op`` starts on the caller's stream: a dispatch's start frees the
-        areas of round ``round_ - 1``'s outputs for round ``round_ + 1`` (Note [Arrival flags])."""
+        """Round ``round_`` of ``op`` starts on the caller's stream: on another stream than the last
+        send phase ran on, after that send (Note [Communication stream]: the calls of one Buffer
+        keep their issue order on the device); a dispatch's start frees the areas of round
+        ``round_ - 1``'s outputs for round ``round_ + 1`` (Note [Arrival flags])."""
         self._rounds[op] = round_
+        current = self._current()
+        if self._sent_on not in (None, current):
+            self._cuda.stream_wait_event(current, self._send_done)
         if op == "dispatch" and round_ > 1:
-            self.flags.signal_freed(self._current(), op, round_ - 1)
+            self.flags.signal_freed(current, op, round_ - 1)
 
     def gate(self, op: str, round_: int, sm: bool) -> None:
         """Hold the writes of round ``round_`` of ``op`` into the peers (the SMs' push on the caller's
@@ -292,7 +298,8 @@ class CudaMover(SmPushes, Gathers):
         wait_until(done, timeout_s=timeout_s, what=late, lost=gone, spin_s=math.inf, every_s=0.005)
 
     def send_done(self) -> None:
-        self._cuda.event_record(self._send_done, self._current())
+        self._sent_on = self._current()
+        self._cuda.event_record(self._send_done, self._sent_on)
 
     def arrived(self, sources, phase: str, then=None, writes=(), early=()) -> None:
         """Launch each ``(phase, work)`` of ``early``, then ``then``, on the receive stream, each
