@@ -21,7 +21,8 @@ import statistics
 
 def _records(pattern: str) -> list[dict]:
     """Per run, ``{operation: ms}``: the timed operations, then the host time until each call
-    returns (idle, and behind queued device work) where the record has it."""
+    returns (idle, behind queued device work, with late peers) and the async_finish overlap rows,
+    where the record has them."""
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise SystemExit(f"ep_compare: no file matches {pattern!r}")
@@ -31,6 +32,9 @@ def _records(pattern: str) -> list[dict]:
         run = {k: v["ms"] for k, v in summary.items() if isinstance(v, dict) and "ms" in v}
         for key, when in (("returns_ms", "idle"), ("returns_busy_ms", "behind work"), ("returns_late_ms", "peers late")):
             run.update({f"returns, {when}: {call.replace('_', ' ')}": ms for call, ms in summary.get(key, {}).items()})
+        for name in ("combine", "cached"):  # a call then a GEMM, inline and with async_finish (device time)
+            timed = summary.get(f"async_{name}", {})
+            run.update({f"async_finish {name}: {k.removesuffix('_ms')}": ms for k, ms in timed.items() if k.endswith("_ms")})
         runs.append(run)
     return runs
 

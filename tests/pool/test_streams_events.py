@@ -93,6 +93,16 @@ def test_fake_reuse_and_drain(fake):
     assert (d["created"], d["reused"], d["failed_resets"]) == (1, 1, 0)
 
 
+def test_an_urgent_stream_has_the_greatest_priority_and_a_pool_of_its_own(fake):
+    with streams.lease_urgent_stream(0) as urgent, streams.lease_stream(0) as plain:
+        assert (urgent.priority, plain.priority) == (-5, 0)
+        h = urgent.handle
+    with streams.lease_stream(0) as plain:  # a released urgent stream is never handed out as a plain one
+        assert plain.handle != h
+    with streams.lease_urgent_stream(0) as urgent:
+        assert urgent.handle == h
+
+
 def test_fake_stuck_stream_destroyed(fake):
     before = stats()
     lease = streams.lease_stream(0)

@@ -31,6 +31,10 @@ Tensors cross the two streams, and the caching allocator reuses memory per strea
   pool is safe to write without waiting.
 A call that raises leaves the caller's stream ordered after whatever it issued.
 
+The stream has the device's greatest priority, as DeepEP's: the point of ``async_finish`` is that
+the caller's next kernels run beside the call, and at equal priority a long GEMM's waiting blocks
+take every SM that frees up before the call's kernels get one.
+
 The calls of one Buffer keep their issue order on the device, whichever stream each runs on: a
 call on another stream than the last call's send phase first waits for that send's end
 (``CudaMover.start_round``). They share device words that each call's kernels read when they run,
@@ -140,10 +144,10 @@ class CommStream:
     def lease(cls, device: int) -> "CommStream":
         """A communication stream on ``device`` from the pool (made once per process and device)."""
         from warmlink.pool.events import lease_event
-        from warmlink.pool.streams import lease_stream
+        from warmlink.pool.streams import lease_urgent_stream
 
         events = []
-        stream = lease_stream(device)
+        stream = lease_urgent_stream(device)
         try:
             events = [lease_event(device) for _ in range(2)]
             return cls(device, stream, events)

@@ -27,7 +27,7 @@ from warmlink import _backoff, _cuda
 from warmlink.errors import ConfigError
 from warmlink.pool.core import FreeList, Lease
 
-__all__ = ["Stream", "lease_stream", "clear_idle", "wait_until", "DRAIN_TIMEOUT_S"]
+__all__ = ["Stream", "lease_stream", "lease_urgent_stream", "clear_idle", "wait_until", "DRAIN_TIMEOUT_S"]
 
 log = logging.getLogger("warmlink.pool")
 
@@ -121,6 +121,13 @@ def lease_stream(device: int, priority: int = 0) -> Lease[Stream]:
             f"lease_stream: priority={priority!r} out of range; expected {greatest} <= priority <= {least} on cuda:{device}"
         )
     return _streams.lease((device, priority))
+
+
+def lease_urgent_stream(device: int) -> Lease[Stream]:
+    """``lease_stream`` at ``device``'s greatest priority: for short work that another stream's
+    long kernels would otherwise hold up (the block scheduler hands free SMs to waiting blocks of
+    higher-priority streams first; DeepEP's communication stream is one such)."""
+    return lease_stream(device, _cuda.stream_priority_range(device)[1])
 
 
 def clear_idle() -> None:
