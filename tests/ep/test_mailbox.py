@@ -99,3 +99,57 @@ def test_a_peer_already_past_the_round_is_not_compared_with_a_newer_word(monkeyp
     rounds.check_late()
     assert rounds.late == []
 
+
+
+def test_a_meet_does_not_compare_a_word_a_peers_later_round_replaced(monkeypatch):
+    """Rank 1 published dispatch rounds 3, 4 and 5 (calls that meet no one: cached, padded) before
+    this rank met round 3: its word of round 3's parity is now round 5's, a cached dispatch's, and
+    goes unchecked. A peer one round on, whose word of the round is still there, is compared; so
+    is a peer at the round with another config."""
+    from warmlink.ep._call_config import encode_call
+    from warmlink.errors import ConfigError
+
+    rounds, theirs = _pair(monkeypatch)
+    fresh = encode_call(16, 4, torch.bfloat16, False, True, 64, True)
+    cached = encode_call(16, 0, torch.bfloat16, True, num_worst_tokens=64)
+    rounds.mailbox.publish_dispatch(3, fresh)
+    for round_, config in ((3, fresh), (4, fresh), (5, cached)):
+        theirs.publish_dispatch(round_, config)
+    assert theirs.config_of(1, 3) is None and theirs.config_of(1, 5) == cached
+    rounds.meet(_mailbox.DISPATCH, 3)
+    rounds.mailbox.publish_dispatch(7, fresh)
+    theirs.publish_dispatch(7, cached)
+    theirs.publish_dispatch(8, fresh)  # one round on: round 7's word is still there
+    with pytest.raises(ConfigError, match="rank 1 dispatches with"):
+        rounds.meet(_mailbox.DISPATCH, 7)
+    rounds.mailbox.publish_dispatch(9, fresh)
+    theirs.publish_dispatch(9, cached)
+    with pytest.raises(ConfigError, match="rank 1 dispatches with"):
+        rounds.meet(_mailbox.DISPATCH, 9)
+
+
+def test_a_config_word_being_replaced_is_not_vouched_for(monkeypatch):
+    """The writer clears the parity's tag before it stores the next word: a reader that reads the
+    word in between sees no tag and takes no word."""
+    monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
+    box = _mailbox.Mailbox(_own(2), 0, 2)
+    box.publish_dispatch(3, 111)
+    assert box.config_of(0, 3) == 111 and box.config_of(0, 1) is None
+    box._own[box._tag(5)] = 0  # round 5's publish has begun: the tag is cleared, the word not yet stored
+    assert box.config_of(0, 3) is None
+
+
+def test_a_fresh_dispatch_publishes_its_counts_only_once_every_peer_read_the_ones_they_replace(monkeypatch):
+    """The counts of round n replace round n - 2's (Note [Mailbox rounds]): a rank publishes them
+    once every peer published round n - 1, after reading round n - 2's; a peer stuck before that
+    makes it wait, with a deadline, instead of overwriting them."""
+    from warmlink.errors import TransferTimeout
+
+    rounds, theirs = _pair(monkeypatch)
+    rounds.timeout_s = 0.05
+    rounds.wait_readers(2)  # rounds 1 and 2 replace nothing
+    theirs.publish_dispatch(3, 0)
+    with pytest.raises(TransferTimeout, match="rank"):
+        rounds.wait_readers(5)
+    theirs.publish_dispatch(4, 0)
+    rounds.wait_readers(5)

@@ -7,11 +7,17 @@ same round. No SM polls anything, and no store round trip sits on the hot path.
 
 # Note [Mailbox rounds]
 Round numbers only grow. A reader waits for ``field >= round``, so a peer that is already one
-round ahead does not stall it. The counts of round ``n`` live in parity ``n % 2``: a peer can be
-at most one round ahead (it needs this rank's next round to pass its own handshake), so it never
-overwrites counts this rank has not read yet. A writer stores the payload before the round
-number; x86 keeps stores in order and loads in order, so a reader that sees the round sees the
-payload. An ARM host (Grace) would need explicit fences, which Python cannot issue here, so a
+round ahead does not stall it. The counts of round ``n`` live in parity ``n % 2``, and a fresh
+dispatch that publishes counts first waits until every peer published round ``n - 1``
+(``Rounds.wait_readers``), so no rank overwrites counts a peer has not read yet: the calls in
+between that meet no one (a cached dispatch, a padded one) could otherwise let a peer publish
+round ``n + 2`` while this rank is still reading round ``n``. The config words are not guarded
+so: a peer may overwrite one of round ``n`` with round ``n + 2``'s, so each parity's config word
+carries the round it is of (``config_of``), and the checks skip a word that is no longer the
+round's (``Rounds.meet``, ``check_published``): that peer checked this rank's word of the round
+before it moved on. A writer stores the
+payload before the round number; x86 keeps stores in order and loads in order, so a reader that
+sees the round sees the payload. An ARM host (Grace) would need explicit fences, which Python cannot issue here, so a
 mailbox refuses to open on any other architecture instead of racing.
 """
 
@@ -47,8 +53,9 @@ _SHORT_SPIN_S = 50e-6
 
 
 def _block(num_ranks: int) -> int:
-    """Words of one parity block: the call's config word, counts per rank, counts per expert."""
-    return 1 + num_ranks + MAX_EXPERTS
+    """Words of one parity block: the call's config word, counts per rank, counts per expert, and
+    the round the config word is of (``Mailbox.config_of``)."""
+    return 2 + num_ranks + MAX_EXPERTS
 
 
 def _words(num_ranks: int) -> int:
@@ -96,15 +103,20 @@ class Mailbox:
     def _base(self, round_: int) -> int:
         return _HEADER + (round_ % 2) * _block(self.num_ranks)
 
+    def _tag(self, round_: int) -> int:
+        return self._base(round_) + _block(self.num_ranks) - 1
+
     def publish_dispatch(self, round_: int, config: int, per_rank=None, per_expert=None) -> None:
         """The config word (and counts) of dispatch round ``round_``, then the round itself.
         See Note [Mailbox rounds]."""
-        base = self._base(round_)
+        base, tag = self._base(round_), self._tag(round_)
+        self._own[tag] = 0  # the config word is being replaced: see config_of
         self._own[base] = config
         if per_rank is not None:
             r = self.num_ranks
             self._own[base + 1:base + 1 + r] = per_rank
             self._own[base + 1 + r:base + 1 + r + len(per_expert)] = per_expert
+        self._own[tag] = round_
         self._own[DISPATCH] = round_
 
     def publish_combine(self, round_: int, word: int) -> None:
@@ -141,6 +153,16 @@ class Mailbox:
 
     def config(self, rank: int, round_: int) -> int:
         return int(self._peers[rank][self._base(round_)])
+
+    def config_of(self, rank: int, round_: int) -> int | None:
+        """``rank``'s config word of dispatch round ``round_``, or None once a later round of its
+        parity replaces it (or is replacing it). The writer clears the parity's tag before the
+        word and stores the round after it; stores and loads stay in order (Note [Mailbox
+        rounds]), so a tag read as ``round_`` both before and after the word vouches for it."""
+        box, tag = self._peers[rank], self._tag(round_)
+        before = int(box[tag])
+        word = int(box[self._base(round_)])
+        return word if before == round_ and int(box[tag]) == round_ else None
 
     def wait(self, field: int, round_: int, timeout_s: float, ranks=None) -> None:
         """Block until every rank in ``ranks`` (default: all peers) has ``field >= round_``.

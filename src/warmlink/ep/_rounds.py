@@ -79,6 +79,13 @@ class Rounds:
         self.mailbox.wait(mb.MEET, self.meets, timeout_s)
         return [self.mailbox.meet_value(r, self.meets) for r in range(self.num_ranks)]
 
+    def wait_readers(self, round_: int) -> None:
+        """Wait until every peer published dispatch round ``round_ - 1``: each has then read the
+        counts of round ``round_ - 2``, which round ``round_``'s replace in the mailbox (Note
+        [Mailbox rounds]). The fresh dispatch's meet that follows waits for more, so this costs no time."""
+        if round_ > 2:
+            self.mailbox.wait(mb.DISPATCH, round_ - 1, self.timeout_s)
+
     def next(self, op: str) -> int:
         """The round number of the next ``op`` (``"dispatch"`` or ``"combine"``)."""
         return self.last[op] + 1
@@ -98,10 +105,11 @@ class Rounds:
 
     def meet(self, field: int, round_: int) -> None:
         """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
-        for ``round_``, then check it called with the same config (dispatch) or handle (combine)."""
+        for ``round_``, then check it called with the same config (dispatch) or handle (combine).
+        A dispatch word that a peer's later round replaced goes unchecked (Note [Mailbox rounds])."""
         self.mailbox.wait(field, round_, self.timeout_s)
-        mine = self._word(self.rank, field, round_)
-        self._check_words(field, round_, mine, {r: self._word(r, field, round_) for r in range(self.num_ranks)})
+        words = {r: self._word(r, field, round_) for r in range(self.num_ranks) if r != self.rank}
+        self._check_words(field, round_, self._own_word(field, round_), {r: w for r, w in words.items() if w is not None})
 
     def before_receive(self, field: int, sent: int, round_: int, host_ordered: bool, checks: bool = True) -> None:
         """Step 4 of Note [Round protocol] before the receive work: with host copies
@@ -118,7 +126,7 @@ class Rounds:
         """``meet``'s checks, without its wait, for the peers that published ``field`` of
         ``round_`` already; ``check_late`` checks the others at a later call (with arrival flags,
         ep._flags, the device orders the bytes and the host does not wait for the peers)."""
-        self._check_now(field, round_, self._word(self.rank, field, round_), range(self.num_ranks))
+        self._check_now(field, round_, self._own_word(field, round_), range(self.num_ranks))
 
     def check_late(self) -> None:
         """``check_published``'s checks of the peers that have published since."""
@@ -137,16 +145,22 @@ class Rounds:
             word = self._word(r, field, round_)
             if at < round_:
                 behind.append(r)
-            elif at == round_ and self.mailbox.round_of(r, field) == round_:  # still round_ after the read
+            elif at == round_ and self.mailbox.round_of(r, field) == round_ and word is not None:  # still round_'s
                 words[r] = word
         if behind:
             self.late.append((field, round_, mine, behind))
         self._check_words(field, round_, mine, words)
 
-    def _word(self, rank: int, field: int, round_: int) -> int:
-        """The word ``rank`` published with ``field`` of ``round_``: a dispatch's config or a combine's handle."""
+    def _own_word(self, field: int, round_: int) -> int:
+        """This rank's word of ``round_`` (never replaced while this rank still checks that round)."""
         mailbox = self.mailbox
-        return mailbox.config(rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(rank, round_)
+        return mailbox.config(self.rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(self.rank, round_)
+
+    def _word(self, rank: int, field: int, round_: int) -> int | None:
+        """The word ``rank`` published with ``field`` of ``round_``: a dispatch's config (None once
+        replaced by a later round's) or a combine's handle."""
+        mailbox = self.mailbox
+        return mailbox.config_of(rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(rank, round_)
 
     def _check_words(self, field: int, round_: int, mine: int, words: dict[int, int]) -> None:
         """``ConfigError`` when a rank's word of ``words`` is not ``mine``: another config (dispatch)
@@ -172,7 +186,8 @@ class Rounds:
     def check_peer_configs(self, round_: int, config: int, ranks=None) -> None:
         """``ConfigError`` when a peer of ``ranks`` (default: all) published another config for ``round_``."""
         ranks = range(self.num_ranks) if ranks is None else ranks
-        self._check_words(mb.DISPATCH, round_, config, {r: self.mailbox.config(r, round_) for r in ranks})
+        words = {r: self.mailbox.config_of(r, round_) for r in ranks}
+        self._check_words(mb.DISPATCH, round_, config, {r: w for r, w in words.items() if w is not None})
 
     def complete_plan(self, handle: Handle, round_: int) -> None:
         """Fill in what needs every rank's counts of ``round_``: rows in each destination, rows from each source."""

@@ -127,6 +127,7 @@ class StagedSender:
         mover.gather(rows, src, range(rounds.num_ranks), rounds.rank)
         marks["launched"] = time.perf_counter()
         handle, send_counts, expert_counts = self._handle(mover.wait_host(rounds.timeout_s), call, rows, marks)
+        rounds.wait_readers(call.round)  # before the counts of round n - 2 are replaced: Note [Mailbox rounds]
         rounds.mailbox.publish_dispatch(call.round, call.config, send_counts, expert_counts)
         try:
             rounds.meet(mb.DISPATCH, call.round)
