@@ -163,6 +163,44 @@ def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     return got
 
 
+def ll_calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Calls of one Buffer keep their issue order on the device (ep._comm_stream, Note
+    [Communication stream]). With the communication stream held on a host word, an async BF16
+    dispatch of batch 0, then dispatches of batches 1 and 2 on the caller's stream (batch 2's is
+    of batch 0's parity, whose sequence word and output views batch 0's kernels, once released,
+    would advance and overwrite); released, returns each batch's valid rows beside the same
+    three calls made unheld before."""
+    from tests.ep._workers import _held
+
+    batches = [_mine(dict(case, seed=seed), rank) for seed in case["seeds"]]
+    tokens, n = max(case["tokens"]), len(batches)
+
+    def valid(out) -> dict:  # the rows each local expert received (rows past its count are stale)
+        recv_x, count, handle = out[0], out[1].cpu(), out[2]
+        return {"count": count, "rows": [recv_x[e, :int(c)].cpu() for e, c in enumerate(count)],
+                "src_info": [handle[0][e, :int(c)].cpu() for e, c in enumerate(count)]}
+
+    def call(i, **kw):
+        b = batches[i]
+        return buf.low_latency_dispatch(b["x"], b["topk_idx"], tokens, case["experts"], use_fp8=False, **kw)
+
+    got = {}
+    with _buffer(rank, num_ranks, store, case) as buf:
+        for _ in range(2):  # every kernel compiled, the communication stream leased
+            first = call(0, async_finish=True)
+            first[3].current_stream_wait()
+            unheld = [valid(first)] + [valid(call(i)) for i in range(1, n)]
+        with _held(buf.get_comm_stream().cuda_stream) as release:
+            first = call(0, async_finish=True)
+            later = [call(i) for i in range(1, n)]
+            release()
+            first[3].current_stream_wait()
+            torch.cuda.synchronize()
+            got["held_last"] = valid(later[-1])
+        got["unheld_last"] = unheld[-1]
+    return got
+
+
 def ll_graph(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """A BF16 dispatch + hook + experts + combine + hook captured once in a CUDA graph, then
     replayed once per seed of ``case["seeds"]`` with that seed's inputs copied into the captured

@@ -112,3 +112,22 @@ def test_host_memory_buffers_run_every_call_inline_and_have_no_stream():
             buf.get_comm_stream()
     finally:
         store.close()
+
+
+def test_a_call_on_the_callers_stream_after_async_calls_waits_for_them_once(comm):
+    """Calls of one Buffer keep their issue order (Note [Communication stream]): a low-latency call
+    on the caller's stream reads device words an async call still queued on the communication
+    stream would advance, so it first waits for that stream's work; the next one waits for nothing."""
+    from warmlink.ep.buffer import Buffer
+
+    stream, log, _ = comm
+    buf = Buffer.__new__(Buffer)
+    buf.device, buf._comm_since, buf._res = 0, False, SimpleNamespace(comm_stream=lambda: stream)
+    assert buf._call(False) is INLINE and log == []  # nothing ran on the communication stream yet
+    with buf._call(True):
+        pass
+    log.clear()
+    assert buf._call(False) is INLINE
+    assert log == [("record", EXIT, COMM), ("wait", CALLER, EXIT)]
+    log.clear()
+    assert buf._call(False) is INLINE and log == []

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
-from tests.ep._ll_workers import RANK_OFFSET, dequantized, ll_device_fault, ll_graph, ll_rounds, ll_two_batches
+from tests.ep._ll_workers import (
+    RANK_OFFSET,
+    dequantized,
+    ll_calls_keep_their_order,
+    ll_device_fault,
+    ll_graph,
+    ll_rounds,
+    ll_two_batches,
+)
 from tests.ep.test_low_latency import CASES, _counts, check_identical_reruns, check_rounds, reference_routes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,6 +39,18 @@ def test_gpu_twenty_reruns_are_identical_and_two_micro_batches_overlap():
     results = run_ranks(ll_two_batches, 3, case=case, timeout_s=300)
     for i, seed in enumerate(case["seeds"]):
         check_rounds(dict(case, seed=seed), [[r[i]] for r in results])
+
+
+def test_gpu_a_call_on_the_callers_stream_runs_after_async_calls_still_queued():
+    """A low-latency dispatch on the caller's stream after an async one still queued on the
+    communication stream runs after it: the third call (the first's parity) returns its own
+    rows, not the first call's, released late over them."""
+    case = {"tokens": [16, 11], "hidden": 1024, "experts": 8, "topk": 3, "masked": 3, "seeds": [1, 2, 3], **_ON_GPU}
+    for out in run_ranks(ll_calls_keep_their_order, 2, case=case, timeout_s=300):
+        held, unheld = out["held_last"], out["unheld_last"]
+        assert torch.equal(held["count"], unheld["count"]) and int(unheld["count"].sum()) > 0
+        for key in ("rows", "src_info"):
+            assert all(torch.equal(a, b) for a, b in zip(held[key], unheld[key])), key
 
 
 def test_gpu_a_captured_dispatch_and_combine_replay_with_each_replays_inputs():

@@ -37,7 +37,8 @@ take every SM that frees up before the call's kernels get one.
 
 The calls of one Buffer keep their issue order on the device, whichever stream each runs on: a
 call on another stream than the last call's send phase first waits for that send's end
-(``CudaMover.start_round``). They share device words that each call's kernels read when they run,
+(``CudaMover.start_round``; a low-latency call on the caller's stream after calls on this one
+waits for all of this stream's work: ``Buffer._call``). They share device words that each call's kernels read when they run,
 not when they are launched: a fresh SM send's call block, the push bases its exchange writes, the
 plan's words. Without the wait, an async call whose push is still queued on the communication
 stream behind other work would push with the next call's block, if that call ran on the caller's
@@ -127,7 +128,7 @@ class CommStream:
         device: the CUDA device.
         stream: a pooled ``Stream`` lease (warmlink.pool.streams), released by ``close``.
         events: two pooled ``Event`` leases: a call's entry (the caller's point it waits for) and
-            a failed call's exit.
+            an exit (what the caller's stream waits for after a failed call, or ``join_caller``).
     """
 
     def __init__(self, device: int, stream, events) -> None:
@@ -155,6 +156,11 @@ class CommStream:
             for lease in (*events, stream):
                 lease.release()
             raise
+
+    def join_caller(self) -> None:
+        """Order the caller's current stream after everything queued on this stream so far."""
+        self.cuda.event_record(self.exit_event, self.raw)
+        self.cuda.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, self.exit_event)
 
     def call(self, after_caller: bool = True) -> _OnComm:
         """The context of one call on this stream, which first waits for the caller's stream when

@@ -102,6 +102,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
         self._check_low_latency(low_latency_mode, num_experts)
         self._recv_failed = False
+        self._comm_since = False  # a call ran on the communication stream since the last one on the caller's (_call)
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
@@ -319,8 +320,18 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         return True
 
     def _call(self, async_finish: bool):
-        """The context a call runs in: ``_on_comm``'s stream, else the caller's (``INLINE``)."""
-        return self._res.comm_stream().call(after_caller=True) if self._on_comm(async_finish) else INLINE
+        """The context a call runs in: ``_on_comm``'s stream, else the caller's (``INLINE``). A call
+        on the caller's stream after calls on the communication stream first waits for them: the
+        low-latency kernels read and advance device words that a call still queued there has not
+        advanced yet (a normal-mode call's mover orders itself: ``CudaMover.start_round``; Note
+        [Communication stream])."""
+        if self._on_comm(async_finish):
+            self._comm_since = True
+            return self._res.comm_stream().call(after_caller=True)
+        if self._comm_since:
+            self._comm_since = False
+            self._res.comm_stream().join_caller()
+        return INLINE
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
