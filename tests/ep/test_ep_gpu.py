@@ -253,12 +253,14 @@ def test_gpu_a_padded_fresh_dispatch_returns_at_launch():
 
 
 @needs_gpu
-def test_gpu_a_call_on_the_callers_stream_runs_after_an_async_call_still_queued():
+def test_gpu_a_call_on_the_callers_stream_runs_after_an_async_call_still_queued(monkeypatch):
     """Calls of one Buffer keep their issue order on the device whichever stream each runs on
     (ep._comm_stream, Note [Communication stream]): with an async dispatch's push held on the
     communication stream, a padded dispatch of other tokens on the caller's stream returns but
     waits on the device; released, each call's outputs equal the same call's unheld, instead of
-    the async one pushing the second one's rows."""
+    the async one pushing the second one's rows. More hardware queues than streams, so that the
+    held stream does not hold the caller's through a shared queue."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 41,
             "worst": RANKS * 200}
     for out in run_ranks(calls_keep_their_order, RANKS, case=case, timeout_s=180):
