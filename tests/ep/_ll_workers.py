@@ -8,6 +8,7 @@ channels is then constant, so the FP8 cast is exact and a received row names its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -169,7 +170,8 @@ def ll_calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> d
     dispatch of batch 0, then dispatches of batches 1 and 2 on the caller's stream (batch 2's is
     of batch 0's parity, whose sequence word and output views batch 0's kernels, once released,
     would advance and overwrite); released, returns each batch's valid rows beside the same
-    three calls made unheld before."""
+    three calls made unheld before. With ``case["deep_ep"]`` through ``deep_ep.Buffer``, whose
+    own communication stream runs its async calls."""
     from tests.ep._workers import _held
 
     batches = [_mine(dict(case, seed=seed), rank) for seed in case["seeds"]]
@@ -185,7 +187,19 @@ def ll_calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> d
         return buf.low_latency_dispatch(b["x"], b["topk_idx"], tokens, case["experts"], use_fp8=False, **kw)
 
     got = {}
-    with _buffer(rank, num_ranks, store, case) as buf:
+    with contextlib.ExitStack() as stack:
+        if case.get("deep_ep"):
+            import warmlink.ep.deep_ep as deep_ep
+            from tests.ep._deep_ep_workers import gloo_group
+
+            group = stack.enter_context(gloo_group(rank, num_ranks, case["dist_port"]))
+            rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, case["hidden"], num_ranks, case["experts"],
+                                                                 num_topk=case["topk"])
+            buf = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=case["experts"] // num_ranks,
+                                 explicitly_destroy=True, timeout_s=30)
+            stack.callback(buf.destroy)
+        else:
+            buf = stack.enter_context(_buffer(rank, num_ranks, store, case))
         for _ in range(2):  # every kernel compiled, the communication stream leased
             first = call(0, async_finish=True)
             first[3].current_stream_wait()

@@ -131,3 +131,20 @@ def test_a_call_on_the_callers_stream_after_async_calls_waits_for_them_once(comm
     assert log == [("record", EXIT, COMM), ("wait", CALLER, EXIT)]
     log.clear()
     assert buf._call(False) is INLINE and log == []
+
+
+def test_a_deep_ep_call_on_the_callers_stream_after_async_ones_waits_for_them_once(comm):
+    """``deep_ep.Buffer`` runs its async calls on a stream of its own (the inner Buffer sees them
+    as calls on its caller's stream): the same join, once, when a call leaves that stream."""
+    from warmlink.ep.deep_ep.comm import CommCalls
+
+    stream, log, _ = comm
+    calls = CommCalls()
+    calls._comm, calls._comm_since = stream, True  # an async call ran on the stream (a CUDA call sets it)
+    with calls._call(False, None, None) as call:
+        assert call is INLINE
+    assert log == [("record", EXIT, COMM), ("wait", CALLER, EXIT)]
+    log.clear()
+    with calls._call(False, None, None):
+        pass
+    assert log == []

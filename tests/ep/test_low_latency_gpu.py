@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 from tests.ep._ll_workers import (
     RANK_OFFSET,
@@ -41,13 +42,17 @@ def test_gpu_twenty_reruns_are_identical_and_two_micro_batches_overlap():
         check_rounds(dict(case, seed=seed), [[r[i]] for r in results])
 
 
-def test_gpu_a_call_on_the_callers_stream_runs_after_async_calls_still_queued(monkeypatch):
+@pytest.mark.parametrize("api", ["ep", "deep_ep"])
+def test_gpu_a_call_on_the_callers_stream_runs_after_async_calls_still_queued(monkeypatch, api):
     """A low-latency dispatch on the caller's stream after an async one still queued on the
     communication stream runs after it: the third call (the first's parity) returns its own
-    rows, not the first call's, released late over them. More hardware queues than streams, so
-    that the held stream does not hold the caller's through a shared queue."""
+    rows, not the first call's, released late over them; through ``ep.Buffer`` and through
+    ``deep_ep.Buffer`` (whose own stream runs its async calls). More hardware queues than
+    streams, so that the held stream does not hold the caller's through a shared queue."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     case = {"tokens": [16, 11], "hidden": 1024, "experts": 8, "topk": 3, "masked": 3, "seeds": [1, 2, 3], **_ON_GPU}
+    if api == "deep_ep":
+        case.update(deep_ep=True, dist_port=free_port())
     for out in run_ranks(ll_calls_keep_their_order, 2, case=case, timeout_s=300):
         held, unheld = out["held_last"], out["unheld_last"]
         assert torch.equal(held["count"], unheld["count"]) and int(unheld["count"].sum()) > 0
