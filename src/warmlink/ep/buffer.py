@@ -328,7 +328,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if self._on_comm(async_finish):
             self._comm_since = True
             return self._res.comm_stream().call(after_caller=True)
-        if self._comm_since:
+        if self._comm_since and self._res is not None:
             self._comm_since = False
             self._res.comm_stream().join_caller()
         return INLINE
