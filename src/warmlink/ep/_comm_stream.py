@@ -37,10 +37,11 @@ take every SM that frees up before the call's kernels get one.
 
 The calls of one Buffer keep their issue order on the device, whichever stream each runs on: a
 call on another stream than the last call's send phase first waits for that send's end
-(``CudaMover.start_round``; a low-latency call on the caller's stream after calls on this one
-waits for all of this stream's work: ``Buffer._call``). They share device words that each call's kernels read when they run,
-not when they are launched: a fresh SM send's call block, the push bases its exchange writes, the
-plan's words. Without the wait, an async call whose push is still queued on the communication
+(``CudaMover.start_round``), and a call on the caller's stream after calls on this one waits for
+all of this stream's work (``Buffer._call``, for the low-latency calls, which have no mover).
+They share device words that each call's kernels read when they run, not when they are
+launched: a fresh SM send's call block, the push bases its exchange writes, the plan's words,
+the low-latency sequence numbers and output views. Without the wait, an async call whose push is still queued on the communication
 stream behind other work would push with the next call's block, if that call ran on the caller's
 stream first: another call's rows, with no error. A call on the same stream as the last waits for
 nothing.

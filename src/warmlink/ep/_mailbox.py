@@ -15,10 +15,10 @@ round ``n + 2`` while this rank is still reading round ``n``. The config words a
 so: a peer may overwrite one of round ``n`` with round ``n + 2``'s, so each parity's config word
 carries the round it is of (``config_of``), and the checks skip a word that is no longer the
 round's (``Rounds.meet``, ``check_published``): that peer checked this rank's word of the round
-before it moved on. A writer stores the
-payload before the round number; x86 keeps stores in order and loads in order, so a reader that
-sees the round sees the payload. An ARM host (Grace) would need explicit fences, which Python cannot issue here, so a
-mailbox refuses to open on any other architecture instead of racing.
+before it moved on. A writer stores the payload before the round number; x86 keeps stores in
+order and loads in order, so a reader that sees the round sees the payload. An ARM host (Grace)
+would need explicit fences, which Python cannot issue here, so a mailbox refuses to open on any
+other architecture instead of racing.
 """
 
 from __future__ import annotations
