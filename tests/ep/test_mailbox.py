@@ -1,6 +1,10 @@
-"""``ep._mailbox``: the host handshake refuses CPUs whose memory order it does not handle."""
+"""``ep._mailbox``: the host handshake refuses CPUs whose memory order it does not handle, keeps
+counts until every peer read them, and vouches only for config words still of their round."""
 
 from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import shared_memory
 
 import pytest
 import torch
@@ -153,3 +157,50 @@ def test_a_fresh_dispatch_publishes_its_counts_only_once_every_peer_read_the_one
         rounds.wait_readers(5)
     theirs.publish_dispatch(4, 0)
     rounds.wait_readers(5)
+
+
+def _publish_rounds(name: str, rounds: int) -> None:
+    """Rank 1's process: publish dispatch rounds 1..``rounds`` into the shared segment ``name``,
+    each with a config word that names its round, as fast as it can."""
+    segment = shared_memory.SharedMemory(name=name)
+    try:
+        box = _mailbox.Mailbox(torch.frombuffer(segment.buf, dtype=torch.uint8), 1, 2)
+        for round_ in range(1, rounds + 1):
+            box.publish_dispatch(round_, round_ * 1000 + 7, [round_, round_], [round_] * 4)
+        del box
+    finally:
+        segment.close()
+
+
+def test_config_words_read_while_another_process_replaces_them_are_always_their_rounds():
+    """A peer process publishes rounds back to back while this one reads its config words of the
+    current and the previous round: every word ``config_of`` returns is of the round asked for
+    (the others come back None), whatever the interleaving of the two processes' stores and loads."""
+    if _mailbox.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the mailbox opens on x86 only")
+    segment = shared_memory.SharedMemory(create=True, size=_mailbox.mailbox_nbytes(2))
+    try:
+        segment.buf[:] = bytes(segment.size)
+        reader = _mailbox.Mailbox(_own(2), 0, 2)
+        peer = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        reader.attach(1, peer, None)
+        writer = multiprocessing.get_context("spawn").Process(target=_publish_rounds, args=(segment.name, 200_000))
+        writer.start()
+        vouched = wrong = 0
+        while writer.is_alive() or vouched == 0:
+            at = reader.round_of(1, _mailbox.DISPATCH)
+            for round_ in (at, at - 1):
+                if round_ > 0:
+                    word = reader.config_of(1, round_)
+                    if word is not None:
+                        vouched += 1
+                        wrong += word != round_ * 1000 + 7
+            if not writer.is_alive() and reader.round_of(1, _mailbox.DISPATCH) == 0:
+                break  # the writer died before its first round: the exit code below says so
+        writer.join(timeout=60)
+        assert writer.exitcode == 0
+        assert wrong == 0 and vouched > 0
+        del reader, peer
+    finally:
+        segment.close()
+        segment.unlink()
