@@ -24,9 +24,10 @@ starts the moment the last byte is in, and the host returns at launch. The calle
 ordered after the receive work with a local event. A dead or stalled sender fails the Buffer at
 its deadline and its flags are released from the CPU, so the receive stream never waits for
 good. Outputs the receive work writes are marked with ``record_stream``, so the allocator never
-hands their memory out while it may still run. The stream has the device's greatest priority,
-as the communication stream does (ep._comm_stream): a caller's GEMM queued beside an async call
-would otherwise hand its SMs to its own waiting blocks first, and the sum would wait for it.
+hands their memory out while it may still run. The stream keeps the default priority, unlike the
+communication stream (ep._comm_stream): no measured row gained from the greatest, and the
+one-GPU comparison of the code that gave it the greatest read the combines 5-10% slower, on noisy
+machines (benchmarks/history-2026-11-27.md).
 """
 
 from __future__ import annotations

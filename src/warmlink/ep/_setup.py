@@ -164,7 +164,7 @@ class Resources:
 
     def _cuda_mover(self, regions: dict) -> CudaMover:
         from warmlink.pool.events import lease_event
-        from warmlink.pool.streams import lease_urgent_stream
+        from warmlink.pool.streams import lease_stream
 
         # The link's copy streams (_link_options): one runs the destinations' copies back to back
         # in issue order, each at the full rate of one copy engine; per-peer streams let them
@@ -175,7 +175,7 @@ class Resources:
         self.done_events = [e.resource.handle for e in done]
         # not among self.leases: close() must not order the caller's stream after it (it may
         # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
-        self.recv_stream = lease_urgent_stream(self.device)  # Note [Receive work on its own stream]
+        self.recv_stream = lease_stream(self.device)
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                          {r: reg.ptr for r, reg in regions.items()}, self.link.engines,
                          self.recv_stream.resource, [e.resource.handle for e in local],
