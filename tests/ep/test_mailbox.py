@@ -204,3 +204,37 @@ def test_config_words_read_while_another_process_replaces_them_are_always_their_
     finally:
         segment.close()
         segment.unlink()
+
+
+def test_a_staged_fresh_dispatch_waits_for_the_readers_before_it_publishes_its_counts():
+    """The staged send (host and copy-engine paths) publishes its counts only after
+    ``Rounds.wait_readers``, then meets: the order Note [Mailbox rounds] relies on."""
+    from types import SimpleNamespace
+
+    from warmlink.ep._call_block import Sources
+    from warmlink.ep._checks import Checks
+    from warmlink.ep._kernels import plan
+    from warmlink.ep._regions import RegionLayout
+    from warmlink.ep._senders import FreshSend, HostSender
+
+    log = []
+    layout = RegionLayout(2, 4, 16, 2)
+    in_rank = torch.tensor([[True, True], [True, False]])
+    topk = torch.tensor([[0, 2], [1, -1]])
+    per_rank, per_expert = torch.tensor([2, 1]), torch.tensor([1, 1, 1, 0])
+    words = plan(in_rank, topk, per_rank, per_expert, layout.max_tokens)[1].numpy()
+    mover = SimpleNamespace(start_to_host=lambda w: None, begin=lambda: None, gather=lambda *a: None,
+                            wait_host=lambda timeout_s: words, flush_all=lambda *a: None, place_local=lambda *a: None,
+                            flush=lambda *a: None)
+    mailbox = SimpleNamespace(publish_dispatch=lambda round_, config, *counts: log.append(("publish", round_)))
+    rounds = SimpleNamespace(rank=0, num_ranks=2, timeout_s=1.0, mailbox=mailbox, order=lambda: [1],
+                             wait_readers=lambda round_: log.append(("wait_readers", round_)),
+                             meet=lambda field, round_: log.append(("meet", round_)),
+                             complete_plan=lambda handle, round_: handle.__dict__.update(
+                                 dst_rows=[0, 0], combine_rows=torch.zeros(2, 2, dtype=torch.int64), send_counts=[2, 1]),
+                             end=lambda *a: None)
+    sender = HostSender(mover, rounds, Checks(layout, 2, -1), layout, False)
+    x = torch.zeros(2, 2, dtype=torch.int64)
+    call = FreshSend(Sources(x, topk), in_rank, per_rank, per_expert, 4, 0, 0, 7, "dispatch.1", ("recv_x.1", "recv_meta.1"))
+    sender.send_fresh(call, {}, False)
+    assert log == [("wait_readers", 7), ("publish", 7), ("meet", 7)]
