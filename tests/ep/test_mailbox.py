@@ -7,6 +7,8 @@ import multiprocessing
 from multiprocessing import shared_memory
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from warmlink.ep import _mailbox
@@ -238,3 +240,27 @@ def test_a_staged_fresh_dispatch_waits_for_the_readers_before_it_publishes_its_c
     call = FreshSend(Sources(x, topk), in_rank, per_rank, per_expert, 4, 0, 0, 7, "dispatch.1", ("recv_x.1", "recv_meta.1"))
     sender.send_fresh(call, {}, False)
     assert log == [("wait_readers", 7), ("publish", 7), ("meet", 7)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs=st.lists(st.sampled_from([11, 22]), min_size=1, max_size=12), back=st.integers(0, 4), mine=st.sampled_from([11, 22]))
+def test_a_meet_compares_a_peers_word_exactly_while_it_is_still_the_rounds(configs, back, mine):
+    """A peer published dispatch rounds 1..p (``configs``); this rank meets round r <= p with its
+    own word. The meet refuses exactly when the peer's word of round r differs and is still there
+    (the peer at r or r + 1); a word that round r + 2 or later replaced is never compared."""
+    from warmlink.ep._call_config import encode_call
+    from warmlink.errors import ConfigError
+
+    words = {11: encode_call(16, 4, torch.bfloat16, False, True), 22: encode_call(16, 0, torch.bfloat16, True)}
+    with pytest.MonkeyPatch.context() as mp:
+        rounds, theirs = _pair(mp)
+    p = len(configs)
+    r = max(1, p - back)
+    for round_, config in enumerate(configs, 1):
+        theirs.publish_dispatch(round_, words[config])
+    rounds.mailbox.publish_dispatch(r, words[mine])
+    if p - r <= 1 and configs[r - 1] != mine:
+        with pytest.raises(ConfigError, match="rank 1 dispatches with"):
+            rounds.meet(_mailbox.DISPATCH, r)
+    else:
+        rounds.meet(_mailbox.DISPATCH, r)
