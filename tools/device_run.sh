@@ -8,7 +8,8 @@
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
 #         compare-ep: PAIRS, PREV (the previous code's src, default .prev/src, carried), SHUFFLE=1 (pair i times the
-#         dispatch rows in seed i's order, both codes alike; needs a previous code with --shuffle))
+#         dispatch rows in seed i's order, both codes alike; needs a previous code with --shuffle); prints min / q25 /
+#         median per code, then each row's median ratio to its own run's NCCL dispatch)
 # Logs go to $OUT (or ./out). Every step has its own timeout so that a hang costs minutes, not the lease.
 # The device tool returns at most 8 files of $OUT per call: bench-nixl-threads alone writes 8.
 set -uo pipefail
@@ -102,6 +103,9 @@ for d in range(torch.cuda.device_count()):
       done
       python3 tools/ep_compare.py --quantiles --code previous="$OUT/compare/ep_previous_*.json" --code this="$OUT/compare/ep_this_*.json" \
         | tee "$OUT/compare.txt"
+      # and each row over its own run's NCCL dispatch: the machines swing between runs
+      python3 tools/ep_compare.py --baseline "torch+NCCL dispatch (bf16)" --code previous="$OUT/compare/ep_previous_*.json" \
+        --code this="$OUT/compare/ep_this_*.json" | tee -a "$OUT/compare.txt"
       tar czf "$OUT/compare.tgz" -C "$OUT" compare && rm -rf "$OUT/compare" ;;
     bench-ep-life)
       for i in $(seq 1 ${REPEATS_EP:-2}); do
