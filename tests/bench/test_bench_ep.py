@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from warmlink.cli.main import main
 
 SMALL = ["--ranks", "2", "--tokens", "48", "--hidden", "256", "--experts", "8", "--topk", "4", "--timeout", "120"]
@@ -67,6 +69,18 @@ def test_bench_ep_times_the_deep_ep_drop_in_with_both_budgets(tmp_path, capsys):
     for rank in record["ranks"]:
         assert rank["deep_ep_s"]["one_round"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
         assert rank["deep_ep_s"]["one_round"]["budget"] >= 1 and rank["deep_ep_s"]["hint"]["dispatch"] > 0
+        assert "overlap" not in rank["deep_ep_s"]["one_round"]  # a GPU row: the GEMM beside an async combine
+    # the table of GPU ranks that measured it: the slowest rank's figures, and their ratio
+    from warmlink.bench.ep_table import table
+
+    for i, rank in enumerate(record["ranks"]):
+        rank["deep_ep_s"]["one_round"]["overlap"] = {"gemm": 1e-3, "combine": 4e-4 + i * 1e-4,
+                                                     "combine_then_gemm": 1.4e-3, "gemm_beside": 1.05e-3 + i * 1e-4}
+    lines, summary = table(record["config"], record["ranks"])
+    overlap = summary["deep_ep_overlap"]
+    assert (overlap["combine_ms"], overlap["beside_ms"]) == pytest.approx((0.5, 1.15))
+    assert overlap["ratio"] == pytest.approx(1.15 / 1.4)
+    assert any(line.startswith("deep_ep, GEMM queued before an async combine") and line.endswith("= 0.82 x") for line in lines)
 
 
 def test_bench_ep_shuffle_times_the_dispatch_rows_in_the_seeds_order_on_every_rank(tmp_path, capsys):

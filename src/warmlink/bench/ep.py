@@ -95,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "table's order); comparing codes over runs with different seeds ties no row to a place in the run")
     p.add_argument("--deep-ep", action="store_true",
                    help="also time the DeepEP drop-in (warmlink.ep.deep_ep): with DeepEP's hint-sized budget, where "
-                   "a batch larger than it holds goes in several rounds, and with a budget that holds it in one")
+                   "a batch larger than it holds goes in several rounds, and with a budget that holds it in one; on "
+                   "GPUs also a GEMM queued before an async combine given a previous_event from before it (DeepEP's "
+                   "way to overlap work already queued)")
 
 
 def _free_port() -> int:
@@ -391,7 +393,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     if cfg["deep_ep"]:
         from warmlink.bench.ep_deep_ep import time_deep_ep
 
-        out["deep_ep_s"] = time_deep_ep(x, topk_idx, weights, E, timed)
+        out["deep_ep_s"] = time_deep_ep(x, topk_idx, weights, E, timed, cfg["gemm"] if cuda else 0)
     if cuda and cfg["gemm"]:
         m = cfg["gemm"]
         a = torch.randn(m, m, device=device, dtype=torch.bfloat16)

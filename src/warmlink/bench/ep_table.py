@@ -110,6 +110,14 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
             what = "combine" if name == "combine" else "cached dispatch"
             lines.append(f"async_finish, {what}: GEMM {g * 1e3:.3f} ms, {what} {alone * 1e3:.3f} ms; {what} then GEMM "
                          f"{inline * 1e3:.3f} ms, with async_finish {both * 1e3:.3f} ms = {both / inline:.2f} x")
+    if "overlap" in ranks[0].get("deep_ep_s", {}).get("one_round", {}):
+        g, c, inline, beside = (worst(lambda r, k=k: r["deep_ep_s"]["one_round"]["overlap"][k])
+                                for k in ("gemm", "combine", "combine_then_gemm", "gemm_beside"))
+        summary["deep_ep_overlap"] = {"gemm_ms": g * 1e3, "combine_ms": c * 1e3, "inline_ms": inline * 1e3,
+                                      "beside_ms": beside * 1e3, "ratio": beside / inline}
+        lines.append(f"deep_ep, GEMM queued before an async combine (previous_event): GEMM {g * 1e3:.3f} ms, combine "
+                     f"{c * 1e3:.3f} ms; combine then GEMM {inline * 1e3:.3f} ms, GEMM beside the combine "
+                     f"{beside * 1e3:.3f} ms = {beside / inline:.2f} x")
     for r in ranks:
         for kind, p in r.get("overlap_parts_s", {}).items():
             lines.append(f"  {kind} send -> GEMM -> hook, rank {r['rank']} (ms): send {p['send'] * 1e3:.3f}, hook "
