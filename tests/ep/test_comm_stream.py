@@ -122,7 +122,7 @@ def test_a_call_on_the_callers_stream_after_async_calls_waits_for_them_once(comm
 
     stream, log, _ = comm
     buf = Buffer.__new__(Buffer)
-    buf.device, buf._comm_since, buf._res = 0, False, SimpleNamespace(comm_stream=lambda: stream)
+    buf.device, buf._res = 0, SimpleNamespace(comm_stream=lambda: stream, comm=stream)
     assert buf._call(False) is INLINE and log == []  # nothing ran on the communication stream yet
     with buf._call(True):
         pass
@@ -140,7 +140,9 @@ def test_a_deep_ep_call_on_the_callers_stream_after_async_ones_waits_for_them_on
 
     stream, log, _ = comm
     calls = CommCalls()
-    calls._comm, calls._comm_since = stream, True  # an async call ran on the stream (a CUDA call sets it)
+    calls._comm = stream
+    with stream.call(after_caller=False):  # an async call ran on the stream (deep_ep's _call makes it for CUDA tensors)
+        pass
     with calls._call(False, None, None) as call:
         assert call is INLINE
     assert log == [("record", EXIT, COMM), ("wait", CALLER, EXIT)]

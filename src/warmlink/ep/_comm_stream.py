@@ -41,10 +41,10 @@ call on another stream than the last call's send phase first waits for that send
 all of this stream's work (``Buffer._call``, for the low-latency calls, which have no mover).
 They share device words that each call's kernels read when they run, not when they are
 launched: a fresh SM send's call block, the push bases its exchange writes, the plan's words,
-the low-latency sequence numbers and output views. Without the wait, an async call whose push is still queued on the communication
-stream behind other work would push with the next call's block, if that call ran on the caller's
-stream first: another call's rows, with no error. A call on the same stream as the last waits for
-nothing.
+the low-latency sequence numbers and output views. Without the wait, an async call whose push is
+still queued on the communication stream behind other work would push with the next call's
+block, if that call ran on the caller's stream first: another call's rows, with no error. A call
+on the same stream as the last waits for nothing.
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ class CommStream:
         self.stream = stream.resource.torch_stream()
         self.raw = self.stream.cuda_stream
         self.entry_event, self.exit_event = (e.resource.handle for e in self._event_leases)
+        self._joined = True  # no call ran here since the caller's stream last joined it (join_caller)
 
     @classmethod
     def lease(cls, device: int) -> "CommStream":
@@ -159,13 +160,19 @@ class CommStream:
             raise
 
     def join_caller(self) -> None:
-        """Order the caller's current stream after everything queued on this stream so far."""
+        """Order the caller's current stream after everything queued on this stream so far, when a
+        call ran here since the last join (a call on the caller's stream makes it first: Note
+        [Communication stream]); else nothing."""
+        if self._joined:
+            return
+        self._joined = True
         self.cuda.event_record(self.exit_event, self.raw)
         self.cuda.stream_wait_event(torch.cuda.current_stream(self.device).cuda_stream, self.exit_event)
 
     def call(self, after_caller: bool = True) -> _OnComm:
         """The context of one call on this stream, which first waits for the caller's stream when
         ``after_caller`` (else the call waits for its ``previous_event`` only, inside the context)."""
+        self._joined = False
         return _OnComm(self, after_caller)
 
     def close(self, drain: bool = True) -> None:

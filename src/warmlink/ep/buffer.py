@@ -102,7 +102,6 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
         self._check_low_latency(low_latency_mode, num_experts)
         self._recv_failed = False
-        self._comm_since = False  # a call ran on the communication stream since the last one on the caller's (_call)
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
@@ -326,11 +325,9 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         advanced yet (a normal-mode call's mover orders itself: ``CudaMover.start_round``; Note
         [Communication stream])."""
         if self._on_comm(async_finish):
-            self._comm_since = True
             return self._res.comm_stream().call(after_caller=True)
-        if self._comm_since and self._res is not None:
-            self._comm_since = False
-            self._res.comm_stream().join_caller()
+        if self._res is not None and self._res.comm is not None:
+            self._res.comm.join_caller()
         return INLINE
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ class CommCalls:
 
     _comm: CommStream | None = None
     _comm_failed = False  # a call raised on the stream: close does not wait for it (it may wait on a lost peer)
-    _comm_since = False  # a call ran on the stream since the last one on the caller's
 
     @contextlib.contextmanager
     def _call(self, async_finish: bool, previous_event, like):
@@ -29,12 +28,10 @@ class CommCalls:
         after the stream's work when calls ran there since (the calls keep their issue order: the
         inner Buffer's low-latency kernels read device words a queued call has yet to advance)."""
         if not async_finish or not isinstance(like, torch.Tensor) or not like.is_cuda:
-            if self._comm_since and self._comm is not None:
-                self._comm_since = False
+            if self._comm is not None:
                 self._comm.join_caller()
             yield INLINE
             return
-        self._comm_since = True
         device = like.device.index
         if self._comm is None:
             self._comm = CommStream.lease(device)
