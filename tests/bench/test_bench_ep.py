@@ -63,12 +63,14 @@ def test_bench_ep_times_the_deep_ep_drop_in_with_both_budgets(tmp_path, capsys):
     assert main(["bench", "ep", *SMALL, "--iterations", "2", "--warmup", "1", "--gemm", "0", "--deep-ep",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for row in ("deep_ep dispatch, hint budget", "deep_ep cached, batch budget (1 round)", "deep_ep combine, hint budget"):
+    for row in ("deep_ep dispatch, hint budget", "deep_ep padded, hint budget", "deep_ep cached, batch budget (1 round)",
+                "deep_ep combine, hint budget"):
         assert row in text
     record = json.loads(out.read_text())
     for rank in record["ranks"]:
         assert rank["deep_ep_s"]["one_round"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
         assert rank["deep_ep_s"]["one_round"]["budget"] >= 1 and rank["deep_ep_s"]["hint"]["dispatch"] > 0
+        assert rank["deep_ep_s"]["one_round"]["padded"] > 0 and rank["deep_ep_s"]["hint"]["padded"] > 0
         assert "overlap" not in rank["deep_ep_s"]["one_round"]  # a GPU row: the GEMM beside an async combine
     # the table of GPU ranks that measured it: the slowest rank's figures, and their ratio
     from warmlink.bench.ep_table import table

@@ -74,6 +74,23 @@ def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict
             out["one_bad_rank"] = str(exc)
         out["after_bad"] = _same(many.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=4, **args)[0],
                                  got["many"]["dispatch"][0])
+        # the same, padded: no meeting first, so rank 1 refuses in the round itself (ep.Buffer.refuse_dispatch)
+        worst = 2 * sum(case["tokens"])
+        try:
+            many.dispatch(x, topk_idx=idx, num_worst_tokens=worst, **bad)
+            out["one_bad_rank_padded"] = "ok"
+        except ConfigError as exc:
+            out["one_bad_rank_padded"] = str(exc)
+        out["after_bad_padded"] = _same(many.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst,
+                                                      **args)[:4], got["many"]["padded"])
+        inner, meets = many.warmlink_buffer, []  # a padded dispatch never meets the peers' hosts first
+        gather = inner.all_gather_int
+        inner.all_gather_int = lambda *a, **k: meets.append(a) or gather(*a, **k)
+        many.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, **args)
+        out["padded_meets"] = len(meets)
+        many.dispatch(x, topk_idx=idx, topk_weights=w, **args)
+        out["unpadded_meets"] = len(meets) - out["padded_meets"]
+        del inner.all_gather_int
         for kind in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine"):
             out[kind] = _same(got["one"][kind], got["many"][kind])
         out["rounds"] = (got["one"]["rounds"], got["many"]["rounds"])

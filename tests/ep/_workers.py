@@ -302,17 +302,19 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 if hook:
                     out[-1]()
                 return first, _cpu(out[0]), padded_ids
-            if fault == "refused_then_valid":  # rank 0's bad id spends the round on every rank; the next works
-                bad = idx.clone()
-                bad[0, 0] = case["experts"] + 3
-                try:
-                    buf.dispatch(x, topk_idx=bad if rank == 0 else idx, num_experts=case["experts"])
+            if fault == "refused_then_valid":  # rank 0's bad input spends the round on every rank; the next works
+                kwargs = _refused_call(buf, x, idx, case) if rank == 0 else {"x": x, "topk_idx": idx,
+                                                                             "num_experts": case["experts"]}
+                worst, first, padded_ids = case.get("worst", 0), "ok", None
+                try:  # raised by the call, or, when a padded call returned at launch, by the next one
+                    out = buf.dispatch(**dict(kwargs, num_worst_tokens=kwargs.get("num_worst_tokens", worst)))
+                    padded_ids, first = _cpu(out[1]), "returned"
+                    buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
                 except Exception as exc:  # noqa: BLE001 - the test compares the type name
-                    first = f"{type(exc).__name__}: {exc}"
-                else:
-                    first = "ok"
+                    error = f"{type(exc).__name__}: {exc}"
+                    first = f"returned, then {error}" if first == "returned" else error
                 recv_x = buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])[0]
-                return first, _cpu(recv_x)
+                return first, _cpu(recv_x), padded_ids
             buf.dispatch(x, topk_idx=idx, num_experts=case["experts"])
     except Exception as exc:  # noqa: BLE001 - the test compares the type name
         message = f"{type(exc).__name__}: {exc}"
@@ -323,6 +325,29 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
                 message += f" [the device took {time.perf_counter() - start:.1f} s to drain]"
         return message
     return "ok"
+
+
+def _refused_call(buf, x, idx, case: dict) -> dict:
+    """``dispatch`` arguments that fail one of rank 0's own checks: ``case["refusal"]`` names which."""
+    kind, experts = case.get("refusal", "bad_expert"), case["experts"]
+    args = {"x": x, "topk_idx": idx, "num_experts": experts}
+    if kind == "bad_expert":  # seen by the plan (on the device with SM sends)
+        bad = idx.clone()
+        bad[0, 0] = experts + 3
+        return dict(args, topk_idx=bad)
+    if kind == "oversize":  # more tokens than the Buffer holds
+        return dict(args, x=torch.cat([x, x]), topk_idx=torch.cat([idx, idx]))
+    if kind == "bad_counts":  # num_tokens_per_rank that is_token_in_rank contradicts
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        return {"x": x, "topk_idx": idx, "num_tokens_per_rank": per_rank + 1, "is_token_in_rank": in_rank,
+                "num_tokens_per_expert": per_expert}
+    if kind == "bad_shape":  # an is_token_in_rank of one row too few
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        return {"x": x, "topk_idx": idx, "num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank[:-1],
+                "num_tokens_per_expert": per_expert}
+    if kind == "bad_worst":  # more padded rows than the receive area holds
+        return dict(args, num_worst_tokens=10**6)
+    raise ValueError(f"_refused_call: unknown refusal {kind!r}")
 
 
 def hook_leaves_streams_idle(rank: int, num_ranks: int, store, case: dict) -> dict:

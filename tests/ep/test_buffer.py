@@ -260,32 +260,25 @@ def test_a_second_lifecycle_with_late_peers_matches_the_reference():
     check_against_reference(case, run_ranks(after_an_earlier_lifecycle, 2, case=case, timeout_s=120))
 
 
-def test_bad_expert_id_raises_before_any_byte_moves():
-    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "bad_expert", "timeout_s": 2.0}
-    errors = run_ranks(expect_error, 2, case=case)
-    assert errors[0].startswith("ConfigError") and "outside [-1, 4)" in errors[0], errors[0]
-    _peer_failed_closed(errors[1])
-
-
-def test_counts_that_contradict_the_mask_are_refused_before_any_byte_moves():
-    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "bad_counts", "timeout_s": 2.0}
-    errors = run_ranks(expect_error, 2, case=case)
-    assert errors[0].startswith("ConfigError") and "is_token_in_rank holds" in errors[0], errors[0]
-    _peer_failed_closed(errors[1])
-
-
-def _peer_failed_closed(error: str) -> None:
-    """The peer of a rank that refused a call stops with a timeout (rank 0 stalled) or, when rank 0
-    already closed and exited, with PeerLostError; never a hang, never silently wrong data."""
-    assert (error.startswith("TransferTimeout") and "ranks [0]" in error) or (
-        error.startswith("PeerLostError") and ("ep/0" in error or "rank 0" in error)), error
-
-
-def test_oversize_batch_is_refused():
-    case = {"tokens": [6, 6], "hidden": 128, "experts": 4, "topk": 2, "fault": "oversize", "timeout_s": 2.0}
-    errors = run_ranks(expect_error, 2, case=case)
-    assert errors[0].startswith("ConfigError") and "max_tokens_per_rank=6" in errors[0], errors[0]
-    _peer_failed_closed(errors[1])
+@pytest.mark.parametrize("refusal, says", [
+    ("bad_expert", "outside [-1, 4)"), ("bad_counts", "is_token_in_rank holds"), ("oversize", "max_tokens_per_rank=6"),
+    ("bad_shape", "is_token_in_rank has shape"), ("bad_worst", "num_worst_tokens=1000000")])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_refusing_its_arguments_makes_every_rank_raise_at_once_and_the_next_call_works(refusal, says, ranks):
+    """Rank 0's fresh dispatch fails one of its own checks: it takes part in the round without tokens,
+    refused (ep._senders, Note [Refused dispatch]), so every peer raises ConfigError naming it at
+    once, instead of waiting out its timeout (120 s here: a wait would fail the test's own limit),
+    and the next dispatch of every rank equals the reference."""
+    case = {"tokens": [6] * ranks, "hidden": 128, "experts": 4 * ranks, "topk": 2, "fault": "refused_then_valid",
+            "refusal": refusal, "timeout_s": 120.0, "seed": 5}
+    results = run_ranks(expect_error, ranks, case=case, timeout_s=60)
+    first = [r[0] for r in results]
+    assert first[0].startswith("ConfigError") and says.replace("[-1, 4)", f"[-1, {4 * ranks})") in first[0], first[0]
+    assert all(e.startswith("ConfigError") and "ranks [0] refused their dispatch arguments" in e for e in first[1:]), first
+    inputs = case_inputs(case)
+    ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
+    for d, (_, recv_x, _) in enumerate(results):
+        assert torch.equal(recv_x, ref[d]["recv_x"]), f"rank {d}: the dispatch after the refused one differs"
 
 
 def test_dead_peer_raises_peer_lost_not_a_hang():

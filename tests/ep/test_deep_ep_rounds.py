@@ -23,11 +23,18 @@ def test_several_rounds_give_exactly_what_one_round_gives():
         # rank 1 passed a wrong is_token_in_rank: it says what; the others say who, at once
         expected = "is_token_in_rank has shape" if rank == 1 else "ranks [1] refused their arguments"
         assert expected in got["one_bad_rank"] and got["after_bad"], got
+        # padded, there is no meeting first: rank 1 refuses in the round itself, and every rank raises at once
+        expected = "is_token_in_rank has shape" if rank == 1 else "ranks [1] refused their dispatch arguments"
+        assert expected in got["one_bad_rank_padded"] and got["after_bad_padded"], got
+        assert (got["padded_meets"], got["unpadded_meets"]) == (0, 1), got
         assert {k: got[k] for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")} == {
             k: True for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")}, got
         assert got["rounds"] == (None, 6), got  # ceil(23 / 4): every rank runs the most any rank needs
         one, many = got["too_few_worst"]
-        assert one.startswith("ConfigError") and many.startswith("ConfigError") and "num_worst_tokens=1" in many, got
+        assert one.startswith("ConfigError") and "num_worst_tokens=1" in one, got
+        # num_worst_tokens=1 gives one round of 4 tokens: ranks 0 and 1 hold more and refuse, rank 2 hears it
+        expected = "num_worst_tokens=1 at 3 ranks sends 1 round" if rank < 2 else "ranks [0, 1] refused their dispatch"
+        assert many.startswith("ConfigError") and expected in many, got
         # the Buffer inside stays within the budget, as large as it holds
         assert got["inner_tokens"] == 4 and got["inner_bytes"] <= got["budget"] < needed_bytes(5, 3, 256, 2), got
         assert "rounds=6" in got["repr"], got
@@ -51,3 +58,21 @@ def test_every_rounds_counts_in_one_pass_equal_a_layout_per_round(num_tokens, ca
         lay = dispatch_layout(topk_idx[k * cap:(k + 1) * cap], experts, num_ranks)
         assert torch.equal(per_rank[k], in_rank[k * cap:(k + 1) * cap].sum(0, dtype=torch.int32))
         assert torch.equal(per_expert[k], lay.num_tokens_per_expert)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 10**7), st.integers(1, 64), st.integers(1, 5000), st.integers(0, 10**6))
+def test_a_padded_dispatch_takes_the_fewest_rounds_that_hold_its_share_of_num_worst_tokens(worst, num_ranks, cap, tokens):
+    """Every rank computes the same rounds from ``num_worst_tokens`` alone: the fewest that hold
+    ``ceil(W / R)`` tokens per rank, and a rank whose batch they do not hold refuses, saying why."""
+    from types import SimpleNamespace
+
+    from warmlink.ep.deep_ep.rounds import padded_rounds
+
+    inner = SimpleNamespace(num_ranks=num_ranks, layout=SimpleNamespace(max_tokens=cap))
+    rounds, problem = padded_rounds(inner, worst, tokens)
+    share = -(-worst // num_ranks)
+    assert rounds >= 1 and rounds * cap >= share and (rounds == 1 or (rounds - 1) * cap < share)
+    assert (problem is None) == (tokens <= rounds * cap)
+    if problem:
+        assert f"num_worst_tokens={worst}" in problem and f"x has {tokens} tokens" in problem

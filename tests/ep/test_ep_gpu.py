@@ -160,30 +160,41 @@ _FAULT = {"hidden": 256, "experts": 8, "topk": 2, "backend": "cuda_ipc", "timeou
 
 
 @needs_gpu
-def test_gpu_a_refused_input_stops_every_push_and_spends_the_round():
-    case = dict(_FAULT, tokens=_tokens(6, 9), fault="refused_then_valid", seed=12)
-    results = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("refusal, says", [("bad_expert", "outside [-1, 8)"), ("oversize", "max_tokens_per_rank=9"),
+                                           ("bad_shape", "is_token_in_rank has shape")])
+def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says, padded):
+    """Rank 0's input fails its plan on the device (bad_expert) or its host checks (the others: it
+    then sends a refused round without tokens, ep._senders, Note [Refused dispatch]): every peer
+    raises ConfigError naming it, a padded peer that returned at launch got padding only and raises
+    at its next call, no kernel is left waiting, and the next dispatch equals the reference."""
+    worst = RANKS * 9 if padded else 0  # every row the receive area holds
+    case = dict(_FAULT, tokens=_tokens(6, 9), fault="refused_then_valid", refusal=refusal, worst=worst, seed=12,
+                timeout_s=60.0)
+    results = run_ranks(expect_error, RANKS, case=case, timeout_s=150)
     first = [r[0] for r in results]
-    assert first[0].startswith("ConfigError") and "outside [-1, 8)" in first[0], first[0]
-    assert all(e.startswith("ConfigError") and "ranks [0] refused" in e for e in first[1:]), first
+    # a host check raises at once; the device's (bad_expert) at the next call, when padded
+    at_once = not (padded and refusal == "bad_expert")
+    assert first[0].startswith("ConfigError" if at_once else "returned, then ConfigError"), first[0]
+    assert says in first[0] and "drain" not in first[0], first[0]
+    for e, (_, _, padded_ids) in zip(first[1:], results[1:]):
+        if padded:  # returned at launch with padding only; the next call raised the refusal
+            assert e.startswith("returned, then ConfigError") and bool((padded_ids == -1).all()), (e, padded_ids)
+        else:
+            assert e.startswith("ConfigError"), e
+        assert "ranks [0] refused their dispatch" in e and "drain" not in e, e
     ref = reference_dispatch([i["x"] for i in case_inputs(case)], [i["topk_idx"] for i in case_inputs(case)], None,
                              case["experts"])
-    for d, (_, recv_x) in enumerate(results):
+    for d, (_, recv_x, _) in enumerate(results):
         assert torch.equal(recv_x, ref[d]["recv_x"]), f"rank {d}: the dispatch after the refused one differs"
 
 
 @needs_gpu
-@pytest.mark.parametrize("fault", ["oversize", "dead_peer"])
-def test_gpu_a_missing_peer_ends_the_count_exchange_without_a_stuck_kernel(fault):
-    ranks = max(RANKS, 3) if fault == "dead_peer" else RANKS  # rank 1 dies, ranks 0 and 2 report it
-    case = dict(_FAULT, tokens=[6] * ranks, experts=2 * ranks, fault=fault)  # experts: a multiple of the ranks
+def test_gpu_a_missing_peer_ends_the_count_exchange_without_a_stuck_kernel():
+    ranks = max(RANKS, 3)  # rank 1 dies, ranks 0 and 2 report it
+    case = dict(_FAULT, tokens=[6] * ranks, experts=2 * ranks, fault="dead_peer")  # experts: a multiple of the ranks
     errors = run_ranks(expect_error, ranks, case=case, timeout_s=120)
-    if fault == "oversize":
-        assert errors[0].startswith("ConfigError") and "max_tokens_per_rank=6" in errors[0], errors[0]
-        waiting = errors[1:]
-    else:
-        waiting = [e for r, e in enumerate(errors) if r != 1]
-    for e in waiting:  # rank 0 (1) never posted: a timeout, or its exit seen; the device drained at once
+    for e in [e for r, e in enumerate(errors) if r != 1]:  # its exit seen, or a timeout; the device drained at once
         assert e.startswith(("TransferTimeout", "PeerLostError")) and "drain" not in e, e
 
 

@@ -16,7 +16,7 @@ BUDGET_NAMES = {"hint": "hint budget", "one_round": "batch budget"}
 
 def time_deep_ep(x, topk_idx, weights, num_experts: int, timed, gemm: int = 0) -> dict:
     """Per budget: its bytes, the rounds a call takes, and the median seconds (``timed``) of a
-    fresh dispatch, a cached one and a combine with weights. On CUDA with ``gemm`` (M=N=K of a
+    fresh dispatch, a padded one (``num_worst_tokens``), a cached one and a combine with weights. On CUDA with ``gemm`` (M=N=K of a
     BF16 GEMM), also ``"overlap"`` for the batch budget: the GEMM alone, the combine alone, the
     combine then the GEMM, and the GEMM queued first with the combine made beside it
     (``previous_event`` captured before the GEMM, ``async_finish``: DeepEP's way to overlap work
@@ -39,6 +39,8 @@ def time_deep_ep(x, topk_idx, weights, num_experts: int, timed, gemm: int = 0) -
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kw)
             out[name] = {"budget": budget, "rounds": len(handle.rounds) if handle.rounds is not None else 1,
                          "dispatch": timed(lambda: buf.dispatch(x, **kw)),
+                         # its rounds come from num_worst_tokens: no host meets the peers first
+                         "padded": timed(lambda: buf.dispatch(x, **kw, num_worst_tokens=num_ranks * num_tokens)),
                          "cached": timed(lambda: buf.dispatch(x, handle=handle)),
                          "combine": timed(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))}
             if name == "one_round" and gemm and x.is_cuda:

@@ -59,8 +59,10 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
         for budget in BUDGETS:
             rounds = ranks[0]["deep_ep_s"][budget]["rounds"]
             what = f"{rounds} round{'s' if rounds > 1 else ''}"
-            for op, nbytes, base in (("dispatch", b16, nccl["dispatch"]), ("cached", b16, None),
-                                     ("combine", bc, nccl["combine"])):
+            for op, nbytes, base in (("dispatch", b16, nccl["dispatch"]), ("padded", b16, nccl["dispatch"]),
+                                     ("cached", b16, None), ("combine", bc, nccl["combine"])):
+                if op not in ranks[0]["deep_ep_s"][budget]:  # records from before the padded row
+                    continue
                 row(f"deep_ep {op}, {BUDGET_NAMES[budget]} ({what})",
                     worst(lambda r, b=budget, o=op: r["deep_ep_s"][b][o]), nbytes, d16, base)
     if "floor_s" in ranks[0]:

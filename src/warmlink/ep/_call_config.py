@@ -9,6 +9,10 @@ weight a sender did not write is whatever an earlier round left there.
 Dispatch bits: 0 cached, 1 SM sends, 2 ``topk_weights`` passed, 3-4 x's dtype, 5-19 top-k, 20-32
 experts, 33-62 ``num_worst_tokens``. Combine bits: 0-1 x's dtype, 2-16 ``topk_weights`` columns
 (0: none passed), 17-62 the round of the dispatch whose handle it uses.
+
+``REFUSED`` (-1, a word ``encode_call`` never makes) is the word of a rank that refused its own
+fresh dispatch's arguments and takes part in the round without tokens (``ep.Buffer.refuse_dispatch``;
+ep._senders, Note [Refused dispatch]): every rank that reads it raises ``ConfigError`` naming that rank.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
+__all__ = ["REFUSED", "combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
 
+REFUSED = -1  # the config word of a refused fresh dispatch (module docstring)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # a dtype's code is its index
 _TOPK_BITS, _EXPERT_BITS = 15, 13
 _WORST_SHIFT = 33

@@ -9,12 +9,13 @@ ep.buffer; each call here is one round of the protocol in ep._rounds (Note [Roun
 from __future__ import annotations
 
 import time
+from typing import NoReturn
 
 import torch
 
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._call_block import Sources
-from warmlink.ep._call_config import encode_call, encode_combine
+from warmlink.ep._call_config import REFUSED, encode_call, encode_combine
 from warmlink.ep._launch import current_stream
 from warmlink.ep._movers import as_words
 from warmlink.ep._outputs import dispatch_outputs
@@ -34,14 +35,28 @@ class RoundCalls:
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                   expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
         t0 = time.perf_counter()
-        tokens, scales = self._checks.x(x)
+        cached = handle is not None
+        try:
+            self._checks.padding(expert_alignment, num_worst_tokens)
+            tokens, scales = self._checks.x(x)
+            if not cached:
+                topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
+                    tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank,
+                    num_tokens_per_expert)
+                # the send path is part of the config: a rank that meets in the mailbox while another
+                # trades counts on the device would read counts that were never published
+                config = encode_call(num_experts, topk.shape[1], tokens.dtype, False,
+                                     self._sender.by_sm(return_recv_hook), num_worst_tokens, weights is not None)
+        except ConfigError as exc:
+            if cached:  # no meeting to refuse in (ep._senders, Note [Refused dispatch])
+                raise
+            self.refuse_dispatch(str(exc), return_recv_hook)
         num_tokens = tokens.shape[0]
         rounds, mover = self._rounds, self._mover
         round_ = rounds.next("dispatch")
         mover.start_round("dispatch", round_)
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
-        cached = handle is not None
         if cached:
             if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
                 raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
@@ -57,12 +72,6 @@ class RoundCalls:
             self._sender.send_cached(handle, src, round_, phase, parts, return_recv_hook)
             marks["staged"] = marks["ready"] = time.perf_counter()
         else:
-            topk, weights, num_experts, per_rank, in_rank, per_expert = self._checks.routing(
-                tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
-            # the send path is part of the config: a rank that meets in the mailbox while another
-            # trades counts on the device would read counts that were never published
-            config = encode_call(num_experts, topk.shape[1], tokens.dtype, False, self._sender.by_sm(return_recv_hook),
-                                 num_worst_tokens, weights is not None)
             marks = {"start": t0, "checked": time.perf_counter()}
             src = Sources(as_words(tokens), topk, weights, scales)
             handle = self._sender.send_fresh(FreshSend(src, in_rank, per_rank, per_expert, num_experts, config,
@@ -90,6 +99,27 @@ class RoundCalls:
 
         result = (recv_x, recv_idx, recv_w, per_expert_list(handle, expert_alignment), handle)
         return self._finish("dispatch", round_, receive, return_recv_hook, result, async_finish)
+
+    def refuse_dispatch(self, reason: str, return_recv_hook: bool = False) -> NoReturn:
+        """Take part in the next fresh dispatch round without tokens, refused, then raise
+        ``ConfigError(reason)``: every peer raises ``ConfigError`` naming this rank in that round
+        (or, after a padded dispatch that returned at launch, at its next call), and the round is
+        spent everywhere (ep._senders, Note [Refused dispatch]). ``return_recv_hook`` must be the
+        peers' (it picks the send path). Collective."""
+        self._check_open("refuse_dispatch")
+        rounds, num_ranks = self._rounds, self.num_ranks
+        round_ = rounds.next("dispatch")
+        self._mover.start_round("dispatch", round_)
+        dev = torch.device("cpu") if self.device < 0 else torch.device("cuda", self.device)
+        src = Sources(as_words(torch.empty(0, self.layout.hidden, dtype=torch.bfloat16, device=dev)),
+                      torch.empty(0, 1, dtype=torch.int64, device=dev))
+        per_rank = torch.full((num_ranks,), -1, dtype=torch.int32, device=dev)  # no row matches: the device refuses
+        call = FreshSend(src, torch.empty(0, num_ranks, dtype=torch.bool, device=dev), per_rank,
+                         torch.zeros(num_ranks, dtype=torch.int32, device=dev), num_ranks, REFUSED, 0, round_,
+                         f"dispatch.{round_ % PARITIES}", (area("recv_x", round_), area("recv_meta", round_)),
+                         refused=reason)
+        self._sender.send_fresh(call, {}, return_recv_hook)
+        raise ConfigError(reason)  # each sender raises it after the round; this holds if one did not
 
     def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from warmlink.ep import _mailbox as mb
-from warmlink.ep._call_config import combine_handle_round, describe_call, describe_combine
+from warmlink.ep._call_config import REFUSED, combine_handle_round, describe_call, describe_combine
 from warmlink.ep.handle import Handle, fill_plan
 from warmlink.errors import ConfigError, MetadataError
 
@@ -166,6 +166,12 @@ class Rounds:
         """``ConfigError`` when a rank's word of ``words`` is not ``mine``: another config (dispatch)
         or combine handle (combine) for ``round_`` than this rank's."""
         if field == mb.DISPATCH:
+            if mine == REFUSED:  # this rank refused its arguments: it raises its own reason
+                return
+            refused = sorted(r for r, theirs in words.items() if r != self.rank and theirs == REFUSED)
+            if refused:
+                raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch arguments (each raised "
+                                  "why); nothing was sent, and the round is spent on every rank")
             for r, theirs in words.items():
                 if r != self.rank and theirs != mine:
                     raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank "

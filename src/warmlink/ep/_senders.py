@@ -32,6 +32,18 @@ returns at launch:
 
 The copy-engine and host senders still meet the peers on the host first: they issue their copies
 from the counts.
+
+# Note [Refused dispatch]
+A rank whose fresh dispatch fails its own checks (a bad shape, too many tokens, an expert id out
+of range) must not just raise: its peers would wait for its counts until their timeout, and their
+rounds would then no longer line up with its. So it takes part in the round without tokens,
+marked refused (``FreshSend.refused``), and raises its reason after. Its config word is
+``REFUSED`` (ep._call_config), so every peer that meets it raises ``ConfigError`` naming it; with
+SM sends it also launches the count exchange with a count per rank that no row matches, so the
+device refuses the round on every rank (the plan's valid flag, Note [SM sends] in ep._kernels):
+no rank pushes a row, and a padded peer that returned at launch gets padding and raises at its
+next call. The round is spent on every rank, and the next call works. A cached dispatch has no
+meeting to refuse in: its bad arguments raise on that rank alone.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import torch
 
 from warmlink.ep import _mailbox as mb
 from warmlink.ep._call_block import FreshShape, Sources, call_words
+from warmlink.ep._call_config import REFUSED
 from warmlink.ep._checks import Checks
 from warmlink.ep._kernels import plan
 from warmlink.ep._regions import PARITIES, RegionLayout
@@ -71,6 +84,7 @@ class FreshSend(NamedTuple):
     round: int
     phase: str  # the round's event phase: "dispatch.<parity>"
     parts: tuple[str, str]  # the receive areas of the round's parity: x, meta
+    refused: str | None = None  # why this rank refused its arguments: it sends no tokens (Note [Refused dispatch])
 
 
 class Sender(Protocol):
@@ -118,6 +132,8 @@ class StagedSender:
     def send_fresh(self, call: FreshSend, marks: dict, hook: bool) -> Handle:
         """The counts go to the host, the ranks meet in the mailboxes, then the copies."""
         mover, rounds, src = self.mover, self.rounds, call.src
+        if call.refused is not None:
+            self._refuse(call, call.refused)
         rows, words = plan(call.in_rank, src.topk, call.per_rank, call.per_expert, self.layout.max_tokens)
         mover.start_to_host(words)
         marks["planned"] = time.perf_counter()
@@ -126,7 +142,10 @@ class StagedSender:
         mover.begin()
         mover.gather(rows, src, range(rounds.num_ranks), rounds.rank)
         marks["launched"] = time.perf_counter()
-        handle, send_counts, expert_counts = self._handle(mover.wait_host(rounds.timeout_s), call, rows, marks)
+        try:
+            handle, send_counts, expert_counts = self._handle(mover.wait_host(rounds.timeout_s), call, rows, marks)
+        except ConfigError as exc:  # expert ids or counts this rank's plan refused
+            self._refuse(call, str(exc))
         rounds.wait_readers(call.round)  # before the counts of round n - 2 are replaced: Note [Mailbox rounds]
         rounds.mailbox.publish_dispatch(call.round, call.config, send_counts, expert_counts)
         try:
@@ -143,6 +162,15 @@ class StagedSender:
         mover.place_local(handle.combine_rows, src, call.parts, handle.dst_rows[me] - me * self.layout.max_tokens)
         mover.flush(me, call.phase, src, 0, 0, call.parts)
         return handle
+
+    def _refuse(self, call: FreshSend, reason: str):
+        """Publish ``call``'s round as refused, spend it, and raise ``reason`` (Note [Refused dispatch])."""
+        rounds, num_ranks = self.rounds, self.rounds.num_ranks
+        rounds.wait_readers(call.round)
+        rounds.mailbox.publish_dispatch(call.round, REFUSED, np.zeros(num_ranks, np.int64),
+                                        np.zeros(call.num_experts, np.int64))
+        rounds.end("dispatch", call.round)
+        raise ConfigError(reason)
 
     def send_cached(self, handle: Handle, src: Sources, round_: int, phase: str, parts: tuple[str, str],
                     hook: bool) -> None:
@@ -209,6 +237,8 @@ class SmSender(CopyEngineSender):
         or, with ``num_worst_tokens``, a pending handle (Note [Padded dispatch returns at launch])."""
         if hook:
             return super().send_fresh(call, marks, hook)
+        if call.refused is not None:
+            self._send_refused(call, marks)
         mover, rounds, src, round_ = self.mover, self.rounds, call.src, call.round
         rows = torch.empty(src.x.shape[0], rounds.num_ranks, dtype=torch.int64, device=src.x.device)  # the handle's
         in_rank, per_rank, per_expert = (t.contiguous() for t in (call.in_rank, call.per_rank, call.per_expert))
@@ -231,14 +261,23 @@ class SmSender(CopyEngineSender):
             self._complete(handle, call, marks)
         return handle
 
+    def _send_refused(self, call: FreshSend, marks: dict):
+        """Launch ``call`` (no tokens, counts no row matches: the device refuses the round on every
+        rank), wait for its exchange, and raise its reason (Note [Refused dispatch])."""
+        try:  # unpadded: waited for here, so nothing stays pending
+            self.send_fresh(call._replace(refused=None, num_worst_tokens=0), marks, False)
+        except ConfigError:  # the device's refusal of this very round, which _complete spent
+            pass
+        raise ConfigError(call.refused)
+
     def _complete(self, handle: Handle, call: FreshSend, marks: dict | None = None) -> None:
         """Fill ``handle``'s plan in from the board of its round, waited for on the host; a refusal
         spends the round on every rank (each read the same board)."""
         mover, rounds, round_ = self.mover, self.rounds, call.round
-        words, board = mover.wait_board(round_, rounds.timeout_s, lambda: rounds.check_peer_configs(
-            round_, call.config, rounds.mailbox.published(mb.DISPATCH, round_)))
         marks = {} if marks is None else marks
         try:
+            words, board = mover.wait_board(round_, rounds.timeout_s, lambda: rounds.check_peer_configs(
+                round_, call.config, rounds.mailbox.published(mb.DISPATCH, round_)))
             handle.send_counts = self.checks.counts(words, handle.num_tokens, call.num_experts)[0].tolist()
             marks["counts"] = time.perf_counter()
             rounds.meet(mb.DISPATCH, round_)

@@ -248,12 +248,12 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
             ``ep.EventOverlap`` (in hook mode it marks the send phase).
 
         Raises:
-            ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves), or peers
-                that called with another configuration.
+            ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves; the peers
+                of a fresh dispatch raise it too, naming this rank: ep._senders, Note [Refused
+                dispatch]), or peers that called with another configuration.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("dispatch")
-        self._checks.padding(expert_alignment, num_worst_tokens)
         args = (x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                 expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook)
         if not self._on_comm(async_finish and not return_recv_hook):

@@ -184,11 +184,13 @@ class Buffer(LowLatencyCalls, CommCalls):
                 (rows go by ``is_token_in_rank``; the per-expert counts still come back).
             topk_weights: ``[T, K]`` float32, with ``topk_idx`` only.
             expert_alignment, num_worst_tokens: as DeepEP's (``num_worst_tokens``: every output
-                padded to that many rows, expert id -1). A fresh dispatch first agrees with the
-                peers' hosts on its rounds (a host-only meet, deep_ep.rounds); in one round a padded
-                one then returns at launch, and the next call raises its refusal (ep._senders, Note
-                [Padded dispatch returns at launch]); in several, each round waits for its counts.
-                Round numbers are host ints: not graph-capturable here.
+                padded to that many rows, expert id -1). An unpadded fresh dispatch first agrees
+                with the peers' hosts on its rounds (a host-only meet, deep_ep.rounds); a padded one
+                takes them from ``num_worst_tokens`` (the same on every rank, and at least
+                ``num_ranks`` times the most tokens a rank sends), meets nobody, and in one round
+                returns at launch, the next call raising its refusal (ep._senders, Note [Padded
+                dispatch returns at launch]); in several, each round waits for its counts. Round
+                numbers are host ints: not graph-capturable here.
             config: a ``Config`` or None; accepted and unused.
             previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
             async_finish: as DeepEP's: run on the communication stream (``get_comm_stream()``) after
@@ -206,8 +208,8 @@ class Buffer(LowLatencyCalls, CommCalls):
             ``(recv_x, None, None, None, None, event)``, as DeepEP's.
 
         Raises:
-            ConfigError: bad arguments, or a budget that holds not one token (naming the bytes
-                one needs), before any byte moves.
+            ConfigError: bad arguments, or a budget that holds not one token (naming the bytes one
+                needs), before any byte moves; a fresh dispatch's peers too (Note [Refused dispatch]).
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         func = "dispatch"

@@ -24,7 +24,12 @@ def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_t
         topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
     problem = rounds.argument_problem(rows.shape[0], group_size, is_token_in_rank, topk_idx, topk_weights,
                                       num_tokens_per_expert)
-    num_rounds = rounds.rounds_needed(inner, rows.shape[0], problem)
+    if num_worst_tokens:  # no meeting first: a problem is refused in the round itself, on every rank
+        num_rounds, too_many = rounds.padded_rounds(inner, num_worst_tokens, rows.shape[0])
+        if problem or too_many:
+            inner.refuse_dispatch(problem or too_many)
+    else:
+        num_rounds = rounds.rounds_needed(inner, rows.shape[0], problem)
     if num_rounds > 1:
         recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
             inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,

@@ -7,17 +7,21 @@ budget (``sizing.tokens_within``: C tokens per rank) and sends a larger batch as
 at most C tokens from each rank: round k carries each rank's tokens ``[kC, (k+1)C)``, none for a
 rank that has fewer. Every rank must run the same number of rounds, so a fresh dispatch first
 gathers every rank's token count (``ep.Buffer.all_gather_int``: host mailboxes, no kernel) and
-runs ``ceil(max / C)``; one round is the plain call. The outputs are fresh tensors in DeepEP's
-order (source rank, then source token): round k's rows from source s land after that source's
-rows of the earlier rounds. Each round's rows are copied out of the receive area on the caller's
-stream before the next round starts, then placed; no peer writes that area again before this
-rank's stream has passed the copy (a fresh round's count exchange, or a cached round's arrival
-flags, Note [Arrival flags] in ep._flags). The handle keeps every round's warmlink handle and where its rows went:
-a cached dispatch replays the same rounds, and a combine sends each round's rows back with its
-round's handle, each token summed in the one round that carried it. Memory stays within the
-budget; each extra round costs a round's fixed host time and one more copy of its rows. Every
-round's counts per rank and per expert are made before the first round, in one pass
-(``_round_counts``), not by a layout per round.
+runs ``ceil(max / C)``; one round is the plain call. A padded one (``num_worst_tokens`` W, which
+every rank passes alike) meets nobody first: it runs ``ceil(ceil(W / R) / C)`` rounds, as many
+as ``R`` ranks of ``W / R`` tokens each need (DeepEP's callers pass ``W = R x`` the most tokens
+per rank), so in one round it returns at launch; a rank with more tokens than those rounds hold
+refuses the call, and so do its peers, at once (``ep.Buffer.refuse_dispatch``). The outputs are
+fresh tensors in DeepEP's order (source rank, then source token): round k's rows from source s
+land after that source's rows of the earlier rounds. Each round's rows are copied out of the
+receive area on the caller's stream before the next round starts, then placed; no peer writes
+that area again before this rank's stream has passed the copy (a fresh round's count exchange,
+or a cached round's arrival flags, Note [Arrival flags] in ep._flags). The handle keeps every
+round's warmlink handle and where its rows went: a cached dispatch replays the same rounds, and a
+combine sends each round's rows back with its round's handle, each token summed in the one round
+that carried it. Memory stays within the budget; each extra round costs a round's fixed host
+time and one more copy of its rows. Every round's counts per rank and per expert are made before
+the first round, in one pass (``_round_counts``), not by a layout per round.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import torch
 from warmlink.ep.handle import check_worst_tokens
 from warmlink.errors import ConfigError
 
-__all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "rounds_needed"]
+__all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "padded_rounds",
+           "rounds_needed"]
 
 
 @dataclass
@@ -58,6 +63,23 @@ def rounds_needed(inner, num_tokens: int, problem: str | None = None) -> int:
         raise ConfigError(f"deep_ep.Buffer.dispatch: ranks {refused} refused their arguments (each raised why); "
                           "nothing was sent")
     return max(1, -(-max(counts) // inner.layout.max_tokens))
+
+
+def padded_rounds(inner, num_worst_tokens: int, num_tokens: int) -> tuple[int, str | None]:
+    """Rounds of a padded fresh dispatch, taken from ``num_worst_tokens`` alone, which every rank
+    passes alike: ``ceil(ceil(W / R) / C)``, so no rank meets its peers' hosts first (Note [Rounds
+    beyond the budget]); and what is wrong when this rank's ``num_tokens`` do not fit them (or None)."""
+    num_ranks, cap = inner.num_ranks, inner.layout.max_tokens
+    if not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool) or num_worst_tokens < 1:
+        return 1, None  # ep refuses it, on every rank
+    num_rounds = max(1, -(-(-(-num_worst_tokens // num_ranks)) // cap))
+    if num_tokens > num_rounds * cap:
+        return num_rounds, (
+            f"deep_ep.Buffer.dispatch: x has {num_tokens} tokens, but num_worst_tokens={num_worst_tokens} at "
+            f"{num_ranks} ranks sends {num_rounds} round(s) of at most {cap} tokens per rank ({num_rounds * cap} in "
+            "all): a padded dispatch takes its rounds from num_worst_tokens, every rank alike, without meeting its "
+            "peers; pass num_worst_tokens >= num_ranks * the most tokens any rank sends (as DeepEP's tests do)")
+    return num_rounds, None
 
 
 def argument_problem(num_tokens: int, num_ranks: int, in_rank, topk_idx, topk_weights, per_expert) -> str | None:
