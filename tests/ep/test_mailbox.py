@@ -90,30 +90,30 @@ def test_a_peer_that_published_the_same_call_passes_the_late_check(monkeypatch):
     assert rounds.late == []
 
 
-def test_a_peer_already_past_the_round_is_not_compared_with_a_newer_word(monkeypatch):
-    """Rank 1 moved two combines on: its word of this parity is now round 5's. Comparing it with
-    this rank's round 3 would refuse a call that was right, so it goes unchecked."""
+def test_a_peer_one_round_on_is_still_compared_and_two_rounds_on_breaks_the_protocol(monkeypatch):
+    """Rank 1 moved one combine on: its word of round 3 is still there and is compared. Two on, it
+    would have replaced it, which the round protocol never lets it do (``wait_readers``): the check
+    raises ``MetadataError`` instead of taking an unread word as agreeing."""
     from warmlink.ep._call_config import encode_combine
+    from warmlink.errors import ConfigError, MetadataError
 
     rounds, theirs = _pair(monkeypatch)
     rounds.mailbox.publish_combine(3, encode_combine(2, torch.bfloat16, 0))
     rounds.check_published(_mailbox.COMBINE, 3)
-    theirs.publish_combine(3, encode_combine(2, torch.bfloat16, 0))
+    theirs.publish_combine(3, encode_combine(1, torch.bfloat16, 0))
     theirs.publish_combine(4, encode_combine(3, torch.bfloat16, 0))
+    with pytest.raises(ConfigError, match="dispatch round 1"):
+        rounds.check_late()
     theirs.publish_combine(5, encode_combine(4, torch.bfloat16, 0))
-    rounds.mailbox.publish_combine(5, encode_combine(4, torch.bfloat16, 0))  # this rank's own word moved on too
-    rounds.check_late()
-    assert rounds.late == []
+    with pytest.raises(MetadataError, match="rank 1 replaced its combine word of round 3"):
+        rounds.check_published(_mailbox.COMBINE, 3)
 
 
-
-def test_a_meet_does_not_compare_a_word_a_peers_later_round_replaced(monkeypatch):
-    """Rank 1 published dispatch rounds 3, 4 and 5 (calls that meet no one: cached, padded) before
-    this rank met round 3: its word of round 3's parity is now round 5's, a cached dispatch's, and
-    goes unchecked. A peer one round on, whose word of the round is still there, is compared; so
-    is a peer at the round with another config."""
+def test_a_meet_refuses_a_word_a_peers_later_round_replaced(monkeypatch):
+    """A peer one round on still has its word of the round, which is compared; a peer whose word
+    of the round a later round replaced broke the round protocol: ``MetadataError``, not a pass."""
     from warmlink.ep._call_config import encode_call
-    from warmlink.errors import ConfigError
+    from warmlink.errors import ConfigError, MetadataError
 
     rounds, theirs = _pair(monkeypatch)
     fresh = encode_call(16, 4, torch.bfloat16, False, True, 64, True)
@@ -122,16 +122,77 @@ def test_a_meet_does_not_compare_a_word_a_peers_later_round_replaced(monkeypatch
     for round_, config in ((3, fresh), (4, fresh), (5, cached)):
         theirs.publish_dispatch(round_, config)
     assert theirs.config_of(1, 3) is None and theirs.config_of(1, 5) == cached
-    rounds.meet(_mailbox.DISPATCH, 3)
+    with pytest.raises(MetadataError, match="rank 1 replaced its dispatch word of round 3"):
+        rounds.meet(_mailbox.DISPATCH, 3)
     rounds.mailbox.publish_dispatch(7, fresh)
     theirs.publish_dispatch(7, cached)
     theirs.publish_dispatch(8, fresh)  # one round on: round 7's word is still there
     with pytest.raises(ConfigError, match="rank 1 dispatches with"):
         rounds.meet(_mailbox.DISPATCH, 7)
-    rounds.mailbox.publish_dispatch(9, fresh)
-    theirs.publish_dispatch(9, cached)
-    with pytest.raises(ConfigError, match="rank 1 dispatches with"):
-        rounds.meet(_mailbox.DISPATCH, 9)
+
+
+def _both(monkeypatch):
+    """Ranks 0 and 1, each with its Rounds over the two mailboxes (as their processes would hold)."""
+    from warmlink.ep._rounds import Rounds
+
+    monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
+    segments = [_own(2), _own(2)]
+    boxes = [_mailbox.Mailbox(segments[r], r, 2) for r in range(2)]
+    for r in range(2):
+        boxes[r].attach(1 - r, segments[1 - r], None)
+    return [Rounds(boxes[r], r, 2, 4, 0.05) for r in range(2)]
+
+
+@pytest.mark.parametrize("field", [_mailbox.DISPATCH, _mailbox.COMBINE], ids=["dispatch", "combine"])
+def test_a_peer_that_refused_a_round_cannot_replace_its_word_before_this_rank_checked_it(monkeypatch, field):
+    """Rank 1 called round 3 with another config than rank 0, raised, and calls on with calls that
+    meet no one (cached dispatches, combines): it may publish round 4, but not round 5, which would
+    replace its word of round 3, before rank 0 published round 4; rank 0 still sees the word and
+    raises. Without the bound rank 0 skipped the replaced word and kept round 3's rows, sent under
+    another config, with no error."""
+    from warmlink.ep._call_config import encode_call, encode_combine
+    from warmlink.errors import ConfigError, TransferTimeout
+
+    zero, one = _both(monkeypatch)
+    if field == _mailbox.DISPATCH:
+        words = [encode_call(16, 4, torch.bfloat16, False, True, 64), encode_call(16, 4, torch.float16, False, True, 64)]
+
+        def publish(rounds, round_, word):
+            rounds.wait_readers(round_)
+            rounds.mailbox.publish_dispatch(round_, word)
+    else:
+        words = [encode_combine(2, torch.bfloat16, 0), encode_combine(2, torch.float16, 0)]
+
+        def publish(rounds, round_, word):
+            rounds.wait_readers(round_, _mailbox.COMBINE)
+            rounds.mailbox.publish_combine(round_, word)
+    for round_ in (1, 2):
+        publish(zero, round_, words[0])
+        publish(one, round_, words[0])
+    publish(zero, 3, words[0])
+    publish(one, 3, words[1])
+    with pytest.raises(ConfigError):
+        one.check_published(field, 3)
+    publish(one, 4, words[1])  # rank 0 published round 3: one round on is allowed
+    with pytest.raises(TransferTimeout, match="rank"):
+        publish(one, 5, words[1])  # would replace round 3's word, which rank 0 has not checked
+    with pytest.raises(ConfigError):
+        zero.check_published(field, 3)
+
+
+def test_a_late_peers_word_is_checked_before_this_rank_publishes_its_next_round(monkeypatch):
+    """A peer not at the round when this rank checked it is checked again before this rank
+    publishes its next round (``wait_readers``), while its word is sure to be the round's."""
+    from warmlink.ep._call_config import encode_combine
+    from warmlink.errors import ConfigError
+
+    zero, one = _both(monkeypatch)
+    zero.mailbox.publish_combine(1, encode_combine(0, torch.bfloat16, 0))
+    zero.check_published(_mailbox.COMBINE, 1)  # rank 1 is not there yet
+    assert [(f, r, ranks) for f, r, _, ranks in zero.late] == [(_mailbox.COMBINE, 1, [1])]
+    one.mailbox.publish_combine(1, encode_combine(0, torch.float16, 0))
+    with pytest.raises(ConfigError, match="rank 1 combines with"):
+        zero.wait_readers(2, _mailbox.COMBINE)
 
 
 def test_a_config_word_being_replaced_is_not_vouched_for(monkeypatch):
@@ -153,8 +214,11 @@ def test_a_fresh_dispatch_publishes_its_counts_only_once_every_peer_read_the_one
 
     rounds, theirs = _pair(monkeypatch)
     rounds.timeout_s = 0.05
-    rounds.wait_readers(2)  # rounds 1 and 2 replace nothing
+    rounds.wait_readers(1)  # the first round waits for no one
+    with pytest.raises(TransferTimeout, match="rank"):
+        rounds.wait_readers(2)
     theirs.publish_dispatch(3, 0)
+    rounds.wait_readers(4)
     with pytest.raises(TransferTimeout, match="rank"):
         rounds.wait_readers(5)
     theirs.publish_dispatch(4, 0)
@@ -247,9 +311,10 @@ def test_a_staged_fresh_dispatch_waits_for_the_readers_before_it_publishes_its_c
 def test_a_meet_compares_a_peers_word_exactly_while_it_is_still_the_rounds(configs, back, mine):
     """A peer published dispatch rounds 1..p (``configs``); this rank meets round r <= p with its
     own word. The meet refuses exactly when the peer's word of round r differs and is still there
-    (the peer at r or r + 1); a word that round r + 2 or later replaced is never compared."""
+    (the peer at r or r + 1); a word that round r + 2 or later replaced, which the round protocol
+    never lets a peer do, raises ``MetadataError``."""
     from warmlink.ep._call_config import encode_call
-    from warmlink.errors import ConfigError
+    from warmlink.errors import ConfigError, MetadataError
 
     words = {11: encode_call(16, 4, torch.bfloat16, False, True), 22: encode_call(16, 0, torch.bfloat16, True)}
     with pytest.MonkeyPatch.context() as mp:
@@ -259,7 +324,10 @@ def test_a_meet_compares_a_peers_word_exactly_while_it_is_still_the_rounds(confi
     for round_, config in enumerate(configs, 1):
         theirs.publish_dispatch(round_, words[config])
     rounds.mailbox.publish_dispatch(r, words[mine])
-    if p - r <= 1 and configs[r - 1] != mine:
+    if p - r > 1:
+        with pytest.raises(MetadataError, match="replaced its dispatch word"):
+            rounds.meet(_mailbox.DISPATCH, r)
+    elif configs[r - 1] != mine:
         with pytest.raises(ConfigError, match="rank 1 dispatches with"):
             rounds.meet(_mailbox.DISPATCH, r)
     else:

@@ -7,18 +7,20 @@ same round. No SM polls anything, and no store round trip sits on the hot path.
 
 # Note [Mailbox rounds]
 Round numbers only grow. A reader waits for ``field >= round``, so a peer that is already one
-round ahead does not stall it. The counts of round ``n`` live in parity ``n % 2``, and a fresh
-dispatch that publishes counts first waits until every peer published round ``n - 1``
-(``Rounds.wait_readers``), so no rank overwrites counts a peer has not read yet: the calls in
-between that meet no one (a cached dispatch, a padded one) could otherwise let a peer publish
-round ``n + 2`` while this rank is still reading round ``n``. The config words are not guarded
-so: a peer may overwrite one of round ``n`` with round ``n + 2``'s, so each parity's config word
-carries the round it is of (``config_of``), and the checks skip a word that is no longer the
-round's (``Rounds.meet``, ``check_published``): that peer checked this rank's word of the round
-before it moved on. A writer stores the payload before the round number; x86 keeps stores in
-order and loads in order, so a reader that sees the round sees the payload. An ARM host (Grace)
-would need explicit fences, which Python cannot issue here, so a mailbox refuses to open on any
-other architecture instead of racing.
+round ahead does not stall it. The counts and the config word of round ``n`` live in parity
+``n % 2``, and the combine's handle word too, so round ``n + 2`` replaces them. Before a rank
+publishes round ``n`` of a field it waits until every peer published round ``n - 1``, and then
+checks the words of the peers it found late before (``Rounds.wait_readers``). So a peer publishes
+round ``n + 2`` only after this rank published round ``n + 1``, by which time this rank has read
+every count and checked every word of round ``n``: ranks run at most one round apart, and no word
+goes unchecked. (Without that bound, calls that meet no one, cached and padded dispatches and
+combines, let a peer that refused round ``n`` and called twice more replace its word unchecked,
+and this rank kept that round's rows, sent under another config, without an error.) Each parity's
+config word still carries the round it is of (``config_of``), and a word found replaced raises
+``MetadataError`` instead of passing. A writer stores the payload before the round number; x86
+keeps stores in order and loads in order, so a reader that sees the round sees the payload. An
+ARM host (Grace) would need explicit fences, which Python cannot issue here, so a mailbox refuses
+to open on any other architecture instead of racing.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class RoundCalls:
                                   f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
             config = encode_call(handle.num_experts, 0, tokens.dtype, True, num_worst_tokens=handle.num_worst_tokens)
             src = Sources(as_words(tokens), scales=scales)
+            rounds.wait_readers(round_)  # ranks run at most one round apart: Note [Mailbox rounds]
             self.mailbox.publish_dispatch(round_, config)
             marks = {"start": t0, "counts": time.perf_counter()}
             # No wait for the peers (ep._regions, Note [Two parities]): the bytes move at once.
@@ -127,7 +128,8 @@ class RoundCalls:
         round_ = rounds.next("combine")
         self._mover.start_round("combine", round_)
         word = encode_combine(handle.round, rows.dtype, weights.shape[1] if weights is not None else 0)
-        self.mailbox.publish_combine(round_, word)  # no wait for the peers: Note [Two parities]
+        rounds.wait_readers(round_, mb.COMBINE)  # ranks run at most one round apart: Note [Mailbox rounds]
+        self.mailbox.publish_combine(round_, word)  # the bytes wait for no peer: Note [Two parities]
         t1 = time.perf_counter()
         counts = combiner.send(handle, rows, weights, round_)
         self.mailbox.publish(mb.COMBINE_SENT, round_)

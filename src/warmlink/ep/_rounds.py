@@ -9,8 +9,9 @@ A dispatch (and likewise a combine) is one round ``n`` of a handshake in the hos
    reached the round, so the receive areas of round n - 2 are free); with SM sends, kernels trade
    the counts and store the rows instead, and the host meets the peers after (ep._kernels, Note
    [SM sends]; a padded dispatch's host at its next call: ep._senders, Note [Padded dispatch
-   returns at launch]). A cached dispatch and a combine do not wait: round n lands in the receive areas of
-   parity n % 2 (ep._regions, Note [Two parities]), which round n - 2 used. On the device, the
+   returns at launch]). A cached dispatch and a combine do not wait for the peers' calls of round
+   n (only, as every call, for each peer to have published round n - 1: Note [Mailbox rounds] in
+   ep._mailbox): round n lands in the receive areas of parity n % 2 (ep._regions, Note [Two parities]), which round n - 2 used. On the device, the
    arrival flags' ``freed`` words hold the writes until every peer is done with them (ep._flags,
    Note [Arrival flags]); with host copies, this rank's host passed round n - 1's step 4, which
    waited for every peer's host to pass round n - 1's start;
@@ -79,12 +80,15 @@ class Rounds:
         self.mailbox.wait(mb.MEET, self.meets, timeout_s)
         return [self.mailbox.meet_value(r, self.meets) for r in range(self.num_ranks)]
 
-    def wait_readers(self, round_: int) -> None:
-        """Wait until every peer published dispatch round ``round_ - 1``: each has then read the
-        counts of round ``round_ - 2``, which round ``round_``'s replace in the mailbox (Note
-        [Mailbox rounds]). The fresh dispatch's meet that follows waits for more, so this costs no time."""
-        if round_ > 2:
-            self.mailbox.wait(mb.DISPATCH, round_ - 1, self.timeout_s)
+    def wait_readers(self, round_: int, field: int = mb.DISPATCH) -> None:
+        """Before this rank publishes ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``) of ``round_``:
+        wait until every peer published ``round_ - 1``, then check the words of the peers that were
+        late (``check_late``). A peer replaces its word (and counts) of round ``n`` only when it
+        publishes ``n + 2``, after this rank published ``n + 1``, so every word and count this
+        rank reads is still its round's (Note [Mailbox rounds]). Ranks in step wait for nothing."""
+        if round_ > 1:
+            self.mailbox.wait(field, round_ - 1, self.timeout_s)
+        self.check_late()
 
     def next(self, op: str) -> int:
         """The round number of the next ``op`` (``"dispatch"`` or ``"combine"``)."""
@@ -109,7 +113,7 @@ class Rounds:
         A dispatch word that a peer's later round replaced goes unchecked (Note [Mailbox rounds])."""
         self.mailbox.wait(field, round_, self.timeout_s)
         words = {r: self._word(r, field, round_) for r in range(self.num_ranks) if r != self.rank}
-        self._check_words(field, round_, self._own_word(field, round_), {r: w for r, w in words.items() if w is not None})
+        self._check_words(field, round_, self._own_word(field, round_), words)
 
     def before_receive(self, field: int, sent: int, round_: int, host_ordered: bool, checks: bool = True) -> None:
         """Step 4 of Note [Round protocol] before the receive work: with host copies
@@ -135,18 +139,14 @@ class Rounds:
             self._check_now(field, round_, mine, ranks)
 
     def _check_now(self, field: int, round_: int, mine: int, ranks) -> None:
-        """Check the words of ``ranks`` that are readable now against ``mine``; note the ranks not
-        there yet in ``late``. A peer already past ``round_`` goes unchecked: the word of
-        ``round_ + 2`` may be replacing this round's (a mailbox keeps two rounds), and the arrival
-        flags still bound its bytes."""
+        """Check the words of ``ranks`` that published ``round_`` against ``mine``; note the ranks
+        not there yet in ``late`` (``wait_readers`` checks them before this rank's next round)."""
         words, behind = {}, []
         for r in ranks:
-            at = self.mailbox.round_of(r, field)
-            word = self._word(r, field, round_)
-            if at < round_:
+            if self.mailbox.round_of(r, field) < round_:
                 behind.append(r)
-            elif at == round_ and self.mailbox.round_of(r, field) == round_ and word is not None:  # still round_'s
-                words[r] = word
+            else:
+                words[r] = self._word(r, field, round_)
         if behind:
             self.late.append((field, round_, mine, behind))
         self._check_words(field, round_, mine, words)
@@ -156,11 +156,23 @@ class Rounds:
         mailbox = self.mailbox
         return mailbox.config(self.rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(self.rank, round_)
 
-    def _word(self, rank: int, field: int, round_: int) -> int | None:
-        """The word ``rank`` published with ``field`` of ``round_``: a dispatch's config (None once
-        replaced by a later round's) or a combine's handle."""
+    def _word(self, rank: int, field: int, round_: int) -> int:
+        """The word ``rank`` published with ``field`` of ``round_``: a dispatch's config or a
+        combine's handle, still there (a peer is at most one round past this rank's last one:
+        ``wait_readers``).
+
+        Raises:
+            MetadataError: the peer replaced it already, which only a peer that skips the round
+                protocol can do: a word that cannot be checked is not taken as agreeing.
+        """
         mailbox = self.mailbox
-        return mailbox.config_of(rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(rank, round_)
+        word = mailbox.config_of(rank, round_) if field == mb.DISPATCH else mailbox.combine_handle(rank, round_)
+        if word is None or mailbox.round_of(rank, field) > round_ + 1:
+            raise MetadataError(f"ep: rank {rank} replaced its {'dispatch' if field == mb.DISPATCH else 'combine'} word "
+                                f"of round {round_} before this rank checked it (it is at round "
+                                f"{mailbox.round_of(rank, field)}); ranks run at most one round apart (Note [Mailbox "
+                                "rounds] in ep._mailbox), so it does not follow the round protocol")
+        return word
 
     def _check_words(self, field: int, round_: int, mine: int, words: dict[int, int]) -> None:
         """``ConfigError`` when a rank's word of ``words`` is not ``mine``: another config (dispatch)

@@ -247,6 +247,7 @@ class SmSender(CopyEngineSender):
         board = mover.board_like() if padded else None
         # before the launch: a first call compiles its kernels there (seconds), and a peer that
         # called the other kind must see this call's kind before its wait for it ends
+        rounds.wait_readers(round_)  # Note [Mailbox rounds]
         rounds.mailbox.publish_dispatch(round_, call.config)
         mover.send_sm(self._shape(call), call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_), round_,
                       call.phase, rounds.timeout_s, self.graphs, board_copy=board)
