@@ -328,7 +328,8 @@ def expect_error(rank: int, num_ranks: int, store, case: dict) -> str:
 
 
 def _refused_call(buf, x, idx, case: dict) -> dict:
-    """``dispatch`` arguments that fail one of rank 0's own checks: ``case["refusal"]`` names which."""
+    """``dispatch`` arguments that fail one of rank 0's own checks, or (``other_dtype``) that pass
+    them but differ from the peers' call: ``case["refusal"]`` names which."""
     kind, experts = case.get("refusal", "bad_expert"), case["experts"]
     args = {"x": x, "topk_idx": idx, "num_experts": experts}
     if kind == "bad_expert":  # seen by the plan (on the device with SM sends)
@@ -347,6 +348,8 @@ def _refused_call(buf, x, idx, case: dict) -> dict:
                 "num_tokens_per_expert": per_expert}
     if kind == "bad_worst":  # more padded rows than the receive area holds
         return dict(args, num_worst_tokens=10**6)
+    if kind == "other_dtype":  # not refused here: rows of the same size, under another config than the peers'
+        return dict(args, x=x.to(torch.float16))
     raise ValueError(f"_refused_call: unknown refusal {kind!r}")
 
 

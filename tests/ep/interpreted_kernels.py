@@ -231,9 +231,13 @@ def exchange_kernels(kernels, monkeypatch):
     return kernels
 
 
+CONFIG = 0x5A11  # the config word of the exchange tests' calls (any fresh call's word is not 0)
+
+
 def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0, timeout_s: float = 0.05):
-    """Rank 2 of 4 runs its exchange for round 7 after ``peers`` (rank -> (tag, valid, counts))
-    posted their rows in its board. Returns (boards, x bases, meta bases, the expected own row)."""
+    """Rank 2 of 4 runs its exchange for round 7 after ``peers`` (rank -> (tag, word, counts):
+    word 1 of its row, its config word or 0 for a refused input) posted their rows in its board.
+    Returns (boards, x bases, meta bases, the expected own row)."""
     from warmlink.ep._regions import board_words
 
     num_ranks, me, round_, num_experts, cap, x_row, meta_row = 4, 2, 7, 16, 50, 256, 64
@@ -251,20 +255,21 @@ def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0
     for s, (tag, valid, counts) in peers.items():
         boards[me][s, :2 + num_ranks] = torch.tensor([tag, valid] + counts)
     # the programs run one after another here: this rank's own row is in its board before any waits
-    own = [round_, int(own_valid)] + sent
+    own = [round_, CONFIG if own_valid else 0] + sent
     boards[me][me, :2 + num_ranks] = torch.tensor(own)
     abort = torch.tensor([abort_round], dtype=torch.int64)
     shape = _kernels.FreshShape(num_ranks, num_experts, 2, x_row // 8, 0, cap, 2, meta_row, torch.int64, torch.int64,
                                 torch.int64, None)
     call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64)
     call[_kernels.CALL_SLOTS.index("round")] = round_
+    call[_kernels.CALL_SLOTS.index("config")] = CONFIG
     _kernels.exchange(shape, call, words, tables, abort.data_ptr(), me, timeout_s, row, kernels=kernels)
     own_rows = [own + per_expert[d * epr:(d + 1) * epr] for d in range(num_ranks)]
     return boards, tables[3].tolist(), tables[4].tolist(), own_rows, (recv_x, recv_meta, cap, x_row, meta_row)
 
 
 def test_exchange_posts_this_ranks_row_everywhere_and_starts_its_rows_after_the_ranks_below(exchange_kernels):
-    peers = {0: (7, 1, [2, 1, 6, 0]), 1: (7, 1, [1, 0, 3, 2]), 3: (7, 1, [4, 4, 4, 4])}
+    peers = {0: (7, CONFIG, [2, 1, 6, 0]), 1: (7, CONFIG, [1, 0, 3, 2]), 3: (7, CONFIG, [4, 4, 4, 4])}
     boards, x_bases, meta_bases, own_rows, (recv_x, recv_meta, cap, x_row, meta_row) = _exchange(exchange_kernels, peers)
     for d, board in enumerate(boards):  # program d wrote this rank's row into d's board
         assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
@@ -274,11 +279,13 @@ def test_exchange_posts_this_ranks_row_everywhere_and_starts_its_rows_after_the_
         assert meta_bases[d] == recv_meta[d] + (below - d * cap) * meta_row, d
 
 
-@pytest.mark.parametrize("fault", ["a peer refused", "this rank refused", "a peer never posted", "the host aborted"])
+@pytest.mark.parametrize("fault", ["a peer refused", "a peer called with another config", "this rank refused",
+                                   "a peer never posted", "the host aborted"])
 def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange_kernels, fault):
-    peers = {0: (7, 1, [2, 1, 6, 0]), 1: (7, 0 if fault == "a peer refused" else 1, [1, 0, 3, 2]), 3: (7, 1, [4, 4, 4, 4])}
+    word = {"a peer refused": 0, "a peer called with another config": CONFIG + 1}.get(fault, CONFIG)
+    peers = {0: (7, CONFIG, [2, 1, 6, 0]), 1: (7, word, [1, 0, 3, 2]), 3: (7, CONFIG, [4, 4, 4, 4])}
     if fault in ("a peer never posted", "the host aborted"):
-        peers[3] = (5, 1, [9, 9, 9, 9])  # its row of round 5: stale
+        peers[3] = (5, CONFIG, [9, 9, 9, 9])  # its row of round 5: stale
     aborted = fault == "the host aborted"
     start = CLOCK[0]
     boards, x_bases, meta_bases, own_rows, _ = _exchange(exchange_kernels, peers, own_valid=fault != "this rank refused",
@@ -288,6 +295,9 @@ def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange
         assert CLOCK[0] - start < 0.1e9, (CLOCK[0] - start) / 1e9
     for d, board in enumerate(boards):  # its own row still went out, flagged as it was
         assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
+    # a peer's row of the round whose word is not this rank's config reads as refused from now on
+    # (the padded unpack and the host read word 1); a stale row of an older round is left as it was
+    assert boards[2][1, 1] == (0 if word != CONFIG else CONFIG) and boards[2][3, 1] == CONFIG
 
 
 # -- the fresh send's call-block kernels (ep._kernels, Note [Fresh send graph]) -----------------------
@@ -320,10 +330,11 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
         src = _kernels.Sources(src.x, src.topk, src.weights.to(w_t) if src.weights is not None else None, src.scales)
         per_rank, per_expert = lay.num_tokens_per_rank.to(count_t), lay.num_tokens_per_expert.to(count_t)
         for s, counts in ((0, below[call_no]), (2, [0, 0, 0])):
-            boards[me][s, :2 + num_ranks] = torch.tensor([round_, 1] + counts)
-        boards[me][me, :2] = torch.tensor([round_, 1])  # its own post: the programs run one after another here
+            boards[me][s, :2 + num_ranks] = torch.tensor([round_, CONFIG] + counts)
+        boards[me][me, :2] = torch.tensor([round_, CONFIG])  # its own post: the programs run one after another here
         rows = torch.empty(tokens, num_ranks, dtype=torch.int64)
-        call[:] = torch.tensor(_kernels.call_words(lay.is_token_in_rank, topk, per_rank, per_expert, rows, src, round_))
+        call[:] = torch.tensor(_kernels.call_words(lay.is_token_in_rank, topk, per_rank, per_expert, rows, src, round_,
+                                                   CONFIG))
         shape = _kernels.FreshShape(num_ranks, num_experts, k, words_per_row,
                                     src.scales.shape[1] if src.scales is not None else 0, max_tokens, meta_k, meta_bytes,
                                     topk_t, count_t, count_t, w_t)

@@ -190,6 +190,29 @@ def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says
 
 
 @needs_gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_gpu_ranks_calling_with_other_configs_store_no_row_and_every_rank_raises(padded):
+    """Rank 0 dispatches FP16 rows, its peers BF16 (rows of one size: nothing on the device tells
+    them apart but the config word): the count exchange compares every rank's config word, so no
+    rank stores a row (ep._kernels, Note [SM sends]); padded calls return at launch with padding
+    only, and every rank raises the mismatch, padded at its next call; the next dispatch equals
+    the reference. Before the exchange compared them, the padded outputs held the other config's rows."""
+    worst = RANKS * 9 if padded else 0
+    case = dict(_FAULT, tokens=_tokens(6, 9), fault="refused_then_valid", refusal="other_dtype", worst=worst, seed=13,
+                timeout_s=60.0)
+    results = run_ranks(expect_error, RANKS, case=case, timeout_s=150)
+    for first, _, padded_ids in results:
+        assert first.startswith("returned, then ConfigError" if padded else "ConfigError"), first
+        assert "dispatches with" in first and "drain" not in first, first
+        if padded:
+            assert bool((padded_ids == -1).all()), padded_ids
+    ref = reference_dispatch([i["x"] for i in case_inputs(case)], [i["topk_idx"] for i in case_inputs(case)], None,
+                             case["experts"])
+    for d, (_, recv_x, _) in enumerate(results):
+        assert torch.equal(recv_x, ref[d]["recv_x"]), f"rank {d}: the dispatch after the mismatched one differs"
+
+
+@needs_gpu
 def test_gpu_a_missing_peer_ends_the_count_exchange_without_a_stuck_kernel():
     ranks = max(RANKS, 3)  # rank 1 dies, ranks 0 and 2 report it
     case = dict(_FAULT, tokens=[6] * ranks, experts=2 * ranks, fault="dead_peer")  # experts: a multiple of the ranks

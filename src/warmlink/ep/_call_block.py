@@ -51,7 +51,8 @@ class Padded(NamedTuple):
 
 
 # What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).
-CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round")
+CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round",
+              "config")
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,13 @@ class FreshShape:
 
 
 def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
-               rows: torch.Tensor, src: Sources, round_: int) -> tuple[int, ...]:
-    """The call block's words (``CALL_SLOTS``) of one fresh SM send; every tensor must be contiguous
-    (the kernels see only its address)."""
+               rows: torch.Tensor, src: Sources, round_: int, config: int) -> tuple[int, ...]:
+    """The call block's words (``CALL_SLOTS``) of one fresh SM send (``config``: its config word,
+    ep._call_config, which the count exchange compares across ranks); every tensor must be
+    contiguous (the kernels see only its address)."""
     optional = (src.weights, src.scales)
     tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("call_words: every tensor must be contiguous")
     return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
-            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_)
+            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_, config)

@@ -24,11 +24,14 @@ alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's norm
 
 1. ``exchange``, one program per destination ``d``, right after ``plan`` on the caller's stream:
    it writes this rank's row into ``d``'s count board of the round's parity (ep._regions): its
-   counts per destination, its counts for ``d``'s experts and a valid flag (the plan's expert-id
-   range and counts agree: the host's check, ep._checks), then the round number as a tag, with
-   release semantics at system scope. It then waits (acquire) for every source's tag in this
-   rank's own board and writes where this rank's rows start in ``d``: after the rows of the ranks
-   below it. The base is 0 (nothing is stored) when any rank refused its input or the wait ended.
+   counts per destination, its counts for ``d``'s experts and its call's config word
+   (ep._call_config; 0 when the plan refused the input: an expert id out of range or counts that
+   disagree, the host's check, ep._checks), then the round number as a tag, with release
+   semantics at system scope. It then waits (acquire) for every source's tag in this rank's own
+   board and writes where this rank's rows start in ``d``: after the rows of the ranks below it.
+   The base is 0 (nothing is stored) when any rank refused its input, called with another
+   config (whose word it then sets to 0, a refusal to every later reader), or the wait ended.
+   So ranks that called different kinds of call never store a row, whatever their hosts see.
 2. The board and the plan words are copied to the host, queued before the push.
 3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
    peers' mapped regions and this rank's own. An arrival flag per destination follows it

@@ -249,7 +249,7 @@ class SmSender(CopyEngineSender):
         # called the other kind must see this call's kind before its wait for it ends
         rounds.wait_readers(round_)  # Note [Mailbox rounds]
         rounds.mailbox.publish_dispatch(round_, call.config)
-        mover.send_sm(self._shape(call), call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_), round_,
+        mover.send_sm(self._shape(call), call_words(in_rank, src.topk, per_rank, per_expert, rows, src, round_, call.config), round_,
                       call.phase, rounds.timeout_s, self.graphs, board_copy=board)
         marks["planned"] = marks["launched"] = time.perf_counter()
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],

@@ -23,6 +23,7 @@ C_WEIGHTS = tl.constexpr(CALL_SLOTS.index("weights"))
 C_SCALES = tl.constexpr(CALL_SLOTS.index("scales"))
 C_TOKENS = tl.constexpr(CALL_SLOTS.index("tokens"))
 C_ROUND = tl.constexpr(CALL_SLOTS.index("round"))
+C_CONFIG = tl.constexpr(CALL_SLOTS.index("config"))
 
 
 @triton.jit
@@ -189,17 +190,21 @@ def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, me, num_exp
                          x_row_bytes, meta_row_bytes, timeout_ns,
                          NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
                          PARTS: tl.constexpr):
-    exchange_steps(words_ptr, tables_ptr, abort_ptr, tl.load(call_ptr + C_ROUND), me, num_experts, experts_per_rank,
-                   max_tokens, x_row_bytes, meta_row_bytes, timeout_ns, NUM_RANKS, R_BLOCK, ROW, E_BLOCK, PARTS)
+    exchange_steps(words_ptr, tables_ptr, abort_ptr, tl.load(call_ptr + C_ROUND), tl.load(call_ptr + C_CONFIG), me,
+                   num_experts, experts_per_rank, max_tokens, x_row_bytes, meta_row_bytes, timeout_ns, NUM_RANKS, R_BLOCK,
+                   ROW, E_BLOCK, PARTS)
 
 
 @triton.jit
-def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, experts_per_rank, max_tokens,
+def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_experts, experts_per_rank, max_tokens,
                    x_row_bytes, meta_row_bytes, timeout_ns,
                    NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
                    PARTS: tl.constexpr):
     # program d: post this rank's counts to d's board, wait for every source's row in this
-    # rank's own board, then write where this rank's rows start in d (0: do not send);
+    # rank's own board, then write where this rank's rows start in d (0: do not send). A row's
+    # word 1 is its rank's config word (ep._call_config), 0 for a refused input: a source whose
+    # word is not this rank's config called another kind of call, so nothing is sent, and its word
+    # becomes 0 here, which the padded unpack and the host read as a refusal;
     # tables_ptr: [5, R] (exchange()), one argument rather than five views on the host path
     d = tl.program_id(0)
     boards_ptr = tables_ptr
@@ -221,7 +226,7 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, ex
         e = e0 + tl.arange(0, E_BLOCK)
         v = tl.load(words_ptr + 2 * NUM_RANKS + d * experts_per_rank + e, mask=e < experts_per_rank)
         tl.store(there + 2 + NUM_RANKS + e, v, mask=e < experts_per_rank)
-    tl.store(there + 1, valid)
+    tl.store(there + 1, tl.where(valid != 0, config, 0))
     fence_system()  # every thread's stores reach the system before the tag does
     tl.debug_barrier()
     tl.atomic_xchg(there, round_, sem="release", scope="sys")
@@ -238,7 +243,10 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, me, num_experts, ex
             late = (device_clock_ns() - start) > timeout_ns
             stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) == round_
             failed = (late | stop).to(tl.int32)
-        ok = ok & tl.load(own + s * ROW + 1, volatile=True)
+        word = tl.load(own + s * ROW + 1, volatile=True)
+        if (word != config) & (tag == round_):
+            tl.store(own + s * ROW + 1, 0)  # every program may store it: the same 0
+        ok = ok & (word == config).to(tl.int64)
         count = tl.load(own + s * ROW + 2 + d, volatile=True)
         below += tl.where(s < me, count, 0)
     ok = ok & (failed == 0).to(tl.int64)
