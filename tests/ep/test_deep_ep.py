@@ -204,7 +204,7 @@ def test_bias_is_added_larger_batches_go_in_rounds_and_bad_calls_are_refused_on_
     for got in run_ranks(bias_and_refusals, 2, case=case, timeout_s=120):
         assert got["one_bias"] and got["two_biases"], got
         assert got["more_than_held"] == "ok", got  # in rounds (tests/ep/test_deep_ep_rounds.py compares them)
-        assert got["other_hidden"].startswith("ConfigError") and "built by its first dispatch for hidden=128" in got["other_hidden"]
+        assert got["other_hidden"] == "ok", got  # a narrower hidden size is padded (tests/ep/test_deep_ep_widths.py)
         assert got["plain_tuple_handle"].startswith("ConfigError: deep_ep.Buffer.combine: handle is a tuple")
         assert got["bias_shape"].startswith("ConfigError") and "bias Tensor of shape (1, 128)" in got["bias_shape"]
         assert got["round_after"] == "ok"

@@ -3,14 +3,8 @@
 Each method checks DeepEP's arguments, calls the warmlink Buffer (once per round), and gives back DeepEP's
 return tuple: fresh output tensors, DeepEP's handle (``deep_ep.handle``) and ``EventOverlap``.
 
-# Note [Built on first dispatch]
-DeepEP's constructor takes a byte budget, not shapes; warmlink's Buffer is sized by shapes. So the
-warmlink Buffer is built by the first ``dispatch`` (collective, as the constructor is) for that
-call's hidden size, the widest top-k seen so far and the most tokens per rank that fit
-``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``; every rank computes the same sizes.
-A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). A later
-call with another hidden size or a wider top-k raises ``ConfigError`` before any byte moves, on
-every rank (those are the same on every rank), and so does a budget that holds not one token.
+The warmlink Buffer inside is built by the first dispatch and grown by a wider one (deep_ep.inner,
+Note [Built on first dispatch]).
 """
 
 from __future__ import annotations
@@ -22,12 +16,13 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
-from warmlink.ep.deep_ep import calls, sizing
+from warmlink.ep.deep_ep import calls
 from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, ZERO_COPY, not_here
 from warmlink.ep.deep_ep.comm import CommCalls
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
 from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
+from warmlink.ep.deep_ep.inner import built
 from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
 from warmlink.ep.deep_ep.scales import pack_scales
 from warmlink.errors import ConfigError
@@ -281,7 +276,7 @@ class Buffer(LowLatencyCalls, CommCalls):
         self._check_usable(func)
         _check_config(f"deep_ep.Buffer.{func}", config)
         inner = self._owner_of(handle, func)
-        biases = combine_biases(bias, handle, self._inner.layout.hidden, x)
+        biases = combine_biases(bias, handle, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1, x)
         with self._call(async_finish, previous_event, x) as call:  # ep._comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
             call.hold(x, topk_weights, biases, handle.tensors())
@@ -363,32 +358,9 @@ class Buffer(LowLatencyCalls, CommCalls):
             raise ConfigError(f"deep_ep.Buffer.{func}: the buffer was destroyed")
 
     def _built(self, rows: torch.Tensor, num_topk: int) -> _EPBuffer:
-        """The warmlink Buffer for a fresh dispatch of ``rows`` with ``num_topk`` ids per token:
-        built on first use, else checked to hold the call. See Note [Built on first dispatch]."""
-        func = "deep_ep.Buffer.dispatch"
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
-            raise ConfigError(f"{func}: x must be a [num_tokens, hidden] tensor; got shape {tuple(getattr(rows, 'shape', ()))}")
-        num_tokens, hidden = rows.shape
-        inner = self._inner
-        if inner is None and self.num_nvl_bytes == 0:
-            raise ConfigError(f"{func}: num_nvl_bytes=0; this Buffer was made for the low-latency calls only, and "
-                              "normal-mode dispatch needs a budget (pass num_nvl_bytes from "
-                              "Config.get_nvl_buffer_size_hint, as for DeepEP)")
-        if inner is None:
-            topk = max(num_topk, self._widest_topk, 1)
-            held = sizing.tokens_within(self.num_nvl_bytes, self.group_size, hidden, topk)
-            if held == 0:  # a larger batch goes in several rounds (Note [Rounds beyond the budget]); not one token fits
-                raise sizing.refuse(func, self.num_nvl_bytes, self.group_size, hidden, topk)
-            device, backend = (rows.device.index, None) if rows.is_cuda else (-1, "shm")
-            self._inner = inner = _EPBuffer.from_group(self.group, max_tokens_per_rank=held, hidden=hidden, num_topk=topk,
-                                                       device=device, backend=backend, timeout_s=self._timeout_s)
-            return inner
-        lay = inner.layout
-        if hidden != lay.hidden or num_topk > lay.num_topk:
-            raise ConfigError(f"{func}: x has hidden={hidden} and {num_topk} experts per token; this Buffer was built by its "
-                              f"first dispatch for hidden={lay.hidden} and num_topk<={lay.num_topk} (see deep_ep.buffer, "
-                              "Note [Built on first dispatch]); use one Buffer per hidden size")
-        return inner
+        """The warmlink Buffer for a fresh dispatch of ``rows`` (deep_ep.inner, Note [Built on first dispatch])."""
+        self._inner = built(self, rows, num_topk)
+        return self._inner
 
     def _owner_of(self, handle, func: str) -> _EPBuffer:
         if not isinstance(handle, DispatchHandle):

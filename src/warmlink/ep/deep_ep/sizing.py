@@ -4,8 +4,9 @@ DeepEP's normal mode streams tokens through rings, so one ``num_nvl_bytes`` fits
 warmlink's Buffer holds fixed slots instead (ep._regions): per rank and per parity a receive row
 for every token any source may send, a combine row, and a staging row per destination, so its
 bytes grow with ``max_tokens_per_rank x hidden x num_ranks``. ``deep_ep.Buffer`` therefore builds
-the largest warmlink Buffer whose ``size_hint`` fits the budget, for the hidden size and top-k of
-its first dispatch, and sends a batch of more tokens than that holds in several rounds
+the largest warmlink Buffer whose ``size_hint`` fits the budget, for the hidden size (rounded up
+to a multiple of 8) and top-k of its widest dispatch, and sends a batch of more tokens than that
+holds in several rounds
 (deep_ep.rounds), never taking more memory than the budget.
 
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
@@ -22,14 +23,20 @@ from __future__ import annotations
 from warmlink.ep import Buffer, size_hint
 from warmlink.errors import ConfigError
 
-__all__ = ["MAX_TOKENS", "low_latency_bytes", "needed_bytes", "refuse", "tokens_within"]
+__all__ = ["MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "tokens_within"]
 
 MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep._info)
 
 
+def built_hidden(hidden: int) -> int:
+    """The hidden size of the warmlink Buffer that holds calls of ``hidden`` channels: rows move as
+    8-byte words, so a narrower call is padded to a multiple of 8 (deep_ep.inner)."""
+    return -(-hidden // 8) * 8 if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else hidden
+
+
 def needed_bytes(num_tokens: int, num_ranks: int, hidden: int, num_topk: int) -> int:
     """Bytes of one rank's warmlink Buffer for batches of up to ``num_tokens`` tokens per rank."""
-    return size_hint(max(num_tokens, 1), hidden, num_ranks=num_ranks, num_topk=num_topk)
+    return size_hint(max(num_tokens, 1), built_hidden(hidden), num_ranks=num_ranks, num_topk=num_topk)
 
 
 def tokens_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int) -> int:
