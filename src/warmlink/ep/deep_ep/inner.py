@@ -83,7 +83,8 @@ def widen(tokens, hidden: int):
         return tokens, width  # as wide already, or scales that ep's checks refuse by name
     size = values.element_size()  # moved as bytes: there is no copy kernel for float8 types
     wide = torch.zeros(values.shape[0], hidden * size, dtype=torch.uint8, device=values.device)
-    wide[:, :width * size] = values.contiguous().view(torch.uint8)
+    if values.shape[0]:  # (an empty tensor may have strides no byte view takes)
+        wide[:, :width * size] = values.contiguous().view(torch.uint8)
     wide = wide.view(values.dtype)
     if not isinstance(tokens, tuple):
         return wide, width
@@ -98,7 +99,10 @@ def narrow(out, width: int):
     values = out[0] if isinstance(out, tuple) else out
     if values.shape[1] == width:
         return out, False
-    cut = values.contiguous().view(torch.uint8)[:, :width * values.element_size()].contiguous().view(values.dtype)
+    if values.shape[0]:
+        cut = values.contiguous().view(torch.uint8)[:, :width * values.element_size()].contiguous().view(values.dtype)
+    else:  # (an empty tensor may have strides no byte view takes)
+        cut = torch.empty(0, width, dtype=values.dtype, device=values.device)
     if not isinstance(out, tuple):
         return cut, True
     return (cut, out[1][:, :num_scales(width)].contiguous()), True
