@@ -51,7 +51,8 @@ class Buffer(LowLatencyCalls, CommCalls):
         group: the ``torch.distributed`` group of the ep ranks (gloo or NCCL), all on one node.
         num_nvl_bytes: the byte budget of this rank's normal-mode buffer, typically the largest
             ``Config.get_nvl_buffer_size_hint`` of ``get_dispatch_config`` / ``get_combine_config``.
-            The warmlink Buffer within it is built by the first dispatch (Note [Built on first dispatch]).
+            The warmlink Buffer within it is built by the first dispatch and grown by a wider one
+            (deep_ep.inner, Note [Built on first dispatch]).
             May be 0 with ``low_latency_mode`` (then normal-mode ``dispatch`` is refused).
         num_rdma_bytes: with ``low_latency_mode``, the byte budget of the low-latency calls, from
             ``get_low_latency_rdma_size_hint`` (Note [Low-latency built on first call]). Otherwise
@@ -105,7 +106,7 @@ class Buffer(LowLatencyCalls, CommCalls):
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.enable_shrink = False
         self._timeout_s = timeout_s
-        self._widest_topk = 0  # of get_dispatch_layout's calls so far: Note [Built on first dispatch]
+        self._widest_topk = 0  # of get_dispatch_layout's calls so far: deep_ep.inner, Note [Built on first dispatch]
 
     # -- DeepEP's static methods ---------------------------------------------------------------
     @staticmethod

@@ -20,7 +20,7 @@ __all__ = ["cached", "combine", "fresh"]
 def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
           topk_idx, topk_weights, expert_alignment: int, num_worst_tokens: int) -> tuple:
     """A fresh dispatch's ``(recv_x, recv_topk_idx, recv_topk_weights, per-expert list, handle)``."""
-    tokens, width = widen(tokens, inner.layout.hidden)  # a narrower call: Note [Built on first dispatch]
+    tokens, width = widen(tokens, inner.layout.hidden)  # a narrower call: deep_ep.inner, Note [Built on first dispatch]
     rows = tokens[0] if isinstance(tokens, tuple) else tokens
     with_topk = topk_idx is not None
     if not with_topk:  # no expert ids travel: every row is routed by is_token_in_rank alone

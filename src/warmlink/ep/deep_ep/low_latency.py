@@ -12,8 +12,8 @@ before any byte moves. Every later call must have the same ``num_max_dispatch_to
 hidden size and ``num_experts`` and at most that top-k width, else ``ConfigError`` naming the call's
 and the built ones (DeepEP's buffer layout depends on them too; it asks for a clean, warmlink for
 one Buffer per shape). This warmlink Buffer is apart from the one normal-mode ``dispatch`` builds
-within ``num_nvl_bytes`` (Note [Built on first dispatch]), so one ``deep_ep.Buffer`` does both
-modes, as DeepEP's does.
+within ``num_nvl_bytes`` (deep_ep.inner, Note [Built on first dispatch]), so one
+``deep_ep.Buffer`` does both modes, as DeepEP's does.
 """
 
 from __future__ import annotations
