@@ -25,9 +25,8 @@ ordered after the receive work with a local event. A dead or stalled sender fail
 its deadline and its flags are released from the CPU, so the receive stream never waits for
 good. Outputs the receive work writes are marked with ``record_stream``, so the allocator never
 hands their memory out while it may still run. The stream keeps the default priority, unlike the
-communication stream (ep._comm_stream): no measured row gained from the greatest, and the
-one-GPU comparison of the code that gave it the greatest read the combines 5-10% slower, on noisy
-machines (benchmarks/history-2026-11-27.md).
+communication stream (ep._comm_stream): no measured row gained from the greatest
+(benchmarks/history-2026-11-27.md).
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ A dispatch (and likewise a combine) is one round ``n`` of a handshake in the hos
    [SM sends]; a padded dispatch's host at its next call: ep._senders, Note [Padded dispatch
    returns at launch]). A cached dispatch and a combine do not wait for the peers' calls of round
    n (only, as every call, for each peer to have published round n - 1: Note [Mailbox rounds] in
-   ep._mailbox): round n lands in the receive areas of parity n % 2 (ep._regions, Note [Two parities]), which round n - 2 used. On the device, the
-   arrival flags' ``freed`` words hold the writes until every peer is done with them (ep._flags,
-   Note [Arrival flags]); with host copies, this rank's host passed round n - 1's step 4, which
-   waited for every peer's host to pass round n - 1's start;
+   ep._mailbox): round n lands in the receive areas of parity n % 2 (ep._regions, Note [Two
+   parities]), which round n - 2 used. On the device, the arrival flags' ``freed`` words hold
+   the writes until every peer is done with them (ep._flags, Note [Arrival flags]); with host
+   copies, this rank's host passed round n - 1's step 4, which waited for every peer's host to
+   pass round n - 1's start;
 3. every source issues its rows, marks them sent (on the device: arrival flags), and publishes
    "round n sent";
 4. the receive phase (inline or in the hook). With host copies it checks every peer's "ready"
@@ -110,7 +111,7 @@ class Rounds:
     def meet(self, field: int, round_: int) -> None:
         """Wait until every peer published ``field`` (``mb.DISPATCH`` or ``mb.COMBINE``, "ready")
         for ``round_``, then check it called with the same config (dispatch) or handle (combine).
-        A dispatch word that a peer's later round replaced goes unchecked (Note [Mailbox rounds])."""
+        A word a peer's later round replaced raises ``MetadataError`` (Note [Mailbox rounds])."""
         self.mailbox.wait(field, round_, self.timeout_s)
         words = {r: self._word(r, field, round_) for r in range(self.num_ranks) if r != self.rank}
         self._check_words(field, round_, self._own_word(field, round_), words)
