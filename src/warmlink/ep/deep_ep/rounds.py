@@ -72,7 +72,8 @@ def padded_rounds(inner, num_worst_tokens: int, num_tokens: int) -> tuple[int, s
     num_ranks, cap = inner.num_ranks, inner.layout.max_tokens
     if not isinstance(num_worst_tokens, int) or isinstance(num_worst_tokens, bool) or num_worst_tokens < 1:
         return 1, None  # ep refuses it, on every rank
-    num_rounds = max(1, -(-(-(-num_worst_tokens // num_ranks)) // cap))
+    share = -(-num_worst_tokens // num_ranks)  # each rank's tokens, ceil(W / R)
+    num_rounds = max(1, -(-share // cap))
     if num_tokens > num_rounds * cap:
         return num_rounds, (
             f"deep_ep.Buffer.dispatch: x has {num_tokens} tokens, but num_worst_tokens={num_worst_tokens} at "
