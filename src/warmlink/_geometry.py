@@ -19,6 +19,9 @@ tensor. The rules, checked by ``layout_problem``:
 * Non-empty parts never overlap in the physical tensor, and two non-empty parts of the same
   logical tensor never overlap in global coordinates (one element, one place).
 * Every part of one logical tensor agrees on its ``global_shape``.
+* A part may be *transposed* (Note [Transposed parts] in ``refit.manifest``): its ``perm``, a
+  permutation of the physical tensor's dimensions, says which (unsqueezed) box dimension each
+  physical dimension holds, and extents are checked in that order.
 
 Elements of the physical tensor that no part covers are *padding*: never sent, never compared.
 """
@@ -107,10 +110,12 @@ def pad_shape(shape: Sequence[int], ndim: int) -> tuple[int, ...]:
     return (1,) * (ndim - len(shape)) + tuple(shape)
 
 
-def _placed(bounds: Box, offset: Sequence[int]) -> Box:
-    """Where a part's box lies in the physical tensor (squeezed leading dimensions dropped)."""
+def _placed(bounds: Box, offset: Sequence[int], perm: Sequence[int] | None = None) -> Box:
+    """Where a part's box lies in the physical tensor (squeezed leading dimensions dropped; a
+    transposed part's extents in ``perm`` order)."""
     k = len(bounds) - len(offset)
-    return tuple((o, o + max(0, stop - start)) for (start, stop), o in zip(bounds[k:], offset))
+    kept = bounds[k:] if perm is None else tuple(bounds[k + p] for p in perm)
+    return tuple((o, o + max(0, stop - start)) for (start, stop), o in zip(kept, offset))
 
 
 def _first_overlap(boxes: list[tuple[Box, int]]) -> tuple[int, int] | None:
@@ -141,17 +146,23 @@ _MAX_VALID = 1 << 14
 def _structure(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box, Sequence[int]]]):
     """A hashable key of everything ``layout_problem`` looks at, or None (unhashable input)."""
     try:
+        # A transposed part's perm is a 5th item (Note [Transposed parts] in refit.manifest).
         if len(parts) == 1:
-            _, gs, bounds, offset = parts[0]
-            key = (tuple(shape), tuple(gs), tuple(bounds), tuple(offset))
+            _, gs, bounds, offset, *perm = parts[0]
+            key = (tuple(shape), tuple(gs), tuple(bounds), tuple(offset), *(_perm_key(p) for p in perm))
         else:
             names: dict = {}
-            key = (tuple(shape), tuple((names.setdefault(lg, len(names)), tuple(gs), tuple(b), tuple(o))
-                                       for lg, gs, b, o in parts))
+            key = (tuple(shape), tuple((names.setdefault(lg, len(names)), tuple(gs), tuple(b), tuple(o),
+                                        *(_perm_key(p) for p in perm))
+                                       for lg, gs, b, o, *perm in parts))
         hash(key)
     except (TypeError, ValueError):
         return None
     return key
+
+
+def _perm_key(perm) -> tuple | None:
+    return None if perm is None else tuple(perm)
 
 
 def layout_problem(
@@ -162,7 +173,8 @@ def layout_problem(
 
     Args:
         shape: the physical tensor's shape, in elements.
-        parts: ``(logical, global_shape, bounds, offset)`` per part.
+        parts: ``(logical, global_shape, bounds, offset)`` per part, or ``(..., offset, perm)`` for
+            a transposed part (``perm`` None: not transposed).
 
     Returns:
         ``None`` when the layout is valid, else one sentence naming the part and field, for the
@@ -186,9 +198,10 @@ def _problem(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box
     logical_shapes: dict[str, tuple[int, ...]] = {}
     placed: list[tuple[Box, int]] = []
     by_logical: dict[str, list[tuple[Box, int]]] = {}
-    for i, (logical, global_shape, bounds, offset) in enumerate(parts):
+    for i, (logical, global_shape, bounds, offset, *rest) in enumerate(parts):
         where = f"parts[{i}] (logical={logical!r})"
         gshape = tuple(global_shape)
+        perm = rest[0] if rest else None
         if len(bounds) != len(gshape):
             return f"{where}: bounds has {len(bounds)} dims but global_shape={gshape} has {len(gshape)}"
         if len(offset) != ndim:
@@ -203,7 +216,10 @@ def _problem(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box
         if not empty and any(stop - start != 1 for start, stop in bounds[:k]):
             return (f"{where}: bounds={tuple(bounds)} squeezes {k} leading dims of extent != 1; expected extent 1 "
                     f"where the part has more dims than shape={tuple(shape)}")
-        for d, (o, (start, stop)) in enumerate(zip(offset, bounds[k:])):
+        if perm is not None and sorted(perm) != list(range(ndim)):
+            return f"{where}: perm={tuple(perm)} invalid; expected a permutation of range({ndim}), as shape={tuple(shape)}"
+        kept = bounds[k:] if perm is None else tuple(bounds[k + p] for p in perm)
+        for d, (o, (start, stop)) in enumerate(zip(offset, kept)):
             if o < 0 or o + (stop - start) > shape[d]:
                 return (f"{where}: offset[{d}]={o} + extent {stop - start} exceeds shape[{d}]={shape[d]}; "
                         "expected the part inside its physical tensor")
@@ -211,7 +227,7 @@ def _problem(shape: Sequence[int], parts: Sequence[tuple[str, Sequence[int], Box
         if prior != gshape:
             return f"{where}: global_shape={gshape} differs from {prior} of an earlier part of the same logical tensor"
         if not empty:
-            placed.append((_placed(tuple(bounds), offset), i))
+            placed.append((_placed(tuple(bounds), offset, perm), i))
             by_logical.setdefault(logical, []).append((tuple(bounds), i))
     hit = _first_overlap(placed)
     if hit is not None:

@@ -447,3 +447,69 @@ def test_lease_discard_destroys_without_reset(pool_on, fake: Fake) -> None:
     assert fake.destroyed == [lease.resource] and fake.num_resets == 0 and fl.num_idle() == 0
     c = counters(fl.kind)
     assert (c.destroyed, c.failed_resets, c.live, c.idle) == (1, 0, 0, 0)
+
+
+# -- PerOwner: memos of what was learned through an owner object (Note [Owner memos]) ----------------
+class Owner:
+    """A stand-in for a store connection: weakly referenceable, compared by identity."""
+
+
+def _memo_counts(memo) -> tuple:
+    c = counters(memo.kind)
+    return c.created, c.reused, c.destroyed
+
+
+def test_owner_memo_remembers_per_owner_and_counts(pool_on, fake: Fake) -> None:
+    memo = core.PerOwner(_kind("owner-memo"), destroy=fake.destroy, max_keys_per_owner=2)
+    a, b = Owner(), Owner()
+    x, y, z, w = (fake.create(None) for _ in range(4))
+    memo.put(a, "k", x)
+    assert memo.get(a, "k") == x and memo.get(b, "k") is None  # another owner starts empty
+    memo.put(a, "k", y)  # replaced: the old value is destroyed, no entry made
+    assert memo.get(a, "k") == y and x in fake.destroyed
+    memo.put(a, "j", z)
+    memo.put(a, "i", w)  # past the bound: the least recently put ("k") goes, destroyed
+    assert memo.get(a, "k") is None and y in fake.destroyed
+    assert memo.take(a, "j") == z and memo.get(a, "j") is None and z in fake.live  # taken: its taker's now
+    assert _memo_counts(memo) == (3, 3, 1)  # made k, j, i; found k, k, j; dropped k past the bound
+    assert memo.kind in stats() and (counters(memo.kind).live, counters(memo.kind).idle) == (0, 0)
+    memo.clear()
+    assert memo.get(a, "i") is None and w in fake.destroyed
+    assert _memo_counts(memo)[2] == 2
+
+
+def test_owner_memo_forgets_an_owner_that_goes(pool_on) -> None:
+    import gc
+    import weakref
+
+    memo = core.PerOwner(_kind("owner-gone"))
+    owner = Owner()
+    value = Owner()
+    memo.put(owner, 0, value)
+    gone = weakref.ref(value)
+    del owner, value
+    gc.collect()
+    assert gone() is None  # the owner's values went with it
+    memo.put(1.5, 0, "never")  # an owner that cannot be weakly referenced is never remembered
+    assert memo.get(1.5, 0) is None and _memo_counts(memo) == (2, 0, 1)
+
+
+def test_owner_memo_remembers_nothing_with_pooling_off(fake: Fake) -> None:
+    memo = core.PerOwner(_kind("owner-off"), destroy=fake.destroy)
+    kept = core.PerOwner(_kind("owner-state"), counted=False, pooled=False)
+    owner = Owner()
+    pool.set_enabled(True)
+    try:
+        memo.put(owner, "k", fake.create(None))
+        pool.set_enabled(False)
+        assert memo.get(owner, "k") is None and memo.take(owner, "k") is None  # remembered while on, hidden while off
+        v = fake.create(None)
+        memo.put(owner, "j", v)  # dropped at once
+        assert v in fake.destroyed
+        kept.put(owner, "slot", 7)  # state, not a cache: kept whatever the switch says
+        assert kept.get(owner, "slot") == 7 and kept.kind not in stats()
+        pool.set_enabled(True)
+        assert memo.get(owner, "j") is None and memo.get(owner, "k") is not None
+    finally:
+        pool.set_enabled(None)
+    assert _memo_counts(memo)[:3] == (2, 1, 1)

@@ -83,8 +83,9 @@ def _interleaved_qkv(q, k, v, groups: int) -> torch.Tensor:
 
 
 def megatron_rank(state, config, *, tp=1, rank=0, ep=1, ep_rank=0, etp=None, etp_rank=None,
-                  divisible=DIVISIBLE) -> dict[str, torch.Tensor]:
-    """What Megatron-core (local spec) rank ``rank`` of ``tp`` / ``ep_rank`` of ``ep`` holds, by its names."""
+                  divisible=DIVISIBLE, dp=None) -> dict[str, torch.Tensor]:
+    """What Megatron-core (local spec) rank ``rank`` of ``tp`` / ``ep_rank`` of ``ep`` holds, by its
+    names (``dp`` changes which ranks hold the same bytes, not what this one holds)."""
     etp = tp if etp is None else etp
     etp_rank = rank if etp_rank is None else etp_rank
     groups = config.num_key_value_heads

@@ -220,8 +220,9 @@ def _run_case(family: str, tp: int, ep: int, etp: int) -> list[str]:
     cfg = hf.config
     torch.manual_seed(1234)  # Megatron's own init: different from HF's, so a tensor left unfilled shows
     mg = megatron_model(cfg, tp, ep, etp)
+    # dp: which boxes other ranks hold too (Note [Megatron layouts]); ranks beyond tp * ep are DP replicas
     lay = layouts(hf, convention="megatron", tp=tp, rank=tp_rank, ep=ep, ep_rank=ep_rank, etp=etp, etp_rank=etp_rank,
-                  make_vocab_size_divisible_by=ref.DIVISIBLE)
+                  dp=ps.get_data_parallel_world_size(), make_vocab_size_divisible_by=ref.DIVISIBLE)
     problems: list[str] = []
     if etp == tp and etp_rank != tp_rank:  # the layouts' default etp_rank
         problems.append(f"expert tensor-parallel rank {etp_rank} != tensor-parallel rank {tp_rank} with etp == tp")

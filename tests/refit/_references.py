@@ -46,7 +46,15 @@ def ref_hf(cfg, sd: dict, tp: int, r: int, ep: int = 1, er: int = 0) -> dict[str
 
 def ref_vllm(cfg, sd: dict, tp: int, r: int, ep: int = 1, er: int = 0) -> dict[str, torch.Tensor]:
     """What vLLM's loaders put in rank ``r``'s parameters (VocabParallelEmbedding, QKVParallelLinear,
-    MergedColumnParallelLinear, Row/ColumnParallelLinear, FusedMoE), under its parameter names."""
+    MergedColumnParallelLinear, Row/ColumnParallelLinear, FusedMoE; GPT-OSS's own loader), under its
+    parameter names."""
+    if cfg.model_type == "gpt_oss":
+        return _ref_vllm_gpt_oss(cfg, sd, tp, r, ep, er)
+    return _ref_vllm_layers(cfg, sd, tp, r, ep, er)
+
+
+def _ref_vllm_layers(cfg, sd: dict, tp: int, r: int, ep: int, er: int) -> dict[str, torch.Tensor]:
+    """The layers vLLM's model files share (``ref_vllm`` of every family but GPT-OSS's experts)."""
     family = cfg.model_type
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -105,6 +113,43 @@ def ref_vllm(cfg, sd: dict, tp: int, r: int, ep: int = 1, er: int = 0) -> dict[s
         else:
             out[name] = x  # norms, row-parallel biases
     return {n: t.contiguous() for n, t in out.items()}
+
+
+def _ref_vllm_gpt_oss(cfg, sd: dict, tp: int, r: int, ep: int, er: int) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's ``GptOssModel._load_weights_other`` (unquantized), its formulas as written there:
+    expert slices by ``cdiv(intermediate_size, tp)`` (or ``num_experts // ep_size`` whole experts
+    with EP), ``.permute(0, 2, 1)`` for both expert weights, ``w2_bias`` zeroed on TP ranks > 0,
+    sinks ``narrow(0, head_start, heads_per_rank)``; then its ``hf_to_vllm_mapper``'s names."""
+    inter, heads = cfg.intermediate_size, cfg.num_attention_heads
+    per = -(-inter // tp)
+    start, end = r * per, min((r + 1) * per, inter)
+    n = cfg.num_local_experts // ep
+    first, last = er * n, (er + 1) * n
+    heads_per_rank = heads // tp
+    use_ep = ep > 1
+    plain, out = {}, {}
+    for name, x in sd.items():
+        stem = name.rpartition(".")[0]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            w = x[first:last, ...] if use_ep else x[:, :, 2 * start:2 * end]
+            out[f"{stem}.routed_experts.w13_weight"] = w.permute(0, 2, 1)
+        elif name.endswith("mlp.experts.down_proj"):
+            w = x[first:last, ...] if use_ep else x[:, start:end, :]
+            out[f"{stem}.routed_experts.w2_weight"] = w.permute(0, 2, 1)
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            out[f"{stem}.routed_experts.w13_bias"] = x[first:last, ...] if use_ep else x[:, 2 * start:2 * end]
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out[f"{stem}.routed_experts.w2_bias"] = x[first:last, ...] if use_ep else (x if r == 0 else torch.zeros_like(x))
+        elif name.endswith("self_attn.sinks"):
+            out[name] = x.narrow(0, r * heads_per_rank, heads_per_rank)
+        else:
+            plain[name] = x
+    out.update(_ref_vllm_layers(cfg, plain, tp, r, ep, er))  # attention, embeddings, router, norms
+    renamed = {}
+    for name, t in out.items():  # GptOssForCausalLM.hf_to_vllm_mapper
+        name = name.replace(".self_attn.", ".attn.").replace("model.embed_tokens.weight", "model.embedding.weight")
+        renamed[name] = t.contiguous()
+    return renamed
 
 
 REF = {"hf": ref_hf, "vllm": ref_vllm}

@@ -89,3 +89,55 @@ def test_dtensor_publishers_refit_whole_model_bit_exact(world, tmp_path):
         trainers.close()
         for s in (*clients.values(), server):
             s.close()
+
+
+# One process posing as rank 1 of 4 (PyTorch's fake process group): placements only, no collective.
+_FAKE_RANK = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from warmlink.refit._declare import declare_tensor
+from warmlink.refit.dtensor import dtensor_layout
+from warmlink.refit.manifest import TensorLayout
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # rank 1: dp 0, tp 1
+def dt(m, placements, local):
+    return DTensor.from_local(torch.zeros(local), m, placements, run_check=False, shape=(4, 4), stride=(4, 1))
+hsdp = dt(mesh, (Replicate(), Shard(0)), (2, 4))
+found = {
+    "hsdp": dtensor_layout("w", hsdp),
+    "2d": dtensor_layout("w", dt(mesh, (Shard(0), Shard(1)), (2, 2))),
+    "dp slice of 2d": dtensor_layout("w", dt(mesh["dp"], (Shard(0),), (2, 4))),
+    "flattened": dtensor_layout("w", dt(mesh["dp", "tp"]._flatten(), (Shard(0),), (1, 4))),
+    "1d": dtensor_layout("w", dt(init_device_mesh("cpu", (4,)), (Shard(0),), (1, 4))),
+    # a hand-written layout of an HSDP DTensor takes its flags from the placements
+    "given": declare_tensor("w", hsdp, TensorLayout.plain("w", "float32", (4, 4), 0, 2, 1)).layout,
+}
+print({k: ([p.shard.bounds for p in v.parts], [p.replicated for p in v.parts]) for k, v in found.items()})
+"""
+
+
+def test_placements_mark_replicas():
+    """Note [DTensor replicas]: ``Replicate()`` on a mesh dimension (HSDP) and a mesh sliced from a
+    larger one (FSDP over ``mesh["dp"]`` of a 2-D mesh, as the 2-D mode above does for the norms)
+    mark parts replicated; a mesh over every rank of its root does not."""
+    import ast
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _FAKE_RANK], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert found == {
+        "hsdp": ([((2, 4), (0, 4))], [True]),
+        "2d": ([((0, 2), (2, 4))], [False]),
+        "dp slice of 2d": ([((0, 2), (0, 4))], [True]),
+        "flattened": ([((1, 2), (0, 4))], [False]),
+        "1d": ([((1, 2), (0, 4))], [False]),
+        "given": ([((2, 4), (0, 4))], [True]),
+    }, found

@@ -69,8 +69,14 @@ def state(m) -> dict[str, torch.Tensor]:
 
 
 def conventions(family: str) -> tuple[str, ...]:
-    return ("hf",) if family == "gpt_oss" else ("hf", "vllm")  # vLLM holds GPT-OSS experts transposed
+    """The conventions a receiver of ``family`` may hold."""
+    return ("hf", "vllm")
 
+
+def publishing(family: str) -> tuple[str, ...]:
+    """The conventions a publisher of ``family`` may hold: vLLM's GPT-OSS experts are transposed,
+    which only receivers may be (Note [Transposed parts] in refit.manifest)."""
+    return ("hf",) if family == "gpt_oss" else ("hf", "vllm")
 
 
 
@@ -110,8 +116,8 @@ def _refit(family: str, source: tuple, receivers: list[tuple]) -> None:
 @pytest.mark.parametrize("src_conv", ["hf", "vllm"])
 def test_tp_refit(family, src_conv):
     """TP 2 -> 1, 2 -> 4 and 1 -> 2, from one convention into both."""
-    if src_conv not in conventions(family):
-        pytest.skip("vLLM holds GPT-OSS experts transposed (test_families_rules checks the refusal)")
+    if src_conv not in publishing(family):
+        pytest.skip("vLLM holds GPT-OSS experts transposed: receivers only (test_transposed checks the refusal)")
     dst = conventions(family)
     _refit(family, (src_conv, 2, 1), [(c, tp, 1) for c in dst for tp in (1, 4)])
     _refit(family, (src_conv, 1, 1), [(c, 2, 1) for c in dst])
@@ -121,8 +127,8 @@ def test_tp_refit(family, src_conv):
 @pytest.mark.parametrize("src_conv", ["hf", "vllm"])
 def test_ep_refit(family, src_conv):
     """EP 2 -> 1 and 1 -> 2, with and without TP beside it."""
-    if src_conv not in conventions(family):
-        pytest.skip("vLLM holds GPT-OSS experts transposed")
+    if src_conv not in publishing(family):
+        pytest.skip("vLLM holds GPT-OSS experts transposed: receivers only")
     dst = conventions(family)
     _refit(family, (src_conv, 2, 2), [(c, 1, 1) for c in dst])
     _refit(family, (src_conv, 1, 2), [(c, 2, 1) for c in dst])
@@ -178,7 +184,7 @@ def test_module_publishes_any_convention(family):
             for t in module_tensors(m).values():
                 t.add_(1)
 
-    for conv in conventions(family):
+    for conv in publishing(family):
         before = state(m)
         versions = _refit_module(m, conv, 2, receivers, step)
         after = state(m)

@@ -30,13 +30,21 @@ def meta(family: str, **overrides):
 
 def assert_tiles(m, conv: str, tp: int, ep: int = 1) -> None:
     """Across the ranks of ``conv`` at ``tp`` / ``ep``, the distinct boxes of every logical tensor
-    cover each of its elements exactly once (replicas hold equal boxes; padding is in no box)."""
+    cover each of its elements exactly once (replicas hold equal boxes; padding is in no box), and
+    a box is marked replicated exactly where several ranks hold it (Note [Replicated parts]; whole
+    tensors need no flag)."""
     shapes = {t.name: t.shape for t in logical_model(m).tensors}
     boxes: dict[str, set] = {}
+    flags: dict[tuple, list[bool]] = {}
     for r, er in world(tp, ep):
         for lay in layouts(m, convention=conv, tp=tp, rank=r, ep=ep, ep_rank=er).values():
             for p in lay.parts:
                 boxes.setdefault(p.logical, set()).add(p.shard.bounds)
+                if p.shard.numel and p.shard.bounds != tuple((0, d) for d in p.shard.global_shape):
+                    flags.setdefault((p.logical, p.shard.bounds), []).append(p.replicated)
+    for (name, bounds), held in flags.items():
+        want = [len(held) > 1] * len(held)
+        assert held == want, f"{conv} tp={tp} ep={ep}: {name}{list(bounds)} held {len(held)} times, replicated={held}"
     assert set(boxes) == set(shapes), f"{conv} tp={tp} ep={ep}: held {sorted(set(boxes) ^ set(shapes))}"
     for name, shape in shapes.items():
         count = torch.zeros(shape, dtype=torch.int32)
@@ -112,7 +120,7 @@ def test_unknown_convention_and_options_are_refused():
 
 
 @pytest.mark.parametrize(("family", "overrides", "kw", "message"), [
-    ("gpt_oss", {}, {}, r"model_type='gpt_oss' is not supported: .*transpose"),
+    ("gpt_oss", dict(num_local_experts=6), dict(ep=4, ep_rank=0), r"num_local_experts=6 is not divisible by ep=4"),
     ("llama", {}, dict(tp=3, rank=0), r"padded vocab_size=128 is not divisible by tp=3"),
     ("llama", {}, dict(tp=16, rank=0), r"num_attention_heads=8 is not divisible by tp=16"),
     ("llama", dict(num_key_value_heads=4), dict(tp=8, rank=0), None),  # each KV head on 2 ranks: fine

@@ -97,3 +97,48 @@ def test_layouts_are_values() -> None:
     c = pickle.loads(pickle.dumps(a))
     assert c == a and hash(c) == hash(a)
     assert TensorLayout.plain("w", F32, (4, 2), 0, 2, 1) is TensorLayout.plain("w", F32, (4, 2), 0, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "make,needles",
+    [
+        (lambda: TensorLayout.plain("model.w", F32, (4, 2), 0, 2, 5),
+         ["TensorLayout.plain 'model.w'", "shard_idx=5 out of range", "< num_shards=2"]),
+        (lambda: TensorLayout.plain("model.w", F32, (4, 2), 0, 0, 0), ["TensorLayout.plain 'model.w'", "num_shards=0"]),
+        (lambda: TensorLayout.plain("model.w", F32, (4, 2), 2, 2, 0), ["TensorLayout.plain 'model.w'", "dim=2 out of range"]),
+        (lambda: TensorLayout.plain("model.w", F32, (4, -2)), ["TensorLayout.plain 'model.w'", "negative dimension"]),
+        (lambda: TensorLayout.plain("model.w", F32, 4), ["TensorLayout.plain 'model.w'", "global_shape=4 invalid"]),
+        (lambda: TensorLayout.fused("model.qkv", F32, [("q", (4, 2))]), ["TensorLayout.fused 'model.qkv'", "part=('q', (4, 2))"]),
+        (lambda: TensorLayout("model.w", F32, (Part("w", Shard((4,)), replicated=1),)),
+         ["TensorLayout 'model.w'", "replicated=1", "expected a bool"]),
+        (lambda: TensorLayout.from_json({"name": "model.w", "dtype": F32, "shape": [4], "parts": [
+            {"logical": "w", "global_shape": [4], "bounds": [[0, 5]], "offset": [0]}]}),
+         ["TensorLayout 'model.w'", "bounds[0]=(0, 5) out of range"]),
+    ],
+)
+def test_every_layout_error_names_its_tensor(make, needles) -> None:
+    """Helpers that raise from a sub-helper (split_bounds, Shard) say which tensor they were making."""
+    with pytest.raises(LayoutError) as info:
+        make()
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_replicated_parts() -> None:
+    """Note [Replicated parts]: a claim about other ranks that travels in the manifest, kept by every
+    constructor, and left out of equality (a live engine's layout equals the family's)."""
+    plain = TensorLayout.plain("w", F32, (4, 2), 0, 2, 1)
+    marked = TensorLayout.plain("w", F32, (4, 2), 0, 2, 1, replicated=True)
+    assert marked.parts[0].replicated and not plain.parts[0].replicated
+    assert marked == plain and hash(marked) == hash(plain) and marked is not plain
+    assert plain.with_replicated().parts[0].replicated and marked.with_replicated() is marked
+    assert "replicated" not in plain.to_json()["parts"][0] and marked.to_json()["parts"][0]["replicated"] is True
+    for layout in (plain, marked):
+        back = TensorLayout.from_json(layout.to_json())
+        assert back.parts[0].replicated == layout.parts[0].replicated
+        assert pickle.loads(pickle.dumps(layout)).parts[0].replicated == layout.parts[0].replicated
+    fused = TensorLayout.fused("qkv", F32, [("q", Shard.split((8, 4), 0, 4, 3)), ("k", Shard.split((2, 4), 0, 2, 1), True)])
+    assert [p.replicated for p in fused.parts] == [False, True]
+    # A lone unplaced part and a part with list offsets are rebuilt; the flag survives both.
+    assert TensorLayout("w", F32, (Part("w", Shard((4,)), replicated=True),)).parts[0].replicated
+    assert TensorLayout("w", F32, (Part("w", Shard((4,)), [0], replicated=True),)).parts[0].replicated

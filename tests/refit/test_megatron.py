@@ -43,10 +43,11 @@ def mg_layouts(family: str, **kw) -> dict[str, TensorLayout]:
 
 
 def megatron_ranks(family: str, tp: int, ep: int = 1, etp: int | None = None) -> list[dict]:
-    """Every Megatron rank's place: one per (ep_rank, tp_rank); expert TP is ``tp`` or 1."""
+    """Every Megatron rank's place: one per (ep_rank, tp_rank), so ``dp = ep`` (which says what is
+    replicated: Note [Megatron layouts]); expert TP is ``tp`` or 1."""
     etp = tp if etp is None else etp
     assert etp in (tp, 1)
-    return [dict(tp=tp, rank=r, ep=ep, ep_rank=e, etp=etp, etp_rank=r if etp == tp else 0)
+    return [dict(tp=tp, rank=r, ep=ep, ep_rank=e, etp=etp, etp_rank=r if etp == tp else 0, dp=ep)
             for e in range(ep) for r in range(tp)]
 
 
@@ -196,6 +197,8 @@ def _config(**kw):
     (dict(tp=2, etp=1), "etp_rank=None with etp=1 != tp=2"),
     (dict(tp=2, etp=2, etp_rank=2), "etp_rank=2 out of range"),
     (dict(tp=2, spec="transformer_engine"), "spec='transformer_engine' is unknown"),
+    (dict(tp=2, dp=0), "dp=0 invalid"),
+    (dict(tp=2, ep=4, etp=1, etp_rank=0, dp=1), "tp * dp = 2 is not a multiple of ep * etp = 4"),
 ])
 def test_bad_input_is_refused_by_name(kw, needle):
     kw = dict(kw)
@@ -203,6 +206,27 @@ def test_bad_input_is_refused_by_name(kw, needle):
     with pytest.raises(LayoutError) as info:
         layouts(cfg, convention="megatron", rank=0, **kw)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("family", MOE[:2])
+def test_replicas_follow_dp_and_unmarked_duplicates_are_refused(family):
+    """Note [Megatron layouts]: in a world of tp=2, ep=2, etp=1 (so dp=2), the dp ranks of a TP rank
+    hold its dense boxes and the 2 expert-data-parallel ranks of an EP rank its experts; with
+    ``dp`` given the parts say so and a plan over all four ranks is built, without it (dp=1, which
+    cannot have these four ranks) the plan is refused, naming a tensor and two ranks."""
+    from warmlink.refit.plan import build_plan
+
+    places = megatron_ranks(family, 2, ep=2, etp=1)
+    lays = [mg_layouts(family, **p) for p in places]
+    assert all(p.replicated for lay in lays for layout in lay.values() for p in layout.parts)
+    targets = list(plain_hf(family).values())
+    build_plan({i: list(lay.values()) for i, lay in enumerate(lays)}, targets)
+    lays = [mg_layouts(family, **{k: v for k, v in p.items() if k != "dp"}) for p in places]
+    with pytest.raises(LayoutError, match=r"held by rank=0 tensor='.*' and by rank=2 tensor=.* marked replicated"):
+        build_plan({i: list(lay.values()) for i, lay in enumerate(lays)}, targets)
+    # etp == tp: experts split over all four ranks, dense tensors on both dp ranks
+    lay = mg_layouts(family, **megatron_ranks(family, 2, ep=2, etp=2)[0])
+    assert {".local_experts." in n for n, layout in lay.items() if not layout.parts[0].replicated} == {True}
 
 
 def test_unsplittable_experts_and_unknown_families_are_refused():

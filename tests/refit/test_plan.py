@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from warmlink._dtypes import dtype_size
-from warmlink._geometry import pad_shape
+from warmlink._geometry import box_numel, intersect, pad_shape
 from warmlink.errors import ConfigError, LayoutError
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 from warmlink.refit.plan import (
@@ -154,7 +155,9 @@ def unfused_qkv(tp, rank, dtype=F32):
     kv_shape = (QKV["num_kv_heads"] * QKV["head_dim"], QKV["hidden"])
     kvh = QKV["num_kv_heads"]
     kv = Shard.split(kv_shape, 0, kvh, rank * kvh // tp) if tp > kvh else (Shard.split(kv_shape, 0, tp, rank) if tp > 1 else Shard(kv_shape))
-    return [q, TensorLayout("k_proj", dtype, (Part("k", kv),)), TensorLayout("v_proj", dtype, (Part("v", kv),))]
+    rep = tp > kvh  # each KV head on tp / kvh ranks
+    return [q, TensorLayout("k_proj", dtype, (Part("k", kv, replicated=rep),)),
+            TensorLayout("v_proj", dtype, (Part("v", kv, replicated=rep),))]
 
 
 def fused_qkv(tp, rank, dtype=F32):
@@ -292,13 +295,88 @@ def test_uneven_split():
 
 
 def test_overlapping_distinct_source_boxes():
-    # Rank 0 holds half of w split 2 ways, rank 1 all of it, rank 2 a third of it: every element once.
-    sources = {0: [plain("w", (6, 4), 0, 2, 1)], 1: [plain("w", (6, 4), None, 1, 0)], 2: [plain("w", (6, 4), 0, 3, 1)]}
+    # Rank 0 holds half of w split 2 ways, rank 1 all of it, rank 2 a third of it, each a replica:
+    # every element once.
+    sources = {0: [plain("w", (6, 4), 0, 2, 1).with_replicated()], 1: [plain("w", (6, 4), None, 1, 0)],
+               2: [plain("w", (6, 4), 0, 3, 1).with_replicated()]}
     for tp in (1, 2, 3):
         for rank in range(tp):
             check(sources, [plain("w", (6, 4), 0, tp, rank)])
-    sources = {0: [plain("w", (6, 4), 0, 2, 0)], 1: [plain("w", (6, 4), 1, 2, 1)]}  # left half of the bottom missing
+    sources = {0: [plain("w", (6, 4), 0, 2, 0).with_replicated()],  # left half of the bottom missing
+               1: [plain("w", (6, 4), 1, 2, 1).with_replicated()]}
     assert "box=((3, 6), (0, 2))" in _raises("uncovered", sources, [plain("w", (6, 4), None, 1, 0)])
+
+
+# -- replicas and duplicated shards (Note [Replica choice]) ----------------------------------------
+def test_duplicated_shards_are_refused_naming_both_holders():
+    # Two ranks built with the same rank= (a launcher bug): one box, two holders, different bytes.
+    sources = {r: [plain("w", (8, 6), 0, 2, 0)] for r in range(2)}
+    msg = _raises("marked replicated", sources, [plain("w", (8, 6), 0, 2, 0)])
+    for needle in ("logical='w'", "box=((0, 4), (0, 6)) is held by rank=0 tensor='w' and by rank=1 tensor='w'",
+                   "neither part is marked replicated"):
+        assert needle in msg, msg
+    # Overlapping distinct boxes: rank 1 holds TP 4 shard 1, inside rank 0's TP 2 shard 0.
+    sources = {0: [plain("w", (8, 6), 0, 2, 0)], 1: [plain("w", (8, 6), 0, 4, 1)], 2: [plain("w", (8, 6), 0, 2, 1)]}
+    msg = _raises("overlaps", sources, [plain("w", (8, 6), None, 1, 0)])
+    assert "box=((0, 4), (0, 6)) of rank=0 tensor='w' overlaps box=((2, 4), (0, 6)) of rank=1 tensor='w'" in msg, msg
+    # A replica beside a part that does not say so is refused too, naming the one that does not.
+    sources = {0: [plain("w", (8, 6), 0, 2, 0).with_replicated()], 1: [plain("w", (8, 6), 0, 2, 0)]}
+    msg = _raises("marked replicated", sources, [plain("w", (8, 6), 0, 2, 0)])
+    assert "the part of rank=1 tensor='w' is not marked replicated" in msg, msg
+    # Two tensors of one rank, and a whole tensor beside a shard nobody marked.
+    sources = {0: [plain("a", (8, 6), 0, 2, 1, logical="w"), plain("b", (8, 6), 0, 2, 1, logical="w")]}
+    msg = _raises("marked replicated", sources, [plain("w", (8, 6), 0, 2, 1)])
+    assert "rank=0 tensor='a' and by rank=0 tensor='b'" in msg, msg
+    sources = {0: [plain("w", (8, 6), None, 1, 0)], 1: [plain("w", (8, 6), 0, 2, 1)]}
+    msg = _raises("marked replicated", sources, [plain("w", (8, 6), None, 1, 0)])
+    assert "the part of rank=1 tensor='w' is not" in msg, msg
+
+
+def test_true_replicas_are_accepted():
+    # GQA at TP 4 over 2 KV heads: qkv_layout marks k and v, each on two ranks; not at TP 2.
+    sources = {r: fused_qkv(4, r) for r in range(4)}
+    assert [p.replicated for p in sources[3][0].parts] == [False, True, True]
+    assert not any(p.replicated for p in fused_qkv(2, 1)[0].parts)
+    check(sources, fused_qkv(1, 0))
+    for rank in range(2):
+        check(sources, unfused_qkv(2, rank))
+    # Whole tensors on every rank are replicas by nature (DDP, norms): no flag needed.
+    check({r: [plain("norm", (7,), None, 1, 0)] for r in range(3)}, [plain("norm", (7,), None, 1, 0)])
+    # Two data-parallel replicas of TP 2, every part marked: each receiver rank reads one holder.
+    sources = {r: [plain("w", (8, 6), 0, 2, r % 2).with_replicated()] for r in range(4)}
+    plan = check(sources, [plain("w", (8, 6), None, 1, 0)])
+    assert plan.link_nbytes == 8 * 6 * 4
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_overlaps_are_refused_unless_every_holder_is_a_replica(data):
+    """Shards that tile the tensor plus random extra boxes, on random ranks, each marked replicated
+    or not: the plan is refused exactly when two non-empty boxes intersect and one of them is
+    neither marked nor the whole tensor, and otherwise reproduces the tensor exactly."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=2)))
+    world = data.draw(st.integers(1, 4))
+    dim, n = data.draw(st.integers(0, len(shape) - 1)), data.draw(st.integers(1, 3))
+    boxes = [(data.draw(st.integers(0, world - 1)), Shard.split(shape, dim, n, i)) for i in range(n)]
+    for _ in range(data.draw(st.integers(0, 2))):
+        bounds = []
+        for d in shape:
+            a = data.draw(st.integers(0, d))
+            bounds.append((a, data.draw(st.integers(a, d))))
+        boxes.append((data.draw(st.integers(0, world - 1)), Shard(shape, tuple(bounds))))
+    sources: dict[int, list] = {r: [] for r in range(world)}
+    held = []
+    for i, (r, shard) in enumerate(boxes):
+        flag = data.draw(st.booleans())
+        sources[r].append(TensorLayout(f"t{i}", F32, (Part("w", shard, replicated=flag),)))
+        held.append((shard.bounds, flag or shard.bounds == Shard(shape).bounds))
+    refused = any(box_numel(a) and box_numel(b) and intersect(a, b) is not None and not (ra and rb)
+                  for (a, ra), (b, rb) in itertools.combinations(held, 2))
+    targets = [plain("w", shape, None, 1, 0)]
+    if refused:
+        _raises("marked replicated", sources, targets)
+    else:
+        check(sources, targets)
 
 
 def test_scalar_and_empty_tensors():
@@ -402,12 +480,13 @@ def _side(draw, shape, logicals, dtype, prefix):
     fuse = len(logicals) > 1 and draw(st.booleans())
     fuse_dim = draw(st.integers(0, len(shape) - 1)) if fuse else 0
     sides = {}
+    rep = n < world  # ranks r hold shard r * n // world: several ranks hold each, replicas
     for r in range(world):
         shard = Shard.split(shape, split, n, r * n // world) if split is not None else Shard(shape)
         if fuse:
-            sides[r] = [TensorLayout.fused(f"{prefix}{r}", dtype, [(lg, shard) for lg in logicals], fuse_dim)]
+            sides[r] = [TensorLayout.fused(f"{prefix}{r}", dtype, [(lg, shard, rep) for lg in logicals], fuse_dim)]
         else:
-            sides[r] = [TensorLayout(f"{prefix}{r}.{lg}", dtype, (Part(lg, shard),)) for lg in logicals]
+            sides[r] = [TensorLayout(f"{prefix}{r}.{lg}", dtype, (Part(lg, shard, replicated=rep),)) for lg in logicals]
     return sides
 
 
@@ -470,6 +549,7 @@ def test_signature_sensitive():
         layout_signature({r: s[:1] + [plain("norm", (7,), None, 2, r)] for r, s in sources.items()}, targets),  # shape
         layout_signature(sources, targets, max_runs_per_tensor=8),
         layout_signature(sources, targets, name_map={"x": "y"}),
+        layout_signature({r: [s[0].with_replicated()] + s[1:] for r, s in sources.items()}, targets),  # replicas
     ]
     assert len({base, *changed}) == len(changed) + 1
 
@@ -507,10 +587,10 @@ def _framework_side(draw, shape, logicals, dtype, prefix):
                 a, b = rule(tuple(inner), dim, n, idx).bounds[dim]
                 bounds = [(0, d) for d in shape]
                 bounds[dim] = (lo + a, lo + b)
-                boxes.append((lg, Shard(shape, tuple(bounds))))
+                boxes.append((lg, Shard(shape, tuple(bounds)), n < world))  # n < world: replicas
 
         def padded(parts):
-            rows = sum(s.local_shape[dim] for _, s in parts)
+            rows = sum(box[1].local_shape[dim] for box in parts)
             out = [d for d in shape]
             out[dim] = rows + pad
             return tuple(out)

@@ -285,3 +285,28 @@ def test_release_parked_gives_everything_back(store, tensors) -> None:
     assert leased() == {"link": before["link"], "arena": before["arena"] + 1}  # the closed publisher parked its board
     release_parked()
     assert leased() == before
+
+
+# -- the memos are pool kinds ---------------------------------------------------------------------------
+def test_memos_are_counted_pool_kinds_and_remember_nothing_with_pooling_off(store, tensors, monkeypatch) -> None:
+    """Note [Warm metadata]: each memo is a pool kind in ``pool.stats()``; with pooling off none
+    remembers anything (every manifest decoded, no state guessed, every export a new generation)."""
+    kinds = ("exported_manifest", "validated_manifest", "read_version_state")
+    with export(store, tensors) as pub:
+        generation = pub.generation
+        refit_once(store, tensors)
+        before = {k: _stat(k, "reused") for k in kinds}
+        assert protocol.last_state(store, 0) is not None
+    with export(store, tensors) as pub:  # a warm lifecycle: each memo answers
+        assert pub.generation == generation
+        refit_once(store, tensors)
+    assert all(_stat(k, "reused") > before[k] for k in kinds), {k: (before[k], _stat(k, "reused")) for k in kinds}
+
+    decodes = _counter(monkeypatch, schema, "decode")
+    pool.set_enabled(False)
+    with export(store, tensors) as pub:
+        assert pub.generation == generation + 1
+        refit_once(store, tensors)
+        refit_once(store, tensors)
+        assert protocol.last_state(store, 0) is None  # read every cycle, remembered by none
+        assert len([c for c in decodes if c[1] == "publisher_manifest"]) == 2

@@ -171,6 +171,27 @@ def test_unexpected_and_missing_keys() -> None:
     _fails(obj, "peer_info", "missing key 'pid'")
 
 
+def test_replicated_parts_on_the_wire() -> None:
+    """Note [Replicated on the wire]: an optional bool per part, written only when true; a manifest
+    without it reads as it always did (no part replicated)."""
+    assert not any(p.replicated for t in manifest()["tensors"] for p in TensorLayout.from_json(t).parts)
+    kv = Shard.split((8, 16), 0, 4, 1)  # GQA: one of 2 KV heads, held by 2 of 4 ranks
+    layout = TensorLayout.fused("kv.weight", "bfloat16", [("k", kv, True), ("v", kv, True)])
+    obj = manifest()
+    obj["tensors"].append({**layout.to_json(), "region": 1, "offset": 3072})
+    assert [p["replicated"] for p in obj["tensors"][-1]["parts"]] == [True, True]
+    decoded = schema.decode(schema.encode(obj), "publisher_manifest", PEER)
+    assert decoded == obj
+    assert [p.replicated for p in TensorLayout.from_json(decoded["tensors"][-1]).parts] == [True, True]
+    for bad in (1, "true", None, [True]):
+        wrong = copy.deepcopy(obj)
+        wrong["tensors"][-1]["parts"][1]["replicated"] = bad
+        _fails(wrong, "publisher_manifest", "tensors[6].parts[1].replicated=", "expected bool")
+    wrong = copy.deepcopy(obj)
+    wrong["tensors"][-1]["parts"][0]["stride"] = 1  # the part stays closed beside the optional key
+    _fails(wrong, "publisher_manifest", "tensors[6].parts[0]: unexpected key 'stride'")
+
+
 def test_wire_errors() -> None:
     good = schema.encode(version_state())
     for raw, needle in [
@@ -415,6 +436,8 @@ def raw_tensor_entries(draw: st.DrawFn) -> dict:
             "bounds": bounds,
             "offset": [draw(st.integers(-1, 6)) for _ in range(ndim)],
         })
+        if draw(st.booleans()):  # Note [Replicated on the wire]: optional, a bool
+            parts[-1]["replicated"] = draw(st.sampled_from([True, False, 1, None]))
     return {"name": "t", "dtype": draw(st.sampled_from(["bfloat16", "float32", "int8"])), "shape": shape, "parts": parts}
 
 

@@ -20,7 +20,7 @@ Scenarios (each in fresh processes, same tensors, same machine, same run):
 
 ``--devices 0,0`` is the colocated mode: trainer and engine share one GPU (hybrid-engine RL), the
 copy peak is one flat device-to-device copy of the same bytes, and ``warm`` runs once per install
-mode of ``--install`` (default ``direct,swap,copy``; Note [Install modes] in ``refit.receiver``),
+mode of ``--install`` (default ``direct,swap,copy``; Note [Install modes] in ``refit._install``),
 each with the receiver's and the publisher's memory beyond the model.
 
 GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.

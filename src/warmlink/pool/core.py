@@ -1,6 +1,6 @@
-"""The process-wide warm pool: counters, exclusive free lists and shared keyed caches.
+"""The process-wide warm pool: counters, exclusive free lists, shared keyed caches and memos.
 
-Two shapes of pooled resource exist:
+Three shapes of pooled resource exist:
 
 * ``FreeList``: resources one user holds at a time (streams, events, arenas). ``lease(key)`` hands
   out an idle one or creates it; ``release`` resets it and keeps it, or destroys it when the reset
@@ -10,10 +10,13 @@ Two shapes of pooled resource exist:
   cached one or creates it; ``get(key)`` is acquire and release at once, for values with nothing to
   free. Entries are dropped explicitly (``evict``), e.g. when a peer's generation changes, or past
   ``max_entries``, least recently used first.
+* ``PerOwner``: values learned through one owner object (a store connection) and remembered for
+  as long as it lives: a state read, a manifest written, a board parked for a successor.
+  ``get`` / ``take`` find what ``put`` left. See Note [Owner memos].
 
 With pooling off (``WARMLINK_POOL=0`` or ``set_enabled(False)``) every lease creates and every
 release destroys, and caches hand out private entries destroyed on release: the A/B baseline.
-A cache built on these two classes follows the switch without reading it. A pool that wraps
+A cache built on these classes follows the switch without reading it. A pool that wraps
 resources other kinds already count (a refit receiver's state, its buffers) passes
 ``counted=False``: it stays out of ``stats()`` instead of counting them twice.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
@@ -37,7 +41,7 @@ from typing import Callable, Generic, Hashable, TypeVar
 from warmlink import _env
 from warmlink.errors import ConfigError, PoolError, WarmlinkError
 
-__all__ = ["enabled", "set_enabled", "stats", "reset_stats", "Counters", "FreeList", "SharedCache", "Lease"]
+__all__ = ["enabled", "set_enabled", "stats", "reset_stats", "Counters", "FreeList", "SharedCache", "PerOwner", "Lease"]
 
 log = logging.getLogger("warmlink.pool")
 
@@ -433,6 +437,134 @@ class SharedCache(Generic[K, R]):
     def clear(self) -> None:
         """Remove every entry; those nobody holds are destroyed now, held ones at their last release."""
         self.evict(lambda _k: True)
+
+
+# Note [Owner memos]
+# Some values are learned through an object rather than made from a key: the version state read
+# through a store connection, the manifest written through it, the board a closed publisher left
+# for its successor. A ``SharedCache`` fits neither half of that: it makes values from keys (these
+# are put, found or taken), and it holds its keys, which would keep every store connection alive
+# for as long as a value about it is remembered. ``PerOwner`` holds its owners weakly: an owner's
+# values go when it does (a new connection, to a restarted server say, starts empty), and objects
+# that cannot be weakly referenced are never remembered. With pooling off it remembers nothing:
+# ``put`` drops (destroys) its value at once, ``get`` and ``take`` find nothing.
+#
+# Counted as ``kind`` in ``stats()``: ``created`` an entry made (a key remembered that was not, or
+# any put with pooling off), ``reused`` a lookup answered (a taken entry leaves with its taker),
+# ``destroyed`` an entry the memo dropped (past the bound, cleared, or at once with pooling off).
+# Replacing a remembered value makes no entry. ``live`` and ``idle`` stay 0: an entry lasts as
+# long as its owner, whose end is a garbage collection away and not the memo's to count, so a
+# count of entries would move with the collector rather than with anything the memo did.
+
+
+class PerOwner(Generic[R]):
+    """``(owner object, key) -> value``, weak on the owner, bounded per owner (Note [Owner memos]).
+
+    Args:
+        kind: name in ``stats()``.
+        destroy: frees a value the memo drops (past the bound, replaced, cleared, or put with
+            pooling off); default: nothing to free. Values of an owner that goes are dropped
+            unfreed, with it: freeing them would run inside whatever the collector interrupted.
+        max_keys_per_owner: entries kept per owner; past it the least recently put goes first.
+        counted: False keeps ``kind`` out of ``stats()``.
+        pooled: False for state that must be kept whatever the switch says (a reader slot is
+            this process's identity at a publisher, not a cache): remembered with pooling off too.
+    """
+
+    def __init__(self, kind: str, *, destroy: Callable[[R], None] | None = None, max_keys_per_owner: int = 64,
+                 counted: bool = True, pooled: bool = True) -> None:
+        if max_keys_per_owner < 1:
+            raise ConfigError(f"PerOwner({kind!r}): max_keys_per_owner={max_keys_per_owner!r}; expected an int >= 1")
+        self.kind = kind
+        self._destroy = destroy if destroy is not None else _nothing_to_free
+        self._max = max_keys_per_owner
+        self._pooled = pooled
+        self._by_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._counters = _counters_for(kind, counted)
+
+    def _remembers(self) -> bool:
+        return enabled() or not self._pooled
+
+    def get(self, owner: object, key: Hashable) -> R | None:
+        """The value remembered for ``(owner, key)``, or None (always None with pooling off)."""
+        if not self._remembers():
+            return None
+        with self._lock:
+            entries = self._entries(owner, make=False)
+            value = None if entries is None else entries.get(key)
+        if value is not None:
+            self._count(reused=1)
+        return value
+
+    def put(self, owner: object, key: Hashable, value: R) -> None:
+        """Remember ``value`` for ``(owner, key)``, dropping (destroying) the value it replaces."""
+        replaced, evicted = [], []
+        created = remembered = False
+        if self._remembers():
+            with self._lock:
+                entries = self._entries(owner, make=True)
+                if entries is not None:
+                    remembered = True
+                    old = entries.get(key)
+                    created = old is None
+                    if old is not None and old is not value:
+                        replaced.append(old)
+                    entries[key] = value
+                    entries.move_to_end(key)
+                    while len(entries) > self._max:
+                        evicted.append(entries.popitem(last=False)[1])
+        if remembered:
+            self._count(created=int(created), destroyed=len(evicted))
+        else:  # made and forgotten at once
+            self._count(created=1, destroyed=1)
+            evicted.append(value)
+        for v in replaced + evicted:
+            self._drop(v)
+
+    def take(self, owner: object, key: Hashable) -> R | None:
+        """Take the value remembered for ``(owner, key)`` out (None when absent or pooling is off)."""
+        if not self._remembers():
+            return None
+        with self._lock:
+            entries = self._entries(owner, make=False)
+            value = None if entries is None else entries.pop(key, None)
+        if value is not None:
+            self._count(reused=1)
+        return value
+
+    def clear(self) -> None:
+        """Forget every value of every owner, destroying each."""
+        with self._lock:
+            values = [v for entries in self._by_owner.values() for v in entries.values()]
+            self._by_owner.clear()
+        self._count(destroyed=len(values))
+        for v in values:
+            self._drop(v)
+
+    def _entries(self, owner: object, *, make: bool) -> OrderedDict | None:
+        """``owner``'s entries (lock held); None when it has none and ``make`` is False, or when
+        it cannot be weakly referenced (never remembered)."""
+        try:
+            entries = self._by_owner.get(owner)
+            if entries is None and make:
+                entries = self._by_owner[owner] = OrderedDict()
+        except TypeError:
+            return None
+        return entries
+
+    def _count(self, *, created: int = 0, reused: int = 0, destroyed: int = 0) -> None:
+        with _lock:
+            c = self._counters
+            c.created += created
+            c.reused += reused
+            c.destroyed += destroyed
+
+    def _drop(self, value: R) -> None:
+        try:
+            self._destroy(value)
+        except Exception as exc:
+            log.warning("pool destroy failed", extra={"kind": self.kind, "error": str(exc)})
 
 
 def _nothing_to_free(_resource: object) -> None:

@@ -2,7 +2,7 @@
 
 An engine may replace a parameter's ``.data`` between cycles (re-packing after a load, say); a
 direct pull must then land at the new address, never the old one (Note [Install modes] in
-receiver.py). Asking 290 tensors for ``data_ptr()`` from Python took 0.1-0.15 ms of a 6.5 ms
+refit._install). Asking 290 tensors for ``data_ptr()`` from Python took 0.1-0.15 ms of a 6.5 ms
 colocated cycle; torch's own check for CUDA-graph inputs compares them in C++.
 """
 

@@ -46,7 +46,7 @@ import struct
 
 from warmlink._backoff import wait_until
 from warmlink.errors import MetadataError, PoolError
-from warmlink.refit._memo import PerStore
+from warmlink.pool.core import PerOwner
 
 __all__ = ["PublisherBoard", "ReaderBoard", "take_parked", "park", "release_parked_boards", "BOARD_NBYTES", "PUBLISHED", "UPDATING", "CLOSED", "STATE_NAMES"]
 
@@ -147,26 +147,26 @@ class PublisherBoard:
 
 # (store, rank) -> the board of a publisher closed in this process, for its successor: the same
 # board keeps the manifest, hence the generation, of a publisher re-created over the same memory.
-_parked = PerStore()
+# A pool kind, so with pooling off nothing is parked (a board put there is closed at once). Its
+# arena is counted as an arena already: the kind stays out of stats().
+_parked = PerOwner("parked_board", destroy=PublisherBoard.close, counted=False)
 
 
 def take_parked(store, rank: int) -> PublisherBoard | None:
-    """The board a closed publisher of ``rank`` parked under ``store``, taken out; or None."""
-    return _parked.pop(store, rank)
+    """The board a closed publisher of ``rank`` parked under ``store``, taken out; or None
+    (none parked, or pooling off)."""
+    return _parked.take(store, rank)
 
 
 def park(store, rank: int, board: PublisherBoard) -> None:
-    """Keep ``board`` (withdrawn: ``closed``, unlocked) for the next publisher of ``rank``."""
-    older = _parked.pop(store, rank)
-    if older is not None:
-        older.close()
+    """Keep ``board`` (withdrawn: ``closed``, unlocked) for the next publisher of ``rank``,
+    closing the one parked before; with pooling off, close it."""
     _parked.put(store, rank, board)
 
 
 def release_parked_boards() -> None:
     """Give every parked board's arena back (``refit._parked.release_parked``)."""
-    for board in _parked.drain():
-        board.close()
+    _parked.clear()
 
 
 class ReaderBoard:

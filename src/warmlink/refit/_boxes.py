@@ -15,7 +15,7 @@ part, exactly one publisher part holding it. Internal to ``warmlink.refit``; not
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 from warmlink._geometry import Box, box_numel, box_shape, c_strides, intersect, subtract, translate
@@ -177,6 +177,9 @@ class SourceLogical:
     first: tuple[int, str]  # (rank, tensor) that fixed global_shape and dtype, for error messages
     holders: dict[Box, list[Holder]]  # sorted non-empty box -> sorted holders
     deltas: dict[Holder, tuple[int, ...]]  # global-to-local shift, in the part's dims
+    # Holders whose part is neither marked replicated nor the whole tensor: by their layouts, no
+    # other part holds their elements (Note [Replicated parts] in refit.manifest).
+    exclusive: set[Holder] = field(default_factory=set)
 
 
 def part_delta(part) -> tuple[int, ...]:
@@ -195,6 +198,7 @@ def box_ordinal(box: Box, global_shape: Sequence[int]) -> int:
 def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, SourceLogical]:
     """Group every publisher part by logical name; LayoutError when shapes or dtypes disagree."""
     index: dict[str, SourceLogical] = {}
+    wholes: dict[str, Box] = {}
     for rank in sorted(sources):
         for t in sources[rank]:
             for pi, part in enumerate(t.parts):
@@ -212,11 +216,22 @@ def index_sources(sources: Mapping[int, Sequence[TensorLayout]]) -> dict[str, So
                         f"differs across publishers; expected {ent.dtype!r} as in rank={ent.first[0]} "
                         f"tensor={ent.first[1]!r} (publish one dtype per logical tensor)"
                     )
+                if part.perm is not None:  # See Note [Transposed parts] in refit.manifest
+                    raise LayoutError(
+                        f"build_plan: logical={part.logical!r} in rank={rank} tensor={t.name!r} is transposed "
+                        f"(perm={part.perm}); expected source layouts without perm (transposed parts are receiver-only)"
+                    )
                 box = part.shard.bounds
                 if box_numel(box) == 0:
                     continue  # an empty box holds nothing anyone can read
                 ent.holders.setdefault(box, []).append((rank, t.name, pi))
                 ent.deltas[(rank, t.name, pi)] = part_delta(part)
+                if not part.replicated:
+                    whole = wholes.get(part.logical)
+                    if whole is None:
+                        whole = wholes[part.logical] = tuple((0, d) for d in gs)
+                    if box != whole:
+                        ent.exclusive.add((rank, t.name, pi))
     for ent in index.values():
         ent.holders = {box: sorted(ent.holders[box]) for box in sorted(ent.holders)}
     return index

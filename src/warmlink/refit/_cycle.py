@@ -52,16 +52,18 @@ def created_counts() -> dict[str, int]:
 
 
 class Cycle:
-    """A started cycle: its plan, the buffers it pulls into (and their cache token), the transfer,
-    its report, and the counts and times (``time.perf_counter`` seconds) it started from."""
+    """A started cycle: its plan, the buffers it pulls into (and their cache token), the version it
+    is inside (a ``refit._version_sync.VersionSync``, which checks and leaves it), the transfer, its
+    report, and the counts and times (``time.perf_counter`` seconds) it started from."""
 
-    __slots__ = ("plan", "bufs", "token", "transfer", "report", "before", "t0", "t_issue", "timeout_s")
+    __slots__ = ("plan", "bufs", "token", "sync", "transfer", "report", "before", "t0", "t_issue", "timeout_s")
 
-    def __init__(self, plan, bufs, token, transfer, report: CycleReport, before: dict, t0: float, t_issue: float,
+    def __init__(self, plan, bufs, token, sync, transfer, report: CycleReport, before: dict, t0: float, t_issue: float,
                  timeout_s: float) -> None:
         self.plan = plan
         self.bufs = bufs
         self.token = token
+        self.sync = sync
         self.transfer = transfer
         self.report = report
         self.before = before

@@ -18,7 +18,7 @@ tensors whose memory moved since export raise ``LayoutError`` instead of publish
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from warmlink._dtypes import dtype_name
@@ -110,6 +110,10 @@ def declare_tensor(name: str, tensor: Any, layout: TensorLayout | None, dtype: s
                 f"{[p.logical for p in held.parts]}; the layout given says {[p.shard.bounds for p in layout.parts]} of "
                 f"{[p.logical for p in layout.parts]}; expected equal (omit layout to read it from the placements)"
             )
+        if [p.replicated for p in held.parts] != [p.replicated for p in layout.parts]:
+            # the placements know which boxes other ranks hold (Note [DTensor replicas]); a hand-written layout may not
+            layout = TensorLayout(layout.name, layout.dtype, tuple(replace(p, replicated=h.replicated)
+                                                                   for p, h in zip(layout.parts, held.parts)), layout.shape)
     if layout.name != name:
         raise LayoutError(f"Publisher.add: name={name!r} but layout.name={layout.name!r}")
     if tuple(local.shape) != layout.local_shape:

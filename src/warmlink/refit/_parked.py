@@ -1,10 +1,11 @@
 """What a receiver holds between cycles, and keeps for the next receiver with the same settings.
 
 A ``ReceiveState`` is a receiver's link lease, its ``SourceSet`` (manifests and opened regions),
-its plan and its receive buffers. Every cache in it is a pool ``SharedCache`` and the states
-themselves sit in a pool ``FreeList``, so ``WARMLINK_POOL=0`` reaches all of them through
-``warmlink.pool.core``: with pooling off each cycle plans, allocates and prepares again, and each
-receiver's state is destroyed when it closes. The caches, from the cheapest lookup down:
+its plan and its receive buffers. Every cache in it is a pool ``SharedCache`` (the ``SourceSet``'s
+opened regions too) and the states themselves sit in a pool ``FreeList``, so ``WARMLINK_POOL=0``
+reaches all of them through ``warmlink.pool.core``: with pooling off each cycle plans, allocates,
+opens and prepares again, and each receiver's state is destroyed when it closes. The caches, from
+the cheapest lookup down:
 
 * per state, ``(manifest digests, number declared) -> plan``: a warm cycle hashes no layout;
 * process-wide, ``(manifest digests, declared layouts, run cap, name map) -> layout signature``:
@@ -25,8 +26,8 @@ key matches exactly leases it again. The key holds everything those objects depe
 ``Store`` object, number of publishers, device, backend, install mode, run cap, name map and
 every declared layout in order. Targets are not in it: "copy" install copies into the new
 receiver's own targets, and a "swap" state (whose targets point into the buffers) and a "direct"
-one (whose buffers are its targets) are destroyed on close, never parked, as is the state of a
-receiver whose last cycle failed.
+one (whose buffers are its targets) are destroyed on close, never parked (``InstallMode.parks``
+in ``refit._install``), as is the state of a receiver whose last cycle failed.
 
 Nothing is trusted more than before: a parked state is reset by ``SourceSet.unverify``, so its
 next owner re-reads every manifest on its first sync and anything that changed is rebuilt as for
@@ -38,16 +39,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from warmlink import _env, pool
+from warmlink import _env
 from warmlink.pool.core import FreeList, Lease, SharedCache
-from warmlink.refit import protocol
 from warmlink.refit._board import release_parked_boards
+from warmlink.refit._install import MODES
 from warmlink.refit._receive_buffers import ReceiveBuffers
 from warmlink.refit.plan import build_plan, layout_signature
 from warmlink.refit.sources import SourceSet
 from warmlink.transport import lease_link
 
-__all__ = ["StateKey", "ReceiveState", "lease_state", "release_parked", "guessed_states"]
+__all__ = ["StateKey", "ReceiveState", "lease_state", "release_parked"]
 
 _plans = SharedCache("plan", max_entries=16)  # layout signature -> Plan
 _signatures = SharedCache("layout_signature", counted=False, max_entries=64)
@@ -60,7 +61,7 @@ class StateKey(NamedTuple):
     num_publishers: int
     device: int
     backend: str
-    install: str
+    install: str  # the install mode's name (refit._install.MODES)
     max_runs_per_tensor: int
     name_map: tuple | None  # sorted (destination name, publisher name) pairs
     layouts: tuple  # (name, TensorLayout) pairs in declaration order
@@ -78,9 +79,9 @@ class ReceiveState:
         self.link = self._link_lease.resource
         self.sources = SourceSet(key.store, self.link, key.num_publishers)
         self._plan_of = SharedCache("receiver_plan", counted=False, max_entries=1)
-        # One signature's buffers: both halves of the double buffer for swap, one set for copy.
+        # One signature's buffers: both halves of the double buffer for swap, one set otherwise.
         self._buffers = SharedCache("receive_buffers", destroy=ReceiveBuffers.close, counted=False,
-                                    max_entries=2 if key.install == "swap" else 1)
+                                    max_entries=2 if MODES[key.install].double_buffered else 1)
         self._installed = None  # swap: the token of the buffers the targets point at
         self._closed = False
 
@@ -100,21 +101,19 @@ class ReceiveState:
         return _plans.get(sig, lambda _sig: build_plan(sources, list(targets), max_runs_per_tensor=key.max_runs_per_tensor,
                                                        name_map=name_map, _signature=sig))
 
-    def buffers(self, plan, parity: int, targets=None, where: int | None = None
-                ) -> tuple[ReceiveBuffers, object, ReceiveBuffers | None]:
-        """Buffers for ``plan`` to pull into, their token for ``release_buffers`` or
-        ``keep_installed``, and (swap, pooling on) the other half of the double buffer, made now
-        so that the next cycle allocates nothing. ``parity``: the half the pull writes.
+    def buffers(self, plan, parity: int = 0, targets=None, where: int | None = None) -> tuple[ReceiveBuffers, object]:
+        """Buffers for ``plan`` to pull into and their token for ``release_buffers`` or
+        ``keep_installed``. ``parity``: the half of a swap double buffer the pull writes.
         ``targets`` (install ``"direct"``): per plan tensor, the tensor to pull straight into or
         None, and ``where`` a key for their addresses now (``TargetAddresses.current_key``): part
         of the cache key, so that a target whose memory was replaced gets new buffers instead of
         a pull into memory it no longer uses."""
-        def make(_key) -> ReceiveBuffers:
-            return ReceiveBuffers(self.link, plan, targets)
+        return self._buffers.acquire((plan.signature, parity, where), lambda _key: ReceiveBuffers(self.link, plan, targets))
 
-        bufs, token = self._buffers.acquire((plan.signature, parity, where), make)
-        twin = self._buffers.preload((plan.signature, 1 - parity, where), make) if self.key.install == "swap" else None
-        return bufs, token, twin
+    def preload_buffers(self, plan, parity: int) -> ReceiveBuffers | None:
+        """The ``parity`` half of ``plan``'s swap double buffer, made now (pooling on) so that the
+        next cycle allocates nothing; None with pooling off."""
+        return self._buffers.preload((plan.signature, parity, None), lambda _key: ReceiveBuffers(self.link, plan, None))
 
     def buffer_nbytes(self) -> int:
         """Bytes of receive memory this state holds now (every buffer set it caches)."""
@@ -132,16 +131,15 @@ class ReceiveState:
             self._buffers.release(old)
 
     def end_cycle(self) -> None:
-        """With pooling off, regions opened for a cycle close with it. ``SourceSet`` keeps its
-        opened regions in a dict of its own, the one receiver cache outside the pool's."""
-        if not pool.enabled():
-            self.sources.close_regions()
+        """The cycle lets go of the regions it opened: kept for the next (pooling on), or closed."""
+        self.sources.end_cycle()
 
     def reset(self) -> bool:
         """Ready for the next owner (Note [Parked receive state]): it re-reads every manifest.
-        A ``"direct"`` state's buffers are its owner's targets: never handed to another."""
+        Only a mode that parks hands its state on: a ``"direct"`` state's buffers are its owner's
+        targets, a ``"swap"`` state's installed half is pointed at by them."""
         self.sources.unverify()
-        return self._installed is None and self.key.install != "direct"
+        return self._installed is None and MODES[self.key.install].parks
 
     def close(self) -> None:
         if self._closed:
@@ -175,13 +173,3 @@ def release_parked() -> None:
     pools (tests; processes trimming memory)."""
     _states.clear()
     release_parked_boards()
-
-
-def guessed_states(store, num_publishers: int) -> list | None:
-    """The version state of every publisher rank this process last read through ``store``, for a
-    new receiver to try entering first (Note [Warm metadata] in refit._memo); None when a rank was
-    never read or pooling is off. ``protocol`` keeps these guesses outside the pool's caches."""
-    if not pool.enabled():
-        return None
-    guess = [protocol.last_state(store, rank) for rank in range(num_publishers)]
-    return None if any(g is None for g in guess) else guess

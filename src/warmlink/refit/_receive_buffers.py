@@ -104,7 +104,12 @@ class ReceiveBuffers:
                                    run.row_nbytes, run.num_rows, run.dst_pitch, run.src_pitch))
             for sp in tp.staged:
                 remote, offset = sources.region_of(sp.src_rank, sp.src_tensor)
-                copies.append(Copy(self.region, scratch + sp.scratch_offset, remote, offset, sp.src_nbytes))
+                into = scratch + sp.scratch_offset
+                if sp.runs:  # one box gathered compactly (Note [Transposed parts] in refit.manifest)
+                    copies.extend(Copy(self.region, into + r.dst_offset, remote, offset + r.src_offset, r.row_nbytes,
+                                       r.num_rows, r.dst_pitch, r.src_pitch) for r in sp.runs)
+                else:
+                    copies.append(Copy(self.region, into, remote, offset, sp.src_nbytes))
         return copies
 
     def close(self) -> None:

@@ -179,7 +179,12 @@ class _Bucket:
                 self.copies.append((run.src_rank, run.src_tensor, recv_at + run.dst_offset, run.src_offset, run.row_nbytes,
                                     run.num_rows, run.dst_pitch, run.src_pitch))
             for sp in tp.staged:
-                self.copies.append((sp.src_rank, sp.src_tensor, scratch_at + sp.scratch_offset, 0, sp.src_nbytes, 1, 0, 0))
+                into = scratch_at + sp.scratch_offset
+                if sp.runs:  # one box gathered compactly (Note [Transposed parts] in refit.manifest)
+                    self.copies.extend((sp.src_rank, sp.src_tensor, into + r.dst_offset, r.src_offset, r.row_nbytes,
+                                        r.num_rows, r.dst_pitch, r.src_pitch) for r in sp.runs)
+                else:
+                    self.copies.append((sp.src_rank, sp.src_tensor, into, 0, sp.src_nbytes, 1, 0, 0))
         self.nbytes = at
         self.batch = None
         self.digests = None

@@ -13,6 +13,13 @@ Placements shard dimensions independently, so the local tensor is a grid: along 
 consecutive indices per dimension (one box). ``_StridedShard`` (FSDP2 over a TP-sharded dimension)
 gives several runs; the layout then has one part per combination of runs, each at its local offset.
 ``torch.chunk`` semantics (ceil-sized chunks, possibly empty) come with the placements.
+
+# Note [DTensor replicas]
+Other ranks hold this rank's boxes too where a placement is ``Replicate()`` on a mesh dimension of
+more than one rank (HSDP's replicate dimension, a TP-replicated parameter), and where the DTensor's
+mesh is a slice of a larger root mesh (FSDP over ``mesh["dp"]`` of a 2-D ``(dp, tp)`` mesh: the
+other TP ranks' slices hold the same shards). Those parts are marked replicated (Note [Replicated
+parts] in ``refit.manifest``), so that receivers accept the overlap; nothing else is.
 """
 
 from __future__ import annotations
@@ -87,7 +94,8 @@ def dtensor_layout(name: str, dt: Any, *, logical: str | None = None) -> TensorL
         logical: the logical tensor's name; default ``name``.
 
     Returns:
-        A ``TensorLayout`` whose parts say which global elements ``dt.to_local()`` holds, where.
+        A ``TensorLayout`` whose parts say which global elements ``dt.to_local()`` holds, where,
+        marked replicated where other ranks hold them too (Note [DTensor replicas]).
 
     Raises:
         LayoutError: a ``Partial`` placement (a pending reduction is no weight), a rank outside the
@@ -117,9 +125,30 @@ def dtensor_layout(name: str, dt: Any, *, logical: str | None = None) -> TensorL
         )
     shape = tuple(local.shape)
     grids: list[list[tuple[int, int, int]]] = [[(0, 0, 0)] if not runs else runs for runs in per_dim]
+    replicated = _replicated(dt.device_mesh, placements)
     parts = []
     for combo in itertools.product(*grids):
         bounds = tuple((gs, gs + n) for _, gs, n in combo)
         offset = tuple(ls for ls, _, _ in combo)
-        parts.append(Part(logical or name, Shard(global_shape, bounds), offset))
+        parts.append(Part(logical or name, Shard(global_shape, bounds), offset, replicated=replicated))
     return TensorLayout(name, dtype_name(dt.dtype), tuple(parts), shape)
+
+
+def _replicated(mesh: Any, placements: tuple) -> bool:
+    """Whether other ranks hold this rank's boxes too (Note [DTensor replicas])."""
+    if any(p.is_replicate() and mesh.size(d) > 1 for d, p in enumerate(placements)):
+        return True
+    root = _root_mesh(mesh)
+    return root is not None and root.size() > mesh.size()
+
+
+def _root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself if none): a private API whose name moved."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+    except ImportError:  # pragma: no cover - a PyTorch with neither: no slices known
+        return None
+    return _mesh_resources.get_root_mesh(mesh)

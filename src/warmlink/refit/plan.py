@@ -6,8 +6,16 @@ picks one source for every destination element, and turns each intersection into
 tensors are pulled into scratch and sliced locally. Pure logic: nothing here touches memory.
 
 # Note [Replica choice]
-Several publisher tensors may hold the same box of a logical tensor (replicated norms, GQA KV
-heads when TP > num_kv_heads). Holders of one box are sorted by (rank, tensor name, part index).
+Several publisher tensors may hold the same box of a logical tensor where their layouts say the
+framework keeps it on several ranks (Note [Replicated parts] in ``refit.manifest``: GQA KV heads
+when TP > num_kv_heads, data-parallel replicas, and any whole tensor, such as a replicated norm).
+Everywhere else, two source parts holding one element (the same box or overlapping ones, on two
+ranks or in two tensors of one) is a ``LayoutError`` naming the logical tensor, the boxes and both
+holders, raised by ``build_plan`` before any byte moves (``_check_replicas``). The choice below
+reads each element from one holder and trusts the others to hold the same bytes: true of
+replicas, false of two trainer ranks built with the same ``rank=``, which publish the same shard
+with different bytes (a receiver would install the other rank's bytes for some tensors, silently).
+Holders of one box are sorted by (rank, tensor name, part index).
 A destination tensor first prefers a holder it already reads from (the sole holder of another box
 it needs, or a replica it chose earlier; the lowest such in that order), so a fused ``[q; k; v]``
 in a matching layout reads from one rank and coalesces. Otherwise a destination part of the
@@ -23,20 +31,23 @@ Past that, source tensors are staged greedily, the one needing the most runs fir
 then name): one contiguous pull of the whole source tensor into scratch, then local slicing. A
 source needing more than the cap on its own is staged without building its runs. When a tensor
 reads from more source tensors than the cap, staging cannot help and it keeps one copy per source.
+A transposed destination part (Note [Transposed parts] in ``refit.manifest``) is always staged:
+each source box it reads is pulled compactly by its own runs when at most the cap of them fetch it,
+else the whole source tensor in one copy.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, NoReturn, Sequence
 
 from warmlink._dtypes import dtype_size
 from warmlink._geometry import pad_shape
 from warmlink.errors import ConfigError, LayoutError
 from warmlink.refit import _boxes
 from warmlink.refit._boxes import Box
-from warmlink.refit.manifest import Shard, TensorLayout
+from warmlink.refit.manifest import Part, Shard, TensorLayout
 
 __all__ = ["Run", "StagedPull", "TensorPlan", "Plan", "build_plan", "layout_signature",
            "qkv_layout", "gate_up_layout", "SCRATCH_ALIGN_BYTES"]
@@ -80,6 +91,12 @@ class StagedPull:
     ``local_copies`` is ``(src_box, dst_box)``: ``(start, stop)`` element bounds per dimension in
     that scratch tensor and in the receive buffer (shape ``dst_shape``, source dtype), each seen
     with leading 1s up to the box's number of dimensions (``warmlink._geometry.pad_shape``).
+
+    For a transposed destination part (Note [Transposed parts] in ``refit.manifest``): ``runs``,
+    when not empty, replace the one copy of the whole source tensor: they gather one box of it,
+    ``Run.dst_offset`` counting from ``scratch_offset``, into the C-contiguous ``src_local_shape``
+    (``src_nbytes`` in all). ``dst_perm`` is the part's ``perm``: each ``dst_box`` is then in the
+    part's box order, the receive buffer seen as ``recv.permute(argsort(dst_perm))``.
     """
 
     src_rank: int
@@ -88,6 +105,8 @@ class StagedPull:
     scratch_offset: int
     local_copies: tuple[tuple[Box, Box], ...]
     src_local_shape: tuple[int, ...]
+    runs: tuple[Run, ...] = ()
+    dst_perm: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +245,10 @@ def layout_signature(
 
 
 def _canon(t: TensorLayout) -> tuple:
-    return t.name, t.dtype, t.shape, tuple((p.logical, p.shard.global_shape, p.shard.bounds, p.offset) for p in t.parts)
+    canon = t.name, t.dtype, t.shape, tuple((p.logical, p.shard.global_shape, p.shard.bounds, p.offset) for p in t.parts)
+    if any(p.replicated for p in t.parts):  # what a plan accepts (Note [Replica choice]); flags leave == out
+        canon += (("replicated", tuple(p.replicated for p in t.parts)),)
+    return canon + (tuple(p.perm for p in t.parts),) if t.transposed else canon
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -240,6 +262,8 @@ def _tensor_plan(
     cap: int,
 ) -> TensorPlan:
     """The ``ti``-th target's plan: cover, build and coalesce runs, then stage past ``cap`` (Note [Run cap])."""
+    if dst.transposed:
+        return _transposed_plan(ti, dst, index, src_layouts, src_shapes, name_map, cap)
     src_dtype, by_src = _boxes.cover(ti, dst, index, name_map)
     itemsize = dtype_size(src_dtype)
     dst_shape = dst.local_shape
@@ -285,6 +309,67 @@ def _tensor_plan(
     return TensorPlan(dst.name, dst_shape, src_dtype, dst.dtype, run_objs, tuple(staged), at, dst.is_padded)
 
 
+def _transposed_plan(
+    ti: int,
+    dst: TensorLayout,
+    index: dict[str, _boxes.SourceLogical],
+    src_layouts: dict[tuple[int, str], TensorLayout],
+    src_shapes: dict[tuple[int, str], tuple[int, ...]],
+    name_map: Mapping[str, str],
+    cap: int,
+) -> TensorPlan:
+    """A target with transposed parts (Note [Transposed parts] in ``refit.manifest``): its other
+    parts planned as any target's; each source box a transposed part reads is staged, compactly by
+    its own runs when at most ``cap`` of them fetch it, else as the whole source tensor, and the
+    translate step permutes it into place (``StagedPull.dst_perm``)."""
+    plain = tuple(p for p in dst.parts if p.perm is None)
+    runs: tuple[Run, ...] = ()
+    staged: list[StagedPull] = []
+    at, src_dtype = 0, None
+    if plain:  # the transposed parts' places are padding to this plan, written by the staged pulls
+        sub = _tensor_plan(ti, TensorLayout(dst.name, dst.dtype, plain, dst.shape), index, src_layouts, src_shapes,
+                           name_map, cap)
+        runs, staged, at, src_dtype = sub.runs, list(sub.staged), sub.scratch_nbytes, sub.src_dtype
+    for part in dst.parts:
+        if part.perm is None:
+            continue
+        # The part seen in its box's own dimension order: receive buffer permuted by argsort(perm).
+        inv = sorted(range(len(part.perm)), key=part.perm.__getitem__)
+        view = TensorLayout(dst.name, dst.dtype, (Part(part.logical, part.shard, tuple(part.offset[d] for d in inv)),),
+                            tuple(dst.shape[d] for d in inv))
+        dtype, by_src = _boxes.cover(ti, view, index, name_map)
+        if src_dtype is not None and dtype != src_dtype:
+            raise LayoutError(f"build_plan: dtype={dtype!r} of source logical={part.logical!r} differs from {src_dtype!r} of "
+                              f"another part (dst tensor={dst.name!r}); expected one source dtype per destination tensor")
+        src_dtype, itemsize = dtype, dtype_size(dtype)
+        for key in sorted(by_src):
+            src_shape, pairs = src_shapes[key], by_src[key]
+            compact = [((s, tuple((0, b - a) for a, b in s)), d) for s, d in pairs]
+            counts = sum(_boxes.count_runs(s, pad_shape(src_shape, len(s)), z, _boxes.box_shape(s)) for (s, z), _ in compact)
+            if counts > cap:  # See Note [Run cap]: one copy of the whole source tensor instead
+                at = -(-at // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+                src = src_layouts[key]
+                staged.append(StagedPull(key[0], key[1], src.nbytes, at, tuple(pairs), src.local_shape, (), part.perm))
+                at += src.nbytes
+                continue
+            for (s, z), d in compact:
+                at = -(-at // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+                shape = _boxes.box_shape(s)
+                out: list[_boxes.RawRun] = []
+                for r in sorted(_boxes.box_runs(s, pad_shape(src_shape, len(s)), z, shape, itemsize)):
+                    merged = _boxes.merge_runs(out[-1], r) if out else None
+                    if merged is None:
+                        out.append(r)
+                    else:
+                        out[-1] = merged
+                nbytes = _boxes.box_numel(s) * itemsize
+                staged.append(StagedPull(key[0], key[1], nbytes, at, ((z, d),), shape,
+                                         tuple(Run(key[0], key[1], *r) for r in out), part.perm))
+                at += nbytes
+    assert src_dtype is not None, "TensorLayout guarantees at least one part"
+    return TensorPlan(dst.name, dst.local_shape, src_dtype, dst.dtype, runs, tuple(staged), at, dst.is_padded)
+
+
 def build_plan(
     sources: Mapping[int, Sequence[TensorLayout]],
     targets: Sequence[TensorLayout],
@@ -312,7 +397,8 @@ def build_plan(
     Raises:
         LayoutError: a logical tensor no publisher holds, a destination box no publisher covers,
             global shapes or source dtypes that disagree, several source dtypes in one target,
-            a bad rank or duplicate tensor names.
+            a bad rank or duplicate tensor names, or two source parts holding one element where
+            not both are replicas (Note [Replica choice]).
         ConfigError: ``max_runs_per_tensor`` is not an int >= 1.
 
     Collective? No. Blocking? Host only, no device work. Warm path? No: this is the plan step; cache
@@ -320,6 +406,7 @@ def build_plan(
     """
     sig = _signature or layout_signature(sources, targets, max_runs_per_tensor=max_runs_per_tensor, name_map=name_map)
     index = _boxes.index_sources(sources)
+    _check_replicas(index)
     src_layouts = {(r, t.name): t for r, ts in sources.items() for t in ts}
     src_shapes: dict[tuple[int, str], tuple[int, ...]] = {}
     nm = dict(name_map or {})
@@ -344,6 +431,56 @@ def _sole_holders(index: dict[str, _boxes.SourceLogical]) -> dict[tuple[str, Box
             if len(hs) == 1 and box not in shared:
                 out[(logical, box)] = hs[0][:2]
     return out
+
+
+def _check_replicas(index: dict[str, _boxes.SourceLogical]) -> None:
+    """Refuse any element held by two source parts unless both are replicas: marked replicated or
+    the whole tensor (Note [Replica choice])."""
+    for logical, ent in index.items():
+        if not ent.exclusive:
+            continue  # every holder a replica
+        for box, hs in ent.holders.items():
+            if len(hs) > 1 and not ent.exclusive.isdisjoint(hs):
+                _refuse_overlap(logical, ent, (box, hs), (box, hs))
+        if len(ent.holders) > 1:
+            for a, b in _overlap_pairs(list(ent.holders)):
+                if not (ent.exclusive.isdisjoint(ent.holders[a]) and ent.exclusive.isdisjoint(ent.holders[b])):
+                    _refuse_overlap(logical, ent, (a, ent.holders[a]), (b, ent.holders[b]))
+
+
+def _refuse_overlap(logical: str, ent: _boxes.SourceLogical, a: tuple[Box, list], b: tuple[Box, list]) -> NoReturn:
+    """The LayoutError for two holders of one element, at least one of them not a replica."""
+    boxes = (a,) if a[0] == b[0] else (a, b)
+    held = [(box, h) for box, hs in boxes for h in hs]
+    box1, h1 = next((box, h) for box, h in held if h in ent.exclusive)
+    # the other holder: of the same box, or of the other box when two distinct boxes overlap
+    box2, h2 = next((box, h) for box, h in held if h != h1 and (len(boxes) == 1 or box != box1))
+    (r1, t1, _), (r2, t2, _) = h1, h2
+    if box1 == box2:
+        where = f"box={box1!r} is held by rank={r1} tensor={t1!r} and by rank={r2} tensor={t2!r}"
+    else:
+        where = f"box={box1!r} of rank={r1} tensor={t1!r} overlaps box={box2!r} of rank={r2} tensor={t2!r}"
+    which = "neither part is" if h2 in ent.exclusive else f"the part of rank={r1} tensor={t1!r} is not"
+    raise LayoutError(
+        f"build_plan: logical={logical!r} {where} (global coordinates), and {which} marked replicated; expected "
+        "each element of a sharded tensor on one publisher, or every part holding it marked replicated "
+        "(Part(..., replicated=True); families.layouts and DTensor placements mark what the framework replicates). "
+        "Two trainer ranks built with the same rank= publish the same shard with different bytes "
+        "(Note [Replica choice])"
+    )
+
+
+def _overlap_pairs(boxes: list[Box]) -> Iterator[tuple[Box, Box]]:
+    """The pairs of ``boxes`` (distinct, non-empty, sorted) that intersect: a sweep along dimension 0."""
+    active: list[Box] = []
+    for box in boxes:
+        if not box:  # 0-d: distinct boxes means this is the only one
+            continue
+        active = [b for b in active if b[0][1] > box[0][0]]
+        for b in active:
+            if _boxes.intersect(b, box) is not None:
+                yield b, box
+        active.append(box)
 
 
 def _overlapping(boxes: list[Box]) -> set[Box]:
@@ -393,7 +530,7 @@ def _positive(func: str, **values: int) -> None:
 
 
 def _tp_shard(func: str, shape: tuple[int, int], tp: int, rank: int) -> Shard:
-    if not 0 <= rank < tp:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
         raise LayoutError(f"{func}: rank={rank!r} out of range; expected 0 <= rank < tp={tp}")
     return Shard(shape) if tp == 1 else Shard.split(shape, 0, tp, rank)
 
@@ -407,13 +544,14 @@ def qkv_layout(
     Logical shapes are ``q: [num_q_heads * head_dim, hidden]`` and ``k, v: [num_kv_heads *
     head_dim, hidden]`` (elements). q is split ``tp`` ways by heads. k/v are split ``tp`` ways when
     ``num_kv_heads >= tp``; otherwise each KV head is replicated on ``tp // num_kv_heads`` ranks and
-    ``rank`` holds head ``rank * num_kv_heads // tp`` (Megatron / vLLM GQA layout).
+    ``rank`` holds head ``rank * num_kv_heads // tp`` (Megatron / vLLM GQA layout), its k and v
+    parts marked replicated (Note [Replicated parts] in ``refit.manifest``).
 
     Raises:
         LayoutError: non-positive sizes, ``rank`` outside ``[0, tp)``, ``num_q_heads % tp != 0``,
             ``num_kv_heads % tp != 0`` (when ``num_kv_heads >= tp``) or ``tp % num_kv_heads != 0``.
     """
-    f = "qkv_layout"
+    f = f"qkv_layout {name!r}"
     _positive(f, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, hidden=hidden, tp=tp)
     if num_q_heads % tp:
         raise LayoutError(f"{f}: num_q_heads={num_q_heads} not divisible by tp={tp}; expected whole heads per rank")
@@ -432,7 +570,8 @@ def qkv_layout(
                 "on the same number of ranks"
             )
         kv = Shard(kv_shape) if num_kv_heads == 1 else Shard.split(kv_shape, 0, num_kv_heads, rank * num_kv_heads // tp)
-    return TensorLayout.fused(name, dtype, [(logical[0], q), (logical[1], kv), (logical[2], kv)])
+    replicas = num_kv_heads < tp  # each KV head on tp / num_kv_heads ranks
+    return TensorLayout.fused(name, dtype, [(logical[0], q), (logical[1], kv, replicas), (logical[2], kv, replicas)])
 
 
 def gate_up_layout(
@@ -447,7 +586,7 @@ def gate_up_layout(
     Raises:
         LayoutError: non-positive sizes, ``rank`` outside ``[0, tp)`` or ``intermediate < tp``.
     """
-    f = "gate_up_layout"
+    f = f"gate_up_layout {name!r}"
     _positive(f, intermediate=intermediate, hidden=hidden, tp=tp)
     shard = _tp_shard(f, (intermediate, hidden), tp, rank)
     return TensorLayout.fused(name, dtype, [(logical[0], shard), (logical[1], shard)])

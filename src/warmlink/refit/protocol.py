@@ -68,16 +68,13 @@ from dataclasses import dataclass
 from warmlink._backoff import wait_until
 from warmlink.errors import MetadataError, VersionError
 from warmlink.pool import liveness
-from warmlink.refit._memo import PerStore
+from warmlink.pool.core import PerOwner
+from warmlink.refit._memo import read_states
 
 log = logging.getLogger("warmlink.refit")
 
 __all__ = ["VersionState", "read_state", "write_state", "enter", "still_held", "leave", "wait_no_readers", "state_key", "manifest_key",
            "last_state", "reader_count"]
-
-# rank -> the VersionState this process last read through a Store object: a new receiver's first
-# guess (Note [Warm metadata] in refit._memo). Never trusted: entering reads the state again.
-_last_read = PerStore()
 
 
 def state_key(rank: int) -> str:
@@ -156,7 +153,9 @@ _heart = _Heart()
 os.register_at_fork(after_in_child=_heart.forget)
 
 
-_slots = PerStore()  # (store, rank) -> this process's reader slot. See Note [Reader slots].
+# (store, rank) -> this process's reader slot (Note [Reader slots]): its identity at the publisher,
+# not a cache, so it is kept with pooling off too.
+_slots = PerOwner("reader_slot", counted=False, pooled=False)
 _slot_lock = threading.Lock()
 _IDENTITY = re.compile(r"(?P<host>[^:]{1,255}):(?P<pid>[0-9]{1,10}):(?P<start>[0-9]{1,20})(?::(?P<token>[^:]{1,200}))?")
 
@@ -216,13 +215,14 @@ def write_state(store, rank: int, state: VersionState) -> None:
 def read_state(store, rank: int, *, timeout_s: float | None = None) -> VersionState:
     obj = store.get_json(state_key(rank), "version_state", f"publisher/{rank}", timeout_s=timeout_s)
     state = VersionState(obj["version"], obj["state"], obj["generation"])
-    _last_read.put(store, rank, state)
+    read_states.put(store, rank, state)  # a new receiver's first guess: Note [Warm metadata] in refit._memo
     return state
 
 
 def last_state(store, rank: int) -> VersionState | None:
-    """The state of ``rank`` this process last read through ``store``, or None: a guess only."""
-    return _last_read.get(store, rank)
+    """The state of ``rank`` this process last read through ``store``, or None (never read, or
+    pooling off): a guess only."""
+    return read_states.get(store, rank)
 
 
 def enter(store, rank: int, expected: VersionState) -> int | None:
@@ -272,8 +272,9 @@ def _slot_dead(store, rank: int, slot: int) -> bool:
     return start is None or (start != -1 and int(m["start"]) not in (0, start))
 
 
-# rank -> slots whose processes were found dead: never polled again by this publisher process
-_retired = PerStore()
+# (store, rank) -> slots whose processes were found dead: never polled again by this publisher
+# process, whatever the pool switch says (a dead slot stays dead)
+_retired = PerOwner("retired_reader_slots", counted=False, pooled=False)
 _SWEEP_ABOVE = 8  # with more live slots than this, each begin_update checks a few for dead processes
 _SWEEP_PER_CALL = 4
 _DEAD_CHECK_S = 0.25

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from warmlink import _env, pool
+from warmlink import _env
 from warmlink._closing import Closing
 from warmlink._dtypes import torch_dtype
 from warmlink.errors import (
@@ -32,7 +32,7 @@ from warmlink.refit import protocol
 from warmlink.refit import _board
 from warmlink.refit._board import PublisherBoard
 from warmlink.refit._declare import Declared, declare_module, declare_tensor, run_fills
-from warmlink.refit._memo import PerStore
+from warmlink.refit._memo import exported_manifests
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
 from warmlink.transport import lease_link
@@ -43,10 +43,6 @@ __all__ = ["Publisher"]
 log = logging.getLogger("warmlink.refit")
 
 _ALIGN = 256  # staging offsets stay aligned for vector copies
-
-# rank -> (generation, manifest dict, its bytes) last written through a Store object. See Note
-# [Warm metadata] in refit._memo.
-_exported = PerStore()
 
 
 @dataclass
@@ -117,8 +113,10 @@ class Publisher(Closing):
 
         Raises:
             LayoutError: the tensor's shape differs from ``layout``, a DTensor holds other boxes than
-                ``layout`` says, or ``name`` repeats. VersionError: after ``export``.
+                ``layout`` says, ``layout`` is transposed (receivers only) or ``name`` repeats.
+                VersionError: after ``export``.
         """
+        _refuse_transposed([layout] if layout is not None else [], "add")
         self._declare([declare_tensor(name, tensor, layout)], "add")
 
     def add_module(self, module, layouts: Mapping[str, TensorLayout] | None = None, *, dtype: str | None = None) -> None:
@@ -138,10 +136,12 @@ class Publisher(Closing):
 
         Raises:
             LayoutError: a layout that names no module tensor of its shape and cannot be built from
-                whole ones (the message names the layout and the logical tensor).
+                whole ones (the message names the layout and the logical tensor), or a transposed
+                one (receivers only: vLLM's GPT-OSS experts; publish another convention).
 
         **Collective?** No. **Warm path?** No: declare once, before ``export``.
         """
+        _refuse_transposed(list((layouts or {}).values()), "add_module")
         self._declare(declare_module(module, layouts, dtype), "add_module")
 
     @property
@@ -177,10 +177,14 @@ class Publisher(Closing):
             raise VersionError("Publisher.export: called twice")
         if not self._entries:
             raise LayoutError("Publisher.export: no tensors declared; call add() first")
-        devices = {(-1 if d.type == "cpu" else d.index) for d in (e.declared.device() for e in self._entries.values())}
+        devices: dict[int, str] = {}  # device -> the first tensor on it, to name in an error
+        for name, e in self._entries.items():
+            d = e.declared.device()
+            devices.setdefault(-1 if d.type == "cpu" else d.index, name)
         if len(devices) != 1:
-            raise LayoutError(f"Publisher.export: tensors on several devices {sorted(devices)}; expected one")
-        device = devices.pop()
+            found = ", ".join(f"tensor {n!r} on device {d}" for d, n in sorted(devices.items()))
+            raise LayoutError(f"Publisher.export: tensors on several devices ({found}); expected one device")
+        (device,) = devices
         self._link_lease = lease_link(self._backend_arg, device, self.timeout_s)
         self._link = self._link_lease.resource
         self.device = device
@@ -239,9 +243,9 @@ class Publisher(Closing):
 
     def _take_board(self) -> PublisherBoard | None:
         """The board local receivers sync on (Note [Version board] in refit._board): the one a
-        publisher of this rank closed in this process, or a new one. None when /dev/shm cannot hold
-        one: receivers then count themselves in through the store."""
-        board = _board.take_parked(self.store, self.rank) if pool.enabled() else None
+        publisher of this rank closed in this process (pooling on), or a new one. None when /dev/shm
+        cannot hold one: receivers then count themselves in through the store."""
+        board = _board.take_parked(self.store, self.rank)
         if board is not None:
             return board
         try:
@@ -254,7 +258,7 @@ class Publisher(Closing):
     def _write_manifest(self, manifest: dict) -> int:
         """Store ``manifest`` under a new generation, or keep the generation of an equal manifest
         this process wrote before (Note [Warm metadata] in refit._memo); returns the generation."""
-        last = _exported.get(self.store, self.rank) if pool.enabled() else None
+        last = exported_manifests.get(self.store, self.rank)
         if last is not None:
             generation, body, raw = last
             manifest["peer"]["generation"] = generation
@@ -266,8 +270,7 @@ class Publisher(Closing):
         raw = schema.encode(manifest)  # validated: a bad manifest is refused before it is published
         # A blob: manifests of large models pass one store value (Note [Blobs] in rendezvous._blobs).
         self.store.set_blob(protocol.manifest_key(self.rank, generation), raw)
-        if pool.enabled():
-            _exported.put(self.store, self.rank, (generation, manifest, raw))
+        exported_manifests.put(self.store, self.rank, (generation, manifest, raw))
         return generation
 
     def _stored(self, key: str) -> bytes | None:
@@ -388,10 +391,7 @@ class Publisher(Closing):
             return
         board, self._board = self._board, None
         if board is not None:
-            if pool.enabled():
-                _board.park(self.store, self.rank, board)
-            else:
-                board.close()
+            _board.park(self.store, self.rank, board)  # with pooling off, closed there
         for region in self._regions:
             self._link.release(region)
         self._regions.clear()
@@ -426,3 +426,13 @@ class Publisher(Closing):
 
     def __repr__(self) -> str:
         return f"Publisher(rank={self.rank}/{self.world_size}, tensors={len(self._entries)}, version={self.version}, generation={self.generation})"
+
+
+def _refuse_transposed(layouts, func: str) -> None:
+    """Transposed layouts are receivers' only (Note [Transposed parts] in ``refit.manifest``)."""
+    for lay in layouts:
+        if isinstance(lay, TensorLayout) and lay.transposed:
+            p = next(p for p in lay.parts if p.perm is not None)
+            raise LayoutError(f"Publisher.{func}: layout {lay.name!r} holds logical={p.logical!r} transposed (perm={p.perm}); "
+                              "expected a layout without perm (transposed parts are receiver-only: publish this tensor in "
+                              "another convention, e.g. families.layouts(..., convention='hf'))")

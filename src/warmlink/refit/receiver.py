@@ -8,6 +8,10 @@ between cycles is its ``ReceiveState``, whose caches are the pool's (``refit._pa
 receiver's state waits for the next receiver with the same settings (Note [Parked receive
 state]), so an engine re-created per test plans, allocates and registers nothing either.
 
+Two seams are objects of their own: a cycle's version sync (through the publishers' boards or
+the store, chosen at entry: ``refit._version_sync``) and the install mode (``copy``, ``swap``,
+``direct``: a strategy chosen once per receiver, ``refit._install``).
+
 ``stream`` is the other way in, for engines that load through ``load_weights`` (quantized or
 checkpoint-format loading): buckets of a version through a bounded buffer (``refit._stream``,
 Note [Streaming receive]).
@@ -15,43 +19,28 @@ Note [Streaming receive]).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Callable, Mapping, NamedTuple
 
-from warmlink import _env, pool
+from warmlink import _env
 from warmlink._backoff import Backoff
 from warmlink._closing import Closing
 from warmlink._dtypes import dtype_name
 from warmlink.errors import ConfigError, LayoutError, TransferTimeout, VersionError, WarmlinkError
-from warmlink.refit import _parked, protocol, translate
-from warmlink.refit._addresses import TargetAddresses
-from warmlink.refit._board import CLOSED, PUBLISHED, STATE_NAMES, ReaderBoard
+from warmlink.pool.core import SharedCache
+from warmlink.refit import _parked, _version_sync, translate
 from warmlink.refit._cycle import Cycle, CycleReport, RefitHandle, created_counts
 from warmlink.refit._declare import module_tensors
-from warmlink.refit._stream import PartialLoadError, StreamReport, StreamState, groups_key
-from warmlink.refit.dtensor import dtensor_layout, is_dtensor, local_tensor
+from warmlink.refit._install import install_mode
+from warmlink.refit._stream import PartialLoadError, StreamReport, StreamState, bucket_plan, groups_key
+from warmlink.refit.dtensor import dtensor_layout, is_dtensor
 from warmlink.refit.manifest import TensorLayout
 from warmlink.transport import resolve_backend
 
 __all__ = ["Receiver", "RefitHandle", "CycleReport", "StreamReport", "PartialLoadError"]
 
 log = logging.getLogger("warmlink.refit")
-
-# Note [Install modes]
-# A version is installed only once every byte of it arrived, so that the engine holds the old
-# version or the new one (DESIGN invariant 3). "copy" and "swap" pull into receive memory the
-# engine never reads and install after the pull: generation may run during the pull
-# (start_refit). Colocated engines (trainer and engine alternating on one GPU) have no memory for a
-# second copy of the weights and generate nothing during a refit, so "direct" pulls straight into
-# the targets: no receive memory, no install pass. The pull then *is* the install: the engine must
-# not read the targets while a cycle is in flight, and a cycle that fails after its copies started
-# leaves them holding a mix, which it says by raising PartialLoadError (installed_version becomes
-# None until a cycle completes). On one host the copies read memory the publisher keeps mapped and
-# does not write while this receiver reads (Note [Version protocol]), so a publisher dying
-# mid-pull still leaves a complete version; what remains is a local failure. Tensors a pull cannot
-# land in directly (a cast, a staged re-slice) still go through receive memory and a copy.
 
 
 class _InstallWork(NamedTuple):
@@ -70,13 +59,14 @@ class Receiver(Closing):
         device: where received tensors live: a CUDA index / ``torch.device``, or ``"cpu"``.
             Default: the device of the first ``target`` added, else CPU.
         backend: ``"auto"`` (default), ``"shm"`` or ``"cuda_ipc"``; must match the publishers'.
-        install: how a version reaches the targets (Note [Install modes]): ``"copy"`` (default:
-            pull into receive memory, then copy into the targets, whose addresses stay: safe with
-            CUDA graphs and with generation running during the pull), ``"swap"`` (targets'
-            ``.data`` point at double-buffered received memory: no install pass, memory for two
-            copies of the weights) or ``"direct"`` (pull straight into the targets: no install
-            pass and no receive memory; the engine must not read the targets while a cycle is in
-            flight, and a cycle that fails after its copies started raises ``PartialLoadError``).
+        install: how a version reaches the targets (Note [Install modes] in ``refit._install``):
+            ``"copy"`` (default: pull into receive memory, then copy into the targets, whose
+            addresses stay: safe with CUDA graphs and with generation running during the pull),
+            ``"swap"`` (targets' ``.data`` point at double-buffered received memory: no install
+            pass, memory for two copies of the weights) or ``"direct"`` (pull straight into the
+            targets: no install pass and no receive memory; the engine must not read the targets
+            while a cycle is in flight, and a cycle that fails after its copies started raises
+            ``PartialLoadError``).
         max_runs_per_tensor: above this many copies for one tensor, pull whole shards and slice
             locally.
         name_map: destination logical name -> publisher logical name.
@@ -99,8 +89,7 @@ class Receiver(Closing):
     ) -> None:
         if num_publishers < 1:
             raise ConfigError(f"Receiver: num_publishers={num_publishers!r}; expected >= 1")
-        if install not in translate.INSTALL_MODES:
-            raise ConfigError(f"Receiver: install={install!r} is unknown; expected one of {list(translate.INSTALL_MODES)}")
+        self._install_mode = install_mode(install)  # every install-mode decision is this strategy's
         self.store = store
         self.num_publishers = num_publishers
         self.install = install
@@ -115,17 +104,13 @@ class Receiver(Closing):
         self._state: _parked.ReceiveState | None = None
         self._link = None  # the state's link while a state is held
         self._cycle: Cycle | None = None  # the cycle in flight, between start_refit and its end
-        self._stream_state: StreamState | None = None  # slots and buckets of the last stream
+        # The last stream's slots and buckets, by (plan signature, buffer bytes, groups): a pool
+        # cache, so with pooling off a stream's memory lives one stream.
+        self._streams = SharedCache("receive_stream", destroy=StreamState.close, counted=False, max_entries=1)
         self.cycle = 0
-        # swap: the half of the double buffer the next pull writes; the other half is installed.
-        # It flips only when an install succeeds, never with a failed cycle (see _finish).
-        self._pull_parity = 1
         self.installed_version = 0
         self._last_named: list[tuple[str, object]] = []
         self._installs: dict[int, _InstallWork] = {}
-        self._targets_of: tuple | None = None  # (plan, its targets in plan order, their addresses), install "direct"
-        self._on_boards: list | None = None  # the boards this cycle entered (Note [Version board]); None: the store
-        self._revoked: list | None = None  # per rank, its revocation count at entry (store sync only)
         self._healthy = False  # the last cycle installed: what this receiver holds may be parked
         self._finalizing = False
         self._closed = False
@@ -172,11 +157,7 @@ class Receiver(Closing):
         for name, layout in layouts.items():
             if name not in tensors:
                 raise LayoutError(f"Receiver.add_module: layout {name!r} names no parameter or buffer of {type(module).__name__}")
-            t = tensors[name]
-            if is_dtensor(t) and self.install == "swap":
-                raise ConfigError(f"Receiver.add_module: {name!r} is a DTensor; install='swap' cannot re-point its local "
-                                  "shard; expected install='copy' or 'direct'")
-            self.add(name, layout, t if self.install == "swap" else local_tensor(t))
+            self.add(name, layout, self._install_mode.target(name, tensors[name]))
 
     def _resolve_device(self) -> int:
         import torch
@@ -223,19 +204,18 @@ class Receiver(Closing):
         self._healthy = False
         state = self._state
 
-        versions = self._enter(version, timeout)
+        sync = self._enter(version, timeout)
         token = None
         try:
             t1 = time.perf_counter()
             report.sync_s = t1 - t0 - report.connect_s
-            report.version = versions
+            report.version = sync.version
 
             plan = state.plan(self._layouts)
             t2 = time.perf_counter()
             report.plan_s = t2 - t1
 
-            targets, where = self._direct_targets(plan) if self.install == "direct" else (None, None)
-            bufs, token, twin = state.buffers(plan, self._pull_parity if self.install == "swap" else 0, targets, where)
+            bufs, token, twin = self._install_mode.buffers(state, plan, self._targets)
             t3 = time.perf_counter()
             report.alloc_s = t3 - t2
 
@@ -248,10 +228,57 @@ class Receiver(Closing):
             transfer = state.link.read(batch)  # pull counts from here: some transports copy while posting
             report.nbytes, report.num_copies = batch.nbytes, batch.num_copies
         except BaseException:
-            self._end_failed(versions, token)
+            self._end_failed(sync, token)
             raise
-        self._cycle = Cycle(plan, bufs, token, transfer, report, before, t0, t4, timeout)
+        self._cycle = Cycle(plan, bufs, token, sync, transfer, report, before, t0, t4, timeout)
         return RefitHandle(self, self._cycle)
+
+    def prepare(self, *, timeout_s: float | None = None, generations=None, stream_buffer_bytes: int | None = None,
+                groups=None):
+        """Do the first cycle's setup now: connect, read every publisher's manifest and plan.
+
+        An engine calls it when it starts, so that what it declared and what the publishers
+        export are checked before any update (and the first cycle plans nothing). No version is
+        entered: publishers are not held back.
+
+        Args:
+            timeout_s: how long to wait for every publisher's manifest, seconds.
+            generations: per publisher rank, the generation to plan against (a trainer's
+                ``Publisher.generation`` after ``export``): a manifest an earlier job left under
+                the same prefix is waited past, not planned against. None: the current ones.
+            stream_buffer_bytes, groups: for a receiver that will ``stream``: its ``buffer_bytes``
+                and ``groups``, checked now (each group's bucket must fit half the buffer).
+
+        Returns:
+            The ``Plan`` (``refit.plan``) the next cycle will use while the manifests stay.
+
+        Raises:
+            LayoutError: the publishers' layouts cannot produce what was declared (names the tensor).
+            TransferTimeout: a publisher (of ``generations``) had not exported within ``timeout_s``.
+            ConfigError: ``stream_buffer_bytes`` too small for a group (names it and the size to ask for).
+        """
+        self._check_idle("prepare")
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        if generations is not None and (len(generations) != self.num_publishers
+                                        or any(isinstance(g, bool) or not isinstance(g, int) for g in generations)):
+            raise ConfigError(f"Receiver.prepare: generations={generations!r}; expected {self.num_publishers} ints, one "
+                              "per publisher rank")
+        if self._state is None:
+            self._connect()
+        backoff = Backoff(timeout)
+        while True:
+            states = self._state.sources.states(timeout)
+            if generations is None or [s.generation for s in states] == list(generations):
+                break
+            if backoff.expired():
+                raise TransferTimeout(f"Receiver.prepare: publishers are at generations {[s.generation for s in states]} "
+                                      f"after {timeout:.3g} s; expected {list(generations)} (the trainer's current ones)")
+            backoff.sleep()
+        self._state.sources.refresh(states)
+        plan = self._state.plan(self._layouts)
+        if stream_buffer_bytes is not None:
+            bucket_plan(plan, stream_buffer_bytes // 2, groups)
+        return plan
 
     def stream(self, load_weights: Callable, *, buffer_bytes: int, groups=None, version: int | None = None,
                timeout_s: float | None = None) -> StreamReport:
@@ -298,41 +325,39 @@ class Receiver(Closing):
         if self._state is None:
             self._connect()
         self._healthy = False
-        versions = self._enter(version, timeout)
+        sync = self._enter(version, timeout)
+        stream_token = None
         try:
             t1 = time.perf_counter()
-            report.sync_s, report.version = t1 - t0, versions
+            report.sync_s, report.version = t1 - t0, sync.version
             plan = self._state.plan(self._layouts)
             t2 = time.perf_counter()
             report.plan_s = t2 - t1
-            ss = self._stream_state
-            if ss is None or ss.key != (plan.signature, buffer_bytes, groups_key(groups)):
-                self._close_stream()
-                ss = self._stream_state = StreamState(self._link, plan, buffer_bytes, groups)
+            key = (plan.signature, buffer_bytes, groups_key(groups))
+            self._streams.evict(lambda k: k != key)  # another stream's memory goes back before this one's is taken
+            ss, stream_token = self._streams.acquire(key, lambda _key: StreamState(self._link, plan, buffer_bytes, groups))
             report.alloc_s = time.perf_counter() - t2
             ss.run(plan, self._state.sources, load_weights, report, timeout, t0)
             try:
-                self._check_held(versions)
+                sync.check_held(self.timeout_s)
             except VersionError as exc:  # load_weights took every bucket already: it cannot be undone there
-                raise PartialLoadError(f"Receiver.stream: {exc}", version=versions, bucket_idx=report.num_buckets - 1,
+                raise PartialLoadError(f"Receiver.stream: {exc}", version=sync.version, bucket_idx=report.num_buckets - 1,
                                        num_buckets=report.num_buckets, handed=list(self._layouts)) from exc
         finally:
-            if not pool.enabled():
-                self._close_stream()  # with pooling off, a stream's memory lives one stream
+            if stream_token is not None:
+                self._streams.release(stream_token)  # with pooling off, a stream's memory lives one stream
             try:
                 self._state.end_cycle()
             finally:
-                self._leave(versions)
-        self.installed_version = versions
+                sync.leave(self.timeout_s)
+        self.installed_version = sync.version
         self._healthy = True
         report.total_s = time.perf_counter() - t0
         report.created = {k: v - before[k] for k, v in created_counts().items()}
         return report
 
     def _close_stream(self) -> None:
-        ss, self._stream_state = self._stream_state, None
-        if ss is not None:
-            ss.close()
+        self._streams.clear()
 
     def _check_idle(self, func: str) -> None:
         if self._closed:
@@ -351,137 +376,12 @@ class Receiver(Closing):
         self._state = self._state_lease.resource
         self._link = self._state.link
 
-    def _enter(self, version: int | None, timeout_s: float) -> int:
-        """Count in as a reader of every rank's current version (Note [Version protocol]), every
-        store call within ``timeout_s`` of starting (a stalled store ends it, Note [Store deadlines])."""
-        deadline = getattr(self.store, "deadline", None)
-        if deadline is None:  # a store without deadlines (a test double): the calls' own limits hold
-            return self._enter_within(version, timeout_s)
-        with deadline(timeout_s):
-            return self._enter_within(version, timeout_s)
-
-    def _enter_within(self, version: int | None, timeout_s: float) -> int:
-        # Publishers on this host whose manifests are read: their boards, no store round trip.
-        boards = self._state.sources.boards()
-        if boards is not None:
-            entered = self._enter_boards(*boards, version, timeout_s)
-            if entered is not None:
-                return entered
-        # Guess the states instead of reading them first, which saves a round trip per publisher:
-        # a new receiver tries the states this process last read (an engine re-created per test:
-        # nothing changed since), a receiver told which version to pull tries that version of the
-        # generations it last read (the next step of an RL loop). Entering re-reads each state, so
-        # a stale guess only costs a leave. See Note [Warm metadata] in refit._memo.
-        guess = _parked.guessed_states(self.store, self.num_publishers) if self.cycle == 1 or version is not None else None
-        if guess is not None:
-            if version is not None:
-                guess = [protocol.VersionState(version, "published", g.generation) for g in guess]
-            entered = self._try_enter(guess, version)
-            if entered is not None:
-                return entered
-        backoff = Backoff(timeout_s)
-        while True:
-            states = self._state.sources.states(timeout_s)
-            entered = self._try_enter(states, version)
-            if entered is not None:
-                return entered
-            if backoff.expired():
-                raise TransferTimeout(
-                    f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
-                    f"states={[(s.version, s.state) for s in states]}"
-                )
-            backoff.sleep()
-
-    def _enter_boards(self, boards: list, generations: list, version: int | None, timeout_s: float) -> int | None:
-        """Enter every publisher's current version through its board (Note [Version board] in
-        refit._board); None when one moved on (closed, restarted or died): the store says more."""
-        backoff = Backoff(timeout_s)
-        while True:
-            entered, versions, moved = [], set(), False
-            for board, generation in zip(boards, generations):
-                ok, ver, state = board.enter(generation, version)
-                if not ok:
-                    moved = state == CLOSED
-                    if state == PUBLISHED and version is not None and ver > version:
-                        for b in entered:
-                            b.leave()
-                        raise VersionError(f"Receiver.refit: version={version} was replaced by {ver}; ask for {ver} or None")
-                    break
-                entered.append(board)
-                versions.add(ver)
-            else:
-                if len(versions) == 1:  # else some ranks published the next version already: wait for the rest
-                    self._on_boards, self._revoked = entered, None
-                    return versions.pop()
-            for b in entered:
-                b.leave()
-            if moved:
-                return None
-            if backoff.expired():
-                raise TransferTimeout(
-                    f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
-                    f"states={[(v, STATE_NAMES.get(st, st)) for _, _, v, st in map(ReaderBoard.read, boards)]} (their boards)")
-            backoff.sleep()
-
-    def _try_enter(self, states: list, version: int | None) -> int | None:
-        """The version entered on every rank, or None (counted out again) when not ready yet."""
-        versions = {s.version for s in states}
-        if len(versions) != 1 or any(s.state != "published" for s in states):
-            return None
-        (current,) = versions
-        if version is not None and current > version:
-            raise VersionError(f"Receiver.refit: version={version} was replaced by {current}; ask for {current} or None")
-        if version is not None and current != version:
-            return None
-        entered, revoked = [], []
-        try:
-            for rank, s in enumerate(states):
-                r = protocol.enter(self.store, rank, s)
-                if r is None:
-                    break
-                entered.append(rank)
-                revoked.append(r)
-            else:
-                self._revoked = revoked  # checked before anything is installed: Note [Reader leases]
-                # A bad manifest fails this refit, not the publishers' next update: the except
-                # below leaves every version entered, so no reader count stays behind.
-                self._state.sources.refresh(states)
-                return current
-        except BaseException:
-            for rank in entered:
-                protocol.leave(self.store, rank, current)
-            raise
-        for rank in entered:
-            protocol.leave(self.store, rank, current)
-        return None
-
-    def _check_held(self, version: int) -> None:
-        """Raise unless every publisher still counts this receiver in: one that took it for dead
-        (no heartbeat, Note [Reader leases]) may have written the tensors while the bytes moved."""
-        revoked, self._revoked = self._revoked, None
-        if revoked is None:
-            return
-        deadline = getattr(self.store, "deadline", None)
-        with deadline(self.timeout_s) if deadline is not None else contextlib.nullcontext():
-            for rank, r in enumerate(revoked):
-                if not protocol.still_held(self.store, rank, r):
-                    raise VersionError(
-                        f"Receiver.refit: publisher/{rank} revoked this receiver's read of version {version} (no "
-                        f"heartbeat for {protocol.LEASE_S:.1f} s: a stalled process?) and may have written since; "
-                        "nothing from this pull is installed")
-
-    def _leave(self, version: int) -> None:
-        """Count out of ``version`` on every rank, within this receiver's timeout: a stalled store
-        raises instead of holding the cycle (the counts are then the publisher's to reap)."""
-        boards, self._on_boards = self._on_boards, None
-        if boards is not None:
-            for board in boards:
-                board.leave()
-            return
-        deadline = getattr(self.store, "deadline", None)
-        with deadline(self.timeout_s) if deadline is not None else contextlib.nullcontext():
-            for rank in range(self.num_publishers):
-                protocol.leave(self.store, rank, version)
+    def _enter(self, version: int | None, timeout_s: float) -> _version_sync.VersionSync:
+        """Count in as a reader of every rank's current version (Note [Version protocol]), through
+        the publishers' boards or the store (``refit._version_sync`` chooses), every store call within
+        ``timeout_s`` of starting. A new receiver's first cycle, or one told which version to pull,
+        guesses the states first (Note [Warm metadata] in refit._memo)."""
+        return _version_sync.enter(self._state.sources, version, timeout_s, guess=self.cycle == 1 or version is not None)
 
     def _finish(self, cycle: Cycle, load_weights: Callable | None) -> CycleReport:
         """Wait for ``cycle``'s bytes, leave its versions, translate and install (``RefitHandle.wait``)."""
@@ -495,9 +395,9 @@ class Receiver(Closing):
         try:
             try:
                 cycle.transfer.wait(cycle.timeout_s)
-                self._check_held(rep.version)
+                cycle.sync.check_held(self.timeout_s)
             finally:
-                self._leave(rep.version)
+                cycle.sync.leave(self.timeout_s)
             t_pulled = time.perf_counter()
             rep.pull_s = t_pulled - cycle.t_issue
 
@@ -518,25 +418,18 @@ class Receiver(Closing):
                 translate.call_load_weights(load_weights, named)
             pairs = work.pairs
             if pairs:
-                (translate.install_swap if self.install == "swap" else translate.install_copy)(pairs)
+                self._install_mode.install(pairs)
                 _sync(state.link.device)
             rep.install_s = time.perf_counter() - t_translated
         except BaseException as exc:
             state.release_buffers(cycle.token)
             state.end_cycle()
-            direct = [tp.dst for tp, d in zip(cycle.plan.tensors, bufs.direct) if d is not None]
-            if direct:  # See Note [Install modes]: the pull was the install
+            partial = self._install_mode.failure(cycle.plan, bufs, rep.version, exc)
+            if partial is not None:  # See Note [Install modes]: the pull was the install
                 self.installed_version = None
-                raise PartialLoadError(
-                    f"Receiver.refit: version {rep.version} failed after its copies into {len(direct)} target(s) started "
-                    f"(install='direct'); they hold a mix of versions until a refit completes ({exc})",
-                    version=rep.version, bucket_idx=0, num_buckets=1, handed=direct) from exc
+                raise partial from exc
             raise
-        if self.install == "swap":
-            state.keep_installed(cycle.token)
-            self._pull_parity = 1 - self._pull_parity  # targets now point at what was just pulled
-        else:
-            state.release_buffers(cycle.token)
+        self._install_mode.installed(state, cycle.token)
         state.end_cycle()
         self._last_named = named
         self.installed_version = rep.version
@@ -544,16 +437,6 @@ class Receiver(Closing):
         rep.total_s = time.perf_counter() - cycle.t0
         rep.created = cycle.created()
         return rep
-
-    def _direct_targets(self, plan) -> tuple[list, int]:
-        """Per tensor of ``plan`` its target, in plan order (found once per plan), and a key for
-        where the targets' memory is now (asked every cycle: a target whose ``.data`` was replaced
-        must never be pulled into at its old address). Install "direct"."""
-        cached = self._targets_of
-        if cached is None or cached[0] is not plan:
-            targets = [self._targets.get(tp.dst) for tp in plan.tensors]
-            cached = self._targets_of = (plan, targets, TargetAddresses([t for t in targets if t is not None]))
-        return cached[1], cached[2].current_key()
 
     def _install_work(self, plan, bufs) -> "_InstallWork":
         """What ``_finish`` does after the pull into ``bufs``, worked out once per buffer set (a
@@ -571,7 +454,7 @@ class Receiver(Closing):
             self._installs[id(bufs)] = work
         return work
 
-    def _end_failed(self, version: int, token) -> None:
+    def _end_failed(self, sync: _version_sync.VersionSync, token) -> None:
         """End a cycle that installs nothing: its buffers and this cycle's mappings go back first,
         then its versions are left (a lost store raises there, with nothing else held)."""
         try:
@@ -579,7 +462,7 @@ class Receiver(Closing):
                 self._state.release_buffers(token)
             self._state.end_cycle()
         finally:
-            self._leave(version)
+            sync.leave(self.timeout_s)
 
     def _abandon(self, cycle: Cycle) -> None:
         """End ``cycle`` for ``close()``: its bytes stop moving (bounded wait) before its buffers
@@ -588,7 +471,7 @@ class Receiver(Closing):
             try:
                 cycle.transfer.wait(cycle.timeout_s)
             finally:
-                self._end_failed(cycle.report.version, cycle.token)
+                self._end_failed(cycle.sync, cycle.token)
         except WarmlinkError as exc:
             log.warning("receiver closed mid-cycle; the cycle failed", extra={"version": cycle.report.version, "error": str(exc)})
 
@@ -602,7 +485,7 @@ class Receiver(Closing):
         of a swap double buffer), staging scratch and a stream's slots. Zero before the first
         cycle; with ``install="direct"`` only what cannot land in a target directly."""
         held = self._state.buffer_nbytes() if self._state is not None else 0
-        return held + (self._stream_state.nbytes if self._stream_state is not None else 0)
+        return held + sum(ss.nbytes for ss in self._streams.values())
 
     def tensors(self) -> dict[str, object]:
         """The last installed tensors by name (views of receiver memory, valid until the next cycle)."""
@@ -628,7 +511,8 @@ class Receiver(Closing):
             self._state_lease = self._state = self._link = None
             # _healthy is False from a cycle's start until it installs; a declaration added after
             # the state was leased would park it under a key that no longer names it.
-            if self._healthy and not self._finalizing and self.install == "copy" and state.key.layouts == tuple(self._layouts.items()):
+            if (self._healthy and not self._finalizing and self._install_mode.parks
+                    and state.key.layouts == tuple(self._layouts.items())):
                 lease.release()  # parked: see Note [Parked receive state]
             else:
                 lease.discard()

@@ -3,7 +3,9 @@
 Manifests are read once per publisher generation (and once more by a receiver that adopts parked
 state). When a publisher restarts (new generation), its old mappings are closed and its new
 manifest read; the other publishers' mappings stay open. Manifest bytes already validated in this
-process are not validated again (Note [Warm metadata] in ``refit._memo``).
+process are not validated again (Note [Warm metadata] in ``refit._memo``). Opened regions are a
+pool cache: a cycle holds what it opened until ``end_cycle``, after which they stay open for the
+next cycle with pooling on and close with pooling off.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 
-from warmlink import pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError
+from warmlink.pool.core import SharedCache
 from warmlink.refit import protocol
 from warmlink.refit._board import ReaderBoard
-from warmlink.refit._memo import Lru
+from warmlink.refit._memo import validated_manifests
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
 from warmlink.transport.base import PeerRef, RemoteRegion
@@ -39,32 +41,24 @@ class _Parsed:
         self.digest = digest  # names these exact layouts in plan keys
 
 
-# SHA-256 of exact manifest bytes -> their validated parse (a digest, not the bytes: manifests of
-# large models run to tens of MB). See Note [Warm metadata] in refit._memo.
-_validated = Lru(32)
-
-
 def _parse(raw: bytes, peer_name: str) -> _Parsed:
-    """Decode and validate ``raw``, unless these exact bytes were validated before (pool on)."""
+    """Decode and validate ``raw``, unless these exact bytes were validated before (pool on:
+    Note [Warm metadata] in refit._memo)."""
     digest = hashlib.sha256(raw).hexdigest()
-    parsed = _validated.get(digest) if pool.enabled() else None
-    if parsed is None:
-        parsed = _Parsed(digest, schema.decode(raw, "publisher_manifest", peer_name))
-        if pool.enabled():
-            _validated.put(digest, parsed)
-    return parsed
+    return validated_manifests.get(digest, lambda _digest: _Parsed(digest, schema.decode(raw, "publisher_manifest", peer_name)))
 
 
 class _Source:
     __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened", "board")
 
-    def __init__(self, peer: PeerRef, parsed: _Parsed, board: ReaderBoard | None) -> None:
+    def __init__(self, peer: PeerRef, parsed: _Parsed, board: ReaderBoard | None, link) -> None:
         self.peer = peer
         self.layouts = parsed.layouts
         self.where = parsed.where
         self.regions = parsed.regions
         self.digest = parsed.digest
-        self.opened: dict[int, RemoteRegion] = {}
+        # region index -> its mapping; the link's peer mappings are counted already
+        self.opened: SharedCache[int, RemoteRegion] = SharedCache("source_region", destroy=link.close_region, counted=False)
         self.board = board  # None: another host's publisher, or no board; its readers count in the store
 
 
@@ -76,6 +70,9 @@ class SourceSet:
         self.link = link
         self.num_publishers = num_publishers
         self._sources: list[_Source | None] = [None] * num_publishers
+        # This cycle's opened regions by (id of their source, region index), each with its source
+        # (kept alive, so the id stays its own) and cache token; released by end_cycle.
+        self._held: dict[tuple[int, int], tuple[_Source, RemoteRegion, object]] = {}
         self._verified = True  # False: every manifest is read again once (see unverify)
 
     def states(self, timeout_s: float) -> list[protocol.VersionState]:
@@ -146,7 +143,7 @@ class SourceSet:
         # each other's mappings.
         key = f"{getattr(self.store, 'prefix', '')}:{peer_name}"
         peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
-        return _Source(peer, parsed, ReaderBoard.open(parsed.board, info["pid"], peer_name))
+        return _Source(peer, parsed, ReaderBoard.open(parsed.board, info["pid"], peer_name), self.link)
 
     def boards(self) -> tuple[list[ReaderBoard], list[int]] | None:
         """Every publisher's board and the generation planned against, when every one is on this
@@ -169,23 +166,26 @@ class SourceSet:
         return tuple(src.digest for src in self._sources)
 
     def region_of(self, rank: int, tensor: str) -> tuple[RemoteRegion, int]:
-        """The opened region holding ``tensor`` of ``rank`` and the tensor's offset in it (bytes)."""
+        """The opened region holding ``tensor`` of ``rank`` and the tensor's offset in it (bytes),
+        held until ``end_cycle``."""
         src = self._sources[rank]
         region_idx, offset = src.where[tensor]
-        region = src.opened.get(region_idx)
-        if region is None:
-            region = src.opened[region_idx] = self.link.open(src.peer, src.regions[region_idx])
-        return region, offset
+        held = self._held.get((id(src), region_idx))
+        if held is None:
+            region, token = src.opened.acquire(region_idx, lambda i: self.link.open(src.peer, src.regions[i]))
+            held = self._held[(id(src), region_idx)] = (src, region, token)
+        return held[1], offset
 
-    def _close(self, src: _Source) -> None:
-        for region in src.opened.values():
-            self.link.close_region(region)
-        src.opened.clear()
+    def end_cycle(self) -> None:
+        """Let go of the regions this cycle opened or found: kept open for the next cycle with
+        pooling on, closed with pooling off (the pool's caches decide)."""
+        held, self._held = self._held, {}
+        for src, _, token in held.values():
+            src.opened.release(token)
 
-    def close_regions(self) -> None:
-        for src in self._sources:
-            if src is not None:
-                self._close(src)
+    @staticmethod
+    def _close(src: _Source) -> None:
+        src.opened.clear()  # a region this cycle still holds closes at end_cycle
 
     @staticmethod
     def _close_board(src: _Source) -> None:
@@ -195,6 +195,7 @@ class SourceSet:
 
     def close(self) -> None:
         """Close every opened region and board (the receive state is destroyed)."""
+        self.end_cycle()
         for src in self._sources:
             if src is not None:
                 self._close(src)

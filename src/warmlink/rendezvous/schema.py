@@ -7,9 +7,10 @@ expected 0 <= split_dim < 2"``. No other exception type escapes (parse errors, b
 nesting, wrong types, missing keys). Nothing is unpickled, ever.
 
 Objects are closed: a missing key or an unexpected key is an error, so that ``schema_version``
-means something. The manifest's tensor entries are exactly ``warmlink.refit.manifest.TensorLayout
-.to_json()`` plus ``region`` and ``offset``, checked by the same rules as ``TensorLayout`` itself
-(Note [Layout rules] in ``warmlink._geometry``, which both import: this module sits below ``refit``).
+means something (one optional key: Note [Replicated on the wire]). The manifest's tensor entries
+are exactly ``warmlink.refit.manifest.TensorLayout.to_json()`` plus ``region`` and ``offset``,
+checked by the same rules as ``TensorLayout`` itself (Note [Layout rules] in ``warmlink._geometry``,
+which both import: this module sits below ``refit``).
 
 # Note [Region extent]
 Every region descriptor exports ``nbytes`` bytes, and a tensor's ``offset`` counts from the first
@@ -27,6 +28,15 @@ A value larger than one store value (``MAX_VALUE_BYTES``) travels as chunks unde
 most ``MAX_PAYLOAD_BYTES``, cut into ``num_chunks`` chunks of ``chunk_nbytes`` (the last one
 shorter), and the lowercase hex SHA-256 of the whole. The counts must agree before a reader
 fetches any chunk, so the header alone bounds what a reader buffers.
+
+# Note [Replicated on the wire]
+A part may carry ``"replicated": true`` (Note [Replicated parts] in ``refit.manifest``): the
+publisher says other ranks hold that box too, and receivers accept the overlap. The key is optional
+and ``TensorLayout.to_json`` writes it only when true, so the manifest schema stays version 3: a
+manifest from before the flag reads as it always did (no part replicated; a whole tensor is
+replicated by nature), except that duplicated shards it announces are now refused at plan time;
+and a receiver from before the flag refuses a manifest with the key (an unexpected key) instead of
+planning over replicas it cannot tell from a duplicated rank. Anything but a bool is refused.
 
 # Note [Decode budget]
 ``json.loads`` makes a Python object of every value before any validator looks: an empty list
@@ -109,6 +119,7 @@ _REGION_KEYS = {
 }
 _TENSOR_KEYS = ("name", "dtype", "shape", "parts", "region", "offset")
 _PART_KEYS = ("logical", "global_shape", "bounds", "offset")
+_REPLICATED_PART_KEYS = _PART_KEYS + ("replicated",)  # Note [Replicated on the wire]
 _SMALL_BYTES = 64 << 10  # peer_info, version_state, blob_header: under 2 KiB as encoded, 64 KiB allowed
 # Note [Decode budget]: (what, the bytes counted, the fewest bytes of payload allowed per count)
 _DENSITY = (("containers", (b"[", b"{"), 8), ("objects", (b"{",), 32), ("keys", (b":",), 9), ("quotes", (b'"',), 3))
@@ -318,7 +329,12 @@ def _part_fast(x: dict, ndim: int) -> tuple | None:
 
 
 def _part(v: _V, x: Any, path: str, ndim: int) -> tuple[str, tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
-    v.obj(x, path, _PART_KEYS)
+    if type(x) is dict and "replicated" in x:  # See Note [Replicated on the wire]
+        v.obj(x, path, _REPLICATED_PART_KEYS)
+        if type(x["replicated"]) is not bool:
+            v.fail(f"{path}.replicated={_short(x['replicated'])} has type {_json_type(x['replicated'])}; expected bool")
+    else:
+        v.obj(x, path, _PART_KEYS)
     fast = _part_fast(x, ndim)
     if fast is not None:
         return fast

@@ -9,9 +9,11 @@ layout is built again from that module's own attributes: ``VocabParallelEmbeddin
 ``num_heads``, ``num_kv_heads``, ``head_size``, ``v_head_size``, ``num_kv_head_replicas``;
 ``MergedColumnParallelLinear`` from ``output_sizes`` and ``tp_rank`` / ``tp_size``;
 ``ColumnParallelLinear`` / ``RowParallelLinear`` from their partition sizes; ``RoutedExperts``
-(FusedMoE) from its expert map (the local expert range) and its MoE TP rank and partition size;
-norms and replicated linears whole. Only the logical names come from the family rules (a module
-does not know transformers' names). The two must be equal, and the tensor's shape and dtype those
+(FusedMoE) from its expert map (the local expert range) and its MoE TP rank and partition size
+(GPT-OSS's ``GptOssRoutedExperts`` as its own loader places them: transposed weights, biases, a
+zeroed ``w2_bias`` on MoE TP ranks > 0, Note [vLLM GPT-OSS]); GPT-OSS's ``OAIAttention`` sinks
+from its ``qkv_proj``'s TP rank; norms and replicated linears whole. Only the logical names come
+from the family rules (a module does not know transformers' names). The two must be equal, and the tensor's shape and dtype those
 of the live parameter (before vLLM's post-processing: the shapes ``record_metadata_for_reloading``
 kept at load); anything else is a ``LayoutError`` naming the tensor, the module's attributes and
 both layouts, raised before any byte moves.
@@ -24,11 +26,14 @@ them in a kernel layout (CPU, FlashInfer, AITER; Triton computes with them as lo
 kind not read here) it is
 *streamed*: each logical tensor feeding it is pulled, as much of it as the module's loader keeps
 (the boxes above, in a tensor of the logical shape), and handed to ``model.load_weights`` under
-vLLM's layerwise reload, which re-runs the module's post-processing (Note [Streaming receive]).
+vLLM's layerwise reload, which re-runs the module's post-processing (Note [Streaming receive]);
+GPT-OSS experts one expert at a time, under vLLM's per-expert names (Note [Streaming GPT-OSS
+experts]).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from warmlink._dtypes import dtype_name
@@ -64,10 +69,17 @@ def _vllm_kinds():
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
     # Most derived first: QKV and Merged are ColumnParallelLinears.
-    return ((linear.QKVParallelLinear, _qkv), (linear.MergedColumnParallelLinear, _merged),
-            (linear.ColumnParallelLinear, _column), (linear.RowParallelLinear, _row),
-            (linear.ReplicatedLinear, _whole), (vocab_parallel_embedding.VocabParallelEmbedding, _vocab),
-            (RoutedExperts, _experts), (RMSNorm, _whole), (GemmaRMSNorm, _whole))
+    kinds = ((linear.QKVParallelLinear, _qkv), (linear.MergedColumnParallelLinear, _merged),
+             (linear.ColumnParallelLinear, _column), (linear.RowParallelLinear, _row),
+             (linear.ReplicatedLinear, _whole), (vocab_parallel_embedding.VocabParallelEmbedding, _vocab),
+             (RoutedExperts, _experts), (RMSNorm, _whole), (GemmaRMSNorm, _whole))
+    oss = _gpt_oss()
+    return kinds + ((oss.OAIAttention, _sinks),) if oss is not None else kinds
+
+
+def _gpt_oss():
+    """vLLM's GPT-OSS model module if a model of it was built in this process (never imported here)."""
+    return sys.modules.get("vllm.model_executor.models.gpt_oss")
 
 
 def _rows(shape, a: int, b: int) -> tuple:
@@ -132,18 +144,10 @@ def _vocab(m, leaf, shapes):
 
 
 def _experts(m, leaf, shapes):
-    import torch
-
+    if _is_oss_experts(m):
+        return _oss_experts(m, leaf, _expert_range(m))
+    first, last = _expert_range(m)
     num = m.global_num_experts
-    emap = getattr(m, "_expert_map", None)
-    if emap is None:
-        first, last = 0, num
-    else:
-        held = torch.nonzero(emap.cpu() != -1).flatten().tolist()
-        first, last = (held[0], held[-1] + 1) if held else (0, 0)
-        if held != list(range(first, last)) or emap.cpu()[first:last].tolist() != list(range(last - first)):
-            raise LayoutError(f"vllm engine: {type(m).__name__} holds experts {held} (expert map); expected one contiguous "
-                              "range in order (vLLM's 'linear' placement; 'round_robin' and EPLB are not supported)")
     mpc = m.moe_config.moe_parallel_config
     per, h = m.intermediate_size_per_partition, m.hidden_size
     inter = per * mpc.tp_size
@@ -158,9 +162,58 @@ def _experts(m, leaf, shapes):
              (g, ((first, last), (inter + lo, inter + lo + per), (0, h)), (0, per, 0))], (last - first, 2 * per, h))
 
 
+def _expert_range(m) -> tuple[int, int]:
+    """``[first, last)``: the global experts ``m`` holds, from its expert map."""
+    import torch
+
+    num = m.global_num_experts
+    emap = getattr(m, "_expert_map", None)
+    if emap is None:
+        first, last = 0, num
+    else:
+        held = torch.nonzero(emap.cpu() != -1).flatten().tolist()
+        first, last = (held[0], held[-1] + 1) if held else (0, 0)
+        if held != list(range(first, last)) or emap.cpu()[first:last].tolist() != list(range(last - first)):
+            raise LayoutError(f"vllm engine: {type(m).__name__} holds experts {held} (expert map); expected one contiguous "
+                              "range in order (vLLM's 'linear' placement; 'round_robin' and EPLB are not supported)")
+    return first, last
+
+
+def _oss_experts(m, leaf, experts):
+    """GPT-OSS's four expert tensors as ``GptOssModel._load_weights_other`` fills them (Note [vLLM
+    GPT-OSS]): global shapes are transformers' (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``,
+    biases ``[E, 2I]``, ``[E, H]``); the weights are held transposed, 4-tuples with their perm."""
+    first, last = experts
+    mpc = m.moe_config.moe_parallel_config
+    num, per, h = m.global_num_experts, m.intermediate_size_per_partition, m.hidden_size
+    inter, lo, n = per * mpc.tp_size, mpc.tp_rank * per, last - first
+    if leaf == "w13_weight":
+        g = (num, h, 2 * inter)
+        return [(g, ((first, last), (0, h), (2 * lo, 2 * (lo + per))), (0, 0, 0), (0, 2, 1))], (n, 2 * per, h)
+    if leaf == "w2_weight":
+        g = (num, inter, h)
+        return [(g, ((first, last), (lo, lo + per), (0, h)), (0, 0, 0), (0, 2, 1))], (n, h, per)
+    if leaf == "w13_bias":
+        g = (num, 2 * inter)
+        return [(g, ((first, last), (2 * lo, 2 * (lo + per))), (0, 0))], (n, 2 * per)
+    if leaf == "w2_bias":  # zeroed by the loader on MoE TP ranks > 0: added once before the all-reduce
+        g = (num, h)
+        return [(g, ((first, last) if mpc.tp_rank == 0 else (0, 0), (0, h)), (0, 0))], (n, h)
+    raise LayoutError(f"vllm engine: {type(m).__name__} has no GPT-OSS expert tensor {leaf!r}; expected w13_weight, "
+                      "w2_weight, w13_bias or w2_bias")
+
+
+def _sinks(m, leaf, shapes):
+    """GPT-OSS ``OAIAttention.sinks``: ``num_attention_heads // tp`` heads from ``tp_rank * that``,
+    the TP rank and size of its own ``qkv_proj`` (the attention's TP group)."""
+    qkv = m.qkv_proj
+    per = m.num_attention_heads // qkv.tp_size
+    return [((m.num_attention_heads,), ((qkv.tp_rank * per, (qkv.tp_rank + 1) * per),), (0,))], (per,)
+
+
 _ATTRS = ("tp_rank", "tp_size", "num_heads", "num_kv_heads", "head_size", "num_kv_head_replicas", "output_sizes",
           "input_size", "output_size", "org_vocab_size", "num_embeddings_per_partition", "shard_indices",
-          "global_num_experts", "intermediate_size_per_partition")
+          "global_num_experts", "intermediate_size_per_partition", "num_attention_heads")
 
 
 def _attrs(m) -> dict:
@@ -196,6 +249,10 @@ def _kernel_format(module) -> str | None:
     backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
     if backend is not None and getattr(backend, "name", None) not in _MOE_AS_LOADED:
         return f"its MoE backend {backend.name} keeps the experts in a kernel layout"
+    sinks = getattr(module, "sinks", None)  # GPT-OSS: an attention backend may compute with a cast copy
+    impl = getattr(getattr(module, "attn", None), "impl", None)
+    if sinks is not None and impl is not None and getattr(impl, "sinks", sinks) is not sinks:
+        return "its attention backend computes with a copy of sinks"
     return None
 
 
@@ -263,6 +320,9 @@ def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto"
                               "expected install='auto' or 'stream'")
         out.why[mod_name] = why or "install='stream'"
         out.reload_modules[mod_name] = module
+        if _is_oss_experts(module):  # See Note [Streaming GPT-OSS experts]
+            out.groups.append(_oss_streamed(out, module, mod_name, leaves))
+            continue
         group = []
         for layout in leaves.values():
             # Unknown kinds: whole logical tensors (what the loader keeps is not known).
@@ -279,6 +339,38 @@ def read_engine(model, family: dict[str, TensorLayout], *, install: str = "auto"
     return out
 
 
+def _is_oss_experts(module) -> bool:
+    oss = _gpt_oss()
+    return oss is not None and isinstance(module, getattr(oss, "GptOssRoutedExperts", ()))
+
+
+# Note [Streaming GPT-OSS experts]
+# ``GptOssModel._load_weights_other`` writes transformers' whole expert tensors (``gate_up_proj``
+# and the rest) with ``param.copy_``, past the weight loaders that vLLM's layerwise reload wraps:
+# under that reload (how streamed modules are re-processed) those copies land in placeholders and
+# the experts keep their old values, while ``load_weights`` reports them loaded (vLLM 0.32, seen on
+# its CPU build). Its per-expert checkpoint names (``<layer>.mlp.experts.<e>.w13_weight``, ...)
+# go through ``GptOssRoutedExperts.weight_loader`` instead, which the reload sees. So a streamed
+# GPT-OSS experts module is handed one tensor per local expert and weight, in transformers'
+# orientation (``[H, 2I]``, ``[I, H]``, ``[2I]``, ``[H]``) and full size, holding the box that
+# loader keeps (it narrows by the MoE TP rank, transposes, and zeroes ``w2_bias`` on ranks > 0).
+def _oss_streamed(out: EngineLayouts, module, mod_name: str, leaves: dict) -> list[str]:
+    """Add the per-expert streamed layouts of a GPT-OSS experts module to ``out``; their names."""
+    first, last = _expert_range(module)
+    stem = mod_name.rpartition(".")[0]  # "<layer>.mlp.experts"
+    group = []
+    for leaf, layout in leaves.items():
+        (part,) = layout.parts
+        g = part.shard.global_shape
+        rest = part.shard.bounds[1:] if part.shard.numel else tuple((0, 0) for _ in g[1:])
+        for e in range(first, last):
+            name = f"{stem}.{e}.{leaf}"
+            box = Part(part.logical, Shard(g, ((e, e + 1),) + rest), tuple(a for a, _ in rest))
+            out.streamed[name] = TensorLayout(name, layout.dtype, (box,), g[1:])
+            group.append(name)
+    return group
+
+
 def _wholes(layout: TensorLayout) -> list[Part]:
     seen = {}
     for p in layout.parts:
@@ -293,7 +385,8 @@ def _check(module, mod_name: str, leaf: str, layout: TensorLayout, reader, shape
         live = None
         if len(parts) == len(layout.parts):
             live = TensorLayout(layout.name, dtype_name(dtype),
-                                tuple(Part(p.logical, Shard(g, b), o) for p, (g, b, o) in zip(layout.parts, parts)),
+                                tuple(Part(p.logical, Shard(g, b), o, perm[0] if perm else None)
+                                      for p, (g, b, o, *perm) in zip(layout.parts, parts)),  # perm: transposed parts
                                 tuple(phys))
     except (AttributeError, TypeError, LayoutError) as exc:
         if isinstance(exc, LayoutError) and "vllm engine" in str(exc):
@@ -311,4 +404,5 @@ def _describe(layout: TensorLayout | None) -> str:
     if layout is None:
         return "another number of parts"
     return (f"{layout.dtype} {layout.shape} = " +
-            "; ".join(f"{p.logical}{list(p.shard.bounds)} at {p.offset}" for p in layout.parts))
+            "; ".join(f"{p.logical}{list(p.shard.bounds)} at {p.offset}" + (f" transposed {p.perm}" if p.perm else "")
+                      for p in layout.parts))

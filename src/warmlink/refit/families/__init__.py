@@ -60,7 +60,9 @@ def layouts(
             (e.g. Megatron's ``make_vocab_size_divisible_by``); an unknown one is refused.
 
     Returns:
-        Physical name -> ``TensorLayout``, a new dict the caller owns.
+        Physical name -> ``TensorLayout``, a new dict the caller owns. Parts that the convention
+        keeps on several ranks of the world described (GQA KV heads at ``tp > num_kv_heads``,
+        data-parallel replicas) are marked replicated (Note [Replicated parts] in ``refit.manifest``).
 
     Raises:
         LayoutError: an unknown convention or option, sizes out of range, sizes the convention

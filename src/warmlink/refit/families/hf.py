@@ -30,6 +30,10 @@ of each style places a parameter of ``ndim`` dims:
 * every other style (``replicated_with_grad_allreduce``, ``moe_tp_experts``, ``ep_dispatch_experts``,
   ``mla_kv_a_proj``, ...) has no ``shard_param``: replicated. Buffers are never planned: replicated.
 
+With ``ep > tp`` the ``ep / tp`` ranks that share a TP rank hold the same boxes of every tensor the
+EP plan does not place, so those parts are marked replicated (Note [Replicated parts] in
+``refit.manifest``).
+
 Sharding of the dense part by FSDP (``fsdp_size > 1``, which transformers needs when ``ep > tp``) is
 not a TP/EP plan and is not described here: such ranks publish through their DTensor placements
 (``Publisher.add_module`` reads them).
@@ -176,9 +180,15 @@ def layouts(
             else:
                 style = parameter_style(t.name, tp_plan) if tp_plan else None
                 num, idx = tp, rank
-        placement = style_placement(style, attr, len(t.shape)) if style is not None else None
+        try:
+            placement = style_placement(style, attr, len(t.shape)) if style is not None else None
+        except LayoutError as e:
+            raise LayoutError(f"{_FUNC}: tensor {t.name!r}: {str(e).removeprefix(_FUNC + ': ')}") from None
         if style == "grouped_gemm" and t.shape[0] % ep:
             raise LayoutError(f"{_FUNC}: tensor {t.name!r}: num_experts={t.shape[0]} is not divisible by ep={ep}; "
                               "expected ep to divide the experts (transformers' MoEParamShard refuses uneven experts)")
-        out[t.name] = _sharded(t, t.dtype, placement, num, idx)
+        layout = _sharded(t, t.dtype, placement, num, idx)
+        # ep > tp: the ep / tp ranks of one TP rank hold the same TP shards (Note [Replicated parts]
+        # in refit.manifest); what the EP plan places is split over all ep ranks
+        out[t.name] = layout.with_replicated() if ep > tp and num != ep else layout
     return out

@@ -42,6 +42,13 @@ remainder, so every size below that Megatron divides must divide evenly (else ``
   (``share_embeddings_and_output_weights``) have no ``output_layer.weight`` with one pipeline stage.
 * Norms (``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm``/``k_layernorm``,
   ``decoder.final_layernorm``) and the router weight are whole on every rank.
+* Replicas (Note [Replicated parts] in ``refit.manifest``): every dense tensor's boxes are held by
+  each of the ``dp`` data-parallel ranks of a TP rank, and every routed expert's by each of the
+  ``tp * dp / (ep * etp)`` expert-data-parallel ranks of an (EP, ETP) rank
+  (``parallel_state.initialize_model_parallel`` carves the expert groups out of the same
+  ``tp * dp`` ranks); those parts are marked replicated where that count exceeds 1. ``dp`` is an
+  option, by default the smallest the expert groups allow, ``ep * etp / gcd(tp, ep * etp)``.
+  ``linear_qkv`` replicates no KV head (with ``ng < tp`` each rank holds other rows, as above).
 * MoE (``MoELayer``): EP rank ``e`` holds experts ``[e * E / ep, (e + 1) * E / ep)``
   (``MoELayer.local_expert_indices``), as ``SequentialMLP``'s ``mlp.experts.local_experts.{j}``,
   each an ``MLP`` over the expert tensor-parallel group (``expert_tensor_parallel_size``; default
@@ -72,6 +79,7 @@ no box copy expresses), multi-token prediction layers.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +93,7 @@ __all__ = ["layouts", "FAMILIES", "SPECS", "padded_vocab_size"]
 #: ``model_type``s whose weights Megatron-core's local spec holds byte for byte as laid out here.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 _MLA = ("deepseek_v3",)
-_OPTIONS = ("make_vocab_size_divisible_by", "etp", "etp_rank", "spec")
+_OPTIONS = ("make_vocab_size_divisible_by", "etp", "etp_rank", "spec", "dp")
 SPECS = ("local", "te")
 _FUNC = "families.megatron.layouts"
 
@@ -137,7 +145,9 @@ def layouts(model: LogicalModel, *, tp: int, rank: int, ep: int, ep_rank: int, *
             ``parallel_state.get_expert_tensor_parallel_rank()``); ``spec``: ``"local"`` (default,
             ``get_gpt_layer_local_spec``) or ``"te"`` (``get_gpt_layer_with_transformer_engine_spec``,
             dense GQA families only: the norms become ``linear_qkv.layer_norm_weight`` and
-            ``linear_fc1.layer_norm_weight``).
+            ``linear_fc1.layer_norm_weight``); ``dp``: data-parallel size (default the smallest
+            that Megatron's expert groups allow, ``tp * dp`` a multiple of ``ep * etp``), which
+            says which parts are replicas (Note [Megatron layouts]).
 
     Returns:
         Megatron parameter name -> layout, in the logical model's order; a new dict the caller owns.
@@ -152,7 +162,7 @@ def layouts(model: LogicalModel, *, tp: int, rank: int, ep: int, ep_rank: int, *
     if dims.model_type not in FAMILIES:
         raise LayoutError(f"{_FUNC}: model_type={dims.model_type!r} is not laid out for Megatron; expected one of "
                           f"{list(FAMILIES)} (declare other layouts by hand with TensorLayout)")
-    divisible, etp, etp_rank, spec = _options(options, tp, rank)
+    divisible, etp, etp_rank, spec, dp = _options(options, tp, rank, ep)
     if spec == "te" and (dims.model_type in _MLA or dims.num_experts):
         raise LayoutError(f"{_FUNC}: spec='te' with model_type={dims.model_type!r} is not laid out; expected a dense "
                           "GQA family (TEGroupedMLP experts and MLA's duplicated TELinear down projections cannot be "
@@ -175,7 +185,14 @@ def layouts(model: LogicalModel, *, tp: int, rank: int, ep: int, ep_rank: int, *
             continue
         for layout in _tensor(at, t, f"decoder.layers.{layer}." if m else "", rest):
             out[layout.name] = layout
-    return _te_names(out) if spec == "te" else out
+    out = _te_names(out) if spec == "te" else out
+    # Replicas (Note [Megatron layouts]): the dp ranks of one TP rank hold its dense boxes, the
+    # tp * dp / (ep * etp) expert-data-parallel ranks of one (ep, etp) rank its experts' boxes.
+    dense, experts = dp > 1, tp * dp // (ep * etp) > 1
+    for name, layout in out.items():
+        if (experts if ".mlp.experts.local_experts." in name else dense):
+            out[name] = layout.with_replicated()
+    return out
 
 
 def _te_names(out: dict[str, TensorLayout]) -> dict[str, TensorLayout]:
@@ -208,7 +225,7 @@ class _Rank:
     divisible: int
 
 
-def _options(options: dict, tp: int, rank: int) -> tuple[int, int, int, str]:
+def _options(options: dict, tp: int, rank: int, ep: int) -> tuple[int, int, int, str, int]:
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise LayoutError(f"{_FUNC}: option={unknown[0]!r} is unknown; expected one of {list(_OPTIONS)}")
@@ -228,7 +245,15 @@ def _options(options: dict, tp: int, rank: int) -> tuple[int, int, int, str]:
         etp_rank = rank
     if isinstance(etp_rank, bool) or not isinstance(etp_rank, int) or not 0 <= etp_rank < etp:
         raise LayoutError(f"{_FUNC}: etp_rank={etp_rank!r} out of range; expected 0 <= etp_rank < etp={etp}")
-    return divisible, etp, etp_rank, spec
+    dp = options.get("dp")
+    if dp is None:  # the smallest dp whose tp * dp ranks the expert groups tile
+        dp = ep * etp // math.gcd(tp, ep * etp)
+    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise LayoutError(f"{_FUNC}: dp={dp!r} invalid; expected an int >= 1")
+    elif tp * dp % (ep * etp):
+        raise LayoutError(f"{_FUNC}: dp={dp} with tp={tp}: tp * dp = {tp * dp} is not a multiple of ep * etp = "
+                          f"{ep * etp}; expected expert groups that tile the ranks (parallel_state.initialize_model_parallel)")
+    return divisible, etp, etp_rank, spec, dp
 
 
 def _divide(field: str, size: int, num: int, by: str, tensor: str | None = None) -> int:
@@ -352,12 +377,12 @@ def _qkv(model: LogicalModel, layer: int, kind: str, found: dict[str, Logical], 
         if t.shape[0] != rows:
             raise LayoutError(f"{_FUNC}: {t.name!r} shape {t.shape}; expected {rows} rows for {heads} heads, "
                               f"{groups} query groups of head_dim {head_dim}")
-    _divide("num_attention_heads", heads, tp, "tp")
+    _divide("num_attention_heads", heads, tp, "tp", name)
     if groups >= tp:
-        _divide("num_query_groups", groups, tp, "tp")
+        _divide("num_query_groups", groups, tp, "tp", name)
     elif tp % groups:
-        raise LayoutError(f"{_FUNC}: tp={tp} not a multiple of num_query_groups={groups}; expected tp % groups == 0 "
-                          "when tp > groups (Megatron gives each group tp / groups ranks)")
+        raise LayoutError(f"{_FUNC}: tensor {name!r}: tp={tp} not a multiple of num_query_groups={groups}; expected "
+                          "tp % groups == 0 when tp > groups (Megatron gives each group tp / groups ranks)")
     per_group = heads // groups
     rows_per_rank = _divide("rows", (heads + 2 * groups) * head_dim, tp, "tp", name)
     lo, hi = rank * rows_per_rank, (rank + 1) * rows_per_rank

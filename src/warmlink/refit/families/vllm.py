@@ -2,7 +2,7 @@
 
 Mirrors vLLM 0.32 (``vllm/model_executor``): the layers in ``layers/linear.py``,
 ``layers/vocab_parallel_embedding.py`` and ``layers/fused_moe/``, and which layer each model file
-(``models/{llama,mistral,qwen2,qwen3,qwen3_moe,mixtral,deepseek_v2,gemma2,gemma3,phi3}.py``) builds
+(``models/{llama,mistral,qwen2,qwen3,qwen3_moe,mixtral,deepseek_v2,gemma2,gemma3,phi3,gpt_oss}.py``) builds
 for each transformers tensor. The rules are in Note [vLLM layouts]; physical names are vLLM's
 ``named_parameters()`` (a tied ``lm_head`` is one tensor with ``embed_tokens``, listed once).
 
@@ -35,17 +35,40 @@ With ``tp`` ranks, this rank ``rank``, and ``divide(a, b)`` vLLM's assert that `
 * Routers (``GateLinear``), norms and DeepSeek's ``e_score_correction_bias`` are replicated; the
   latter is a float32 Parameter of the gate in ``DeepseekV2MoE``, so its layout says float32 whatever
   ``dtype`` the caller asks for.
+* Replicas (Note [Replicated parts] in ``refit.manifest``): k and v parts are marked replicated when
+  ``tp > num_kv_heads``, and with ``ep > tp`` every tensor but the experts is (the ``dp = ep / tp``
+  ranks of one TP rank hold the same boxes); whole tensors are replicas without the flag.
 
-Not described: GPT-OSS (its experts are held transposed, Note [vLLM GPT-OSS]), vLLM's
-"round_robin" expert placement and EPLB redundant experts, data parallelism without EP (experts
-then shard ``tp * dp`` ways), sequence-parallel MoE (replicated shared experts) and quantized
-checkpoints.
+GPT-OSS differs in names, experts and biases: Note [vLLM GPT-OSS].
+
+Not described: vLLM's "round_robin" expert placement and EPLB redundant experts, data parallelism
+without EP (experts then shard ``tp * dp`` ways), sequence-parallel MoE (replicated shared experts)
+and quantized checkpoints.
 
 # Note [vLLM GPT-OSS]
-``GptOssModel._load_weights_other`` loads transformers' ``gate_up_proj [E, H, 2I]`` into
-``w13_weight`` as ``weight[:, :, 2a:2b].permute(0, 2, 1)``, i.e. ``[E, 2I_local, H]``, and
-``down_proj [E, I, H]`` into ``w2_weight [E, H, I_local]``: transposes, which no box placed at an
-offset describes. The convention refuses GPT-OSS rather than describe something else.
+``GptOssForCausalLM`` (``models/gpt_oss.py``) names its modules as its ``hf_to_vllm_mapper`` maps
+transformers' (``self_attn`` -> ``attn``, ``embed_tokens`` -> ``embedding``), never ties its
+``ParallelLMHead`` (a tied model's head holds the embedding, as DeepSeek's does), and loads an
+unquantized checkpoint (``GptOssModel._load_weights_other``) by plain slicing. Without EP, with
+``I_local = divide(I, tp)`` (``FusedMoEConfig``) and ``[a, b)`` = ``[rank, rank + 1) * I_local``:
+
+* ``w13_weight [E, 2 I_local, H]`` = ``gate_up_proj[:, :, 2a:2b].permute(0, 2, 1)``: columns of
+  transformers' interleaved ``[E, H, 2I]`` (gate and up alternate, and vLLM's ``swigluoai``
+  activation reads them so: nothing is de-interleaved), transposed. One part with
+  ``perm=(0, 2, 1)`` (Note [Transposed parts] in ``refit.manifest``).
+* ``w2_weight [E, H, I_local]`` = ``down_proj[:, a:b, :].permute(0, 2, 1)`` of ``[E, I, H]``, likewise.
+* ``w13_bias [E, 2 I_local]`` = ``gate_up_proj_bias[:, 2a:2b]``: a box.
+* ``w2_bias [E, H]``: ``down_proj_bias`` on TP rank 0; zeros on the others (the loader zeroes it:
+  each rank adds its bias before the all-reduce), i.e. one empty box, all padding.
+* ``attn.sinks [heads / tp]`` = ``sinks[rank * heads / tp:][:heads / tp]``; ``qkv_proj`` (with
+  biases) and ``o_proj`` (its bias whole on every rank) are Llama's; ``mlp.router`` (``GateLinear``,
+  weight and bias) is replicated.
+
+With EP the loader takes whole experts ``[ep_rank * n, (ep_rank + 1) * n)`` with ``n = E // ep``
+for all four expert tensors (``w2_bias`` too, on every rank), transposed as above. vLLM's "linear"
+placement gives the first ``E % ep`` ranks one expert more, which that loader does not fill, so
+``ep`` must divide ``E`` here. Not described: MXFP4 and quark checkpoints (their own loaders) and
+backends that pad ``I_local`` (FlashInfer TRT-LLM, AITER), whose experts are re-laid for the kernel.
 """
 
 from __future__ import annotations
@@ -75,21 +98,19 @@ class _Family:
     ties: bool = True  # DeepseekV2ForCausalLM never ties its ParallelLMHead to embed_tokens
     o_bias: bool = True  # Qwen3Attention builds o_proj with bias=False whatever the config says
     unsupported: str | None = None
-
-
-_GPT_OSS = ("vLLM's GptOssForCausalLM holds experts.routed_experts.w13_weight as [E, 2I/tp, H], the transpose of "
-            "transformers' gate_up_proj [E, H, 2I] (and w2_weight likewise), and a transpose is no box "
-            "(Note [vLLM GPT-OSS])")
+    renames: tuple[tuple[str, str], ...] = ()  # vLLM module names that differ from transformers'
 
 #: model_type -> what its vLLM model file builds.
 FAMILIES: dict[str, _Family] = {
     "llama": _Family(), "mistral": _Family(), "qwen2": _Family(), "qwen3": _Family(o_bias=False),
     "qwen3_moe": _Family(o_bias=False), "mixtral": _Family(moe_block="block_sparse_moe"),
     "deepseek_v2": _Family(ties=False), "deepseek_v3": _Family(ties=False), "gemma2": _Family(lm_head=False),
-    "gemma3_text": _Family(), "phi3": _Family(), "gpt_oss": _Family(unsupported=_GPT_OSS),
+    "gemma3_text": _Family(), "phi3": _Family(),
+    "gpt_oss": _Family(ties=False, renames=((".self_attn.", ".attn."), ("model.embed_tokens.", "model.embedding."))),
 }
 
-_MOE_ROLES = frozenset({"router", "router_bias", "experts_gate_up", "experts_down"})
+_MOE_ROLES = frozenset({"router", "router_bias", "experts_gate_up", "experts_down", "experts_gate_up_bias",
+                        "experts_down_bias"})
 
 
 def _divide(what: str, size: int, by: int, by_name: str, where: str) -> int:
@@ -151,9 +172,16 @@ class _Rank:
         kv = (kv_rank * kv_per, (kv_rank + 1) * kv_per)
         return [q, kv, kv]
 
-    def qkv(self, q: Logical, k: Logical, v: Logical) -> list[tuple[str, Shard]]:
+    @property
+    def kv_replicated(self) -> bool:
+        """Each KV head on ``divide(tp, num_kv_heads)`` ranks (``num_kv_head_replicas > 1``): k and v
+        parts are marked replicated (Note [Replicated parts] in ``refit.manifest``)."""
+        return self.tp > self.dims.num_kv_heads
+
+    def qkv(self, q: Logical, k: Logical, v: Logical) -> list[tuple[str, Shard, bool]]:
         rows = self.qkv_rows(q.shape[0], k.shape[0])
-        return [(t.name, _rows(t, a, b)) for t, (a, b) in zip((q, k, v), rows)]
+        replicated = (False, self.kv_replicated, self.kv_replicated)
+        return [(t.name, _rows(t, a, b), rep) for t, (a, b), rep in zip((q, k, v), rows, replicated)]
 
     def qkv_fused(self, t: Logical) -> list[tuple[str, Shard]]:
         """Phi-3: ``qkv_proj`` fused by transformers, split by QKVParallelLinear's loader."""
@@ -164,7 +192,9 @@ class _Rank:
                               f"2 * num_key_value_heads = {d.num_heads + 2 * d.num_kv_heads} ([q; k; v] by heads)")
         q_rows, kv_rows = d.num_heads * head_dim, d.num_kv_heads * head_dim
         bases = (0, q_rows, q_rows + kv_rows)
-        return [(t.name, _rows(t, base + a, base + b)) for base, (a, b) in zip(bases, self.qkv_rows(q_rows, kv_rows))]
+        replicated = (False, self.kv_replicated, self.kv_replicated)
+        return [(t.name, _rows(t, base + a, base + b), rep)
+                for base, (a, b), rep in zip(bases, self.qkv_rows(q_rows, kv_rows), replicated)]
 
     def gate_up(self, gate: Logical, up: Logical) -> list[tuple[str, Shard]]:
         where = "MergedColumnParallelLinear: divide(output_size, tp_size)"
@@ -201,10 +231,43 @@ class _Rank:
                  for base, at in ((0, 0), (inter, per))]  # w1 (gate) rows, then w3 (up) rows
         return parts, (last - first, 2 * per, hidden)
 
+    # -- GPT-OSS experts (Note [vLLM GPT-OSS]) --------------------------------------------------
+    def oss_experts(self, t: Logical) -> tuple[list[Part], tuple[int, ...]]:
+        """Weights and biases of the four ``routed_experts`` tensors, from transformers'
+        ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]`` and their biases ``[E, 2I]``, ``[E, H]``."""
+        num, role = t.shape[0], t.role
+        if self.ep > 1:
+            n = _divide("num_local_experts", num, self.ep, "ep",
+                        "GptOssModel.load_weights takes num_experts // ep_size experts per rank")
+            first, last = self.ep_rank * n, (self.ep_rank + 1) * n
+        else:
+            first, last = 0, num
+        if role == "experts_down_bias":
+            if self.ep == 1 and self.rank > 0:  # zeroed by the loader: one empty box, all padding
+                return [Part(t.name, Shard(t.shape, ((0, 0), (0, t.shape[1]))), (0, 0))], t.shape
+            return [Part(t.name, _rows(t, first, last), (0, 0))], (last - first, t.shape[1])
+        inter = t.shape[1] if role == "experts_down" else t.shape[-1] // 2
+        per, lo = inter, 0
+        if self.ep == 1:
+            per = _divide("intermediate_size", inter, self.tp, "tp", "FusedMoEConfig: intermediate_size % tp_size")
+            lo = self.rank * per
+        experts = (first, last)
+        if role == "experts_gate_up_bias":
+            return [Part(t.name, Shard(t.shape, (experts, (2 * lo, 2 * (lo + per)))), (0, 0))], (last - first, 2 * per)
+        if role == "experts_gate_up":  # [E, H, 2I] columns 2a:2b, held as [E, 2 I_local, H]
+            hidden = t.shape[1]
+            box, shape = (experts, (0, hidden), (2 * lo, 2 * (lo + per))), (last - first, 2 * per, hidden)
+        else:  # experts_down: [E, I, H] rows a:b, held as [E, H, I_local]
+            hidden = t.shape[2]
+            box, shape = (experts, (lo, lo + per), (0, hidden)), (last - first, hidden, per)
+        return [Part(t.name, Shard(t.shape, box), (0, 0, 0), (0, 2, 1))], shape
+
 
 def _physical(t: Logical, fam: _Family, fused_a: bool, mla: bool) -> str:
     """vLLM's parameter name for the tensor holding ``t`` (Note [vLLM layouts])."""
     name, role = t.name, t.role
+    for old, new in fam.renames:
+        name = name.replace(old, new, 1)
     if role in _MOE_ROLES and fam.moe_block != "mlp":
         name = name.replace(".mlp.", f".{fam.moe_block}.", 1)
     if role in ("q", "k", "v") and not mla:
@@ -217,6 +280,10 @@ def _physical(t: Logical, fam: _Family, fused_a: bool, mla: bool) -> str:
         return name[: -len("gate_up_proj")] + "routed_experts.w13_weight"
     if role == "experts_down":
         return name[: -len("down_proj")] + "routed_experts.w2_weight"
+    if role == "experts_gate_up_bias":  # GPT-OSS
+        return name[: -len("gate_up_proj_bias")] + "routed_experts.w13_bias"
+    if role == "experts_down_bias":
+        return name[: -len("down_proj_bias")] + "routed_experts.w2_bias"
     return name
 
 
@@ -237,6 +304,12 @@ def _single(r: _Rank, t: Logical, fam: _Family) -> tuple[list, tuple[int, ...] |
     if role in ("q", "mla_q_b", "mla_kv_b"):
         r.heads()
         return r.column(t, "rows", "ColumnParallelLinear: divide(output_size, tp_size)"), None
+    if role == "sinks":  # GPT-OSS: one per query head, split as the heads (OAIAttention)
+        r.heads()
+        return r.column(t, "num_attention_heads", "OAIAttention: sinks of num_attention_heads // tp heads"), None
+    if role in ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias") \
+            and r.dims.interleaved_experts:
+        return r.oss_experts(t)
     if role == "qkv":
         return r.qkv_fused(t), None
     if role == "gate_up":
@@ -255,9 +328,10 @@ def layouts(
     vLLM's parameter names (Note [vLLM layouts]). No options.
 
     Raises:
-        LayoutError: an option, a family vLLM is not described for (GPT-OSS: Note [vLLM GPT-OSS]),
-            a size vLLM's ``divide`` refuses, an EP size that is not ``tp * dp`` with
-            ``ep_rank % tp == rank``, or a tensor vLLM's module does not hold.
+        LayoutError: an option, a family vLLM is not described for, a size vLLM's ``divide``
+            refuses, an EP size that is not ``tp * dp`` with ``ep_rank % tp == rank`` (for GPT-OSS
+            also one that does not divide the experts, Note [vLLM GPT-OSS]), or a tensor vLLM's
+            module does not hold.
     """
     if options:
         raise LayoutError(f"{_FUNC}: options {sorted(options)} unknown; expected none (the vllm convention has none)")
@@ -287,7 +361,18 @@ def layouts(
         groups["lm_head.weight"] = {"lm_head": by_name["model.embed_tokens.weight"]}
     out: dict[str, TensorLayout] = {}
     for phys, members in groups.items():
-        out[phys] = _layout(r, fam, phys, members)
+        try:
+            layout = _layout(r, fam, phys, members)
+        except LayoutError as e:  # a size rule names the size; the error names the tensor too
+            names = (phys, *(t.name for t in members.values()))
+            if any(repr(n) in str(e) for n in names):
+                raise
+            raise LayoutError(f"{_FUNC}: tensor {phys!r}: {str(e).removeprefix(_FUNC + ': ')}") from None
+        # ep = tp * dp: each of the dp ranks of one TP rank holds its dense tensors (Note [Replicated
+        # parts] in refit.manifest); experts are split over all ep ranks
+        if ep > tp and not any(role.startswith("experts_") for role in members):
+            layout = layout.with_replicated()
+        out[phys] = layout
     return out
 
 
