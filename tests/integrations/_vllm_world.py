@@ -41,13 +41,22 @@ QWEN3_MOE = dict(QWEN2, head_dim=32, moe_intermediate_size=64, num_experts=4, nu
                  norm_topk_prob=True)
 
 
-def save_tiny(path: str, family: str) -> None:
-    """A tiny random ``family`` ("qwen2" or "qwen3_moe") model saved with transformers (no downloads)."""
+# GPT-OSS: experts held transposed by vLLM (Note [vLLM GPT-OSS]), attention sinks, a sliding window.
+GPT_OSS = dict(vocab_size=300, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=256, sliding_window=128, tie_word_embeddings=False)
+_CONFIGS = {"qwen2": ("Qwen2Config", QWEN2), "qwen3_moe": ("Qwen3MoeConfig", QWEN3_MOE), "gpt_oss": ("GptOssConfig", GPT_OSS)}
+
+
+def save_tiny(path: str, family: str, **overrides) -> None:
+    """A tiny random ``family`` ("qwen2", "qwen3_moe" or "gpt_oss") model saved with transformers
+    (no downloads); ``overrides`` change its config."""
     import torch
     import transformers as T
 
     torch.manual_seed(0)
-    config = T.Qwen2Config(**QWEN2) if family == "qwen2" else T.Qwen3MoeConfig(**QWEN3_MOE)
+    cls, base = _CONFIGS[family]
+    config = getattr(T, cls)(**dict(base, **overrides))
     T.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
 
 
@@ -108,7 +117,10 @@ class _NoClient:
         raise AssertionError(f"trainer rank > 0 called client.{name}")
 
 
-def _cmd_init(state, *, mode, rank, path, address, secret, prefix, init_file, timeout_s, buffer_bytes, conn):
+def _cmd_init(state, *, mode, rank, path, address, secret, prefix, init_file, timeout_s, buffer_bytes, conn,
+              world_size=WORLD, client=True, prefix_cache="reset", catch=False):
+    """Build the rank's model and its trainer engine; returns its publisher version, or with
+    ``catch`` the error ``_caught`` describes."""
     import datetime
 
     import torch
@@ -133,14 +145,28 @@ def _cmd_init(state, *, mode, rank, path, address, secret, prefix, init_file, ti
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     held = _Rank(mode, model, rank)
-    client = ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient()
-    info = WarmlinkTrainerInitInfo(rank=rank, world_size=WORLD, store_address=address, secret=secret, prefix=prefix,
-                                   timeout_s=timeout_s, update_timeout_s=TIMEOUT_S, buffer_bytes=buffer_bytes, layouts=held.layouts)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=WarmlinkSource(held.published))
+    client = (ConnectionClient(conn, timeout_s=TIMEOUT_S) if rank == 0 else _NoClient()) if client else None
+    info = WarmlinkTrainerInitInfo(rank=rank, world_size=world_size, store_address=address, secret=secret, prefix=prefix,
+                                   timeout_s=timeout_s, update_timeout_s=TIMEOUT_S, buffer_bytes=buffer_bytes,
+                                   layouts=held.layouts, prefix_cache=prefix_cache)
+    t0 = time.perf_counter()
+    try:
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=WarmlinkSource(held.published))
+    except Exception as exc:
+        if catch:
+            return _caught(exc, t0)
+        raise
     state.update(model=model, held=held, engine=engine, step=0,
                  optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                  batches=_batches(model.config.vocab_size, 8))
     return engine.publisher.version
+
+
+def _caught(exc: BaseException, t0: float) -> dict:
+    """What the test checks of an error a rank got: its type, message, how long it took, and
+    whether another error hangs off it (a second traceback)."""
+    return {"error": type(exc).__name__, "message": str(exc), "after_s": time.perf_counter() - t0,
+            "chained": exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__)}
 
 
 def _cmd_readme(state, *, rank, path, address, secret, init_file, steps, code, conn):
@@ -171,7 +197,7 @@ def _cmd_readme(state, *, rank, path, address, secret, init_file, steps, code, c
           "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
     exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 - the README's own snippet
     state["engine"] = ns["engine"]
-    return ns["engine"].publisher.version, _full_state(model)
+    return ns["engine"].served, _full_state(model)
 
 
 def _train_step(state) -> None:
@@ -184,13 +210,20 @@ def _train_step(state) -> None:
     state["held"].refresh()
 
 
-def _cmd_step(state):
-    """An optimizer step, then ``send_weights``; returns (version, the full weights after the step)."""
+def _cmd_step(state, catch=False):
+    """An optimizer step, then ``send_weights``; returns (the engine's update count, the full
+    weights after the step, seconds), or with ``catch`` the error ``_caught`` describes (and the
+    weights)."""
     _train_step(state)
     t0 = time.perf_counter()
-    state["engine"].send_weights()
+    try:
+        state["engine"].send_weights()
+    except Exception as exc:
+        if catch:
+            return dict(_caught(exc, t0), state=_full_state(state["model"]))
+        raise
     send_s = time.perf_counter() - t0
-    return state["engine"].publisher.version, _full_state(state["model"]), send_s
+    return state["engine"].served, _full_state(state["model"]), send_s
 
 
 def _cmd_die_mid_update(state):
@@ -232,9 +265,10 @@ class Trainers:
         self.conn, child = CTX.Pipe()
         self.workers = [SpawnedWorker(_worker, child if r == 0 else None) for r in range(WORLD)]
 
-    def run_all(self, llm, commands: dict, timeout_s: float = TIMEOUT_S) -> dict:
+    def run_all(self, llm, commands: dict, timeout_s: float = TIMEOUT_S, allow_death=()) -> dict:
         """Send ``commands`` (rank -> (cmd, kwargs)), serve rank 0's client calls on ``llm`` until
-        every rank answered, and return rank -> answer (raising a rank's error)."""
+        every rank answered, and return rank -> answer (raising a rank's error; a rank of
+        ``allow_death`` that died answers None)."""
         import queue
 
         from warmlink.integrations.vllm import serve_client
@@ -252,7 +286,7 @@ class Trainers:
                     answers[r] = w.results.get_nowait()
                 except queue.Empty:
                     if not w.proc.is_alive():
-                        answers[r] = ("error", f"rank {r} died (exit code {w.proc.exitcode})")
+                        answers[r] = ("ok", None) if r in allow_death else ("error", f"rank {r} died (exit code {w.proc.exitcode})")
             return len(answers) == len(commands)
 
         serve_client(llm, self.conn, until=done, timeout_s=timeout_s)

@@ -393,7 +393,9 @@ class Store(BlobMethods):
             raise MetadataError(
                 f"Store.{op}: key={key!r}{'' if peer is None else f' from peer={peer!r}'}: the value ({len(stored)} "
                 f"bytes) fails its MAC; expected one written under this job's secret (it was written by a process "
-                f"without the secret, or altered in the store at {self.address}); refused"
+                f"with another secret: a peer given the wrong secret= or WARMLINK_SECRET, or an earlier job that used "
+                f"prefix {self.prefix!r} on this store, which a prefix per job avoids; or altered in the store at "
+                f"{self.address}); refused"
             )
         return value
 

@@ -6,23 +6,29 @@ model when ``--weight-transfer-config '{"backend": "warmlink"}'`` is set, and ca
 ``finish_weight_update``, which the trainer engine (``warmlink.integrations.vllm.trainer``) drives.
 
 # Note [vLLM update]
-``init_transfer_engine`` connects to the trainer's store and reads the live model (Note [Live vLLM
-layouts] in ``_live``): in-place tensors get a ``Receiver`` whose targets are the live parameters,
-streamed modules a second ``Receiver`` whose layouts are the logical tensors their loaders keep.
-``update_weights({"version": v})`` then
+``init_transfer_engine`` connects to the trainer's store, reads the live model (Note [Live vLLM
+layouts] in ``_live``) and plans against the publishers' manifests, so that a layout the trainer
+does not publish, a world size that leaves rows uncovered or a ``buffer_bytes`` too small for one
+module fails there, before any update, and not at the first one. In-place tensors get a
+``Receiver`` with no install targets, streamed modules a second ``Receiver`` whose layouts are the
+logical tensors their loaders keep. Then (Note [Whole versions only] in ``_update``):
 
-1. streams the modules that cannot take bytes in place to ``model.load_weights`` under vLLM's
-   layerwise reload (each module is re-processed as soon as its last tensor arrived; buckets
-   never split a module);
-2. pulls the in-place tensors and installs them by copy once all their bytes arrived (addresses
-   stay: CUDA graphs keep working).
+1. ``update_weights({"version": v})`` pulls version ``v`` whole beside the model: the model is not
+   touched, so a trainer that dies or stalls mid-update leaves it serving the previous version;
+2. ``finish_weight_update`` installs a version staged whole, in one step of local copies and
+   ``load_weights`` calls, between engine steps; only then does vLLM set its weight version.
 
-vLLM runs these calls between engine steps, so generation never sees a half-installed version.
-A trainer that dies or stalls before anything was handed over (the version never completes, a
-pull fails) leaves the model at the previous version: ``update_weights`` raises
-``TransferTimeout`` or ``PeerLostError`` and the next update works (a new trainer calls
-``init_weight_transfer_engine`` again). A failure after step 1 handed tensors over cannot be
-undone: ``PartialLoadError`` says so, and the next complete update repairs the model.
+Nothing here raises for a failure it can write down (Note [Update records] in ``_wire``): the
+trainer reads every worker's record after each call and raises the worker's own warmlink error.
+``served`` counts the updates installed on this engine and never goes back, whichever trainer job
+sent them: the trainer reports it as the engine's weight version.
+
+# Note [One error per update]
+vLLM's ``MultiprocExecutor.collective_rpc`` reads the workers' answers in rank order and raises at
+the first failure, leaving the later workers' answers queued: the next call then reads those
+instead of its own, and every later call one behind. So a failure a worker cannot record (the
+store itself unreachable) is raised by the last TP worker only, which vLLM reads after every
+other answer; the others log it.
 """
 
 from __future__ import annotations
@@ -30,13 +36,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from warmlink._dtypes import dtype_name
-from warmlink.errors import ConfigError, TransferError
+from warmlink.errors import ConfigError, VersionError
+from warmlink.integrations.vllm import _wire
 from warmlink.integrations.vllm._live import EngineLayouts, read_engine
-from warmlink.refit.receiver import PartialLoadError
+from warmlink.integrations.vllm._update import StagedUpdates, is_torn
 
 __all__ = ["WarmlinkInitInfo", "WarmlinkUpdateInfo", "WarmlinkWeightTransferEngine"]
 
@@ -58,7 +64,9 @@ class WarmlinkInitInfo(WeightTransferInitInfo):
             (in place or refuse at init) or ``"stream"`` (everything through ``load_weights``).
         buffer_bytes: receive memory of the streamed part, bytes (two slots of half).
         transport: warmlink backend, ``None`` for auto (``cuda_ipc`` on GPUs, ``shm`` on CPU).
-        session: names this trainer's updates in the store (Note [One error per update]).
+        session: names this trainer's updates in the store (Note [Update records]).
+        generations: each publisher's generation (index: trainer rank) as the trainer saw them
+            at init: the manifests planned against at init are those, not an earlier job's.
         secret: the store's secret (the trainer sends its own); ``None`` takes ``WARMLINK_SECRET``
             in the worker's process. Whoever can call ``init_weight_transfer_engine`` already
             chooses which store the engine installs from, so it may carry the secret. Not in the repr.
@@ -72,6 +80,7 @@ class WarmlinkInitInfo(WeightTransferInitInfo):
     buffer_bytes: int = 256 << 20
     transport: str | None = None
     session: str = ""
+    generations: list | None = None
     secret: str | None = field(default=None, repr=False)
 
 
@@ -83,14 +92,14 @@ class WarmlinkUpdateInfo(WeightTransferUpdateInfo):
 
 
 class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, WarmlinkUpdateInfo]):
-    """Pulls each version straight into the live model (Note [vLLM update]).
+    """Pulls each version whole beside the live model, installs it at finish (Note [vLLM update]).
 
     Attributes:
-        version: the warmlink version the model holds (0 before the first update).
+        served: updates installed on this engine so far, by every trainer job (never goes back).
+        version: the warmlink version of the last installed update (0 before the first).
         layouts: the ``EngineLayouts`` read at init (in place / streamed, and why).
-        last_report: ``{"in_place": CycleReport.as_dict(), "stream": StreamReport.as_dict()}`` of
-            the last update (``stream`` absent when nothing is streamed); the stream's also has
-            ``deferred_nbytes`` and ``peak_extra_bytes`` (its slots plus those copies), bytes.
+        last_report: the last update's pulls (``{"in_place": CycleReport.as_dict(), "stream":
+            StreamReport.as_dict()}``, ``stream`` with ``staging_nbytes``) and ``install_s``.
     """
 
     init_info_cls = WarmlinkInitInfo
@@ -101,198 +110,189 @@ class WarmlinkWeightTransferEngine(WeightTransferEngine[WarmlinkInitInfo, Warmli
         super().__init__(config, vllm_config, device, model)
         self.info: WarmlinkInitInfo | None = None
         self.layouts: EngineLayouts | None = None
+        self.served = 0
         self.version = 0
         self.last_report: dict = {}
+        self.session_open = False  # between vLLM's start_weight_update and finish_weight_update
         self._store = None
-        self._in_place = None
-        self._stream = None
-        self._deferred_nbytes = 0
+        self._updates: StagedUpdates | None = None
+        self._worker: int | None = None  # this worker's index in the trainer's session
 
     # -- vLLM's calls ----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: WarmlinkInitInfo) -> None:
-        """Connect to the trainer's store and read the live model's layouts; a second call (a new
-        trainer) replaces the first. Raises LayoutError (before any byte moves) on a mismatch."""
-        from warmlink.refit import Receiver
-        from warmlink.refit.families import layouts as family_layouts
-        from warmlink.rendezvous import Store
-
-        if init_info.install not in INSTALL:
-            raise ConfigError(f"WarmlinkInitInfo: install={init_info.install!r} is unknown; expected one of {list(INSTALL)}")
-        if isinstance(init_info.num_publishers, bool) or not isinstance(init_info.num_publishers, int) or init_info.num_publishers < 1:
-            raise ConfigError(f"WarmlinkInitInfo: num_publishers={init_info.num_publishers!r} invalid; expected an int >= 1")
+        """Connect to the trainer's store, read the live model's layouts and plan against the
+        publishers' manifests; a second call (a new trainer) replaces the first. The outcome is
+        the ``init`` record (Note [Update records])."""
         self.shutdown()
-        tp, rank, ep, ep_rank = _ranks(self.model, self.parallel_config)
-        family = family_layouts(self.model_config.hf_config, convention="vllm", tp=tp, rank=rank, ep=ep, ep_rank=ep_rank,
-                                dtype=dtype_name(self.model_config.dtype))
-        found = read_engine(self.model, family, install=init_info.install)
-        store = Store.connect(init_info.store_address, prefix=init_info.prefix, timeout_s=init_info.timeout_s,
-                              secret=init_info.secret)
-        device = "cpu" if self.device.type == "cpu" else self.device
-        kw = dict(num_publishers=init_info.num_publishers, device=device, backend=init_info.transport,
-                  timeout_s=init_info.timeout_s)
+        self.info = init_info
+        store = self._connect(init_info)
+        if store is None:  # raised on the last TP worker (Note [One error per update])
+            return
+        error = None
         try:
-            in_place = Receiver(store, **kw) if found.in_place else None
-            for name, (layout, target) in found.in_place.items():
-                in_place.add(name, layout, target.detach())  # the same memory, without autograd's checks
-            stream = Receiver(store, **kw) if found.streamed else None
-            for name, layout in found.streamed.items():
-                stream.add(name, layout)
-        except BaseException:
-            store.close()
-            raise
-        self.info, self.layouts, self._store, self._in_place, self._stream = init_info, found, store, in_place, stream
-        log.info("warmlink engine ready", extra={"tp_rank": rank, "in_place": len(found.in_place),
-                                                  "streamed": len(found.streamed), "why": found.why})
+            self._worker = store.add(_wire.session_key(init_info.session, "workers"), 1, checked=False) - 1
+            self._open(init_info, store)
+        except Exception as exc:  # noqa: BLE001 - recorded for the trainer, which raises it
+            error = exc
+            self.shutdown_receivers()
+        tp, rank = self._tp()
+        self._record(store, "init", error, tp=tp, tp_rank=rank, served=self.served, open=self.session_open,
+                     torn=is_torn(self.model), staging_nbytes=self._updates.staging_nbytes if self._updates else 0)
 
     def start_weight_update(self) -> None:
-        """Nothing to prepare: the version is pulled and installed in ``update_weights``."""
-        self._check_ready("start_weight_update")
+        """Open a session (vLLM allows one at a time); a version left staged is dropped."""
+        self.session_open = True
+        if self._updates is not None:
+            self._updates.discard()
 
     def receive_weights(self, update_info: WarmlinkUpdateInfo) -> None:
-        """Stream, then pull and install, version ``update_info.version`` (Note [vLLM update]);
-        failures are raised by the last TP worker for all of them (Note [One error per update])."""
-        self._check_ready("update_weights")
+        """Pull version ``update_info.version`` whole beside the model; the ``update`` record says
+        whether it is staged (Note [vLLM update])."""
         version = int(update_info.version)
         error = None
         try:
-            self._receive(version)
-        except Exception as exc:  # noqa: BLE001 - reported through the store, raised by the last worker
+            self._ready("update_weights").stage(version)
+        except Exception as exc:  # noqa: BLE001 - recorded; the model was not touched
             error = exc
-        self._report_outcome(version, error)
+            if self._updates is not None:
+                self._updates.discard()
+        self._record(self._store, f"update/{version}", error, serves=self.served + 1)
 
-    def _report_outcome(self, version: int, error: BaseException | None) -> None:
-        """# Note [One error per update]
-        vLLM's ``MultiprocExecutor.collective_rpc`` reads the workers' answers in rank order and
-        raises at the first failure, leaving the later workers' answers queued: the next call
-        then reads those instead of its own, and every later call one behind. So no worker but
-        the last raises. Each writes its outcome to the store under the trainer's session and the
-        version; the last TP worker waits for all (bounded by ``timeout_s``) and raises one error
-        naming every failed worker, which vLLM reads after every other answer."""
-        tp, rank, _, _ = _ranks(self.model, self.parallel_config)
-        info, store = self.info, self._store
-        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"[:4000]
-        try:
-            store.set(_outcome_key(info.session, version, rank), outcome)
-        except Exception:  # noqa: BLE001 - the store is gone: this worker's own error is all it can give
-            if error is not None and rank == tp - 1:
-                raise error from None
-            log.warning("could not report the outcome of update %d", version, extra={"tp_rank": rank})
-            return
-        if rank != tp - 1:
-            if error is not None:
-                log.warning("update %d failed on this worker; the last TP worker raises it", version,
-                            extra={"tp_rank": rank, "error": outcome})
-            return
-        keys = [_outcome_key(info.session, version, r) for r in range(tp)]
-        store.wait_until(lambda: all(store.try_get(k) is not None for k in keys), timeout_s=info.timeout_s,
-                         what=f"the outcome of update {version} on every TP worker", poll_s=0.01)
-        failed = {r: store.try_get(k).decode("utf-8", "replace") for r, k in enumerate(keys)}
-        failed = {r: v for r, v in failed.items() if v != "ok"}
-        if failed and error is not None and len(failed) == 1:
-            raise error
-        if failed:
-            raise TransferError(f"WarmlinkWeightTransferEngine.update_weights: version={version} failed on TP workers "
-                                f"{sorted(failed)}: " + "; ".join(f"worker {r}: {v}" for r, v in sorted(failed.items())))
-
-    def _receive(self, version: int) -> None:
-        report: dict = {}
-        if self._stream is not None:
-            self._deferred_nbytes = 0
-            report["stream"] = self._stream_version(version).as_dict()
-            # Peak extra memory of the stream: its receive slots, plus the copies handed to padded
-            # modules, which vLLM keeps until the end of the update.
-            report["stream"]["deferred_nbytes"] = self._deferred_nbytes
-            report["stream"]["peak_extra_bytes"] = report["stream"]["peak_buffer_bytes"] + self._deferred_nbytes
-        if self._in_place is not None:
-            try:
-                report["in_place"] = self._in_place.refit(version=version).as_dict()
-            except BaseException as exc:
-                if self._stream is None:
-                    raise  # nothing was handed over: the model keeps the previous version
-                raise PartialLoadError(
-                    f"WarmlinkWeightTransferEngine.update_weights: version={version}: the streamed modules took it but the "
-                    f"in-place tensors failed ({type(exc).__name__}: {exc}); the model holds a mix of versions; expected: "
-                    "update again before serving", version=version, bucket_idx=0, num_buckets=0, handed=[]) from exc
-        self.version, self.last_report = version, report
+    def update_weights(self, update_info) -> None:
+        """vLLM's entry: as the base class, without its device synchronisation (the pulls end
+        synchronised; nothing is installed until ``finish_weight_update``)."""
+        self.receive_weights(self.parse_update_info(update_info))
 
     def finish_weight_update(self) -> None:
-        """Nothing left: ``update_weights`` installed the whole version."""
+        """Install the version staged whole, if any (a session that staged nothing, a failed or
+        abandoned one, installs nothing); the ``finish`` record says which."""
+        self.session_open = False
+        updates = self._updates
+        version = updates.staged_version if updates is not None else None
+        if version is None:
+            if self._store is not None and self.info is not None:
+                self._record(self._store, "finish/none", None, served=self.served)
+            return
+        error = None
+        try:
+            missing = self._staged_everywhere(version)
+            if missing is not None:  # TP workers install one version or none (Note [vLLM update])
+                updates.discard()
+                raise VersionError(f"vLLM worker: version {version} is not installed: {missing}")
+            self.last_report = updates.apply()
+            self.served += 1
+            self.version = version
+        except Exception as exc:  # noqa: BLE001 - recorded (PartialLoadError: the model refuses to generate)
+            error = exc
+        self._record(self._store, f"finish/{version}", error, served=self.served)
 
     def shutdown(self) -> None:
         """Close the receivers and the store connection (idempotent); the model keeps its weights."""
-        for rec in (self._in_place, self._stream):
-            if rec is not None:
-                rec.close()
-        self._in_place = self._stream = None
+        self.shutdown_receivers()
         if self._store is not None:
             self._store.close()
             self._store = None
 
+    def shutdown_receivers(self) -> None:
+        if self._updates is not None:
+            self._updates.close()
+            self._updates = None
+
     # -- helpers ---------------------------------------------------------------------------------
-    def _check_ready(self, func: str) -> None:
-        if self._store is None:
-            raise ConfigError(f"WarmlinkWeightTransferEngine.{func}: init_weight_transfer_engine was not called; expected "
-                              "the trainer engine's trainer_init first")
+    def _connect(self, info: WarmlinkInitInfo):
+        from warmlink.rendezvous import Store
 
-    def _stream_version(self, version: int):
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        modules = self.layouts.reload_modules
-        group = _Group(modules)
-        owner = {name: mod for mod_name, mod in modules.items() for name in _names_of(self.layouts, mod_name)}
-        initialize_layerwise_reload(group)
         try:
-            return self._stream.stream(lambda weights: self._load(weights, owner), buffer_bytes=self.info.buffer_bytes,
-                                       groups=self.layouts.groups, version=version, timeout_s=self.info.timeout_s)
-        finally:
-            finalize_layerwise_reload(group, self.model_config)
+            for name, value, ok in (("install", info.install, info.install in INSTALL),
+                                    ("num_publishers", info.num_publishers, _positive(info.num_publishers)),
+                                    ("buffer_bytes", info.buffer_bytes, _positive(info.buffer_bytes)),
+                                    ("session", info.session, isinstance(info.session, str) and bool(info.session))):
+                if not ok:
+                    raise ConfigError(f"WarmlinkInitInfo: {name}={value!r} invalid; expected "
+                                      + (f"one of {list(INSTALL)}" if name == "install" else
+                                         "a non-empty str" if name == "session" else "an int >= 1"))
+            self._store = Store.connect(info.store_address, prefix=info.prefix, timeout_s=info.timeout_s,
+                                        secret=info.secret)
+        except Exception as exc:
+            self._raise_once(exc)  # nothing to record it in
+        return self._store
 
-    def _load(self, weights, owner: dict) -> None:
-        """``model.load_weights`` for one bucket; then every module it fed must be processed, since the
-        next bucket reuses the memory a pending module would still point at (Note [Streaming receive]).
-        Tensors of padded modules, which vLLM processes only at the end, are handed as copies."""
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    def _open(self, info: WarmlinkInitInfo, store) -> None:
+        from warmlink.refit import Receiver
+        from warmlink.refit.families import layouts as family_layouts
 
-        deferred = self.layouts.deferred
-        named = [(n, t.clone() if n in deferred else t) for n, t in weights]
-        self._deferred_nbytes += sum(t.numel() * t.element_size() for n, t in named if n in deferred)
-        with _no_mtp_check():
-            self.model.load_weights(iter(named))
-        pending = sorted({type(owner[n]).__name__ for n, _ in named
-                          if n not in deferred and owner.get(n) is not None and LAYERWISE_INFO.get(owner[n]) is not None
-                          and LAYERWISE_INFO[owner[n]].loaded_weights})
-        if pending:
-            raise ConfigError(f"WarmlinkWeightTransferEngine: modules {pending} still hold tensors after load_weights "
-                                  "returned (vLLM deferred their processing); expected every module processed within its "
-                                  "bucket (install='copy' for these, or a larger buffer_bytes)")
+        tp, rank, ep, ep_rank = _ranks(self.model, self.parallel_config)
+        family = family_layouts(self.model_config.hf_config, convention="vllm", tp=tp, rank=rank, ep=ep, ep_rank=ep_rank,
+                                dtype=dtype_name(self.model_config.dtype))
+        found = read_engine(self.model, family, install=info.install)
+        device = "cpu" if self.device.type == "cpu" else self.device
+        kw = dict(num_publishers=info.num_publishers, device=device, backend=info.transport, timeout_s=info.timeout_s)
+        in_place = Receiver(store, **kw) if found.in_place else None
+        stream = Receiver(store, **kw) if found.streamed else None
+        updates = StagedUpdates(self.model, self.model_config, found, in_place, stream, buffer_bytes=info.buffer_bytes,
+                                timeout_s=info.timeout_s)
+        try:
+            for name, (layout, _) in found.in_place.items():
+                in_place.add(name, layout)  # installed from its receive memory at finish
+            for name, layout in found.streamed.items():
+                stream.add(name, layout)
+            updates.prepare(info.generations)
+        except BaseException:
+            updates.close()
+            raise
+        self.layouts, self._updates = found, updates
+        log.info("warmlink engine ready", extra={"tp_rank": rank, "in_place": len(found.in_place),
+                                                  "streamed": len(found.streamed), "why": found.why,
+                                                  "staging_nbytes": updates.staging_nbytes})
+
+    def _staged_everywhere(self, version: int) -> str | None:
+        """None when every worker of the session staged ``version`` whole, else why not."""
+        store, session = self._store, self.info.session
+        for w in range(store.add(_wire.session_key(session, "workers"), 0, checked=False)):
+            key = _wire.session_key(session, f"update/{version}", w)
+            raw = store.try_get(key)
+            if raw is None:
+                return f"worker {w} has not staged it"
+            if _wire.loads(raw, key, {"serves": int}).get("error") is not None:
+                return f"worker {w} failed to stage it"
+        return None
+
+    def _ready(self, func: str) -> StagedUpdates:
+        if self._updates is None:
+            raise ConfigError(f"WarmlinkWeightTransferEngine.{func}: the engine is not initialised (init_weight_transfer_engine "
+                              "was not called, or failed); expected the trainer engine's trainer_init first")
+        return self._updates
+
+    def _tp(self) -> tuple[int, int]:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+    def _record(self, store, what: str, error: BaseException | None, **fields) -> None:
+        """Write this worker's record of ``what`` under the session (Note [Update records])."""
+        if error is not None:
+            tp, rank = self._tp()
+            log.warning("warmlink %s failed on this worker: %s", what, error, extra={"tp_rank": rank})
+        if store is None or self._worker is None:
+            if error is not None:
+                self._raise_once(error)
+            return
+        record = dict(fields, error=None if error is None else _wire.encode_error(error))
+        try:
+            store.set(_wire.session_key(self.info.session, what, self._worker), _wire.dumps(record))
+        except Exception as exc:  # noqa: BLE001 - the store is gone: raise what can be raised, once
+            self._raise_once(error if error is not None else exc)
+
+    def _raise_once(self, error: BaseException) -> None:
+        """Raise ``error`` on the last TP worker only (Note [One error per update])."""
+        tp, rank = self._tp()
+        if rank == tp - 1:
+            raise error
+        log.warning("warmlink: %s (the last TP worker raises it)", error, extra={"tp_rank": rank})
 
 
-def _outcome_key(session: str, version: int, rank: int) -> str:
-    return f"vllm/outcome/{session}/{version}/{rank}"
-
-
-def _names_of(found: EngineLayouts, mod_name: str) -> list[str]:
-    idx = list(found.reload_modules).index(mod_name)
-    return found.groups[idx]
-
-
-class _Group(torch.nn.Module):
-    """The streamed modules under one parent, for vLLM's layerwise reload of just those."""
-
-    def __init__(self, modules: dict) -> None:
-        super().__init__()
-        for i, module in enumerate(modules.values()):
-            self.add_module(f"m{i}", module)
-
-
-def _no_mtp_check():
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:  # pragma: no cover - older vLLM
-        import contextlib
-
-        return contextlib.nullcontext()
-    return disable_mtp_completeness_check()
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _ranks(model, parallel_config) -> tuple[int, int, int, int]:
