@@ -16,7 +16,10 @@
   ``updated``).
 * ``nixl_receiver ADDRESS PREFIX SECRET``: connect (SECRET ``-``: with none) and receive the model
   over nixl, reporting ``ready``; then stdin lines: ``refit`` (the newest version: ``refit``, with
-  whether it is bit-exact) and ``hold`` (start a refit and never finish it: ``pulling``, counted in).
+  whether it is bit-exact), ``hold`` (start a refit and leave it: ``pulling``, counted in) and
+  ``finish`` (wait for the held refit and install it: ``refit``).
+* ``attacker ADDRESS PREFIX``: a plain TCPStore client without the secret that replays and forges
+  store values on stdin commands (see ``attacker``), reporting ``done`` after each.
   A failed step reports ``error`` with the exception's type and message, and whether the targets
   are still all zero.
 
@@ -301,16 +304,42 @@ def nixl_receiver(address: str, prefix: str, secret: str) -> None:
     for line in sys.stdin:
         try:
             if line.strip() == "hold":
-                handle = rec.start_refit()  # counted in, bytes posted: never waited for
+                handle = rec.start_refit()  # counted in, bytes posted: waited for only on "finish"
                 say(event="pulling", version=handle.report.version)
-            elif line.strip() == "refit":
-                version = rec.refit().version
+            elif line.strip() in ("refit", "finish"):
+                version = (rec.refit() if line.strip() == "refit" else handle.wait()).version
                 want = model_values(version)
                 # bit-exact: compare the bytes, not the values
                 exact = all(torch.equal(targets[n].view(torch.uint8), want[n].view(torch.uint8)) for n in SHAPES)
                 say(event="refit", version=version, exact=exact)
         except Exception as exc:  # noqa: BLE001
             _failed(exc, zero=all(not t.any() for t in targets.values()))
+
+
+def attacker(address: str, prefix: str) -> None:
+    """A plain TCPStore client of the job's store, without the secret; stdin lines: ``keep KEY``
+    (remember its value), ``replay KEY`` (write the remembered value back), ``forge_counts RANK
+    VERSION`` (every reader count of that version and the slot count to 0)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    raw = dist.PrefixStore(prefix, dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=30)))
+    kept: dict[str, bytes] = {}
+    say(event="ready", **who())
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "keep":
+            kept[args[0]] = raw.get(args[0])
+        elif cmd == "replay":
+            raw.set(args[0], kept[args[0]])
+        elif cmd == "forge_counts":
+            rank, version = args
+            for slot in range(1, int(raw.add(f"pub/{rank}/reader_slots", 0)) + 1):
+                raw.set(f"pub/{rank}/readers/{version}/{slot}", "0")
+            raw.set(f"pub/{rank}/reader_slots", "0")
+        say(event="done", cmd=cmd)
 
 
 if __name__ == "__main__":
@@ -325,6 +354,8 @@ if __name__ == "__main__":
         nixl_publisher(*args)
     elif mode == "nixl_receiver":
         nixl_receiver(*args)
+    elif mode == "attacker":
+        attacker(*args)
     else:
-        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper, receiver, nixl_publisher "
-                         "or nixl_receiver")
+        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper, receiver, nixl_publisher, "
+                         "nixl_receiver or attacker")

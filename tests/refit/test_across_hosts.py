@@ -169,3 +169,40 @@ def test_a_receiver_on_the_other_host_needs_the_store_secret(spawn, publisher) -
     assert forged["type"] == "MetadataError" and "key='pub/0/state'" in forged["msg"]
     assert forged["zero"]  # the targets are untouched
     assert _update(publisher, timeout_s=10)["version"] == publisher.ready["version"] + 1
+
+
+def test_an_attacker_without_the_secret_cannot_tear_or_roll_back_the_other_host(spawn, publisher) -> None:
+    """A plain TCPStore client on host B (no secret) replays the publisher's signed "published"
+    state of an earlier version and forges the reader counts under a held pull: the receiver on B
+    installs only whole current versions, refuses the pull the trainer wrote under (typed, targets
+    untouched), and a new receiver's first cycle installs the present version too (Note [Version
+    header] in warmlink.refit._header)."""
+    rec = _receiver(spawn, publisher)
+    attacker = spawn("b", "attacker", publisher.ready["address"], publisher.prefix)
+    rec.expect("ready", timeout_s=120)
+    attacker.expect("ready", timeout_s=120)
+
+    def attack(cmd: str) -> None:
+        attacker.send(cmd)
+        attacker.expect("done", timeout_s=60)
+
+    attack("keep pub/0/state")  # "published 1", signed
+    assert _refit(rec) == {"event": "refit", "version": 1, "exact": True}
+    for version in (2, 3):  # replayed after each update: the receiver installs the present
+        assert _update(publisher)["version"] == version
+        attack("replay pub/0/state")
+        assert _refit(rec) == {"event": "refit", "version": version, "exact": True}
+
+    rec.send("hold")
+    assert rec.expect("pulling", timeout_s=120)["version"] == 3
+    attack("forge_counts 0 3")  # the receiver's count gone: the trainer is let in under the pull
+    assert _update(publisher, timeout_s=10)["version"] == 4
+    attack("replay pub/0/state")
+    rec.send("finish")
+    refused = rec.expect("error", timeout_s=120)
+    assert refused["type"] == "VersionError" and "version header moved" in refused["msg"], refused
+    assert _refit(rec) == {"event": "refit", "version": 4, "exact": True}
+
+    first = _receiver(spawn, publisher)  # a first cycle, with the replayed state still in the store
+    first.expect("ready", timeout_s=120)
+    assert _refit(first) == {"event": "refit", "version": 4, "exact": True}

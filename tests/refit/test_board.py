@@ -266,11 +266,11 @@ def test_a_stalled_reader_on_another_host_is_revoked_and_installs_nothing(monkey
             pub.publish()
             go_on.set()
             if install == "direct":
-                with pytest.raises(PartialLoadError, match="revoked this receiver's read of version 1"):
+                with pytest.raises(PartialLoadError, match="version header moved from generation .* version 1 published"):
                     handle.wait()
                 assert rec.installed_version is None
             else:
-                with pytest.raises(VersionError, match="revoked this receiver's read of version 1"):
+                with pytest.raises(VersionError, match="version header moved from generation .* version 1 published"):
                     handle.wait()
                 assert torch.equal(target, installed), "a revoked pull installed something"
             monkeypatch.setattr(shm, "fault_hook", None)
@@ -290,7 +290,7 @@ def test_a_forked_child_does_not_beat_for_its_parents_reads() -> None:
         pub.export()
         try:
             state = protocol.read_state(store, 0)
-            assert protocol.enter(store, 0, state) == 0
+            protocol.count_in(store, 0, state.version)
             try:
                 inside = protocol._heart.beating_for()
                 assert inside == [(0, protocol.reader_slot(store, 0))]

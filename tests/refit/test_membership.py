@@ -669,6 +669,11 @@ def _bad_int(m: dict, node: dict, key: str, path: str, file_sizes: list[int], dr
         if key == "nbytes":  # 0, negative, or past the end of the peer's file
             return draw(st.sampled_from([0, -1, size + 1, size * 2, 2**62]) | huge)
         return draw(st.sampled_from([-1, size, size - node["nbytes"] + 1, 2**62]) | huge)  # offset
+    if path.startswith(".header"):  # Note [Version header]: a region of this manifest, room for the header
+        if key == "region":
+            return draw(st.sampled_from([-1, len(m["regions"]), len(m["regions"]) + 5]) | huge)
+        extent = m["regions"][node["region"]]["nbytes"]  # offset
+        return draw(st.sampled_from([-1, extent - 63, extent]) | huge)
     if path.startswith(".tensors") and ".parts" not in path:
         if key == "region":
             return draw(st.sampled_from([-1, len(m["regions"]), len(m["regions"]) + 5]) | huge)

@@ -64,7 +64,7 @@ def test_receiver_after_close_waits_instead_of_reading_released_memory(store) ->
 def test_reader_inside_keeps_the_memory(store, caplog) -> None:
     pub = _publisher(store, timeout_s=0.3)
     state = protocol.read_state(store, 0)
-    assert protocol.enter(store, 0, state) is not None  # a live reader of this process, mid-pull
+    protocol.count_in(store, 0, state.version)  # a live reader of this process, mid-pull
     try:
         with caplog.at_level(logging.WARNING, logger="warmlink.refit"):
             pub.close()

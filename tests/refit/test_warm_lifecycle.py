@@ -179,8 +179,10 @@ def test_manifest_is_validated_again_whenever_its_bytes_differ(store, tensors, m
         assert len([c for c in decodes if c[1] == "publisher_manifest"]) == 1
 
         m = json.loads(raw)
-        store.set(key, json.dumps(m, indent=1).encode())  # the same content, other bytes: decoded again
-        refit_once(store, tensors)
+        store.set(key, json.dumps(m, indent=1).encode())  # the same content, other bytes: decoded again ...
+        rec, targets = receiver(store)
+        with rec, pytest.raises(MetadataError, match=r"publisher/0's manifest .* not the one its version header names"):
+            rec.refit(timeout_s=2)  # ... and refused: not the bytes the publisher wrote (Note [Version header])
         assert len([c for c in decodes if c[1] == "publisher_manifest"]) == 2
 
         m["tensors"][0]["offset"] = -4  # bytes never seen: validated, and refused
@@ -202,7 +204,7 @@ def test_new_receiver_enters_the_last_state_read_and_survives_a_stale_guess(stor
         reads = Spy(monkeypatch, store, "try_get")
         refit_once(store, tensors)
         state_reads = [k for k in reads.keys if k == protocol.state_key(0)]
-        assert len(state_reads) == 1, "entered with the guess: only the read after entering"
+        assert state_reads == [], "entered with the guess: no state read (the version header said it was current)"
 
         with pub.update():  # the guess (version 1) is now stale
             fill(tensors, 3)
@@ -279,8 +281,9 @@ def test_release_parked_gives_everything_back(store, tensors) -> None:
     before = leased()
     with export(store, tensors):
         refit_once(store, tensors)
-        # links: publisher + parked receiver; arenas: the publisher's staging and version board
-        assert leased() == {"link": before["link"] + 2, "arena": before["arena"] + 2}
+        # links: publisher + parked receiver; arenas: the publisher's version board and version header
+        # (an arena of its own: nothing is staged), the parked receiver's receive buffers
+        assert leased() == {"link": before["link"] + 2, "arena": before["arena"] + 3}
         release_parked()
     assert leased() == {"link": before["link"], "arena": before["arena"] + 1}  # the closed publisher parked its board
     release_parked()

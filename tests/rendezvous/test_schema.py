@@ -53,8 +53,8 @@ def manifest() -> dict:
     for layout, (region, offset) in zip(layouts(), offsets):
         tensors.append({**layout.to_json(), "region": region, "offset": offset})
     board = {"name": "wl-4242-0123abcd-7", "token": "0" * 32 + "-2a/wl-4242-0123abcd.lock"}
-    return {"schema_version": 3, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors,
-            "board": board}
+    return {"schema_version": 4, "kind": "publisher_manifest", "peer": peer_info(), "regions": regions, "tensors": tensors,
+            "board": board, "header": {"region": 1, "offset": 64}}
 
 
 def version_state() -> dict:
@@ -152,8 +152,12 @@ def _fails(obj: Any, kind: str, *needles: str) -> str:
         (("peer", "rank"), 2, "peer.rank=2 out of range; expected 0 <= rank < 2"),
         (("peer", "host"), "a\nb", "peer.host="),
         (("peer", "device"), True, "peer.device=True has type bool; expected int"),
-        (("schema_version",), 2, "schema_version=2 is not supported; expected one of [3]"),
+        (("schema_version",), 2, "schema_version=2 is not supported; expected one of [4]"),
         (("kind",), "peer_info", "kind='peer_info' is wrong; expected 'publisher_manifest'"),
+        (("header", "region"), 3, "header.region=3 out of range; expected 0 <= region < 3"),
+        (("header", "offset"), 4096 - 63, "header.offset=4033 out of range"),
+        (("header", "offset"), -1, "header.offset=-1 out of range"),
+        (("header",), None, "header=None"),
     ],
 )
 def test_manifest_errors(path: tuple, value: Any, needle: str) -> None:

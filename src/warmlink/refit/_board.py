@@ -33,6 +33,21 @@ process never release each other's.
 
 Receivers on other hosts (NIXL), or whose board cannot be opened, keep the store's reader counts
 (Note [Version protocol]); the publisher waits for both.
+
+# Note [Reader line]
+Exclusion alone lets a busy trainer starve its receivers: it drains them, writes, publishes and
+at once says ``updating`` again, and a receiver that was backing off while it wrote finds the
+next update begun whenever it looks (200 receivers on a loaded host timed out by the hundreds).
+So a receiver that finds a publisher updating *stands in line* until it is in: on the board a
+shared OFD lock on a byte past the words (``_LINE_AT``; OFD locks belong to an open file, as flock
+locks do, and are independent of them), in the store a count ``pub/{rank}/line/{slot}`` (Note
+[Reader slots]). Before it says ``updating``, a publisher waits while anyone stands in line, for
+at most ``line_wait_s`` (``LINE_WAIT_S`` by default): a receiver in line when a version is published enters that version
+(one backoff step after it looks), so its wait is bounded by one update of the trainer plus its
+own backoff step, not by luck. The line never lets anyone read while the trainer writes: it only
+delays ``updating``. A receiver that dies drops its lock with its descriptor (its store count
+goes with its slot's death); one stalled in line, or a forged count, delays each update by at
+most ``line_wait_s``.
 """
 
 from __future__ import annotations
@@ -48,13 +63,21 @@ from warmlink._backoff import wait_until
 from warmlink.errors import MetadataError, PoolError
 from warmlink.pool.core import PerOwner
 
-__all__ = ["PublisherBoard", "ReaderBoard", "take_parked", "park", "release_parked_boards", "BOARD_NBYTES", "PUBLISHED", "UPDATING", "CLOSED", "STATE_NAMES"]
+__all__ = ["LINE_WAIT_S", "PublisherBoard", "ReaderBoard", "take_parked", "park", "release_parked_boards", "BOARD_NBYTES", "PUBLISHED", "UPDATING", "CLOSED", "STATE_NAMES"]
 
 BOARD_NBYTES = 64
 _MAGIC = 0x31304452414F4257  # "WBOARD01", little-endian
 _WORDS = struct.Struct("<4q")  # magic, generation, version, state
 _STATE = struct.Struct("<q")
 _STATE_AT = 24
+LINE_WAIT_S = 1.0  # the longest a publisher holds a version open for receivers in line (Note [Reader line])
+_LINE_AT = BOARD_NBYTES  # the byte locked by receivers in line (Note [Reader line]); past the words
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD)
+
+
+def _line_lock(fd: int, cmd: int, kind: int) -> int:
+    """An OFD lock operation on the line byte; returns the lock type the kernel reports."""
+    return _FLOCK.unpack(fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, _LINE_AT, 1, 0)))[0]
 PUBLISHED, UPDATING, CLOSED = 0, 1, 2
 STATE_NAMES = {PUBLISHED: "published", UPDATING: "updating", CLOSED: "closed"}
 
@@ -113,6 +136,10 @@ class PublisherBoard:
             f"Publisher.begin_update: version {version} still has a reader on this host after {timeout_s:.3f} s; "
             "a receiver stalled mid-pull (one that died would have released its lock)"))
         self._locked = True
+
+    def line_waiting(self) -> bool:
+        """Whether a receiver on this host stands in line for the next version (Note [Reader line])."""
+        return _line_lock(self._fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
 
     def publish(self, generation: int, version: int, timeout_s: float) -> None:
         """Announce ``version`` of ``generation`` and let local receivers in (the exclusive lock
@@ -173,10 +200,10 @@ class ReaderBoard:
     """A receiver's own descriptor of one publisher's board, opened only when that board is on
     this host's /dev/shm and checks out (``open`` returns None otherwise: the store protocol)."""
 
-    __slots__ = ("_fd", "_map", "_in", "name", "_owner_fd")
+    __slots__ = ("_fd", "_map", "_in", "_in_line", "name", "_owner_fd")
 
     def __init__(self, fd: int, mapping: mmap.mmap, name: str, owner_fd: int | None) -> None:
-        self._fd, self._map, self._in, self.name = fd, mapping, False, name
+        self._fd, self._map, self._in, self._in_line, self.name = fd, mapping, False, False, name
         self._owner_fd = owner_fd  # the publisher process's lock file (Note [Process locks])
 
     @classmethod
@@ -264,12 +291,23 @@ class ReaderBoard:
             self._in = False
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def join_line(self) -> None:
+        """Stand in line for the next published version (Note [Reader line]); idempotent."""
+        if not self._in_line:
+            _line_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+            self._in_line = True
+
+    def leave_line(self) -> None:
+        if self._in_line:
+            self._in_line = False
+            _line_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK)
+
     def close(self) -> None:
         if self._fd is not None:
             self._map.close()
-            os.close(self._fd)  # also drops a shared lock still held
+            os.close(self._fd)  # also drops a shared lock still held, and its place in line
             self._fd = None
-            self._in = False
+            self._in = self._in_line = False
         if self._owner_fd is not None:
             os.close(self._owner_fd)
             self._owner_fd = None

@@ -80,14 +80,14 @@ class ReceiveBuffers:
             torch.zeros(tp.dst_shape, dtype=torch_dtype(tp.dst_dtype), device=buf.device) if tp.needs_cast else r
             for tp, r in zip(plan.tensors, self.recv)
         ]
-        # The copy batch filling these buffers, by the manifest digests it was prepared for: a
-        # publisher re-created with other regions needs another batch, the same buffers do not.
+        # The copy batch filling these buffers, by the sources it was prepared for: a publisher
+        # re-created with other regions needs another batch, the same buffers do not.
         self._batches = SharedCache("receive_batch", counted=False, max_entries=1)
 
     def batch(self, plan, sources):
         """The prepared copy batch that fills these buffers from ``sources`` (a ``SourceSet``);
-        prepared once per manifest digests (with pooling on). Opens the regions it reads."""
-        return self._batches.get(sources.digests(), lambda _digests: self.link.prepare(self._copies(plan, sources)))
+        prepared once per sources (with pooling on). Opens the regions it reads."""
+        return self._batches.get(sources.opened_key(), lambda _key: self.link.prepare(self._copies(plan, sources)))
 
     def _copies(self, plan, sources) -> list[Copy]:
         copies = []

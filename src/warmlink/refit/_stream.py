@@ -190,8 +190,8 @@ class _Bucket:
         self.digests = None
 
     def prepared(self, link, region, sources):
-        """The copy batch filling this bucket from ``sources``' current manifests (prepared once per digests)."""
-        digests = sources.digests()
+        """The copy batch filling this bucket from ``sources``' current manifests (prepared once per sources)."""
+        digests = sources.opened_key()
         if self.batch is None or self.digests != digests:
             copies = []
             for rank, tensor, dst_at, src_off, row, rows, dst_pitch, src_pitch in self.copies:

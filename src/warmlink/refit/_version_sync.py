@@ -5,8 +5,13 @@ Two protocols keep a publisher from writing what a receiver reads (DESIGN invari
 * ``BoardSync``: every publisher is on this host and its manifest is read: shared locks on their
   version boards (Note [Version board] in ``refit._board``), no store round trip.
 * ``StoreSync``: the others (another host, a board that cannot be opened, a publisher that moved
-  on): reader counts in the store with heartbeat leases (Note [Version protocol], Note [Reader
-  leases] in ``refit.protocol``).
+  on, and every first cycle, whose board comes with the manifest it loads): reader counts in the
+  store with heartbeat leases (Note [Version protocol], Note [Reader leases] in
+  ``refit.protocol``), and what is installed checked against the publishers' version headers,
+  which only they write, before and after the pull (Note [Version header] in ``refit._header``):
+  the store's values only point the way.
+
+Both stand in line while a publisher updates (Note [Reader line] in ``refit._board``).
 
 ``enter`` chooses once per cycle, at entry, and returns the sync that owns the rest of the
 cycle's protocol: ``check_held`` after the bytes arrived and before anything is installed,
@@ -20,9 +25,9 @@ import contextlib
 from typing import Protocol
 
 from warmlink._backoff import Backoff
-from warmlink.errors import TransferTimeout, VersionError
+from warmlink.errors import MetadataError, PeerLostError, TransferTimeout, VersionError
 from warmlink.refit import protocol
-from warmlink.refit._board import CLOSED, PUBLISHED, STATE_NAMES, ReaderBoard
+from warmlink.refit._board import CLOSED, PUBLISHED, STATE_NAMES, UPDATING, ReaderBoard
 
 __all__ = ["VersionSync", "BoardSync", "StoreSync", "enter"]
 
@@ -72,6 +77,15 @@ class BoardSync:
               timeout_s: float) -> BoardSync | None:
         """Enter every publisher's current version through its board; None when one moved on
         (closed, restarted or died): the store says more."""
+        try:
+            return cls._enter(boards, generations, version, timeout_s)
+        finally:
+            for board in boards:
+                board.leave_line()
+
+    @classmethod
+    def _enter(cls, boards: list[ReaderBoard], generations: list[int], version: int | None,
+               timeout_s: float) -> BoardSync | None:
         backoff = Backoff(timeout_s)
         while True:
             entered, versions, moved = [], set(), False
@@ -83,6 +97,8 @@ class BoardSync:
                         for b in entered:
                             b.leave()
                         raise VersionError(f"Receiver.refit: version={version} was replaced by {ver}; ask for {ver} or None")
+                    if state == UPDATING and (version is None or version <= ver + 1):
+                        board.join_line()  # the next version waits for this receiver: Note [Reader line]
                     break
                 entered.append(board)
                 versions.add(ver)
@@ -108,15 +124,16 @@ class BoardSync:
 
 
 class StoreSync:
-    """Counted in as a reader of every rank's version in the store, each rank's revocation count
-    read at entry (Note [Reader leases])."""
+    """Counted in as a reader of every rank's version in the store, with the version headers read
+    at entry (Note [Version header]), compared again before anything is installed."""
 
-    __slots__ = ("version", "_store", "_revoked")
+    __slots__ = ("version", "_store", "_sources", "_headers")
 
-    def __init__(self, version: int, store, revoked: list[int]) -> None:
+    def __init__(self, version: int, store, sources, headers: list) -> None:
         self.version = version
         self._store = store
-        self._revoked = revoked  # per rank: checked before anything is installed
+        self._sources = sources
+        self._headers = headers
 
     @classmethod
     def enter(cls, sources, version: int | None, timeout_s: float, *, guess: bool) -> StoreSync:
@@ -130,72 +147,154 @@ class StoreSync:
         if guessed is not None:
             if version is not None:
                 guessed = [protocol.VersionState(version, "published", g.generation) for g in guessed]
-            entered = cls._try_enter(sources, guessed, version)
+            try:
+                entered, _, _ = cls._try_enter(sources, guessed, version, timeout_s)
+            except PeerLostError:  # the guess named a publisher process that has since gone: the store says more
+                entered = None
             if entered is not None:
                 return entered
         backoff = Backoff(timeout_s)
-        while True:
-            states = sources.states(timeout_s)
-            entered = cls._try_enter(sources, states, version)
-            if entered is not None:
-                return entered
-            if backoff.expired():
-                raise TransferTimeout(
-                    f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
-                    f"states={[(s.version, s.state) for s in states]}"
-                )
-            backoff.sleep()
+        hint, why, in_line = None, None, []
+        try:
+            while True:
+                # The headers' word over the store's when they named a version to try (a replayed
+                # state in the store then costs one retry): Note [Version header].
+                states = hint if hint is not None else sources.states(timeout_s)
+                entered, hint, why = cls._try_enter(sources, states, version, timeout_s)
+                if entered is not None:
+                    return entered
+                if not in_line and _next_is_wanted(states, version):
+                    for rank in range(len(states)):  # Note [Reader line] in refit._board
+                        protocol.join_line(sources.store, rank)
+                        in_line.append(rank)
+                if backoff.expired():
+                    raise TransferTimeout(
+                        f"Receiver.refit: publishers did not agree on a published version within {timeout_s:.3f} s; "
+                        f"states={[(s.version, s.state) for s in states]}" + (f"; {why}" if why else ""))
+                if hint is None:
+                    backoff.sleep()
+        finally:
+            for rank in in_line:
+                protocol.leave_line(sources.store, rank)
 
     @classmethod
-    def _try_enter(cls, sources, states: list, version: int | None) -> StoreSync | None:
-        """Inside the version of ``states`` on every rank, or None (counted out again) when not ready yet."""
+    def _try_enter(cls, sources, states: list, version: int | None, timeout_s: float) -> tuple:
+        """``(sync, None, None)`` inside the version of ``states`` on every rank and matching every
+        version header; else ``(None, hint, why)``, counted out again: ``hint`` the states the
+        headers name, to try next (None: wait), ``why`` what did not match."""
         versions = {s.version for s in states}
         if len(versions) != 1 or any(s.state != "published" for s in states):
-            return None
+            # The store says wait; the headers say whether to (a replayed "updating" would hold
+            # every store-synced receiver out until the next version otherwise).
+            return None, _published_now(sources, states, timeout_s), None
         (current,) = versions
         if version is not None and current > version:
             raise VersionError(f"Receiver.refit: version={version} was replaced by {current}; ask for {current} or None")
         if version is not None and current != version:
-            return None
+            return None, None, None
         store = sources.store
-        entered, revoked = [], []
+        entered = []
         try:
-            for rank, s in enumerate(states):
-                r = protocol.enter(store, rank, s)
-                if r is None:
-                    break
+            for rank in range(len(states)):
+                protocol.count_in(store, rank, current)
                 entered.append(rank)
-                revoked.append(r)
-            else:
-                # A bad manifest fails this refit, not the publishers' next update: the except
-                # below leaves every version entered, so no reader count stays behind.
+            # A bad manifest fails this refit, not the publishers' next update: the except below
+            # leaves every version entered, so no reader count stays behind.
+            sources.refresh(states)
+            headers = sources.read_headers(timeout_s)  # after counting in: Note [Version protocol]
+            if _foreign_manifests(sources, headers):  # read them again once: a new export may have replaced them
+                sources.unverify()
                 sources.refresh(states)
-                return cls(current, store, revoked)
+                foreign = _foreign_manifests(sources, headers)
+                if foreign:
+                    rank = foreign[0]
+                    raise MetadataError(
+                        f"Receiver.refit: publisher/{rank}'s manifest at pub/{rank}/manifest/{states[rank].generation} is "
+                        "not the one its version header names (another digest): written or replaced in the store by a "
+                        "process other than that publisher (a replayed or forged value); refused")
+            hint, why = _disagreement(sources, headers, current)
+            if why is None:
+                return cls(current, store, sources, headers), None, None
         except BaseException:
             for rank in entered:
                 protocol.leave(store, rank, current)
             raise
         for rank in entered:
             protocol.leave(store, rank, current)
-        return None
+        return None, (hint if hint != states else None), why
 
     def check_held(self, timeout_s: float) -> None:
-        """Raise unless every publisher still counts this receiver in: one that took it for dead
-        (no heartbeat, Note [Reader leases]) may have written the tensors while the bytes moved."""
-        with _deadline(self._store, timeout_s):
-            for rank, r in enumerate(self._revoked):
-                if not protocol.still_held(self._store, rank, r):
-                    raise VersionError(
-                        f"Receiver.refit: publisher/{rank} revoked this receiver's read of version {self.version} (no "
-                        f"heartbeat for {protocol.LEASE_S:.1f} s: a stalled process?) and may have written since; "
-                        "nothing from this pull is installed")
+        """Raise unless every publisher's version header shows no write since entry: one drained
+        for an update, published since or closed may have written while the bytes moved, whatever
+        the store's counts said (Note [Version header])."""
+        now = self._sources.read_headers(timeout_s)
+        for rank, (before, after) in enumerate(zip(self._headers, now)):
+            if not before.same_version(after):
+                raise VersionError(
+                    f"Receiver.refit: publisher/{rank}'s version header moved from {before.describe()} to "
+                    f"{after.describe() if after is not None else 'no header'} while this receiver read version "
+                    f"{self.version}: it let its trainer write although this receiver was counted in (a read it "
+                    f"revoked as stalled, or reader counts altered in the store, pub/{rank}/readers/...); nothing "
+                    "from this pull is installed")
 
     def leave(self, timeout_s: float) -> None:
         """Count out on every rank within ``timeout_s``: a stalled store raises instead of holding
         the cycle (the counts are then the publisher's to reap)."""
         with _deadline(self._store, timeout_s):
-            for rank in range(len(self._revoked)):
+            for rank in range(len(self._headers)):
                 protocol.leave(self._store, rank, self.version)
+
+
+def _next_is_wanted(states: list, version: int | None) -> bool:
+    """Whether a receiver waiting on ``states`` wants the version being made now, so stands in line
+    for it (Note [Reader line] in refit._board): not one waiting for a later version, which would
+    hold up the updates it waits for."""
+    updating = [s.version for s in states if s.state == "updating"]
+    return bool(updating) and (version is None or version <= max(updating) + 1)
+
+
+def _published_now(sources, states: list, timeout_s: float) -> list | None:
+    """The states every version header names when each says ``published``, one version, the
+    generation and digest of the manifest the store's state points at; else None."""
+    sources.refresh(states)
+    headers = sources.read_headers(timeout_s)
+    versions = {h.version for h in headers if h is not None}
+    if len(versions) != 1 or any(h is None or h.state != PUBLISHED for h in headers):
+        return None
+    hint = [protocol.VersionState(h.version, "published", h.generation) for h in headers]
+    return hint if _disagreement(sources, headers, versions.pop())[1] is None else None
+
+
+def _foreign_manifests(sources, headers: list) -> list[int]:
+    """Ranks whose header is of the generation of the manifest loaded but carries another digest:
+    that manifest is not the one the publisher wrote (Note [Version header])."""
+    return [rank for rank, (h, generation, digest) in enumerate(zip(headers, sources.generations(), sources.header_digests()))
+            if h is not None and h.generation == generation and h.digest != digest]
+
+
+def _disagreement(sources, headers: list, version: int) -> tuple[list | None, str | None]:
+    """``(None, None)`` when every header says ``published``, ``version``, the generation and the
+    digest of the manifest loaded; else the states the headers name (None: a header says updating,
+    or none could be read: wait) and what disagreed, naming the rank."""
+    generations, digests = sources.generations(), sources.header_digests()
+    hint, why = [], None
+    for rank, (h, generation, digest) in enumerate(zip(headers, generations, digests)):
+        if h is not None and h.state == PUBLISHED and h.version == version and h.generation == generation and h.digest == digest:
+            if hint is not None:
+                hint.append(protocol.VersionState(version, "published", generation))
+            continue
+        why = why or (f"publisher/{rank}'s version header says " + (h.describe() if h is not None else "nothing (no header "
+                      "in the region its manifest names)") + f", its state in the store version {version} of generation "
+                      f"{generation} (a replayed or stale value at pub/{rank}/state or pub/{rank}/manifest/{generation}?)")
+        if h is None or h.state != PUBLISHED or (h.generation == generation and h.digest != digest):
+            hint = None  # nothing better to try: the store's next word, or the header's
+        elif hint is not None:
+            hint.append(protocol.VersionState(h.version, "published", h.generation))
+    if why is None:
+        return None, None
+    if hint is not None and len({s.version for s in hint}) != 1:
+        hint = None  # ranks between versions: wait for the rest
+    return hint, why
 
 
 def _guessed_states(store, num_publishers: int) -> list | None:

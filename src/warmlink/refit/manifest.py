@@ -213,7 +213,7 @@ class Part:
 # ``translate.unstage``). Transposed parts are receiver-only: ``Publisher.add`` / ``add_module``,
 # ``to_json`` and ``build_plan``'s sources refuse them. The only framework that holds one is an
 # inference engine, which publishes nothing (a relay republishing an engine's tensors would
-# republish them in a source layout); so manifests stay as they are (schema version 3, readable by
+# republish them in a source layout); so manifests carry no perm (readable by
 # every receiver), and every source stays a strided layout that byte runs read directly.
 
 # Note [Replicated parts]

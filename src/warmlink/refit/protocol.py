@@ -8,18 +8,21 @@ kernel's file locks (Note [Version board] in refit._board); this is the protocol
 Each publisher rank owns two store keys: ``pub/{rank}/state`` (JSON: version, state, generation)
 and a counter ``pub/{rank}/readers/{version}``.
 
-* A receiver *enters* version v of rank r: ``add(readers/v, +1)``, then reads ``state``. If the state
-  is not ``published v`` of the generation it planned against, it leaves (``add(-1)``) and waits.
+* A receiver *enters* version v of rank r: ``add(readers/v, +1)`` (``count_in``), then reads the
+  publisher's version header (Note [Version header] in refit._header). If the header is not
+  ``published v`` of the generation and manifest it planned against, it leaves (``add(-1)``) and
+  tries what the header names, or waits.
 * A receiver *leaves* after its pull completed or failed: ``add(readers/v, -1)``.
-* A publisher *begins an update*: it sets ``state = updating v``, then waits until
-  ``readers/v == 0``. Only then may the trainer write the tensors.
-* A publisher *publishes* v+1: it sets ``state = published v+1``.
+* A publisher *begins an update*: it writes ``updating`` to its header and ``state = updating v``,
+  then waits until ``readers/v == 0``. Only then may the trainer write the tensors.
+* A publisher *publishes* v+1: header and ``state`` say ``published v+1``.
 
-The store is linearizable (one TCPStore server), so the two orders cannot cross: if the publisher's
-read of ``readers/v`` saw 0, the receiver's increment came later, so its read of ``state`` came after
-``updating`` was set and it backs off. Hence the trainer never overwrites tensors a receiver is
-reading. A receiver installs only after every byte of every rank arrived (see receiver.py), so it
-holds the old version or the new one, never a mix.
+If the publisher's read of ``readers/v`` saw 0, the receiver's increment came later (one TCPStore
+server is linearizable), so its read of the header came after ``updating`` was written and it backs
+off: the counts keep the trainer from writing under its readers. They carry no MAC, though, and the
+store's values can be replayed, so what a receiver installs is decided by the headers, read again
+after the pull (Note [Version header]): a forged count costs a retry, never a mix. The store's
+``state`` only points a receiver at a version and generation to try.
 
 # Note [Reader slots]
 Counts are kept per receiver *process*: the first time a process reads from rank r it takes a
@@ -47,13 +50,10 @@ slot's count, and the update goes on. The beat is a counter, so no clocks are co
 hosts.
 
 A process that was only stalled (SIGSTOP, a long pause) may wake with its pull still running
-while the trainer writes. So a reader reads ``revoked`` *before* it counts itself in, and again
-after its bytes arrived and before it installs anything: changed, the cycle raises and installs
-nothing (with install="direct", PartialLoadError, as for any failed direct pull). The order makes
-this sound on a linearizable store: if the publisher's subtraction removed this reader's count,
-it read that count after the reader added it, so its ``revoked`` increment came after the
-reader's first read, and the reader's second read sees it. (A revoke of an older, stale count
-that races with the reader's counting-in fails its cycle for nothing: rare and safe.)
+while the trainer writes. Its read of the version header after the pull then shows the update the
+revocation let in, and it installs nothing (with install="direct", PartialLoadError, as for any
+failed direct pull): Note [Version header]. ``revoked`` stays as the publisher's record of whom
+it took for dead.
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ import time
 from dataclasses import dataclass
 
 from warmlink._backoff import wait_until
-from warmlink.errors import MetadataError, VersionError
+from warmlink.errors import MetadataError
 from warmlink.pool import liveness
 from warmlink.pool.core import PerOwner
 from warmlink.refit._memo import read_states
 
 log = logging.getLogger("warmlink.refit")
 
-__all__ = ["VersionState", "read_state", "write_state", "enter", "still_held", "leave", "wait_no_readers", "state_key", "manifest_key",
+__all__ = ["VersionState", "read_state", "write_state", "count_in", "leave", "join_line", "leave_line", "line_waiting", "wait_no_readers", "state_key", "manifest_key",
            "last_state", "reader_count"]
 
 
@@ -91,6 +91,10 @@ def readers_key(rank: int, version: int, slot: int) -> str:
 
 def beat_key(rank: int, slot: int) -> str:
     return f"pub/{rank}/beat/{slot}"
+
+
+def line_key(rank: int, slot: int) -> str:
+    return f"pub/{rank}/line/{slot}"
 
 
 def revoked_key(rank: int, slot: int) -> str:
@@ -184,7 +188,7 @@ MAX_READER_SLOTS = 1 << 16
 
 def num_reader_slots(store, rank: int) -> int:
     """The reader slots taken at publisher ``rank``. Raises MetadataError past MAX_READER_SLOTS."""
-    total = store.add(f"pub/{rank}/reader_slots", 0, checked=False)
+    total = _count(store, f"pub/{rank}/reader_slots")
     if not 0 <= total <= MAX_READER_SLOTS:
         raise MetadataError(f"store key 'pub/{rank}/reader_slots'={total} out of range; expected 0 to "
                             f"{MAX_READER_SLOTS} reader processes (a forged count?)")
@@ -225,32 +229,18 @@ def last_state(store, rank: int) -> VersionState | None:
     return read_states.get(store, rank)
 
 
-def enter(store, rank: int, expected: VersionState) -> int | None:
-    """Count this receiver in as a reader of ``expected`` and start beating (Note [Reader leases]);
-    returns this slot's revocation count read *before* counting in (``still_held`` compares it),
-    or None (counted out again) if the publisher moved on."""
-    if expected.state != "published":
-        raise VersionError(f"enter: publisher/{rank} state={expected.state!r}; expected 'published'")
+def count_in(store, rank: int, version: int) -> None:
+    """Count this process in as a reader of ``version`` of ``rank`` and start beating (Note [Reader
+    leases]). Whether that version is the one published is for the version header to say (Note
+    [Version header] in refit._header); ``leave`` counts out."""
     slot = reader_slot(store, rank)
-    revoked = store.add(revoked_key(rank, slot), 0, checked=False)
-    key = readers_key(rank, expected.version, slot)
-    store.add(key, 1, checked=False)
-    now = read_state(store, rank)
-    if now == expected:
-        _heart.start(store, rank, slot)
-        return revoked
-    store.add(key, -1, checked=False)
-    return None
-
-
-def still_held(store, rank: int, revoked: int) -> bool:
-    """Whether this process's read of ``rank`` was not revoked since ``enter`` returned ``revoked``."""
-    return store.add(revoked_key(rank, reader_slot(store, rank)), 0, checked=False) == revoked
+    _add_own(store, readers_key(rank, version, slot), 1)
+    _heart.start(store, rank, slot)
 
 
 def leave(store, rank: int, version: int) -> None:
     _heart.stop(store, rank)  # first: a leave the store never got leaves a count without a beat
-    store.add(readers_key(rank, version, reader_slot(store, rank)), -1, checked=False)
+    _add_own(store, readers_key(rank, version, reader_slot(store, rank)), -1)
 
 
 def _slot_dead(store, rank: int, slot: int) -> bool:
@@ -280,9 +270,65 @@ _SWEEP_PER_CALL = 4
 _DEAD_CHECK_S = 0.25
 
 
+def _count(store, key: str) -> int:
+    """The counter under ``key``; one that holds anything but an integer in range (written by a
+    process without the secret) is removed, with a warning, and counts 0: what a receiver installs
+    does not rest on counts (Note [Version header] in refit._header), so garbage costs its writer
+    the key, not this publisher its update."""
+    try:
+        return store.add(key, 0, checked=False)
+    except MetadataError as exc:
+        log.warning("store key %r is not a counter (%s); removed", key, exc)
+        store.delete(key)
+        return 0
+
+
+def join_line(store, rank: int) -> None:
+    """Stand in line for ``rank``'s next version (Note [Reader line] in refit._board)."""
+    _add_own(store, line_key(rank, reader_slot(store, rank)), 1)
+
+
+def leave_line(store, rank: int) -> None:
+    _add_own(store, line_key(rank, reader_slot(store, rank)), -1)
+
+
+def line_waiting(store, rank: int) -> bool:
+    """Whether a live reader process of ``rank`` stands in line (Note [Reader line] in refit._board):
+    counts of dead processes are taken back; one below zero (forged) is set back to 0."""
+    retired = _retired.get(store, rank) or set()
+    waiting = False
+    for k in range(1, num_reader_slots(store, rank) + 1):
+        if k in retired:
+            continue
+        key = line_key(rank, k)
+        count = _count(store, key)
+        if count < 0:
+            store.add(key, -count, checked=False)
+        elif count > 0:
+            if _slot_dead(store, rank, k):
+                store.add(key, -count, checked=False)
+            else:
+                waiting = True
+    return waiting
+
+
+def _add_own(store, key: str, amount: int) -> None:
+    """Add to a counter of this process's own slot. Garbage there (written by a process without the
+    secret) held no count of ours: it is removed, with a warning, and a count in made on a clean
+    key (a count out has nothing left to take back), so the write costs a warning, not this
+    receiver its cycle."""
+    try:
+        store.add(key, amount, checked=False)
+    except MetadataError as exc:
+        log.warning("store key %r is not a counter (%s); removed", key, exc)
+        store.delete(key)
+        if amount > 0:
+            store.add(key, amount, checked=False)
+
+
 def _lease_expired(store, rank: int, slot: int, beats: dict, now: float) -> bool:
     """Whether ``slot``'s heartbeat stood still for LEASE_S of this wait (Note [Reader leases])."""
-    beat = store.add(beat_key(rank, slot), 0, checked=False)
+    beat = _count(store, beat_key(rank, slot))
     seen = beats.get(slot)
     if seen is None or seen[0] != beat:
         beats[slot] = (beat, now)
@@ -311,8 +357,12 @@ def wait_no_readers(store, rank: int, version: int, timeout_s: float) -> None:
                     if _slot_dead(store, rank, k):
                         retired.add(k)
                 live = [k for k in live if k not in retired]
-            counts = {k: store.add(readers_key(rank, version, k), 0, checked=False) for k in live}
-            holding = {k: c for k, c in counts.items() if c}
+            counts = {k: _count(store, readers_key(rank, version, k)) for k in live}
+            for k, c in counts.items():
+                if c < 0:  # no reader leaves more than it entered: forged; set back to 0
+                    log.warning("store key %r=%d below zero (forged?); set to 0", readers_key(rank, version, k), c)
+                    store.add(readers_key(rank, version, k), -c, checked=False)
+            holding = {k: c for k, c in counts.items() if c > 0}
             if not holding:
                 return True
             now = time.monotonic()

@@ -10,12 +10,14 @@ live tensors (Note [Live sources] in ``refit._declare``), so no version can carr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
 from warmlink import _env
+from warmlink._backoff import Backoff
 from warmlink._closing import Closing
 from warmlink._dtypes import torch_dtype
 from warmlink.errors import (
@@ -30,8 +32,9 @@ from warmlink.errors import (
 )
 from warmlink.refit import protocol
 from warmlink.refit import _board
-from warmlink.refit._board import PublisherBoard
+from warmlink.refit._board import LINE_WAIT_S, PublisherBoard
 from warmlink.refit._declare import Declared, declare_module, declare_tensor, run_fills
+from warmlink.refit._header import CLOSED, HEADER_NBYTES, PUBLISHED, UPDATING, WRITING, PublisherHeader, digest_prefix
 from warmlink.refit._memo import exported_manifests
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
@@ -43,6 +46,7 @@ __all__ = ["Publisher"]
 log = logging.getLogger("warmlink.refit")
 
 _ALIGN = 256  # staging offsets stay aligned for vector copies
+_HEADER_SPACE = (HEADER_NBYTES + _ALIGN - 1) // _ALIGN * _ALIGN  # the version header, ahead of staged tensors
 
 
 @dataclass
@@ -69,6 +73,9 @@ class Publisher(Closing):
         backend: ``"auto"`` (default: ``cuda_ipc`` for CUDA tensors, else ``shm``), ``"shm"``,
             ``"cuda_ipc"``.
         timeout_s: how long ``begin_update`` waits for readers, seconds (default ``WARMLINK_TIMEOUT_S``).
+        line_wait_s: how long ``begin_update`` first holds the published version open for
+            receivers standing in line for it (Note [Reader line] in ``refit._board``), seconds; 0 lets a busy trainer
+            starve its receivers.
 
     Usage::
 
@@ -82,9 +89,13 @@ class Publisher(Closing):
     Warm path? ``update`` does no allocation or registration; staged tensors are copied.
     """
 
-    def __init__(self, store, *, rank: int = 0, world_size: int = 1, backend: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(self, store, *, rank: int = 0, world_size: int = 1, backend: str | None = None, timeout_s: float | None = None,
+                 line_wait_s: float = LINE_WAIT_S) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"Publisher: rank={rank!r} out of range; expected 0 <= rank < world_size={world_size}")
+        if isinstance(line_wait_s, bool) or not isinstance(line_wait_s, (int, float)) or not 0 <= line_wait_s < float("inf"):
+            raise ConfigError(f"Publisher: line_wait_s={line_wait_s!r}; expected a finite number of seconds >= 0")
+        self.line_wait_s = float(line_wait_s)
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -100,6 +111,8 @@ class Publisher(Closing):
         self._drained = False
         self._closed = False
         self._board: PublisherBoard | None = None
+        self._header: PublisherHeader | None = None  # Note [Version header]
+        self._digest = b""  # the manifest's digest prefix the header carries
 
     # -- declaration -------------------------------------------------------------------------
     def add(self, name: str, tensor, layout: TensorLayout | None = None) -> None:
@@ -148,7 +161,7 @@ class Publisher(Closing):
     def staging_nbytes(self) -> int:
         """Memory this publisher holds beyond the tensors it was given, in bytes: the staging arena
         of tensors it cannot publish in place (0 when every tensor is read where it lies)."""
-        return self._staging.nbytes if self._staging is not None else 0
+        return self._staging.nbytes - _HEADER_SPACE if self._staging is not None else 0
 
     def layouts(self) -> dict[str, TensorLayout]:
         """Every declared tensor's layout by name (what the manifest announces), a new dict."""
@@ -203,18 +216,21 @@ class Publisher(Closing):
                     continue
                 e.region_idx, e.data_ptr = len(self._regions), e.declared.data_ptr()
                 self._regions.append(region)
+        # The version header (Note [Version header]) leads the staging arena; with nothing to stage
+        # it has a region of its own.
+        offsets, total = [], _HEADER_SPACE
+        for e in to_stage:
+            offsets.append(total)
+            total += (e.layout.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._staging = self._link.allocate(total)
+        self._staging.tensor.zero_()  # padding of built tensors is never written again
+        header_idx = len(self._regions)
+        self._regions.append(self._staging)
+        self._header = PublisherHeader(self._staging, 0)
+        for e, off in zip(to_stage, offsets):
+            e.region_idx, e.offset, e.staged = header_idx, off, True
+            e.view = self._staging.tensor[off : off + e.layout.nbytes].view(torch_dtype(e.layout.dtype)).view(e.layout.shape)
         if to_stage:
-            offsets, total = [], 0
-            for e in to_stage:
-                offsets.append(total)
-                total += (e.layout.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-            self._staging = self._link.allocate(total)
-            self._staging.tensor.zero_()  # padding of built tensors is never written again
-            idx = len(self._regions)
-            self._regions.append(self._staging)
-            for e, off in zip(to_stage, offsets):
-                e.region_idx, e.offset, e.staged = idx, off, True
-                e.view = self._staging.tensor[off : off + e.layout.nbytes].view(torch_dtype(e.layout.dtype)).view(e.layout.shape)
             log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
 
         self._board = self._take_board()
@@ -232,11 +248,14 @@ class Publisher(Closing):
                 {**e.layout.to_json(), "region": e.region_idx, "offset": e.offset} for e in self._entries.values()
             ],
             "board": self._board.desc if self._board is not None else None,
+            "header": {"region": header_idx, "offset": 0},
         }
         with self.store.deadline(self.timeout_s):  # Note [Store deadlines] in rendezvous.store
-            self.generation = self._write_manifest(manifest)
+            self.generation, raw = self._write_manifest(manifest)
+            self._digest = digest_prefix(hashlib.sha256(raw).hexdigest())
             self._refresh()
             self.version = 1
+            self._say(PUBLISHED)
             protocol.write_state(self.store, self.rank, protocol.VersionState(1, "published", self.generation))
         if self._board is not None:
             self._board.publish(self.generation, 1, self.timeout_s)
@@ -255,23 +274,24 @@ class Publisher(Closing):
                         extra={"rank": self.rank, "error": str(exc)})
             return None
 
-    def _write_manifest(self, manifest: dict) -> int:
+    def _write_manifest(self, manifest: dict) -> tuple[int, bytes]:
         """Store ``manifest`` under a new generation, or keep the generation of an equal manifest
-        this process wrote before (Note [Warm metadata] in refit._memo); returns the generation."""
+        this process wrote before (Note [Warm metadata] in refit._memo); returns the generation and
+        the manifest's bytes."""
         last = exported_manifests.get(self.store, self.rank)
         if last is not None:
             generation, body, raw = last
             manifest["peer"]["generation"] = generation
             # Read back: a key overwritten since (a bad peer, a test) gets a fresh generation.
             if manifest == body and self._stored(protocol.manifest_key(self.rank, generation)) == raw:
-                return generation
+                return generation, raw
         generation = self.store.next_generation(f"pub/{self.rank}")
         manifest["peer"]["generation"] = generation
         raw = schema.encode(manifest)  # validated: a bad manifest is refused before it is published
         # A blob: manifests of large models pass one store value (Note [Blobs] in rendezvous._blobs).
         self.store.set_blob(protocol.manifest_key(self.rank, generation), raw)
         exported_manifests.put(self.store, self.rank, (generation, manifest, raw))
-        return generation
+        return generation, raw
 
     def _stored(self, key: str) -> bytes | None:
         """The manifest bytes under ``key`` now; None when absent or no longer a whole blob."""
@@ -315,11 +335,18 @@ class Publisher(Closing):
         limit_s = timeout_s if timeout_s is not None else self.timeout_s
         with self.store.deadline(limit_s):  # Note [Store deadlines] in rendezvous.store
             if not self._updating:
+                self._let_line_in(min(self.line_wait_s, limit_s / 2))
+                # The header first: a store-synced reader that counts in after this drain's read of its
+                # count reads the header after this, and backs off (Note [Version header]).
+                self._say(UPDATING)
                 protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
                 self._updating, self._drained = True, False
             # A retry after a timeout waits again: the slow reader may still be inside. Readers on
             # this host hold the board's lock, the others count in the store: both must be out.
             self._wait_no_readers(limit_s, start)
+        # Before the trainer may write a byte: a store-synced reader whose pull overlaps the writes
+        # (its count forged or revoked) finds "writing" after its pull (Note [Version header]).
+        self._say(WRITING)
         self._drained = True
         return time.perf_counter() - start
 
@@ -338,12 +365,27 @@ class Publisher(Closing):
             torch.cuda.current_stream(self.device).synchronize()
         self._refresh()
         self.version += 1
+        self._say(PUBLISHED)
         with self.store.deadline(self.timeout_s):
             protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
         if self._board is not None:
             self._board.publish(self.generation, self.version, self.timeout_s)
         self._updating = False
         return self.version
+
+    def _say(self, state: int) -> None:
+        """Write this publisher's version header (Note [Version header])."""
+        self._header.write(self.generation, self.version, state, self._digest)
+
+    def _let_line_in(self, limit_s: float) -> None:
+        """Keep this version published while receivers stand in line for it, up to ``limit_s``
+        (Note [Reader line] in refit._board): each enters it within one of its backoff steps."""
+        backoff = Backoff(limit_s, first_s=200e-6, cap_s=2e-3)
+        while (self._board is not None and self._board.line_waiting()) or protocol.line_waiting(self.store, self.rank):
+            if backoff.expired():
+                log.info("publisher goes on with receivers still in line", extra={"rank": self.rank, "waited_s": limit_s})
+                return
+            backoff.sleep()
 
     def _wait_no_readers(self, limit_s: float, start: float) -> None:
         """Wait until no receiver reads this version, on the board and in the store, both within
@@ -392,6 +434,8 @@ class Publisher(Closing):
         board, self._board = self._board, None
         if board is not None:
             _board.park(self.store, self.rank, board)  # with pooling off, closed there
+        if self._header is not None:  # before its memory goes back: a reader still planning sees it (Note [Version header])
+            self._say(CLOSED)
         for region in self._regions:
             self._link.release(region)
         self._regions.clear()
@@ -405,10 +449,12 @@ class Publisher(Closing):
         try:
             with self.store.deadline(self.timeout_s):
                 if not self._updating:
+                    self._say(UPDATING)
                     protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "updating", self.generation))
                     self._updating, self._drained = True, False
                 if not self._drained:
                     self._wait_no_readers(self.timeout_s, start)
+                    self._say(WRITING)
                     self._drained = True
         except TransferTimeout:
             return False

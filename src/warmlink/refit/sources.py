@@ -11,16 +11,19 @@ next cycle with pooling on and close with pooling off.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 
 from warmlink.errors import ConfigError, LayoutError, MetadataError
 from warmlink.pool.core import SharedCache
 from warmlink.refit import protocol
 from warmlink.refit._board import ReaderBoard
+from warmlink.refit._header import HEADER_NBYTES, Header, digest_prefix
+from warmlink.refit._header import parse as parse_header
 from warmlink.refit._memo import validated_manifests
 from warmlink.refit.manifest import TensorLayout
 from warmlink.rendezvous import schema
-from warmlink.transport.base import PeerRef, RemoteRegion
+from warmlink.transport.base import Copy, PeerRef, RemoteRegion
 
 __all__ = ["SourceSet"]
 
@@ -30,11 +33,12 @@ log = logging.getLogger("warmlink.refit")
 class _Parsed:
     """A validated manifest, parsed; shared read-only by every receiver of the process."""
 
-    __slots__ = ("info", "regions", "layouts", "where", "digest", "board")
+    __slots__ = ("info", "regions", "layouts", "where", "digest", "board", "header")
 
     def __init__(self, digest: str, m: dict) -> None:
         self.info = m["peer"]
         self.board = m["board"]  # where the publisher's version board is (Note [Version board])
+        self.header = (m["header"]["region"], m["header"]["offset"])  # Note [Version header] in refit._header
         self.regions = tuple(m["regions"])
         self.layouts = tuple(TensorLayout.from_json(t) for t in m["tensors"])
         self.where = {t["name"]: (t["region"], t["offset"]) for t in m["tensors"]}  # (region index, offset bytes)
@@ -49,7 +53,8 @@ def _parse(raw: bytes, peer_name: str) -> _Parsed:
 
 
 class _Source:
-    __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened", "board")
+    __slots__ = ("peer", "layouts", "where", "regions", "digest", "opened", "board", "header", "epoch")
+    _made = itertools.count()
 
     def __init__(self, peer: PeerRef, parsed: _Parsed, board: ReaderBoard | None, link) -> None:
         self.peer = peer
@@ -60,6 +65,8 @@ class _Source:
         # region index -> its mapping; the link's peer mappings are counted already
         self.opened: SharedCache[int, RemoteRegion] = SharedCache("source_region", destroy=link.close_region, counted=False)
         self.board = board  # None: another host's publisher, or no board; its readers count in the store
+        self.header = parsed.header
+        self.epoch = next(_Source._made)  # names this source's mappings (SourceSet.opened_key)
 
 
 class SourceSet:
@@ -74,6 +81,8 @@ class SourceSet:
         # (kept alive, so the id stays its own) and cache token; released by end_cycle.
         self._held: dict[tuple[int, int], tuple[_Source, RemoteRegion, object]] = {}
         self._verified = True  # False: every manifest is read again once (see unverify)
+        self._header_local = None  # where the publishers' version headers are read into
+        self._header_batch: tuple | None = None  # (the header regions it reads, the prepared batch)
 
     def states(self, timeout_s: float) -> list[protocol.VersionState]:
         return [protocol.read_state(self.store, rank, timeout_s=timeout_s) for rank in range(self.num_publishers)]
@@ -165,16 +174,61 @@ class SourceSet:
         """SHA-256 of each rank's manifest bytes: equal digests, equal source layouts."""
         return tuple(src.digest for src in self._sources)
 
+    def opened_key(self) -> tuple:
+        """What a prepared copy batch depends on: the manifests' bytes *and* the source objects
+        whose mappings it reads. A source replaced and replaced back (a replayed generation, then
+        the present one) has equal digests but its old mappings closed."""
+        return tuple((src.digest, src.epoch) for src in self._sources)
+
     def region_of(self, rank: int, tensor: str) -> tuple[RemoteRegion, int]:
         """The opened region holding ``tensor`` of ``rank`` and the tensor's offset in it (bytes),
         held until ``end_cycle``."""
         src = self._sources[rank]
         region_idx, offset = src.where[tensor]
+        return self._opened(src, region_idx), offset
+
+    def _opened(self, src: _Source, region_idx: int) -> RemoteRegion:
         held = self._held.get((id(src), region_idx))
         if held is None:
             region, token = src.opened.acquire(region_idx, lambda i: self.link.open(src.peer, src.regions[i]))
             held = self._held[(id(src), region_idx)] = (src, region, token)
-        return held[1], offset
+        return held[1]
+
+    def read_headers(self, timeout_s: float) -> list[Header | None]:
+        """Every publisher's version header as it is now, read through the link from the regions the
+        loaded manifests name (Note [Version header] in refit._header): a ``Header`` per rank, None
+        where the region holds none. The regions stay held until ``end_cycle``."""
+        n = self.num_publishers
+        if self._header_local is None:
+            self._header_local = self._header_buffer(HEADER_NBYTES * n)
+        copies = [Copy(self._header_local, rank * HEADER_NBYTES, self._opened(src, src.header[0]), src.header[1],
+                       HEADER_NBYTES) for rank, src in enumerate(self._sources)]
+        remotes = tuple(c.remote for c in copies)
+        cached = self._header_batch
+        if cached is None or len(cached[0]) != n or any(a is not b for a, b in zip(cached[0], remotes)):
+            cached = self._header_batch = (remotes, self.link.prepare(copies))  # kept: the regions' ids stay theirs
+        self.link.read(cached[1]).wait(timeout_s)
+        raw = self._header_local.tensor[:HEADER_NBYTES * n].cpu().numpy().tobytes()
+        return [parse_header(raw[r * HEADER_NBYTES:(r + 1) * HEADER_NBYTES]) for r in range(n)]
+
+    def _header_buffer(self, nbytes: int):
+        """Where headers are read into: a small tensor of this process as a local region, or an
+        arena where the link copies only into registered memory."""
+        import torch
+
+        device = "cpu" if self.link.device < 0 else torch.device("cuda", self.link.device)
+        try:
+            return self.link.local_region(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        except LayoutError:
+            return self.link.allocate(nbytes)
+
+    def header_digests(self) -> list[bytes]:
+        """Per rank, the digest prefix its header must carry: that of the manifest loaded."""
+        return [digest_prefix(src.digest) for src in self._sources]
+
+    def generations(self) -> list[int]:
+        """Per rank, the generation of the manifest loaded."""
+        return [src.peer.generation for src in self._sources]
 
     def end_cycle(self) -> None:
         """Let go of the regions this cycle opened or found: kept open for the next cycle with
@@ -196,6 +250,10 @@ class SourceSet:
     def close(self) -> None:
         """Close every opened region and board (the receive state is destroyed)."""
         self.end_cycle()
+        self._header_batch = None
+        local, self._header_local = self._header_local, None
+        if local is not None:
+            self.link.release(local)
         for src in self._sources:
             if src is not None:
                 self._close(src)

@@ -77,7 +77,9 @@ SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 # Manifests changed on their own when layouts became boxes with offsets (Note [Layout rules]); a
 # version-1 manifest from an older publisher is refused by name, never misread.
-MANIFEST_SCHEMA_VERSION = 3
+MANIFEST_SCHEMA_VERSION = 4
+# A publisher's version header (Note [Version header] in refit._header), bytes.
+VERSION_HEADER_NBYTES = 64
 MAX_PAYLOAD_BYTES = 64 << 20
 # One store value as its writer gives it: TCPStore's libuv server drops the connection of a client
 # that sends more than 8 MiB, and the store adds a MAC (Note [Store MAC] in rendezvous._mac).
@@ -391,7 +393,7 @@ def tensor_nbytes(tensor: dict) -> int:
 
 
 def _manifest(v: _V, x: Any) -> dict:
-    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors", "board"), "publisher_manifest",
+    _header(v, x, ("schema_version", "kind", "peer", "regions", "tensors", "board", "header"), "publisher_manifest",
             (MANIFEST_SCHEMA_VERSION,))
     _peer_info(v, x["peer"], "peer", nested=True)
     if x["peer"]["role"] != "publisher":
@@ -403,6 +405,13 @@ def _manifest(v: _V, x: Any) -> dict:
         v.str_(board["token"], "board.token", liveness.TOKEN)
     regions = v.list_(x["regions"], "regions", 0, MAX_REGIONS)
     extents = [region_extent_bytes(_region(v, r, f"regions[{i}]")) for i, r in enumerate(regions)]
+    header = x["header"]  # Note [Version header] in refit._header
+    v.obj(header, "header", ("region", "offset"))
+    v.int_(header["region"], "header.region", 0, len(regions))
+    if extents[header["region"]] < VERSION_HEADER_NBYTES:
+        v.fail(f"header.region={header['region']} holds {extents[header['region']]} bytes; expected at least "
+               f"{VERSION_HEADER_NBYTES} for the version header")
+    v.int_(header["offset"], "header.offset", 0, extents[header["region"]] - VERSION_HEADER_NBYTES + 1)
     tensors = v.list_(x["tensors"], "tensors", 0, MAX_TENSORS)
     names: set[str] = set()
     dtypes = tuple(DTYPE_SIZES)

@@ -20,7 +20,8 @@ Found on torch 2.9+ (libuv backend) and worked around here:
   as it stays so, whatever the store's timeout or ``set_timeout`` say (torch 2.13): the client's
   socket has no timeout, and neither has the handshake of a new client. See Note [Store deadlines].
 - ``add`` on a key holding a non-integer makes the *server* drop the client's connection; every
-  later call on that client fails. ``add`` therefore checks the current value first.
+  later call on that client fails. ``add`` therefore checks the current value first, or, where
+  a round trip per call is too dear, looks on a new connection when one was lost.
 - A client constructed against a dead port retries with randomized delays that can overshoot its
   timeout by seconds, and logs each try. We probe the port with a plain socket until the deadline
   and only then build the TCPStore client.
@@ -100,6 +101,17 @@ def _fits(value: bytes, func: str, key: str) -> bytes:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__
+
+
+def _check_counter(key: str, current: bytes | None) -> None:
+    """Raise MetadataError unless ``current`` (``key``'s value, None when absent) is an integer."""
+    if current is None:
+        return
+    try:
+        int(current.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise MetadataError(f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key "
+                            "(written by a process without the job's secret?); nothing added") from None
 
 
 def _counter(value: int, func: str, key: str) -> int:
@@ -428,9 +440,10 @@ class Store(BlobMethods):
 
         Args:
             checked: first check that ``key`` holds an integer (one more round trip). Counters that
-                only warmlink's own protocol writes (reader counts, generations) pass False: a
-                corrupted one then costs this client its connection (PeerLostError on the next
-                call), which fails closed, instead of a round trip on every refit.
+                only warmlink's own protocol writes (reader counts, generations) pass False: the
+                server then drops this client's connection on a corrupted one, and a new connection
+                finds the garbage (MetadataError naming the key), instead of a round trip on every
+                refit.
             timeout_s: seconds for both round trips together.
 
         Counters carry no MAC (Note [Store MAC]): whatever another writer put there, the sum comes
@@ -444,19 +457,36 @@ class Store(BlobMethods):
         if isinstance(amount, bool) or not isinstance(amount, int) or not -(1 << 62) <= amount < 1 << 62:
             raise ConfigError(f"Store.add: amount={amount!r} invalid; expected an int of magnitude < 2**62")
         if not checked:
-            return _counter(int(self._call("add", key, "add", key, amount, limit_s=self._limit(timeout_s, "Store.add"))),
-                            "Store.add", key)
+            try:
+                return _counter(int(self._call("add", key, "add", key, amount, limit_s=self._limit(timeout_s, "Store.add"))),
+                                "Store.add", key)
+            except PeerLostError as lost:
+                # The server drops a client whose add meets a non-integer (Note [TCPStore quirks]):
+                # anyone who reaches the port can write one. Reconnect once and look, so the garbage
+                # costs this call a MetadataError naming the key, not the connection for good.
+                return self._add_again(key, amount, timeout_s, lost)
         with self.deadline(self._limit(timeout_s, "Store.add")):
-            current = self._fetch(key, "add", self._limit(None, "Store.add"))  # a counter: no MAC to open
-            if current is not None:
-                try:
-                    int(current.decode("ascii"))
-                except (UnicodeDecodeError, ValueError):
-                    raise MetadataError(
-                        f"Store.add: key={key!r} holds {current[:40]!r}, not an integer; expected a counter key"
-                    ) from None
+            _check_counter(key, self._fetch(key, "add", self._limit(None, "Store.add")))  # a counter: no MAC to open
             return _counter(int(self._call("add", key, "add", key, amount, limit_s=self._limit(None, "Store.add"))),
                             "Store.add", key)
+
+    def _add_again(self, key: str, amount: int, timeout_s: float | None, lost: PeerLostError) -> int:
+        """After an unchecked ``add`` lost the connection: on a new one, MetadataError naming ``key``
+        when it holds a non-integer (the add was refused, nothing applied); else the loss stands,
+        for the add may have been applied before the reply was lost and must not be made twice."""
+        with self._lock:
+            if self._client is None and self._lost is not None:
+                self._lost = None  # let the next call connect again
+        try:
+            with self.deadline(self._limit(timeout_s, "Store.add")):
+                current = self._fetch(key, "add", self._limit(None, "Store.add"))
+        except (PeerLostError, TransferTimeout):
+            with self._lock:
+                if self._client is None:
+                    self._lost = str(lost)
+            raise lost from None
+        _check_counter(key, current)
+        raise lost
 
     def compare_set(self, key: str, expected: bytes, desired: bytes, *, timeout_s: float | None = None) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected == b""``).
