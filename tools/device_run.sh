@@ -4,6 +4,8 @@
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
+#        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1) deepep-tests (DeepEP's test_intranode.py, unchanged,
+#        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
@@ -132,6 +134,20 @@ for d in range(torch.cuda.device_count()):
       for i in $(seq 1 ${REPEATS:-2}); do
         timeout 200 python3 -m warmlink.cli.main bench lifecycle --backend nixl --iterations ${ITERATIONS:-20} \
           --json "$OUT/lifecycle_nixl_$i.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/lifecycle_nixl_$i.log" | tail -30
+      done ;;
+    deepep)
+      ( cd .baseline/deepep-v1 && python3 -c "import lzma; open('deep_ep_cpp.cpython-312-x86_64-linux-gnu.so','wb').write(lzma.decompress(open('deep_ep_cpp.so.xz','rb').read()))" ) \
+        && PYTHONPATH="$PWD/.baseline/deepep-v1" python3 -c "import deep_ep, deep_ep_cpp; print('DeepEP V1 loads:', deep_ep.__file__)" ;;
+    deepep-tests)
+      for budget in 2e9 hint; do
+        ( cd .baseline/deepep-v1/tests && WARMLINK_DEEP_EP_BUDGET=$budget PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
+          timeout ${DEEPEP_TIMEOUT:-240} python3 test_intranode.py --num-processes ${RANKS:-2} ) 2>&1 | tee "$OUT/deepep_intranode_$budget.log" | tail -25
+      done ;;
+    bench-ep-deepep)
+      for i in $(seq 1 ${REPEATS_EP:-3}); do
+        PYTHONPATH="$PWD/src:$PWD/.baseline/deepep-v1" timeout 280 python3 -m warmlink.cli.main bench ep --deep-ep \
+          --iterations ${ITERATIONS_EP:-20} --gemm 0 ${EP_ARGS:-} --json "$OUT/ep_deepep_${TAG:-}$i.json" 2>&1 \
+          | tee "$OUT/ep_deepep_${TAG:-}$i.log" | tail -16
       done ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -63,26 +63,44 @@ def test_bench_ep_times_the_deep_ep_drop_in_with_both_budgets(tmp_path, capsys):
     assert main(["bench", "ep", *SMALL, "--iterations", "2", "--warmup", "1", "--gemm", "0", "--deep-ep",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for row in ("deep_ep dispatch, hint budget", "deep_ep padded, hint budget", "deep_ep cached, batch budget (1 round)",
-                "deep_ep combine, hint budget"):
+    for row in ("deep_ep fresh bf16, hint budget", "deep_ep fresh fp8, hint budget", "deep_ep padded bf16, hint budget",
+                "deep_ep cached bf16, 2e9 budget (1 round)", "deep_ep cached fp8, 2e9 budget (1 round)",
+                "deep_ep combine bf16, hint budget"):
         assert row in text
+    assert "DeepEP V1 beside" not in text  # no DeepEP here (it needs CUDA): nothing pretends to be it
     record = json.loads(out.read_text())
+    from warmlink.bench.ep_deep_ep import CALLS
+
     for rank in record["ranks"]:
-        assert rank["deep_ep_s"]["one_round"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
-        assert rank["deep_ep_s"]["one_round"]["budget"] >= 1 and rank["deep_ep_s"]["hint"]["dispatch"] > 0
-        assert rank["deep_ep_s"]["one_round"]["padded"] > 0 and rank["deep_ep_s"]["hint"]["padded"] > 0
-        assert "overlap" not in rank["deep_ep_s"]["one_round"]  # a GPU row: the GEMM beside an async combine
-    # the table of GPU ranks that measured it: the slowest rank's figures, and their ratio
+        assert rank["deep_ep_s"]["large"]["rounds"] == 1 and rank["deep_ep_s"]["hint"]["rounds"] >= 1
+        assert rank["deep_ep_s"]["large"]["budget"] == int(2e9)
+        for budget in ("hint", "large"):
+            for call in CALLS:
+                clocks = rank["deep_ep_s"][budget][call]
+                assert clocks["host"] > 0 and clocks["events"] is None  # no CUDA events on the CPU
+        assert "overlap" not in rank["deep_ep_s"]["large"]  # a GPU row: the GEMM beside an async combine
+        assert "deepep_v1_s" not in rank
+    # the tables of GPU ranks that measured them: the slowest rank's figures, and their ratios
     from warmlink.bench.ep_table import table
 
     for i, rank in enumerate(record["ranks"]):
-        rank["deep_ep_s"]["one_round"]["overlap"] = {"gemm": 1e-3, "combine": 4e-4 + i * 1e-4,
-                                                     "combine_then_gemm": 1.4e-3, "gemm_beside": 1.05e-3 + i * 1e-4}
+        rank["deep_ep_s"]["large"]["overlap"] = {
+            k: {"host": v, "events": None} for k, v in (("gemm", 1e-3), ("combine", 4e-4 + i * 1e-4),
+                                                        ("combine_then_gemm", 1.4e-3), ("gemm_beside", 1.05e-3 + i * 1e-4))}
+        rank["deepep_v1_s"] = {b: {c: {"host": 3e-4 * (1 + i), "events": 2e-4 * (1 + i)} for c in CALLS}
+                               for b in ("hint", "large")}
+        for b in ("hint", "large"):
+            for c in CALLS:
+                rank["deep_ep_s"][b][c] = {"host": 1e-4 * (1 + i), "events": 4e-4 * (1 + i)}
     lines, summary = table(record["config"], record["ranks"])
     overlap = summary["deep_ep_overlap"]
     assert (overlap["combine_ms"], overlap["beside_ms"]) == pytest.approx((0.5, 1.15))
     assert overlap["ratio"] == pytest.approx(1.15 / 1.4)
     assert any(line.startswith("deep_ep, GEMM queued before an async combine") and line.endswith("= 0.82 x") for line in lines)
+    beside = summary["deepep_v1"]["fresh_fp8/hint"]
+    assert beside["host"]["ratio"] == pytest.approx(3.0) and beside["events"]["ratio"] == pytest.approx(0.5)
+    assert beside["host"]["deepep_us"] == pytest.approx(300 * len(record["ranks"]))  # the slowest rank's
+    assert any(line.startswith("fresh_fp8     hint") and line.endswith("3.00x") for line in lines)
 
 
 def test_bench_ep_shuffle_times_the_dispatch_rows_in_the_seeds_order_on_every_rank(tmp_path, capsys):

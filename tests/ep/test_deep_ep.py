@@ -45,7 +45,8 @@ def _hint(num_ranks: int, hidden_bytes: int) -> int:
 @pytest.mark.parametrize("kwargs,field", [
     ({"low_latency_mode": 1}, "low_latency_mode=1"), ({"enable_shrink": True}, "enable_shrink=True"),
     ({"num_nvl_bytes": 0}, "num_nvl_bytes=0"), ({"num_nvl_bytes": -1}, "num_nvl_bytes=-1"),
-    ({"comm": object()}, "comm=object"), ({"explicitly_destroy": 1}, "explicitly_destroy=1")])
+    ({"comm": object()}, "comm=object"), ({"explicitly_destroy": 1}, "explicitly_destroy=1"),
+    ({"use_fabric": "yes"}, "use_fabric='yes'"), ({"allow_mnnvl": None}, "allow_mnnvl=None")])
 def test_what_the_buffer_cannot_do_is_refused_by_name(kwargs, field):
     args = {"num_nvl_bytes": 1 << 20, **kwargs}
     with pytest.raises(ConfigError, match=field):
@@ -57,8 +58,19 @@ def test_a_group_is_required_and_rdma_bytes_across_nodes_are_refused():
         deep_ep.Buffer(None, 1 << 20)
     with pytest.raises(ConfigError, match="num_rdma_bytes=1024 with 16 ranks is DeepEP's internode mode"):
         deep_ep.Buffer(_Group(16), 1 << 20, 1024)
-    within = deep_ep.Buffer(_Group(8), 1 << 20, 1024, num_qps_per_rank=1, allow_mnnvl=True)  # accepted, unused
+    within = deep_ep.Buffer(_Group(8), 1 << 20, 1024, num_qps_per_rank=1, allow_mnnvl=True, use_fabric=True)  # accepted, unused
     assert (within.group_size, within.num_nvl_bytes, within.num_rdma_bytes) == (8, 1 << 20, 1024)
+
+
+def test_the_constructor_takes_deep_ep_v1s_arguments_in_its_order():
+    """DeepEP V1's ``Buffer.__init__`` (9249c25): code that passes them positionally means the same here."""
+    import inspect
+
+    params = list(inspect.signature(deep_ep.Buffer.__init__).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+                          "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+                          "enable_shrink", "comm"]
 
 
 @pytest.mark.parametrize("name,why", [("get_next_low_latency_combine_buffer", "no send buffer"),

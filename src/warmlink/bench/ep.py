@@ -94,10 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time the dispatch rows in an order drawn from SEED, the same on every rank (default: the "
                         "table's order); comparing codes over runs with different seeds ties no row to a place in the run")
     p.add_argument("--deep-ep", action="store_true",
-                   help="also time the DeepEP drop-in (warmlink.ep.deep_ep): with DeepEP's hint-sized budget, where "
-                   "a batch larger than it holds goes in several rounds, and with a budget that holds it in one; on "
-                   "GPUs also a GEMM queued before an async combine given a previous_event from before it (DeepEP's "
-                   "way to overlap work already queued)")
+                   help="also time DeepEP's calls (fresh, padded and cached dispatch in BF16 and FP8, combine) through "
+                   "the drop-in (warmlink.ep.deep_ep) and, on GPUs where `import deep_ep` finds DeepEP itself, through "
+                   "DeepEP on the same inputs, with DeepEP's hint-sized budget and with 2e9 bytes; both clocks (CUDA "
+                   "events on the caller's stream, and the host) and the ratio; on GPUs also a GEMM queued before an "
+                   "async combine given a previous_event from before it")
 
 
 def _free_port() -> int:
@@ -201,6 +202,28 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
+
+    def clocks(fn, iterations=cfg["iterations"], warmup=cfg["warmup"]) -> dict:
+        """Median seconds of ``fn`` on two clocks from the same calls: the host's, from the call
+        until the device finished, and CUDA events on the caller's stream around the call
+        (DeepEP's tests' clock; None on CPU)."""
+        host, events = [], []
+        begin, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+        for i in range(warmup + iterations):
+            dist.all_reduce(flag)
+            sync()
+            t0 = time.perf_counter()
+            if cuda:
+                begin.record()
+            fn()
+            if cuda:
+                end.record()
+            sync()
+            if i >= warmup:
+                host.append(time.perf_counter() - t0)
+                if cuda:
+                    events.append(begin.elapsed_time(end) * 1e-3)
+        return {"host": statistics.median(host), "events": statistics.median(events) if events else None}
 
     T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
     x, topk_idx, weights = routing(rank, T, E, K, H, device)
@@ -391,9 +414,13 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     out["times_s"] = times
     out["nccl"] = time_nccl_ep(x, topk_idx, weights, E, cfg["iterations"], cfg["warmup"])
     if cfg["deep_ep"]:
-        from warmlink.bench.ep_deep_ep import time_deep_ep
+        import warmlink.ep.deep_ep as drop_in
+        from warmlink.bench.ep_deep_ep import real_deep_ep, time_deep_ep
 
-        out["deep_ep_s"] = time_deep_ep(x, topk_idx, weights, E, timed, cfg["gemm"] if cuda else 0)
+        out["deep_ep_s"] = time_deep_ep(drop_in, x, topk_idx, weights, E, clocks, cfg["gemm"] if cuda else 0)
+        real = real_deep_ep() if cuda else None  # DeepEP's kernels are CUDA only
+        if real is not None:
+            out["deepep_v1_s"] = time_deep_ep(real, x, topk_idx, weights, E, clocks)
     if cuda and cfg["gemm"]:
         m = cfg["gemm"]
         a = torch.randn(m, m, device=device, dtype=torch.bfloat16)

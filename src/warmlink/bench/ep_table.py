@@ -17,7 +17,7 @@ OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_b
 
 def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
-    from warmlink.bench.ep_deep_ep import BUDGET_NAMES, BUDGETS
+    from warmlink.bench.ep_deep_ep import BUDGET_NAMES, BUDGETS, CALLS
     from warmlink.ep.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
 
     def worst(get):
@@ -59,12 +59,13 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
         for budget in BUDGETS:
             rounds = ranks[0]["deep_ep_s"][budget]["rounds"]
             what = f"{rounds} round{'s' if rounds > 1 else ''}"
-            for op, nbytes, base in (("dispatch", b16, nccl["dispatch"]), ("padded", b16, nccl["dispatch"]),
-                                     ("cached", b16, None), ("combine", bc, nccl["combine"])):
-                if op not in ranks[0]["deep_ep_s"][budget]:  # records from before the padded row
-                    continue
-                row(f"deep_ep {op}, {BUDGET_NAMES[budget]} ({what})",
-                    worst(lambda r, b=budget, o=op: r["deep_ep_s"][b][o]), nbytes, d16, base)
+            for op in CALLS:
+                nbytes, base = ((bc, nccl["combine"]) if op.startswith("combine") else
+                                (b8 if "fp8" in op else b16, None if op.startswith("cached") else nccl["dispatch"]))
+                row(f"deep_ep {op.replace('_', ' ')}, {BUDGET_NAMES[budget]} ({what})",
+                    worst(lambda r, b=budget, o=op: r["deep_ep_s"][b][o]["host"]), nbytes, d8 if "fp8" in op else d16, base)
+    if "deepep_v1_s" in ranks[0]:
+        lines += _beside_deepep(ranks, summary, worst)
     if "floor_s" in ranks[0]:
         for name in FLOOR_SCHEDULES:
             row(f"copy engines alone, {name}", worst(lambda r, name=name: r["floor_s"][name]), b16, d16, None)
@@ -112,8 +113,8 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
             what = "combine" if name == "combine" else "cached dispatch"
             lines.append(f"async_finish, {what}: GEMM {g * 1e3:.3f} ms, {what} {alone * 1e3:.3f} ms; {what} then GEMM "
                          f"{inline * 1e3:.3f} ms, with async_finish {both * 1e3:.3f} ms = {both / inline:.2f} x")
-    if "overlap" in ranks[0].get("deep_ep_s", {}).get("one_round", {}):
-        g, c, inline, beside = (worst(lambda r, k=k: r["deep_ep_s"]["one_round"]["overlap"][k])
+    if "overlap" in ranks[0].get("deep_ep_s", {}).get("large", {}):
+        g, c, inline, beside = (worst(lambda r, k=k: r["deep_ep_s"]["large"]["overlap"][k]["host"])
                                 for k in ("gemm", "combine", "combine_then_gemm", "gemm_beside"))
         summary["deep_ep_overlap"] = {"gemm_ms": g * 1e3, "combine_ms": c * 1e3, "inline_ms": inline * 1e3,
                                       "beside_ms": beside * 1e3, "ratio": beside / inline}
@@ -130,3 +131,27 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     summary["init_s"] = max(r["init_s"] for r in ranks)
     lines.append(f"outputs equal to the NCCL path's: {checks}; Buffer init (slowest rank) {summary['init_s'] * 1e3:.1f} ms")
     return lines, summary
+
+
+def _beside_deepep(ranks: list[dict], summary: dict, worst) -> list[str]:
+    """DeepEP V1 and the drop-in on the same inputs, per call and budget, on both clocks: the
+    slowest rank's median, and DeepEP's time over warmlink's (above 1: warmlink is faster)."""
+    from warmlink.bench.ep_deep_ep import BUDGET_NAMES, BUDGETS, CALLS
+
+    lines = ["", "DeepEP V1 beside warmlink.ep.deep_ep, same inputs, same run (us; slowest rank's median; ratio = "
+             "DeepEP / warmlink, above 1: warmlink faster)",
+             f"{'call':<14}{'budget':<13}{'rounds':>7}{'events: DeepEP':>16}{'warmlink':>10}{'ratio':>7}"
+             f"{'host: DeepEP':>14}{'warmlink':>10}{'ratio':>7}"]
+    beside = summary["deepep_v1"] = {}
+    for budget in BUDGETS:
+        rounds = ranks[0]["deep_ep_s"][budget]["rounds"]
+        for op in CALLS:
+            cells, entry = [], {}
+            for clock in ("events", "host"):
+                theirs = worst(lambda r, b=budget, o=op, c=clock: r["deepep_v1_s"][b][o][c])
+                ours = worst(lambda r, b=budget, o=op, c=clock: r["deep_ep_s"][b][o][c])
+                entry[clock] = {"deepep_us": theirs * 1e6, "warmlink_us": ours * 1e6, "ratio": theirs / ours}
+                cells.append(f"{theirs * 1e6:>{16 if clock == 'events' else 14}.0f}{ours * 1e6:>10.0f}{theirs / ours:>6.2f}x")
+            beside[f"{op}/{budget}"] = {"rounds": rounds, **entry}
+            lines.append(f"{op:<14}{BUDGET_NAMES[budget].split()[0]:<13}{rounds:>7}" + "".join(cells))
+    return lines

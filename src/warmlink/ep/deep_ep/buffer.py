@@ -58,8 +58,10 @@ class Buffer(LowLatencyCalls, CommCalls):
             ``get_low_latency_rdma_size_hint`` (Note [Low-latency built on first call]). Otherwise
             DeepEP's internode buffer: accepted and unused within one node; refused past ``NVL_PEERS`` ranks.
         low_latency_mode: also offer DeepEP's low-latency calls (on the host over shm, or on a GPU: ep.low_latency).
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA and low-latency
-            settings; accepted and ignored (nothing here uses RDMA queue pairs or multi-node NVLink).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: RDMA,
+            low-latency and multi-node NVLink settings; accepted and ignored (nothing here uses RDMA
+            queue pairs, and within one node memory is shared through CUDA IPC handles, which the
+            fabric API is needed for only across nodes). In DeepEP's positional order.
         explicitly_destroy: as DeepEP's: True means the caller calls ``destroy()``; otherwise the
             buffer is released when collected.
         enable_shrink: must be False (the mask buffer is not here).
@@ -77,7 +79,7 @@ class Buffer(LowLatencyCalls, CommCalls):
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  timeout_s: float | None = None) -> None:
         func = "deep_ep.Buffer"
         self._inner = None
@@ -88,6 +90,9 @@ class Buffer(LowLatencyCalls, CommCalls):
         if group is None:
             raise ConfigError(f"{func}: group=None; expected the torch.distributed process group of the ep ranks")
         self.low_latency_mode = _flag(func, "low_latency_mode", low_latency_mode)
+        for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric)):
+            _flag(func, name, value)
         _flag(func, "enable_shrink", enable_shrink, f"is not supported: {MASK}")
         self.explicitly_destroy = _flag(func, "explicitly_destroy", explicitly_destroy)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
