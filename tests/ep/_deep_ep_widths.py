@@ -49,7 +49,7 @@ def widths_share_one_buffer(rank: int, num_ranks: int, store, case: dict) -> dic
         torch.cuda.set_device(on)
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
         shared = deep_ep.Buffer(group, case["budget"])
-        old_handle = None
+        old_handle, served = None, []  # every warmlink Buffer that served, kept: an id() of a freed one is reused
         for hidden, topk in case["steps"]:
             x, idx, w = (t.to(on) for t in _inputs(case, rank, hidden, topk))
             worst = num_ranks * max(case["tokens"])  # the same on every rank
@@ -62,8 +62,10 @@ def widths_share_one_buffer(rank: int, num_ranks: int, store, case: dict) -> dic
                                      case["experts"])[rank]
             mine = tuple(t.cpu() for t in got["dispatch"][:3])
             out["steps"][-1]["reference"] = _same(mine, (ref["recv_x"], ref["recv_topk_idx"], ref["recv_topk_weights"]))
-            out["inner"].append((id(shared.warmlink_buffer), shared.warmlink_buffer.layout.hidden,
-                                 shared.warmlink_buffer.layout.num_topk, shared.warmlink_buffer.layout.max_tokens))
+            inner = shared.warmlink_buffer
+            which = next((i for i, b in enumerate(served) if b is inner), len(served))
+            served[which:which + 1] = [inner]
+            out["inner"].append((which, inner.layout.hidden, inner.layout.num_topk, inner.layout.max_tokens))
             if old_handle is not None and out["inner"][-1][0] != out["inner"][-2][0]:  # it grew: the old handle is refused
                 try:
                     shared.combine(old_handle[0], old_handle[1])
