@@ -51,6 +51,25 @@ def test_plan_kernel_equals_torch(kernels, seed, tokens, num_ranks, num_experts,
         assert words[parts["lo"]].min().item() == topk.min().item() and words[parts["hi"]].max().item() == topk.max().item()
 
 
+@pytest.mark.parametrize("seed,tokens,num_ranks,num_experts,k,dtype,bad", [
+    (0, 37, 4, 16, 3, torch.int64, False), (1, 130, 2, 8, 2, torch.int32, True), (2, 0, 3, 6, 2, torch.int64, False),
+    (3, 65, 8, 64, 8, torch.int64, True), (4, 9, 3, 9, 1, torch.int32, False)])
+def test_layout_kernel_equals_torch(kernels, seed, tokens, num_ranks, num_experts, k, dtype, bad):
+    """Every output of ``dispatch_layout`` in one launch equals the torch version's: masked ids,
+    ids out of range on both sides (counted, routed nowhere), several programs, int32 ids."""
+    topk = _routing(seed, tokens, num_ranks, num_experts, k)
+    if bad and tokens:
+        topk[::5, 0] = num_experts + 3
+        topk[1::7, -1] = -4
+    topk = topk.to(dtype)
+    want = dispatch_layout(topk, num_experts, num_ranks)
+    got = dispatch_layout(topk, num_experts, num_ranks, kernels=kernels)
+    for name in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "num_bad_ids"):
+        w, g = getattr(want, name), getattr(got, name)
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+    assert (int(got.num_bad_ids) > 0) == (bad and tokens > 0)
+
+
 def _sources(seed: int, tokens: int, words: int, topk, meta: str) -> _kernels.Sources:
     """Random rows and the meta parts ``meta`` names ("ids", "ids+weights", "scales", "all", "none")."""
     gen = torch.Generator().manual_seed(seed)

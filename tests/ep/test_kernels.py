@@ -49,6 +49,14 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     lay = dispatch_layout(topk, num_experts, num_ranks)
     want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
     dev = torch.device("cuda", 0)
+    bad = topk.clone()
+    bad[::9, 0] = num_experts + 1
+    for ids in (topk, bad):  # the layout in one launch on CUDA (ep._kernels.layout) against torch's, twice
+        want_lay = dispatch_layout(ids, num_experts, num_ranks)
+        for _ in range(2):
+            got_lay = dispatch_layout(ids.to(dev), num_experts, num_ranks)
+            for name in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "num_bad_ids"):
+                assert torch.equal(getattr(got_lay, name).cpu(), getattr(want_lay, name)), name
     cuda = [t.to(dev) for t in (lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert)]
     for _ in range(2):
         rows, words = _kernels.plan(*cuda, max_tokens)

@@ -78,7 +78,7 @@ from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Padded, Sources, cal
 from warmlink.ep._launch import FastLaunch, launch
 
 __all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Padded", "Sources", "call_words", "exchange", "fresh_front",
-           "fresh_push", "gather", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
+           "fresh_push", "gather", "layout", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
@@ -173,6 +173,7 @@ class Kernels(NamedTuple):
     plan_call: object
     exchange_call: object
     push_call: object
+    layout: object
 
 
 @functools.cache
@@ -192,7 +193,7 @@ def _build() -> Kernels:
     from warmlink.ep import _triton
 
     return Kernels(triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
-                   _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel)
+                   _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel, _triton.layout_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -200,6 +201,27 @@ def _pow2(n: int) -> int:
 
 
 # -- the entry points -------------------------------------------------------------------------------
+_LAYOUT_TOKENS = 64  # tokens per program of ``layout``
+
+
+def layout(topk: torch.Tensor, num_experts: int, num_ranks: int, kernels) -> tuple[torch.Tensor, ...]:
+    """``ep.layout.dispatch_layout`` in one launch (and one zeroing): ``(num_tokens_per_rank,
+    num_tokens_per_expert, is_token_in_rank, num_bad_ids)``, the counts views of one int32 tensor.
+    Its ~15 torch launches cost a DeepEP-style fresh dispatch ~0.25 ms of host time on an H200."""
+    topk = topk.contiguous()
+    num_tokens, num_k = topk.shape
+    counts = torch.zeros(num_ranks + num_experts + 1, dtype=torch.int32, device=topk.device)
+    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk.device)
+    if num_tokens and num_k:
+        launch(kernels.layout, (_cdiv(num_tokens, _LAYOUT_TOKENS),),
+               (topk, in_rank.view(torch.uint8), counts, num_tokens, num_k, num_experts, num_experts // num_ranks),
+               {"NUM_RANKS": num_ranks, "T_BLOCK": _LAYOUT_TOKENS, "K_BLOCK": _pow2(num_k)})
+    else:
+        in_rank.zero_()
+    return (counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], in_rank,
+            counts[num_ranks + num_experts:])
+
+
 def plan(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor, max_tokens: int,
          kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [T, R] int64, words [words_size(R, E)] int64)``, both on the device, no host synchronization.

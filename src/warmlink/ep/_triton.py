@@ -91,6 +91,26 @@ def plan_steps(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, wo
 
 
 @triton.jit
+def layout_kernel(topk_ptr, in_rank_ptr, counts_ptr, num_tokens, num_k, num_experts, experts_per_rank,
+                  NUM_RANKS: tl.constexpr, T_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+    # counts: [NUM_RANKS] tokens per rank, [num_experts] pairs per expert, [1] bad ids (zeroed)
+    t = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
+    k = tl.arange(0, K_BLOCK)
+    tm = t < num_tokens
+    m = tm[:, None] & (k[None, :] < num_k)
+    idx = tl.load(topk_ptr + t[:, None].to(tl.int64) * num_k + k[None, :], mask=m, other=-1).to(tl.int64)
+    valid = m & (idx >= 0) & (idx < num_experts)
+    bad = m & ((idx < -1) | (idx >= num_experts))
+    tl.atomic_add(counts_ptr + NUM_RANKS + num_experts, tl.sum(tl.sum(bad.to(tl.int32), 1), 0))
+    tl.atomic_add(counts_ptr + NUM_RANKS + tl.where(valid, idx, 0), tl.full([T_BLOCK, K_BLOCK], 1, tl.int32), mask=valid)
+    rank_of = tl.where(valid, idx // experts_per_rank, -1)
+    for r in tl.static_range(NUM_RANKS):
+        hit = tl.max((rank_of == r).to(tl.int32), 1)
+        tl.store(in_rank_ptr + t.to(tl.int64) * NUM_RANKS + r, hit.to(tl.uint8), mask=tm)
+        tl.atomic_add(counts_ptr + r, tl.sum(tl.where(tm, hit, 0), 0))
+
+
+@triton.jit
 def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
                HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     # token t's meta parts (zeros for the parts it does not have)

@@ -1,4 +1,5 @@
-"""Where every token goes: the dispatch layout, in torch ops (the send plan: ep._kernels.plan).
+"""Where every token goes: the dispatch layout, in one kernel on CUDA (ep._kernels.layout) and in
+torch ops elsewhere (the send plan: ep._kernels.plan).
 
 Nothing here synchronizes with the host: out-of-range expert ids are routed to a dump column
 (and counted) instead of indexing out of bounds, so a bad id can never fault a kernel; ``dispatch``
@@ -38,7 +39,7 @@ class DispatchLayout:
     num_bad_ids: torch.Tensor
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> DispatchLayout:
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, kernels=None) -> DispatchLayout:
     """Count tokens per rank and per expert; ``-1`` entries are masked (routed nowhere).
 
     Args:
@@ -46,9 +47,18 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) ->
         num_experts: total experts, a multiple of ``num_ranks``.
         num_ranks: ranks of the group.
 
+        kernels: ep's kernels (tests pass the interpreter's); default: Triton's on CUDA, else torch.
+
     Returns:
         A ``DispatchLayout``; ids outside ``[-1, num_experts)`` are counted in ``num_bad_ids`` only.
     """
+    from warmlink.ep import _kernels
+
+    kernels = kernels or (_kernels._kernels() if topk_idx.is_cuda else None)
+    if kernels is not None:
+        per_rank, per_expert, in_rank, bad = _kernels.layout(topk_idx, num_experts, num_ranks, kernels)
+        return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
+                              num_bad_ids=bad)
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // num_ranks
     idx = topk_idx.long()
