@@ -201,7 +201,7 @@ def _pow2(n: int) -> int:
 
 
 # -- the entry points -------------------------------------------------------------------------------
-_LAYOUT_TOKENS = 64  # tokens per program of ``layout``
+_LAYOUT_TOKENS = 256  # tokens per program of ``layout``
 
 
 def layout(topk: torch.Tensor, num_experts: int, num_ranks: int, kernels) -> tuple[torch.Tensor, ...]:
@@ -215,7 +215,8 @@ def layout(topk: torch.Tensor, num_experts: int, num_ranks: int, kernels) -> tup
     if num_tokens and num_k:
         launch(kernels.layout, (_cdiv(num_tokens, _LAYOUT_TOKENS),),
                (topk, in_rank.view(torch.uint8), counts, num_tokens, num_k, num_experts, num_experts // num_ranks),
-               {"NUM_RANKS": num_ranks, "T_BLOCK": _LAYOUT_TOKENS, "K_BLOCK": _pow2(num_k)})
+               {"NUM_RANKS": num_ranks, "T_BLOCK": _LAYOUT_TOKENS, "K_BLOCK": _pow2(num_k),
+                "E_BINS": _pow2(num_experts + 1)})  # one bin past the experts: masked and bad ids
     else:
         in_rank.zero_()
     return (counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], in_rank,

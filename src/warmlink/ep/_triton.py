@@ -92,8 +92,9 @@ def plan_steps(in_rank_ptr, topk_ptr, per_rank_ptr, per_expert_ptr, rows_ptr, wo
 
 @triton.jit
 def layout_kernel(topk_ptr, in_rank_ptr, counts_ptr, num_tokens, num_k, num_experts, experts_per_rank,
-                  NUM_RANKS: tl.constexpr, T_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
-    # counts: [NUM_RANKS] tokens per rank, [num_experts] pairs per expert, [1] bad ids (zeroed)
+                  NUM_RANKS: tl.constexpr, T_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, E_BINS: tl.constexpr):
+    # counts: [NUM_RANKS] tokens per rank, [num_experts] pairs per expert, [1] bad ids (zeroed).
+    # Each program adds its block's histogram: one atomic per expert, not one per (token, expert).
     t = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
     k = tl.arange(0, K_BLOCK)
     tm = t < num_tokens
@@ -102,7 +103,9 @@ def layout_kernel(topk_ptr, in_rank_ptr, counts_ptr, num_tokens, num_k, num_expe
     valid = m & (idx >= 0) & (idx < num_experts)
     bad = m & ((idx < -1) | (idx >= num_experts))
     tl.atomic_add(counts_ptr + NUM_RANKS + num_experts, tl.sum(tl.sum(bad.to(tl.int32), 1), 0))
-    tl.atomic_add(counts_ptr + NUM_RANKS + tl.where(valid, idx, 0), tl.full([T_BLOCK, K_BLOCK], 1, tl.int32), mask=valid)
+    bins = tl.arange(0, E_BINS)
+    per_expert = tl.histogram(tl.reshape(tl.where(valid, idx, E_BINS - 1).to(tl.int32), [T_BLOCK * K_BLOCK]), E_BINS)
+    tl.atomic_add(counts_ptr + NUM_RANKS + bins, per_expert, mask=(bins < num_experts) & (per_expert > 0))
     rank_of = tl.where(valid, idx // experts_per_rank, -1)
     for r in tl.static_range(NUM_RANKS):
         hit = tl.max((rank_of == r).to(tl.int32), 1)
