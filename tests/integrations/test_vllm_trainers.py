@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from warmlink import errors
+from warmlink._backoff import wait_until
 from warmlink.errors import MetadataError, PeerLostError, TransferError, TransferTimeout
 from warmlink.integrations.vllm import _trainers, _wire
 from warmlink.integrations.vllm._trainers import TrainerGroup
@@ -50,6 +51,14 @@ def _spawn(server, rank, world, secret=None):
     proc = CTX.Process(target=_member, args=(server.address, secret or server.secret, rank, world, ready), daemon=True)
     proc.start()
     return proc, ready
+
+
+def _announced(store, rank: int) -> bool:
+    """Whether ``rank``'s record is in the store, under this secret or another."""
+    try:
+        return store.try_get(f"vllm/trainer/{rank}") is not None
+    except MetadataError:
+        return True
 
 
 def _end(proc) -> None:
@@ -112,6 +121,8 @@ def test_a_rank_with_another_secret_is_named_by_both_sides_at_once(server):
     proc, ready = _spawn(server, 1, 2, secret="f" * 64)
     store, group = _here(server, 0, 2)
     try:
+        # timed from rank 1's announcement: a process start on a loaded host takes seconds of its own
+        wait_until(lambda: _announced(store, 1), timeout_s=120, what="rank 1's announcement")
         t0 = time.perf_counter()
         with pytest.raises(MetadataError, match="different secrets"):
             group.join(30)
@@ -141,6 +152,8 @@ def test_a_world_size_larger_than_the_job_times_out_naming_the_missing_ranks(ser
     store, group = _here(server, 0, 3)
     proc, ready = _spawn(server, 1, 3)
     try:
+        # rank 1 announced before the 3 s join starts: a process start on a loaded host takes longer
+        wait_until(lambda: _announced(store, 1), timeout_s=120, what="rank 1's announcement")
         with pytest.raises(TransferTimeout, match=r"ranks \[2\] of world_size=3 did not join .* is world_size right"):
             group.join(3)
     finally:
