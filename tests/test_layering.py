@@ -13,8 +13,8 @@ function alike (a lazy import still ties the two modules together):
   warmlink.x.y import _name`` fails unless ``warmlink.x.y._name`` is a module. (Dunder names
   such as ``__version__`` are not private.)
 - **Private modules.** A ``_``-prefixed module is internal to the package that holds it: any
-  module of that package or of its subpackages may import it (``warmlink.ep.buffer`` imports
-  ``warmlink.ep._kernels``; every module may import ``warmlink._env``). A module of another
+  module of that package or of its subpackages may import it (``warmlink.ep.low_latency._runtime``
+  imports ``warmlink.ep.low_latency._layout``; every module may import ``warmlink._env``). A module of another
   package may not, except for the entries of ``CROSS_PACKAGE``, each with its reason.
 - **Cycles.** The graph of those edges between warmlink's modules has no cycle.
 """
@@ -161,6 +161,47 @@ def test_no_layer_imports_a_layer_above_it():
             if _layer(imported) > own:
                 violations.append(f"{module} (layer {own}) imports {imported} (layer {_layer(imported)})")
     assert not violations, "layering violations:\n" + "\n".join(sorted(violations))
+
+
+# ep's folders, lowest first (ep/__init__ says what each holds): a folder imports only folders below it.
+EP_FOLDERS = {"kernels": 1, "wire": 2, "paths": 3, "protocol": 4, "low_latency": 5, "api": 6, "deep_ep": 7}
+
+
+def _ep_folder(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["warmlink", "ep"] or len(parts) < 3:
+        return None
+    return EP_FOLDERS.get(parts[2])
+
+
+def test_every_ep_module_lives_in_a_folder_with_a_rank():
+    loose = [m for m in _modules() if m.startswith("warmlink.ep.") and _ep_folder(m) is None]
+    assert not loose, f"ep modules outside ep's folders (give them a folder in EP_FOLDERS): {sorted(loose)}"
+
+
+def test_no_ep_folder_imports_a_folder_above_it():
+    modules = _modules()
+    violations = []
+    for module, path in modules.items():
+        own = _ep_folder(module)
+        if own is None:
+            continue
+        for imported, _ in _edges(module, path, modules):
+            theirs = _ep_folder(imported)
+            if imported == "warmlink.ep" and own < EP_FOLDERS["deep_ep"]:
+                violations.append(f"{module} imports warmlink.ep itself (only deep_ep, on top, may)")
+            elif theirs is not None and theirs > own:
+                violations.append(f"{module} imports {imported}, a folder above it")
+    assert not violations, "ep folder order broken:\n" + "\n".join(sorted(violations))
+
+
+def test_ep_files_stay_under_400_lines_or_say_why():
+    long = []
+    for path in (SRC / "ep").rglob("*.py"):
+        lines = path.read_text().splitlines()
+        if len(lines) > 400 and not any("Over 400 lines:" in line for line in lines[:40]):
+            long.append(f"{path.relative_to(SRC)} ({len(lines)} lines)")
+    assert not long, "ep files over 400 lines with no 'Over 400 lines:' reason near the top: " + ", ".join(long)
 
 
 def test_import_warmlink_is_cheap_and_lazy():

@@ -1,5 +1,5 @@
 """Where ``deep_ep.Buffer.get_dispatch_layout``'s time goes on one GPU (one rank): CUDA events on
-the caller's stream around a zeroing alone, ``ep.layout.dispatch_layout`` (the kernel and its
+the caller's stream around a zeroing alone, ``ep.kernels.layout.dispatch_layout`` (the kernel and its
 zeroing) and the drop-in's call (its checks and stream context around them), medians of
 ``--calls``; then cProfile of the drop-in's call, by own time::
 
@@ -27,7 +27,7 @@ def main() -> None:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     import warmlink.ep.deep_ep as deep_ep
-    from warmlink.ep.layout import dispatch_layout
+    from warmlink.ep.kernels.layout import dispatch_layout
 
     torch.cuda.set_device(0)
     topk = torch.randint(0, 256, (4096, 8), device="cuda")
@@ -46,7 +46,7 @@ def main() -> None:
         return statistics.median(samples)
 
     for name, fn in (("zeros(257) alone", lambda: torch.zeros(257, dtype=torch.int32, device="cuda")),
-                     ("ep.layout.dispatch_layout", lambda: dispatch_layout(topk, 256, 1)),
+                     ("ep.kernels.layout.dispatch_layout", lambda: dispatch_layout(topk, 256, 1)),
                      ("deep_ep get_dispatch_layout", lambda: buf.get_dispatch_layout(topk, 256))):
         print(f"{name:<32}{events(fn):>8.1f} us", flush=True)
     prof = cProfile.Profile()

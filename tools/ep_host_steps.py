@@ -5,7 +5,7 @@ send's launch split. This wraps a few named steps with ``time.perf_counter`` ins
 each) and prints, per kind of call, the median inclusive host time of each step per call (a step
 that nests another includes it), beside the call's own median wall time. The first calls of each
 kind are printed apart: they compile kernels, run eagerly once per receive parity, then capture
-the CUDA graphs later calls replay (ep._kernels, Note [Fresh send graph]), all paid once per
+the CUDA graphs later calls replay (ep.paths.sm_pushes, Note [Fresh send graph]), all paid once per
 Buffer and shape::
 
     python tools/ep_host_steps.py [--calls 300]
@@ -23,17 +23,23 @@ import torch
 from _one_rank import one_rank
 
 from warmlink import _cuda
-from warmlink.ep import _checks, _cuda_mover, _mailbox, _outputs, _rounds, _senders, buffer
+from warmlink.ep.paths import cuda_mover as _cuda_mover
+from warmlink.ep.paths import outputs as _outputs
+from warmlink.ep.paths import senders as _senders
+from warmlink.ep.protocol import checks as _checks
+from warmlink.ep.protocol import normal as _normal
+from warmlink.ep.protocol import rounds as _rounds
+from warmlink.ep.wire import mailbox as _mailbox
 
 # (owner, attribute): the steps timed; module-level functions are patched where the caller looks them up
 STEPS = [
-    (_checks.Checks, "x"), (_checks.Checks, "routing"), (torch, "empty"), (_senders.SmSender, "_shape"),
+    (_checks.Checks, "x"), (_checks.Checks, "routing"), (torch, "empty"), (_senders.SmPath, "_shape"),
     (_mailbox.Mailbox, "publish_dispatch"), (_senders, "call_words"), (_cuda_mover.CudaMover, "send_sm"),
     (_cuda_mover.CudaMover, "_launch"), (_cuda, "event_record"), (_cuda, "graph_launch"),
-    (_cuda_mover.CudaMover, "wait_board"), (_senders.StagedSender, "_handle"), (_rounds.Rounds, "meet"),
-    (_senders, "plan_from_board"), (_cuda_mover.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
-    (buffer, "dispatch_outputs"), (_cuda_mover.CudaMover, "arrived"), (_outputs, "unpack_meta"),
-    (_cuda_mover.CudaMover, "_push_cached"), (_cuda, "stream_wait_value"), (_cuda, "stream_write_value"), (_senders.SmSender, "send_cached"),
+    (_cuda_mover.CudaMover, "wait_board"), (_checks.Checks, "counts"), (_rounds.Rounds, "meet"),
+    (_normal, "plan_from_board"), (_cuda_mover.CudaMover, "send_done"), (_mailbox.Mailbox, "publish"),
+    (_normal, "dispatch_outputs"), (_cuda_mover.CudaMover, "arrived"), (_outputs, "unpack_meta"),
+    (_cuda_mover.CudaMover, "_push_cached"), (_cuda, "stream_wait_value"), (_cuda, "stream_write_value"), (_senders.SmPath, "send_cached"),
     (_cuda_mover.CudaMover, "gather_all"), (_cuda_mover.CudaMover, "flush_all"),
 ]
 

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from warmlink.ep import _kernels
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels import steps as _kernels
+from warmlink.ep.kernels.layout import dispatch_layout
 
 
 def host_us(fn, n=200):

@@ -621,7 +621,7 @@ def memcpy_batch_async(dsts: list[int], srcs: list[int], sizes: list[int], strea
 
 
 # -- stream memory operations on registered host memory -------------------------------------------
-# (ep._flags, Note [Arrival flags]: words that other processes' streams write and this process's
+# (ep.wire.flags, Note [Arrival flags]: words that other processes' streams write and this process's
 # streams wait for, and that the CPU can store to with no CUDA call)
 def host_register(ptr: int, nbytes: int) -> int:
     """Page-lock ``nbytes`` of host memory at ``ptr`` for every context (portable, mapped); the

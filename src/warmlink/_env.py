@@ -115,7 +115,7 @@ def ep_copy_streams() -> str:
 def ep_send() -> str:
     """``WARMLINK_EP_SEND``, the default of ``ep.Buffer(send=...)`` on cuda_ipc: how a dispatch
     without a receive hook moves its rows: ``"sm"`` (default: kernels trade the counts and store
-    the rows into the peers, ep._kernels Note [SM sends]) or ``"copy"`` (the host meets the peers,
+    the rows into the peers, ep.paths.sm_pushes Note [SM sends]) or ``"copy"`` (the host meets the peers,
     then the copy engines push)."""
     value = _raw("WARMLINK_EP_SEND") or "sm"
     if value not in ("sm", "copy"):
@@ -125,7 +125,7 @@ def ep_send() -> str:
 
 def ep_graph() -> bool:
     """``WARMLINK_EP_GRAPH``, the default of ``ep.Buffer(graphs=...)`` on cuda_ipc: ``1`` (default)
-    replays a dispatch's send launches as CUDA graphs after its first call per shape (ep._kernels,
+    replays a dispatch's send launches as CUDA graphs after its first call per shape (ep.paths.sm_pushes,
     Note [Fresh send graph]); ``0`` launches them one by one every call."""
     value = _raw("WARMLINK_EP_GRAPH") or "1"
     if value not in ("0", "1"):

@@ -9,8 +9,8 @@ import torch
 import warmlink.ep.deep_ep as deep_ep
 from tests.ep._deep_ep_workers import gloo_group
 from warmlink.ep.deep_ep.sizing import needed_bytes
+from warmlink.ep.wire.fp8 import quantize
 from warmlink.errors import ConfigError
-from warmlink.ep.fp8 import quantize
 
 
 def _inputs(case: dict, rank: int):

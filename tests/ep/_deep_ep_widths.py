@@ -11,7 +11,7 @@ from tests.ep._deep_ep_rounds import _same
 from tests.ep._deep_ep_workers import gloo_group
 from tests.ep._reference import reference_dispatch
 from warmlink.ep.deep_ep.sizing import needed_bytes
-from warmlink.ep.fp8 import quantize
+from warmlink.ep.wire.fp8 import quantize
 from warmlink.errors import ConfigError
 
 

@@ -11,8 +11,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-import warmlink.ep.deep_ep as deep_ep
 from warmlink.ep.deep_ep.sizing import tokens_within
+import warmlink.ep.deep_ep as deep_ep
 
 
 def free_port() -> int:
@@ -197,7 +197,7 @@ def outputs_outlive_later_calls(rank: int, num_ranks: int, store, case: dict) ->
 
 def padded_like_unpadded(rank: int, num_ranks: int, store, case: dict) -> dict:
     """A fresh dispatch with ``num_worst_tokens`` (which returns at launch on a GPU, its handle's
-    ``rank_prefix_matrix`` summed from the count board on the device: ep._senders, Note [Padded
+    ``rank_prefix_matrix`` summed from the count board on the device: ep.protocol.normal, Note [Padded
     dispatch returns at launch]) beside the same dispatch without: the same handle contents, rows,
     padding and combine. ``case["cuda"]``: on GPU ``rank % device_count``."""
     on = torch.device("cpu")

@@ -165,7 +165,7 @@ def ll_two_batches(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
 
 
 def ll_calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """Calls of one Buffer keep their issue order on the device (ep._comm_stream, Note
+    """Calls of one Buffer keep their issue order on the device (ep.paths.comm_stream, Note
     [Communication stream]). With the communication stream held on a host word, an async BF16
     dispatch of batch 0, then dispatches of batches 1 and 2 on the caller's stream (batch 2's is
     of batch 0's parity, whose sequence word and output views batch 0's kernels, once released,

@@ -149,7 +149,7 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     dtype; ``weights`` False sends none; ``cached`` adds two cached re-dispatches of ``-x``), in
     order, on one Buffer: new tensors at new addresses and new token counts every call, through
     the same kernels (on GPUs, graphs replayed from the second call of a parity and shape,
-    ep._kernels, Note [Fresh send graph]). Returns this rank's outputs per round and the kinds of
+    ep.paths.sm_pushes, Note [Fresh send graph]). Returns this rank's outputs per round and the kinds of
     launch its mover captured as graphs."""
     subs = [dict(case, **sub) for sub in case["rounds_cases"]]
     device = rank_device(rank, case)
@@ -408,7 +408,9 @@ def from_group_across_hosts(rank: int, num_ranks: int, store, case: dict) -> str
 
     import torch.distributed as dist
 
-    from warmlink.ep import Buffer, _setup
+    from warmlink.ep import Buffer
+
+    from warmlink.ep.paths import setup as _setup
 
     if rank == num_ranks - 1:
         _setup.host_id = lambda: 12345  # another machine's
@@ -578,7 +580,7 @@ def _held(stream: int):
 
 
 def runs_on_the_comm_stream(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """Calls made with ``async_finish=True`` run on the Buffer's communication stream (ep._comm_stream,
+    """Calls made with ``async_finish=True`` run on the Buffer's communication stream (ep.paths.comm_stream,
     Note [Communication stream]). With that stream held on a host word (a stream wait no kernel
     ends), a cached dispatch and a combine still return, the caller's stream runs past them, and
     their events stay unreached until the word is stored. Returns the outputs of each call made
@@ -622,7 +624,7 @@ def _caller_runs_on() -> None:
 
 
 def padded_returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """A fresh dispatch with ``num_worst_tokens`` returns at launch (ep._senders, Note [Padded
+    """A fresh dispatch with ``num_worst_tokens`` returns at launch (ep.protocol.normal, Note [Padded
     dispatch returns at launch]): with the stream it runs on held on a host word, so that no
     kernel of it (nor the count exchange of any rank) can run, it still returns, its handle
     pending; once released, the combine (which resolves the handle) and every output equal the
@@ -665,7 +667,7 @@ def padded_returns_at_launch(rank: int, num_ranks: int, store, case: dict) -> di
 
 
 def calls_keep_their_order(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """A call on another stream than the last call's runs after it on the device (ep._comm_stream,
+    """A call on another stream than the last call's runs after it on the device (ep.paths.comm_stream,
     Note [Communication stream]). An async fresh dispatch of ``x`` whose push is held on a host word
     (its count exchange ran, so its host returned), then a padded fresh dispatch of ``-x`` on the
     caller's stream, which rewrites the device words that push reads; released, the async

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._interpreter import CLOCK, numpy_scalars_in_the_interpreter, swap_ptx_helpers
-from warmlink.ep import _kernels
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels import steps as _kernels
+from warmlink.ep.kernels.layout import dispatch_layout
 
 triton = pytest.importorskip("triton")
 
@@ -148,7 +148,7 @@ def _board(counts: list[list[int]], round_: int, row: int = 9) -> torch.Tensor:
 @pytest.mark.parametrize("case", ["received", "exactly full", "late source", "refused input",
                                   "a rank over the bound", "nothing received"])
 def test_a_padded_unpack_reads_its_rows_received_from_the_board(kernels, case):
-    """ep._senders, Note [Padded dispatch returns at launch]: the unpack learns the rows received on
+    """ep.protocol.normal, Note [Padded dispatch returns at launch]: the unpack learns the rows received on
     the device; rows past them, and every row of a round some rank refused or missed, get id -1
     and weight 0 (their scales are not written)."""
     gen = torch.Generator().manual_seed(13)
@@ -214,7 +214,7 @@ def test_a_padded_unpack_of_any_board_equals_its_torch_version_and_pads_a_refuse
 @pytest.mark.parametrize("meta", ["ids+weights", "scales", "all", "none"])
 @pytest.mark.parametrize("skip,unsent", [(-1, None), (1, None), (-1, 2)])
 def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta, skip, unsent):
-    """push's per-destination bases (ep._kernels, Note [SM sends]) land every row where a gather
+    """push's per-destination bases (ep.paths.sm_pushes, Note [SM sends]) land every row where a gather
     into that destination's own area, shifted, puts it; a 0 base and ``skip`` leave it untouched."""
     num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 4, 29, 32, 600, 3, 64
     topk = _routing(5, tokens, num_ranks, 16, 2)
@@ -240,11 +240,11 @@ def test_push_kernel_stores_what_gather_places_in_each_destination(kernels, meta
         assert torch.equal(areas[d][1], want_meta), d
 
 
-# -- the count exchange (ep._kernels, Note [SM sends]) ---------------------------------------------
+# -- the count exchange (ep.paths.sm_pushes, Note [SM sends]) ---------------------------------------------
 @pytest.fixture
 def exchange_kernels(kernels, monkeypatch):
     """The kernels with the exchange's PTX helpers (clock, system fence) swapped for Python ones."""
-    from warmlink.ep import _triton
+    from warmlink.ep.kernels import programs as _triton
 
     swap_ptx_helpers(monkeypatch, _triton)
     return kernels
@@ -257,7 +257,7 @@ def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0
     """Rank 2 of 4 runs its exchange for round 7 after ``peers`` (rank -> (tag, word, counts):
     word 1 of its row, its config word or 0 for a refused input) posted their rows in its board.
     Returns (boards, x bases, meta bases, the expected own row)."""
-    from warmlink.ep._regions import board_words
+    from warmlink.ep.wire.regions import board_words
 
     num_ranks, me, round_, num_experts, cap, x_row, meta_row = 4, 2, 7, 16, 50, 256, 64
     row = board_words(num_ranks)
@@ -319,7 +319,7 @@ def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange
     assert boards[2][1, 1] == (0 if word != CONFIG else CONFIG) and boards[2][3, 1] == CONFIG
 
 
-# -- the fresh send's call-block kernels (ep._kernels, Note [Fresh send graph]) -----------------------
+# -- the fresh send's call-block kernels (ep.paths.sm_pushes, Note [Fresh send graph]) -----------------------
 @pytest.mark.parametrize("meta,dtypes", [("ids+weights", (torch.int64, torch.int64, torch.float32)),
                                          ("all", (torch.int32, torch.int32, torch.bfloat16))])
 def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_do(exchange_kernels, meta, dtypes):
@@ -327,7 +327,7 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
     replayed graph does: the same rows, words and landed rows as ``plan`` + ``push`` with the same
     bases. Rank 1 of 3, the peers' counts already posted; a second call with other inputs and a
     later round, through the same block, lands its own rows."""
-    from warmlink.ep._regions import board_words
+    from warmlink.ep.wire.regions import board_words
 
     num_ranks, me, num_experts, k, max_tokens, words_per_row, meta_k, meta_bytes = 3, 1, 12, 2, 40, 600, 2, 64
     topk_t, count_t, w_t = dtypes
@@ -378,7 +378,7 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
 
 @pytest.mark.parametrize("meta", ["scales", "none"])
 def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta):
-    """A cached dispatch's graph (ep._sm_pushes, SmPushes.send_sm_cached) reads its rows, x, scales, token count
+    """A cached dispatch's graph (ep.paths.sm_pushes, SmPushes.send_sm_cached) reads its rows, x, scales, token count
     and per-destination bases from one call block: the same stores as ``push`` with those bases."""
     num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 3, 21, 30, 600, 3, 64
     topk = _routing(8, tokens, num_ranks, 9, 2)
@@ -414,10 +414,10 @@ def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, met
 
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 1100, torch.bfloat16), (4, 256, torch.float16), (2, 8, torch.float32)])
 def test_the_combine_sum_kernel_equals_the_torch_sum(num_ranks, hidden, dtype):
-    """The combine's sum (ep._reduce), with this rank's own copy read where it lies and tokens that
+    """The combine's sum (ep.kernels.reduce), with this rank's own copy read where it lies and tokens that
     went nowhere, gives the torch sum (float32 in rank order): exactly, but for the last bit of a
     bfloat16 result."""
-    from warmlink.ep import _reduce
+    from warmlink.ep.kernels import reduce as _reduce
 
     gen = torch.Generator().manual_seed(num_ranks * 100 + hidden)
     tokens, area_rows, me = 19, 40, 1
@@ -440,9 +440,9 @@ def test_the_combine_sum_kernel_equals_the_torch_sum(num_ranks, hidden, dtype):
 
 @pytest.mark.parametrize("num_ranks,parts", [(4, 4), (3, 2), (2, 3)])
 def test_the_combine_sum_in_parts_writes_each_token_once_and_equals_the_whole_sum(num_ranks, parts):
-    """Summed part by part (ep._reduce, Note [Pipelined combine]), the kernel writes each token in
+    """Summed part by part (ep.kernels.reduce, Note [Pipelined combine]), the kernel writes each token in
     exactly the part that completes its copies, and the parts together give the whole sum."""
-    from warmlink.ep import _reduce
+    from warmlink.ep.kernels import reduce as _reduce
 
     gen = torch.Generator().manual_seed(num_ranks * 10 + parts)
     tokens, slot, hidden, me = 23, 30, 256, num_ranks - 1
@@ -479,7 +479,7 @@ def test_a_nan_in_one_copy_stays_in_its_token_in_the_combine_sum_kernel(parts):
     """The kernel reads only the copies a token has (a branch on its row, not a product with a
     mask): NaN and inf in area row 0 and own row 0, where absent copies' indices would land, stay in
     token 0."""
-    from warmlink.ep import _reduce
+    from warmlink.ep.kernels import reduce as _reduce
 
     gen = torch.Generator().manual_seed(parts)
     tokens, slot, hidden, num_ranks, me = 11, 12, 256, 3, 2

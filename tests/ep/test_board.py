@@ -1,4 +1,4 @@
-"""The host half of SM sends (ep._kernels, Note [SM sends]): a rank's count board yields the same
+"""The host half of SM sends (ep.paths.sm_pushes, Note [SM sends]): a rank's count board yields the same
 handle as the copy-engine path's mailbox meeting, and refuses late, refused or impossible rows."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink.ep import _mailbox
-from warmlink.ep._regions import RegionLayout, board_words
-from warmlink.ep._rounds import Rounds
-from warmlink.ep.handle import Handle, plan_from_board
+from warmlink.ep.protocol.rounds import Rounds
+from warmlink.ep.wire import mailbox as _mailbox
+from warmlink.ep.wire.handle import Handle, plan_from_board
+from warmlink.ep.wire.regions import RegionLayout, board_words
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 ROUND = 5

@@ -229,7 +229,7 @@ def test_buffer_lifecycles_reuse_everything_and_grow_nothing():
 def test_a_new_buffers_count_boards_are_zero_though_its_pooled_region_is_not(monkeypatch):
     """The pool hands a region back with a closed Buffer's bytes (not zeroed); the boards, whose
     round tags the SM exchange trusts, are cleared before the rank info is published."""
-    from warmlink.ep import _setup
+    from warmlink.ep.paths import setup as _setup
 
     seen = []
     real = _setup.Resources._clear_boards
@@ -266,7 +266,7 @@ def test_a_second_lifecycle_with_late_peers_matches_the_reference():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_rank_refusing_its_arguments_makes_every_rank_raise_at_once_and_the_next_call_works(refusal, says, ranks):
     """Rank 0's fresh dispatch fails one of its own checks: it takes part in the round without tokens,
-    refused (ep._senders, Note [Refused dispatch]), so every peer raises ConfigError naming it at
+    refused (ep.protocol.normal, Note [Refused dispatch]), so every peer raises ConfigError naming it at
     once, instead of waiting out its timeout (600 s here: a wait would fail the test's own limit,
     which leaves a loaded machine minutes to start and run the ranks), and the next dispatch of
     every rank equals the reference."""
@@ -330,7 +330,7 @@ def test_from_group_refuses_a_group_across_machines_on_every_rank():
 
 
 def test_as_words_views_rows_as_int64_words_or_bytes_without_copying():
-    from warmlink.ep._movers import as_words
+    from warmlink.ep.paths.host_mover import as_words
 
     x = torch.arange(24, dtype=torch.bfloat16).view(3, 8)
     words = as_words(x)

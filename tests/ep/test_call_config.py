@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from warmlink.ep._call_config import (
+from warmlink.ep.wire.words import (
     MAX_HANDLE_ROUND,
     MAX_TOPK,
     MAX_WORST_TOKENS,
@@ -17,7 +17,7 @@ from warmlink.ep._call_config import (
     encode_call,
     encode_combine,
 )
-from warmlink.ep._regions import MAX_EXPERTS
+from warmlink.ep.wire.regions import MAX_EXPERTS
 from warmlink.errors import ConfigError
 
 x_dtypes = st.sampled_from([torch.bfloat16, torch.float16, torch.float8_e4m3fn])

@@ -1,4 +1,4 @@
-"""ep._comm_stream on the CPU: the joins a call on the communication stream makes between the
+"""ep.paths.comm_stream on the CPU: the joins a call on the communication stream makes between the
 caller's stream and its own, and which stream each tensor is marked used by, through fakes of the
 CUDA calls (the GPU test ``test_gpu_async_finish_calls_run_on_the_communication_stream`` runs
 the real thing)."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from warmlink import _cuda
-from warmlink.ep import _comm_stream
-from warmlink.ep._comm_stream import INLINE, CommStream
+from warmlink.ep.paths import comm_stream as _comm_stream
+from warmlink.ep.paths.comm_stream import INLINE, CommStream
 
 CALLER, COMM, ENTRY, EXIT = 0xC0, 0x50, 0xE1, 0xE2
 
@@ -118,7 +118,7 @@ def test_a_call_on_the_callers_stream_after_async_calls_waits_for_them_once(comm
     """Calls of one Buffer keep their issue order (Note [Communication stream]): a low-latency call
     on the caller's stream reads device words an async call still queued on the communication
     stream would advance, so it first waits for that stream's work; the next one waits for nothing."""
-    from warmlink.ep.buffer import Buffer
+    from warmlink.ep.api.buffer import Buffer
 
     stream, log, _ = comm
     buf = Buffer.__new__(Buffer)

@@ -203,7 +203,7 @@ def test_outputs_are_fresh_tensors_that_later_calls_leave_alone():
     not torch.cuda.is_available(), reason="needs a CUDA device")])], ids=["shm", "gpu"])
 def test_a_padded_dispatch_gives_the_handle_rows_and_combine_of_an_unpadded_one(cuda):
     """On a GPU the padded one returns at launch and its ``rank_prefix_matrix`` comes from the count
-    board on the device (ep._senders, Note [Padded dispatch returns at launch])."""
+    board on the device (ep.protocol.normal, Note [Padded dispatch returns at launch])."""
     case = {"tokens": 48, "hidden": 256, "experts": 8, "topk": 2, "mask_prob": 0.1, "seed": 9, "cuda": cuda,
             "dist_port": free_port(), "num_nvl_bytes": 1 << 22}
     for got in run_ranks(padded_like_unpadded, 2, case=case, timeout_s=180):

@@ -14,7 +14,7 @@ from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 from warmlink.ep.deep_ep.rounds import _round_counts
 from warmlink.ep.deep_ep.sizing import needed_bytes
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels.layout import dispatch_layout
 
 
 def test_several_rounds_give_exactly_what_one_round_gives():

@@ -15,7 +15,7 @@ from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 from warmlink.ep.deep_ep.inner import narrow, widen
 from warmlink.ep.deep_ep.sizing import needed_bytes
-from warmlink.ep.fp8 import num_scales, quantize
+from warmlink.ep.wire.fp8 import num_scales, quantize
 
 
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(

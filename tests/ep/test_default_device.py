@@ -14,8 +14,9 @@ import torch
 from tests.ep._default_device import round_under_default_device
 from tests.ep._group import run_ranks
 from tests.ep.test_buffer import check_against_reference
-from warmlink.ep import _cuda_mover, _movers
-from warmlink.ep._regions import RegionLayout
+from warmlink.ep.paths import cuda_mover as _cuda_mover
+from warmlink.ep.paths import host_mover as _movers
+from warmlink.ep.wire.regions import RegionLayout
 from warmlink.transport.cuda_ipc import CopyEngines
 
 _HAS_CUDA = torch.cuda.is_available()

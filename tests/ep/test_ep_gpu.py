@@ -71,7 +71,7 @@ def test_gpu_dispatch_combine_match_the_reference(name):
 @pytest.mark.parametrize("delay_s", [0.001, 0.01, 0.1])
 def test_gpu_late_hooks_are_still_correct(delay_s):
     # cached re-dispatches too: the copy engines' cached send replays its gather's graph from the
-    # second call of a parity (ep._cuda_mover, CudaMover.gather_all)
+    # second call of a parity (ep.paths.cuda_mover, CudaMover.gather_all)
     case = {"tokens": _tokens(200, 31), "hidden": 1024, "experts": 16, "topk": 4, "hook_delay_s": delay_s, "rounds": 2,
             "cached": True, "cached_repeats": 3, "backend": "cuda_ipc", "seed": 6}
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=180))
@@ -88,7 +88,7 @@ def test_gpu_padded_hook_dispatches_through_the_copy_engines_match_the_reference
 @pytest.mark.parametrize("hook", [False, True], ids=["sm sends", "copy engines"])
 def test_gpu_too_few_worst_tokens_make_every_rank_refuse_the_round_and_the_next_one_works(hook):
     """Through the copy engines the call raises; with SM sends it returns at launch, its outputs all
-    padding, and the next call raises (ep._senders, Note [Padded dispatch returns at launch])."""
+    padding, and the next call raises (ep.protocol.normal, Note [Padded dispatch returns at launch])."""
     case = {"tokens": _tokens(6, 9), "hidden": 256, "experts": 2 * RANKS, "topk": 2, "backend": "cuda_ipc",
             "timeout_s": 10.0, "fault": "worst_too_small_then_exact", "hook": hook, "seed": 23}
     results = run_ranks(expect_error, RANKS, case=case, timeout_s=120)
@@ -147,7 +147,7 @@ def test_gpu_skewed_ranks_running_ahead_never_overwrite_what_a_peer_reads():
 
 @needs_gpu
 def test_gpu_graph_replays_read_each_calls_new_inputs():
-    """Fresh and cached SM dispatches replay captured graphs (ep._kernels, Note [Fresh send graph])
+    """Fresh and cached SM dispatches replay captured graphs (ep.paths.sm_pushes, Note [Fresh send graph])
     with new tensors, token counts and dtypes every call, and each equals the oracle."""
     case = changing_case(RANKS, backend="cuda_ipc")
     results = run_ranks(changing_rounds, RANKS, case=case, timeout_s=180)
@@ -155,7 +155,7 @@ def test_gpu_graph_replays_read_each_calls_new_inputs():
     assert all(r["graph_kinds"] == ["cached", "front", "push"] for r in results), [r["graph_kinds"] for r in results]
 
 
-# -- the SM sends' failure paths (ep._kernels, Note [SM sends]) -----------------------------------
+# -- the SM sends' failure paths (ep.paths.sm_pushes, Note [SM sends]) -----------------------------------
 _FAULT = {"hidden": 256, "experts": 8, "topk": 2, "backend": "cuda_ipc", "timeout_s": 10.0}
 
 
@@ -165,7 +165,7 @@ _FAULT = {"hidden": 256, "experts": 8, "topk": 2, "backend": "cuda_ipc", "timeou
                                            ("bad_shape", "is_token_in_rank has shape")])
 def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says, padded):
     """Rank 0's input fails its plan on the device (bad_expert) or its host checks (the others: it
-    then sends a refused round without tokens, ep._senders, Note [Refused dispatch]): every peer
+    then sends a refused round without tokens, ep.protocol.normal, Note [Refused dispatch]): every peer
     raises ConfigError naming it, a padded peer that returned at launch got padding only and raises
     at its next call, no kernel is left waiting, and the next dispatch equals the reference."""
     worst = RANKS * 9 if padded else 0  # every row the receive area holds
@@ -194,7 +194,7 @@ def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says
 def test_gpu_ranks_calling_with_other_configs_store_no_row_and_every_rank_raises(padded):
     """Rank 0 dispatches FP16 rows, its peers BF16 (rows of one size: nothing on the device tells
     them apart but the config word): the count exchange compares every rank's config word, so no
-    rank stores a row (ep._kernels, Note [SM sends]); padded calls return at launch with padding
+    rank stores a row (ep.paths.sm_pushes, Note [SM sends]); padded calls return at launch with padding
     only, and every rank raises the mismatch, padded at its next call; the next dispatch equals
     the reference. Before the exchange compared them, the padded outputs held the other config's rows."""
     worst = RANKS * 9 if padded else 0
@@ -229,7 +229,7 @@ def test_gpu_ranks_mixing_hook_and_normal_mode_are_refused_not_corrupted():
         assert e.startswith("ConfigError") and "sm_sends" in e and "drain" not in e, e
 
 
-# -- arrival flags (ep._flags, Note [Arrival flags]) -------------------------------------------------
+# -- arrival flags (ep.wire.flags, Note [Arrival flags]) -------------------------------------------------
 @needs_gpu
 def test_gpu_a_cached_dispatch_and_a_combine_return_before_any_peer_calls():
     """Rank 0's calls return while its peers wait for it: the device, not the host, waits for their
@@ -262,7 +262,7 @@ def test_gpu_a_combine_with_another_ranks_handle_is_refused_by_the_next_call():
 def test_gpu_a_padded_fresh_dispatch_returns_at_launch():
     """With its stream held so that no kernel of it can run, a dispatch with ``num_worst_tokens``
     returns, on the caller's stream and (``async_finish``) on the communication stream; released,
-    every output equals the unheld calls', and those equal the reference (ep._senders, Note
+    every output equals the unheld calls', and those equal the reference (ep.protocol.normal, Note
     [Padded dispatch returns at launch])."""
     case = {"tokens": _tokens(200, 77), "hidden": 2048, "experts": 16, "topk": 4, "backend": "cuda_ipc", "seed": 37,
             "worst": RANKS * 200}
@@ -289,7 +289,7 @@ def test_gpu_a_padded_fresh_dispatch_returns_at_launch():
 @needs_gpu
 def test_gpu_a_call_on_the_callers_stream_runs_after_an_async_call_still_queued(monkeypatch):
     """Calls of one Buffer keep their issue order on the device whichever stream each runs on
-    (ep._comm_stream, Note [Communication stream]): with an async dispatch's push held on the
+    (ep.paths.comm_stream, Note [Communication stream]): with an async dispatch's push held on the
     communication stream, a padded dispatch of other tokens on the caller's stream returns but
     waits on the device; released, each call's outputs equal the same call's unheld, instead of
     the async one pushing the second one's rows. More hardware queues than streams, so that the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warmlink.ep.event import EventOverlap, wait_for
+from warmlink.ep.paths.event import EventOverlap, wait_for
 from warmlink.errors import ConfigError
 
 

@@ -1,12 +1,12 @@
-"""``ep.fp8``: DeepEP's per-128-channel FP8 format, also for hidden sizes that are not multiples of 128."""
+"""``ep.wire.fp8``: DeepEP's per-128-channel FP8 format, also for hidden sizes that are not multiples of 128."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from warmlink.ep.wire.fp8 import FP8_MAX, dequantize, num_scales, quantize
 from warmlink.errors import ConfigError
-from warmlink.ep.fp8 import FP8_MAX, dequantize, num_scales, quantize
 
 
 @pytest.mark.parametrize("hidden", [128, 7168, 2880, 8, 136])

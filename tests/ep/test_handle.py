@@ -1,4 +1,4 @@
-"""ep.handle: a plan filled from the count matrix, DeepEP's per-expert list, and the refusal of a
+"""ep.wire.handle: a plan filled from the count matrix, DeepEP's per-expert list, and the refusal of a
 padded round that every rank reaches alike."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from warmlink.ep.handle import Handle, fill_plan, per_expert_list
+from warmlink.ep.wire.handle import Handle, fill_plan, per_expert_list
 from warmlink.errors import ConfigError
 
 

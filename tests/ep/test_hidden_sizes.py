@@ -10,8 +10,8 @@ from tests.ep._group import run_ranks
 from tests.ep._workers import dispatch_combine
 from tests.ep.test_buffer import check_against_reference
 from warmlink.ep import size_hint
-from warmlink.ep._regions import RegionLayout
-from warmlink.ep.fp8 import num_scales
+from warmlink.ep.wire.fp8 import num_scales
+from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import ConfigError
 
 

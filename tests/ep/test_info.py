@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink.ep._info import check_config, validate_ep_rank
+from warmlink.ep.wire.info import check_config, validate_ep_rank
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 

@@ -36,8 +36,8 @@ def test_low_latency_device_path_equals_the_host_path_in_the_interpreter():
 def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     import torch
 
-    from warmlink.ep import _kernels
-    from warmlink.ep.layout import dispatch_layout
+    from warmlink.ep.kernels import steps as _kernels
+    from warmlink.ep.kernels.layout import dispatch_layout
 
     gen = torch.Generator().manual_seed(5)
     tokens, num_ranks, num_experts, k, hidden, max_tokens, meta_k = 4096, 4, 256, 8, 7168, 4096, 8
@@ -51,7 +51,7 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     dev = torch.device("cuda", 0)
     bad = topk.clone()
     bad[::9, 0] = num_experts + 1
-    for ids in (topk, bad):  # the layout in one launch on CUDA (ep._kernels.layout) against torch's, twice
+    for ids in (topk, bad):  # the layout in one launch on CUDA (ep.kernels.steps.layout) against torch's, twice
         want_lay = dispatch_layout(ids, num_experts, num_ranks)
         for _ in range(2):
             got_lay = dispatch_layout(ids.to(dev), num_experts, num_ranks)
@@ -69,7 +69,7 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
         want_m = torch.full((num_ranks * max_tokens, meta_bytes), 0xAB, dtype=torch.uint8)
         got_x, got_m = want_x.to(dev), want_m.to(dev)
         _kernels.gather(want_rows, src, want_x, want_m, meta_k, dests, shift=shift, skip=skip)
-        for _ in range(2):  # the first launch compiles through Triton, the second goes straight in (ep._launch)
+        for _ in range(2):  # the first launch compiles through Triton, the second goes straight in (ep.kernels.launch)
             got_x.fill_(-7)
             got_m.fill_(0xAB)
             _kernels.gather(rows, src_gpu, got_x, got_m, meta_k, dests, shift=shift, skip=skip)
@@ -83,7 +83,7 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
         assert torch.equal(w[1].cpu().view(torch.int32), w[0].view(torch.int32))
         assert torch.equal(sc[1].cpu().view(torch.int32), sc[0].view(torch.int32))
     # the combine's sum against the torch sum: bit-exact on CUDA
-    from warmlink.ep import _reduce
+    from warmlink.ep.kernels import reduce as _reduce
 
     area = torch.randn(max_tokens, hidden, generator=gen).bfloat16()
     own = torch.randn(max_tokens, hidden, generator=gen).bfloat16()
@@ -97,10 +97,11 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
 
 
 def test_every_named_kernel_wraps_the_triton_kernel_of_its_name():
-    """``_kernels()`` (what CUDA calls launch) names each ep._triton kernel once, wrapped for fast
+    """``_kernels()`` (what CUDA calls launch) names each ep.kernels.programs kernel once, wrapped for fast
     launches; a name pointing at another kernel would only fail on a GPU."""
-    from warmlink.ep import _kernels, _triton
-    from warmlink.ep._launch import FastLaunch
+    from warmlink.ep.kernels import steps as _kernels
+    from warmlink.ep.kernels import programs as _triton
+    from warmlink.ep.kernels.launch import FastLaunch
 
     _kernels._kernels.cache_clear()
     try:
@@ -118,12 +119,12 @@ def test_every_named_kernel_wraps_the_triton_kernel_of_its_name():
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_on_stream_makes_a_stream_current_and_restores_the_callers():
-    """ep._launch.on_stream, the receive work's cheap ``torch.cuda.stream``: work inside runs on the
+    """ep.kernels.launch.on_stream, the receive work's cheap ``torch.cuda.stream``: work inside runs on the
     side stream, and the caller's own (non-default) stream is current again after it, also after an
     exception."""
     import torch
 
-    from warmlink.ep._launch import current_stream, on_stream
+    from warmlink.ep.kernels.launch import current_stream, on_stream
 
     dev = torch.cuda.current_device()
     mine, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev)

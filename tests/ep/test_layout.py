@@ -1,4 +1,4 @@
-"""ep.layout against the oracle, fuzzed with hypothesis."""
+"""ep.kernels.layout against the oracle, fuzzed with hypothesis."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._reference import random_routing, reference_layout
-from warmlink.ep._kernels import plan
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels.layout import dispatch_layout
+from warmlink.ep.kernels.steps import plan
 
 
 @st.composite
@@ -65,7 +65,7 @@ def test_size_hint_matches_the_buffer_region_and_refuses_other_dtypes():
     import pytest
 
     from warmlink.ep import size_hint
-    from warmlink.ep._regions import RegionLayout
+    from warmlink.ep.wire.regions import RegionLayout
     from warmlink.errors import ConfigError
 
     nbytes = size_hint(4096, 7168, torch.bfloat16, num_ranks=4)

@@ -81,12 +81,14 @@ def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_the_dispatch_unpack_compiles_for_sm90_padded_or_not(padded):
-    """ep._kernels.unpack, with and without a padded dispatch's board (ep._senders, Note [Padded
+    """ep.kernels.steps.unpack, with and without a padded dispatch's board (ep.protocol.normal, Note [Padded
     dispatch returns at launch]), as a device run would launch it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from warmlink.ep import _kernels, _triton as ep_triton
+    from warmlink.ep.kernels import steps as _kernels
+
+    from warmlink.ep.kernels import programs as ep_triton
 
     calls: list = []
     kernels = SimpleNamespace(unpack=_Recorder(calls, ep_triton.unpack_kernel))

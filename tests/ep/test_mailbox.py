@@ -1,4 +1,4 @@
-"""``ep._mailbox``: the host handshake refuses CPUs whose memory order it does not handle, keeps
+"""``ep.wire.mailbox``: the host handshake refuses CPUs whose memory order it does not handle, keeps
 counts until every peer read them, and vouches only for config words still of their round."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from warmlink.ep import _mailbox
+from warmlink.ep.wire import mailbox as _mailbox
 from warmlink.errors import BackendUnavailable
 
 
@@ -45,7 +45,7 @@ def test_meet_values_live_in_their_parity_word(monkeypatch) -> None:
 
 def _pair(monkeypatch):
     """Rank 0's Rounds over two mailboxes (rank 1's written directly, as its process would)."""
-    from warmlink.ep._rounds import Rounds
+    from warmlink.ep.protocol.rounds import Rounds
 
     monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
     segment = _own(2)
@@ -56,9 +56,9 @@ def _pair(monkeypatch):
 
 @pytest.mark.parametrize("late", [False, True])
 def test_without_a_host_wait_a_peers_other_combine_handle_is_refused_now_or_at_the_next_call(monkeypatch, late):
-    """With arrival flags (ep._flags) the receive phase does not wait for the peers: it checks the
+    """With arrival flags (ep.wire.flags) the receive phase does not wait for the peers: it checks the
     ones that published, and the next call checks the rest (Rounds.check_published / check_late)."""
-    from warmlink.ep._call_config import encode_combine
+    from warmlink.ep.wire.words import encode_combine
     from warmlink.errors import ConfigError
 
     rounds, theirs = _pair(monkeypatch)
@@ -79,7 +79,7 @@ def test_without_a_host_wait_a_peers_other_combine_handle_is_refused_now_or_at_t
 
 
 def test_a_peer_that_published_the_same_call_passes_the_late_check(monkeypatch):
-    from warmlink.ep._call_config import encode_combine
+    from warmlink.ep.wire.words import encode_combine
 
     rounds, theirs = _pair(monkeypatch)
     word = encode_combine(2, torch.bfloat16, 0)
@@ -94,7 +94,7 @@ def test_a_peer_one_round_on_is_still_compared_and_two_rounds_on_breaks_the_prot
     """Rank 1 moved one combine on: its word of round 3 is still there and is compared. Two on, it
     would have replaced it, which the round protocol never lets it do (``wait_readers``): the check
     raises ``MetadataError`` instead of taking an unread word as agreeing."""
-    from warmlink.ep._call_config import encode_combine
+    from warmlink.ep.wire.words import encode_combine
     from warmlink.errors import ConfigError, MetadataError
 
     rounds, theirs = _pair(monkeypatch)
@@ -112,7 +112,7 @@ def test_a_peer_one_round_on_is_still_compared_and_two_rounds_on_breaks_the_prot
 def test_a_meet_refuses_a_word_a_peers_later_round_replaced(monkeypatch):
     """A peer one round on still has its word of the round, which is compared; a peer whose word
     of the round a later round replaced broke the round protocol: ``MetadataError``, not a pass."""
-    from warmlink.ep._call_config import encode_call
+    from warmlink.ep.wire.words import encode_call
     from warmlink.errors import ConfigError, MetadataError
 
     rounds, theirs = _pair(monkeypatch)
@@ -133,7 +133,7 @@ def test_a_meet_refuses_a_word_a_peers_later_round_replaced(monkeypatch):
 
 def _both(monkeypatch):
     """Ranks 0 and 1, each with its Rounds over the two mailboxes (as their processes would hold)."""
-    from warmlink.ep._rounds import Rounds
+    from warmlink.ep.protocol.rounds import Rounds
 
     monkeypatch.setattr(_mailbox.platform, "machine", lambda: "x86_64")
     segments = [_own(2), _own(2)]
@@ -150,7 +150,7 @@ def test_a_peer_that_refused_a_round_cannot_replace_its_word_before_this_rank_ch
     replace its word of round 3, before rank 0 published round 4; rank 0 still sees the word and
     raises. Without the bound rank 0 skipped the replaced word and kept round 3's rows, sent under
     another config, with no error."""
-    from warmlink.ep._call_config import encode_call, encode_combine
+    from warmlink.ep.wire.words import encode_call, encode_combine
     from warmlink.errors import ConfigError, TransferTimeout
 
     zero, one = _both(monkeypatch)
@@ -183,7 +183,7 @@ def test_a_peer_that_refused_a_round_cannot_replace_its_word_before_this_rank_ch
 def test_a_late_peers_word_is_checked_before_this_rank_publishes_its_next_round(monkeypatch):
     """A peer not at the round when this rank checked it is checked again before this rank
     publishes its next round (``wait_readers``), while its word is sure to be the round's."""
-    from warmlink.ep._call_config import encode_combine
+    from warmlink.ep.wire.words import encode_combine
     from warmlink.errors import ConfigError
 
     zero, one = _both(monkeypatch)
@@ -273,15 +273,16 @@ def test_config_words_read_while_another_process_replaces_them_are_always_their_
 
 
 def test_a_staged_fresh_dispatch_waits_for_the_readers_before_it_publishes_its_counts():
-    """The staged send (host and copy-engine paths) publishes its counts only after
+    """The staged fresh dispatch (host and copy-engine paths) publishes its counts only after
     ``Rounds.wait_readers``, then meets: the order Note [Mailbox rounds] relies on."""
     from types import SimpleNamespace
 
-    from warmlink.ep._call_block import Sources
-    from warmlink.ep._checks import Checks
-    from warmlink.ep._kernels import plan
-    from warmlink.ep._regions import RegionLayout
-    from warmlink.ep._senders import FreshSend, HostSender
+    from warmlink.ep.kernels.call_block import Sources
+    from warmlink.ep.protocol.checks import Checks
+    from warmlink.ep.kernels.steps import plan
+    from warmlink.ep.wire.regions import RegionLayout
+    from warmlink.ep.paths.senders import FreshSend, HostPath
+    from warmlink.ep.protocol.normal import NormalMode
 
     log = []
     layout = RegionLayout(2, 4, 16, 2)
@@ -299,10 +300,10 @@ def test_a_staged_fresh_dispatch_waits_for_the_readers_before_it_publishes_its_c
                              complete_plan=lambda handle, round_: handle.__dict__.update(
                                  dst_rows=[0, 0], combine_rows=torch.zeros(2, 2, dtype=torch.int64), send_counts=[2, 1]),
                              end=lambda *a: None)
-    sender = HostSender(mover, rounds, Checks(layout, 2, -1), layout, False)
+    normal = NormalMode(rounds, HostPath(mover, layout, 0, 2, False), None, mover, Checks(layout, 2, -1), layout, -1, None)
     x = torch.zeros(2, 2, dtype=torch.int64)
     call = FreshSend(Sources(x, topk), in_rank, per_rank, per_expert, 4, 0, 0, 7, "dispatch.1", ("recv_x.1", "recv_meta.1"))
-    sender.send_fresh(call, {}, False)
+    normal.send_fresh(call, {}, False)
     assert log == [("wait_readers", 7), ("publish", 7), ("meet", 7)]
 
 
@@ -313,7 +314,7 @@ def test_a_meet_compares_a_peers_word_exactly_while_it_is_still_the_rounds(confi
     own word. The meet refuses exactly when the peer's word of round r differs and is still there
     (the peer at r or r + 1); a word that round r + 2 or later replaced, which the round protocol
     never lets a peer do, raises ``MetadataError``."""
-    from warmlink.ep._call_config import encode_call
+    from warmlink.ep.wire.words import encode_call
     from warmlink.errors import ConfigError, MetadataError
 
     words = {11: encode_call(16, 4, torch.bfloat16, False, True), 22: encode_call(16, 0, torch.bfloat16, True)}

@@ -1,12 +1,12 @@
-"""A Buffer's choices (ep._options): each from its argument, the environment only when the argument
+"""A Buffer's choices (ep.api.options): each from its argument, the environment only when the argument
 is None, and a bad value refused before anything is leased, naming the argument and the choices."""
 
 from __future__ import annotations
 
 import pytest
 
-from warmlink.ep._options import Options, resolve_options
-from warmlink.ep._senders import SENDERS, CopyEngineSender, HostSender, SmSender
+from warmlink.ep.api.options import Options, resolve_options
+from warmlink.ep.paths.senders import PATHS, CopyEnginePath, HostPath, SmPath
 from warmlink.errors import ConfigError
 
 EP_VARIABLES = ("WARMLINK_EP_SEND", "WARMLINK_EP_GRAPH", "WARMLINK_EP_COPY_STREAMS")
@@ -69,12 +69,12 @@ def test_a_cuda_sender_on_shm_is_refused(send):
         resolve_options(2, "shm", send=send)
 
 
-def test_every_choice_has_its_sender():
-    assert SENDERS == {"sm": SmSender, "copy": CopyEngineSender, "host": HostSender}
-    assert {name: cls.name for name, cls in SENDERS.items()} == {name: name for name in SENDERS}
-    assert SmSender.by_sm(None, hook=False)
-    assert not SmSender.by_sm(None, hook=True)  # a call with a hook goes through the copy engines
-    assert not CopyEngineSender.by_sm(None, hook=False) and not HostSender.by_sm(None, hook=False)
+def test_every_choice_has_its_path():
+    assert PATHS == {"sm": SmPath, "copy": CopyEnginePath, "host": HostPath}
+    assert {name: cls.name for name, cls in PATHS.items()} == {name: name for name in PATHS}
+    assert SmPath.by_sm(None, hook=False)
+    assert not SmPath.by_sm(None, hook=True)  # a call with a hook goes through the copy engines
+    assert not CopyEnginePath.by_sm(None, hook=False) and not HostPath.by_sm(None, hook=False)
 
 
 def test_a_buffer_refuses_a_bad_choice_before_it_leases_anything():

@@ -1,4 +1,4 @@
-"""A padded SM dispatch returns at launch (ep._senders, Note [Padded dispatch returns at launch]):
+"""A padded SM dispatch returns at launch (ep.protocol.normal, Note [Padded dispatch returns at launch]):
 its handle is pending until the Buffer's next call resolves it, the counts then equal an
 unpadded dispatch's, and a refused round raises at that call and at every use of the handle.
 
@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from warmlink.ep import _kernels, _mailbox
-from warmlink.ep._call_block import Sources
-from warmlink.ep._call_config import encode_call
-from warmlink.ep._checks import Checks
-from warmlink.ep._regions import RegionLayout, board_words
-from warmlink.ep._rounds import Rounds
-from warmlink.ep._senders import FreshSend, SmSender
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels import steps as _kernels
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.layout import dispatch_layout
+from warmlink.ep.paths.senders import FreshSend, SmPath
+from warmlink.ep.protocol.checks import Checks
+from warmlink.ep.protocol.normal import NormalMode
+from warmlink.ep.protocol.rounds import Rounds
+from warmlink.ep.wire import mailbox as _mailbox
+from warmlink.ep.wire.regions import RegionLayout, board_words
+from warmlink.ep.wire.words import encode_call
 from warmlink.errors import ConfigError
 
 RANKS, EXPERTS, MAX_TOKENS, ROUND = 2, 4, 8, 1
@@ -77,7 +79,7 @@ def _rank0(valid: int = 1, num_worst_tokens: int = 16):
         board[s, 2:2 + RANKS] = ls.num_tokens_per_rank.numpy()
         board[s, 2 + RANKS:2 + RANKS + EXPERTS // RANKS] = ls.num_tokens_per_expert[:EXPERTS // RANKS].numpy()
     device = _DeviceStandIn(words, board)
-    sender = SmSender(device, rounds, Checks(lay, RANKS, -1), lay, False)
+    sender = NormalMode(rounds, SmPath(device, lay, 0, RANKS, False), None, device, Checks(lay, RANKS, -1), lay, -1, None)
     call = FreshSend(Sources(x.view(torch.int64), topks[0]), lay0.is_token_in_rank, lay0.num_tokens_per_rank,
                      lay0.num_tokens_per_expert, EXPERTS, config, num_worst_tokens, ROUND, "dispatch.1",
                      ("recv_x.1", "recv_meta.1"))

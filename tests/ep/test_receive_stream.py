@@ -1,5 +1,5 @@
-"""The receive work on its own stream (Note [Receive work on its own stream] in ep._cuda_mover) and
-the arrival flags (ep._flags, Note [Arrival flags]), with a fake CUDA: the work waits on the device
+"""The receive work on its own stream (Note [Receive work on its own stream] in ep.paths.cuda_mover) and
+the arrival flags (ep.wire.flags, Note [Arrival flags]), with a fake CUDA: the work waits on the device
 for the sources' flags and the host returns at launch; a stalled or dead source fails the Buffer at
 its next call, and every word this rank waits on is released, so no stream stays blocked."""
 
@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from warmlink.ep import _cuda_mover, _flags, _movers, _sm_pushes
-from warmlink.ep._call_block import Sources
-from warmlink.ep._flags import RELEASE, ArrivalFlags, arrival_value
-from warmlink.ep._regions import RegionLayout
-from warmlink.ep.buffer import Buffer
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.paths import cuda_mover as _cuda_mover
+from warmlink.ep.paths import host_mover as _movers
+from warmlink.ep.paths import sm_pushes as _sm_pushes
+from warmlink.ep.protocol.normal import NormalMode
+from warmlink.ep.wire import flags as _flags
+from warmlink.ep.wire.flags import RELEASE, ArrivalFlags, arrival_value
+from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import PeerLostError, TransferTimeout
 from warmlink.transport.cuda_ipc import CopyEngines
 
@@ -117,7 +121,7 @@ def test_receive_work_waits_for_the_flags_on_the_device_and_the_host_returns_at_
 
 
 def test_each_early_part_waits_for_its_own_part_and_the_sum_frees_the_combine_area(monkeypatch):
-    """The combine's parts (ep._reduce, Note [Pipelined combine]): each part's sum follows the
+    """The combine's parts (ep.kernels.reduce, Note [Pipelined combine]): each part's sum follows the
     source's flag of that part; the last part's value covers every part; after the sum the peers
     learn that this rank's combine area of the round is free."""
     fake = FakeCuda()
@@ -187,19 +191,18 @@ def test_the_watchdog_fails_a_wait_on_a_dead_rank_with_no_call(monkeypatch):
     assert isinstance(flags.error, PeerLostError) and (own == RELEASE).all()
 
 
-def test_buffer_marks_its_receive_stream_failed():
+def test_a_failed_receive_marks_the_receive_stream_failed():
     class Failing:
         def arrived(self, *args, **kwargs):
             raise TransferTimeout("stalled")
 
-    buf = Buffer.__new__(Buffer)
-    buf._mover, buf.num_ranks, buf.timeout_s, buf._recv_failed = Failing(), 2, 0.01, False
+    normal = NormalMode(SimpleNamespace(rank=0, num_ranks=2, timeout_s=0.01), None, None, Failing(), None, None, -1, None)
     with pytest.raises(TransferTimeout):
-        buf._arrived("dispatch.0", lambda: None, ())
-    assert buf._recv_failed
+        normal._arrived("dispatch.0", lambda: None, ())
+    assert normal.recv_failed  # Buffer.close then stops ordering the caller's stream after the receive stream
 
 
-# -- the count exchange's host wait (ep._kernels, Note [SM sends]) ---------------------------------
+# -- the count exchange's host wait (ep.paths.sm_pushes, Note [SM sends]) ---------------------------------
 COUNTED = LOCAL[0]
 
 
@@ -276,7 +279,7 @@ class PendingOwnEvent(FakeCuda):
 @pytest.mark.parametrize("polls", [0, 3, None])
 def test_a_cached_call_block_is_rewritten_only_after_the_push_that_read_it_ran(monkeypatch, polls):
     """A caller may change streams between rounds, so the host waits (bounded) for round n - 2's own
-    send event before it rewrites that round's call block (ep._sm_pushes, SmPushes._push_cached)."""
+    send event before it rewrites that round's call block (ep.paths.sm_pushes, SmPushes._push_cached)."""
     box: list = []
     fake = PendingOwnEvent(box, polls)
     mover = _mover(monkeypatch, fake)
@@ -324,7 +327,7 @@ class PendingCombine(FakeCuda):
 
 @pytest.mark.parametrize("polls", [0, 2, None])
 def test_a_combines_counts_are_rewritten_only_after_the_combine_that_read_them_sent(monkeypatch, polls):
-    """The combine's per-rank counts (ep._reduce, Note [Pipelined combine]) reach the device
+    """The combine's per-rank counts (ep.kernels.reduce, Note [Pipelined combine]) reach the device
     through a pinned row per parity, rewritten only once round n - 2's own final event completed."""
     box: list = []
     fake = PendingCombine(box, polls)

@@ -1,4 +1,4 @@
-"""The combine's parts (ep._reduce, Note [Pipelined combine]): the sender's split and the source's
+"""The combine's parts (ep.kernels.reduce, Note [Pipelined combine]): the sender's split and the source's
 rule agree on every row, with no word on the wire."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from warmlink.ep import _reduce
+from warmlink.ep.kernels import reduce as _reduce
 
 
 @given(count=st.integers(0, 5000), parts=st.integers(1, 16))

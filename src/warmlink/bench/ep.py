@@ -7,7 +7,7 @@ the median over ``--iterations``:
 
 - warmlink dispatch BF16 and FP8, combine BF16, in normal mode and in hook mode (send phase, then
   the hook right away), and a cached-handle dispatch; on GPUs normal mode sends with the SMs
-  (ep._kernels, Note [SM sends]), and the "copy" rows time it through the copy engines instead
+  (ep.paths.sm_pushes, Note [SM sends]), and the "copy" rows time it through the copy engines instead
   (a Buffer built with ``send="copy"``), in the same run; an SM dispatch replays CUDA graphs
   (Note [Fresh send graph]), and the "eager" rows (``graphs=False``) launch its kernels one by one;
 - the same dispatch and combine done with torch + NCCL (``bench.ep_nccl``: count exchange,
@@ -22,7 +22,7 @@ the median over ``--iterations``:
   about 1 ms of queued device work, and (two or more ranks) while every peer of rank 0 calls about
   1 ms after it;
 - on GPUs, the copy engines alone moving the dispatch's bytes, and the push kernel alone storing
-  them (``ep.diagnostics``): the floors that the exchange's host work and other kernels add to;
+  them (``ep.api.diagnostics``): the floors that the exchange's host work and other kernels add to;
   and the combine's sum alone on the device.
 
 Bytes per rank are the x bytes this rank sends to other ranks (rows it keeps are not counted; FP8
@@ -50,7 +50,7 @@ from warmlink.bench.ep_table import table
 
 __all__ = ["add_arguments", "run"]
 
-_MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep._info, ep._regions)
+_MAX_RANKS, _MAX_EXPERTS = 1024, 4096  # ep.Buffer's limits (ep.wire.info, ep.wire.regions)
 _BUSY_CYCLES = 2_000_000  # torch.cuda._sleep's spin: about 1 ms at an H100's or H200's 1.98 GHz
 _LATE_S = 1e-3  # how late a late peer calls (bench rows "returns_late_s")
 
@@ -172,8 +172,8 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
 
     from warmlink.bench.ep_nccl import nccl_combine, nccl_dispatch, time_nccl_ep
     from warmlink.ep import Buffer
-    from warmlink.ep.diagnostics import copy_floor, push_floor, sum_alone
-    from warmlink.ep.fp8 import num_scales, quantize
+    from warmlink.ep.api.diagnostics import copy_floor, push_floor, sum_alone
+    from warmlink.ep.wire.fp8 import num_scales, quantize
     from warmlink.rendezvous import Store
 
     cuda = cfg["cuda"]
@@ -276,7 +276,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     # The Buffer's other choices, each a Buffer of its own built with that argument (on shm there is
     # one send path and no graphs: the default Buffer stands in): the copy engines instead of the
     # SM sends (send="copy"), the SM sends launched one kernel at a time (graphs=False), and the
-    # combine's sum after the last byte or in parts (combine_parts; ep._reduce, Note [Pipelined combine])
+    # combine's sum after the last byte or in parts (combine_parts; ep.kernels.reduce, Note [Pipelined combine])
     copy_engines = make_buffer(send="copy") if cuda else buf
     eager = make_buffer(graphs=False) if cuda else buf
     in_parts = {n: buf if n == buf.combine_parts else make_buffer(combine_parts=n) for n in (1, 2, 4)}
@@ -295,7 +295,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             cached = buf.dispatch(x, handle=handle, return_recv_hook=True)
             cached[-1]()
         checks["dispatch_cached_hook"] = bool(torch.equal(cached[0], ref.recv_x))
-        # summed in parts (ep._reduce, Note [Pipelined combine]) or after the last byte: the same bits
+        # summed in parts (ep.kernels.reduce, Note [Pipelined combine]) or after the last byte: the same bits
         for n, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
             same = in_parts[n].dispatch(x, **kwargs)[4]  # the same routing as handle's
             checks[name] = bool(torch.equal(in_parts[n].combine(y, same)[0], combined))
@@ -364,7 +364,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         sync()
         return statistics.median(samples)
 
-    # a padded fresh dispatch returns at launch on GPUs (ep._senders, Note [Padded dispatch returns
+    # a padded fresh dispatch returns at launch on GPUs (ep.protocol.normal, Note [Padded dispatch returns
     # at launch]); each call first resolves the one before, whose device work the sync has ended
     padded = {**kwargs, "num_worst_tokens": num_ranks * T}
     calls = {"fresh": lambda: buf.dispatch(x, **kwargs), "fresh_padded": lambda: buf.dispatch(x, **padded),
@@ -403,7 +403,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
     times["combine_bf16_hook"] = timed(lambda: combine(True))
-    # the sum after the last byte, in one part, or part by part (ep._reduce, Note [Pipelined combine])
+    # the sum after the last byte, in one part, or part by part (ep.kernels.reduce, Note [Pipelined combine])
     for parts, name in ((1, "one"), (2, "two"), (4, "four")):
         times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda b=in_parts[parts]: combine(on=b))
     dist.all_reduce(flag)  # every rank is past its last call on the variants: closing them is safe
@@ -439,7 +439,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
                             "send_gemm_hook": timed(overlapped), "cached_hook": timed(cached_hook),
                             "send_gemm_hook_cached": timed(lambda: overlapped(True))}
         # async_finish: the call runs on the communication stream and the GEMM queued after it
-        # on the caller's stream overlaps it (ep._comm_stream); without it the GEMM waits
+        # on the caller's stream overlaps it (ep.paths.comm_stream); without it the GEMM waits
         calls = {"combine": (lambda **kw: buf.combine(y_keep, h_keep, **kw), 2),
                  "cached": (lambda **kw: buf.dispatch(x, handle=h_keep, **kw), 5)}
 

@@ -47,7 +47,7 @@ def time_deep_ep(module, x, topk_idx, weights, num_experts: int, clocks, gemm: i
     import torch
     import torch.distributed as dist
 
-    from warmlink.ep.fp8 import quantize
+    from warmlink.ep.wire.fp8 import quantize
 
     num_ranks, (num_tokens, hidden) = dist.get_world_size(), x.shape
     hint = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks)

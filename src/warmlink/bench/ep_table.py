@@ -9,7 +9,7 @@ __all__ = ["OPS", "table"]
 # "_copy": normal mode through the copy engines (a Buffer with send="copy"), beside the default SM sends
 # "_eager": the same SM sends launched one kernel at a time (graphs=False) instead of as graphs
 # "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
-# (combine_parts; ep._reduce, Note [Pipelined combine]), whatever the group's default
+# (combine_parts; ep.kernels.reduce, Note [Pipelined combine]), whatever the group's default
 OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
        "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
        "combine_bf16_hook", "combine_bf16_one_part", "combine_bf16_two_parts", "combine_bf16_four_parts")
@@ -18,7 +18,7 @@ OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_b
 def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     """Lines to print and the summary record: per op the slowest rank's median and its GB/s."""
     from warmlink.bench.ep_deep_ep import BUDGET_NAMES, BUDGETS, CALLS
-    from warmlink.ep.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
+    from warmlink.ep.api.diagnostics import FLOOR_SCHEDULES, PUSH_SCHEDULES
 
     def worst(get):
         return max(get(r) for r in ranks)
@@ -40,7 +40,7 @@ def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
         summary[name] = {"ms": t * 1e3, "gb_s": gbs, "gb_s_deepep_count": deepep, **({"vs_nccl": base / t} if base else {})}
         lines.append(f"{name:<40}{t * 1e3:>11.3f}{gbs:>15.1f}{deepep:>14.1f}{(f'{base / t:.2f}x' if base else ''):>9}")
 
-    from warmlink.ep.fp8 import num_scales
+    from warmlink.ep.wire.fp8 import num_scales
 
     H = cfg["hidden"]
     b16 = min(r["bytes"]["bf16"] for r in ranks)

@@ -4,8 +4,8 @@
 ``return_recv_hook``, and the ``EventOverlap`` its calls return), and, built with
 ``low_latency_mode=True``, DeepEP's low-latency calls for decode (``ep.low_latency``, whose
 dispatch returns a ``LowLatencyHandle``; kernels move those rows on GPUs, the host on shm).
-``size_hint`` says how much memory a rank's buffer holds; ``fp8`` converts tokens to and from
-the FP8 format dispatch accepts.
+``size_hint`` says how much memory a rank's buffer holds; ``ep.wire.fp8`` converts tokens to and
+from the FP8 format dispatch accepts.
 
 Who moves the bytes is chosen once per Buffer (``Buffer(send=...)``): on GPUs, by default, a
 dispatch without a receive hook is sent by kernels that store the rows into the peers' memory
@@ -14,19 +14,35 @@ dispatch with a hook, and every combine, by the copy engines, so no kernel stays
 the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
 
 On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
-peers' rows, on arrival flags in pinned memory (``ep._flags``); a fresh dispatch waits for its
+peers' rows, on arrival flags in pinned memory (``ep.wire.flags``); a fresh dispatch waits for its
 counts, as DeepEP's does, unless its outputs are padded (``num_worst_tokens``): then, as DeepEP's,
-it returns at launch too, and the next call brings its counts to the host (``ep._senders``, Note
+it returns at launch too, and the next call brings its counts to the host (``ep.protocol.normal``, Note
 [Padded dispatch returns at launch]). With ``async_finish=True`` a call runs on the
 Buffer's communication stream, so the caller's stream is not ordered after it
-(``ep._comm_stream``).
+(``ep.paths.comm_stream``).
+
+Where things are, from the call down (a folder imports only folders below it):
+
+- ``api``: ``Buffer``, the facade: it checks a call, picks its stream, and hands it on;
+- ``low_latency``: DeepEP's low-latency calls, a runtime of their own;
+- ``protocol``: ``NormalMode`` (protocol/normal.py), which runs each normal-mode round's steps,
+  the mailbox meetings (Note [Round protocol]) and the argument checks;
+- ``paths``: where the bytes move: the data path chosen once (SMs, copy engines, host copies),
+  the combine, the streams, and what a Buffer leases once;
+- ``wire``: what the ranks share and read: region layout, mailboxes, arrival flags, call words,
+  the handle's plan, the FP8 format;
+- ``kernels``: the device steps (Triton on CUDA, torch elsewhere);
+- ``deep_ep``: DeepEP's own API over ``Buffer``, so DeepEP code runs unchanged.
+
+A dispatch's bytes: ``Buffer.dispatch`` -> ``NormalMode.dispatch`` -> the path's ``send_cached``
+or, for a fresh one, ``NormalMode.send_fresh`` -> ``SmPath.launch`` / ``StagedPath.send_planned``.
 """
 
-from warmlink.ep._regions import size_hint
-from warmlink.ep.buffer import Buffer
-from warmlink.ep.event import EventOverlap
-from warmlink.ep.handle import Handle
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.api.buffer import Buffer
+from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.low_latency import LowLatencyHandle
+from warmlink.ep.paths.event import EventOverlap
+from warmlink.ep.wire.handle import Handle
+from warmlink.ep.wire.regions import size_hint
 
 __all__ = ["Buffer", "EventOverlap", "Handle", "LowLatencyHandle", "dispatch_layout", "size_hint"]

@@ -1,6 +1,6 @@
 """``CopyEngines``: copies between mapped GPU addresses on a link's pooled streams, run by the
 GPU's copy engines. The one place the ``cuda_ipc`` backend issues ``cudaMemcpy*Async``: a link's
-prepared batches (refit, ``CudaIpcLink.read``/``write``) and ep's sends (ep._cuda_mover), whose
+prepared batches (refit, ``CudaIpcLink.read``/``write``) and ep's sends (ep.paths.cuda_mover), whose
 rows and row counts change every call, go through the same streams, method and ordering.
 
 Ordering is on the GPU only (no host sync): ``follow`` makes every copy stream wait for the work

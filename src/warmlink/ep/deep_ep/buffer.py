@@ -159,7 +159,7 @@ class Buffer(LowLatencyCalls, CommCalls):
             raise ConfigError(f"deep_ep.Buffer.{func}: num_experts={num_experts!r}; expected a positive multiple of "
                               f"the group size {self.group_size}")
         self._widest_topk = max(self._widest_topk, topk_idx.shape[1])
-        with self._call(async_finish, previous_event, topk_idx) as call:  # ep._comm_stream, Note [Communication stream]
+        with self._call(async_finish, previous_event, topk_idx) as call:  # ep.paths.comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
             call.hold(topk_idx)
             lay = dispatch_layout(topk_idx, num_experts, self.group_size)
@@ -189,7 +189,7 @@ class Buffer(LowLatencyCalls, CommCalls):
                 with the peers' hosts on its rounds (a host-only meet, deep_ep.rounds); a padded one
                 takes them from ``num_worst_tokens`` (the same on every rank, and at least
                 ``num_ranks`` times the most tokens a rank sends), meets nobody, and in one round
-                returns at launch, the next call raising its refusal (ep._senders, Note [Padded
+                returns at launch, the next call raising its refusal (ep.protocol.normal, Note [Padded
                 dispatch returns at launch]); in several, each round waits for its counts. Round
                 numbers are host ints: not graph-capturable here.
             config: a ``Config`` or None; accepted and unused.
@@ -199,7 +199,7 @@ class Buffer(LowLatencyCalls, CommCalls):
                 unordered after the call, and return the event that marks its end. Without it the
                 call runs on the current stream.
             allocate_on_comm_stream: accepted; with ``async_finish`` outputs are always allocated on
-                the communication stream and marked used by the current one (ep._comm_stream,
+                the communication stream and marked used by the current one (ep.paths.comm_stream,
                 Note [Communication stream], says why).
 
         Returns:
@@ -220,7 +220,7 @@ class Buffer(LowLatencyCalls, CommCalls):
             raise ConfigError("deep_ep.Buffer.dispatch: num_tokens_per_rdma_rank is set; it is DeepEP's internode "
                               "layout, and this Buffer runs within one node (expected None, as get_dispatch_layout returns)")
         rows = x[0] if isinstance(x, tuple) else x
-        with self._call(async_finish, previous_event, rows) as call:  # ep._comm_stream, Note [Communication stream]
+        with self._call(async_finish, previous_event, rows) as call:  # ep.paths.comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
             call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             tokens, packed = pack_scales(x, "deep_ep.Buffer.dispatch")
@@ -283,7 +283,7 @@ class Buffer(LowLatencyCalls, CommCalls):
         _check_config(f"deep_ep.Buffer.{func}", config)
         inner = self._owner_of(handle, func)
         biases = combine_biases(bias, handle, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1, x)
-        with self._call(async_finish, previous_event, x) as call:  # ep._comm_stream, Note [Communication stream]
+        with self._call(async_finish, previous_event, x) as call:  # ep.paths.comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
             call.hold(x, topk_weights, biases, handle.tensors())
             out, out_w = calls.combine(inner, x, handle, topk_weights, biases)

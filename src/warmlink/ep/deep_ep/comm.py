@@ -1,5 +1,5 @@
 """The communication stream of ``deep_ep.Buffer``: where its calls made with ``async_finish=True``
-run, as DeepEP's do (ep._comm_stream, Note [Communication stream]), leased on first use.
+run, as DeepEP's do (ep.paths.comm_stream, Note [Communication stream]), leased on first use.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from warmlink.ep._comm_stream import INLINE, CommStream
+from warmlink.ep.paths.comm_stream import INLINE, CommStream
 from warmlink.errors import ConfigError
 
 __all__ = ["CommCalls"]
@@ -24,7 +24,7 @@ class CommCalls:
     @contextlib.contextmanager
     def _call(self, async_finish: bool, previous_event, like):
         """Where a call runs: with ``async_finish`` on CUDA, this Buffer's communication stream on
-        ``like``'s device (ep._comm_stream, Note [Communication stream]); else the caller's stream,
+        ``like``'s device (ep.paths.comm_stream, Note [Communication stream]); else the caller's stream,
         after the stream's work when calls ran there since (the calls keep their issue order: the
         inner Buffer's low-latency kernels read device words a queued call has yet to advance)."""
         if not async_finish or not isinstance(like, torch.Tensor) or not like.is_cuda:
@@ -37,7 +37,7 @@ class CommCalls:
             self._comm = CommStream.lease(device)
         elif self._comm.device != device:
             raise ConfigError(f"deep_ep.Buffer: a call on cuda:{device}; this Buffer's calls run on cuda:{self._comm.device}")
-        try:  # as DeepEP's: after previous_event alone when there is one (ep._comm_stream, Note [Communication stream])
+        try:  # as DeepEP's: after previous_event alone when there is one (ep.paths.comm_stream, Note [Communication stream])
             with self._comm.call(after_caller=previous_event is None) as call:
                 yield call
         except BaseException:
@@ -45,7 +45,7 @@ class CommCalls:
             raise
 
     def get_comm_stream(self) -> torch.cuda.Stream:
-        """The stream calls made with ``async_finish=True`` run on (DeepEP's; ep._comm_stream, Note
+        """The stream calls made with ``async_finish=True`` run on (DeepEP's; ep.paths.comm_stream, Note
         [Communication stream]), on the current CUDA device unless a call chose it already.
 
         Raises:

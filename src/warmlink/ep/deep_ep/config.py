@@ -3,7 +3,7 @@ same byte budget here.
 
 DeepEP's normal mode moves tokens through per-channel ring buffers; a ``Config`` names how many
 SMs (two per channel) and how many tokens per chunk and per ring. warmlink has no rings (every
-source rank owns a fixed slot in every peer: ep._regions), so dispatch and combine accept a
+source rank owns a fixed slot in every peer: ep.wire.regions), so dispatch and combine accept a
 ``Config`` and do not use it. What callers do use is its size hint: Megatron, SGLang and DeepEP's
 own tests size ``num_nvl_bytes`` as the largest hint of the dispatch and combine configs, and
 ``deep_ep.Buffer`` then keeps within that budget (``warmlink.ep.deep_ep.sizing``).

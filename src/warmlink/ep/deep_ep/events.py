@@ -3,7 +3,7 @@ wrapper every ``deep_ep.Buffer`` call returns and takes back as ``previous_event
 
 As DeepEP's, a call made with ``async_finish=True`` runs on the Buffer's communication stream and
 returns an event recorded there after its last work: the caller's stream waits for it before it
-reads the outputs (ep._comm_stream, Note [Communication stream]). Where no CUDA work was ever issued in this process (shared-memory ranks on the CPU), every call has
+reads the outputs (ep.paths.comm_stream, Note [Communication stream]). Where no CUDA work was ever issued in this process (shared-memory ranks on the CPU), every call has
 finished on return and an event marks nothing: it records nothing and waiting returns at once.
 """
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from warmlink.ep.event import wait_for
+from warmlink.ep.paths.event import wait_for
 from warmlink.errors import ConfigError
 
 __all__ = ["EventHandle", "EventOverlap", "returned_event", "wait_previous"]

@@ -42,7 +42,7 @@ class DispatchHandle(tuple):
     def of(cls, inner, is_token_in_rank: torch.Tensor, owner, device: torch.device) -> "DispatchHandle":
         """The handle of a fresh dispatch whose warmlink handle is ``inner`` (its count matrix
         summed over the sources gives ``rank_prefix_matrix``, made on ``device``; for a padded
-        dispatch that returned at launch, from its board on the device: ep._senders, Note [Padded
+        dispatch that returned at launch, from its board on the device: ep.protocol.normal, Note [Padded
         dispatch returns at launch])."""
         if inner.pending is not None:
             matrix = inner.board[:, 2:2 + inner.board.shape[0]]  # [s][d]: rows s sends d
@@ -58,7 +58,7 @@ class DispatchHandle(tuple):
 
     def tensors(self) -> tuple:
         """Every tensor the handle holds (its own and its warmlink handles'), for marking the
-        streams that use them (ep._comm_stream, Note [Communication stream])."""
+        streams that use them (ep.paths.comm_stream, Note [Communication stream])."""
         inners = [r.handle for r in self.rounds] if self.rounds is not None else [self.inner]
         extra = [r.rows for r in self.rounds] if self.rounds is not None else []
         return (self[0], self[4], *extra, *(t for h in inners for t in (h.is_token_in_rank, h.combine_rows)))

@@ -26,7 +26,7 @@ import torch
 
 from warmlink.ep import Buffer as EPBuffer
 from warmlink.ep.deep_ep import sizing
-from warmlink.ep.fp8 import num_scales
+from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
 
 __all__ = ["built", "narrow", "widen"]

@@ -42,7 +42,7 @@ class LowLatencyCalls:
 
     _ll: _EPBuffer | None = None
     _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
-    _call: Callable  # deep_ep.Buffer's: where a call runs (ep._comm_stream, Note [Communication stream])
+    _call: Callable  # deep_ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -92,7 +92,7 @@ class LowLatencyCalls:
                               f"[num_tokens, num_topk]); got shapes {tuple(getattr(x, 'shape', ()))} and "
                               f"{tuple(getattr(topk_idx, 'shape', ()))}")
         inner = self._low_latency(func, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, x.device)
-        # as DeepEP's: on the communication stream with async_finish and no hook (ep._comm_stream)
+        # as DeepEP's: on the communication stream with async_finish and no hook (ep.paths.comm_stream)
         with self._call(async_finish is True and not return_recv_hook, None, x) as call:
             call.hold(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
             recv_x, count, handle, _, hook = inner.low_latency_dispatch(

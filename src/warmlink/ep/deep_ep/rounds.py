@@ -2,7 +2,7 @@
 
 # Note [Rounds beyond the budget]
 DeepEP streams any batch through rings that fit its byte budget. A warmlink Buffer holds a slot
-row per token instead (ep._regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
+row per token instead (ep.wire.regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
 budget (``sizing.tokens_within``: C tokens per rank) and sends a larger batch as several rounds of
 at most C tokens from each rank: round k carries each rank's tokens ``[kC, (k+1)C)``, none for a
 rank that has fewer. Every rank must run the same number of rounds, so a fresh dispatch first
@@ -16,7 +16,7 @@ fresh tensors in DeepEP's order (source rank, then source token): round k's rows
 land after that source's rows of the earlier rounds. Each round's rows are copied out of the
 receive area on the caller's stream before the next round starts, then placed; no peer writes
 that area again before this rank's stream has passed the copy (a fresh round's count exchange,
-or a cached round's arrival flags, Note [Arrival flags] in ep._flags). The handle keeps every
+or a cached round's arrival flags, Note [Arrival flags] in ep.wire.flags). The handle keeps every
 round's warmlink handle and where its rows went: a cached dispatch replays the same rounds, and a
 combine sends each round's rows back with its round's handle, each token summed in the one round
 that carried it. Memory stays within the budget; each extra round costs a round's fixed host
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmlink.ep.handle import check_worst_tokens
+from warmlink.ep.wire.handle import check_worst_tokens
 from warmlink.errors import ConfigError
 
 __all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "padded_rounds",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep.fp8 import num_scales
+from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
 
 __all__ = ["pack_scales", "unpack_scales"]

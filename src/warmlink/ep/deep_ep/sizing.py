@@ -1,7 +1,7 @@
 """How a DeepEP byte budget becomes the sizes of a warmlink ``ep.Buffer``.
 
 DeepEP's normal mode streams tokens through rings, so one ``num_nvl_bytes`` fits any batch.
-warmlink's Buffer holds fixed slots instead (ep._regions): per rank and per parity a receive row
+warmlink's Buffer holds fixed slots instead (ep.wire.regions): per rank and per parity a receive row
 for every token any source may send, a combine row, and a staging row per destination, so its
 bytes grow with ``max_tokens_per_rank x hidden x num_ranks``. ``deep_ep.Buffer`` therefore builds
 the largest warmlink Buffer whose ``size_hint`` fits the budget, for the hidden size (rounded up
@@ -10,7 +10,7 @@ holds in several rounds
 (deep_ep.rounds), never taking more memory than the budget.
 
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
-computes the same sizes (a group's ranks must share them, ep._info).
+computes the same sizes (a group's ranks must share them, ep.wire.info).
 
 Low-latency mode is sized by its call's shapes, as DeepEP's is: ``low_latency_bytes`` is what the
 warmlink Buffer built for them holds, its low-latency region and outputs
@@ -25,7 +25,7 @@ from warmlink.errors import ConfigError
 
 __all__ = ["MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "tokens_within"]
 
-MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep._info)
+MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep.wire.info)
 
 
 def built_hidden(hidden: int) -> int:

@@ -35,7 +35,7 @@ class LowLatencyMethods:
     Buffer's low-latency runtime, built at construction with ``low_latency_mode=True``."""
 
     _low_latency = None
-    _call: Callable  # ep.Buffer's: where a call runs (ep._comm_stream, Note [Communication stream])
+    _call: Callable  # ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
 
     def _check_low_latency(self, low_latency_mode: bool, num_experts: int | None) -> None:
         """Refuse low-latency arguments this Buffer cannot take, before ``__init__`` leases anything."""
@@ -141,7 +141,7 @@ class LowLatencyMethods:
             use_ue8m0: return scales as packed UE8M0 exponents (needs ``round_scale``).
             async_finish: on a GPU and without ``return_recv_hook``, run on the Buffer's
                 communication stream and return an event marking the call's end, which the caller
-                waits for before reading the outputs (ep._comm_stream, Note [Communication stream]);
+                waits for before reading the outputs (ep.paths.comm_stream, Note [Communication stream]);
                 with a hook the call runs on the caller's stream (DeepEP refuses both at once).
                 On the host the outputs are complete on return.
             return_recv_hook: return after the send phase; ``hook()`` waits for the rows and packs
@@ -178,7 +178,7 @@ class LowLatencyMethods:
         index tensors (on a GPU: nothing).
         """
         runtime = self._runtime("low_latency_dispatch")
-        with self._call(async_finish is True and not return_recv_hook) as call:  # ep._comm_stream
+        with self._call(async_finish is True and not return_recv_hook) as call:  # ep.paths.comm_stream
             call.hold(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
             return runtime.dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
@@ -217,7 +217,7 @@ class LowLatencyMethods:
         Collective? Yes. Blocking? As ``low_latency_dispatch``.
         """
         runtime = self._runtime("low_latency_combine")
-        with self._call(async_finish is True and not return_recv_hook) as call:  # ep._comm_stream
+        with self._call(async_finish is True and not return_recv_hook) as call:  # ep.paths.comm_stream
             call.hold(x, topk_idx, topk_weights, out, combine_wait_recv_cost_stats)
             result = runtime.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                      return_recv_hook, out, combine_wait_recv_cost_stats)

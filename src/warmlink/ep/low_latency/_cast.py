@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep.fp8 import FP8_BLOCK, FP8_MAX
+from warmlink.ep.wire.fp8 import FP8_BLOCK, FP8_MAX
 
 __all__ = ["cast_fp8", "pack_ue8m0"]
 

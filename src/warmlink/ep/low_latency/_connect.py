@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._info import validate_rank_header
 from warmlink.ep.low_latency._layout import LowLatencyLayout
+from warmlink.ep.wire import mailbox as mb
+from warmlink.ep.wire.info import validate_rank_header
 from warmlink.errors import ConfigError, MetadataError
 from warmlink.rendezvous import schema
 

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 import torch
 
-from warmlink.ep._launch import FastLaunch, launch
+from warmlink.ep.kernels.launch import FastLaunch, launch
 from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.ep.low_latency._outputs import ParityViews
 from warmlink.errors import ConfigError, PeerLostError, TransferTimeout

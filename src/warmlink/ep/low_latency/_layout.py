@@ -7,7 +7,7 @@ exchange. So every place a row can land is reserved up front, and a sender alone
 of its rows goes.
 
 Dispatch. Rank ``d`` holds, per parity ``p`` (round ``n`` uses ``p = n % 2``, as in
-ep._regions Note [Two parities]), a slot of ``T`` rows per (local expert ``e``, source ``s``):
+ep.wire.regions Note [Two parities]), a slot of ``T`` rows per (local expert ``e``, source ``s``):
 
     disp.p       [L, R, T] rows of 2H bytes: BF16 x, or FP8 x (H bytes) then its H/128 float32 scales
     disp_meta.p  [L, R, T] int64: the row's source token and top-k column, ``t * K + k``
@@ -15,7 +15,7 @@ ep._regions Note [Two parities]), a slot of ``T`` rows per (local expert ``e``, 
 
 with ``L = E / R`` local experts and ``K`` the Buffer's ``num_topk``. Source ``s`` writes its
 ``c[e]`` rows for expert ``e`` into slot ``(e, s)`` in token order, then the slot's signal word
-(every slot of every rank, empty ones too), then "round n" in its mailbox (ep._mailbox, Note
+(every slot of every rank, empty ones too), then "round n" in its mailbox (ep.wire.mailbox, Note
 [Mailbox rounds]); the round in each word proves the counts are this round's. The device path
 (Note [Low-latency device path]) polls the signal words instead of the mailbox, its sequence
 number in their high half, so the layout is the same for both. The receiver
@@ -43,8 +43,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from warmlink.ep._regions import MAX_EXPERTS, check_positive
-from warmlink.ep.fp8 import FP8_BLOCK
+from warmlink.ep.wire.fp8 import FP8_BLOCK
+from warmlink.ep.wire.regions import MAX_EXPERTS, check_positive
 from warmlink.errors import ConfigError
 
 __all__ = ["LL_PARITIES", "LowLatencyLayout"]

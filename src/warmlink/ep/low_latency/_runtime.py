@@ -7,7 +7,7 @@ Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
    rank received round ``n - 2`` (else ``ConfigError``: its hook was not called) and so did every
    peer (their "received" words, which have almost always passed it already); write the rows into
    the peers' areas of that parity and the signal words (ep.low_latency._layout), then publish "round n" and
-   the call's arguments in this rank's mailbox (payload before round number: ep._mailbox, Note
+   the call's arguments in this rank's mailbox (payload before round number: ep.wire.mailbox, Note
    [Mailbox rounds]);
 2. receive (inline, or in the hook): wait for every peer's "round n" (the Buffer's timeout; a dead
    peer raises ``PeerLostError``), check that every rank called with the same arguments
@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from warmlink import _cuda
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._launch import current_stream
+from warmlink.ep.kernels.launch import current_stream
 from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._connect import Peers, connect
 from warmlink.ep.low_latency._device import DevicePath, call_tag
@@ -44,7 +43,8 @@ from warmlink.ep.low_latency._handle import LowLatencyHandle
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs
-from warmlink.ep.event import EventOverlap
+from warmlink.ep.paths.event import EventOverlap
+from warmlink.ep.wire import mailbox as mb
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
 
 __all__ = ["LowLatencyRuntime", "refuse_backend"]

@@ -8,7 +8,7 @@ swapped for Python ones.
 import triton
 import triton.language as tl
 
-from warmlink.ep._triton import device_clock_ns, fence_system
+from warmlink.ep.kernels.programs import device_clock_ns, fence_system
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
 # (words 0-3: the sequence numbers of dispatch and combine, by parity: a kernel's ``seq_slot``)

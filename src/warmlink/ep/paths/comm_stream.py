@@ -8,7 +8,7 @@ stream instead, so that the caller's stream is *not* ordered after it and the ca
 overlaps the call's: the communication stream first waits, runs the call's work, and the returned
 event marks its end; the caller waits for that event (``event.current_stream_wait()``) before it
 reads the outputs. The host returns as it does without ``async_finish`` (at launch, but for an
-unpadded fresh dispatch, whose outputs are sized by counts the host must read: ep._senders, Note
+unpadded fresh dispatch, whose outputs are sized by counts the host must read: ep.protocol.normal, Note
 [Padded dispatch returns at launch]). A call with a receive hook
 runs on the caller's stream whatever ``async_finish`` says: it overlaps by returning before its
 receive (DeepEP's low-latency calls take not both).
@@ -16,7 +16,7 @@ receive (DeepEP's low-latency calls take not both).
 What the stream first waits for: ``deep_ep.Buffer``'s, as DeepEP's, for ``previous_event`` alone
 (for the caller's stream without one); ``ep.Buffer``'s for the caller's stream and
 ``previous_event``, because its ``recv_x`` is a view of the receive area: a dispatch lets the peers
-overwrite the area of the dispatch before last once its stream reaches it (ep._flags, Note
+overwrite the area of the dispatch before last once its stream reaches it (ep.wire.flags, Note
 [Arrival flags]), and the caller's reads of that area must come first. (``deep_ep.Buffer`` copies
 ``recv_x`` out on the communication stream.)
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep._launch import on_stream
+from warmlink.ep.kernels.launch import on_stream
 
 __all__ = ["CommStream", "INLINE"]
 
@@ -178,7 +178,7 @@ class CommStream:
     def close(self, drain: bool = True) -> None:
         """Give the stream and events back. With ``drain`` the current stream is first ordered after
         this stream's work (which reads the Buffer's region); without, as after a failed receive
-        (ep._cuda_mover, Note [Receive work on its own stream]), it is not."""
+        (ep.paths.cuda_mover, Note [Receive work on its own stream]), it is not."""
         stream, self._stream_lease = self._stream_lease, None
         if stream is None:
             return

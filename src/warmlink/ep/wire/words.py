@@ -1,6 +1,6 @@
 """The config words of one dispatch and one combine: what every rank of a round must call with, in one int64.
 
-Each rank publishes its word in its mailbox (ep._mailbox) with "ready for round n"; a rank that
+Each rank publishes its word in its mailbox (ep.wire.mailbox) with "ready for round n"; a rank that
 sees another word refuses the round with a ``ConfigError`` naming both, instead of reading counts
 or rows laid out for another kind of call. Everything that changes how a receiver reads the bytes
 a sender wrote is in the word: rows of another dtype are the same size (bf16 and fp16), and a
@@ -12,7 +12,7 @@ experts, 33-62 ``num_worst_tokens``. Combine bits: 0-1 x's dtype, 2-16 ``topk_we
 
 ``REFUSED`` (-1, a word ``encode_call`` never makes) is the word of a rank that refused its own
 fresh dispatch's arguments and takes part in the round without tokens (``ep.Buffer.refuse_dispatch``;
-ep._senders, Note [Refused dispatch]): every rank that reads it raises ``ConfigError`` naming that rank.
+ep.protocol.normal, Note [Refused dispatch]): every rank that reads it raises ``ConfigError`` naming that rank.
 """
 
 from __future__ import annotations

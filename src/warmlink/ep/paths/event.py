@@ -2,7 +2,7 @@
 
 As DeepEP's, a call made with ``async_finish=True`` runs on the Buffer's communication stream and
 returns an event the caller's stream must wait on (``event.current_stream_wait()``) before it
-reads the outputs (ep._comm_stream, Note [Communication stream]); ``previous_event`` takes it back.
+reads the outputs (ep.paths.comm_stream, Note [Communication stream]); ``previous_event`` takes it back.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class EventOverlap:
             raise ConfigError("ep.EventOverlap.current_stream_wait: this call was made without async_finish=True, so it "
                               "recorded no event; its outputs are ordered on the stream that was current during the call")
         from warmlink import _cuda
-        from warmlink.ep._launch import current_stream
+        from warmlink.ep.kernels.launch import current_stream
 
         _cuda.stream_wait_event(current_stream(self._device), self._event)
 

@@ -1,7 +1,7 @@
-"""``CudaMover``: the mover of the cuda_ipc backend (ep._movers lists its operations).
+"""``CudaMover``: the mover of the cuda_ipc backend (ep.paths.host_mover lists its operations).
 
 # Note [Copy-engine sends]
-On CUDA a gather is one kernel on the caller's stream (ep._kernels) into this rank's staging
+On CUDA a gather is one kernel on the caller's stream (ep.kernels.steps) into this rank's staging
 slots, for every peer at once; the copy streams then follow the caller's stream, and ``flush``
 copies each area into the peer's mapped region (``flush_all``: every peer's in one
 ``cudaMemcpyBatchAsync`` on the shared copy stream). The copies go through the link's
@@ -11,21 +11,21 @@ bytes while no SM waits.
 (A gather per destination let the first copy start sooner, but cost a launch per peer on the
 host, and a slow rank's host then delayed its last copy; benchmarks/history-2026-11-22.md.) A cached dispatch knows
 where its own rows go before it sends, so ``gather_all`` stages the peers' rows and places its
-own with one push, replayed from the parity's call block (ep._kernels, Note [Fresh send graph]):
+own with one push, replayed from the parity's call block (ep.paths.sm_pushes, Note [Fresh send graph]):
 in hook mode the send phase's host time is what delays work queued before the hook. ``sent``/``flush`` store
-the rows' arrival flag in each destination from the copy stream (ep._flags, Note [Arrival
+the rows' arrival flag in each destination from the copy stream (ep.wire.flags, Note [Arrival
 flags]), and record this rank's send event there, which its caller's stream waits for before the
 inputs are reused. Rows move as int64 words: a row is a multiple of 8 channels.
 
 # Note [Receive work on its own stream]
 The receive work (the unpack, the combine's sum) is launched at once on this rank's receive
-stream, behind stream waits on the sources' arrival flags (ep._flags, Note [Arrival flags]): it
+stream, behind stream waits on the sources' arrival flags (ep.wire.flags, Note [Arrival flags]): it
 starts the moment the last byte is in, and the host returns at launch. The caller's stream is
 ordered after the receive work with a local event. A dead or stalled sender fails the Buffer at
 its deadline and its flags are released from the CPU, so the receive stream never waits for
 good. Outputs the receive work writes are marked with ``record_stream``, so the allocator never
 hands their memory out while it may still run. The stream keeps the default priority, unlike the
-communication stream (ep._comm_stream): no measured row gained from the greatest
+communication stream (ep.paths.comm_stream): no measured row gained from the greatest
 (benchmarks/history-2026-11-27.md).
 """
 
@@ -38,20 +38,20 @@ import numpy as np
 import torch
 
 from warmlink._backoff import wait_until
-from warmlink.ep import _kernels
-from warmlink.ep._call_block import Sources
-from warmlink.ep._flags import OPS, arrival_value
-from warmlink.ep._launch import current_stream, on_stream
-from warmlink.ep._mailbox import MAX_EXPERTS
-from warmlink.ep._movers import STAGE, Gathers, Views, as_words
-from warmlink.ep._reduce import PARTS
-from warmlink.ep._regions import PARITIES, RegionLayout
-from warmlink.ep._sm_pushes import SmPushes
+from warmlink.ep.kernels import steps
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.launch import current_stream, on_stream
+from warmlink.ep.kernels.reduce import PARTS
+from warmlink.ep.paths.host_mover import STAGE, Gathers, Views, as_words
+from warmlink.ep.paths.sm_pushes import SmPushes
+from warmlink.ep.wire.flags import OPS, arrival_value
+from warmlink.ep.wire.mailbox import MAX_EXPERTS
+from warmlink.ep.wire.regions import PARITIES, RegionLayout
 
 __all__ = ["CudaMover", "SEND_PHASES", "phase_flag"]
 
 # the phases of a round that record send events: a combine's parts but the last have their own
-# (ep._reduce, Note [Pipelined combine]); each has one per parity (ep._regions, Note [Two parities])
+# (ep.kernels.reduce, Note [Pipelined combine]); each has one per parity (ep.wire.regions, Note [Two parities])
 SEND_PHASES = ("dispatch", "combine", *(f"combine_part{k}" for k in range(PARTS - 1)))
 
 
@@ -59,7 +59,7 @@ SEND_PHASES = ("dispatch", "combine", *(f"combine_part{k}" for k in range(PARTS 
 def phase_flag(phase: str) -> tuple[str, int]:
     """``(op, part)`` of an event phase's arrival flag: ``dispatch.<p>`` is part 0,
     ``combine_part<k>.<p>`` part k, and ``combine.<p>`` (a combine's last part) part 3, so that
-    its value covers every earlier part's (ep._reduce: at most 4 parts)."""
+    its value covers every earlier part's (ep.kernels.reduce: at most 4 parts)."""
     name = phase.split(".", 1)[0]
     if name == "dispatch":
         return "dispatch", 0
@@ -70,7 +70,7 @@ def phase_flag(phase: str) -> tuple[str, int]:
 
 class CudaMover(SmPushes, Gathers):
     """Copy-engine copies into peers' IPC-mapped regions (Note [Copy-engine sends]), and the SM
-    pushes of ep._sm_pushes, ordered between ranks by arrival flags (ep._flags).
+    pushes of ep.paths.sm_pushes, ordered between ranks by arrival flags (ep.wire.flags).
 
     Args:
         layout: the group's region layout.
@@ -88,7 +88,7 @@ class CudaMover(SmPushes, Gathers):
     """
 
     LOCAL_EVENTS = 3
-    host_ordered = False  # arrival flags order the bytes (ep._flags)
+    host_ordered = False  # arrival flags order the bytes (ep.wire.flags)
 
     def __init__(self, layout: RegionLayout, rank: int, device: int, own: torch.Tensor, peer_ptrs: dict[int, int],
                  engines, recv_stream, local_events: list[int], send_events: dict, flags,
@@ -115,10 +115,10 @@ class CudaMover(SmPushes, Gathers):
         self._rounds = {op: 0 for op in OPS}  # the round of each op in progress (start_round)
         self._sent_on: int | None = None  # the stream of the last send phase, whose end _send_done marks
         self._refs = peer_refs
-        # the landing place of start_to_host: the largest plan word vector (ep._kernels.words_layout)
+        # the landing place of start_to_host: the largest plan word vector (ep.kernels.steps.words_layout)
         # (pinned where CUDA is, which is wherever a CudaMover does real work; tests drive it with fakes)
         pinned = torch.cuda.is_available()
-        self._host = torch.empty(_kernels.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self._host = torch.empty(steps.words_size(layout.num_ranks, MAX_EXPERTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._host_words = 0
         self._init_pushes(own, pinned)
         # a combine's per-rank counts per parity, pinned and on the device (combine_counts)
@@ -155,7 +155,7 @@ class CudaMover(SmPushes, Gathers):
             self.flags.gate(stream, op, peers, round_)
 
     def check(self) -> None:
-        """Raise a failure of an earlier call's arrival (ep._flags); never blocks."""
+        """Raise a failure of an earlier call's arrival (ep.wire.flags); never blocks."""
         self.flags.check()
 
     def _mark_sent(self, phase: str, stream: int, dests) -> None:

@@ -2,7 +2,7 @@
 
 A bad shape, dtype, device, size or expert id raises ``ConfigError`` naming the argument; expert
 ids are checked on the device by the plan kernel, whose min/max rides on the one copy of the
-counts to the host that dispatch needs anyway (Note [Round protocol] in ep._rounds).
+counts to the host that dispatch needs anyway (Note [Round protocol] in ep.protocol.rounds).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._kernels import words_layout
-from warmlink.ep._regions import RegionLayout
-from warmlink.ep.fp8 import num_scales
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.kernels.layout import dispatch_layout
+from warmlink.ep.kernels.steps import words_layout
+from warmlink.ep.wire import mailbox as mb
+from warmlink.ep.wire.fp8 import num_scales
+from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import ConfigError
 
 __all__ = ["X_DTYPES", "Checks"]
@@ -125,7 +125,7 @@ class Checks:
         return topk, weights, num_experts, per_rank, in_rank, per_expert
 
     def counts(self, words: np.ndarray, num_tokens: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-        """Check the plan's words (ep._kernels.plan) on the host: ``(send counts [R], per-expert [E])``.
+        """Check the plan's words (ep.kernels.steps.plan) on the host: ``(send counts [R], per-expert [E])``.
 
         Raises ``ConfigError`` for expert ids outside ``[-1, num_experts)`` and for counts per rank
         that differ from ``is_token_in_rank``: nothing was sent yet.

@@ -31,7 +31,7 @@ import platform
 import numpy as np
 
 from warmlink._backoff import wait_until
-from warmlink.ep._regions import MAX_EXPERTS
+from warmlink.ep.wire.regions import MAX_EXPERTS
 from warmlink.errors import BackendUnavailable
 
 __all__ = ["COMBINE", "COMBINE_RECEIVED", "COMBINE_SENT", "DISPATCH", "DISPATCH_RECEIVED", "DISPATCH_SENT", "MAX_EXPERTS",
@@ -81,7 +81,7 @@ class Mailbox:
         if machine.lower() not in _STORE_ORDERED:
             raise BackendUnavailable(
                 f"ep mailbox: this host is {machine!r}; the handshake relies on x86's store and load order "
-                "(Note [Mailbox rounds] in warmlink.ep._mailbox) and has no memory fences for other CPUs yet")
+                "(Note [Mailbox rounds] in warmlink.ep.wire.mailbox) and has no memory fences for other CPUs yet")
         self.rank = rank
         self.num_ranks = num_ranks
         self._own = own.numpy().view(np.int64)[: _words(num_ranks)]
@@ -122,7 +122,7 @@ class Mailbox:
         self._own[DISPATCH] = round_
 
     def publish_combine(self, round_: int, word: int) -> None:
-        """The combine word of ``round_`` (ep._call_config.encode_combine: its handle's dispatch
+        """The combine word of ``round_`` (ep.wire.words.encode_combine: its handle's dispatch
         round, dtype and weights) in its parity word, then the round."""
         self._own[COMBINE_HANDLE + round_ % 2] = word
         self._own[COMBINE] = round_

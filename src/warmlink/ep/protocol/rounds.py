@@ -1,19 +1,19 @@
-"""The round protocol of a Buffer's dispatches and combines, over the host mailboxes (ep._mailbox).
+"""The round protocol of a Buffer's dispatches and combines, over the host mailboxes (ep.wire.mailbox).
 
 # Note [Round protocol]
 A dispatch (and likewise a combine) is one round ``n`` of a handshake in the host mailboxes:
 
 1. publish "ready for round n", with the config word and, for a fresh dispatch, the counts;
 2. a fresh dispatch waits until every peer published the same (it needs their counts to know
-   where its rows go, Note [Send order] in ep.layout; a peer publishes them once its stream
+   where its rows go, Note [Send order] in ep.kernels.layout; a peer publishes them once its stream
    reached the round, so the receive areas of round n - 2 are free); with SM sends, kernels trade
-   the counts and store the rows instead, and the host meets the peers after (ep._kernels, Note
-   [SM sends]; a padded dispatch's host at its next call: ep._senders, Note [Padded dispatch
+   the counts and store the rows instead, and the host meets the peers after (ep.paths.sm_pushes, Note
+   [SM sends]; a padded dispatch's host at its next call: ep.protocol.normal, Note [Padded dispatch
    returns at launch]). A cached dispatch and a combine do not wait for the peers' calls of round
    n (only, as every call, for each peer to have published round n - 1: Note [Mailbox rounds] in
-   ep._mailbox): round n lands in the receive areas of parity n % 2 (ep._regions, Note [Two
+   ep.wire.mailbox): round n lands in the receive areas of parity n % 2 (ep.wire.regions, Note [Two
    parities]), which round n - 2 used. On the device, the arrival flags' ``freed`` words hold
-   the writes until every peer is done with them (ep._flags, Note [Arrival flags]); with host
+   the writes until every peer is done with them (ep.wire.flags, Note [Arrival flags]); with host
    copies, this rank's host passed round n - 1's step 4, which waited for every peer's host to
    pass round n - 1's start;
 3. every source issues its rows, marks them sent (on the device: arrival flags), and publishes
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._call_config import REFUSED, combine_handle_round, describe_call, describe_combine
-from warmlink.ep.handle import Handle, fill_plan
+from warmlink.ep.wire import mailbox as mb
+from warmlink.ep.wire.handle import Handle, fill_plan
+from warmlink.ep.wire.words import REFUSED, combine_handle_round, describe_call, describe_combine
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Pending", "Rounds"]
@@ -130,7 +130,7 @@ class Rounds:
     def check_published(self, field: int, round_: int) -> None:
         """``meet``'s checks, without its wait, for the peers that published ``field`` of
         ``round_`` already; ``check_late`` checks the others at a later call (with arrival flags,
-        ep._flags, the device orders the bytes and the host does not wait for the peers)."""
+        ep.wire.flags, the device orders the bytes and the host does not wait for the peers)."""
         self._check_now(field, round_, self._own_word(field, round_), range(self.num_ranks))
 
     def check_late(self) -> None:
@@ -172,7 +172,7 @@ class Rounds:
             raise MetadataError(f"ep: rank {rank} replaced its {'dispatch' if field == mb.DISPATCH else 'combine'} word "
                                 f"of round {round_} before this rank checked it (it is at round "
                                 f"{mailbox.round_of(rank, field)}); ranks run at most one round apart (Note [Mailbox "
-                                "rounds] in ep._mailbox), so it does not follow the round protocol")
+                                "rounds] in ep.wire.mailbox), so it does not follow the round protocol")
         return word
 
     def _check_words(self, field: int, round_: int, mine: int, words: dict[int, int]) -> None:

@@ -1,6 +1,6 @@
-"""A combine's send phase and receive work, in parts (ep._reduce, Note [Pipelined combine]).
+"""A combine's send phase and receive work, in parts (ep.kernels.reduce, Note [Pipelined combine]).
 
-The round protocol around them (publish, meet, "sent") is ``Buffer.combine``'s (ep._rounds).
+The round protocol around them (publish, meet, "sent") is ``Buffer.combine``'s (ep.protocol.rounds).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from warmlink.ep._movers import as_words
-from warmlink.ep._reduce import combine_sum, part_bounds, part_phase, part_sums
-from warmlink.ep._regions import PARITIES, RegionLayout, area
-from warmlink.ep.handle import Handle
+from warmlink.ep.kernels.reduce import combine_sum, part_bounds, part_phase, part_sums
+from warmlink.ep.paths.host_mover import as_words
+from warmlink.ep.wire.handle import Handle
+from warmlink.ep.wire.regions import PARITIES, RegionLayout, area
 
 __all__ = ["Combiner"]
 
@@ -22,7 +22,7 @@ class Combiner:
 
     Args:
         mover: the Buffer's mover. layout: the group's region layout. rank: this rank.
-        order: the peers in the order this rank sends to them (ep._rounds, ``Rounds.order``).
+        order: the peers in the order this rank sends to them (ep.protocol.rounds, ``Rounds.order``).
         parts: the parts of every combine (every rank must use the same).
         timeout_s: the limit of the wait for the counts' pinned row (``mover.combine_counts``).
     """

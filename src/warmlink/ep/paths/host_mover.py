@@ -1,12 +1,12 @@
 """How rows reach a peer's region: host copies (``HostMover``, shm) or copy engines and SM pushes
-(``CudaMover``, cuda_ipc: ep._cuda_mover).
+(``CudaMover``, cuda_ipc: ep.paths.cuda_mover).
 
-Both movers offer the same operations, so the senders (ep._senders) and the combine
-(ep._combine) hold one protocol for both backends:
+Both movers offer the same operations, so the senders (ep.paths.senders) and the combine
+(ep.paths.combine) hold one protocol for both backends:
 
 - ``begin(copies)``: later pushes are ordered after the caller's stream;
 - ``gather(rows, src, dests, skip)``: the rows (and meta rows) of ``src`` bound for ``dests``
-  (but ``skip``) go into this rank's staging slots (ep._kernels.gather); staging needs no peer,
+  (but ``skip``) go into this rank's staging slots (ep.kernels.steps.gather); staging needs no peer,
   and a row's place in the peer may be known only after the handshake;
 - ``flush(dest, phase, src, row0, count, parts)``: ``count`` staged rows of ``src`` in ``dest``'s
   slot go to rows ``row0...`` of its areas ``parts``, then are marked sent; ``flush_all(phase,
@@ -20,10 +20,10 @@ Both movers offer the same operations, so the senders (ep._senders) and the comb
   dispatch's one wait for the device), with work queued in between;
 - ``start_round(op, round_)``: round ``round_`` of ``op`` starts on the caller's stream;
 - ``gate(op, round_, sm)``: later writes of that round into the peers wait until the peers
-  freed the areas they land in (ep._flags, Note [Arrival flags]; the host protocol of ep._rounds
+  freed the areas they land in (ep.wire.flags, Note [Arrival flags]; the host protocol of ep.protocol.rounds
   orders host copies, so the ``HostMover`` needs nothing);
 - ``check()``: raise the failure of an earlier call's arrival (never blocks);
-- ``host_ordered``: whether the host meets of ep._rounds order the bytes (``HostMover``), or
+- ``host_ordered``: whether the host meets of ep.protocol.rounds order the bytes (``HostMover``), or
   arrival flags do on the device (``CudaMover``: a call returns at launch);
 - ``send_done()``: the end of a send phase on the caller's stream (what the receive work follows);
 - ``arrived(sources, phase, then, writes, early)``: run ``then`` (the receive work:
@@ -32,9 +32,9 @@ Both movers offer the same operations, so the senders (ep._senders) and the comb
   then order the caller's stream after it and after this rank's own pushes (the ``HostMover``
   runs the work at once: the host protocol waited for the bytes);
 - ``combine_counts(counts, parity, timeout_s)``: a combine's per-rank row counts where its sum
-  can read them (ep._reduce, Note [Pipelined combine]).
+  can read them (ep.kernels.reduce, Note [Pipelined combine]).
 
-``phase`` names the marks of one phase and parity (``"dispatch.0"``, ...; ep._regions, Note [Two
+``phase`` names the marks of one phase and parity (``"dispatch.0"``, ...; ep.wire.regions, Note [Two
 parities]).
 """
 
@@ -45,9 +45,9 @@ import math
 import numpy as np
 import torch
 
-from warmlink.ep import _kernels
-from warmlink.ep._call_block import Sources
-from warmlink.ep._regions import RegionLayout
+from warmlink.ep.kernels import steps
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.wire.regions import RegionLayout
 
 __all__ = ["STAGE", "Gathers", "HostMover", "Views", "as_words"]
 
@@ -97,7 +97,7 @@ class Gathers:
 
     def _stage(self, rows: torch.Tensor, src: Sources, dests: range, skip: int) -> None:
         x, meta = self._views.parts(self.rank, src, STAGE)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
+        steps.gather(rows, src, x, meta, self.layout.num_topk, dests, skip=skip)
 
     def own_view(self, area: str, dtype: torch.dtype, cols: int) -> torch.Tensor:
         """``[rows, cols]`` view of this rank's ``area`` as ``dtype``, made once per key."""
@@ -105,7 +105,7 @@ class Gathers:
 
     def place_local(self, rows: torch.Tensor, src: Sources, parts: tuple[str, ...], shift: int) -> None:
         x, meta = self._views.parts(self.rank, src, parts)
-        _kernels.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
+        steps.gather(rows, src, x, meta, self.layout.num_topk, range(self.rank, self.rank + 1), shift)
 
     def gather_all(self, rows: torch.Tensor, src: Sources, parts: tuple[str, ...], shift: int, parity: int,
                    timeout_s: float, graphs: bool = True) -> None:

@@ -3,14 +3,14 @@
 The API follows DeepEP's normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``; the
 README's "MoE dispatch and combine" shows a call sequence), so MoE code switches with small changes.
 
-Each call is a round of the protocol in ep._rounds (Note [Round protocol]); a dispatch's rows move
-through the Buffer's sender (ep._senders: SMs, copy engines or host copies, chosen once by
-``send=``), a combine's through ep._combine. With ``return_recv_hook=True`` each call returns
-after its send phase (rows packed per destination, the bytes handed to the copy engines, the
-round marked sent) with one more element, ``hook``; no kernel stays resident. ``hook()`` waits
-for arrival and finishes the receive. This module checks a call's arguments and picks its stream
-(with ``async_finish``, the communication stream: ep._comm_stream); the round bodies are
-ep._round_calls'.
+``Buffer`` is the facade: it checks that it is open, picks a call's stream (with ``async_finish``,
+the communication stream: ep.paths.comm_stream) and hands the call to its ``NormalMode``
+(ep.protocol.normal), which runs the round (Note [Round protocol] in ep.protocol.rounds) over the
+data path chosen once by ``send=`` (ep.paths.senders: SMs, copy engines or host copies). With
+``return_recv_hook=True`` each call returns after its send phase (rows packed per destination,
+the bytes handed to the copy engines, the round marked sent) with one more element, ``hook``; no
+kernel stays resident. ``hook()`` waits for arrival and finishes the receive. The low-latency
+calls are ep.low_latency's.
 """
 
 from __future__ import annotations
@@ -19,24 +19,24 @@ import torch
 
 from warmlink import _env
 from warmlink._closing import Closing
-from warmlink.ep._checks import Checks
-from warmlink.ep._combine import Combiner
-from warmlink.ep._comm_stream import INLINE
-from warmlink.ep._regions import PARITIES, RegionLayout
-from warmlink.ep._round_calls import RoundCalls
-from warmlink.ep._rounds import Rounds
-from warmlink.ep._options import resolve_device, resolve_options
-from warmlink.ep._senders import SENDERS
-from warmlink.ep._setup import Resources, group_store
-from warmlink.ep.event import wait_for
-from warmlink.ep.handle import Handle
-from warmlink.ep.layout import dispatch_layout
+from warmlink.ep.api.options import resolve_device, resolve_options
+from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.low_latency import LowLatencyMethods
+from warmlink.ep.paths.combine import Combiner
+from warmlink.ep.paths.comm_stream import INLINE
+from warmlink.ep.paths.event import wait_for
+from warmlink.ep.paths.senders import PATHS
+from warmlink.ep.paths.setup import Resources, group_store
+from warmlink.ep.protocol.checks import Checks
+from warmlink.ep.protocol.normal import NormalMode
+from warmlink.ep.protocol.rounds import Rounds
+from warmlink.ep.wire.handle import Handle
+from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
 
-class Buffer(LowLatencyMethods, RoundCalls, Closing):
+class Buffer(LowLatencyMethods, Closing):
     """One rank's end of an ep group: regions, mailboxes and streams, set up once.
 
     Args:
@@ -51,18 +51,18 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
             ``backend="shm"``).
         backend: ``"cuda_ipc"``, ``"shm"`` or None (``WARMLINK_BACKEND``, else by device).
         timeout_s: every wait's limit (default ``WARMLINK_TIMEOUT_S``).
-        send: how a dispatch without a receive hook moves its rows (ep._senders): ``"sm"``
+        send: how a dispatch without a receive hook moves its rows (ep.paths.senders, chosen once): ``"sm"``
             (cuda_ipc: kernels trade the counts and store the rows, Note [SM sends] in
-            ep._kernels), ``"copy"`` (cuda_ipc: the host meets the peers, then the copy engines
+            ep.paths.sm_pushes), ``"copy"`` (cuda_ipc: the host meets the peers, then the copy engines
             push) or ``"host"`` (shm: CPU copies). None: ``"host"`` on shm, ``WARMLINK_EP_SEND``
             (default ``"sm"``) on cuda_ipc. A call with a hook uses the copy engines on cuda_ipc.
             Every rank passes the same.
         graphs: replay the SM and cached sends' launches as CUDA graphs from their second call per
-            shape (ep._kernels, Note [Fresh send graph]). None: ``WARMLINK_EP_GRAPH`` (default
+            shape (ep.paths.sm_pushes, Note [Fresh send graph]). None: ``WARMLINK_EP_GRAPH`` (default
             True) on cuda_ipc.
         copy_streams: ``"one"`` (every destination's copies back to back on one stream) or
             ``"per-peer"``. None: ``WARMLINK_EP_COPY_STREAMS`` (default ``"one"``) on cuda_ipc.
-        combine_parts: the parts a combine's rows are sent and summed in, 1 to 4 (ep._reduce,
+        combine_parts: the parts a combine's rows are sent and summed in, 1 to 4 (ep.kernels.reduce,
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
@@ -101,9 +101,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         self.send, self.graphs, self.copy_streams, self.combine_parts = resolve_options(
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
         self._check_low_latency(low_latency_mode, num_experts)
-        self._recv_failed = False
-        self.last_marks: dict[str, float] = {}
-        self.last_phases: dict[str, float] = {}
+        self._normal: NormalMode | None = None
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
                               self.copy_streams)
         self._link = self._res.link
@@ -111,12 +109,13 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         try:
             self._res.connect(store)
             self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
-            self.mailbox, self.peers, self._mover = self._res.mailbox, self._res.peers, self._res.mover
-            self._done_events = self._res.done_events  # what async_finish records: per (op, parity), then the layout's
-            self._rounds = Rounds(self.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
-            self._sender = SENDERS[self.send](self._mover, self._rounds, self._checks, self.layout, self.graphs)
-            self._combiner = Combiner(self._mover, self.layout, rank, self._rounds.order(), self.combine_parts,
-                                      self.timeout_s)
+            res = self._res
+            rounds = Rounds(res.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
+            path = PATHS[self.send](res.mover, self.layout, rank, num_ranks, self.graphs)
+            combiner = Combiner(res.mover, self.layout, rank, rounds.order(), self.combine_parts, self.timeout_s)
+            # done_events: what async_finish records, per (op, parity), then the layout's
+            self._normal = NormalMode(rounds, path, combiner, res.mover, self._checks, self.layout, self.device,
+                                      res.done_events)
         except BaseException:
             self.close()
             raise
@@ -156,13 +155,13 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         """
         self._checks.experts(num_experts)
         topk = self._checks.topk(topk_idx, "topk_idx")
-        with self._call(async_finish) as call:  # Note [Communication stream] in ep._comm_stream (not a hot path)
+        with self._call(async_finish) as call:  # Note [Communication stream] in ep.paths.comm_stream (not a hot path)
             wait_for(previous_event, "get_dispatch_layout")
             call.hold(topk)
             lay = dispatch_layout(topk, num_experts, self.num_ranks)
             call.give(lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank)
             return (lay.num_tokens_per_rank, None, lay.num_tokens_per_expert, lay.is_token_in_rank,
-                    self._overlap(2 * PARITIES, async_finish))
+                    self._normal.event(2 * PARITIES, async_finish))
 
     def all_gather_int(self, value: int, *, timeout_s: float | None = None) -> list[int]:
         """Every rank's ``value`` (an int in ``[0, 2**63)``), in rank order: a host-only collective
@@ -171,10 +170,10 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         self._check_open("all_gather_int")
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
             raise ConfigError(f"ep.Buffer.all_gather_int: value={value!r}; expected an int in [0, 2**63)")
-        return self._rounds.all_gather_int(value, self.timeout_s if timeout_s is None else timeout_s)
+        return self._normal.rounds.all_gather_int(value, self.timeout_s if timeout_s is None else timeout_s)
 
     def get_comm_stream(self) -> torch.cuda.Stream:
-        """The stream calls made with ``async_finish=True`` run on (DeepEP's name; ep._comm_stream,
+        """The stream calls made with ``async_finish=True`` run on (DeepEP's name; ep.paths.comm_stream,
         Note [Communication stream]).
 
         Raises:
@@ -190,10 +189,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
     def _check_open(self, func: str) -> None:
         if self._closed:
             raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
-        self._sender.resolve()  # a padded dispatch's counts, and its refusal: ep._senders
-        self._rounds.check_no_pending(func)
-        self._mover.check()  # an earlier call's bytes that never came (ep._flags): close releases its waits
-        self._rounds.check_late()  # the peers' words of earlier rounds, checked once they published
+        self._normal.before_call(func)
 
     def dispatch(self, x, handle: Handle | None = None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -224,7 +220,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
                 raises ``ConfigError`` and the round is spent. With SM sends (no hook) the call
                 returns at launch, as DeepEP's: the handle's counts reach the host at the Buffer's
                 next call, which raises such a refusal (and so does every use of the handle); the
-                refused round's outputs are all padding (ep._senders, Note [Padded dispatch returns
+                refused round's outputs are all padding (ep.protocol.normal, Note [Padded dispatch returns
                 at launch]). Its round numbers are host ints, so it is not graph-capturable. A
                 cached dispatch pads as its handle's.
             previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the call's work waits for first.
@@ -234,7 +230,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
                 overlaps the call's; wait for the event before reading the outputs. Without it, or
                 with a receive hook (which is how hook mode overlaps; DeepEP takes not both), the
                 call runs on the caller's stream, which is thus ordered after the outputs
-                (ep._comm_stream, Note [Communication stream]).
+                (ep.paths.comm_stream, Note [Communication stream]).
             allocate_on_comm_stream: accepted; with ``async_finish`` the outputs are always allocated
                 on the communication stream and marked used by the caller's (the note says why).
             ``config`` is accepted for compatibility and unused.
@@ -249,7 +245,7 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
 
         Raises:
             ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves; the peers
-                of a fresh dispatch raise it too, naming this rank: ep._senders, Note [Refused
+                of a fresh dispatch raise it too, naming this rank: ep.protocol.normal, Note [Refused
                 dispatch]), or peers that called with another configuration.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
@@ -258,13 +254,13 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
                 expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook)
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "dispatch")
-            return self._dispatch(*args)
-        with self._call(True) as call:  # Note [Communication stream] in ep._comm_stream
+            return self._normal.dispatch(*args)
+        with self._call(True) as call:  # Note [Communication stream] in ep.paths.comm_stream
             wait_for(previous_event, "dispatch")
             call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             if isinstance(handle, Handle):
                 call.hold(handle.is_token_in_rank, handle.combine_rows)
-            out = self._dispatch(*args)
+            out = self._normal.dispatch(*args)
             call.give(out[:3], out[4].combine_rows)
             return out
 
@@ -299,18 +295,40 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         rows, weights = self._checks.combine(x, topk_weights, handle)
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")
-            return self._combine(rows, weights, handle, async_finish, return_recv_hook)
-        with self._call(True) as call:  # Note [Communication stream] in ep._comm_stream
+            return self._normal.combine(rows, weights, handle, async_finish, return_recv_hook)
+        with self._call(True) as call:  # Note [Communication stream] in ep.paths.comm_stream
             wait_for(previous_event, "combine")
             call.hold(rows, weights, handle.is_token_in_rank, handle.combine_rows)
-            out = self._combine(rows, weights, handle, async_finish, return_recv_hook)
+            out = self._normal.combine(rows, weights, handle, async_finish, return_recv_hook)
             call.give(out[:2])
             return out
+
+    def refuse_dispatch(self, reason: str, return_recv_hook: bool = False):
+        """Take part in the next fresh dispatch round without tokens, then raise ``ConfigError(reason)``;
+        every peer raises naming this rank (ep.protocol.normal, Note [Refused dispatch]).
+        ``return_recv_hook`` must be the peers'. Collective."""
+        self._check_open("refuse_dispatch")
+        self._normal.refuse_dispatch(reason, return_recv_hook)
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """The last normal-mode call's host phases, in seconds (for ``warmlink bench ep``)."""
+        return self._normal.last_phases if self._normal is not None else {}
+
+    @property
+    def last_marks(self) -> dict[str, float]:
+        """The last normal-mode call's host clock marks (``time.perf_counter``), for skew analysis."""
+        return self._normal.last_marks if self._normal is not None else {}
+
+    @property
+    def _mover(self):
+        """The data path's mover (ep.paths): ep.api.diagnostics times its copies alone."""
+        return self._normal.mover
 
     # -- helpers ----------------------------------------------------------------------------------
     def _on_comm(self, async_finish: bool) -> bool:
         """Whether a call runs on the communication stream: with ``async_finish`` (and no hook) on CUDA
-        (ep._comm_stream, Note [Communication stream]). It then waits for the caller's stream too:
+        (ep.paths.comm_stream, Note [Communication stream]). It then waits for the caller's stream too:
         ``recv_x`` is a view."""
         if not async_finish or self.device < 0:
             return False
@@ -339,15 +357,14 @@ class Buffer(LowLatencyMethods, RoundCalls, Closing):
         if getattr(self, "_closed", True) and getattr(self, "_res", None) is None:
             return
         self._closed = True
-        if getattr(self, "_sender", None) is not None:
-            self._sender.abandon()
+        normal, self._normal = getattr(self, "_normal", None), None
+        if normal is not None:
+            normal.abandon()
         self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None
         res, self._res, self._link = self._res, None, None
         if res is not None:
-            res.close(recv_failed=self._recv_failed)
-        self._recv_failed = False
-        self._mover = self._sender = self._combiner = None
+            res.close(recv_failed=normal is not None and normal.recv_failed)
         if owned is not None:
             owned.close()
 

@@ -3,13 +3,13 @@
 One allocation per rank, leased from the pool and mapped once by every peer:
 
     recv_x.p, recv_meta.p dispatch receive area of parity p (0, 1): R * max_tokens rows, filled
-                          by the sources in order (Note [Send order], ep.layout)
+                          by the sources in order (Note [Send order], ep.kernels.layout)
     comb_x.p, comb_w.p    combine receive area of parity p: one slot of max_tokens rows per
                           expert rank, slot d written only by rank d
     stage_x, stage_meta   send staging (local use): one slot of max_tokens rows per destination,
                           gathered by a kernel and pushed by the copy engines from there
     board.p               count board of parity p: one row per source rank, written by that
-                          source's exchange kernel (ep._kernels, Note [SM sends])
+                          source's exchange kernel (ep.paths.sm_pushes, Note [SM sends])
 
 Round n of dispatch (and of combine) lands in parity ``n % 2``. See Note [Two parities].
 
@@ -24,10 +24,10 @@ each rank), so a peer can never write outside its slot or past the area.
 A source may write round ``n`` into a peer as soon as it has its own plan, without waiting for
 that peer to reach round ``n``: round ``n`` lands in parity ``n % 2``, whose last user was round
 ``n - 2``. On GPUs the writes of a cached dispatch or a combine wait on the device for each
-peer's ``freed`` word (ep._flags, Note [Arrival flags]), which that peer's stream stores once it
+peer's ``freed`` word (ep.wire.flags, Note [Arrival flags]), which that peer's stream stores once it
 is done with round ``n - 2``'s area (a fresh dispatch's count exchange already waits for every
 peer to reach round ``n``). With host copies the source's host finished round ``n - 1``, whose
-receive waited for every peer's host to pass the start of round ``n - 1`` (ep._rounds, Note
+receive waited for every peer's host to pass the start of round ``n - 1`` (ep.protocol.rounds, Note
 [Round protocol], step 4). So the copies start right after the gathers, with no host waiting for
 a peer. The price is twice the receive memory.
 """
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warmlink.ep.fp8 import num_scales
+from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
 
 __all__ = ["AREAS", "MAX_EXPERTS", "PARITIES", "RegionLayout", "area", "check_positive", "size_hint"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from warmlink.ep._call_block import Padded
-from warmlink.ep._kernels import unpack as unpack_meta
-from warmlink.ep._regions import RegionLayout
-from warmlink.ep.fp8 import num_scales
-from warmlink.ep.handle import Handle
+from warmlink.ep.kernels.call_block import Padded
+from warmlink.ep.kernels.steps import unpack as unpack_meta
+from warmlink.ep.wire.fp8 import num_scales
+from warmlink.ep.wire.handle import Handle
+from warmlink.ep.wire.regions import RegionLayout
 
 __all__ = ["dispatch_outputs"]
 
@@ -21,7 +21,7 @@ def dispatch_outputs(view, layout: RegionLayout, rank: int, num_ranks: int, hand
     before the bytes land (None when there is nothing to unpack), with what the unpack reads
     beside them. With ``num_worst_tokens`` the outputs have that many rows; the rows past the
     received ones get expert id -1 and weight 0: now, on the caller's stream, or, for a handle
-    still pending (ep._senders, Note [Padded dispatch returns at launch]), by the unpack, which
+    still pending (ep.protocol.normal, Note [Padded dispatch returns at launch]), by the unpack, which
     reads the rows received from the handle's board on the device."""
     lay, pending = layout, handle.pending is not None
     total = handle.num_worst_tokens if pending else handle.num_recv_tokens

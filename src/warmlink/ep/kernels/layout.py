@@ -1,5 +1,5 @@
-"""Where every token goes: the dispatch layout, in one kernel on CUDA (ep._kernels.layout) and in
-torch ops elsewhere (the send plan: ep._kernels.plan).
+"""Where every token goes: the dispatch layout, in one kernel on CUDA (ep.kernels.steps.layout) and in
+torch ops elsewhere (the send plan: ep.kernels.steps.plan).
 
 Nothing here synchronizes with the host: out-of-range expert ids are routed to a dump column
 (and counted) instead of indexing out of bounds, so a bad id can never fault a kernel; ``dispatch``
@@ -52,11 +52,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ke
     Returns:
         A ``DispatchLayout``; ids outside ``[-1, num_experts)`` are counted in ``num_bad_ids`` only.
     """
-    from warmlink.ep import _kernels
+    from warmlink.ep.kernels import steps
 
-    kernels = kernels or (_kernels._kernels() if topk_idx.is_cuda else None)
+    kernels = kernels or (steps._kernels() if topk_idx.is_cuda else None)
     if kernels is not None:
-        per_rank, per_expert, in_rank, bad = _kernels.layout(topk_idx, num_experts, num_ranks, kernels)
+        per_rank, per_expert, in_rank, bad = steps.layout(topk_idx, num_experts, num_ranks, kernels)
         return DispatchLayout(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
                               num_bad_ids=bad)
     num_tokens = topk_idx.shape[0]

@@ -12,11 +12,11 @@ import statistics
 
 import torch
 
-from warmlink.ep._call_block import Sources
-from warmlink.ep._kernels import push
-from warmlink.ep._movers import as_words
-from warmlink.ep._reduce import combine_sum
-from warmlink.ep._regions import area
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.reduce import combine_sum
+from warmlink.ep.kernels.steps import push
+from warmlink.ep.paths.host_mover import as_words
+from warmlink.ep.wire.regions import area
 
 __all__ = ["FLOOR_SCHEDULES", "PUSH_SCHEDULES", "copy_floor", "push_floor", "sum_alone"]
 
@@ -60,12 +60,12 @@ def copy_floor(buf, send_counts: list[int], timed) -> dict:
 
 
 # the push's schedules: (programs per SM, warps per program); the first is the Buffer's own
-# (ep._kernels.push's defaults); more programs or warps measured no faster (benchmarks/history-2026-11-22.md)
+# (ep.kernels.steps.push's defaults); more programs or warps measured no faster (benchmarks/history-2026-11-22.md)
 PUSH_SCHEDULES = {"a program per SM": (1, 4), "2 per SM": (2, 4), "4 per SM, 8 warps": (4, 8)}
 
 
 def push_floor(buf, handle, x, timed) -> dict:
-    """SM stores instead of copy engines: the push kernel alone (ep._kernels, Note [SM sends]) stores
+    """SM stores instead of copy engines: the push kernel alone (ep.paths.sm_pushes, Note [SM sends]) stores
     every token's row straight into each peer's receive area, with nothing else, same timing.
     Collective; it overwrites the peers' receive areas, so it runs after the last ep call."""
     lay, me, mover = buf.layout, buf.rank, buf._mover
@@ -81,7 +81,7 @@ def push_floor(buf, handle, x, timed) -> dict:
 
 
 def sum_alone(buf, handle, rows, iterations: int) -> dict:
-    """The combine's last step alone (ep._reduce.combine_sum over this rank's combine area and its
+    """The combine's last step alone (ep.kernels.reduce.combine_sum over this rank's combine area and its
     own rows), device time between CUDA events, median; and the bytes it reads and writes. Local:
     it only reads the area, so it may run after the floors."""
     lay, me = buf.layout, buf.rank

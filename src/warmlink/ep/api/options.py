@@ -10,20 +10,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from warmlink import _env
-from warmlink.ep._reduce import PARTS
+from warmlink.ep.kernels.reduce import PARTS
 from warmlink.errors import ConfigError
 
 __all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_device", "resolve_options"]
 
-SENDS = ("sm", "copy", "host")  # ep._senders.SENDERS's keys
+SENDS = ("sm", "copy", "host")  # ep.paths.senders.PATHS's keys
 COPY_STREAMS = ("one", "per-peer")
 
 
 class Options(NamedTuple):
-    send: str  # ep._senders: "sm", "copy" (cuda_ipc) or "host" (shm)
-    graphs: bool  # replay send launches as CUDA graphs (ep._kernels, Note [Fresh send graph])
+    send: str  # ep.paths.senders: "sm", "copy" (cuda_ipc) or "host" (shm)
+    graphs: bool  # replay send launches as CUDA graphs (ep.paths.sm_pushes, Note [Fresh send graph])
     copy_streams: str  # "one" copy stream for every destination, or "per-peer"
-    combine_parts: int  # ep._reduce, Note [Pipelined combine]
+    combine_parts: int  # ep.kernels.reduce, Note [Pipelined combine]
 
 
 def resolve_device(device, backend: str | None) -> int:

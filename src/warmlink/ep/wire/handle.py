@@ -1,6 +1,6 @@
 """``Handle``: what a dispatch leaves for its combine and its cached re-dispatches, and how its plan
 is filled in once every rank's counts are known (from the mailboxes, or from an SM dispatch's count
-board, ep._kernels Note [SM sends]; a padded SM dispatch's plan later, ep._senders Note [Padded
+board, ep.paths.sm_pushes Note [SM sends]; a padded SM dispatch's plan later, ep.protocol.normal Note [Padded
 dispatch returns at launch]).
 """
 
@@ -22,10 +22,10 @@ class Handle:
     """What a dispatch leaves for its combine and for a cached re-dispatch (opaque to users).
 
     Counts are host ints (the round protocol brought them there); ``combine_rows[t, d]`` is token
-    ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep._kernels.plan), ``dst_rows[d]``
+    ``t``'s row in slot ``d`` (-1 where it does not go to ``d``; ep.kernels.steps.plan), ``dst_rows[d]``
     where this rank's rows start in ``d``'s receive area, ``recv_starts[s]`` / ``recv_counts[s]``
     where source ``s``'s rows lie in this rank's output. A padded SM dispatch returns before its
-    counts reach the host (ep._senders, Note [Padded dispatch returns at launch]): until
+    counts reach the host (ep.protocol.normal, Note [Padded dispatch returns at launch]): until
     ``resolve()`` (which the Buffer's next call makes) they are None, and ``board`` holds the
     round's count board on the device.
     """
@@ -43,7 +43,7 @@ class Handle:
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
     num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
-    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep._senders)
+    # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep.paths.senders)
     sm_bases: dict = field(default_factory=dict, repr=False)
     board: torch.Tensor | None = field(default=None, repr=False)  # [R, board row] int64: the padded round's counts
     pending: Callable[[], None] | None = field(default=None, repr=False)  # fills the counts in (resolve)
@@ -97,7 +97,7 @@ def check_worst_tokens(matrix: list[list[int]], num_worst_tokens: int, func: str
 def fill_plan(handle: Handle, matrix: list[list[int]], per_expert: list[int], rank: int) -> None:
     """The handle's receive counts and starts, and rank ``rank``'s rows in each destination, from
     ``matrix[s][d]`` (rows ``s`` sends ``d``): ``d``'s rows come by source (Note [Send order] in
-    ep.layout). Every rank holds the same matrix, so a rank that would receive more rows than the
+    ep.kernels.layout). Every rank holds the same matrix, so a rank that would receive more rows than the
     call's ``num_worst_tokens`` makes every rank refuse the round alike (``ConfigError``)."""
     num_ranks = len(matrix)
     check_worst_tokens(matrix, handle.num_worst_tokens, "ep.Buffer.dispatch")

@@ -1,6 +1,6 @@
 """What one rank of an ep group holds, set up once: the rendezvous with its peers and the leases.
 
-``Resources`` leases this rank's region and mailbox, publishes its rank info (ep._info) through
+``Resources`` leases this rank's region and mailbox, publishes its rank info (ep.wire.info) through
 the store, opens every peer's region and mailbox, leases the streams and events a
 ``CudaMover`` uses, and builds the mover; ``close`` gives all of it back to the pool.
 ``group_store`` makes the store for the ranks of a ``torch.distributed`` group.
@@ -12,13 +12,13 @@ import numpy as np
 import torch
 
 from warmlink import _env
-from warmlink.ep import _mailbox as mb
-from warmlink.ep._comm_stream import CommStream
-from warmlink.ep._flags import ArrivalFlags, flags_nbytes, flags_page
-from warmlink.ep._info import KIND, check_config
-from warmlink.ep._cuda_mover import SEND_PHASES, CudaMover
-from warmlink.ep._movers import HostMover
-from warmlink.ep._regions import PARITIES, RegionLayout
+from warmlink.ep.paths.comm_stream import CommStream
+from warmlink.ep.paths.cuda_mover import SEND_PHASES, CudaMover
+from warmlink.ep.paths.host_mover import HostMover
+from warmlink.ep.wire import mailbox as mb
+from warmlink.ep.wire.flags import ArrivalFlags, flags_nbytes, flags_page
+from warmlink.ep.wire.info import KIND, check_config
+from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import BackendUnavailable, ConfigError, MetadataError
 
 __all__ = ["Resources", "group_store"]
@@ -47,13 +47,13 @@ class Resources:
         self.copy_streams = copy_streams
         self.leases: list = []
         self.recv_stream = None
-        self.comm = None  # cuda_ipc: where async_finish calls run (ep._comm_stream)
+        self.comm = None  # cuda_ipc: where async_finish calls run (ep.paths.comm_stream)
         self.done_events: list[int] = []  # what async_finish records: per (op, parity), then the layout's
         self.mover = None
         self.peers: dict = {}
         self._remotes: list = []
         self._send_events: dict = {}
-        self.flags: ArrivalFlags | None = None  # cuda_ipc: ep._flags
+        self.flags: ArrivalFlags | None = None  # cuda_ipc: ep.wire.flags
         self._registered: list[int] = []  # host addresses of flag pages registered with CUDA
         self._flags_at, self._flags_bytes = flags_page(mb.mailbox_nbytes(num_ranks), num_ranks)
         self._link_lease = self._mail_lease = self._region = self._mail_region = self.link = None
@@ -83,7 +83,7 @@ class Resources:
     def _clear_boards(self) -> None:
         """Zero this rank's count boards before any peer can see its info. A region comes back from
         the pool with a closed Buffer's bytes, and rounds restart at 1: a board row whose round tag
-        matched would let the exchange (ep._kernels, Note [SM sends]) take another lifecycle's
+        matched would let the exchange (ep.paths.sm_pushes, Note [SM sends]) take another lifecycle's
         counts instead of waiting for the peer's."""
         lay, region = self.layout, self._region.tensor
         for p in range(PARITIES):
@@ -142,12 +142,12 @@ class Resources:
             self.mover = HostMover(self.layout, self.rank, self._region.tensor, {r: reg.tensor for r, reg in regions.items()})
 
     def _arrival_flags(self, mails: dict) -> ArrivalFlags:
-        """This rank's and its peers' flag words (ep._flags), registered with CUDA in this process."""
+        """This rank's and its peers' flag words (ep.wire.flags), registered with CUDA in this process."""
         from warmlink import _cuda
 
         if not _cuda.stream_memops_supported(self.device):
             raise BackendUnavailable(f"ep.Buffer: cuda:{self.device} runs no 64-bit stream memory operations "
-                                     "(cuStreamWaitValue64), which the arrival flags of ep._flags need")
+                                     "(cuStreamWaitValue64), which the arrival flags of ep.wire.flags need")
         words = flags_nbytes(self.num_ranks) // 8
 
         def page(segment):
@@ -174,7 +174,7 @@ class Resources:
         self.leases += local + done
         self.done_events = [e.resource.handle for e in done]
         # not among self.leases: close() must not order the caller's stream after it (it may
-        # wait on a dead peer; ep._cuda_mover, Note [Receive work on its own stream])
+        # wait on a dead peer; ep.paths.cuda_mover, Note [Receive work on its own stream])
         self.recv_stream = lease_stream(self.device)
         return CudaMover(self.layout, self.rank, self.device, self._region.tensor,
                          {r: reg.ptr for r, reg in regions.items()}, self.link.engines,
@@ -182,7 +182,7 @@ class Resources:
                          self._send_events, self.flags, self.peers)
 
     def comm_stream(self) -> CommStream:
-        """The communication stream (ep._comm_stream), leased by the first call that asks for it
+        """The communication stream (ep.paths.comm_stream), leased by the first call that asks for it
         and kept until ``close``: a Buffer never called with ``async_finish`` holds one stream
         fewer, so its other streams keep the hardware queues they had (CUDA maps streams onto a
         few queues by creation order, and streams sharing one wait for each other's work)."""

@@ -3,8 +3,8 @@ block of a replayed send.
 
 ``Sources`` is what a dispatch sends per token; ``Padded`` where a padded dispatch's unpack learns
 how many rows came. ``CALL_SLOTS`` names the words of the call block
-from which a graph-replayed send's kernels read everything that changes per call (ep._kernels,
-Note [Fresh send graph]); both the launches (ep._kernels) and the kernels (ep._triton) read this
+from which a graph-replayed send's kernels read everything that changes per call (ep.paths.sm_pushes,
+Note [Fresh send graph]); both the launches (ep.kernels.steps) and the kernels (ep.kernels.programs) read this
 module, which imports neither.
 """
 
@@ -35,7 +35,7 @@ class Sources:
 
 class Padded(NamedTuple):
     """A padded dispatch's ``[R, board row]`` count board of ``round`` (a copy), and this rank
-    (ep._senders, Note [Padded dispatch returns at launch])."""
+    (ep.protocol.normal, Note [Padded dispatch returns at launch])."""
 
     board: torch.Tensor
     round: int
@@ -76,7 +76,7 @@ class FreshShape:
 def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
                rows: torch.Tensor, src: Sources, round_: int, config: int) -> tuple[int, ...]:
     """The call block's words (``CALL_SLOTS``) of one fresh SM send (``config``: its config word,
-    ep._call_config, which the count exchange compares across ranks); every tensor must be
+    ep.wire.words, which the count exchange compares across ranks); every tensor must be
     contiguous (the kernels see only its address)."""
     optional = (src.weights, src.scales)
     tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))

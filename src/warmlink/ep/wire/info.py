@@ -8,7 +8,7 @@
      "data": <region: the rank's ep region>, "mailbox": <region: its shm mailbox>}
 
 No event handles: peers learn that bytes landed from arrival flags in the mailbox segment
-(ep._flags, Note [Arrival flags]), never by opening each other's events.
+(ep.wire.flags, Note [Arrival flags]), never by opening each other's events.
 
 A peer whose config differs from this rank's is refused with a ``ConfigError`` naming the field:
 regions laid out differently would put bytes in the wrong place.

@@ -1,18 +1,18 @@
-"""The Triton kernels of ep's device steps (ep._kernels holds their entry points and torch twins).
+"""The Triton kernels of ep's device steps (ep.kernels.steps holds their entry points and torch twins).
 
-Imported only where Triton is (ep._kernels._build); kept apart so that a kernel can call a
+Imported only where Triton is (ep.kernels.steps._build); kept apart so that a kernel can call a
 ``triton.jit`` helper of this module, which the interpreter resolves through module globals.
 """
 
 import triton
 import triton.language as tl
 
-from warmlink.ep._call_block import CALL_SLOTS
+from warmlink.ep.kernels.call_block import CALL_SLOTS
 
-# -- the call block (ep._call_block; ep._kernels, Note [Fresh send graph]) -----------------------
+# -- the call block (ep.kernels.call_block; ep.paths.sm_pushes, Note [Fresh send graph]) -----------------------
 # A fresh SM dispatch's kernels read what changes per call (its tensors' addresses, the token count,
 # the round) from a small int64 block in device memory, so that one captured CUDA graph serves every
-# call. The word of each, in ep._call_block.CALL_SLOTS's order:
+# call. The word of each, in ep.kernels.call_block.CALL_SLOTS's order:
 C_IN_RANK = tl.constexpr(CALL_SLOTS.index("in_rank"))
 C_TOPK = tl.constexpr(CALL_SLOTS.index("topk"))
 C_PER_RANK = tl.constexpr(CALL_SLOTS.index("per_rank"))
@@ -164,7 +164,7 @@ def unpack_kernel(ids_ptr, floats_ptr, idx_ptr, w_ptr, s_ptr, total, num_k, num_
                   HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
                   PADDED: tl.constexpr, R_BLOCK: tl.constexpr):
     # PADDED: ``total`` rows are padded outputs, and the rows received come from the round's count
-    # board (ep._senders, Note [Padded dispatch returns at launch]): none when a source's tag is
+    # board (ep.protocol.normal, Note [Padded dispatch returns at launch]): none when a source's tag is
     # not the round's or its input was refused, or a rank receives more than ``total``
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
     received = total
@@ -225,7 +225,7 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
                    PARTS: tl.constexpr):
     # program d: post this rank's counts to d's board, wait for every source's row in this
     # rank's own board, then write where this rank's rows start in d (0: do not send). A row's
-    # word 1 is its rank's config word (ep._call_config), 0 for a refused input: a source whose
+    # word 1 is its rank's config word (ep.wire.words), 0 for a refused input: a source whose
     # word is not this rank's config called another kind of call, so nothing is sent, and its word
     # becomes 0 here, which the padded unpack and the host read as a refusal;
     # tables_ptr: [5, R] (exchange()), one argument rather than five views on the host path
@@ -340,7 +340,7 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
                         tl.store(floats + 3 * meta_k + sc, ss, mask=sc < num_scales)
 
 
-# -- the combine's sum (ep._reduce) ------------------------------------------------------------------
+# -- the combine's sum (ep.kernels.reduce) ------------------------------------------------------------------
 @triton.jit
 def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row):
     # token t's copy from rank d (row -1: none) added to acc; this rank's own is read where it lies
@@ -358,7 +358,7 @@ def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, 
 @triton.jit
 def token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks: tl.constexpr, parts: tl.constexpr):
     # the part of the combine whose arrival completes token's copies: the latest over its peers'
-    # copies (the n rows rank d sent back come in parts, row p in part p * parts // n; ep._reduce,
+    # copies (the n rows rank d sent back come in parts, row p in part p * parts // n; ep.kernels.reduce,
     # Note [Pipelined combine]); this rank's own copy is always there
     last = tl.full([], 0, tl.int64)
     for d in tl.static_range(num_ranks):

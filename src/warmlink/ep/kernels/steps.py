@@ -6,65 +6,15 @@ kernel on CUDA, and the same function in torch ops elsewhere (the shm backend, o
 the same outputs: tests run both on the CPU, the kernels through Triton's interpreter.
 
 - ``plan``: from ``is_token_in_rank``, every token's row in every destination's slot (the
-  handle's ``combine_rows``, Note [Send order] in ep.layout), plus one int64 word vector for the
+  handle's ``combine_rows``, Note [Send order] in ep.kernels.layout), plus one int64 word vector for the
   host: the counts per destination recounted from the mask, the caller's counts per rank and per
   expert, and the smallest and largest expert id of each part. The dispatch reads it with one copy.
-- ``gather``: every token's row, and its meta row (ids, weights, FP8 scales; ep._regions), into
+- ``gather``: every token's row, and its meta row (ids, weights, FP8 scales; ep.wire.regions), into
   the rows ``plan`` gave it, for a range of destinations: the staging slots of the peers before
   the copy engines push them, or this rank's own receive area.
 - ``unpack``: meta rows to local expert ids (-1 elsewhere), weights and scales.
-- ``exchange`` and ``push``: a fresh dispatch's send without the host (Note [SM sends]).
-
-# Note [SM sends]
-A fresh dispatch must learn every peer's counts before its rows can land (Note [Send order] in
-ep.layout). Through the host that costs a count copy, a mailbox meeting that waits for the
-slowest rank's host, and the copy issue: 0.3-0.5 ms on 4 x H200 before the first byte, while the
-bytes then take ~0.47 ms whether copy engines or SM stores move them (benchmarks/history-2026-11-22.md, "SM stores
-alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's normal mode does:
-
-1. ``exchange``, one program per destination ``d``, right after ``plan`` on the caller's stream:
-   it writes this rank's row into ``d``'s count board of the round's parity (ep._regions): its
-   counts per destination, its counts for ``d``'s experts and its call's config word
-   (ep._call_config; 0 when the plan refused the input: an expert id out of range or counts that
-   disagree, the host's check, ep._checks), then the round number as a tag, with release
-   semantics at system scope. It then waits (acquire) for every source's tag in this rank's own
-   board and writes where this rank's rows start in ``d``: after the rows of the ranks below it.
-   The base is 0 (nothing is stored) when any rank refused its input, called with another
-   config (whose word it then sets to 0, a refusal to every later reader), or the wait ended.
-   So ranks that called different kinds of call never store a row, whatever their hosts see.
-2. The board and the plan words are copied to the host, queued before the push.
-3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
-   peers' mapped regions and this rank's own. An arrival flag per destination follows it
-   (ep._flags), and the receive side is the copy-engine path's (ep._cuda_mover).
-
-A cached dispatch already knows where its rows go (its handle): without a hook it launches only
-``push``, at bases made once per handle and parity.
-
-The host waits for the board with a deadline, checking the peers' liveness and the configs they
-published; when it gives up it writes the round into a pinned host word the exchange polls, so no
-kernel is left waiting on a dead or absent peer (the kernel's own backstop is twice the timeout).
-A refused input on any rank stops every push: no byte moves, every rank raises ``ConfigError``, and
-the round is spent on all of them. Round ``n``'s board rows and rows land in parity ``n % 2``, so
-the copy-engine path's reasoning holds (ep._regions, Note [Two parities]). With a receive hook the
-copy engines keep the send: a push kernel would hold SMs between the send and the hook.
-
-# Note [Fresh send graph]
-Launching ``plan``, ``exchange`` and ``push`` from Python costs the host 0.15-0.35 ms (FastLaunch
-included; more at 8 ranks), and the slowest rank's launches are on every rank's critical path:
-the pushes wait in ``exchange`` for its counts. So the fresh send is two CUDA graphs per parity
-and ``FreshShape`` (the dtypes and sizes the kernels are specialized for): one holds the copy of the
-call block to the device, ``plan``, ``exchange`` and the copies of the words and the board to the
-host; the other ``push``. Between the two launches the host records the event it polls for the
-board: an ordinary record, whose state the host sees change at once (an event recorded by a graph
-node might still read as the previous round's). What changes per call (every input's address, the
-new ``rows`` tensor the handle keeps, the token count, the round) is in the call block
-(``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
-kernels' ``*_call_kernel`` forms read it there. One block is enough: the host waits for a
-fresh dispatch's board, which comes after the block's copy, before the next one (a padded one's
-when it is resolved: ep._senders). The first call of a parity and shape runs the steps eagerly
-(compiling the kernels: nothing compiles during a capture), the next one captures them. A cached
-dispatch's push is replayed the same way, from a call block per parity that also holds its
-handle's bases (ep._sm_pushes). ``ep.Buffer(graphs=False)`` keeps every call eager.
+- ``exchange`` and ``push``: a fresh dispatch's send without the host (Note [SM sends] in
+  ep.paths.sm_pushes).
 """
 
 from __future__ import annotations
@@ -74,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Padded, Sources, call_words
-from warmlink.ep._launch import FastLaunch, launch
+from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Padded, Sources, call_words
+from warmlink.ep.kernels.launch import FastLaunch, launch
 
 __all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Padded", "Sources", "call_words", "exchange", "fresh_front",
            "fresh_push", "gather", "layout", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
@@ -162,7 +112,7 @@ def _unpack_torch(meta, meta_k, idx, w, scales, base, experts_per_rank, padded=N
 
 # -- the kernels ------------------------------------------------------------------------------------
 class Kernels(NamedTuple):
-    """Triton and ep's kernels (ep._triton): plain ``triton.jit`` functions from ``_build`` (the
+    """Triton and ep's kernels (ep.kernels.programs): plain ``triton.jit`` functions from ``_build`` (the
     interpreter's, in tests), ``FastLaunch`` wrappers from ``_kernels``."""
 
     triton: object
@@ -186,14 +136,14 @@ def _kernels() -> Kernels | None:
 
 
 def _build() -> Kernels:
-    """The kernels (ep._triton, imported here so that the package needs no Triton; tests build
+    """The kernels (ep.kernels.programs, imported here so that the package needs no Triton; tests build
     them for the interpreter)."""
     import triton
 
-    from warmlink.ep import _triton
+    from warmlink.ep.kernels import programs
 
-    return Kernels(triton, _triton.plan_kernel, _triton.gather_kernel, _triton.unpack_kernel, _triton.push_kernel,
-                   _triton.plan_call_kernel, _triton.exchange_call_kernel, _triton.push_call_kernel, _triton.layout_kernel)
+    return Kernels(triton, programs.plan_kernel, programs.gather_kernel, programs.unpack_kernel, programs.push_kernel,
+                   programs.plan_call_kernel, programs.exchange_call_kernel, programs.push_call_kernel, programs.layout_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -205,7 +155,7 @@ _LAYOUT_TOKENS = 256  # tokens per program of ``layout``
 
 
 def layout(topk: torch.Tensor, num_experts: int, num_ranks: int, kernels) -> tuple[torch.Tensor, ...]:
-    """``ep.layout.dispatch_layout`` in one launch (and one zeroing): ``(num_tokens_per_rank,
+    """``ep.kernels.layout.dispatch_layout`` in one launch (and one zeroing): ``(num_tokens_per_rank,
     num_tokens_per_expert, is_token_in_rank, num_bad_ids)``, the counts views of one int32 tensor.
     Its ~15 torch launches cost a DeepEP-style fresh dispatch ~0.25 ms of host time on an H200."""
     topk = topk.contiguous()
@@ -383,7 +333,7 @@ def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tabl
 
 def exchange(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
              backstop_s: float, board_row: int, kernels=None) -> None:
-    """``fresh_front``'s count exchange alone (tests run it in the interpreter, with ep._triton's
+    """``fresh_front``'s count exchange alone (tests run it in the interpreter, with ep.kernels.programs's
     clock and fence swapped out): ``words`` already hold this rank's plan, ``call`` the round.
     ``backstop_s``: how long the kernel waits for the peers on its own clock."""
     r = shape.num_ranks

@@ -1,8 +1,8 @@
 """Combine's last step: each token sums the copies its expert ranks sent back.
 
 ``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
-``ep._kernels.plan``). Sums run in float32 in rank order, so results are identical run to run.
-On CUDA a Triton kernel (ep._triton.sum_kernel) reads each copy once (one pass over the received
+``ep.kernels.steps.plan``). Sums run in float32 in rank order, so results are identical run to run.
+On CUDA a Triton kernel (ep.kernels.programs.sum_kernel) reads each copy once (one pass over the received
 bytes); elsewhere, or without Triton, the same sum in torch ops.
 
 # Note [Pipelined combine]
@@ -45,7 +45,7 @@ def part_phase(k: int, parity: int, parts: int = PARTS) -> str:
 
 
 def token_parts(rows: torch.Tensor, counts: torch.Tensor, local_rank: int, slot_rows: int, parts: int) -> torch.Tensor:
-    """``[T]`` the part whose arrival completes each token's copies (ep._triton.token_part)."""
+    """``[T]`` the part whose arrival completes each token's copies (ep.kernels.programs.token_part)."""
     num_ranks = rows.shape[1]
     ranks = torch.arange(num_ranks, device=rows.device)
     pos = rows - ranks * slot_rows
@@ -81,19 +81,19 @@ def _triton_kernel():
         triton, kernel = _build()
     except ImportError:
         return None
-    from warmlink.ep._launch import FastLaunch
+    from warmlink.ep.kernels.launch import FastLaunch
 
     return triton, FastLaunch(kernel)
 
 
 def _build():
-    """``(triton, plain jit kernel)``; the kernel lives in ep._triton, where the interpreter finds
+    """``(triton, plain jit kernel)``; the kernel lives in ep.kernels.programs, where the interpreter finds
     its helper (tests run it there, unwrapped)."""
     import triton
 
-    from warmlink.ep import _triton
+    from warmlink.ep.kernels import programs
 
-    return triton, _triton.sum_kernel
+    return triton, programs.sum_kernel
 
 
 _BLOCK = 1024
@@ -135,7 +135,7 @@ def part_sums(area: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, local=N
     num_tokens, hidden = rows.shape[0], area.shape[1]
     if not num_tokens:
         return [lambda: None] * parts
-    from warmlink.ep._launch import launch
+    from warmlink.ep.kernels.launch import launch
 
     here, rank, shift = local if local is not None else (area, -1, 0)
     grid = (num_tokens,)

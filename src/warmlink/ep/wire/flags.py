@@ -1,7 +1,7 @@
 """Arrival flags: the GPU-side handshake that lets a combine or a cached dispatch return at launch.
 
 # Note [Arrival flags]
-Every rank's mailbox segment (ep._mailbox) carries a page of 64-bit words in pinned host memory,
+Every rank's mailbox segment (ep.wire.mailbox) carries a page of 64-bit words in pinned host memory,
 registered with CUDA in every process of the group, so that any rank's streams can store to it
 and wait on it, and any rank's CPU can read and store it with no CUDA call:
 

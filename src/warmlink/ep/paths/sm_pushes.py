@@ -1,10 +1,61 @@
 """The SM pushes of ``CudaMover``: a fresh dispatch's plan, count exchange and push, and a cached
-dispatch's push, each launched eagerly once, then replayed as a CUDA graph (ep._kernels, Note [SM
-sends], Note [Fresh send graph]).
+dispatch's push, each launched eagerly once, then replayed as a CUDA graph (the kernels are
+ep.kernels.steps'; the notes below say why the SMs send and why graphs).
 
-``SmPushes`` is a part of ``CudaMover`` (ep._cuda_mover), kept apart because it is a concern of
+``SmPushes`` is a part of ``CudaMover`` (ep.paths.cuda_mover), kept apart because it is a concern of
 its own: it reads the mover's addresses, events, streams and host waits, and owns the call blocks,
 the count board's landing place and the graphs.
+
+# Note [SM sends]
+A fresh dispatch must learn every peer's counts before its rows can land (Note [Send order] in
+ep.kernels.layout). Through the host that costs a count copy, a mailbox meeting that waits for the
+slowest rank's host, and the copy issue: 0.3-0.5 ms on 4 x H200 before the first byte, while the
+bytes then take ~0.47 ms whether copy engines or SM stores move them (benchmarks/history-2026-11-22.md, "SM stores
+alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's normal mode does:
+
+1. ``exchange``, one program per destination ``d``, right after ``plan`` on the caller's stream:
+   it writes this rank's row into ``d``'s count board of the round's parity (ep.wire.regions): its
+   counts per destination, its counts for ``d``'s experts and its call's config word
+   (ep.wire.words; 0 when the plan refused the input: an expert id out of range or counts that
+   disagree, the host's check, ep.protocol.checks), then the round number as a tag, with release
+   semantics at system scope. It then waits (acquire) for every source's tag in this rank's own
+   board and writes where this rank's rows start in ``d``: after the rows of the ranks below it.
+   The base is 0 (nothing is stored) when any rank refused its input, called with another
+   config (whose word it then sets to 0, a refusal to every later reader), or the wait ended.
+   So ranks that called different kinds of call never store a row, whatever their hosts see.
+2. The board and the plan words are copied to the host, queued before the push.
+3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
+   peers' mapped regions and this rank's own. An arrival flag per destination follows it
+   (ep.wire.flags), and the receive side is the copy-engine path's (ep.paths.cuda_mover).
+
+A cached dispatch already knows where its rows go (its handle): without a hook it launches only
+``push``, at bases made once per handle and parity.
+
+The host waits for the board with a deadline, checking the peers' liveness and the configs they
+published; when it gives up it writes the round into a pinned host word the exchange polls, so no
+kernel is left waiting on a dead or absent peer (the kernel's own backstop is twice the timeout).
+A refused input on any rank stops every push: no byte moves, every rank raises ``ConfigError``, and
+the round is spent on all of them. Round ``n``'s board rows and rows land in parity ``n % 2``, so
+the copy-engine path's reasoning holds (ep.wire.regions, Note [Two parities]). With a receive hook the
+copy engines keep the send: a push kernel would hold SMs between the send and the hook.
+
+# Note [Fresh send graph]
+Launching ``plan``, ``exchange`` and ``push`` from Python costs the host 0.15-0.35 ms (FastLaunch
+included; more at 8 ranks), and the slowest rank's launches are on every rank's critical path:
+the pushes wait in ``exchange`` for its counts. So the fresh send is two CUDA graphs per parity
+and ``FreshShape`` (the dtypes and sizes the kernels are specialized for): one holds the copy of the
+call block to the device, ``plan``, ``exchange`` and the copies of the words and the board to the
+host; the other ``push``. Between the two launches the host records the event it polls for the
+board: an ordinary record, whose state the host sees change at once (an event recorded by a graph
+node might still read as the previous round's). What changes per call (every input's address, the
+new ``rows`` tensor the handle keeps, the token count, the round) is in the call block
+(``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
+kernels' ``*_call_kernel`` forms read it there. One block is enough: the host waits for a
+fresh dispatch's board, which comes after the block's copy, before the next one (a padded one's
+when it is resolved: ep.protocol.normal). The first call of a parity and shape runs the steps eagerly
+(compiling the kernels: nothing compiles during a capture), the next one captures them. A cached
+dispatch's push is replayed the same way, from a call block per parity that also holds its
+handle's bases (ep.paths.sm_pushes). ``ep.Buffer(graphs=False)`` keeps every call eager.
 """
 
 from __future__ import annotations
@@ -15,9 +66,9 @@ import numpy as np
 import torch
 
 from warmlink._backoff import poll
-from warmlink.ep import _kernels
-from warmlink.ep._call_block import CALL_SLOTS, FreshShape, Sources
-from warmlink.ep._regions import PARITIES, RegionLayout, board_words
+from warmlink.ep.kernels import steps
+from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Sources
+from warmlink.ep.wire.regions import PARITIES, RegionLayout, board_words
 
 __all__ = ["SmPushes"]
 
@@ -46,7 +97,7 @@ class SmPushes:
 
     def _init_pushes(self, own: torch.Tensor, pinned: bool) -> None:
         layout = self.layout
-        # SM sends (ep._kernels, Note [SM sends]): the board's landing place, the host word that ends a wait, and
+        # SM sends (ep.paths.sm_pushes, Note [SM sends]): the board's landing place, the host word that ends a wait, and
         # per parity the exchange's address tables (every rank's board, receive x and meta areas;
         # then the push's bases, which the exchange writes), made once
         self._board_row = board_words(layout.num_ranks)
@@ -54,7 +105,7 @@ class SmPushes:
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
-        # the fresh send's graphs (ep._kernels, Note [Fresh send graph]): the call block (pinned, and
+        # the fresh send's graphs (ep.paths.sm_pushes, Note [Fresh send graph]): the call block (pinned, and
         # its device copy), the plan's words, and per launch key the steps seen run eagerly once,
         # then their graph
         self._call_host = torch.zeros(len(CALL_SLOTS), dtype=torch.int64, device="cpu", pin_memory=pinned)
@@ -72,7 +123,7 @@ class SmPushes:
         self._cached_call = torch.zeros(PARITIES, width, dtype=torch.int64, device=own.device)
 
     def _sm_tables(self, parity: int) -> torch.Tensor:
-        """The exchange's ``[5, R]`` address tables of ``parity`` (ep._kernels.fresh_front), made once."""
+        """The exchange's ``[5, R]`` address tables of ``parity`` (ep.kernels.steps.fresh_front), made once."""
         tables = self._tables.get(parity)
         if tables is None:
             ranks = range(self.layout.num_ranks)
@@ -88,12 +139,12 @@ class SmPushes:
         kernel trades counts with the peers' exchange kernels through the boards, the board comes
         to the host (and into ``board_copy``, a ``board_like()`` tensor, when given), and the push
         kernel stores every row in its destination; then every destination's event. See Note [SM
-        sends]. ``call``: the call block's words (``_kernels.call_words``). With ``graphs``, the
+        sends]. ``call``: the call block's words (``steps.call_words``). With ``graphs``, the
         second call of a parity and shape on replays graphs of those steps (Note [Fresh send graph])."""
         parity = round_ % PARITIES
         self._call_words[:] = call
         self._abort_word[0] = 0
-        self._host_words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        self._host_words = steps.words_size(shape.num_ranks, shape.num_experts)
         key = (parity, shape, timeout_s)
         current = self._current()
         # two launches with the board's event between them: an event recorded by a graph node
@@ -103,7 +154,7 @@ class SmPushes:
             board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
             self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
         self._cuda.event_record(self._counted, current)
-        self._launch(("push", *key), lambda: _kernels.fresh_push(shape, self._call, self._sm_tables(parity)), graphs)
+        self._launch(("push", *key), lambda: steps.fresh_push(shape, self._call, self._sm_tables(parity)), graphs)
         self._pushed(phase)
 
     def _fresh_front(self, key: tuple) -> None:
@@ -113,8 +164,8 @@ class SmPushes:
         cuda, current = self._cuda, self._current()
         cuda.memcpy_async(self._call.data_ptr(), self._call_host.data_ptr(), self._call_host.numel() * 8, current)
         tables = self._sm_tables(parity)
-        _kernels.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
-        words = _kernels.words_size(shape.num_ranks, shape.num_experts)
+        steps.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
+        words = steps.words_size(shape.num_ranks, shape.num_experts)
         cuda.memcpy_async(self._host.data_ptr(), self._words.data_ptr(), words * 8, current)
         board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
         cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
@@ -174,7 +225,7 @@ class SmPushes:
         cuda, current, call, r = self._cuda, self._current(), self._cached_call[parity], self.layout.num_ranks
         cuda.memcpy_async(call.data_ptr(), self._cached_host[parity].data_ptr(), call.numel() * 8, current)
         n = len(CALL_SLOTS)
-        _kernels.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
+        steps.push_from_call(call, call[n:n + r], call[n + r:], x_words, r, 0, num_scales, self.layout.num_topk,
                                 self.layout.meta_bytes, None, None)
 
     def _launch(self, key: tuple, steps, graphs: bool) -> None:

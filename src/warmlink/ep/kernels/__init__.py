@@ -1,0 +1,7 @@
+"""ep's device steps: each a Triton kernel on CUDA and the same function in torch ops elsewhere.
+
+``layout`` (DeepEP's ``get_dispatch_layout``), ``steps`` (plan, gather, unpack, exchange, push:
+what a dispatch launches), ``programs`` (the Triton source), ``reduce`` (the combine's sums),
+``call_block`` (what graph-replayed launches read per call) and ``launch`` (launching them
+cheaply). Nothing here knows of rounds, peers or mailboxes: callers pass addresses and counts.
+"""

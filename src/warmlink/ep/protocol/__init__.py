@@ -1,0 +1,4 @@
+"""ep's normal-mode rounds: ``normal.NormalMode`` owns a dispatch's and a combine's steps, over
+the mailbox meetings and checks of ``rounds`` (Note [Round protocol]) and the argument checks of
+``checks``, driving the Buffer's data path (ep.paths).
+"""
