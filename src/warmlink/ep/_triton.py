@@ -21,6 +21,8 @@ C_ROWS = tl.constexpr(CALL_SLOTS.index("rows"))
 C_X = tl.constexpr(CALL_SLOTS.index("x"))
 C_WEIGHTS = tl.constexpr(CALL_SLOTS.index("weights"))
 C_SCALES = tl.constexpr(CALL_SLOTS.index("scales"))
+C_SCALES_TOKEN_STRIDE = tl.constexpr(CALL_SLOTS.index("scales_token_stride"))
+C_SCALES_COL_STRIDE = tl.constexpr(CALL_SLOTS.index("scales_col_stride"))
 C_TOKENS = tl.constexpr(CALL_SLOTS.index("tokens"))
 C_ROUND = tl.constexpr(CALL_SLOTS.index("round"))
 C_CONFIG = tl.constexpr(CALL_SLOTS.index("config"))
@@ -114,9 +116,11 @@ def layout_kernel(topk_ptr, in_rank_ptr, counts_ptr, num_tokens, num_k, num_expe
 
 
 @triton.jit
-def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
+def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
                HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
-    # token t's meta parts (zeros for the parts it does not have)
+    # token t's meta parts (zeros for the parts it does not have); scale j of token t is at
+    # s_ptr + t * s_token_stride + j * s_col_stride: row- or column-major, never copied
+    # (ep._kernels, Note [Scales in place])
     ids = tl.zeros(kc.shape, dtype=tl.int64)
     ws = tl.zeros(kc.shape, dtype=tl.float32)
     ss = tl.zeros(sc.shape, dtype=tl.float32)
@@ -125,13 +129,13 @@ def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
     if HAS_W:
         ws = tl.load(w_ptr + t * num_k + kc, mask=kc < num_k).to(tl.float32)
     if HAS_S:
-        ss = tl.load(s_ptr + t * num_scales + sc, mask=sc < num_scales)
+        ss = tl.load(s_ptr + t * s_token_stride + sc.to(tl.int64) * s_col_stride, mask=sc < num_scales)
     return ids, ws, ss
 
 
 @triton.jit
 def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, ids_out_ptr, floats_out_ptr,
-                  num_k, num_scales, meta_words, meta_k, shift, d_lo, d_hi, skip,
+                  num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, shift, d_lo, d_hi, skip,
                   NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                   HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -141,7 +145,8 @@ def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, i
     row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
     kc = tl.arange(0, K_BLOCK)
     sc = tl.arange(0, S_BLOCK)
-    ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+    ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
+                             HAS_TOPK, HAS_W, HAS_S)
     for d in tl.static_range(NUM_RANKS):
         if (d >= d_lo) & (d < d_hi) & (d != skip):
             at = tl.load(rows_ptr + t * NUM_RANKS + d)
@@ -282,11 +287,12 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
 
 @triton.jit
 def push_kernel(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
-                num_k, num_scales, meta_words, meta_k, skip,
+                num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip,
                 NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                 S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr, num_k,
-               num_scales, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+               num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK,
+               S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
@@ -294,15 +300,17 @@ def push_call_kernel(call_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_k, num_
                      NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                      S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
                      TOPK_T: tl.constexpr, W_T: tl.constexpr):
+    # the scales' strides are per-call words too: a graph serves either layout (ep._call_block.CALL_SLOTS)
     push_steps(call_pointer(call_ptr, C_ROWS, tl.int64), call_pointer(call_ptr, C_X, tl.int64), x_bases_ptr,
                meta_bases_ptr, x_words, tl.load(call_ptr + C_TOKENS).to(tl.int32), call_pointer(call_ptr, C_TOPK, TOPK_T),
                call_pointer(call_ptr, C_WEIGHTS, W_T), call_pointer(call_ptr, C_SCALES, tl.float32), num_k, num_scales,
-               meta_words, meta_k, -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+               tl.load(call_ptr + C_SCALES_TOKEN_STRIDE), tl.load(call_ptr + C_SCALES_COL_STRIDE), meta_words, meta_k,
+               -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
 def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
-               num_k, num_scales, meta_words, meta_k, skip,
+               num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip,
                NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     # gather_kernel's rows, stored by the SMs straight into each destination's area: byte
@@ -324,7 +332,8 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
                     base = tl.load(x_bases_ptr + d)
                     if (at >= 0) & (base != 0):
                         tl.store(base.to(tl.pointer_type(tl.int64)) + at * x_words + cols, row, mask=in_row)
-        ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+        ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
+                                 HAS_TOPK, HAS_W, HAS_S)
         for d in tl.static_range(NUM_RANKS):
             if d != skip:
                 at = tl.load(rows_ptr + t * NUM_RANKS + d)
