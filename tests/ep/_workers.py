@@ -43,6 +43,19 @@ def _shifted(x: torch.Tensor, nbytes: int) -> torch.Tensor:
     return out.copy_(x)
 
 
+def scales_laid_out(scales: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same FP8 scales with other strides: ``"row"`` as they are, ``"column"`` column-major as
+    DeepEP's tests pass them (``s.T.contiguous().T``, strides ``(1, T)``), ``"wider"`` a view into a
+    wider tensor (token stride ``S + 3``, its first element 4 bytes past the allocation's)."""
+    if layout == "row":
+        return scales
+    if layout == "column":
+        return scales.T.contiguous().T
+    wide = torch.full((scales.shape[0], scales.shape[1] + 3), float("nan"), dtype=scales.dtype, device=scales.device)
+    wide[:, 1:1 + scales.shape[1]] = scales
+    return wide[:, 1:1 + scales.shape[1]]
+
+
 def rank_device(rank: int, case: dict) -> torch.device:
     """Where rank ``rank`` works: host memory on shm; on cuda_ipc GPU ``rank % device_count``, so
     that ranks share GPUs when there are fewer GPUs than ranks (two processes on one GPU still
@@ -168,6 +181,65 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
             results.append(got)
         kinds = sorted({key[0] for key in getattr(buf._mover, "_graphs", {})})
     return {"rounds": results, "graph_kinds": kinds}
+
+
+def fp8_inputs(case: dict, rank: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Rank ``rank``'s FP8 x of ``case`` (tokens, seed, hidden, experts, topk) as random bytes and
+    row-major scales as random float32 bit patterns (NaNs included), and its routing (CPU)."""
+    gen = torch.Generator().manual_seed(case["seed"] * 1000 + rank)
+    t, h = case["tokens"][rank], case["hidden"]
+    values = torch.randint(0, 256, (t, h), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    bits = torch.randint(-(1 << 31), 1 << 31, (t, -(-h // 128)), generator=gen, dtype=torch.int64)
+    idx = random_routing(t, case["experts"], case["topk"], gen, case.get("mask_prob", 0.0))
+    return (values, bits.to(torch.int32).view(torch.float32)), idx
+
+
+def fp8_scale_layouts(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """One fresh FP8 dispatch per entry of ``case["rounds_cases"]`` (each: its tokens, seed and
+    ``scales`` layout, ``scales_laid_out``), then ``cached`` re-dispatches with its handle, on one
+    Buffer (on GPUs the graphs captured by one layout's call are replayed by the other's: ep.kernels.steps,
+    Note [Scales in place]). Per round: what arrived (FP8 bytes, scales as int32 bits) and, per
+    call, the caller's scales ``(address, strides)`` and each ``(address, strides)`` a device step
+    was given: ``gather``'s ``src.scales``, or the words of the call block an SM push read."""
+    from warmlink.ep.kernels import steps as _kernels
+    from warmlink.ep.kernels.call_block import CALL_SLOTS
+
+    device = rank_device(rank, case)
+    seen: list[tuple] = []
+    real_gather = _kernels.gather
+
+    def gather(rows, src, *args, **kwargs):  # every path's gather (the torch one and the kernel) is called here
+        if src.scales is not None:
+            seen.append((src.scales.data_ptr(), *src.scales.stride()))
+        return real_gather(rows, src, *args, **kwargs)
+
+    at = [CALL_SLOTS.index(name) for name in ("scales", "scales_token_stride", "scales_col_stride")]
+    results = []
+    subs = [dict(case, **sub) for sub in case["rounds_cases"]]
+    _kernels.gather = gather
+    try:
+        with _buffer(rank, num_ranks, store, dict(case, tokens=[max(max(s["tokens"]) for s in subs) or 1])) as buf:
+            mover = buf._mover
+
+            def call(x, **kwargs):
+                del seen[:]
+                out = buf.dispatch(x, **kwargs)
+                cached = "handle" in kwargs
+                # an SM send's call block, and a cached CUDA send's (its push, also behind the copy engines)
+                if buf._sender.name == "sm" or (cached and hasattr(mover, "_cached_words")):
+                    parity = buf._rounds.last["dispatch"] % 2  # this call's block (ep.paths.sm_pushes)
+                    block = mover._cached_words[parity] if cached else mover._call_words
+                    seen.append(tuple(int(block[i]) for i in at))
+                return {"x": _cpu(out[0]), "want": (x[1].data_ptr(), *x[1].stride()), "seen": list(seen)}, out[4]
+
+            for sub in subs:
+                (values, scales), idx = fp8_inputs(sub, rank)
+                x = (values.to(device), scales_laid_out(scales.to(device), sub["scales"]))
+                fresh, handle = call(x, topk_idx=idx.to(device), num_experts=case["experts"])
+                results.append({"fresh": fresh, "cached": [call(x, handle=handle)[0] for _ in range(sub.get("cached", 1))]})
+    finally:
+        _kernels.gather = real_gather
+    return results
 
 
 def _mine_on_device(rank: int, case: dict) -> dict:

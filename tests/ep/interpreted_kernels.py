@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._interpreter import CLOCK, numpy_scalars_in_the_interpreter, swap_ptx_helpers
+from tests.ep._workers import scales_laid_out
 from warmlink.ep.kernels import steps as _kernels
+from warmlink.ep.kernels.call_block import scale_words
 from warmlink.ep.kernels.layout import dispatch_layout
 
 triton = pytest.importorskip("triton")
@@ -70,14 +72,73 @@ def test_layout_kernel_equals_torch(kernels, seed, tokens, num_ranks, num_expert
     assert (int(got.num_bad_ids) > 0) == (bad and tokens > 0)
 
 
-def _sources(seed: int, tokens: int, words: int, topk, meta: str) -> _kernels.Sources:
-    """Random rows and the meta parts ``meta`` names ("ids", "ids+weights", "scales", "all", "none")."""
+def _sources(seed: int, tokens: int, words: int, topk, meta: str, layout: str = "row") -> _kernels.Sources:
+    """Random rows and the meta parts ``meta`` names ("ids", "ids+weights", "scales", "all", "none"),
+    the scales laid out as ``layout`` says (tests.ep._workers.scales_laid_out)."""
     gen = torch.Generator().manual_seed(seed)
     return _kernels.Sources(
         x=torch.randint(-2**62, 2**62, (tokens, words), generator=gen),
         topk=topk if "ids" in meta or meta == "all" else None,
         weights=torch.rand(tokens, 2, generator=gen) if "weights" in meta or meta == "all" else None,
-        scales=torch.rand(tokens, 5, generator=gen) if meta in ("scales", "all") else None)
+        scales=scales_laid_out(torch.rand(tokens, 5, generator=gen), layout) if meta in ("scales", "all") else None)
+
+
+class _Spy:
+    """An interpreted kernel that records the arguments of each launch by name, then runs."""
+
+    def __init__(self, jit) -> None:
+        self.jit, self.calls = jit, []
+
+    def __getitem__(self, grid):
+        def run(*args, **constexprs):
+            self.calls.append(dict(zip(self.jit.arg_names, args)))
+            return self.jit[grid](*args, **constexprs)
+
+        return run
+
+
+def _random_scales(seed: int, tokens: int, columns: int) -> torch.Tensor:
+    """Scales as random float32 bit patterns (NaNs included): what arrives must be every bit sent."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(1 << 31), 1 << 31, (tokens, columns), generator=gen).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["column", "wider"])
+def test_gather_and_push_read_the_callers_scales_through_their_strides(kernels, layout):
+    """ep.kernels.steps, Note [Scales in place]: scales laid out column-major (DeepEP's tests) or as a
+    view into a wider tensor give meta rows bit-identical to row-major ones, through the torch
+    versions and the kernels; each kernel is given the caller's own tensor and its strides."""
+    num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 4, 29, 32, 600, 3, 128
+    topk = _routing(12, tokens, num_ranks, 16, 2)
+    lay = dispatch_layout(topk, 16, num_ranks)
+    rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
+    x, scales = torch.randint(-2**62, 2**62, (tokens, words)), _random_scales(5, tokens, 23)  # 23: hidden 2880
+    row_major = _kernels.Sources(x, topk, scales=scales)
+    src = _kernels.Sources(x, topk, scales=scales_laid_out(scales, layout))
+    assert not src.scales.is_contiguous() and torch.equal(src.scales.view(torch.int32), scales.view(torch.int32))
+    spied = kernels._replace(gather=_Spy(kernels.gather), push=_Spy(kernels.push))
+    n = num_ranks * max_tokens
+    metas = []
+    for source, k in ((row_major, None), (src, None), (src, spied)):
+        meta = torch.full((n, meta_bytes), 0xAB, dtype=torch.uint8)
+        _kernels.gather(rows, source, torch.zeros(n, words, dtype=torch.int64), meta, meta_k, range(num_ranks),
+                        kernels=k)
+        metas.append(meta)
+    assert torch.equal(metas[1], metas[0]) and torch.equal(metas[2], metas[0])
+    shifts = [3, 0, 7, 1]
+    pushed = []
+    for source in (row_major, src):
+        areas = [torch.full((max_tokens + 8, meta_bytes), 0xAB, dtype=torch.uint8) for _ in range(num_ranks)]
+        bases = torch.tensor([a.data_ptr() + (shifts[d] - d * max_tokens) * meta_bytes for d, a in enumerate(areas)])
+        x_areas = [torch.zeros(max_tokens + 8, words, dtype=torch.int64) for _ in range(num_ranks)]
+        x_bases = torch.tensor([a.data_ptr() + (shifts[d] - d * max_tokens) * words * 8 for d, a in enumerate(x_areas)])
+        _kernels.push(rows, source, x_bases, bases, meta_k, meta_bytes, kernels=spied)
+        pushed.append(areas)
+    assert all(torch.equal(a, b) for a, b in zip(*pushed))
+    for launch in (spied.gather.calls[0], spied.push.calls[1]):  # no copy: the caller's tensor, read in place
+        assert launch["s_ptr"] is src.scales, launch["s_ptr"].stride()
+        assert (launch["s_token_stride"], launch["s_col_stride"]) == src.scales.stride()
+    assert spied.push.calls[0]["s_ptr"] is scales and (spied.push.calls[0]["s_col_stride"] == 1)
 
 
 @pytest.mark.parametrize("meta", ["ids+weights", "ids", "scales", "all", "none"])
@@ -326,7 +387,9 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
     """``fresh_front`` + ``fresh_push`` read every per-call value from the call block, the way a
     replayed graph does: the same rows, words and landed rows as ``plan`` + ``push`` with the same
     bases. Rank 1 of 3, the peers' counts already posted; a second call with other inputs and a
-    later round, through the same block, lands its own rows."""
+    later round, through the same block, lands its own rows; its scales are column-major, read
+    through the strides in the block (ep.kernels.steps, Note [Scales in place]): the rows they land in
+    equal a row-major call's."""
     from warmlink.ep.wire.regions import board_words
 
     num_ranks, me, num_experts, k, max_tokens, words_per_row, meta_k, meta_bytes = 3, 1, 12, 2, 40, 600, 2, 64
@@ -345,7 +408,7 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
     for call_no, (seed, tokens, round_) in enumerate([(11, 23, 5), (12, 17, 6)]):
         topk = _routing(seed, tokens, num_ranks, num_experts, k).to(topk_t).contiguous()
         lay = dispatch_layout(topk.long(), num_experts, num_ranks)
-        src = _sources(seed, tokens, words_per_row, topk, meta)
+        src = _sources(seed, tokens, words_per_row, topk, meta, layout=("row", "column")[call_no])
         src = _kernels.Sources(src.x, src.topk, src.weights.to(w_t) if src.weights is not None else None, src.scales)
         per_rank, per_expert = lay.num_tokens_per_rank.to(count_t), lay.num_tokens_per_expert.to(count_t)
         for s, counts in ((0, below[call_no]), (2, [0, 0, 0])):
@@ -354,6 +417,9 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
         rows = torch.empty(tokens, num_ranks, dtype=torch.int64)
         call[:] = torch.tensor(_kernels.call_words(lay.is_token_in_rank, topk, per_rank, per_expert, rows, src, round_,
                                                    CONFIG))
+        if src.scales is not None:  # the caller's own scales, not a copy
+            at = _kernels.CALL_SLOTS.index("scales")
+            assert call[at:at + 3].tolist() == [src.scales.data_ptr(), *src.scales.stride()]
         shape = _kernels.FreshShape(num_ranks, num_experts, k, words_per_row,
                                     src.scales.shape[1] if src.scales is not None else 0, max_tokens, meta_k, meta_bytes,
                                     topk_t, count_t, count_t, w_t)
@@ -367,24 +433,27 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
         want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk.long(), per_rank, per_expert, max_tokens)
         assert torch.equal(rows, want_rows), call_no
         assert torch.equal(plan_words, want_words), call_no
+        row_major = _kernels.Sources(src.x, src.topk, src.weights,
+                                     src.scales.contiguous() if src.scales is not None else None)
         for d in range(num_ranks):
             want_x = torch.zeros(n, words_per_row, dtype=torch.int64)
             want_meta = torch.zeros(n, meta_bytes, dtype=torch.uint8)
-            _kernels.gather(rows, src, want_x, want_meta, meta_k, range(d, d + 1),
+            _kernels.gather(rows, row_major, want_x, want_meta, meta_k, range(d, d + 1),
                             shift=below[call_no][d] - d * max_tokens)
             assert torch.equal(areas[d][0], want_x), (call_no, d)
             assert torch.equal(areas[d][1], want_meta), (call_no, d)
 
 
-@pytest.mark.parametrize("meta", ["scales", "none"])
-def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta):
-    """A cached dispatch's graph (ep.paths.sm_pushes, SmPushes.send_sm_cached) reads its rows, x, scales, token count
-    and per-destination bases from one call block: the same stores as ``push`` with those bases."""
+@pytest.mark.parametrize("meta,layout", [("scales", "row"), ("scales", "column"), ("none", "row")])
+def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, meta, layout):
+    """A cached dispatch's graph (ep.paths.sm_pushes, SmPushes.send_sm_cached) reads its rows, x, scales
+    (address and strides: row- or column-major), token count and per-destination bases from one
+    call block: the same stores as ``push`` of row-major scales with those bases."""
     num_ranks, tokens, max_tokens, words, meta_k, meta_bytes = 3, 21, 30, 600, 3, 64
     topk = _routing(8, tokens, num_ranks, 9, 2)
     lay = dispatch_layout(topk, 9, num_ranks)
     rows, _ = _kernels.plan(lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert, max_tokens)
-    src = _sources(9, tokens, words, None, meta)
+    src = _sources(9, tokens, words, None, meta, layout)
     n = max_tokens + 6
     shifts = [2, 0, 5]
 
@@ -396,12 +465,13 @@ def test_a_cached_push_from_a_call_block_with_its_bases_equals_push(kernels, met
         return areas, torch.tensor(bases, dtype=torch.int64)
 
     want, bases = areas_and_bases()
-    _kernels.push(rows, src, bases[:num_ranks], bases[num_ranks:], meta_k, meta_bytes, kernels=kernels)
+    row_major = _kernels.Sources(src.x, scales=src.scales.contiguous() if src.scales is not None else None)
+    _kernels.push(rows, row_major, bases[:num_ranks], bases[num_ranks:], meta_k, meta_bytes, kernels=kernels)
     got, bases = areas_and_bases()
     slots = len(_kernels.CALL_SLOTS)
     call = torch.zeros(slots + 2 * num_ranks, dtype=torch.int64)
-    for name, value in (("rows", rows.data_ptr()), ("x", src.x.data_ptr()), ("tokens", tokens),
-                        ("scales", src.scales.data_ptr() if src.scales is not None else 0)):
+    words_of = dict(zip(("scales", "scales_token_stride", "scales_col_stride"), scale_words(src)))
+    for name, value in (("rows", rows.data_ptr()), ("x", src.x.data_ptr()), ("tokens", tokens), *words_of.items()):
         call[_kernels.CALL_SLOTS.index(name)] = value
     call[slots:] = bases
     num_scales = src.scales.shape[1] if src.scales is not None else 0

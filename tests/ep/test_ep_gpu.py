@@ -14,6 +14,7 @@ from tests.ep._workers import (
     changing_rounds,
     dispatch_combine,
     expect_error,
+    fp8_scale_layouts,
     hook_leaves_streams_idle,
     lifecycle_counts,
     padded_returns_at_launch,
@@ -22,6 +23,7 @@ from tests.ep._workers import (
     warm_rounds,
 )
 from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
+from tests.ep.test_fp8 import check_scale_layouts, scale_layouts_case
 
 pytestmark = pytest.mark.multigpu
 
@@ -100,6 +102,16 @@ def test_gpu_too_few_worst_tokens_make_every_rank_refuse_the_round_and_the_next_
     inputs = case_inputs(case)
     ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
     assert all(torch.equal(recv_x, want["recv_x"]) for (_, recv_x, _), want in zip(results, ref, strict=True))
+
+
+@needs_gpu
+@pytest.mark.parametrize("send", ["sm", "copy"])
+def test_gpu_row_and_column_major_scales_arrive_bit_identical_and_are_never_copied(send):
+    """ep.kernels.steps, Note [Scales in place]: with SM sends the fresh and cached call blocks carry the
+    caller's scales and strides, and each parity's graph captured by one layout's call is replayed by
+    the others'; through the copy engines the gather kernel reads them, and the cached push's block."""
+    case = dict(scale_layouts_case(RANKS), backend="cuda_ipc", send=send)
+    check_scale_layouts(case, run_ranks(fp8_scale_layouts, RANKS, case=case, timeout_s=180))
 
 
 @needs_gpu

@@ -64,16 +64,19 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     meta_bytes = 320
     src = _kernels.Sources(x, topk, weights, scales)
     src_gpu = _kernels.Sources(*(t.to(dev) for t in (x, topk, weights, scales)))
+    # DeepEP's column-major scales, read in place through their strides (ep.kernels.steps, Note [Scales in place])
+    by_column = _kernels.Sources(src_gpu.x, src_gpu.topk, src_gpu.weights, src_gpu.scales.T.contiguous().T)
     for dests, skip, shift in ((range(num_ranks), 1, 0), (range(2, 3), -1, -2 * max_tokens + 7)):
         want_x = torch.full((num_ranks * max_tokens, x.shape[1]), -7, dtype=torch.int64)
         want_m = torch.full((num_ranks * max_tokens, meta_bytes), 0xAB, dtype=torch.uint8)
         got_x, got_m = want_x.to(dev), want_m.to(dev)
         _kernels.gather(want_rows, src, want_x, want_m, meta_k, dests, shift=shift, skip=skip)
         for _ in range(2):  # the first launch compiles through Triton, the second goes straight in (ep.kernels.launch)
-            got_x.fill_(-7)
-            got_m.fill_(0xAB)
-            _kernels.gather(rows, src_gpu, got_x, got_m, meta_k, dests, shift=shift, skip=skip)
-            assert torch.equal(got_x.cpu(), want_x) and torch.equal(got_m.cpu(), want_m)
+            for source in (src_gpu, by_column):
+                got_x.fill_(-7)
+                got_m.fill_(0xAB)
+                _kernels.gather(rows, source, got_x, got_m, meta_k, dests, shift=shift, skip=skip)
+                assert torch.equal(got_x.cpu(), want_x) and torch.equal(got_m.cpu(), want_m)
         idx = [torch.full((want_m.shape[0], k), 5, dtype=torch.int64, device=d) for d in ("cpu", dev)]
         w = [torch.full((want_m.shape[0], k), 5.0, device=d) for d in ("cpu", dev)]
         sc = [torch.full((want_m.shape[0], hidden // 128), 5.0, device=d) for d in ("cpu", dev)]

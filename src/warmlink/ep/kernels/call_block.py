@@ -15,13 +15,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CALL_SLOTS", "FreshShape", "Padded", "Sources", "call_words"]
+__all__ = ["CALL_SLOTS", "FreshShape", "Padded", "Sources", "call_words", "scale_words"]
 
 
 @dataclass(frozen=True)
 class Sources:
     """What a dispatch sends per token: ``x`` as int64 words ``[T, W]``, and the optional parts of
-    its meta row: ``topk`` ``[T, k]`` ids, ``weights`` ``[T, k]`` float, ``scales`` ``[T, S]`` float32."""
+    its meta row: ``topk`` ``[T, k]`` ids, ``weights`` ``[T, k]`` float, ``scales`` ``[T, S]`` float32
+    with any strides (ep.kernels.steps, Note [Scales in place])."""
 
     x: torch.Tensor
     topk: torch.Tensor | None = None
@@ -31,6 +32,11 @@ class Sources:
     @property
     def has_meta(self) -> bool:
         return self.topk is not None or self.scales is not None
+
+    @property
+    def scale_strides(self) -> tuple[int, int]:
+        """``(token stride, column stride)`` of ``scales``, in float32 elements; ``(0, 0)`` without."""
+        return tuple(self.scales.stride()) if self.scales is not None else (0, 0)
 
 
 class Padded(NamedTuple):
@@ -51,8 +57,12 @@ class Padded(NamedTuple):
 
 
 # What a fresh SM send's kernels read per call from the call block (Note [Fresh send graph]).
-CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "tokens", "round",
-              "config")
+# The scales' strides are words of the block, not fields of FreshShape or the cached push's key:
+# DeepEP's column-major scales have a column stride of T, which changes with the token count, so a
+# key would capture a graph per count; read per call, one graph serves row-major and column-major
+# calls alike, and no call replays strides captured for another (ep.kernels.steps, Note [Scales in place]).
+CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "scales_token_stride",
+              "scales_col_stride", "tokens", "round", "config")
 
 
 @dataclass(frozen=True)
@@ -76,11 +86,17 @@ class FreshShape:
 def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
                rows: torch.Tensor, src: Sources, round_: int, config: int) -> tuple[int, ...]:
     """The call block's words (``CALL_SLOTS``) of one fresh SM send (``config``: its config word,
-    ep.wire.words, which the count exchange compares across ranks); every tensor must be
-    contiguous (the kernels see only its address)."""
-    optional = (src.weights, src.scales)
-    tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in optional if t is not None))
+    ep.wire.words, which the count exchange compares across ranks); every tensor but the scales
+    must be contiguous (the kernels see only its address; the scales' strides are words too)."""
+    tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in (src.weights,) if t is not None))
     if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("call_words: every tensor must be contiguous")
+        raise ValueError("call_words: every tensor but the scales must be contiguous")
     return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
-            src.x.data_ptr(), *(t.data_ptr() if t is not None else 0 for t in optional), rows.shape[0], round_, config)
+            src.x.data_ptr(), src.weights.data_ptr() if src.weights is not None else 0, *scale_words(src),
+            rows.shape[0], round_, config)
+
+
+def scale_words(src: Sources) -> tuple[int, int, int]:
+    """The call block's ``scales``, ``scales_token_stride`` and ``scales_col_stride`` words of
+    ``src``: the caller's own address and strides (in float32 elements), 0s without scales."""
+    return (src.scales.data_ptr() if src.scales is not None else 0, *src.scale_strides)

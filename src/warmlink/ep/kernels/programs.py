@@ -21,6 +21,8 @@ C_ROWS = tl.constexpr(CALL_SLOTS.index("rows"))
 C_X = tl.constexpr(CALL_SLOTS.index("x"))
 C_WEIGHTS = tl.constexpr(CALL_SLOTS.index("weights"))
 C_SCALES = tl.constexpr(CALL_SLOTS.index("scales"))
+C_SCALES_TOKEN_STRIDE = tl.constexpr(CALL_SLOTS.index("scales_token_stride"))
+C_SCALES_COL_STRIDE = tl.constexpr(CALL_SLOTS.index("scales_col_stride"))
 C_TOKENS = tl.constexpr(CALL_SLOTS.index("tokens"))
 C_ROUND = tl.constexpr(CALL_SLOTS.index("round"))
 C_CONFIG = tl.constexpr(CALL_SLOTS.index("config"))
@@ -114,9 +116,11 @@ def layout_kernel(topk_ptr, in_rank_ptr, counts_ptr, num_tokens, num_k, num_expe
 
 
 @triton.jit
-def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
+def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
                HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
-    # token t's meta parts (zeros for the parts it does not have)
+    # token t's meta parts (zeros for the parts it does not have); scale j of token t is at
+    # s_ptr + t * s_token_stride + j * s_col_stride: row- or column-major, never copied
+    # (ep.kernels.steps, Note [Scales in place])
     ids = tl.zeros(kc.shape, dtype=tl.int64)
     ws = tl.zeros(kc.shape, dtype=tl.float32)
     ss = tl.zeros(sc.shape, dtype=tl.float32)
@@ -125,13 +129,13 @@ def meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc,
     if HAS_W:
         ws = tl.load(w_ptr + t * num_k + kc, mask=kc < num_k).to(tl.float32)
     if HAS_S:
-        ss = tl.load(s_ptr + t * num_scales + sc, mask=sc < num_scales)
+        ss = tl.load(s_ptr + t * s_token_stride + sc.to(tl.int64) * s_col_stride, mask=sc < num_scales)
     return ids, ws, ss
 
 
 @triton.jit
 def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, ids_out_ptr, floats_out_ptr,
-                  num_k, num_scales, meta_words, meta_k, shift, d_lo, d_hi, skip,
+                  num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, shift, d_lo, d_hi, skip,
                   NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                   HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -141,7 +145,8 @@ def gather_kernel(rows_ptr, x_ptr, x_out_ptr, x_words, topk_ptr, w_ptr, s_ptr, i
     row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
     kc = tl.arange(0, K_BLOCK)
     sc = tl.arange(0, S_BLOCK)
-    ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+    ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
+                             HAS_TOPK, HAS_W, HAS_S)
     for d in tl.static_range(NUM_RANKS):
         if (d >= d_lo) & (d < d_hi) & (d != skip):
             at = tl.load(rows_ptr + t * NUM_RANKS + d)
@@ -282,11 +287,12 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
 
 @triton.jit
 def push_kernel(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
-                num_k, num_scales, meta_words, meta_k, skip,
+                num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip,
                 NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                 S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr, num_k,
-               num_scales, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+               num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK,
+               S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
@@ -294,15 +300,17 @@ def push_call_kernel(call_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_k, num_
                      NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                      S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
                      TOPK_T: tl.constexpr, W_T: tl.constexpr):
+    # the scales' strides are per-call words too: a graph serves either layout (ep.kernels.call_block.CALL_SLOTS)
     push_steps(call_pointer(call_ptr, C_ROWS, tl.int64), call_pointer(call_ptr, C_X, tl.int64), x_bases_ptr,
                meta_bases_ptr, x_words, tl.load(call_ptr + C_TOKENS).to(tl.int32), call_pointer(call_ptr, C_TOPK, TOPK_T),
                call_pointer(call_ptr, C_WEIGHTS, W_T), call_pointer(call_ptr, C_SCALES, tl.float32), num_k, num_scales,
-               meta_words, meta_k, -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
+               tl.load(call_ptr + C_SCALES_TOKEN_STRIDE), tl.load(call_ptr + C_SCALES_COL_STRIDE), meta_words, meta_k,
+               -1, NUM_RANKS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S)
 
 
 @triton.jit
 def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens, topk_ptr, w_ptr, s_ptr,
-               num_k, num_scales, meta_words, meta_k, skip,
+               num_k, num_scales, s_token_stride, s_col_stride, meta_words, meta_k, skip,
                NUM_RANKS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr,
                S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
     # gather_kernel's rows, stored by the SMs straight into each destination's area: byte
@@ -324,7 +332,8 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
                     base = tl.load(x_bases_ptr + d)
                     if (at >= 0) & (base != 0):
                         tl.store(base.to(tl.pointer_type(tl.int64)) + at * x_words + cols, row, mask=in_row)
-        ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, kc, sc, HAS_TOPK, HAS_W, HAS_S)
+        ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
+                                 HAS_TOPK, HAS_W, HAS_S)
         for d in tl.static_range(NUM_RANKS):
             if d != skip:
                 at = tl.load(rows_ptr + t * NUM_RANKS + d)
@@ -338,60 +347,3 @@ def push_steps(rows_ptr, x_ptr, x_bases_ptr, meta_bases_ptr, x_words, num_tokens
                     if HAS_S:
                         floats = base.to(tl.pointer_type(tl.float32)) + at * 2 * meta_words
                         tl.store(floats + 3 * meta_k + sc, ss, mask=sc < num_scales)
-
-
-# -- the combine's sum (ep.kernels.reduce) ------------------------------------------------------------------
-@triton.jit
-def add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row):
-    # token t's copy from rank d (row -1: none) added to acc; this rank's own is read where it lies
-    # (a branch on the row, as gather_kernel's, not a mask: Triton 3.9's interpreter refuses a
-    # scalar condition in a block mask)
-    if row >= 0:
-        at = row.to(tl.int64)
-        if d == local_rank:
-            acc += tl.load(local_ptr + (at + local_shift) * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-        else:
-            acc += tl.load(area_ptr + at * hidden + cols, mask=in_row, other=0.0).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks: tl.constexpr, parts: tl.constexpr):
-    # the part of the combine whose arrival completes token's copies: the latest over its peers'
-    # copies (the n rows rank d sent back come in parts, row p in part p * parts // n; ep.kernels.reduce,
-    # Note [Pipelined combine]); this rank's own copy is always there
-    last = tl.full([], 0, tl.int64)
-    for d in tl.static_range(num_ranks):
-        row = tl.load(rows_ptr + token * num_ranks + d)
-        if (row >= 0) & (d != local_rank):
-            n = tl.load(counts_ptr + d).to(tl.int64)
-            last = tl.maximum(last, (row - d * slot_rows) * parts // n)
-    return last
-
-
-@triton.jit
-def sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token,
-              num_ranks: tl.constexpr, block: tl.constexpr):
-    out_row = out_ptr + token.to(tl.int64) * hidden
-    for c0 in range(0, hidden, block):
-        cols = c0 + tl.arange(0, block)
-        in_row = cols < hidden
-        acc = tl.zeros([block], dtype=tl.float32)
-        for d in tl.static_range(num_ranks):
-            row = tl.load(rows_ptr + token * num_ranks + d)
-            acc = add_copy(acc, area_ptr, local_ptr, row, d, local_rank, local_shift, hidden, cols, in_row)
-        tl.store(out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def sum_kernel(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, counts_ptr, part, slot_rows,
-               num_ranks: tl.constexpr, parts: tl.constexpr, block: tl.constexpr):
-    # a program per token, walking its row in blocks of columns (as fast as a program per block
-    # for the whole sum, benchmarks/history-2026-11-22.md). With parts > 1 a program whose token is not in ``part``
-    # (token_part) exits after reading its rows: a part's launch costs about its own tokens.
-    token = tl.program_id(0)
-    if parts == 1:
-        sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, num_ranks, block)
-    else:
-        if token_part(rows_ptr, counts_ptr, token, local_rank, slot_rows, num_ranks, parts) == part:
-            sum_token(area_ptr, rows_ptr, out_ptr, local_ptr, local_rank, local_shift, hidden, token, num_ranks, block)

@@ -2,7 +2,7 @@
 
 ``rows[t, d]`` is the row of token ``t``'s copy from rank ``d`` in the combine area, or -1 (see
 ``ep.kernels.steps.plan``). Sums run in float32 in rank order, so results are identical run to run.
-On CUDA a Triton kernel (ep.kernels.programs.sum_kernel) reads each copy once (one pass over the received
+On CUDA a Triton kernel (ep.kernels.sum_programs.sum_kernel) reads each copy once (one pass over the received
 bytes); elsewhere, or without Triton, the same sum in torch ops.
 
 # Note [Pipelined combine]
@@ -45,7 +45,7 @@ def part_phase(k: int, parity: int, parts: int = PARTS) -> str:
 
 
 def token_parts(rows: torch.Tensor, counts: torch.Tensor, local_rank: int, slot_rows: int, parts: int) -> torch.Tensor:
-    """``[T]`` the part whose arrival completes each token's copies (ep.kernels.programs.token_part)."""
+    """``[T]`` the part whose arrival completes each token's copies (ep.kernels.sum_programs.token_part)."""
     num_ranks = rows.shape[1]
     ranks = torch.arange(num_ranks, device=rows.device)
     pos = rows - ranks * slot_rows
@@ -87,13 +87,13 @@ def _triton_kernel():
 
 
 def _build():
-    """``(triton, plain jit kernel)``; the kernel lives in ep.kernels.programs, where the interpreter finds
-    its helper (tests run it there, unwrapped)."""
+    """``(triton, plain jit kernel)``; the kernel lives in ep.kernels.sum_programs, where the interpreter
+    finds its helpers (tests run it there, unwrapped)."""
     import triton
 
-    from warmlink.ep.kernels import programs
+    from warmlink.ep.kernels import sum_programs
 
-    return triton, programs.sum_kernel
+    return triton, sum_programs.sum_kernel
 
 
 _BLOCK = 1024

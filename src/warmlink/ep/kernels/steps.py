@@ -15,6 +15,21 @@ the same outputs: tests run both on the CPU, the kernels through Triton's interp
 - ``unpack``: meta rows to local expert ids (-1 elsewhere), weights and scales.
 - ``exchange`` and ``push``: a fresh dispatch's send without the host (Note [SM sends] in
   ep.paths.sm_pushes).
+
+# Note [Scales in place]
+FP8 scales come as float32 ``[T, S]`` (``S = ceil(hidden / 128)``) with any strides: DeepEP's own
+tests pass them column-major (``s.T.contiguous().T``, strides ``(1, T)``), the layout DeepGEMM
+reads. A ``.contiguous()`` on those is a transposing copy kernel on every FP8 call on a GPU, so no
+step copies them: scale ``j`` of token ``t`` is read at ``t * token stride + j * column stride``
+(float32 elements) of the caller's own tensor. The torch versions index it as it is; ``gather``
+and ``push`` take both strides as arguments (Triton specializes a stride of 1, so row-major scales
+keep their contiguous loads there, and the first call of the other layout compiles its own
+variant); the call-block forms read them from the block's ``scales_token_stride`` and
+``scales_col_stride`` words, beside its address, not from ``FreshShape`` or the cached push's key:
+a column-major column stride is T, which changes with the token count, so a key would capture a
+graph per count, while from the block one graph serves either layout and never replays strides
+captured for another call. The scales land in the meta row as before (ep.wire.regions): a receiver
+never sees how the sender's were laid out.
 """
 
 from __future__ import annotations
@@ -200,7 +215,7 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     ``t`` that goes to a destination ``d`` in ``dests``.
 
     Args:
-        rows: ``plan``'s rows. src: the tokens and their meta parts.
+        rows: ``plan``'s rows. src: the tokens and their meta parts (scales with any strides).
         x_out: ``[N, W]`` int64 rows; meta_out: ``[N, meta_bytes]`` uint8 rows, or None when
             ``src`` has no meta part. meta_k: the buffer's ``num_topk`` (meta column offsets).
         dests: a contiguous range of destinations; skip: one of them to leave out (-1: none).
@@ -213,7 +228,7 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     num_tokens, num_ranks = rows.shape
     if not num_tokens or not len(dests):
         return
-    src = Sources(*(t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights, src.scales)))
+    src = _contiguous_but_scales(src)
     x_words = src.x.shape[1]
     ids, floats = _meta_views(meta_out) if meta_out is not None else (x_out, x_out)
     num_k = src.topk.shape[1] if src.topk is not None else 0
@@ -222,7 +237,7 @@ def gather(rows: torch.Tensor, src: Sources, x_out: torch.Tensor, meta_out: torc
     grid = (num_tokens, _cdiv(x_words, _X_BLOCK))
     args = (rows, src.x, x_out, x_words, src.topk if src.topk is not None else rows,
             src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
-            ids, floats, num_k, num_scales, meta_words, meta_k, shift, dests.start, dests.stop, skip)
+            ids, floats, num_k, num_scales, *src.scale_strides, meta_words, meta_k, shift, dests.start, dests.stop, skip)
     launch(kernels.gather, grid, args, {
         "NUM_RANKS": num_ranks, "X_BLOCK": _X_BLOCK, "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales),
         "HAS_TOPK": src.topk is not None, "HAS_W": src.weights is not None, "HAS_S": src.scales is not None})
@@ -266,7 +281,7 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
     and a base that is not 0. Bases may point into peers' mapped regions (Note [SM sends]).
 
     Args:
-        rows: ``plan``'s rows. src: the tokens and their meta parts.
+        rows: ``plan``'s rows. src: the tokens and their meta parts (scales with any strides).
         x_bases, meta_bases: ``[R]`` int64 device tensors of byte addresses (0: skip that destination).
         meta_k: the buffer's ``num_topk``. programs: the persistent grid (default: one per SM).
         num_warps: warps per program (0: Triton's default).
@@ -275,13 +290,13 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
     num_tokens, num_ranks = rows.shape
     if not num_tokens:
         return
-    src = Sources(*(t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights, src.scales)))
+    src = _contiguous_but_scales(src)
     x_words = src.x.shape[1]
     num_k = src.topk.shape[1] if src.topk is not None else 0
     num_scales = src.scales.shape[1] if src.scales is not None else 0
     args = (rows, src.x, x_bases, meta_bases, x_words, num_tokens, src.topk if src.topk is not None else rows,
             src.weights if src.weights is not None else rows, src.scales if src.scales is not None else rows,
-            num_k, num_scales, meta_bytes // 8, meta_k, skip)
+            num_k, num_scales, *src.scale_strides, meta_bytes // 8, meta_k, skip)
     launch(kernels.push, (programs or _push_programs(rows),), args,
            _push_constexprs(num_ranks, x_words, num_k, num_scales, src.topk is not None, src.weights is not None),
            num_warps=num_warps)
@@ -289,6 +304,12 @@ def push(rows: torch.Tensor, src: Sources, x_bases: torch.Tensor, meta_bases: to
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _contiguous_but_scales(src: Sources) -> Sources:
+    """``src`` with x, ids and weights contiguous (the kernels read them by row size); the scales
+    as the caller gave them, read through their strides (Note [Scales in place])."""
+    return Sources(*(t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights)), src.scales)
 
 
 def _push_programs(on: torch.Tensor) -> int:
@@ -352,9 +373,10 @@ def fresh_push(shape: FreshShape, call: torch.Tensor, tables: torch.Tensor, kern
 def push_from_call(call: torch.Tensor, x_bases: torch.Tensor, meta_bases: torch.Tensor, x_words: int, num_ranks: int,
                    num_k: int, num_scales: int, meta_k: int, meta_bytes: int, topk: torch.dtype | None,
                    weights: torch.dtype | None, kernels=None) -> None:
-    """``push`` with the rows, x, ids, weights, scales and token count read from ``call``
-    (``CALL_SLOTS``): the launch a graph replays (Note [Fresh send graph]). ``topk`` / ``weights``:
-    the dtypes of the ids and weights sent (None: not sent); ``num_scales`` 0: no FP8 scales."""
+    """``push`` with the rows, x, ids, weights, scales (address and strides) and token count read
+    from ``call`` (``CALL_SLOTS``): the launch a graph replays (Note [Fresh send graph], Note [Scales
+    in place]). ``topk`` / ``weights``: the dtypes of the ids and weights sent (None: not sent);
+    ``num_scales`` 0: no FP8 scales."""
     k = kernels or _kernels()
     launch(k.push_call, (_push_programs(call),), (call, x_bases, meta_bases, x_words, num_k, num_scales, meta_bytes // 8,
                                                   meta_k), {

@@ -48,7 +48,7 @@ call block to the device, ``plan``, ``exchange`` and the copies of the words and
 host; the other ``push``. Between the two launches the host records the event it polls for the
 board: an ordinary record, whose state the host sees change at once (an event recorded by a graph
 node might still read as the previous round's). What changes per call (every input's address, the
-new ``rows`` tensor the handle keeps, the token count, the round) is in the call block
+new ``rows`` tensor the handle keeps, the FP8 scales' strides, the token count, the round) is in the call block
 (``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
 kernels' ``*_call_kernel`` forms read it there. One block is enough: the host waits for a
 fresh dispatch's board, which comes after the block's copy, before the next one (a padded one's
@@ -67,7 +67,7 @@ import torch
 
 from warmlink._backoff import poll
 from warmlink.ep.kernels import steps
-from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Sources
+from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Sources, scale_words
 from warmlink.ep.wire.regions import PARITIES, RegionLayout, board_words
 
 __all__ = ["SmPushes"]
@@ -75,7 +75,8 @@ __all__ = ["SmPushes"]
 log = logging.getLogger("warmlink.ep")
 
 # words of a call block (CALL_SLOTS) a cached dispatch fills
-_ROWS, _X, _SCALES, _TOKENS = (CALL_SLOTS.index(name) for name in ("rows", "x", "scales", "tokens"))
+_ROWS, _X, _TOKENS, _SCALES, _S_TOKEN, _S_COL = (CALL_SLOTS.index(name) for name in (
+    "rows", "x", "tokens", "scales", "scales_token_stride", "scales_col_stride"))
 
 
 class SmPushes:
@@ -209,8 +210,10 @@ class SmPushes:
                 f"{timeout_s:.3g} s; its call block cannot be rewritten"))
         block = self._cached_words[parity]
         block[_ROWS], block[_X], block[_TOKENS] = rows.data_ptr(), src.x.data_ptr(), rows.shape[0]
-        block[_SCALES] = src.scales.data_ptr() if src.scales is not None else 0
+        # the caller's own scales, as laid out (ep.kernels.steps, Note [Scales in place])
+        block[_SCALES], block[_S_TOKEN], block[_S_COL] = scale_words(src)
         block[len(CALL_SLOTS):] = bases
+        # no strides in the key: they are words of the block, so one graph serves either layout
         key = ("cached", parity, src.x.shape[1], src.scales.shape[1] if src.scales is not None else 0)
         self._launch(key, lambda: self._cached_push(key), graphs)
 

@@ -37,6 +37,12 @@ class Checks:
             raise ConfigError(f"ep: num_experts={num_experts} exceeds {mb.MAX_EXPERTS}")
 
     def rows(self, t: torch.Tensor, what: str, rows: int | None = None) -> torch.Tensor:
+        """``t`` checked (``checked``) and contiguous."""
+        return self.checked(t, what, rows).contiguous()
+
+    def checked(self, t: torch.Tensor, what: str, rows: int | None = None) -> torch.Tensor:
+        """``t`` itself once it is a 2-D tensor on this Buffer's device with ``rows`` rows (or at
+        most ``max_tokens`` without ``rows``)."""
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ConfigError(f"ep: {what} must be a 2-D tensor; got {type(t).__name__} of shape {tuple(getattr(t, 'shape', ()))}")
         expected = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
@@ -47,7 +53,7 @@ class Checks:
         if t.shape[0] > self._layout.max_tokens and rows is None:
             raise ConfigError(f"ep: {what} has {t.shape[0]} tokens; the buffer holds at most "
                               f"max_tokens_per_rank={self._layout.max_tokens} (build it with a larger size_hint)")
-        return t.contiguous()
+        return t
 
     def topk(self, topk_idx, what: str, rows: int | None = None) -> torch.Tensor:
         t = self.rows(topk_idx, what, rows)
@@ -79,11 +85,12 @@ class Checks:
             raise ConfigError(f"ep.Buffer.dispatch: is_token_in_rank.dtype={in_rank.dtype}; expected torch.bool")
 
     def x(self, x):
-        """``(tokens, scales or None)``; FP8 comes as ``(float8_e4m3fn [T, H], float32 [T, ceil(H / 128)])``."""
+        """``(tokens, scales or None)``; FP8 comes as ``(float8_e4m3fn [T, H], float32 [T, ceil(H / 128)])``,
+        the scales with any strides: they are not copied (ep.kernels.steps, Note [Scales in place])."""
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ConfigError(f"ep: FP8 x must be a (tokens, scales) pair; got {len(x)} elements")
-            q, s = self.rows(x[0], "x[0]"), self.rows(x[1], "x[1]", x[0].shape[0])
+            q, s = self.rows(x[0], "x[0]"), self.checked(x[1], "x[1]", x[0].shape[0])
             if q.dtype != torch.float8_e4m3fn or s.dtype != torch.float32:
                 raise ConfigError(f"ep: FP8 x dtypes ({q.dtype}, {s.dtype}); expected (torch.float8_e4m3fn, torch.float32)")
             if q.shape[1] != self._layout.hidden or s.shape[1] != num_scales(self._layout.hidden):
