@@ -1,4 +1,4 @@
-"""Waiting with a deadline: the one poll loop of warmlink (STYLE.md 3.11).
+"""Waiting with a deadline: the one poll loop of warmlink, so every wait backs off and times out alike.
 
 Sleeps start short (a warm refit waits microseconds) and double to a cap. An optional liveness
 probe runs every few milliseconds, so a dead peer ends a wait at once instead of at its deadline.

@@ -1,4 +1,5 @@
-"""What every engine (refit publisher and receiver, ep buffer) does at the end of its life (STYLE.md convention 6)."""
+"""What every engine (refit publisher and receiver, ep buffer) does at the end of its life: an
+idempotent ``close()``, a context manager, and a ``__del__`` that warns and closes."""
 
 from __future__ import annotations
 

@@ -226,8 +226,8 @@ def fp8_scale_layouts(rank: int, num_ranks: int, store, case: dict) -> list[dict
                 out = buf.dispatch(x, **kwargs)
                 cached = "handle" in kwargs
                 # an SM send's call block, and a cached CUDA send's (its push, also behind the copy engines)
-                if buf._sender.name == "sm" or (cached and hasattr(mover, "_cached_words")):
-                    parity = buf._rounds.last["dispatch"] % 2  # this call's block (ep.paths.sm_pushes)
+                if buf._normal.path.name == "sm" or (cached and hasattr(mover, "_cached_words")):
+                    parity = buf._normal.rounds.last["dispatch"] % 2  # this call's block (ep.paths.sm_pushes)
                     block = mover._cached_words[parity] if cached else mover._call_words
                     seen.append(tuple(int(block[i]) for i in at))
                 return {"x": _cpu(out[0]), "want": (x[1].data_ptr(), *x[1].stride()), "seen": list(seen)}, out[4]

@@ -470,7 +470,7 @@ def _defaults(args) -> dict:
 
     cuda = torch.cuda.is_available()
 
-    def pick(given, default):  # argument > default, never ``given or default`` (STYLE.md, convention 3)
+    def pick(given, default):  # argument > default, never ``given or default``: 0 and False are answers
         return given if given is not None else default
 
     return {

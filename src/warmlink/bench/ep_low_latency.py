@@ -155,7 +155,7 @@ def _p90(values: list[float]) -> float:
 def _defaults(args) -> dict:
     import torch
 
-    def pick(given, default):  # argument > default (STYLE.md, convention 3)
+    def pick(given, default):  # argument > default: 0 and False are answers
         return given if given is not None else default
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -193,7 +193,7 @@ class Store(BlobMethods):
         if is_server:
             try:
                 self._client = _client.serve(host, port, prefix, self.timeout_s, world_size)
-            except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
+            except Exception as e:  # noqa: BLE001 - every torch error becomes a typed warmlink error
                 raise ConfigError(
                     f"Store: cannot start a store server on {host}:{port} ({_first_line(e)}); expected a free port"
                 ) from None
@@ -264,7 +264,7 @@ class Store(BlobMethods):
                 f"{func}: the store at {self.address} accepts connections but did not answer within {limit_s:.3g} s "
                 f"({e}); its server process may be stopped or the network partitioned"
             ) from None
-        except Exception as e:  # noqa: BLE001 - translate every torch error; see STYLE.md 3.5
+        except Exception as e:  # noqa: BLE001 - every torch error becomes a typed warmlink error
             raise TransferTimeout(
                 f"{func}: cannot connect to the store at {self.address} within {limit_s:.3g} s ({_first_line(e)})"
             ) from None
