@@ -2,6 +2,8 @@
 
 ``layout`` (DeepEP's ``get_dispatch_layout``), ``steps`` (plan, gather, unpack, exchange, push:
 what a dispatch launches), ``programs`` (the Triton source), ``reduce`` (the combine's sums),
-``call_block`` (what graph-replayed launches read per call) and ``launch`` (launching them
-cheaply). Nothing here knows of rounds, peers or mailboxes: callers pass addresses and counts.
+``call_block`` (what graph-replayed launches read per call), ``launch`` (launching them
+cheaply), and ``stream`` / ``stream_programs`` (a dispatch streamed through fixed rings with
+device-checked credits; not used by ep.Buffer yet). Nothing here knows of rounds, peers or
+mailboxes: callers pass addresses and counts.
 """
