@@ -128,7 +128,7 @@ def stream_calls(rank: int, num_ranks: int, store, case: dict) -> dict:
                     part.fill_(-7)
             status = torch.zeros(2 * space.channels, dtype=torch.int64, device=dev)
             barrier(store, f"stream/launch/{seq}", rank, num_ranks, 120.0)
-            if rank == case.get("dead"):
+            if rank == case.get("dead") and seq > 1:  # call 1 runs everywhere (it compiles the kernel)
                 results.append({"dead": True})
                 continue
             start = time.monotonic()
