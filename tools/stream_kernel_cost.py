@@ -1,7 +1,10 @@
 """The streamed dispatch kernel alone on one GPU, one rank sending to itself (its rings in local
 memory, no NVLink): how fast its programs move rows, beside a flat copy of the same bytes.
 
-    python tools/stream_kernel_cost.py [--channels 10] [--ring-rows 256] [--tokens 4096]
+    python tools/stream_kernel_cost.py [--channels 10 20] [--ring-rows 256] [--tokens 4096]
+        [--warps 8] [--tokens-per-step 8] [--x-block 1024] [--publish 16] [--batch 16]
+
+--warps, --tokens-per-step and --x-block take several values: every combination is timed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 
 from warmlink.ep.kernels import steps
 from warmlink.ep.kernels.layout import dispatch_layout
+from warmlink.ep.kernels import stream
 from warmlink.ep.kernels.stream import Sources, StreamSpace, outputs, recv_offsets, row_words, stream_dispatch
 
 
@@ -22,9 +26,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--iterations", type=int, default=20)
-    ap.add_argument("--warps", type=int, nargs="+", default=[4])
-    ap.add_argument("--publish", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warps", type=int, nargs="+", default=[stream.NUM_WARPS])
+    ap.add_argument("--tokens-per-step", type=int, nargs="+", default=[stream.TILE_TOKENS])
+    ap.add_argument("--x-block", type=int, nargs="+", default=[stream.X_BLOCK_WORDS])
+    ap.add_argument("--publish", type=int, default=stream.PUBLISH_ROWS)
+    ap.add_argument("--batch", type=int, default=stream.BATCH_ROWS)
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     t, h, k, experts = args.tokens, args.hidden, 8, 256
@@ -34,7 +40,8 @@ def main() -> None:
     x = torch.randn(t, h, device=dev).to(torch.bfloat16)
     src = Sources(x.view(torch.int64), topk, torch.rand(t, k, device=dev), None)
     flat = torch.empty_like(x)
-    for channels, warps in [(c, w) for c in args.channels for w in args.warps]:
+    runs = [(c, w, n, b) for c in args.channels for w in args.warps for n in args.tokens_per_step for b in args.x_block]
+    for channels, warps, tile, block in runs:
         space = StreamSpace(1, channels, args.ring_rows, row_words(h * 2 // 8, k, 0))
         mem = torch.zeros(space.nbytes // 8, dtype=torch.int64, device=dev)
         bases = torch.tensor([mem.data_ptr()], dtype=torch.int64, device=dev)
@@ -47,15 +54,16 @@ def main() -> None:
             a.record()
             stream_dispatch(space, rows, src, out, offsets, bases, status, me=0, seq=seq, max_tokens=t,
                             experts_per_rank=experts, timeout_s=10.0, num_warps=warps, publish=args.publish,
-                            batch=args.batch)
+                            batch=args.batch, tokens=tile, x_block=block)
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b) * 1e3)
         assert int(status.max() & ((1 << 32) - 1)) == 0, status
         assert torch.equal(out.x.view(torch.bfloat16), x)
         med = sorted(times)[len(times) // 2]
-        print(f"channels {channels:3d} warps {warps:2d} ring {args.ring_rows} publish {args.publish}: {med:8.1f} us  ({x.numel() * 2 / med / 1e3:.0f} GB/s of rows)"
-              f"  space {space.nbytes / 2**20:.1f} MiB")
+        print(f"channels {channels:3d} warps {warps:2d} tile {tile:2d}x{block} ring {args.ring_rows} "
+              f"publish {args.publish} batch {args.batch}: {med:8.1f} us  ({x.numel() * 2 / med / 1e3:.0f} GB/s of rows, "
+              f"{x.numel() * 2 / med / 1e3 / channels:.1f} a channel)  space {space.nbytes / 2**20:.1f} MiB")
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(args.iterations):

@@ -134,7 +134,7 @@ def stream_calls(rank: int, num_ranks: int, store, case: dict) -> dict:
             start = time.monotonic()
             stream_dispatch(space, rows_of[rank].to(dev), src, out, offsets, bases, status, me=rank, seq=seq,
                             max_tokens=max_tokens, experts_per_rank=experts_per_rank,
-                            timeout_s=call.get("timeout_s", case["timeout_s"]))
+                            timeout_s=call.get("timeout_s", case["timeout_s"]), **case.get("steps", {}))
             torch.cuda.synchronize(device)  # bounded: every wait of the kernel has its deadline
             elapsed = time.monotonic() - start
             same = {name: same_bits(got, exp) for name, got, exp in zip(out._fields, out, want)}

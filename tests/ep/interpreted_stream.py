@@ -16,8 +16,8 @@ import torch
 from tests.ep._interpreter import CLOCK, numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from tests.ep._reference import reference_dispatch
 from tests.ep._stream_workers import group_inputs, same_bits
-from warmlink.ep.kernels.stream import (FIN, Sources, StreamSpace, failures, outputs, recv_offsets, row_words,
-                                        stream_dispatch, stream_dispatch_torch)
+from warmlink.ep.kernels.stream import (FIN, Sources, StreamSpace, failures, meta_words, outputs, recv_offsets,
+                                        row_words, stream_dispatch, stream_dispatch_torch)
 from warmlink.ep.wire.fp8 import num_scales
 
 triton = pytest.importorskip("triton")
@@ -47,14 +47,15 @@ class _Group:
         self.bases = torch.tensor([m.data_ptr() for m in self.mem], dtype=torch.int64)
 
     def launch(self, kernel, me: int, seq: int, rows, src, max_tokens: int, experts_per_rank: int, role: str,
-               out=None, offsets=None, timeout_s: float = 5.0, abort: int = 0):
-        """Rank ``me``'s programs of ``role``; returns (outputs, status words)."""
+               out=None, offsets=None, timeout_s: float = 5.0, abort: int = 0, **steps):
+        """Rank ``me``'s programs of ``role``; returns (outputs, status words). steps: tokens, batch, publish."""
         if out is None:
             offsets, total = recv_offsets([0] * self.space.num_ranks)
             out = outputs(total, src)
         status = torch.zeros(2 * self.space.channels, dtype=torch.int64)
         stream_dispatch(self.space, rows, src, out, offsets, self.bases, status, me=me, seq=seq, max_tokens=max_tokens,
-                        experts_per_rank=experts_per_rank, timeout_s=timeout_s, abort=abort, role=role, kernel=kernel)
+                        experts_per_rank=experts_per_rank, timeout_s=timeout_s, abort=abort, role=role, kernel=kernel,
+                        **steps)
         return out, status
 
 
@@ -76,7 +77,8 @@ def _call(kernel, group: _Group, call: dict, seq: int):
     statuses = []
     for role in ("send", "recv"):
         for me, (out, offsets) in enumerate(got):
-            _, status = group.launch(kernel, me, seq, rows_of[me], sources_of[me], max_tokens, epr, role, out, offsets)
+            _, status = group.launch(kernel, me, seq, rows_of[me], sources_of[me], max_tokens, epr, role, out, offsets,
+                                     **call.get("steps", {}))
             statuses.append(status)
     return rows_of, sources_of, raw, [out for out, _ in got], statuses
 
@@ -91,6 +93,11 @@ CASES = {
                                               "channels": 4, "dtype": torch.float8_e4m3fn, "weights": False},
     "3 ranks, bf16, hidden 7168": {"tokens": [[64, 9, 130], [1, 0, 0]], "hidden": 7168, "experts": 24, "topk": 8,
                                    "channels": 2},
+    # tiles of 4 tokens, visits of 3 rows, tails every 5 rows, over 61 and 23 tokens a channel: no count is
+    # a multiple of another, so tiles and visits end part-way
+    "2 ranks, bf16, hidden 2880, tiles of 4": {"tokens": [[122, 45], [7, 90]], "hidden": 2880, "experts": 8,
+                                               "topk": 2, "channels": 2, "steps": {"tokens": 4, "batch": 3,
+                                                                                   "publish": 5}},
 }
 
 
@@ -173,16 +180,19 @@ def test_a_receiver_whose_source_never_publishes_ends_with_its_failure_word(kern
     assert torch.equal(out.x[:own], want.x[:own]) and (out.x[own:] == -7).all()
 
 
-def test_a_sender_whose_ring_stays_full_ends_with_its_failure_word_having_published_what_it_wrote(kernel):
-    """A ring of 2 rows and no receiver: the sender publishes its 2 rows, waits for a credit and
-    ends at the deadline with status ``credit`` from peer 1; no FIN."""
+@pytest.mark.parametrize("ring_rows", [2, 11])
+def test_a_sender_whose_ring_stays_full_ends_with_its_failure_word_having_published_what_it_wrote(kernel, ring_rows):
+    """A ring of fewer rows than a tile (8 tokens), or of a tile and a part, and no receiver: the
+    sender fills it, publishes its rows, waits for a credit and ends at the deadline with status
+    ``credit`` from peer 1; no FIN."""
     rows, src = _one_way(20)
-    group = _Group(2, 1, 2, row_words(24, 1, 0))
+    group = _Group(2, 1, ring_rows, row_words(24, 1, 0))
     _, status = group.launch(kernel, 0, 1, rows, src, 20, 4, "send", timeout_s=0.05)
     assert [(f.role, f.wait, f.peer) for f in failures(status[:1], 1, 1)] == [("send", "credit", 1)]
-    assert int(group.mem[1][group.space.tail(0, 0)]) == 1 << 32 | 2
-    ring = group.mem[1][group.space.ring(0, 0):].view(-1)[:2 * group.space.row_words].view(2, -1)
-    assert torch.equal(ring[:, :24], src.x[:2]) and ring[:, -1].tolist() == [0, 1]  # the rows, their ordinals
+    assert int(group.mem[1][group.space.tail(0, 0)]) == 1 << 32 | ring_rows
+    ring = group.mem[1][group.space.ring(0, 0):].view(-1)[:ring_rows * group.space.row_words].view(ring_rows, -1)
+    ordinals = ring[:, 24 + meta_words(1, 0)].tolist()
+    assert torch.equal(ring[:, :24], src.x[:ring_rows]) and ordinals == list(range(ring_rows))  # rows, ordinals
 
 
 def test_a_sender_waits_for_the_previous_calls_rows_to_be_taken_and_overwrites_none(kernel):

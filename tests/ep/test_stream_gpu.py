@@ -39,6 +39,17 @@ def test_gpu_streamed_calls_through_rings_of_eight_rows_equal_the_torch_twin():
             assert got["rows"] > 0, (rank, seq)
 
 
+def test_gpu_tiles_that_straddle_the_rings_wrap_equal_the_torch_twin():
+    """Rings of 12 rows and tiles of 8 tokens (visits of 5 rows, tails every 3): a sender's tile
+    finds room for part of itself, its rows wrap the ring part-way through a tile; BF16, then FP8."""
+    calls = [dict(_DEEPSEEK, seed=6, tokens=[4096, 3001], max_tokens=4096),
+             dict(_DEEPSEEK, seed=7, dtype=torch.float8_e4m3fn, layout="column")]
+    case = dict(_SPACE, ring_rows=12, calls=calls, timeout_s=60.0, steps={"tokens": 8, "batch": 5, "publish": 3})
+    for rank, per_call in enumerate(run_ranks(stream_calls, 2, case=case, timeout_s=600)):
+        for seq, got in enumerate(per_call, start=1):
+            assert not got["failures"] and all(got["same"].values()), (rank, seq, got)
+
+
 def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout_with_failure_words():
     """Call 1 runs on both ranks (and compiles the kernel); in call 2 rank 1 maps its space but never
     launches: rank 0's senders fill rank 1's rings and end at their deadline waiting for credits

@@ -32,7 +32,7 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
                            NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr,
                            X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                            HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr,
-                           BATCH: tl.constexpr):
+                           BATCH: tl.constexpr, TOKENS: tl.constexpr):
     # program p < CHANNELS sends channel p's tokens, program CHANNELS + c receives channel c;
     # ``first_program`` lets a launch run only one role (the interpreter runs programs in order)
     p = tl.program_id(0) + first_program
@@ -41,19 +41,20 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
         status = send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, p, me, seq64, num_tokens,
                             max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words,
                             row_words, ring_rows, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, X_BLOCK, CHUNKS, K_BLOCK,
-                            S_BLOCK, HAS_TOPK, HAS_W, HAS_S, PUBLISH)
+                            S_BLOCK, HAS_TOPK, HAS_W, HAS_S, PUBLISH, TOKENS)
     else:
         status = recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, abort_ptr,
                             p - CHANNELS, me, seq64, x_words, num_k, num_scales, meta_words, row_words, ring_rows,
                             out_rows, experts_per_rank, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, X_BLOCK, CHUNKS,
-                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH)
+                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH, TOKENS)
     tl.store(status_ptr + p, (seq64 << 32) | status)
 
 
 @triton.jit
 def space_of(bases_ptr, rank):
-    # rank's stream space, as mapped in this process
-    return tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int64))
+    # rank's stream space, as mapped in this process: an allocation's start, 16-byte aligned at least,
+    # so that rows of a multiple of 16 words (ep.kernels.stream.row_words) move in 16-byte accesses
+    return tl.multiple_of(tl.load(bases_ptr + rank).to(tl.pointer_type(tl.int64)), 16)
 
 
 @triton.jit
@@ -94,11 +95,17 @@ def publish(ptrs, seq64, counts, flag, mask):
 
 
 @triton.jit
+def column(m, r, d):
+    # column d of a [TOKENS, R_BLOCK] block, as a [TOKENS] vector (one reduction a tile, not a row)
+    return tl.sum(tl.where(r[None, :] == d, m, 0), 1)
+
+
+@triton.jit
 def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c, me, seq64, num_tokens, max_tokens,
                x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, timeout_ns,
                NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr,
                CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr,
-               HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr):
+               HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr, TOKENS: tl.constexpr):
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
     heads = space_of(bases_ptr, me) + NUM_RANKS * CHANNELS * COUNTER + (r * CHANNELS + c) * COUNTER
@@ -115,18 +122,32 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
         waiting = waiting & ~ready
         status = ended(start, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
                        tl.sum(waiting.to(tl.int32), 0) > 0)
-    # 2. the tokens of this channel, in order, into each destination's ring
+    # 2. the tokens of this channel, in order, a tile of TOKENS at a time, into each destination's ring
     per = tl.cdiv(num_tokens, CHANNELS)
     t = (c * per).to(tl.int64)
     end = tl.minimum(num_tokens, (c + 1) * per).to(tl.int64)
     counts = tl.zeros([R_BLOCK], dtype=tl.int64)
     published = tl.zeros([R_BLOCK], dtype=tl.int64)
+    tok = tl.arange(0, TOKENS)
     kc = tl.arange(0, K_BLOCK)
     sc = tl.arange(0, S_BLOCK)
     while (t < end) & (status == 0):
-        goes = tl.load(rows_ptr + t * NUM_RANKS + r, mask=rm, other=-1) >= 0
-        full = goes & (counts - consumed >= ring_rows)
-        if tl.sum(full.to(tl.int32), 0) > 0:  # a credit wait: the rows it waits on must be visible first
+        ts = t + tok
+        valid = ts < end
+        at = tl.load(rows_ptr + ts[:, None] * NUM_RANKS + r[None, :], mask=valid[:, None] & rm[None, :], other=-1)
+        goes = at >= 0  # [TOKENS, R_BLOCK]
+        within = tl.cumsum(goes.to(tl.int64), 0)  # the token's row to d is the tile's within-th to d
+        room = ring_rows - (counts - consumed)
+        short = tl.sum(goes.to(tl.int64), 0) > room
+        if tl.sum(short.to(tl.int32), 0) > 0:  # credits for the whole tile, if the heads have them now
+            _, took = head_state(tl.atomic_add(heads, 0, mask=short, sem="acquire", scope="sys"), seq64)
+            consumed = tl.where(short, tl.maximum(consumed, took), consumed)
+            room = ring_rows - (counts - consumed)
+        # the tile's tokens up to the first whose row finds no slot (a ring smaller than a tile too)
+        over = tl.max((goes & (within > room[None, :])).to(tl.int32), 1) > 0
+        take = tl.min(tl.where(over | ~valid, tok, TOKENS), 0)
+        if take == 0:  # a credit wait for token t: the rows it waits on must be visible first
+            full = (tl.sum(tl.where(tok[:, None] == 0, goes.to(tl.int32), 0), 0) > 0) & (room <= 0)
             due = full & (counts > published)
             publish(tails, seq64, counts, 0, due)
             published = tl.where(due, counts, published)
@@ -134,38 +155,50 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
             while (tl.sum(full.to(tl.int32), 0) > 0) & (status == 0):
                 _, took = head_state(tl.atomic_add(heads, 0, mask=full, sem="acquire", scope="sys"), seq64)
                 consumed = tl.where(full, tl.maximum(consumed, took), consumed)
-                full = goes & (counts - consumed >= ring_rows)
+                full = full & (counts - consumed >= ring_rows)
                 status = ended(start, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r),
                                tl.sum(full.to(tl.int32), 0) > 0)
-        if status == 0:
+        else:
+            inn = tok < take
+            mine = (goes & inn[:, None]).to(tl.int32)
+            slots = (counts[None, :] + within - 1) % ring_rows
             for k in tl.static_range(CHUNKS):
                 cols = k * X_BLOCK + tl.arange(0, X_BLOCK)
                 in_row = cols < x_words
-                row = tl.load(x_ptr + t * x_words + cols, mask=in_row)
+                block = tl.load(x_ptr + ts[:, None] * x_words + cols[None, :], mask=inn[:, None] & in_row[None, :])
                 for d in tl.static_range(NUM_RANKS):
-                    if tl.load(rows_ptr + t * NUM_RANKS + d) >= 0:
-                        slot = tl.sum(tl.where(r == d, counts, 0), 0) % ring_rows
-                        tl.store(space_of(bases_ptr, d) + rings + slot * row_words + cols, row, mask=in_row)
-            ids, ws, ss = meta_parts(topk_ptr, w_ptr, s_ptr, t, num_k, num_scales, s_token_stride, s_col_stride, kc, sc,
-                                     HAS_TOPK, HAS_W, HAS_S)
+                    go = column(mine, r, d) > 0
+                    if tl.sum(go.to(tl.int32), 0) > 0:
+                        slot = column(slots, r, d)
+                        tl.store(space_of(bases_ptr, d) + rings + slot[:, None] * row_words + cols[None, :], block,
+                                 mask=go[:, None] & in_row[None, :])
+            kin = inn[:, None] & (kc[None, :] < num_k)
+            sin = inn[:, None] & (sc[None, :] < num_scales)
+            if HAS_TOPK:
+                ids = tl.load(topk_ptr + ts[:, None] * num_k + kc[None, :], mask=kin).to(tl.int64)
+            if HAS_W:
+                ws = tl.load(w_ptr + ts[:, None] * num_k + kc[None, :], mask=kin).to(tl.float32)
+            if HAS_S:
+                ss = tl.load(s_ptr + ts[:, None] * s_token_stride + sc[None, :].to(tl.int64) * s_col_stride, mask=sin)
             for d in tl.static_range(NUM_RANKS):
-                at = tl.load(rows_ptr + t * NUM_RANKS + d)
-                if at >= 0:
-                    slot = tl.sum(tl.where(r == d, counts, 0), 0) % ring_rows
-                    meta = space_of(bases_ptr, d) + rings + slot * row_words + x_words
+                go = column(mine, r, d) > 0
+                if tl.sum(go.to(tl.int32), 0) > 0:
+                    meta = rings + column(slots, r, d) * row_words + x_words  # [TOKENS] words into d's space
+                    there = space_of(bases_ptr, d)
+                    floats = there.to(tl.pointer_type(tl.float32)) + 2 * meta
                     if HAS_TOPK:
-                        tl.store(meta + kc, ids, mask=kc < num_k)
+                        tl.store(there + meta[:, None] + kc[None, :], ids, mask=go[:, None] & kin)
                     if HAS_W:
-                        tl.store(meta.to(tl.pointer_type(tl.float32)) + 2 * num_k + kc, ws, mask=kc < num_k)
+                        tl.store(floats[:, None] + 2 * num_k + kc[None, :], ws, mask=go[:, None] & kin)
                     if HAS_S:
-                        tl.store(meta.to(tl.pointer_type(tl.float32)) + 3 * num_k + sc, ss, mask=sc < num_scales)
-                    tl.store(meta + meta_words, at - d * max_tokens)  # its ordinal at d
-            counts += goes.to(tl.int64)
-            due = goes & (counts - published >= PUBLISH)
+                        tl.store(floats[:, None] + 3 * num_k + sc[None, :], ss, mask=go[:, None] & sin)
+                    tl.store(there + meta + meta_words, column(at, r, d) - d * max_tokens, mask=go)  # its ordinal
+            counts += tl.sum(mine, 0).to(tl.int64)
+            due = rm & (counts - published >= PUBLISH)
             if tl.sum(due.to(tl.int32), 0) > 0:
                 publish(tails, seq64, counts, 0, due)
                 published = tl.where(due, counts, published)
-            t += 1
+            t += take
     # 3. FIN to every destination, also where this channel sent it nothing
     if status == 0:
         publish(tails, seq64, counts, FIN, rm)
@@ -177,11 +210,9 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                x_words, num_k, num_scales, meta_words, row_words, ring_rows, out_rows, experts_per_rank, timeout_ns,
                NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr,
                CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr,
-               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr):
+               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr, TOKENS: tl.constexpr):
     r = tl.arange(0, R_BLOCK)
     own = space_of(bases_ptr, me)
-    kc = tl.arange(0, K_BLOCK)
-    sc = tl.arange(0, S_BLOCK)
     base = me * experts_per_rank
     consumed = tl.zeros([R_BLOCK], dtype=tl.int64)
     left = (r < NUM_RANKS).to(tl.int32)  # sources whose FIN and rows this channel has not all taken
@@ -204,7 +235,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                     bad = take_rows(own, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, s, c, have, n, bad,
                                     base, x_words, num_k, num_scales, meta_words, row_words, ring_rows, out_rows,
                                     experts_per_rank, NUM_RANKS, CHANNELS, X_BLOCK, CHUNKS, K_BLOCK, S_BLOCK,
-                                    HAS_TOPK, HAS_W, HAS_S, kc, sc)
+                                    HAS_TOPK, HAS_W, HAS_S, TOKENS)
                 have += n
                 finished = ours & (((tail >> 31) & 1) != 0) & (have == count)
                 if (n > 0) | finished:  # credits back to the source (its ring slots are free again)
@@ -228,37 +259,42 @@ def take_rows(own, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, s,
               num_scales, meta_words, row_words, ring_rows, out_rows, experts_per_rank,
               NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
               K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
-              HAS_S: tl.constexpr, kc, sc):
-    # rows [have, have + n) of source s's ring of channel c into the outputs, at the rows of
-    # source s (offsets[s] on, below offsets[s + 1]) given by their ordinals; ring loads bypass L1
-    # (.cg): a slot holds another row on the next lap
+              HAS_S: tl.constexpr, TOKENS: tl.constexpr):
+    # rows [have, have + n) of source s's ring of channel c into the outputs, TOKENS rows a step, at
+    # the rows of source s (offsets[s] on, below offsets[s + 1]) given by their ordinals; ring loads
+    # bypass L1 (.cg): a slot holds another row on the next lap
     ring = own + 2 * NUM_RANKS * CHANNELS * COUNTER + ((s * CHANNELS + c) * ring_rows).to(tl.int64) * row_words
     lo = tl.load(offsets_ptr + s)
     hi = tl.load(offsets_ptr + s + 1, mask=s + 1 < NUM_RANKS, other=out_rows)
-    for i in range(have, have + n):
-        row = ring + (i % ring_rows) * row_words
+    kc = tl.arange(0, K_BLOCK)
+    sc = tl.arange(0, S_BLOCK)
+    for j in range(have, have + n, TOKENS):
+        i = j + tl.arange(0, TOKENS).to(tl.int64)
+        ok = i < have + n
+        row = ring + (i % ring_rows) * row_words  # [TOKENS] pointers
         meta = row + x_words
-        ordinal = tl.load(meta + meta_words, cache_modifier=".cg")
+        ordinal = tl.load(meta + meta_words, mask=ok, other=-1, cache_modifier=".cg")
         o = lo + ordinal
-        if (ordinal >= 0) & (o < hi):
-            for k in tl.static_range(CHUNKS):
-                cols = k * X_BLOCK + tl.arange(0, X_BLOCK)
-                in_row = cols < x_words
-                tl.store(out_x_ptr + o * x_words + cols, tl.load(row + cols, mask=in_row, cache_modifier=".cg"),
-                         mask=in_row)
-            if HAS_TOPK:
-                raw = tl.load(meta + kc, mask=kc < num_k, other=-1, cache_modifier=".cg")
-                local = raw - base
-                here = (raw >= 0) & (local >= 0) & (local < experts_per_rank)
-                tl.store(out_idx_ptr + o * num_k + kc, tl.where(here, local, -1), mask=kc < num_k)
-                if HAS_W:
-                    w = tl.load(meta.to(tl.pointer_type(tl.float32)) + 2 * num_k + kc, mask=kc < num_k, other=0.0,
-                                cache_modifier=".cg")
-                    tl.store(out_w_ptr + o * num_k + kc, tl.where(here, w, 0.0), mask=kc < num_k)
-            if HAS_S:
-                sv = tl.load(meta.to(tl.pointer_type(tl.float32)) + 3 * num_k + sc, mask=sc < num_scales,
-                             cache_modifier=".cg")
-                tl.store(out_s_ptr + o * num_scales + sc, sv, mask=sc < num_scales)
-        else:
-            bad = tl.zeros([], dtype=tl.int64) + ((BAD_ROW << 16) | s)
+        good = ok & (ordinal >= 0) & (o < hi)
+        bad = tl.where(tl.sum((ok & ~good).to(tl.int32), 0) > 0, (BAD_ROW << 16) | s, bad).to(tl.int64)
+        for k in tl.static_range(CHUNKS):
+            cols = k * X_BLOCK + tl.arange(0, X_BLOCK)
+            both = good[:, None] & (cols[None, :] < x_words)
+            tl.store(out_x_ptr + o[:, None] * x_words + cols[None, :],
+                     tl.load(row[:, None] + cols[None, :], mask=both, cache_modifier=".cg"), mask=both)
+        kin = good[:, None] & (kc[None, :] < num_k)
+        if HAS_TOPK:
+            raw = tl.load(meta[:, None] + kc[None, :], mask=kin, other=-1, cache_modifier=".cg")
+            local = raw - base
+            here = (raw >= 0) & (local >= 0) & (local < experts_per_rank)
+            tl.store(out_idx_ptr + o[:, None] * num_k + kc[None, :], tl.where(here, local, -1), mask=kin)
+            if HAS_W:
+                w = tl.load(meta.to(tl.pointer_type(tl.float32))[:, None] + 2 * num_k + kc[None, :], mask=kin,
+                            other=0.0, cache_modifier=".cg")
+                tl.store(out_w_ptr + o[:, None] * num_k + kc[None, :], tl.where(here, w, 0.0), mask=kin)
+        if HAS_S:
+            sin = good[:, None] & (sc[None, :] < num_scales)
+            sv = tl.load(meta.to(tl.pointer_type(tl.float32))[:, None] + 3 * num_k + sc[None, :], mask=sin,
+                         cache_modifier=".cg")
+            tl.store(out_s_ptr + o[:, None] * num_scales + sc[None, :], sv, mask=sin)
     return bad
