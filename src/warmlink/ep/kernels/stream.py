@@ -31,7 +31,8 @@ weights 0 where the id is not local; scales as sent), and gives credits back by 
 ``heads[me][c]`` in the source's memory: ``seq << 32 | taken``, with FIN once the source's FIN
 came and all its rows are taken. It ends when every source is FIN and taken. The order is the
 non-streamed dispatch's exactly: by source rank, then source token (a row's place comes from its
-ordinal, not from when it arrives).
+ordinal, not from when it arrives). At its end receiver program c writes ``taken[s, c]``, the rows it
+took from source s: where the streamed combine (ep.kernels.stream_combine) finds the rows it sends back.
 
 Credits: row i of a call goes to slot ``i % ring_rows`` only once ``i - taken < ring_rows``, with
 ``taken`` from a head the receiver published (a release, after a system fence) after reading rows
@@ -200,6 +201,11 @@ def _no_abort(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)  # never a call's seq
 
 
+@functools.cache
+def _no_taken(device: torch.device, num_ranks: int, channels: int) -> torch.Tensor:
+    return torch.zeros(num_ranks, channels, dtype=torch.int64, device=device)  # written, never read
+
+
 def _pow2(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
@@ -207,7 +213,8 @@ def _pow2(n: int) -> int:
 def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: StreamOutputs, recv_offset: torch.Tensor,
                     bases: torch.Tensor, status: torch.Tensor, *, me: int, seq: int, max_tokens: int,
                     experts_per_rank: int, timeout_s: float, abort: int = 0, role: str = "both",
-                    publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS, kernel=None, num_warps: int = 0) -> None:
+                    publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS, kernel=None, num_warps: int = 0,
+                    taken: torch.Tensor | None = None) -> None:
     """Launch rank ``me``'s streamed dispatch of call ``seq`` (Note [Streamed dispatch]).
 
     Args:
@@ -223,6 +230,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         role: ``"both"``, or ``"send"`` / ``"recv"`` alone (tests: the interpreter runs programs in order).
         publish, batch: rows between a sender's tail stores; rows a receiver takes per visit.
         kernel: a Triton kernel to launch instead (the interpreter's, in tests).
+        taken: ``[R, C]`` int64, contiguous, or None: receiver program c writes ``taken[s, c]``, the rows it
+            took from source s (the streamed combine's input, ep.kernels.stream_combine).
     """
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
@@ -251,6 +260,9 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         raise ConfigError(f"stream_dispatch: out.x {tuple(out.x.shape)}, bases {bases.numel()}, recv_offset "
                           f"{recv_offset.numel()}, status {status.numel()}; "
                           f"expected [N, {x_words}], {r}, {r}, >= {2 * c}")
+    if taken is not None and (taken.shape != (r, c) or taken.dtype != torch.int64 or not taken.is_contiguous()):
+        raise ConfigError(f"stream_dispatch: taken {tuple(taken.shape)} {taken.dtype}; expected [{r}, {c}] int64, "
+                          f"contiguous")
     if rows.is_cuda and 2 * c > _sm_count(rows.device.index):
         raise ConfigError(f"stream_dispatch: {c} channels; 2 programs each must be resident at once, at most "
                           f"{_sm_count(rows.device.index) // 2}")
@@ -265,7 +277,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
             src.scales if src.scales is not None else rows, bases, recv_offset, out.x,
             *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort, me, seq,
             num_tokens, max_tokens, x_words, num_k, num_scales, *s_strides, meta_words(num_k, num_scales),
-            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first)
+            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first,
+            taken if taken is not None else _no_taken(rows.device, r, c))
     launch(kernel or _kernel(), (programs,), args, {
         "NUM_RANKS": r, "CHANNELS": c, "R_BLOCK": max(2, 1 << max(0, r - 1).bit_length()), "X_BLOCK": block,
         "CHUNKS": -(-x_words // block), "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales),
@@ -274,10 +287,16 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
 
 
 def stream_dispatch_torch(me: int, rows_of: list[torch.Tensor], sources_of: list[Sources], max_tokens: int,
-                          experts_per_rank: int) -> StreamOutputs:
+                          experts_per_rank: int, taken: torch.Tensor | None = None) -> StreamOutputs:
     """Rank ``me``'s outputs of a streamed dispatch, from every rank's ``plan`` rows and sources: the
     kernel's reference. Row ``recv_offset[s] + rows_of[s][t, me] - me * max_tokens`` is source s's
-    token t: by source, then source token, as the non-streamed dispatch."""
+    token t: by source, then source token, as the non-streamed dispatch. ``taken`` (``[R, C]``), when
+    given, gets the kernel's: the rows source s sends ``me`` on channel c (tokens ``[c * ceil(T/C), ...)``)."""
+    if taken is not None:
+        for s, rows in enumerate(rows_of):
+            per = -(-rows.shape[0] // taken.shape[1])
+            goes = (rows[:, me] >= 0).to(torch.int64)
+            taken[s] = torch.stack([goes[c * per:(c + 1) * per].sum() for c in range(taken.shape[1])])
     counts = [int((rows[:, me] >= 0).sum()) for rows in rows_of]
     offsets, total = recv_offsets(counts)
     out = outputs(total, sources_of[0])

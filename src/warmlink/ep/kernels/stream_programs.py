@@ -28,7 +28,7 @@ ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's thre
 def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr,
                            out_w_ptr, out_s_ptr, status_ptr, abort_ptr, me, seq, num_tokens, max_tokens, x_words, num_k,
                            num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, out_rows,
-                           experts_per_rank, timeout_ns, first_program,
+                           experts_per_rank, timeout_ns, first_program, taken_ptr,
                            NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr,
                            X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                            HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr,
@@ -46,7 +46,7 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
         status = recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, abort_ptr,
                             p - CHANNELS, me, seq64, x_words, num_k, num_scales, meta_words, row_words, ring_rows,
                             out_rows, experts_per_rank, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, X_BLOCK, CHUNKS,
-                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH)
+                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH, taken_ptr)
     tl.store(status_ptr + p, (seq64 << 32) | status)
 
 
@@ -177,7 +177,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                x_words, num_k, num_scales, meta_words, row_words, ring_rows, out_rows, experts_per_rank, timeout_ns,
                NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr,
                CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr,
-               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr):
+               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr, taken_ptr):
     r = tl.arange(0, R_BLOCK)
     own = space_of(bases_ptr, me)
     kc = tl.arange(0, K_BLOCK)
@@ -220,6 +220,9 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
             silent = first((left > 0) & (heard == 0), r)
             status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS,
                            tl.where(silent < _BIG, silent, first(left > 0, r)), moved == 0)
+    # the rows this channel took from each source: where the streamed combine (ep.kernels.stream_combine)
+    # finds the rows it sends each source back on this channel
+    tl.store(taken_ptr + r * CHANNELS + c, consumed, mask=r < NUM_RANKS)
     return tl.where(status != 0, status, bad)
 
 
