@@ -60,6 +60,13 @@ def same_bits(got: torch.Tensor | None, want: torch.Tensor | None) -> bool:
     return got.shape == want.shape and torch.equal(got, want)
 
 
+def expert_output(words: torch.Tensor, hidden: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s expert output for the BF16 rows it received (``[N, W]`` int64 words): the rows
+    times 2, -0.5, 1 or 4 by rank, exact in BF16, so that the device's and the CPU's agree and the
+    sums tell the ranks apart."""
+    return words.view(torch.bfloat16).view(words.shape[0], hidden) * (2.0, -0.5, 1.0, 4.0)[rank % 4]
+
+
 @contextlib.contextmanager
 def mapped_spaces(rank: int, num_ranks: int, store, nbytes: int, device: int, timeout_s: float):
     """This rank's zeroed stream space and every peer's, mapped here: yields ``[R]`` int64 byte
@@ -140,4 +147,71 @@ def stream_calls(rank: int, num_ranks: int, store, case: dict) -> dict:
             same = {name: same_bits(got, exp) for name, got, exp in zip(out._fields, out, want)}
             results.append({"same": same, "failures": [f._asdict() for f in failures(status, seq, space.channels)],
                             "seconds": elapsed, "rows": total})
+    return results
+
+
+def _twin_side(rank: int, num_ranks: int, call: dict, channels: int):
+    """What the combine's twin needs from every rank d, from the call's seed: ``(plan rows, ys, taken,
+    offsets, weights or None)``, ys the expert outputs (``expert_output``) of d's dispatch rows."""
+    rows_of, sources_of, _ = group_inputs(call, num_ranks)
+    max_tokens, epr = call.get("max_tokens", max(call["tokens"]) or 1), call["experts"] // num_ranks
+    ys, taken_of, offsets_of, ws = [], [], [], []
+    for d in range(num_ranks):
+        taken = torch.zeros(num_ranks, channels, dtype=torch.int64)
+        got = stream_dispatch_torch(d, rows_of, sources_of, max_tokens, epr, taken=taken)
+        ys.append(expert_output(got.x, call["hidden"], d))
+        taken_of.append(taken)
+        offsets_of.append(recv_offsets([int((r[:, d] >= 0).sum()) for r in rows_of])[0])
+        ws.append(got.weights)
+    return rows_of, sources_of, ys, taken_of, offsets_of, ws if call.get("weights", True) else None
+
+
+def stream_round_trips(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Per call of ``case["calls"]``, a streamed dispatch (seq 2i + 1) then a streamed combine (2i + 2)
+    of ``expert_output`` of the rows received, through one space. Returns, per call, whether the
+    dispatch's outputs and ``taken`` and the combine's sums equal the twins' bit for bit, the failures
+    of both launches and the seconds each took."""
+    from warmlink.ep.kernels.stream_combine import stream_combine, stream_combine_torch
+
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    dev = torch.device("cuda", device)
+    space = StreamSpace(num_ranks, case["channels"], case["ring_rows"], case["row_words"])
+    results = []
+    with mapped_spaces(rank, num_ranks, store, space.nbytes, device, case.get("store_timeout_s", 120.0)) as bases:
+        for i, call in enumerate(case["calls"]):
+            seq, timeout_s = 2 * i + 1, call.get("timeout_s", case["timeout_s"])
+            rows_of, sources_of, ys, taken_of, offsets_of, ws = _twin_side(rank, num_ranks, call, space.channels)
+            max_tokens = call.get("max_tokens", max(call["tokens"]) or 1)
+            mine = sources_of[rank]
+            src = Sources(*(t.to(dev) if t is not None else None for t in (mine.x, mine.topk, mine.weights)))
+            offsets, total = recv_offsets([int((r[:, rank] >= 0).sum()) for r in rows_of], dev)
+            out = outputs(total, src)
+            taken = torch.full((num_ranks, space.channels), -7, dtype=torch.int64, device=dev)
+            status = torch.zeros(2 * space.channels, dtype=torch.int64, device=dev)
+            rows = rows_of[rank].to(dev)
+            barrier(store, f"stream/launch/{seq}", rank, num_ranks, 120.0)
+            start = time.monotonic()
+            stream_dispatch(space, rows, src, out, offsets, bases, status, me=rank, seq=seq, max_tokens=max_tokens,
+                            experts_per_rank=call["experts"] // num_ranks, timeout_s=timeout_s, taken=taken)
+            torch.cuda.synchronize(device)
+            dispatch_s = time.monotonic() - start
+            fails = [f._asdict() for f in failures(status, seq, space.channels)]
+            y = expert_output(out.x, call["hidden"], rank)
+            w = out.weights if ws is not None else None
+            summed = torch.full((rows.shape[0], call["hidden"]), 7.0, dtype=torch.bfloat16, device=dev)
+            summed_w = torch.full((rows.shape[0], call["topk"]), 7.0, device=dev) if w is not None else None
+            status = torch.zeros(2 * space.channels, dtype=torch.int64, device=dev)
+            start = time.monotonic()
+            stream_combine(space, rows, y, summed, taken, offsets, bases, status, me=rank, seq=seq + 1,
+                           timeout_s=timeout_s, weights=w, out_weights=summed_w)
+            torch.cuda.synchronize(device)
+            combine_s = time.monotonic() - start
+            fails += [f._asdict() for f in failures(status, seq + 1, space.channels)]
+            want, want_w = stream_combine_torch(rank, rows_of[rank], ys, taken_of, offsets_of, ws)
+            same = {"dispatch x (as the expert output)": same_bits(y, ys[rank]),
+                    "taken": same_bits(taken, taken_of[rank]),
+                    "combine": same_bits(summed, want), "combine weights": same_bits(summed_w, want_w)}
+            results.append({"same": same, "failures": fails, "dispatch_s": dispatch_s, "combine_s": combine_s,
+                            "rows": total, "tokens": rows.shape[0]})
     return results

@@ -82,7 +82,29 @@ def test_stream_dispatch_refuses_what_the_kernel_cannot_take():
             call(**kw)
 
 
-_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.float32: "*fp32"}
+_TYPES = {torch.int64: "*i64", torch.int32: "*i32", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+
+
+def sm90_ptx(jit, args: tuple, constexprs: dict, unspecialized: tuple) -> str:
+    """The PTX of ``jit`` compiled for Hopper with a launch's arguments, typed as Triton types them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(constexprs)
+    warps = constexprs.pop("num_warps", 0)  # a launch option, not an argument
+    sig, consts = {}, dict(constexprs)
+    for name, value in zip(jit.arg_names, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            sig[name] = _TYPES[value.dtype]
+        elif value == 1 and name not in unspecialized:  # Triton's constant 1
+            sig[name], consts[name] = "constexpr", value
+        else:
+            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps} if warps else {})
+    return compiled.asm["ptx"]
 
 
 class _Recorder:
@@ -102,9 +124,6 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_dispatch_passes(
     triton = pytest.importorskip("triton")
     if triton.knobs.runtime.interpret:
         pytest.skip("compiles for a GPU: run without TRITON_INTERPRET")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from warmlink.ep.kernels import stream_programs
 
     num_ranks, channels, tokens, k = 2, 8, 64, 8
@@ -119,18 +138,6 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_dispatch_passes(
                     timeout_s=10.0, kernel=rec)
     ((grid, args, constexprs),) = rec.calls
     assert grid == (2 * channels,)
-    warps = constexprs.pop("num_warps")  # a launch option
-    jit = stream_programs.stream_dispatch_kernel
-    sig, consts = {}, dict(constexprs)
-    for name, value in zip(jit.arg_names, args, strict=False):
-        if isinstance(value, torch.Tensor):
-            sig[name] = _TYPES[value.dtype]
-        elif value == 1 and name not in ("seq", "num_tokens", "out_rows", "first_program"):  # Triton's constant 1
-            sig[name], consts[name] = "constexpr", value
-        else:
-            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-    sig.update(dict.fromkeys(constexprs, "constexpr"))
-    compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
-    ptx = compiled.asm["ptx"]
+    ptx = sm90_ptx(stream_programs.stream_dispatch_kernel, args, constexprs,
+                   ("seq", "num_tokens", "out_rows", "first_program"))
     assert "fence.acq_rel.sys" in ptx and "release.exch" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx

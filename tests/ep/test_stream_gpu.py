@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
-from tests.ep._stream_workers import stream_calls
+from tests.ep._stream_workers import stream_calls, stream_round_trips
 from warmlink.ep.kernels.stream import row_words
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,3 +67,19 @@ def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout
     assert waits == [("recv", c, 2, "rows", 1, False) for c in range(channels)] + \
         [("send", c, 2, "credit", 1, False) for c in range(channels)], waits
     assert alone["seconds"] < 2 * timeout_s + 5, alone["seconds"]
+
+
+def test_gpu_dispatch_then_combine_twice_through_one_space_equal_the_twins():
+    """Dispatch (seq 1), combine (2) of the rows received times 2 or -0.5 by rank, dispatch (3),
+    combine (4), through one space of 8-row rings: 4096 x 7168 BF16 top-8 of 256 with weights, then
+    uneven batches without weights. Each rank's dispatch outputs, ``taken`` and combined sums
+    (float32 in rank order, rounded to BF16) equal the torch twins' bit for bit; every program finished."""
+    calls = [dict(_DEEPSEEK, seed=6),
+             dict(_DEEPSEEK, seed=7, tokens=[4096, 1000], max_tokens=4096, weights=False)]
+    case = dict(_SPACE, calls=calls, timeout_s=60.0)  # a first launch compiles while its peer may already wait
+    results = run_ranks(stream_round_trips, 2, case=case, timeout_s=600)
+    for rank, per_call in enumerate(results):
+        for i, got in enumerate(per_call):
+            assert not got["failures"], (rank, i, got["failures"])
+            assert all(got["same"].values()), (rank, i, got["same"])
+            assert got["rows"] > 0 and got["tokens"] > 0, (rank, i)

@@ -38,7 +38,8 @@ the id is not local; scales as sent), and gives credits back with one store a vi
 ``heads[me][c]`` in the source's memory: ``seq << 32 | taken``, with FIN once the source's FIN
 came and all its rows are taken. It ends when every source is FIN and taken. The order is the
 non-streamed dispatch's exactly: by source rank, then source token (a row's place comes from its
-ordinal, not from when it arrives).
+ordinal, not from when it arrives). At its end receiver program c writes ``taken[s, c]``, the rows it
+took from source s: where the streamed combine (ep.kernels.stream_combine) finds the rows it sends back.
 
 Why tiles: the first version moved one row per step (scalar branches per destination, one row
 copy per receiver step) and each program was bound by the latency of a step, not by bandwidth:
@@ -209,16 +210,21 @@ def _kernel():
 
 
 @functools.cache
-def _sm_count(device: int) -> int:
+def sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
-def _no_abort(device: torch.device) -> torch.Tensor:
+def no_abort(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int64, device=device)  # never a call's seq
 
 
-def _pow2(n: int) -> int:
+@functools.cache
+def _no_taken(device: torch.device, num_ranks: int, channels: int) -> torch.Tensor:
+    return torch.zeros(num_ranks, channels, dtype=torch.int64, device=device)  # written, never read
+
+
+def pow2(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
@@ -226,7 +232,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
                     bases: torch.Tensor, status: torch.Tensor, *, me: int, seq: int, max_tokens: int,
                     experts_per_rank: int, timeout_s: float, abort: int = 0, role: str = "both",
                     publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS, tokens: int = TILE_TOKENS,
-                    x_block: int = X_BLOCK_WORDS, kernel=None, num_warps: int = NUM_WARPS) -> None:
+                    x_block: int = X_BLOCK_WORDS, kernel=None, num_warps: int = NUM_WARPS,
+                    taken: torch.Tensor | None = None) -> None:
     """Launch rank ``me``'s streamed dispatch of call ``seq`` (Note [Streamed dispatch]).
 
     Args:
@@ -244,6 +251,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         publish, batch: rows between a sender's tail stores; rows a receiver takes per visit.
         tokens, x_block: the step's tile, ``[tokens, x_block]`` int64 words (powers of 2).
         kernel: a Triton kernel to launch instead (the interpreter's, in tests). num_warps: 0, Triton's.
+        taken: ``[R, C]`` int64, contiguous, or None: receiver program c writes ``taken[s, c]``, the rows it
+            took from source s (the streamed combine's input, ep.kernels.stream_combine).
     """
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
@@ -277,33 +286,43 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         raise ConfigError(f"stream_dispatch: out.x {tuple(out.x.shape)}, bases {bases.numel()}, recv_offset "
                           f"{recv_offset.numel()}, status {status.numel()}; "
                           f"expected [N, {x_words}], {r}, {r}, >= {2 * c}")
-    if rows.is_cuda and 2 * c > _sm_count(rows.device.index):
+    if taken is not None and (taken.shape != (r, c) or taken.dtype != torch.int64 or not taken.is_contiguous()):
+        raise ConfigError(f"stream_dispatch: taken {tuple(taken.shape)} {taken.dtype}; expected [{r}, {c}] int64, "
+                          f"contiguous")
+    if rows.is_cuda and 2 * c > sm_count(rows.device.index):
         raise ConfigError(f"stream_dispatch: {c} channels; 2 programs each must be resident at once, at most "
-                          f"{_sm_count(rows.device.index) // 2}")
+                          f"{sm_count(rows.device.index) // 2}")
     if kernel is None and not rows.is_cuda:
         raise ConfigError("stream_dispatch: CPU tensors and no kernel; the streamed dispatch runs on CUDA")
     x, topk, w = (t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights))
     s_strides = tuple(src.scales.stride()) if src.scales is not None else (0, 0)
     first, programs = {"both": (0, 2 * c), "send": (0, c), "recv": (c, c)}[role]
-    abort = abort or _no_abort(rows.device).data_ptr()
-    block = min(x_block, _pow2(x_words))
+    abort = abort or no_abort(rows.device).data_ptr()
+    block = min(x_block, pow2(x_words))
     args = (rows.contiguous(), x, topk if topk is not None else rows, w if w is not None else rows,
             src.scales if src.scales is not None else rows, bases, recv_offset, out.x,
             *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort, me, seq,
             num_tokens, max_tokens, x_words, num_k, num_scales, *s_strides, meta_words(num_k, num_scales),
-            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first)
+            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first,
+            taken if taken is not None else _no_taken(rows.device, r, c))
     launch(kernel or _kernel(), (programs,), args, {
         "NUM_RANKS": r, "CHANNELS": c, "R_BLOCK": max(2, 1 << max(0, r - 1).bit_length()), "X_BLOCK": block,
-        "CHUNKS": -(-x_words // block), "K_BLOCK": _pow2(num_k), "S_BLOCK": _pow2(num_scales),
+        "CHUNKS": -(-x_words // block), "K_BLOCK": pow2(num_k), "S_BLOCK": pow2(num_scales),
         "HAS_TOPK": topk is not None, "HAS_W": w is not None, "HAS_S": src.scales is not None,
         "PUBLISH": publish, "BATCH": batch, "TOKENS": tokens}, num_warps=num_warps)
 
 
 def stream_dispatch_torch(me: int, rows_of: list[torch.Tensor], sources_of: list[Sources], max_tokens: int,
-                          experts_per_rank: int) -> StreamOutputs:
+                          experts_per_rank: int, taken: torch.Tensor | None = None) -> StreamOutputs:
     """Rank ``me``'s outputs of a streamed dispatch, from every rank's ``plan`` rows and sources: the
     kernel's reference. Row ``recv_offset[s] + rows_of[s][t, me] - me * max_tokens`` is source s's
-    token t: by source, then source token, as the non-streamed dispatch."""
+    token t: by source, then source token, as the non-streamed dispatch. ``taken`` (``[R, C]``), when
+    given, gets the kernel's: the rows source s sends ``me`` on channel c (tokens ``[c * ceil(T/C), ...)``)."""
+    if taken is not None:
+        for s, rows in enumerate(rows_of):
+            per = -(-rows.shape[0] // taken.shape[1])
+            goes = (rows[:, me] >= 0).to(torch.int64)
+            taken[s] = torch.stack([goes[c * per:(c + 1) * per].sum() for c in range(taken.shape[1])])
     counts = [int((rows[:, me] >= 0).sum()) for rows in rows_of]
     offsets, total = recv_offsets(counts)
     out = outputs(total, sources_of[0])

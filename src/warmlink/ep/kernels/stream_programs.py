@@ -28,7 +28,7 @@ ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's thre
 def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr,
                            out_w_ptr, out_s_ptr, status_ptr, abort_ptr, me, seq, num_tokens, max_tokens, x_words, num_k,
                            num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, out_rows,
-                           experts_per_rank, timeout_ns, first_program,
+                           experts_per_rank, timeout_ns, first_program, taken_ptr,
                            NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr,
                            X_BLOCK: tl.constexpr, CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr,
                            HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr,
@@ -46,7 +46,7 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
         status = recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, abort_ptr,
                             p - CHANNELS, me, seq64, x_words, num_k, num_scales, meta_words, row_words, ring_rows,
                             out_rows, experts_per_rank, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, X_BLOCK, CHUNKS,
-                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH, TOKENS)
+                            K_BLOCK, S_BLOCK, HAS_TOPK, HAS_W, HAS_S, BATCH, TOKENS, taken_ptr)
     tl.store(status_ptr + p, (seq64 << 32) | status)
 
 
@@ -101,6 +101,23 @@ def column(m, r, d):
 
 
 @triton.jit
+def previous_taken(heads, rm, r, seq64, timeout_ns, abort_ptr, R_BLOCK: tl.constexpr):
+    # a sender's first wait, the dispatch's and the combine's: every peer's head of this channel says
+    # it took the previous call's rows (``head_state``); ``(credits of this call, status)``
+    status = tl.zeros([], dtype=tl.int64)
+    consumed = tl.zeros([R_BLOCK], dtype=tl.int64)
+    waiting = rm
+    start = device_clock_ns()
+    while (tl.sum(waiting.to(tl.int32), 0) > 0) & (status == 0):
+        ready, took = head_state(tl.atomic_add(heads, 0, mask=waiting, sem="acquire", scope="sys"), seq64)
+        consumed = tl.where(waiting, took, consumed)
+        waiting = waiting & ~ready
+        status = ended(start, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
+                       tl.sum(waiting.to(tl.int32), 0) > 0)
+    return consumed, status
+
+
+@triton.jit
 def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c, me, seq64, num_tokens, max_tokens,
                x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, timeout_ns,
                NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr,
@@ -111,17 +128,8 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
     heads = space_of(bases_ptr, me) + NUM_RANKS * CHANNELS * COUNTER + (r * CHANNELS + c) * COUNTER
     tails = tl.load(bases_ptr + r, mask=rm, other=0).to(tl.pointer_type(tl.int64)) + (me * CHANNELS + c) * COUNTER
     rings = 2 * NUM_RANKS * CHANNELS * COUNTER + ((me * CHANNELS + c) * ring_rows).to(tl.int64) * row_words
-    status = tl.zeros([], dtype=tl.int64)
     # 1. every destination took the previous call's rows of this channel: its ring and tail are free
-    consumed = tl.zeros([R_BLOCK], dtype=tl.int64)
-    waiting = rm
-    start = device_clock_ns()
-    while (tl.sum(waiting.to(tl.int32), 0) > 0) & (status == 0):
-        ready, took = head_state(tl.atomic_add(heads, 0, mask=waiting, sem="acquire", scope="sys"), seq64)
-        consumed = tl.where(waiting, took, consumed)
-        waiting = waiting & ~ready
-        status = ended(start, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
-                       tl.sum(waiting.to(tl.int32), 0) > 0)
+    consumed, status = previous_taken(heads, rm, r, seq64, timeout_ns, abort_ptr, R_BLOCK)
     # 2. the tokens of this channel, in order, a tile of TOKENS at a time, into each destination's ring
     per = tl.cdiv(num_tokens, CHANNELS)
     t = (c * per).to(tl.int64)
@@ -210,7 +218,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                x_words, num_k, num_scales, meta_words, row_words, ring_rows, out_rows, experts_per_rank, timeout_ns,
                NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr,
                CHUNKS: tl.constexpr, K_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, HAS_TOPK: tl.constexpr,
-               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr, TOKENS: tl.constexpr):
+               HAS_W: tl.constexpr, HAS_S: tl.constexpr, BATCH: tl.constexpr, TOKENS: tl.constexpr, taken_ptr):
     r = tl.arange(0, R_BLOCK)
     own = space_of(bases_ptr, me)
     base = me * experts_per_rank
@@ -251,6 +259,9 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
             silent = first((left > 0) & (heard == 0), r)
             status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS,
                            tl.where(silent < _BIG, silent, first(left > 0, r)), moved == 0)
+    # the rows this channel took from each source: where the streamed combine (ep.kernels.stream_combine)
+    # finds the rows it sends each source back on this channel
+    tl.store(taken_ptr + r * CHANNELS + c, consumed, mask=r < NUM_RANKS)
     return tl.where(status != 0, status, bad)
 
 
