@@ -3,7 +3,8 @@
 ``layout`` (DeepEP's ``get_dispatch_layout``), ``steps`` (plan, gather, unpack, exchange, push:
 what a dispatch launches), ``programs`` (the Triton source), ``reduce`` (the combine's sums),
 ``call_block`` (what graph-replayed launches read per call), ``launch`` (launching them
-cheaply), and ``stream`` / ``stream_programs`` (a dispatch streamed through fixed rings with
-device-checked credits; not used by ep.Buffer yet). Nothing here knows of rounds, peers or
+cheaply), ``sum_programs`` (the combine sum's Triton source), and ``stream`` /
+``stream_programs`` with ``stream_combine`` / ``stream_combine_programs`` (a dispatch and its
+combine streamed through fixed rings with device-checked credits; not used by ep.Buffer yet). Nothing here knows of rounds, peers or
 mailboxes: callers pass addresses and counts.
 """
