@@ -150,14 +150,14 @@ def _copies(me: int, rows: torch.Tensor, d: int, taken: torch.Tensor, offset: in
     kernel finds it: channel c's copies are rows ``offset + P[c]`` on, in token order."""
     num_tokens, channels = rows.shape[0], taken.shape[1]
     per = -(-num_tokens // channels)
-    at = torch.full((num_tokens,), -1, dtype=torch.int64)
+    at = torch.full((num_tokens,), -1, dtype=torch.int64, device="cpu")
     start = offset
     for c in range(channels):
         tokens = torch.nonzero(rows[c * per:(c + 1) * per, d] >= 0).view(-1) + c * per
         if tokens.numel() != int(taken[me, c]):
             raise ValueError(f"stream_combine_torch: rank {d} took {int(taken[me, c])} rows of rank {me} on channel "
                              f"{c}; its tokens send {tokens.numel()}")
-        at[tokens] = start + torch.arange(tokens.numel())
+        at[tokens] = start + torch.arange(tokens.numel(), device="cpu")
         start += tokens.numel()
     return at
 
@@ -169,8 +169,9 @@ def stream_combine_torch(me: int, rows: torch.Tensor, xs: list[torch.Tensor], ta
     reference. Float32 sums in rank order, cast to x's dtype: those of ep.kernels.reduce."""
     rows = rows.cpu()
     num_tokens = rows.shape[0]
-    acc = torch.zeros(num_tokens, xs[0].shape[1], dtype=torch.float32)
-    wsum = torch.zeros(num_tokens, weights_of[0].shape[1], dtype=torch.float32) if weights_of is not None else None
+    acc = torch.zeros(num_tokens, xs[0].shape[1], dtype=torch.float32, device="cpu")
+    wsum = None if weights_of is None else torch.zeros(num_tokens, weights_of[0].shape[1], dtype=torch.float32,
+                                                       device="cpu")
     for d in range(len(xs)):  # rank order: deterministic
         at = _copies(me, rows, d, taken_of[d].cpu(), int(offsets_of[d][me]))
         here = (at >= 0).unsqueeze(1)
