@@ -115,11 +115,11 @@ def ep_copy_streams() -> str:
 def ep_send() -> str:
     """``WARMLINK_EP_SEND``, the default of ``ep.Buffer(send=...)`` on cuda_ipc: how a dispatch
     without a receive hook moves its rows: ``"sm"`` (default: kernels trade the counts and store
-    the rows into the peers, ep.paths.sm_pushes Note [SM sends]) or ``"copy"`` (the host meets the peers,
-    then the copy engines push)."""
+    the rows into the peers, ep.paths.sm_pushes Note [SM sends]), ``"copy"`` (the host meets the peers,
+    then the copy engines push) or ``"stream"`` (the rows stream through a fixed space, ep.paths.streamed)."""
     value = _raw("WARMLINK_EP_SEND") or "sm"
-    if value not in ("sm", "copy"):
-        raise ConfigError(f"WARMLINK_EP_SEND={value!r} is unknown; expected 'sm' or 'copy'")
+    if value not in ("sm", "copy", "stream"):
+        raise ConfigError(f"WARMLINK_EP_SEND={value!r} is unknown; expected 'sm', 'copy' or 'stream'")
     return value
 
 

@@ -109,7 +109,8 @@ def test_bench_ep_shuffle_times_the_dispatch_rows_in_the_seeds_order_on_every_ra
                  "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     plain = ["dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
-             "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy"]
+             "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy",
+             "dispatch_bf16_stream", "dispatch_fp8_stream", "dispatch_cached_stream"]
     expected = list(plain)
     random.Random(3).shuffle(expected)
     assert expected != plain

@@ -194,7 +194,8 @@ def test_main(case: dict, num_sms: int, local_rank: int, num_ranks: int, rank: i
 def intranode_rank(rank: int, num_ranks: int, store, case: dict) -> int:
     """One rank of the test (``_group.run_ranks``; the store it passes is not used: the Buffer
     makes its own from the group). ``case``: num_tokens, hidden, num_topk, num_experts, dist_port,
-    cuda, and num_nvl_bytes (None: the largest hint of DeepEP's recommended configs)."""
+    cuda, num_nvl_bytes (None: the largest hint of DeepEP's recommended configs), and report_send
+    (return ``(checks passed, the inner Buffer's send)``)."""
     try:
         with gloo_group(rank, num_ranks, case["dist_port"]) as group:
             torch.set_default_dtype(torch.bfloat16)  # as DeepEP's init_dist, after the group
@@ -208,9 +209,10 @@ def intranode_rank(rank: int, num_ranks: int, store, case: dict) -> int:
                                     explicitly_destroy=True, allow_mnnvl=False)
             torch.manual_seed(rank)
             passed = test_main(case, 24, rank, num_ranks, rank, buffer, group)
+            send = buffer.warmlink_buffer.send  # how the Buffer within the budget moves its rows
             buffer.destroy()
             dist.barrier()
-            return passed
+            return (passed, send) if case.get("report_send") else passed
     finally:
         torch.set_default_device(None)
         torch.set_default_dtype(torch.float32)

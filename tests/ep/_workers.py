@@ -75,7 +75,8 @@ def _buffer(rank, num_ranks, store, case):
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"]) or 1),
                   hidden=case["hidden"], num_topk=case["topk"], device=device, backend=case.get("backend", "shm"),
                   timeout_s=case.get("timeout_s", 30.0), combine_parts=case.get("combine_parts"),
-                  send=case.get("send"), copy_streams=case.get("copy_streams"))
+                  send=case.get("send"), copy_streams=case.get("copy_streams"),
+                  stream_channels=case.get("stream_channels"), ring_rows=case.get("ring_rows"))
 
 
 def dispatch_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]:

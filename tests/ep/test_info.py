@@ -23,7 +23,7 @@ def good(kind: str = "cuda_ipc") -> dict:
         "schema_version": 1, "kind": "ep_rank",
         "peer": {"schema_version": 1, "kind": "peer_info", "role": "ep", "rank": 1, "world_size": 2, "generation": 3,
                  "host": "h", "pid": 10, "start_time": 5, "device": 1 if kind == "cuda_ipc" else -1, "backend": kind},
-        "config": {"num_ranks": 2, "max_tokens": 64, "hidden": 128, "num_topk": 2},
+        "config": {"num_ranks": 2, "max_tokens": 64, "hidden": 128, "num_topk": 2, "stream_channels": 0, "ring_rows": 0},
         "data": data, "mailbox": {"kind": "shm", "name": "wl-1-ab-1", "offset": 0, "nbytes": 4096},
     }
 
@@ -37,6 +37,8 @@ def test_valid_payloads_round_trip(kind):
 @pytest.mark.parametrize("mutate, field", [
     (lambda p: p["config"].update(hidden=0), "config.hidden"),
     (lambda p: p["config"].update(num_ranks=3), "num_ranks"),
+    (lambda p: p["config"].update(ring_rows=-1), "config.ring_rows"),
+    (lambda p: p["config"].update(stream_channels=1 << 11), "config.stream_channels"),
     (lambda p: p.update(events={"dispatch": [HANDLE] * 4}), "keys"),  # the handles of earlier versions
     (lambda p: p.pop("mailbox"), "keys"),
     (lambda p: p["mailbox"].update(kind="cuda_ipc"), "mailbox"),
@@ -99,6 +101,8 @@ def test_config_mismatch_names_the_field():
     theirs = dict(mine, num_topk=4)
     with pytest.raises(ConfigError, match="num_topk"):
         check_config(mine, theirs, "ep/1")
+    with pytest.raises(ConfigError, match="stream_channels=20, this rank stream_channels=0"):
+        check_config(mine, dict(mine, stream_channels=20, ring_rows=128), "ep/1")
 
 
 @pytest.mark.parametrize("variable,read,default,other", [

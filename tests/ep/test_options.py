@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from warmlink.ep.api.options import Options, resolve_options
+from warmlink.ep.api.options import RING_ROWS, SENDS, STREAM_CHANNELS, Options, resolve_options, resolve_stream
 from warmlink.ep.paths.senders import PATHS, CopyEnginePath, HostPath, SmPath
+from warmlink.ep.paths.streamed import StreamPath
 from warmlink.errors import ConfigError
 
 EP_VARIABLES = ("WARMLINK_EP_SEND", "WARMLINK_EP_GRAPH", "WARMLINK_EP_COPY_STREAMS")
@@ -49,8 +50,8 @@ def test_shm_reads_none_of_the_cuda_variables(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"send": "dma"}, r"send='dma' is unknown; expected one of \['sm', 'copy', 'host'\]"),
-    ({"send": "host"}, r"send='host' does not fit backend='cuda_ipc'; expected one of \['sm', 'copy'\]"),
+    ({"send": "dma"}, r"send='dma' is unknown; expected one of \['sm', 'copy', 'host', 'stream'\]"),
+    ({"send": "host"}, r"send='host' does not fit backend='cuda_ipc'; expected one of \['sm', 'copy', 'stream'\]"),
     ({"graphs": 1}, r"graphs=1; expected True, False or None"),
     ({"graphs": "yes"}, r"graphs='yes'; expected True, False or None"),
     ({"copy_streams": "two"}, r"copy_streams='two' is unknown; expected one of \['one', 'per-peer'\]"),
@@ -63,7 +64,7 @@ def test_a_bad_value_names_the_argument_and_the_choices(kwargs, match):
         resolve_options(4, "cuda_ipc", **kwargs)
 
 
-@pytest.mark.parametrize("send", ["sm", "copy"])
+@pytest.mark.parametrize("send", ["sm", "copy", "stream"])
 def test_a_cuda_sender_on_shm_is_refused(send):
     with pytest.raises(ConfigError, match=rf"send='{send}' does not fit backend='shm'; expected one of \['host'\]"):
         resolve_options(2, "shm", send=send)
@@ -71,10 +72,22 @@ def test_a_cuda_sender_on_shm_is_refused(send):
 
 def test_every_choice_has_its_path():
     assert PATHS == {"sm": SmPath, "copy": CopyEnginePath, "host": HostPath}
+    assert set(SENDS) == {*PATHS, StreamPath.name}  # the streamed path has a protocol of its own
     assert {name: cls.name for name, cls in PATHS.items()} == {name: name for name in PATHS}
     assert SmPath.by_sm(None, hook=False)
     assert not SmPath.by_sm(None, hook=True)  # a call with a hook goes through the copy engines
     assert not CopyEnginePath.by_sm(None, hook=False) and not HostPath.by_sm(None, hook=False)
+
+
+def test_a_streamed_buffer_sizes_its_space_from_its_two_arguments_or_their_defaults():
+    assert resolve_stream("sm", None, None) == (0, 0)
+    assert resolve_stream("stream", None, None) == (STREAM_CHANNELS, RING_ROWS)
+    assert resolve_stream("stream", 4, 8) == (4, 8)
+    with pytest.raises(ConfigError, match=r"stream_channels=4, ring_rows=None with send='sm'; they size"):
+        resolve_stream("sm", 4, None)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match=rf"ring_rows={bad!r}; expected an int >= 1"):
+            resolve_stream("stream", 4, bad)
 
 
 def test_a_buffer_refuses_a_bad_choice_before_it_leases_anything():

@@ -279,8 +279,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     # combine's sum after the last byte or in parts (combine_parts; ep.kernels.reduce, Note [Pipelined combine])
     copy_engines = make_buffer(send="copy") if cuda else buf
     eager = make_buffer(graphs=False) if cuda else buf
+    streamed = make_buffer(send="stream") if cuda else buf  # the fixed streamed space (ep.paths.streamed)
     in_parts = {n: buf if n == buf.combine_parts else make_buffer(combine_parts=n) for n in (1, 2, 4)}
-    variants = {id(b): b for b in (copy_engines, eager, *in_parts.values()) if b is not buf}.values()
+    variants = {id(b): b for b in (copy_engines, eager, streamed, *in_parts.values()) if b is not buf}.values()
 
     def dispatch_on(b, xx):
         return b.dispatch(xx, **kwargs)
@@ -291,6 +292,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
             buf.dispatch(x, **kwargs)
         checks["dispatch_x_graph"] = bool(torch.equal(buf.dispatch(x, **kwargs)[0], ref.recv_x))
         checks["dispatch_x_eager"] = bool(torch.equal(dispatch_on(eager, x)[0], ref.recv_x))
+        checks["dispatch_x_stream"] = bool(torch.equal(dispatch_on(streamed, x)[0], ref.recv_x))
         for _ in range(3):  # the cached copy-engine send, past its eager gathers of both parities
             cached = buf.dispatch(x, handle=handle, return_recv_hook=True)
             cached[-1]()
@@ -299,6 +301,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         for n, name in ((1, "combine_one_part"), (4, "combine_four_parts")):
             same = in_parts[n].dispatch(x, **kwargs)[4]  # the same routing as handle's
             checks[name] = bool(torch.equal(in_parts[n].combine(y, same)[0], combined))
+        checks["combine_stream"] = bool(torch.equal(streamed.combine(y, dispatch_on(streamed, x)[4])[0], combined))
 
     y_keep = buf.dispatch(x, **kwargs)[0].clone()
     h_keep = buf.dispatch(x, **kwargs)[4]
@@ -322,6 +325,9 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         ("dispatch_cached", lambda: buf.dispatch(x, handle=h_keep)),
         ("dispatch_cached_eager", lambda: eager.dispatch(x, handle=handles[id(eager)])),
         ("dispatch_cached_copy", lambda: copy_engines.dispatch(x, handle=handles[id(copy_engines)])),
+        ("dispatch_bf16_stream", lambda: dispatch_on(streamed, x)),
+        ("dispatch_fp8_stream", lambda: dispatch_on(streamed, x8)),
+        ("dispatch_cached_stream", lambda: streamed.dispatch(x, handle=handles[id(streamed)])),
     ]
     if cfg["shuffle"] is not None:  # the same order on every rank: the calls are collective
         random.Random(cfg["shuffle"]).shuffle(dispatches)
@@ -403,6 +409,7 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     buf.dispatch(x, handle=h_keep)
     times["combine_bf16"] = timed(lambda: combine())
     times["combine_bf16_hook"] = timed(lambda: combine(True))
+    times["combine_bf16_stream"] = timed(lambda: combine(on=streamed))
     # the sum after the last byte, in one part, or part by part (ep.kernels.reduce, Note [Pipelined combine])
     for parts, name in ((1, "one"), (2, "two"), (4, "four")):
         times[f"combine_bf16_{name}_part{'s' if parts > 1 else ''}"] = timed(lambda b=in_parts[parts]: combine(on=b))

@@ -10,9 +10,11 @@ __all__ = ["OPS", "table"]
 # "_eager": the same SM sends launched one kernel at a time (graphs=False) instead of as graphs
 # "_one_part", "_two_parts", "_four_parts": the combine's sum after its last byte, or part by part
 # (combine_parts; ep.kernels.reduce, Note [Pipelined combine]), whatever the group's default
-OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_fp8",
-       "dispatch_fp8_hook", "dispatch_cached", "dispatch_cached_eager", "dispatch_cached_copy", "combine_bf16",
-       "combine_bf16_hook", "combine_bf16_one_part", "combine_bf16_two_parts", "combine_bf16_four_parts")
+# "_stream": a Buffer with send="stream" (a fixed space the GPUs pace, ep.paths.streamed); on CPU the default stands in
+OPS = ("dispatch_bf16", "dispatch_bf16_eager", "dispatch_bf16_hook", "dispatch_bf16_copy", "dispatch_bf16_stream",
+       "dispatch_fp8", "dispatch_fp8_hook", "dispatch_fp8_stream", "dispatch_cached", "dispatch_cached_eager",
+       "dispatch_cached_copy", "dispatch_cached_stream", "combine_bf16", "combine_bf16_hook", "combine_bf16_stream",
+       "combine_bf16_one_part", "combine_bf16_two_parts", "combine_bf16_four_parts")
 
 
 def table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:

@@ -19,17 +19,19 @@ import torch
 
 from warmlink import _env
 from warmlink._closing import Closing
-from warmlink.ep.api.options import resolve_device, resolve_options
+from warmlink.ep.api.options import resolve_device, resolve_options, resolve_stream
 from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.ep.paths.combine import Combiner
 from warmlink.ep.paths.comm_stream import INLINE
 from warmlink.ep.paths.event import wait_for
 from warmlink.ep.paths.senders import PATHS
+from warmlink.ep.paths.streamed import StreamPath
 from warmlink.ep.paths.setup import Resources, group_store
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.normal import NormalMode
 from warmlink.ep.protocol.rounds import Rounds
+from warmlink.ep.protocol.streamed import StreamedMode
 from warmlink.ep.wire.handle import Handle
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import ConfigError
@@ -54,7 +56,9 @@ class Buffer(LowLatencyMethods, Closing):
         send: how a dispatch without a receive hook moves its rows (ep.paths.senders, chosen once): ``"sm"``
             (cuda_ipc: kernels trade the counts and store the rows, Note [SM sends] in
             ep.paths.sm_pushes), ``"copy"`` (cuda_ipc: the host meets the peers, then the copy engines
-            push) or ``"host"`` (shm: CPU copies). None: ``"host"`` on shm, ``WARMLINK_EP_SEND``
+            push), ``"stream"`` (cuda_ipc: the rows stream through a fixed space of ``stream_channels``
+            x ``ring_rows`` rows per source, whatever the batch, paced by the GPUs; no receive hook;
+            ep.protocol.streamed, Note [Streamed calls]) or ``"host"`` (shm: CPU copies). None: ``"host"`` on shm, ``WARMLINK_EP_SEND``
             (default ``"sm"``) on cuda_ipc. A call with a hook uses the copy engines on cuda_ipc.
             Every rank passes the same.
         graphs: replay the SM and cached sends' launches as CUDA graphs from their second call per
@@ -65,6 +69,8 @@ class Buffer(LowLatencyMethods, Closing):
         combine_parts: the parts a combine's rows are sent and summed in, 1 to 4 (ep.kernels.reduce,
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
+        stream_channels, ring_rows: a streamed Buffer's channels (two programs each, at most half
+            the SMs) and rows per ring (None: 20 and 128). Every rank passes the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
             experts, ``max_tokens_per_rank`` tokens (ep.low_latency: host copies on shm, kernels on cuda_ipc).
 
@@ -79,8 +85,8 @@ class Buffer(LowLatencyMethods, Closing):
     def __init__(self, store, rank: int, num_ranks: int, *, max_tokens_per_rank: int, hidden: int,
                  num_topk: int = 8, device=None, backend: str | None = None, timeout_s: float | None = None,
                  send: str | None = None, graphs: bool | None = None, copy_streams: str | None = None,
-                 combine_parts: int | None = None, low_latency_mode: bool = False,
-                 num_experts: int | None = None) -> None:
+                 combine_parts: int | None = None, stream_channels: int | None = None, ring_rows: int | None = None,
+                 low_latency_mode: bool = False, num_experts: int | None = None) -> None:
         from warmlink.transport import resolve_backend
 
         self._closed = True
@@ -90,16 +96,17 @@ class Buffer(LowLatencyMethods, Closing):
             raise ConfigError(f"ep.Buffer: num_ranks={num_ranks!r}; expected an int in [1, 1024]")
         if not isinstance(rank, int) or not 0 <= rank < num_ranks:
             raise ConfigError(f"ep.Buffer: rank={rank!r}; expected 0 <= rank < num_ranks={num_ranks}")
-        self.layout = RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk)
         self.rank, self.num_ranks = rank, num_ranks
         self.timeout_s = float(timeout_s) if timeout_s is not None else _env.default_timeout_s()
         self.device = resolve_device(device, backend)
         self.backend = resolve_backend(backend, self.device)
-        self._checks = Checks(self.layout, num_ranks, self.device)
         if (self.backend == "shm") != (self.device < 0):
             raise ConfigError(f"ep.Buffer: backend={self.backend!r} does not fit device={self.device}")
         self.send, self.graphs, self.copy_streams, self.combine_parts = resolve_options(
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
+        self.layout = RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk,
+                                   *resolve_stream(self.send, stream_channels, ring_rows))
+        self._checks = Checks(self.layout, num_ranks, self.device)
         self._check_low_latency(low_latency_mode, num_experts)
         self._normal: NormalMode | None = None
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
@@ -109,16 +116,22 @@ class Buffer(LowLatencyMethods, Closing):
         try:
             self._res.connect(store)
             self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
-            res = self._res
-            rounds = Rounds(res.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
-            path = PATHS[self.send](res.mover, self.layout, rank, num_ranks, self.graphs)
-            combiner = Combiner(res.mover, self.layout, rank, rounds.order(), self.combine_parts, self.timeout_s)
-            # done_events: what async_finish records, per (op, parity), then the layout's
-            self._normal = NormalMode(rounds, path, combiner, res.mover, self._checks, self.layout, self.device,
-                                      res.done_events)
+            self._normal = self._mode()
         except BaseException:
             self.close()
             raise
+
+    def _mode(self):
+        """The object that runs this Buffer's calls over its data path, chosen once."""
+        res, rank, num_ranks = self._res, self.rank, self.num_ranks
+        rounds = Rounds(res.mailbox, rank, num_ranks, self.layout.max_tokens, self.timeout_s)
+        # done_events: what async_finish records, per (op, parity), then the layout's
+        if self.send == "stream":
+            path = StreamPath(res.mover, self.layout, rank, num_ranks, self.device, self.graphs, self.timeout_s)
+            return StreamedMode(rounds, path, self._checks, self.layout, self.device, res.done_events)
+        path = PATHS[self.send](res.mover, self.layout, rank, num_ranks, self.graphs)
+        combiner = Combiner(res.mover, self.layout, rank, rounds.order(), self.combine_parts, self.timeout_s)
+        return NormalMode(rounds, path, combiner, res.mover, self._checks, self.layout, self.device, res.done_events)
 
     @classmethod
     def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,
@@ -132,6 +145,7 @@ class Buffer(LowLatencyMethods, Closing):
         secret to the others with one ``all_gather`` of int64 rows (nothing pickled; the other
         ranks' ``secret`` is not used); the Buffer owns that store and closes it with itself.
         ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``, ``combine_parts``,
+        ``stream_channels``, ``ring_rows``,
         ``low_latency_mode`` and ``num_experts``. Collective over ``group``.
         """
         store, rank, world = group_store(group, timeout_s, secret)

@@ -13,14 +13,17 @@ from warmlink import _env
 from warmlink.ep.kernels.reduce import PARTS
 from warmlink.errors import ConfigError
 
-__all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_device", "resolve_options"]
+__all__ = ["COPY_STREAMS", "RING_ROWS", "SENDS", "STREAM_CHANNELS", "Options", "resolve_device", "resolve_options",
+           "resolve_stream"]
 
-SENDS = ("sm", "copy", "host")  # ep.paths.senders.PATHS's keys
+SENDS = ("sm", "copy", "host", "stream")  # ep.paths.senders.PATHS's keys, and ep.paths.streamed's
+STREAM_CHANNELS = 20  # a streamed Buffer's default channels: 40 programs, as DeepEP's 20 SMs of 2 blocks
+RING_ROWS = 128  # rows of one ring: 2 ranks x 20 channels at 7168 BF16 take 71 MiB
 COPY_STREAMS = ("one", "per-peer")
 
 
 class Options(NamedTuple):
-    send: str  # ep.paths.senders: "sm", "copy" (cuda_ipc) or "host" (shm)
+    send: str  # ep.paths.senders: "sm", "copy", "stream" (cuda_ipc) or "host" (shm)
     graphs: bool  # replay send launches as CUDA graphs (ep.paths.sm_pushes, Note [Fresh send graph])
     copy_streams: str  # "one" copy stream for every destination, or "per-peer"
     combine_parts: int  # ep.kernels.reduce, Note [Pipelined combine]
@@ -47,7 +50,7 @@ def resolve_options(num_ranks: int, backend: str, send: str | None = None, graph
         raise ConfigError(f"ep.Buffer: send={send!r} is unknown; expected one of {list(SENDS)} (or None: "
                           "'host' on shm, WARMLINK_EP_SEND on cuda_ipc)")
     if send is not None and (send == "host") == cuda:
-        fits = ["sm", "copy"] if cuda else ["host"]
+        fits = ["sm", "copy", "stream"] if cuda else ["host"]
         raise ConfigError(f"ep.Buffer: send={send!r} does not fit backend={backend!r}; expected one of {fits}")
     if graphs is not None and not isinstance(graphs, bool):
         raise ConfigError(f"ep.Buffer: graphs={graphs!r}; expected True, False or None (None: WARMLINK_EP_GRAPH)")
@@ -64,3 +67,17 @@ def resolve_options(num_ranks: int, backend: str, send: str | None = None, graph
         # two ranks sum in one part: their copies are too short to hide the parts' host work
         combine_parts=combine_parts if combine_parts is not None else (PARTS if num_ranks > 2 else 1),
     )
+
+
+def resolve_stream(send: str, channels: int | None, ring_rows: int | None) -> tuple[int, int]:
+    """``(stream_channels, ring_rows)`` of a Buffer: ``(0, 0)`` unless ``send == "stream"``, else each
+    argument, or its default."""
+    if send != "stream":
+        if channels is not None or ring_rows is not None:
+            raise ConfigError(f"ep.Buffer: stream_channels={channels!r}, ring_rows={ring_rows!r} with send={send!r}; "
+                              "they size a streamed Buffer's space (send='stream')")
+        return 0, 0
+    for name, value in (("stream_channels", channels), ("ring_rows", ring_rows)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"ep.Buffer: {name}={value!r}; expected an int >= 1 (or None: the default)")
+    return (channels if channels is not None else STREAM_CHANNELS), (ring_rows if ring_rows is not None else RING_ROWS)

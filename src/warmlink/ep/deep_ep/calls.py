@@ -27,7 +27,11 @@ def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_t
         topk_idx = torch.full((rows.shape[0], 1), -1, dtype=torch.int64, device=rows.device)
     problem = rounds.argument_problem(rows.shape[0], group_size, is_token_in_rank, topk_idx, topk_weights,
                                       num_tokens_per_expert)
-    if num_worst_tokens:  # no meeting first: a problem is refused in the round itself, on every rank
+    if inner.send == "stream":  # any batch in one call: no rounds, and no meeting first
+        num_rounds = 1
+        if problem:
+            inner.refuse_dispatch(problem)
+    elif num_worst_tokens:  # no meeting first: a problem is refused in the round itself, on every rank
         num_rounds, too_many = rounds.padded_rounds(inner, num_worst_tokens, rows.shape[0])
         if problem or too_many:
             inner.refuse_dispatch(problem or too_many)

@@ -7,7 +7,10 @@ warmlink Buffer is built by the first ``dispatch`` (collective, as the construct
 call's hidden size (rounded up to a multiple of 8: rows move as 8-byte words, so any hidden
 size works), the widest top-k seen so far and the most tokens per rank that fit
 ``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``; every rank computes the same sizes.
-A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]).
+A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). On CUDA,
+when those slots would not hold the largest first batch of any rank in one round (one
+``all_reduce`` over the group when the Buffer is built, so that every rank decides alike), it is a
+streamed Buffer (``send="stream"``) within the budget instead, which takes any batch in one call.
 
 A later call with a wider hidden size or top-k grows it: the ranks first agree on the new sizes
 in a host meet (``ep.Buffer.all_gather_int``: a rank that calls otherwise makes the others time
@@ -26,6 +29,7 @@ import torch
 
 from warmlink.ep import Buffer as EPBuffer
 from warmlink.ep.deep_ep import sizing
+from warmlink.ep.kernels.stream import sm_count
 from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
 
@@ -59,7 +63,11 @@ def built(owner, rows: torch.Tensor, num_topk: int) -> EPBuffer:
             raise ConfigError(f"{func}: the ranks would grow the Buffer to different (hidden, num_topk): {sizes}; every "
                               "rank must dispatch the same hidden size and top-k width")
     held = sizing.tokens_within(owner.num_nvl_bytes, owner.group_size, hidden, topk)
-    if held == 0:
+    streamed = None
+    if rows.is_cuda and held < _most_tokens(owner.group, rows):  # a slot round would not hold a batch: stream
+        streamed = sizing.stream_within(owner.num_nvl_bytes, owner.group_size, hidden, topk,
+                                        sm_count(rows.device.index) // 2)
+    if held == 0 and streamed is None:
         raise sizing.refuse(func, owner.num_nvl_bytes, owner.group_size, hidden, topk)
     if inner is not None:
         if rows.is_cuda:  # the old Buffer's queued work still reads its regions
@@ -67,8 +75,23 @@ def built(owner, rows: torch.Tensor, num_topk: int) -> EPBuffer:
         owner._inner = None
         inner.close()
     device, backend = (rows.device.index, None) if rows.is_cuda else (-1, "shm")
+    if streamed is not None:
+        channels, ring_rows = streamed
+        return EPBuffer.from_group(owner.group, max_tokens_per_rank=sizing.MAX_TOKENS, hidden=hidden, num_topk=topk,
+                                   device=device, timeout_s=owner._timeout_s, send="stream", stream_channels=channels,
+                                   ring_rows=ring_rows)
     return EPBuffer.from_group(owner.group, max_tokens_per_rank=held, hidden=hidden, num_topk=topk, device=device,
                                backend=backend, timeout_s=owner._timeout_s)
+
+
+def _most_tokens(group, rows: torch.Tensor) -> int:
+    """The largest batch of any rank of ``group`` in this call (collective: at a build only)."""
+    import torch.distributed as dist
+
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64,
+                         device=rows.device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return max(int(count.item()), 1)
 
 
 def widen(tokens, hidden: int):

@@ -9,6 +9,10 @@ to a multiple of 8) and top-k of its widest dispatch, and sends a batch of more 
 holds in several rounds
 (deep_ep.rounds), never taking more memory than the budget.
 
+When a slot round of the budget would not hold the first dispatch's batch, ``deep_ep.Buffer``
+builds a streamed Buffer instead (on CUDA: ``send="stream"``, ep.paths.streamed), whose receive
+space is fixed whatever the batch (``stream_within``): one call at any batch, no rounds.
+
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
 computes the same sizes (a group's ranks must share them, ep.wire.info).
 
@@ -21,9 +25,11 @@ holds for the same sizes (``ep.size_hint``), and ``num_rdma_bytes`` must hold th
 from __future__ import annotations
 
 from warmlink.ep import Buffer, size_hint
+from warmlink.ep.api.options import RING_ROWS, STREAM_CHANNELS
+from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import ConfigError
 
-__all__ = ["MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "tokens_within"]
+__all__ = ["MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "stream_within", "tokens_within"]
 
 MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep.wire.info)
 
@@ -58,6 +64,24 @@ def tokens_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int)
         else:
             hi = mid
     return lo
+
+
+def stream_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int,
+                  max_channels: int) -> tuple[int, int] | None:
+    """``(stream_channels, ring_rows)`` of the streamed Buffer that fits ``budget_bytes`` (ep.paths.streamed):
+    the default channels (at most ``max_channels``) with the most ring rows up to the default, a power of 2
+    (at least 8, a stream kernel's tile); half the channels when not even that fits; None when one
+    channel of 8 rows does not fit."""
+    channels = min(STREAM_CHANNELS, max_channels)
+    while channels >= 1:
+        ring_rows = RING_ROWS
+        while ring_rows >= 8:
+            layout = RegionLayout(num_ranks, MAX_TOKENS, built_hidden(hidden), num_topk, channels, ring_rows)
+            if layout.nbytes <= budget_bytes:
+                return channels, ring_rows
+            ring_rows //= 2
+        channels //= 2
+    return None
 
 
 def refuse(func: str, budget_bytes: int, num_ranks: int, hidden: int, num_topk: int) -> ConfigError:

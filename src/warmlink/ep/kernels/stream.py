@@ -1,7 +1,7 @@
 """A dispatch whose rows stream through rings the GPUs pace themselves: the entry point, its torch twin,
 and the size of the space it needs (ep.kernels.stream_programs holds the kernel).
 
-A building block: ep.Buffer does not call it yet.
+ep.paths.streamed launches it for a Buffer built with ``send="stream"``.
 
 # Note [Streamed dispatch]
 Why: the slot design (ep.wire.regions) gives every (source rank, token) a receive row, R *
@@ -69,7 +69,8 @@ failed call the rings hold rows of unknown state: zero the space on every rank a
 
 Deadlines: every wait (a sender's for the previous call and for credits, a receiver's for rows:
 no progress from any source) ends after ``timeout_s`` of the device clock, or at once when the
-int64 at ``abort`` equals ``seq``. The program then stops and writes its status word
+int64 at ``abort`` is ``seq`` or more (the host ends a call, or every call queued, without a
+race against the seq the device runs). The program then stops and writes its status word
 ``seq << 32 | aborted << 24 | wait << 16 | peer`` (``failures`` reads them); a program that
 finishes writes ``seq << 32``. A failed sender publishes no FIN, so its peers' receivers fail too.
 All 2C programs of a rank must be resident at once (a sender spins while a receiver of its own
@@ -224,6 +225,11 @@ def _no_taken(device: torch.device, num_ranks: int, channels: int) -> torch.Tens
     return torch.zeros(num_ranks, channels, dtype=torch.int64, device=device)  # written, never read
 
 
+@functools.cache
+def _always(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.int64, device=device)  # every round valid
+
+
 def pow2(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
@@ -233,7 +239,7 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
                     experts_per_rank: int, timeout_s: float, abort: int = 0, role: str = "both",
                     publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS, tokens: int = TILE_TOKENS,
                     x_block: int = X_BLOCK_WORDS, kernel=None, num_warps: int = NUM_WARPS,
-                    taken: torch.Tensor | None = None) -> None:
+                    taken: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
     """Launch rank ``me``'s streamed dispatch of call ``seq`` (Note [Streamed dispatch]).
 
     Args:
@@ -246,13 +252,15 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         status: ``[2C]`` int64, each program's status word (``failures``).
         seq: this call's number, 1, 2, ... on every rank. max_tokens: ``plan``'s slot size.
         timeout_s: each wait's deadline on the device clock. abort: byte address of an int64 that,
-            set to ``seq``, ends every wait (0: none).
+            set to ``seq`` or more, ends every wait (0: none).
         role: ``"both"``, or ``"send"`` / ``"recv"`` alone (tests: the interpreter runs programs in order).
         publish, batch: rows between a sender's tail stores; rows a receiver takes per visit.
         tokens, x_block: the step's tile, ``[tokens, x_block]`` int64 words (powers of 2).
         kernel: a Triton kernel to launch instead (the interpreter's, in tests). num_warps: 0, Triton's.
         taken: ``[R, C]`` int64, contiguous, or None: receiver program c writes ``taken[s, c]``, the rows it
             took from source s (the streamed combine's input, ep.kernels.stream_combine).
+        valid: an int64 device word read at launch's run, or None (1): 0 sends no token, only FIN (a round
+            the count exchange refused: every rank then receives nothing, and no rank waits).
     """
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
@@ -294,6 +302,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
                           f"{sm_count(rows.device.index) // 2}")
     if kernel is None and not rows.is_cuda:
         raise ConfigError("stream_dispatch: CPU tensors and no kernel; the streamed dispatch runs on CUDA")
+    if valid is not None and (valid.dtype != torch.int64 or valid.numel() < 1):
+        raise ConfigError(f"stream_dispatch: valid {tuple(valid.shape)} {valid.dtype}; expected an int64 word")
     x, topk, w = (t.contiguous() if t is not None else None for t in (src.x, src.topk, src.weights))
     s_strides = tuple(src.scales.stride()) if src.scales is not None else (0, 0)
     first, programs = {"both": (0, 2 * c), "send": (0, c), "recv": (c, c)}[role]
@@ -301,7 +311,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
     block = min(x_block, pow2(x_words))
     args = (rows.contiguous(), x, topk if topk is not None else rows, w if w is not None else rows,
             src.scales if src.scales is not None else rows, bases, recv_offset, out.x,
-            *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort, me, seq,
+            *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort,
+            valid if valid is not None else _always(rows.device), me, seq,
             num_tokens, max_tokens, x_words, num_k, num_scales, *s_strides, meta_words(num_k, num_scales),
             space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first,
             taken if taken is not None else _no_taken(rows.device, r, c))

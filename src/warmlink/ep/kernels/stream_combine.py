@@ -2,7 +2,7 @@
 each source sums its tokens' copies as they arrive. The entry point, its torch twin and the row
 size (ep.kernels.stream_combine_programs holds the kernel).
 
-A building block: ep.Buffer does not call it yet.
+ep.paths.streamed launches it for a Buffer built with ``send="stream"``.
 
 # Note [Streamed combine]
 Why: the same budget as the dispatch's (Note [Streamed dispatch], ep.kernels.stream). The slot

@@ -26,7 +26,8 @@ ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's thre
 
 @triton.jit(do_not_specialize=["seq", "num_tokens", "out_rows", "first_program"])
 def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr,
-                           out_w_ptr, out_s_ptr, status_ptr, abort_ptr, me, seq, num_tokens, max_tokens, x_words, num_k,
+                           out_w_ptr, out_s_ptr, status_ptr, abort_ptr, valid_ptr, me, seq, num_tokens, max_tokens,
+                           x_words, num_k,
                            num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, out_rows,
                            experts_per_rank, timeout_ns, first_program, taken_ptr,
                            NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr,
@@ -38,6 +39,8 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
     p = tl.program_id(0) + first_program
     seq64 = seq.to(tl.int64)
     if p < CHANNELS:
+        # a round the count exchange refused (its word 0) sends no token, only FIN
+        num_tokens = tl.where(tl.load(valid_ptr) != 0, num_tokens, 0)
         status = send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, p, me, seq64, num_tokens,
                             max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words,
                             row_words, ring_rows, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, X_BLOCK, CHUNKS, K_BLOCK,
@@ -73,7 +76,7 @@ def ended(start, timeout_ns, abort_ptr, seq64, wait, peer, going):
     # the status of a wait still ``going``: 0, or its code once past the deadline or aborted. Each
     # thread reads the clock and the abort word itself, and warps at different times: the code is
     # reduced over a block that spans every thread, so that all of them leave a wait together
-    stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) == seq64
+    stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) >= seq64
     late = (device_clock_ns() - start) > timeout_ns
     code = tl.where(stop, ABORTED, 0).to(tl.int64) | (wait << 16) | peer.to(tl.int64)
     mine = tl.where(going & (late | stop), code, 0)

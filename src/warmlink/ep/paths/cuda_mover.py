@@ -130,6 +130,19 @@ class CudaMover(SmPushes, Gathers):
     def _current(self) -> int:
         return current_stream(self.device)
 
+    def current_stream(self) -> int:
+        """The current stream's handle (the caller's, or the communication stream within a call on it)."""
+        return current_stream(self.device)
+
+    @property
+    def own_region(self) -> torch.Tensor:
+        """This rank's region, a flat ``uint8`` device tensor."""
+        return self._own
+
+    def poll(self, done, timeout_s: float, late) -> None:
+        """Host-poll ``done()`` for up to ``timeout_s``, watching every peer's liveness (``_poll``)."""
+        self._poll(done, timeout_s, late, watch=list(self._refs), lost="while this rank waited on its device")
+
     def area_address(self, rank: int, area: str) -> int:
         """Byte address, in this process, of ``area`` in ``rank``'s region (this rank's or a peer's
         mapping): for diagnostics that move the same bytes outside the protocol (bench ep)."""

@@ -11,7 +11,7 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["EventOverlap"]
+__all__ = ["EventOverlap", "record_done"]
 
 
 class EventOverlap:
@@ -81,3 +81,16 @@ def wait_for(previous_event, func: str) -> None:
         return
     raise ConfigError(f"ep.Buffer.{func}: previous_event is a {type(previous_event).__name__}; expected an "
                       "EventOverlap (from an earlier call), a torch.cuda.Event or None")
+
+
+def record_done(done_events: list[int], slot: int, device: int, async_finish: bool) -> EventOverlap:
+    """DeepEP's event of a call: with ``async_finish`` on CUDA, pooled event ``slot`` recorded on
+    the current stream now; else one that waits for nothing."""
+    if device < 0 or not async_finish:
+        return EventOverlap(None, device)
+    from warmlink import _cuda
+    from warmlink.ep.kernels.launch import current_stream
+
+    event = done_events[slot]
+    _cuda.event_record(event, current_stream(device))
+    return EventOverlap(event, device)

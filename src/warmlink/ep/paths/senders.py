@@ -6,7 +6,10 @@
   kernel and moved by the copy engines (ep.paths.cuda_mover, Note [Copy-engine sends]);
 - ``SmPath`` (``send="sm"``, cuda_ipc, the default there): kernels trade the counts and store
   the rows into the peers (ep.paths.sm_pushes, Note [SM sends]). A call with a receive hook still
-  goes through the copy engines: a push kernel would hold SMs between the send and the hook.
+  goes through the copy engines: a push kernel would hold SMs between the send and the hook;
+- ``StreamPath`` (``send="stream"``, cuda_ipc; ep.paths.streamed): the rows stream through a
+  fixed space with credits the GPUs check (Note [Streamed dispatch] in ep.kernels.stream), its
+  protocol ep.protocol.streamed's.
 
 A path only moves bytes. When it moves them, and what the ranks agree on first, is the round's
 (ep.protocol.normal, ``NormalMode``): for a staged path the counts reach the host and the ranks
@@ -27,7 +30,7 @@ from warmlink.ep.kernels.steps import plan
 from warmlink.ep.wire.handle import Handle
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 
-__all__ = ["PATHS", "CopyEnginePath", "FreshSend", "HostPath", "SmPath", "StagedPath"]
+__all__ = ["PATHS", "CopyEnginePath", "FreshSend", "HostPath", "SmPath", "StagedPath", "fresh_shape"]
 
 _SERIALS = itertools.count()  # one per path: keys what a handle caches about a Buffer's mappings
 
@@ -126,7 +129,7 @@ class SmPath(CopyEnginePath):
         handle's, filled by the plan; ``board``: where the count board is copied for a padded
         call, Note [Padded dispatch returns at launch] in ep.protocol.normal)."""
         src = call.src
-        self.mover.send_sm(self._shape(call), call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows,
+        self.mover.send_sm(fresh_shape(self.layout, self.num_ranks, call), call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows,
                                                          src, call.round, call.config),
                            call.round, call.phase, timeout_s, self.graphs, board_copy=board)
 
@@ -157,13 +160,14 @@ class SmPath(CopyEnginePath):
             bases = handle.sm_bases[key] = mover.sm_bases(handle.dst_rows, key[1], src.x.shape[1] * src.x.element_size())
         mover.send_sm_cached(handle.combine_rows, src, bases, key[1], phase, timeout_s, self.graphs)
 
-    def _shape(self, call: FreshSend) -> FreshShape:
-        """What a fresh SM send's kernels are specialized for (its graphs' key, with the parity)."""
-        lay, src = self.layout, call.src
-        return FreshShape(self.num_ranks, call.num_experts, src.topk.shape[1], src.x.shape[1],
-                          src.scales.shape[1] if src.scales is not None else 0, lay.max_tokens, lay.num_topk,
-                          lay.meta_bytes, src.topk.dtype, call.per_rank.dtype, call.per_expert.dtype,
-                          src.weights.dtype if src.weights is not None else None)
+
+def fresh_shape(layout: RegionLayout, num_ranks: int, call: FreshSend) -> FreshShape:
+    """What a fresh send's kernels are specialized for (its graphs' key, with the parity)."""
+    src = call.src
+    return FreshShape(num_ranks, call.num_experts, src.topk.shape[1], src.x.shape[1],
+                      src.scales.shape[1] if src.scales is not None else 0, layout.max_tokens, layout.num_topk,
+                      layout.meta_bytes, src.topk.dtype, call.per_rank.dtype, call.per_expert.dtype,
+                      src.weights.dtype if src.weights is not None else None)
 
 
 PATHS = {"sm": SmPath, "copy": CopyEnginePath, "host": HostPath}  # by ep.api.options.SENDS

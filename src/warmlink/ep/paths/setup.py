@@ -81,7 +81,7 @@ class Resources:
         return {"num_streams": min(self.num_ranks, MAX_STREAMS)}
 
     def _clear_boards(self) -> None:
-        """Zero this rank's count boards before any peer can see its info. A region comes back from
+        """Zero this rank's count boards (and stream space) before any peer can see its info. A region comes back from
         the pool with a closed Buffer's bytes, and rounds restart at 1: a board row whose round tag
         matched would let the exchange (ep.paths.sm_pushes, Note [SM sends]) take another lifecycle's
         counts instead of waiting for the peer's."""
@@ -90,6 +90,8 @@ class Resources:
             name = f"board.{p}"
             start = lay.offsets()[name]
             region[start:start + lay.area_rows(name) * lay.row_bytes(name)].zero_()
+        if lay.stream is not None:  # its seq count starts at 1 on a zeroed space (Note [Streamed dispatch])
+            region[lay.offsets()["stream"]:lay.offsets()["end"]].zero_()
         if self.device >= 0:  # done on the device before the rank info is published
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -142,6 +142,14 @@ class SmPushes:
         kernel stores every row in its destination; then every destination's event. See Note [SM
         sends]. ``call``: the call block's words (``steps.call_words``). With ``graphs``, the
         second call of a parity and shape on replays graphs of those steps (Note [Fresh send graph])."""
+        key = self.send_counts(shape, call, round_, timeout_s, graphs, board_copy)
+        self._launch(("push", *key), lambda: steps.fresh_push(shape, self._call, self._sm_tables(key[0])), graphs)
+        self._pushed(phase)
+
+    def send_counts(self, shape: FreshShape, call: tuple[int, ...], round_: int, timeout_s: float,
+                    graphs: bool = True, board_copy: torch.Tensor | None = None) -> tuple:
+        """``send_sm``'s steps up to the board, without the push (a streamed dispatch moves its rows
+        itself, ep.paths.streamed); the key its launches ran under."""
         parity = round_ % PARITIES
         self._call_words[:] = call
         self._abort_word[0] = 0
@@ -155,8 +163,12 @@ class SmPushes:
             board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
             self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
         self._cuda.event_record(self._counted, current)
-        self._launch(("push", *key), lambda: steps.fresh_push(shape, self._call, self._sm_tables(parity)), graphs)
-        self._pushed(phase)
+        return key
+
+    def exchange_valid(self, round_: int) -> torch.Tensor:
+        """A device word the count exchange of ``round_``'s parity wrote: 0 when it refused the round
+        (rank 0's push base, never 0 otherwise: the address of its receive area, Note [SM sends])."""
+        return self._sm_tables(round_ % PARITIES)[3, :1]
 
     def _fresh_front(self, key: tuple) -> None:
         """``send_sm``'s steps up to the board on the host, on the current stream: the call block

@@ -7,6 +7,8 @@ counts to the host that dispatch needs anyway (Note [Round protocol] in ep.proto
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -15,9 +17,24 @@ from warmlink.ep.kernels.steps import words_layout
 from warmlink.ep.wire import mailbox as mb
 from warmlink.ep.wire.fp8 import num_scales
 from warmlink.ep.wire.regions import RegionLayout
+from warmlink.ep.wire.words import encode_call
 from warmlink.errors import ConfigError
 
-__all__ = ["X_DTYPES", "Checks"]
+__all__ = ["X_DTYPES", "Checks", "DispatchArgs"]
+
+
+class DispatchArgs(NamedTuple):
+    """A dispatch's checked arguments; the routing ones (from ``topk``) are None for a cached dispatch."""
+
+    tokens: torch.Tensor
+    scales: torch.Tensor | None
+    topk: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    num_experts: int | None = None
+    per_rank: torch.Tensor | None = None
+    in_rank: torch.Tensor | None = None
+    per_expert: torch.Tensor | None = None
+    config: int = 0  # a fresh dispatch's word (ep.wire.words), which the ranks compare
 
 X_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -103,6 +120,20 @@ class Checks:
         if t.shape[1] != self._layout.hidden:
             raise ConfigError(f"ep: x has {t.shape[1]} channels; the buffer was built for hidden={self._layout.hidden}")
         return t, None
+
+    def dispatch(self, x, cached: bool, expert_alignment, num_worst_tokens, topk_idx, topk_weights, num_experts,
+                 per_rank, in_rank, per_expert, by_sm: bool) -> DispatchArgs:
+        """Every argument of ``ep.Buffer.dispatch`` (``by_sm``: whether the device trades the counts,
+        part of the config word: a rank that meets in the mailbox while another trades counts on the
+        device would read counts that were never published)."""
+        self.padding(expert_alignment, num_worst_tokens)
+        tokens, scales = self.x(x)
+        if cached:
+            return DispatchArgs(tokens, scales)
+        routing = self.routing(tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert)
+        topk, weights, num_experts = routing[:3]
+        config = encode_call(num_experts, topk.shape[1], tokens.dtype, False, by_sm, num_worst_tokens, weights is not None)
+        return DispatchArgs(tokens, scales, *routing, config)
 
     def routing(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
         """Check the routing arguments' shapes and types (host only; the layout is computed here

@@ -56,8 +56,7 @@ import numpy as np
 import torch
 
 from warmlink.ep.kernels.call_block import Sources
-from warmlink.ep.kernels.launch import current_stream
-from warmlink.ep.paths.event import EventOverlap
+from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
 from warmlink.ep.paths.outputs import dispatch_outputs
 from warmlink.ep.paths.senders import FreshSend
@@ -130,20 +129,14 @@ class NormalMode:
         t0 = time.perf_counter()
         cached = handle is not None
         try:
-            self.checks.padding(expert_alignment, num_worst_tokens)
-            tokens, scales = self.checks.x(x)
-            if not cached:
-                topk, weights, num_experts, per_rank, in_rank, per_expert = self.checks.routing(
-                    tokens, topk_idx, topk_weights, num_experts, num_tokens_per_rank, is_token_in_rank,
-                    num_tokens_per_expert)
-                # the send path is part of the config: a rank that meets in the mailbox while another
-                # trades counts on the device would read counts that were never published
-                config = encode_call(num_experts, topk.shape[1], tokens.dtype, False,
-                                     self.path.by_sm(return_recv_hook), num_worst_tokens, weights is not None)
+            args = self.checks.dispatch(x, cached, expert_alignment, num_worst_tokens, topk_idx, topk_weights,
+                                        num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                        self.path.by_sm(return_recv_hook))
         except ConfigError as exc:
             if cached:  # no meeting to refuse in (Note [Refused dispatch])
                 raise
             self.refuse_dispatch(str(exc), return_recv_hook)
+        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
         num_tokens = tokens.shape[0]
         rounds, mover = self.rounds, self.mover
         round_ = rounds.next("dispatch")
@@ -358,13 +351,7 @@ class NormalMode:
 
     def event(self, slot: int, async_finish: bool) -> EventOverlap:
         """DeepEP's event: with ``async_finish`` on CUDA, pooled event ``slot`` recorded on the current stream now."""
-        if self.device < 0 or not async_finish:
-            return EventOverlap(None, self.device)
-        from warmlink import _cuda
-
-        event = self.done_events[slot]
-        _cuda.event_record(event, current_stream(self.device))
-        return EventOverlap(event, self.device)
+        return record_done(self.done_events, slot, self.device, async_finish)
 
     def _arrived(self, phase: str, then, writes, early=()) -> None:
         """The mover's ``arrived`` for every source; after a failure the receive stream may wait on a

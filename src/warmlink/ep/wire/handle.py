@@ -48,6 +48,10 @@ class Handle:
     board: torch.Tensor | None = field(default=None, repr=False)  # [R, board row] int64: the padded round's counts
     pending: Callable[[], None] | None = field(default=None, repr=False)  # fills the counts in (resolve)
     error: BaseException | None = field(default=None, repr=False)  # what resolving raised: raised at every use
+    # a streamed dispatch's (ep.protocol.streamed), on the device: where each source's rows start in
+    # the outputs [R], and the rows each receiver channel took from each source [R, C]
+    recv_offset: torch.Tensor | None = field(default=None, repr=False)
+    taken: torch.Tensor | None = field(default=None, repr=False)
 
     def resolve(self) -> None:
         """Bring a padded SM dispatch's counts to the host; raise what that round ended with (a

@@ -24,9 +24,11 @@ from warmlink.rendezvous import schema
 __all__ = ["CONFIG_KEYS", "KIND", "check_config", "validate_ep_rank", "validate_rank_header"]
 
 KIND = "ep_rank"
-CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk")
+CONFIG_KEYS = ("num_ranks", "max_tokens", "hidden", "num_topk", "stream_channels", "ring_rows")
 _KEYS = ("schema_version", "kind", "peer", "config", "data", "mailbox")
-_MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10}
+_MAX = {"num_ranks": 1 << 10, "max_tokens": 1 << 24, "hidden": 1 << 20, "num_topk": 1 << 10, "stream_channels": 1 << 10,
+        "ring_rows": 1 << 20}
+_MIN = {"stream_channels": 0, "ring_rows": 0}  # 0: a slot layout
 
 
 def _fail(peer: str, msg: str):
@@ -62,8 +64,9 @@ def validate_ep_rank(obj: Any, peer: str) -> dict:
     config = obj["config"]
     for key in CONFIG_KEYS:
         value = config[key]
-        if type(value) is not int or not 1 <= value <= _MAX[key]:
-            _fail(peer, f"config.{key}={value!r}; expected an int in [1, {_MAX[key]}]")
+        low = _MIN.get(key, 1)
+        if type(value) is not int or not low <= value <= _MAX[key]:
+            _fail(peer, f"config.{key}={value!r}; expected an int in [{low}, {_MAX[key]}]")
     if config["num_ranks"] != info["world_size"]:
         _fail(peer, f"config.num_ranks={config['num_ranks']} differs from peer.world_size={info['world_size']}")
     schema.validate_region(obj["data"], peer, "data")

@@ -10,6 +10,9 @@ One allocation per rank, leased from the pool and mapped once by every peer:
                           gathered by a kernel and pushed by the copy engines from there
     board.p               count board of parity p: one row per source rank, written by that
                           source's exchange kernel (ep.paths.sm_pushes, Note [SM sends])
+    stream                a streamed Buffer's receive space (``stream_channels`` > 0: Note
+                          [Streamed dispatch] in ep.kernels.stream): rings per source and channel,
+                          whatever the batch; its slot areas above then hold no row
 
 Round n of dispatch (and of combine) lands in parity ``n % 2``. See Note [Two parities].
 
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from warmlink.ep.kernels.stream import StreamSpace, row_words
+from warmlink.ep.kernels.stream_combine import combine_row_words
 from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
 
@@ -74,27 +79,46 @@ def check_positive(name: str, value, where: str = "ep") -> int:
 @dataclass(frozen=True)
 class RegionLayout:
     """Offsets of every area for ``num_ranks`` ranks of ``max_tokens`` tokens of ``hidden`` channels
-    with ``num_topk`` experts each."""
+    with ``num_topk`` experts each; with ``stream_channels`` > 0, a stream space of that many
+    channels and ``ring_rows`` rows a ring instead of the slot areas."""
 
     num_ranks: int
     max_tokens: int
     hidden: int
     num_topk: int
+    stream_channels: int = 0
+    ring_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "max_tokens", "hidden", "num_topk"):
             check_positive(name, getattr(self, name))
         if self.hidden % 8:  # every send path moves rows as int64 words, FP8 rows (1 byte a channel) too
             raise ConfigError(f"ep: hidden={self.hidden}; expected a multiple of 8 (rows move as 8-byte words)")
+        if self.stream_channels:
+            check_positive("stream_channels", self.stream_channels)
+            check_positive("ring_rows", self.ring_rows)
+        elif self.ring_rows:
+            raise ConfigError(f"ep: ring_rows={self.ring_rows} without stream_channels; expected both or neither")
 
     def config(self) -> dict[str, int]:
         """The sizes every rank of a group must share (the ``config`` of its rank info)."""
-        return {"num_ranks": self.num_ranks, "max_tokens": self.max_tokens, "hidden": self.hidden, "num_topk": self.num_topk}
+        return {"num_ranks": self.num_ranks, "max_tokens": self.max_tokens, "hidden": self.hidden,
+                "num_topk": self.num_topk, "stream_channels": self.stream_channels, "ring_rows": self.ring_rows}
 
     @property
     def rows(self) -> int:
-        """Rows of every area: one slot of ``max_tokens`` per rank."""
-        return self.num_ranks * self.max_tokens
+        """Rows of every slot area: one slot of ``max_tokens`` per rank (none in a streamed layout)."""
+        return 0 if self.stream_channels else self.num_ranks * self.max_tokens
+
+    @property
+    def stream(self) -> StreamSpace | None:
+        """The stream space's layout (None: a slot layout). Its rows fit the widest row it carries:
+        a BF16 token with ids and weights, an FP8 token with its scales too, or a combine row."""
+        if not self.stream_channels:
+            return None
+        k, x16, x8 = self.num_topk, self.hidden // 4, self.hidden // 8
+        words = max(row_words(x16, k, 0), row_words(x8, k, num_scales(self.hidden)), combine_row_words(x16, k))
+        return StreamSpace(self.num_ranks, self.stream_channels, self.ring_rows, -(-words // 16) * 16)
 
     @property
     def meta_bytes(self) -> int:
@@ -120,6 +144,10 @@ class RegionLayout:
         for area in AREAS:
             out[area] = at
             at += -(-self.area_rows(area) * self.row_bytes(area) // _ALIGN) * _ALIGN
+        stream = self.stream
+        if stream is not None:
+            out["stream"] = at
+            at += -(-stream.nbytes // _ALIGN) * _ALIGN
         out["end"] = at
         return out
 

@@ -1,0 +1,276 @@
+"""The calls of a streamed Buffer (``send="stream"``): ``StreamedMode`` runs a dispatch or a combine
+from its checked arguments to its outputs over ``StreamPath`` (ep.paths.streamed). No host meets
+a peer on the warm path: the GPUs trade the counts (the count exchange, Note [SM sends] in
+ep.paths.sm_pushes) and pace the rows (Note [Streamed dispatch] in ep.kernels.stream).
+
+# Note [Streamed calls]
+A fresh dispatch launches ``plan`` and the count exchange; without ``num_worst_tokens`` the host
+then reads the board once (the received row count sizes the outputs, as DeepEP's host reads its
+counters), places each source's rows (``recv_offset``) and launches the streamed dispatch. With
+``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
+copy and decide whether the round stands (the exchange accepted every rank's call, and no rank
+receives more than ``num_worst_tokens`` rows: every rank holds every source's counts, so all
+decide alike), and the streamed dispatch then sends nothing for a refused round; the counts reach
+the host when the Buffer's next call resolves the handle, which raises the refusal on every rank
+(Note [Padded dispatch returns at launch] in ep.protocol.normal has the same contract). A cached
+dispatch and a combine launch one streamed kernel each, from the handle: no count exchange.
+
+Every fresh dispatch launches its streamed kernel on every rank, a refused one too (sending
+nothing), so the space's seq count (ep.paths.streamed) stays the same on every rank whatever the
+ranks were told. A rank whose own arguments are wrong takes part the same way, without tokens
+(Note [Refused dispatch] in ep.protocol.normal).
+
+Failures: a call returns at launch; a program that misses its deadline (a dead or stalled peer)
+or is aborted leaves a status word that the Buffer's next call reads and raises as
+``TransferTimeout``. The rings then hold rows of unknown state, so the call after clears the space
+with every peer (``_clear``): each rank ends its launches (the abort word), meets the others
+through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``), zeroes its own space,
+meets again, and counts seqs from 1. A peer that sees a clear asked for at its next call joins it.
+A count exchange that timed out asks for a clear too (a peer may have launched the round's stream);
+the meet also brings every rank's fresh round count to the largest, so their count boards match again.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NoReturn
+
+import torch
+
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.stream import outputs as stream_outputs
+from warmlink.ep.paths.event import EventOverlap, record_done
+from warmlink.ep.paths.host_mover import as_words
+from warmlink.ep.paths.senders import FreshSend
+from warmlink.ep.protocol.checks import Checks
+from warmlink.ep.protocol.rounds import Rounds
+from warmlink.ep.wire import mailbox as mb
+from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board
+from warmlink.ep.wire.regions import PARITIES, RegionLayout
+from warmlink.ep.wire.words import REFUSED
+from warmlink.errors import ConfigError, TransferTimeout
+
+__all__ = ["StreamedMode"]
+
+_CLEAR = 1 << 62  # a meet value asking every rank to clear the stream space; the low bits: a fresh round
+
+
+class StreamedMode:
+    """One rank's calls over a ``StreamPath`` (Note [Streamed calls]); ``NormalMode``'s interface.
+
+    Args:
+        rounds: the mailboxes' meets (only a clear uses them) and ``all_gather_int``.
+        path: the ``StreamPath``. checks: the argument checks. layout: the streamed layout.
+        device: the CUDA device. done_events: the pooled events ``async_finish`` records.
+    """
+
+    def __init__(self, rounds: Rounds, path, checks: Checks, layout: RegionLayout, device: int, done_events) -> None:
+        self.rounds, self.path, self.checks, self.layout, self.device = rounds, path, checks, layout, device
+        self.mover = path.mover
+        self.rank, self.num_ranks, self.timeout_s = rounds.rank, rounds.num_ranks, rounds.timeout_s
+        self.done_events = done_events
+        self.fresh = 0  # the last fresh dispatch's round: its count board's tag
+        self.unresolved: Handle | None = None
+        self.must_clear = False
+        self.recv_failed = False  # no receive stream: close always orders the caller's stream after the calls
+        self.last_marks: dict[str, float] = {}
+        self.last_phases: dict[str, float] = {}
+
+    # -- between calls ------------------------------------------------------------------------------
+    def before_call(self, func: str) -> None:
+        """Clear the space if a failure (here or at a peer) asks for it; raise a finished call's
+        failure; bring a padded dispatch's counts to the host (raising its refusal)."""
+        asked = self._clear_asked()
+        if self.must_clear or asked:
+            mine = self.must_clear
+            self._clear()
+            if not mine:  # this rank's call is void: the peers that asked for the clear left theirs
+                raise TransferTimeout(f"ep.Buffer.{func}: ranks {asked} failed a streamed call and cleared the stream "
+                                      "space with this rank; this call did not run, and the outputs of this rank's "
+                                      "calls since that one are void (the next call works)")
+        failed = self.path.failures()
+        if failed is not None:
+            self.must_clear = True
+            raise failed
+        self.resolve()
+
+    def resolve(self) -> None:
+        handle, self.unresolved = self.unresolved, None
+        if handle is not None:
+            handle.resolve()
+
+    def abandon(self) -> None:
+        """At close: end every launch still waiting on a peer."""
+        self.unresolved = None
+        self.path.abort_all(self.fresh)
+        torch.cuda.synchronize(self.device)  # no launch writes a region that goes back to the pool
+        self.path.close()
+
+    def _clear_asked(self) -> list[int]:
+        """The peers that asked for a clear in a meet this rank has not joined (a host read per peer)."""
+        mailbox, meet = self.rounds.mailbox, self.rounds.meets + 1
+        return [r for r in range(self.num_ranks)
+                if r != self.rank and mailbox.round_of(r, mb.MEET) >= meet and mailbox.meet_value(r, meet) & _CLEAR]
+
+    def _clear(self) -> None:
+        """Clear the stream space with every peer (Note [Streamed calls]). Collective; a peer that
+        does not come raises ``TransferTimeout`` here, and the next call tries again."""
+        self.must_clear = True
+        self.unresolved = None
+        self.path.abort_all(self.fresh)
+        torch.cuda.synchronize(self.device)  # every launch of this rank ended: none writes a peer's space
+        fresh = max(v & (_CLEAR - 1) for v in self.rounds.all_gather_int(_CLEAR | self.fresh, self.timeout_s))
+        self.path.clear()
+        self.rounds.all_gather_int(_CLEAR | fresh, self.timeout_s)  # every space is zero before any seq 1
+        self.fresh = fresh
+        self.must_clear = False
+
+    # -- dispatch -----------------------------------------------------------------------------------
+    def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                 expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
+        """``ep.Buffer.dispatch`` on the stream path (its docstring says what each argument means)."""
+        t0 = time.perf_counter()
+        if return_recv_hook:
+            raise ConfigError("ep.Buffer.dispatch: return_recv_hook on a Buffer built with send='stream'; the streamed "
+                              "kernels receive as they send (build the Buffer with send='sm' for hook mode)")
+        cached = handle is not None
+        try:
+            args = self.checks.dispatch(x, cached, expert_alignment, num_worst_tokens, topk_idx, topk_weights,
+                                        num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, True)
+        except ConfigError as exc:
+            if cached:  # no exchange to refuse in (Note [Refused dispatch])
+                raise
+            self.refuse_dispatch(str(exc))
+        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
+        marks = self.last_marks = {"start": t0}
+        if cached:
+            out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
+        else:
+            src = Sources(as_words(tokens), topk, weights, scales)
+            self.fresh += 1
+            call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
+                             config, num_worst_tokens, self.fresh, f"dispatch.{self.fresh % PARITIES}", ("", ""))
+            out, handle = self._fresh(call, marks)
+        marks["sent"] = time.perf_counter()
+        self.last_phases = {"layout": marks.get("counts", marks["sent"]) - t0,
+                            "send": marks["sent"] - marks.get("counts", t0)}
+        recv_x = out.x.view(tokens.dtype).view(-1, self.layout.hidden)
+        recv_x = (recv_x, out.scales) if scales is not None else recv_x
+        return (recv_x, out.idx, out.weights, per_expert_list(handle, expert_alignment), handle,
+                self.event(PARITIES - 1, async_finish))
+
+    def _fresh(self, call: FreshSend, marks: dict):
+        """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``."""
+        path, src = self.path, call.src
+        rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
+        padded = bool(call.num_worst_tokens)
+        board = path.board_like() if padded else None
+        path.launch_counts(call, rows, board)
+        handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
+                        round=call.round, num_worst_tokens=call.num_worst_tokens, board=board,
+                        taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
+        marks["launched"] = time.perf_counter()
+        if padded:
+            handle.recv_offset, valid = self._padded_plan(board, call.num_worst_tokens, call.round)
+            handle.pending = functools.partial(self._complete, handle, call)
+            self.unresolved = handle
+            n = call.num_worst_tokens
+        else:
+            refused = None
+            try:
+                self._complete(handle, call)
+            except ConfigError as exc:  # every rank read the same board: each launches an empty stream
+                refused = exc
+            valid = path.valid(call.round)
+            n = 0 if refused is not None else handle.num_recv_tokens
+            if refused is None:
+                handle.recv_offset = torch.tensor(handle.recv_starts, dtype=torch.int64, device=rows.device)
+            else:
+                handle.recv_offset = torch.zeros(self.num_ranks, dtype=torch.int64, device=rows.device)
+        marks["counts"] = time.perf_counter()
+        out = stream_outputs(n, src)
+        if padded:  # rows past the received ones: no expert, no weight
+            for t, fill in ((out.idx, -1), (out.weights, 0)):
+                if t is not None:
+                    t.fill_(fill)
+        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid)
+        if not padded and refused is not None:
+            raise refused
+        return out, handle
+
+    def _padded_plan(self, board: torch.Tensor, num_worst_tokens: int, round_: int):
+        """``(recv_offset [R], valid [1])`` on the device from a padded round's board copy: where each
+        source's rows start here, and whether the round stands (the exchange accepted it, and no
+        rank receives more than ``num_worst_tokens`` rows)."""
+        counts = board[:, 2:2 + self.num_ranks]  # [source, destination]
+        mine = counts[:, self.rank]
+        fits = counts.sum(0).amax() <= num_worst_tokens
+        valid = ((self.path.valid(round_) != 0) & fits).to(torch.int64)
+        return mine.cumsum(0) - mine, valid
+
+    def _complete(self, handle: Handle, call: FreshSend) -> None:
+        """Fill ``handle``'s plan in from its round's board, waited for on the host. A refusal is the
+        same on every rank (each read the same board); a timeout asks for a clear."""
+        try:
+            words, board = self.path.wait_board(call.round, lambda: None)
+            handle.send_counts = self.checks.counts(words, handle.num_tokens, call.num_experts)[0].tolist()
+            plan_from_board(handle, board, call.round, self.rank, self.layout.max_tokens)
+        except TransferTimeout:
+            self.must_clear = True
+            raise
+
+    def _cached(self, handle, tokens, scales, num_worst_tokens: int):
+        """A cached dispatch: the handle's rows streamed again, no exchange; ``(outputs, handle)``."""
+        if not isinstance(handle, Handle) or handle.taken is None:
+            raise ConfigError(f"ep.Buffer.dispatch: handle is a {type(handle).__name__}; expected the Handle of a "
+                              "dispatch of this Buffer")
+        if handle.num_tokens != tokens.shape[0]:
+            raise ConfigError(f"ep.Buffer.dispatch: handle is for {handle.num_tokens} tokens; x has {tokens.shape[0]}")
+        handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
+        if num_worst_tokens not in (0, handle.num_worst_tokens):
+            raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
+                              f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
+        src = Sources(as_words(tokens), scales=scales)
+        out = stream_outputs(handle.num_worst_tokens or handle.num_recv_tokens, src)
+        self.path.dispatch(handle.combine_rows, src, out, handle.recv_offset, handle.taken,
+                           handle.num_experts // self.num_ranks)
+        return out, handle
+
+    def refuse_dispatch(self, reason: str, return_recv_hook: bool = False) -> NoReturn:
+        """Take part in the next fresh dispatch without tokens, refused (Note [Streamed calls]), then
+        raise ``ConfigError(reason)``. Collective."""
+        dev = torch.device("cuda", self.device)
+        src = Sources(as_words(torch.empty(0, self.layout.hidden, dtype=torch.bfloat16, device=dev)),
+                      torch.empty(0, 1, dtype=torch.int64, device=dev))
+        self.fresh += 1
+        per_rank = torch.full((self.num_ranks,), -1, dtype=torch.int32, device=dev)  # no row matches: the device refuses
+        call = FreshSend(src, torch.empty(0, self.num_ranks, dtype=torch.bool, device=dev), per_rank,
+                         torch.zeros(self.num_ranks, dtype=torch.int32, device=dev), self.num_ranks, REFUSED, 0,
+                         self.fresh, f"dispatch.{self.fresh % PARITIES}", ("", ""), refused=reason)
+        try:
+            self._fresh(call, {})
+        except ConfigError:  # the device's refusal of this very round
+            pass
+        raise ConfigError(reason)
+
+    # -- combine ------------------------------------------------------------------------------------
+    def combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
+        """``ep.Buffer.combine`` on the stream path, on checked ``rows`` and ``weights``."""
+        t0 = time.perf_counter()
+        if return_recv_hook:
+            raise ConfigError("ep.Buffer.combine: return_recv_hook on a Buffer built with send='stream'; the streamed "
+                              "kernels receive as they send (build the Buffer with send='sm' for hook mode)")
+        if handle.taken is None:
+            raise ConfigError("ep.Buffer.combine: handle is from a Buffer that does not stream; expected the Handle "
+                              "of a dispatch of this Buffer")
+        out = torch.empty(handle.num_tokens, self.layout.hidden, dtype=rows.dtype, device=rows.device)
+        out_w = None if weights is None else torch.empty(handle.num_tokens, weights.shape[1], dtype=torch.float32,
+                                                         device=rows.device)
+        self.path.combine(handle.combine_rows, rows.contiguous(), out, handle.taken, handle.recv_offset,
+                          None if weights is None else weights.contiguous(), out_w)
+        self.last_phases = {"send": time.perf_counter() - t0}
+        return out, out_w, self.event(2 * PARITIES - 1, async_finish)
+
+    def event(self, slot: int, async_finish: bool) -> EventOverlap:
+        return record_done(self.done_events, slot, self.device, async_finish)

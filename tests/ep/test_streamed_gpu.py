@@ -1,0 +1,76 @@
+"""ep.Buffer(send="stream") over cuda_ipc: the streamed dispatch and combine (ep.protocol.streamed)
+against the oracle, its refusals, and a stalled peer mid-stream. On one GPU two ranks share it
+(tests.ep._workers.rank_device): every step runs, at no link speed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ep._group import run_ranks
+from tests.ep._reference import reference_dispatch
+from tests.ep._streamed_workers import stalled_peer_then_clear
+from tests.ep._workers import case_inputs, dispatch_combine, expect_error
+from tests.ep.test_buffer import check_against_reference
+
+pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RANKS = min(max(_GPUS, 2), 8)
+
+
+def _tokens(*counts):
+    return [counts[r % len(counts)] for r in range(RANKS)]
+
+
+_STREAM = {"backend": "cuda_ipc", "send": "stream", "rounds": 2, "timeout_s": 60.0}
+CASES = {
+    # rings of 8 rows on 4 channels: every ring wraps many times a call
+    "bf16 uneven, masked, small rings, cached": {"tokens": _tokens(300, 0, 77, 512), "hidden": 1024, "experts": 32,
+                                                 "topk": 8, "mask_prob": 0.1, "cached": True, "cached_repeats": 3,
+                                                 "stream_channels": 4, "ring_rows": 8, "seed": 31},
+    "fp8": {"tokens": _tokens(256, 129), "hidden": 2048, "experts": 16, "topk": 4, "dtype": torch.float8_e4m3fn,
+            "cached": True, "seed": 32},
+    "deepseek hidden, cached": {"tokens": _tokens(1024, 640), "hidden": 7168, "experts": 64, "topk": 8, "cached": True,
+                                "seed": 33},
+    "padded outputs, cached, events": {"tokens": _tokens(200, 77), "hidden": 1024, "experts": 16, "topk": 4,
+                                       "cached": True, "num_worst_tokens": RANKS * 200, "async_finish": True,
+                                       "stream_channels": 3, "ring_rows": 16, "seed": 34},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_streamed_dispatch_combine_match_the_reference(name):
+    case = dict(CASES[name], **_STREAM)
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_gpu_a_refused_input_spends_the_streamed_round_and_the_next_one_works(padded):
+    """Rank 0 dispatches an expert id out of range: the count exchange refuses the round on every
+    rank, every rank's stream sends nothing (their seq counts stay in step), every rank raises
+    ConfigError naming rank 0 (a padded one at its next call), and the next dispatch is right."""
+    case = dict(_STREAM, tokens=_tokens(6, 9), hidden=256, experts=2 * RANKS, topk=2, fault="refused_then_valid",
+                refusal="bad_expert", worst=RANKS * 9 if padded else 0, seed=35)
+    results = run_ranks(expect_error, RANKS, case=case, timeout_s=300)
+    for first, _, padded_ids in results:
+        assert "ConfigError" in first and "drain" not in first, first
+        assert first.startswith("returned, then ") == padded, first
+        if padded:
+            assert bool((padded_ids == -1).all()), padded_ids
+    inputs = case_inputs(case)
+    ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
+    for d, (_, recv_x, _) in enumerate(results):
+        assert torch.equal(recv_x, ref[d]["recv_x"]), f"rank {d}: the dispatch after the refused one differs"
+
+
+def test_gpu_a_stalled_peer_mid_stream_raises_within_the_timeout_and_the_next_call_works():
+    timeout_s = 2.0
+    case = dict(_STREAM, tokens=_tokens(512, 300), hidden=1024, experts=16, topk=4, timeout_s=timeout_s,
+                stall_s=1.5 * timeout_s, stream_channels=4, ring_rows=8, seed=36)
+    results = run_ranks(stalled_peer_then_clear, RANKS, case=case, timeout_s=300)
+    for rank, got in enumerate(results):
+        assert got["first"].startswith("TransferTimeout"), (rank, got)
+        assert got["same_x"] and got["same_y"], (rank, got)
+    for got in results[:1]:  # the ranks that did not stall: an error within the deadline (and the host's slack)
+        assert got["first_s"] < timeout_s + 1.5, got
