@@ -48,3 +48,57 @@ def stalled_peer_then_clear(rank: int, num_ranks: int, store, case: dict) -> dic
         got["same_y"] = torch.equal(_cpu(buf.combine(out[0].clone(), out[4])[0]), want_y)
         torch.cuda.synchronize(device)
     return got
+
+
+def graph_replays(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """Every rank captures a padded fresh dispatch, a cached dispatch of its handle and a combine in
+    one CUDA graph (after two eager rounds of the same calls, which compile the kernels), then, for
+    each seed of ``case["seeds"]``, writes that seed's inputs and layout into the captured tensors,
+    replays the graph, and makes the same calls eagerly: per seed, whether each output of the
+    replay equals the eager one (the received rows; the padding's ids and weights whole)."""
+    device = rank_device(rank, case)
+    num_tokens, experts = case["tokens"][rank], case["experts"]
+    worst = num_ranks * max(case["tokens"])
+
+    def inputs(seed):
+        mine = case_inputs(dict(case, seed=seed))[rank]
+        return _to(mine["x"], device), mine["topk_idx"].to(device), mine["topk_weights"].to(device)
+
+    results = []
+    with _buffer(rank, num_ranks, store, case) as buf:
+        x, idx, w = inputs(case["seeds"][0])
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        static = {"x": x.clone(), "idx": idx.clone(), "w": w.clone(), "per_rank": per_rank.clone(),
+                  "in_rank": in_rank.clone(), "per_expert": per_expert.clone()}
+
+        def calls(t):
+            recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+                t["x"], topk_idx=t["idx"], topk_weights=t["w"], num_tokens_per_rank=t["per_rank"],
+                is_token_in_rank=t["in_rank"], num_tokens_per_expert=t["per_expert"], num_worst_tokens=worst)
+            cached = buf.dispatch(t["x"], handle=handle)[0]
+            combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            return (recv_x, recv_idx, recv_w, cached, combined, combined_w), handle
+
+        for _ in range(2):
+            calls(static)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, _ = calls(static)
+        for seed in case["seeds"]:
+            x, idx, w = inputs(seed)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+            for name, value in (("x", x), ("idx", idx), ("w", w), ("per_rank", per_rank), ("in_rank", in_rank),
+                                ("per_expert", per_expert)):
+                static[name].copy_(value)
+            graph.replay()
+            replayed = [_cpu(t) for t in captured]
+            eager, handle = calls(static)
+            eager = [_cpu(t) for t in eager]
+            n = handle.num_recv_tokens
+            same = {name: torch.equal(a[:n], b[:n]) if name in ("recv_x", "cached") else torch.equal(a, b)
+                    for name, a, b in zip(("recv_x", "recv_idx", "recv_w", "cached", "combined", "combined_w"),
+                                          replayed, eager)}
+            results.append({"seed": seed, "received": n, "same": same})
+        torch.cuda.synchronize(device)
+    return results

@@ -9,7 +9,7 @@ import torch
 
 from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
-from tests.ep._streamed_workers import stalled_peer_then_clear
+from tests.ep._streamed_workers import graph_replays, stalled_peer_then_clear
 from tests.ep._workers import case_inputs, dispatch_combine, expect_error
 from tests.ep.test_buffer import check_against_reference
 
@@ -74,3 +74,14 @@ def test_gpu_a_stalled_peer_mid_stream_raises_within_the_timeout_and_the_next_ca
         assert got["same_x"] and got["same_y"], (rank, got)
     for got in results[:1]:  # the ranks that did not stall: an error within the deadline (and the host's slack)
         assert got["first_s"] < timeout_s + 1.5, got
+
+
+def test_gpu_a_captured_padded_dispatch_cached_dispatch_and_combine_replay_like_eager_calls():
+    """ep.protocol.streamed, Note [Streamed calls]: the seq and round counts live on the device, so a
+    graph of streamed calls replays calls of their own, with eager calls between replays; every
+    replay's outputs equal the same calls made eagerly, for inputs written into the captured tensors."""
+    case = dict(_STREAM, tokens=_tokens(300, 77), hidden=1024, experts=16, topk=4, stream_channels=4, ring_rows=16,
+                seeds=[41, 42, 43])
+    for rank, per_seed in enumerate(run_ranks(graph_replays, RANKS, case=case, timeout_s=300)):
+        for got in per_seed:
+            assert got["received"] > 0 and all(got["same"].values()), (rank, got)

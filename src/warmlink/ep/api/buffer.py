@@ -21,6 +21,7 @@ from warmlink import _env
 from warmlink._closing import Closing
 from warmlink.ep.api.options import resolve_device, resolve_options, resolve_stream
 from warmlink.ep.kernels.layout import dispatch_layout
+from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.ep.paths.combine import Combiner
 from warmlink.ep.paths.comm_stream import INLINE
@@ -235,8 +236,9 @@ class Buffer(LowLatencyMethods, Closing):
                 returns at launch, as DeepEP's: the handle's counts reach the host at the Buffer's
                 next call, which raises such a refusal (and so does every use of the handle); the
                 refused round's outputs are all padding (ep.protocol.normal, Note [Padded dispatch returns
-                at launch]). Its round numbers are host ints, so it is not graph-capturable. A
-                cached dispatch pads as its handle's.
+                at launch]). Its round numbers are host ints, so it is not graph-capturable, but on
+                a streamed Buffer (``send="stream"``) it is (ep.protocol.streamed, Note [Streamed
+                calls]). A cached dispatch pads as its handle's.
             previous_event: an ``EventOverlap`` or ``torch.cuda.Event`` the call's work waits for first.
             async_finish: run the call on the Buffer's communication stream (``get_comm_stream()``)
                 after the caller's stream and ``previous_event``, and return an ``EventOverlap``
@@ -305,7 +307,8 @@ class Buffer(LowLatencyMethods, Closing):
         self._check_open("combine")
         if not isinstance(handle, Handle):
             raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
-        handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
+        if not capturing():  # (a captured call cannot wait for the device)
+            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
         rows, weights = self._checks.combine(x, topk_weights, handle)
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")

@@ -191,7 +191,9 @@ class Buffer(LowLatencyCalls, CommCalls):
                 ``num_ranks`` times the most tokens a rank sends), meets nobody, and in one round
                 returns at launch, the next call raising its refusal (ep.protocol.normal, Note [Padded
                 dispatch returns at launch]); in several, each round waits for its counts. Round
-                numbers are host ints: not graph-capturable here.
+                numbers are host ints: not graph-capturable. A streamed Buffer within (deep_ep.inner)
+                keeps its counts on the device; its capture is tested through ``ep.Buffer``, not
+                through this class yet.
             config: a ``Config`` or None; accepted and unused.
             previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
             async_finish: as DeepEP's: run on the communication stream (``get_comm_stream()``) after

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FastLaunch", "current_stream", "launch", "on_stream"]
+__all__ = ["FastLaunch", "capturing", "current_stream", "launch", "on_stream"]
 
 # The handle of the current stream: the call Triton's own launcher makes (its torch driver's
 # get_current_stream), 1-2 us of host time where ``torch.cuda.current_stream(d).cuda_stream``
 # costs 3-6 us, and ep asks for it several times per call.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where there is no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def current_stream(device: int) -> int:

@@ -89,8 +89,9 @@ from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.launch import launch
 from warmlink.errors import ConfigError
 
-__all__ = ["COUNTER_WORDS", "FIN", "Failure", "Sources", "StreamOutputs", "StreamSpace", "failures", "meta_words",
-           "outputs", "recv_offsets", "row_words", "stream_dispatch", "stream_dispatch_torch", "stream_nbytes"]
+__all__ = ["COUNTER_WORDS", "FIN", "Failure", "Sources", "StreamOutputs", "StreamSpace", "advance", "failures",
+           "meta_words", "outputs", "recv_offsets", "row_words", "seq_word", "stream_dispatch", "stream_dispatch_torch",
+           "stream_nbytes"]
 
 COUNTER_WORDS = 16  # int64 words of one tail or head: a 128-byte line each
 LINE_WORDS = 16  # a ring row is a whole number of 128-byte lines
@@ -230,6 +231,33 @@ def _always(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.int64, device=device)  # every round valid
 
 
+def seq_word(func: str, seq, device: torch.device) -> torch.Tensor:
+    """``seq`` as the int64 device word a kernel reads: itself if it is one, else a new one."""
+    if isinstance(seq, torch.Tensor):
+        if seq.dtype != torch.int64 or seq.numel() != 1 or seq.device != device:
+            raise ConfigError(f"{func}: seq {tuple(seq.shape)} {seq.dtype} on {seq.device}; expected one int64 on {device}")
+        return seq
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq < 1 << 31:
+        raise ConfigError(f"{func}: seq={seq!r}; expected 1 <= seq < 2**31")
+    return torch.full((1,), seq, dtype=torch.int64, device=device)
+
+
+def advance(counters: torch.Tensor, call_round: torch.Tensor | None = None, kernel=None) -> None:
+    """On the current stream: ``counters[1] += 1`` (the next call's seq), and with ``call_round`` (a
+    fresh dispatch) ``counters[0] += 1`` (its count exchange's round) written into ``call_round`` too.
+    ``counters``: ``[2]`` int64 on the device, zero before the first call."""
+    launch(kernel or _advance(), (1,), (counters, call_round if call_round is not None else counters),
+           {"FRESH": call_round is not None})
+
+
+@functools.cache
+def _advance():
+    from warmlink.ep.kernels import stream_programs
+    from warmlink.ep.kernels.launch import FastLaunch
+
+    return FastLaunch(stream_programs.advance_kernel)
+
+
 def pow2(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
@@ -250,7 +278,9 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         bases: ``[R]`` int64, the byte address of every rank's space in this process (this one's too),
             each 16-byte aligned (an allocation's start is; the kernel assumes it).
         status: ``[2C]`` int64, each program's status word (``failures``).
-        seq: this call's number, 1, 2, ... on every rank. max_tokens: ``plan``'s slot size.
+        seq: this call's number, 1, 2, ... on every rank: an int, or an int64 device word the kernel
+            reads when it runs (so that a CUDA graph's replays each run a call of their own: ``advance``).
+        max_tokens: ``plan``'s slot size.
         timeout_s: each wait's deadline on the device clock. abort: byte address of an int64 that,
             set to ``seq`` or more, ends every wait (0: none).
         role: ``"both"``, or ``"send"`` / ``"recv"`` alone (tests: the interpreter runs programs in order).
@@ -265,8 +295,7 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
         raise ConfigError(f"stream_dispatch: role={role!r}; expected 'both', 'send' or 'recv'")
-    if not 1 <= seq < 1 << 31:
-        raise ConfigError(f"stream_dispatch: seq={seq}; expected 1 <= seq < 2**31")
+    seq = seq_word("stream_dispatch", seq, rows.device)
     for name, value in (("tokens", tokens), ("x_block", x_block)):
         if value < 1 or value & (value - 1):
             raise ConfigError(f"stream_dispatch: {name}={value}; expected a power of 2")

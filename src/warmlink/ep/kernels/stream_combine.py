@@ -47,7 +47,7 @@ import functools
 import torch
 
 from warmlink.ep.kernels.launch import launch
-from warmlink.ep.kernels.stream import BATCH_ROWS, PUBLISH_ROWS, StreamSpace, no_abort, pow2, sm_count
+from warmlink.ep.kernels.stream import BATCH_ROWS, PUBLISH_ROWS, StreamSpace, no_abort, pow2, seq_word, sm_count
 from warmlink.errors import ConfigError
 
 __all__ = ["combine_row_words", "stream_combine", "stream_combine_torch"]
@@ -77,7 +77,7 @@ def _check(name: str, t: torch.Tensor | None, shape: tuple, dtype, where: str) -
 
 
 def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
-                   recv_offset: torch.Tensor, bases: torch.Tensor, status: torch.Tensor, *, me: int, seq: int,
+                   recv_offset: torch.Tensor, bases: torch.Tensor, status: torch.Tensor, *, me: int, seq,
                    timeout_s: float, weights: torch.Tensor | None = None, out_weights: torch.Tensor | None = None,
                    abort: int = 0, role: str = "both", publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS,
                    kernel=None, num_warps: int = 0) -> None:
@@ -91,7 +91,8 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
         taken, recv_offset: ``[R, C]`` and ``[R]`` int64, the dispatch's here (``stream_dispatch``'s
             ``taken`` and ``recv_offset``).
         bases: ``[R]`` int64 byte addresses of every rank's space. status: ``[2C]`` int64 status words.
-        seq: this call's number: one more than the dispatch's (the two share the count).
+        seq: this call's number: one more than the dispatch's (the two share the count); an int or an
+            int64 device word, as ``stream_dispatch``'s.
         weights, out_weights: ``[N, K]`` and ``[T, K]`` float32, both or neither: summed as x.
         timeout_s, abort, role, kernel, num_warps: as ``stream_dispatch``'s.
         publish, batch: rows a sender moves between tail stores; a receiver's tile of tokens (powers of 2).
@@ -99,8 +100,7 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
         raise ConfigError(f"stream_combine: role={role!r}; expected 'both', 'send' or 'recv'")
-    if not 1 <= seq < 1 << 31:
-        raise ConfigError(f"stream_combine: seq={seq}; expected 1 <= seq < 2**31")
+    seq = seq_word("stream_combine", seq, x.device)
     for name, value in (("publish", publish), ("batch", batch)):
         if value < 1 or value & (value - 1):
             raise ConfigError(f"stream_combine: {name}={value}; expected a power of 2")

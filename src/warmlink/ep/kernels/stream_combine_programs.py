@@ -16,9 +16,9 @@ from warmlink.ep.kernels.stream_programs import (BAD_ROW, COUNT_MASK, COUNTER, F
 __all__ = ["stream_combine_kernel", "fence_system"]
 
 
-@triton.jit(do_not_specialize=["seq", "num_tokens", "x_rows", "first_program"])
+@triton.jit(do_not_specialize=["num_tokens", "x_rows", "first_program"])
 def stream_combine_kernel(rows_ptr, x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, out_ptr, out_w_ptr, status_ptr,
-                          abort_ptr, me, seq, num_tokens, x_rows, x_words, num_k, row_words, ring_rows, timeout_ns,
+                          abort_ptr, me, seq_ptr, num_tokens, x_rows, x_words, num_k, row_words, ring_rows, timeout_ns,
                           first_program,
                           NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr, R_BLOCK: tl.constexpr,
                           C_BLOCK: tl.constexpr, X_BLOCK: tl.constexpr, X_CHUNKS: tl.constexpr, H_BLOCK: tl.constexpr,
@@ -27,7 +27,7 @@ def stream_combine_kernel(rows_ptr, x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_
     # program p < CHANNELS sends back the rows dispatch channel p took here, program CHANNELS + c
     # sums the copies of this rank's tokens of channel c; ``first_program`` as the dispatch's
     p = tl.program_id(0) + first_program
-    seq64 = seq.to(tl.int64)
+    seq64 = tl.load(seq_ptr)
     if p < CHANNELS:
         status = combine_send(x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, abort_ptr, p, me, seq64, x_rows,
                               x_words, num_k, row_words, ring_rows, timeout_ns, NUM_RANKS, CHANNELS, R_BLOCK, C_BLOCK,

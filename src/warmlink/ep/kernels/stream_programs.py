@@ -24,9 +24,9 @@ _BIG = tl.constexpr(1 << 30)
 ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's threads
 
 
-@triton.jit(do_not_specialize=["seq", "num_tokens", "out_rows", "first_program"])
+@triton.jit(do_not_specialize=["num_tokens", "out_rows", "first_program"])
 def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr,
-                           out_w_ptr, out_s_ptr, status_ptr, abort_ptr, valid_ptr, me, seq, num_tokens, max_tokens,
+                           out_w_ptr, out_s_ptr, status_ptr, abort_ptr, valid_ptr, me, seq_ptr, num_tokens, max_tokens,
                            x_words, num_k,
                            num_scales, s_token_stride, s_col_stride, meta_words, row_words, ring_rows, out_rows,
                            experts_per_rank, timeout_ns, first_program, taken_ptr,
@@ -35,9 +35,10 @@ def stream_dispatch_kernel(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, o
                            HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr, PUBLISH: tl.constexpr,
                            BATCH: tl.constexpr, TOKENS: tl.constexpr):
     # program p < CHANNELS sends channel p's tokens, program CHANNELS + c receives channel c;
+    # the call's seq is the int64 at ``seq_ptr``;
     # ``first_program`` lets a launch run only one role (the interpreter runs programs in order)
     p = tl.program_id(0) + first_program
-    seq64 = seq.to(tl.int64)
+    seq64 = tl.load(seq_ptr)  # a device word: a graph's replays each run the call of their own seq
     if p < CHANNELS:
         # a round the count exchange refused (its word 0) sends no token, only FIN
         num_tokens = tl.where(tl.load(valid_ptr) != 0, num_tokens, 0)
@@ -312,3 +313,14 @@ def take_rows(own, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_ptr, s,
                          cache_modifier=".cg")
             tl.store(out_s_ptr + o[:, None] * num_scales + sc[None, :], sv, mask=sin)
     return bad
+
+
+@triton.jit
+def advance_kernel(counters_ptr, call_round_ptr, FRESH: tl.constexpr):
+    # the next call's seq (counters[1]); a fresh dispatch's also its count exchange's round
+    # (counters[0]), into the round word of its call block
+    tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + 1)
+    if FRESH:
+        round_ = tl.load(counters_ptr) + 1
+        tl.store(counters_ptr, round_)
+        tl.store(call_round_ptr, round_)

@@ -147,9 +147,10 @@ class SmPushes:
         self._pushed(phase)
 
     def send_counts(self, shape: FreshShape, call: tuple[int, ...], round_: int, timeout_s: float,
-                    graphs: bool = True, board_copy: torch.Tensor | None = None) -> tuple:
+                    graphs: bool = True, board_copy: torch.Tensor | None = None, advance=None) -> tuple:
         """``send_sm``'s steps up to the board, without the push (a streamed dispatch moves its rows
-        itself, ep.paths.streamed); the key its launches ran under."""
+        itself, ep.paths.streamed); the key its launches ran under. ``advance``: a step launched
+        right after the call block reaches the device (the streamed path writes its round there)."""
         parity = round_ % PARITIES
         self._call_words[:] = call
         self._abort_word[0] = 0
@@ -158,7 +159,7 @@ class SmPushes:
         current = self._current()
         # two launches with the board's event between them: an event recorded by a graph node
         # might read as the previous round's on the host
-        self._launch(("front", *key), lambda: self._fresh_front(key), graphs)
+        self._launch(("front", *key), lambda: self._fresh_front(key, advance), graphs)
         if board_copy is not None:  # before the event: resolving the handle then implies the copy ran
             board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
             self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
@@ -170,12 +171,30 @@ class SmPushes:
         (rank 0's push base, never 0 otherwise: the address of its receive area, Note [SM sends])."""
         return self._sm_tables(round_ % PARITIES)[3, :1]
 
-    def _fresh_front(self, key: tuple) -> None:
+    def captured_counts(self, shape: FreshShape, call: tuple[int, ...], timeout_s: float, board_copy: torch.Tensor,
+                        advance) -> None:
+        """``send_counts``'s device steps inside a caller's CUDA graph capture (a padded streamed
+        dispatch, ep.protocol.streamed): the call block is a device tensor of its own, filled by
+        kernels (a copy from the pinned block would replay whatever the host wrote there last),
+        then ``advance(block)`` writes the round; ``plan`` and ``exchange`` of parity 0; the board
+        into ``board_copy``. Nothing reaches the host."""
+        block = torch.empty(len(CALL_SLOTS), dtype=torch.int64, device=self._own.device)
+        for i, word in enumerate(call):
+            block[i].fill_(word)
+        advance(block)
+        steps.fresh_front(shape, block, self._words, self._sm_tables(0), self._abort_ptr, self.rank, timeout_s,
+                          self._board_row)
+        board = self._ptrs[self.rank] + self._offsets["board.0"]
+        self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, self._current())
+
+    def _fresh_front(self, key: tuple, advance=None) -> None:
         """``send_sm``'s steps up to the board on the host, on the current stream: the call block
         to the device, ``plan`` and ``exchange``, the plan's words and the board to the host."""
         parity, shape, timeout_s = key
         cuda, current = self._cuda, self._current()
         cuda.memcpy_async(self._call.data_ptr(), self._call_host.data_ptr(), self._call_host.numel() * 8, current)
+        if advance is not None:
+            advance(self._call)
         tables = self._sm_tables(parity)
         steps.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
         words = steps.words_size(shape.num_ranks, shape.num_experts)

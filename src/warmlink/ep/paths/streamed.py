@@ -6,10 +6,18 @@ rows start in its outputs; then one kernel streams the rows. The order of those 
 the host waits for, is the protocol's (ep.protocol.streamed); this path launches them.
 
 Every launch is a call of the space's seq count (1, 2, 3, ... on every rank: dispatch, cached
-dispatch and combine alike). Its ``2C`` status words are copied to pinned host memory behind it,
-with an event: ``failures`` reads the finished ones without waiting, so a call returns at launch
-and its failure (a peer's deadline, an abort) is raised by a later call. ``abort_all`` ends every
-queued launch's waits at once; ``clear`` zeroes the space and starts the count again.
+dispatch and combine alike), and every fresh dispatch a round of the count exchange. Both counts
+live on the device (``counters``: a kernel advances them before each call, ep.kernels.stream
+``advance``), so that a CUDA graph of calls runs calls of their own at every replay; the host
+holds neither. One board parity serves every round: a rank's stream of round n ends only after
+every peer's stream of round n began, which follows that peer's exchange of round n, so no
+source writes round n + 1 into a board still read for round n.
+
+An eager launch's ``2C`` status words are copied to pinned host memory behind it, with an event:
+``failures`` reads the finished ones without waiting, so a call returns at launch and its
+failure (a peer's deadline, an abort) is raised by a later call. A launch captured in a graph
+writes its words into a row of its own, which every eager call copies back too. ``abort_all``
+ends every queued launch's waits at once; ``clear`` zeroes the space, the boards and the counts.
 """
 
 from __future__ import annotations
@@ -19,16 +27,19 @@ from collections import deque
 import torch
 
 from warmlink.ep.kernels import stream, stream_combine
-from warmlink.ep.kernels.call_block import Sources, call_words
-from warmlink.ep.kernels.stream import Failure, StreamOutputs
+from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
+from warmlink.ep.kernels.launch import capturing
+from warmlink.ep.kernels.stream import StreamOutputs
 from warmlink.ep.paths.senders import FreshSend, fresh_shape
 from warmlink.ep.wire.regions import RegionLayout
-from warmlink.errors import TransferTimeout
+from warmlink.errors import ConfigError, TransferTimeout
 
-__all__ = ["ABORT_ALL", "StreamPath"]
+__all__ = ["ABORT_ALL", "MAX_CAPTURED", "StreamPath"]
 
-ABORT_ALL = 1 << 40  # an abort word past every seq: ends the waits of every launch queued
+ABORT_ALL = 1 << 40  # an abort word past every seq and round: ends the waits of every launch queued
 _SLOTS = 8  # status words in flight: a caller more than this many calls ahead of its stream waits
+MAX_CAPTURED = 256  # streamed calls a Buffer's CUDA graphs may hold: each has status words of its own
+_ROUND = CALL_SLOTS.index("round")
 
 
 class StreamPath:
@@ -53,82 +64,105 @@ class StreamPath:
         self.space = layout.stream
         self.rank, self.num_ranks, self.device = rank, num_ranks, device
         self.graphs, self.timeout_s = graphs, timeout_s
-        self.seq = 0  # the last call launched
         on = torch.device("cuda", device)
+        self.counters = torch.zeros(2, dtype=torch.int64, device=on)  # [the last round, the last seq]
         self.bases = torch.tensor([mover.area_address(r, "stream") for r in range(num_ranks)], dtype=torch.int64,
                                   device=on)
-        start = layout.offsets()["stream"]
-        self._own = mover.own_region[start:start + self.space.nbytes]
-        width = 2 * self.space.channels
-        self._status = torch.zeros(_SLOTS, width, dtype=torch.int64, device=on)
-        self._status_host = torch.zeros(_SLOTS, width, dtype=torch.int64, device="cpu", pin_memory=True)
+        at = layout.offsets()
+        self._own = mover.own_region[at["stream"]:at["stream"] + self.space.nbytes]
+        self._boards = mover.own_region[at["board.0"]:at["stream"]]  # both parities' (the streamed layout's order)
+        rows, width = _SLOTS + MAX_CAPTURED, 2 * self.space.channels
+        self._status = torch.zeros(rows, width, dtype=torch.int64, device=on)
+        self._status_host = torch.zeros(rows, width, dtype=torch.int64, device="cpu", pin_memory=True)
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)  # read by the kernels through UVA
         self._leases = [lease_event(device) for _ in range(_SLOTS)]
         self._events = [lease.resource.handle for lease in self._leases]
-        self._queued: deque[tuple[int, int, str]] = deque()  # (slot, seq, what) launched, not yet read
+        self.launched = 0  # eager launches: their status slots rotate by it
+        self.captured = 0  # launches captured in graphs: their status rows follow the eager slots
+        self._queued: deque[tuple[int, int, str]] = deque()  # (slot, captured rows then, what), not yet read
 
     # -- a fresh dispatch's counts -----------------------------------------------------------------
     def launch_counts(self, call: FreshSend, rows: torch.Tensor, board: torch.Tensor | None) -> None:
-        """``plan`` and the count exchange of ``call`` on the current stream (``rows``: the plan's,
-        the handle keeps them; ``board``: a ``board_like()`` tensor the board is copied into)."""
+        """``plan`` and the count exchange of ``call`` on the current stream, its round advanced on the
+        device (``rows``: the plan's, the handle keeps them; ``board``: a ``board_like()`` tensor the
+        board is copied into, which a call inside a graph capture needs)."""
         src = call.src
-        self.mover.send_counts(fresh_shape(self.layout, self.num_ranks, call),
-                               call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows, src,
-                                          call.round, call.config),
-                               call.round, self.timeout_s, self.graphs, board_copy=board)
+        shape = fresh_shape(self.layout, self.num_ranks, call)
+        words = call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows, src, 0, call.config)
+        if capturing():
+            self.mover.captured_counts(shape, words, self.timeout_s, board, self._advance_fresh)
+        else:
+            self.mover.send_counts(shape, words, 0, self.timeout_s, self.graphs, board_copy=board,
+                                   advance=self._advance_fresh)
+
+    def _advance_fresh(self, block: torch.Tensor) -> None:
+        stream.advance(self.counters, block[_ROUND:_ROUND + 1])
 
     def board_like(self) -> torch.Tensor:
         return self.mover.board_like()
 
-    def wait_board(self, round_: int, check):
-        """``(plan words, count board)`` of ``round_``'s exchange on the host (``check`` as ``CudaMover.wait_board``'s)."""
-        return self.mover.wait_board(round_, self.timeout_s, check)
+    def wait_board(self, check):
+        """``(plan words, count board)`` of the last eager exchange on the host (``check`` as
+        ``CudaMover.wait_board``'s); giving up ends the exchange's wait whatever its round."""
+        return self.mover.wait_board(ABORT_ALL, self.timeout_s, check)
 
-    def valid(self, round_: int) -> torch.Tensor:
-        """The device word that is 0 when ``round_``'s count exchange refused the round."""
-        return self.mover.exchange_valid(round_)
-
-    def abort_counts(self, round_: int) -> None:
-        self.mover.abort_exchange(round_)
+    def valid(self) -> torch.Tensor:
+        """The device word that is 0 when the last count exchange refused its round."""
+        return self.mover.exchange_valid(0)
 
     # -- the streamed calls ------------------------------------------------------------------------
     def dispatch(self, rows: torch.Tensor, src: Sources, out: StreamOutputs, recv_offset: torch.Tensor,
-                 taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None) -> int:
+                 taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
+                 fresh: bool = False) -> None:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
-        stream; its seq."""
-        slot, seq = self._next()
+        stream (``fresh``: right after ``launch_counts``, which advanced the seq already)."""
+        if not fresh:
+            stream.advance(self.counters)
+        slot = self._slot()
         stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status[slot], me=self.rank,
-                               seq=seq, max_tokens=self.layout.max_tokens, experts_per_rank=experts_per_rank,
-                               timeout_s=self.timeout_s, abort=self._abort.data_ptr(), taken=taken, valid=valid)
-        return self._launched(slot, seq, "dispatch")
+                               seq=self.counters[1:], max_tokens=self.layout.max_tokens,
+                               experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
+                               abort=self._abort.data_ptr(), taken=taken, valid=valid)
+        self._launched(slot, "dispatch")
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
-                recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> int:
-        """Stream ``x``'s rows back to their sources, which sum them into ``out``; its seq."""
-        slot, seq = self._next()
+                recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:
+        """Stream ``x``'s rows back to their sources, which sum them into ``out``."""
+        stream.advance(self.counters)
+        slot = self._slot()
         stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status[slot],
-                                      me=self.rank, seq=seq, timeout_s=self.timeout_s, weights=weights,
+                                      me=self.rank, seq=self.counters[1:], timeout_s=self.timeout_s, weights=weights,
                                       out_weights=out_weights, abort=self._abort.data_ptr())
-        return self._launched(slot, seq, "combine")
+        self._launched(slot, "combine")
 
-    def _next(self) -> tuple[int, int]:
-        """The next call's status slot and seq; waits (with the timeout) for the slot's last reader."""
-        seq = self.seq + 1
-        slot = seq % _SLOTS
-        if self._queued and len(self._queued) >= _SLOTS:
+    def _slot(self) -> int:
+        """The status row of the next launch: an eager slot (waiting, with the timeout, for its
+        last reader), or a captured launch's row of its own."""
+        if capturing():
+            if self.captured >= MAX_CAPTURED:
+                raise ConfigError(f"ep.Buffer: {MAX_CAPTURED} streamed calls are captured in this Buffer's graphs "
+                                  "already, the most it holds status words for")
+            self.captured += 1
+            return _SLOTS + self.captured - 1
+        if len(self._queued) >= _SLOTS:
             failed = self._read(block=True)
             if failed:
                 raise failed
-        return slot, seq
+        return self.launched % _SLOTS
 
-    def _launched(self, slot: int, seq: int, what: str) -> int:
-        cuda, current = self._cuda, self.mover.current_stream()
-        cuda.memcpy_async(self._status_host[slot].data_ptr(), self._status[slot].data_ptr(),
-                          self._status_host.shape[1] * 8, current)
+    def _launched(self, slot: int, what: str) -> None:
+        """Copy an eager launch's status words back behind it (and every captured launch's: their
+        graphs may have run since), then its event."""
+        if slot >= _SLOTS:
+            return
+        cuda, current, nbytes = self._cuda, self.mover.current_stream(), self._status.shape[1] * 8
+        cuda.memcpy_async(self._status_host[slot].data_ptr(), self._status[slot].data_ptr(), nbytes, current)
+        if self.captured:
+            cuda.memcpy_async(self._status_host[_SLOTS].data_ptr(), self._status[_SLOTS].data_ptr(),
+                              self.captured * nbytes, current)
         cuda.event_record(self._events[slot], current)
-        self.seq = seq
-        self._queued.append((slot, seq, what))
-        return seq
+        self.launched += 1
+        self._queued.append((slot, self.captured, what))
 
     # -- failures ------------------------------------------------------------------------------------
     def failures(self) -> TransferTimeout | None:
@@ -138,32 +172,37 @@ class StreamPath:
 
     def _read(self, block: bool) -> TransferTimeout | None:
         while self._queued:
-            slot, seq, what = self._queued[0]
+            slot, captured, what = self._queued[0]
             event = self._events[slot]
             if not self._cuda.event_query(event):
                 if not block:
                     return None
                 self.mover.poll(lambda: self._cuda.event_query(event), 2 * self.timeout_s + 1, lambda: (
-                    f"ep: streamed {what} {seq} did not end on cuda:{self.device} within its deadline"))
+                    f"ep: a streamed {what} did not end on cuda:{self.device} within its deadline"))
             self._queued.popleft()
-            failed = stream.failures(self._status_host[slot], seq, self.space.channels)
-            if failed:
-                return TransferTimeout(_describe(what, seq, failed))
+            rows = [(slot, what)] + [(_SLOTS + i, "call of a CUDA graph") for i in range(captured)]
+            for row, name in rows:
+                failed = _failed(self._status_host[row], name, self.space.channels)
+                if failed is not None:
+                    return failed
         return None
 
-    def abort_all(self, round_: int) -> None:
-        """End every queued launch's waits now (each ends as aborted), and the count exchange of ``round_``."""
+    def abort_all(self) -> None:
+        """End every queued launch's waits now (each ends as aborted), and every count exchange's."""
         self._abort[0] = ABORT_ALL
-        self.mover.abort_exchange(round_)
+        self.mover.abort_exchange(ABORT_ALL)
 
     def clear(self) -> None:
         """After ``abort_all`` and once every launch of this rank ended (the caller synchronized):
-        zero this rank's space, forget the queued status words, and count seqs from 1 again."""
-        self._own.zero_()
+        zero this rank's space, its boards, the counts and the status words, and lift the abort."""
+        for t in (self._own, self._boards, self.counters, self._status):
+            t.zero_()
         torch.cuda.synchronize(self.device)
+        self._status_host.zero_()
         self._queued.clear()
         self._abort[0] = 0
-        self.seq = 0
+        self.mover.abort_exchange(0)
+        self.launched = 0
 
     def close(self) -> None:
         for lease in self._leases:
@@ -171,9 +210,15 @@ class StreamPath:
         self._leases = []
 
 
-def _describe(what: str, seq: int, failed: list[Failure]) -> str:
+def _failed(words: torch.Tensor, what: str, channels: int) -> TransferTimeout | None:
+    """The error of a call whose status words hold a failure, else None (all zero: never ran)."""
+    bad = [w for w in words.tolist()[:2 * channels] if w & 0xFFFFFFFF]
+    if not bad:
+        return None
+    failed = stream.failures(words, bad[0] >> 32, channels)
     first = failed[0]
     how = "aborted" if first.aborted else "timed out"
-    return (f"ep: streamed {what} {seq} failed: {len(failed)} program(s) did not finish; the first, {first.role} "
-            f"channel {first.channel}, {how} waiting for {first.wait} from rank {first.peer}. Its outputs and "
-            "those of the calls after it are void; the Buffer's next call clears the stream space with every peer")
+    return TransferTimeout(
+        f"ep: a streamed {what} (seq {first.seq}) failed: {len(failed)} program(s) did not finish; the first, "
+        f"{first.role} channel {first.channel}, {how} waiting for {first.wait} from rank {first.peer}. Its outputs "
+        "and those of the calls after it are void; the Buffer's next call clears the stream space with every peer")

@@ -181,18 +181,22 @@ class Checks:
 
     def combine(self, x, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(rows, weights or None)`` of a combine: ``x`` and ``topk_weights`` cut to the rows that
-        ``handle``'s dispatch received (its padding rows are not combined), weights as float32."""
+        ``handle``'s dispatch received (its padding rows are not combined; a streamed handle's are
+        not cut: its kernel reads the received rows alone), weights as float32."""
         lay = self._layout
         padded = handle.num_worst_tokens or handle.num_recv_tokens  # the rows of that dispatch's outputs
         rows = self.rows(x, "x", padded)
-        if handle.num_worst_tokens:
+        # a streamed combine reads only the received rows itself (and a captured one cannot ask how many)
+        cut = handle.num_worst_tokens and handle.taken is None
+        if cut:
             rows = rows[:handle.num_recv_tokens]
         if rows.dtype not in X_DTYPES or rows.shape[1] != lay.hidden:
             raise ConfigError(f"ep.Buffer.combine: x is {rows.dtype} with {rows.shape[1]} channels; expected one of "
                               f"{list(X_DTYPES)} with hidden={lay.hidden}")
         if topk_weights is None:
             return rows, None
-        weights = self.rows(topk_weights, "topk_weights", padded)[:handle.num_recv_tokens].float()
+        weights = self.rows(topk_weights, "topk_weights", padded)
+        weights = (weights[:handle.num_recv_tokens] if cut else weights).float()
         if weights.shape[1] > lay.num_topk:
             raise ConfigError(f"ep.Buffer.combine: topk_weights has {weights.shape[1]} columns; at most {lay.num_topk}")
         return rows, weights

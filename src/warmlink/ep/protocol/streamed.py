@@ -20,14 +20,21 @@ nothing), so the space's seq count (ep.paths.streamed) stays the same on every r
 ranks were told. A rank whose own arguments are wrong takes part the same way, without tokens
 (Note [Refused dispatch] in ep.protocol.normal).
 
+CUDA graphs: the seq and round counts live on the device, so a padded fresh dispatch, a cached
+dispatch and a combine may be captured in a caller's graph (``torch.cuda.graph``) and replayed,
+every rank replaying the same graphs in the same order as its calls. A captured call reads no
+host memory at replay; its handle's counts come from its board copy when something asks for
+them (``Handle.resolve``, which then waits for the device). A replay's failure is raised by the
+Buffer's next eager call, which reads every captured call's status words back.
+
 Failures: a call returns at launch; a program that misses its deadline (a dead or stalled peer)
 or is aborted leaves a status word that the Buffer's next call reads and raises as
 ``TransferTimeout``. The rings then hold rows of unknown state, so the call after clears the space
-with every peer (``_clear``): each rank ends its launches (the abort word), meets the others
-through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``), zeroes its own space,
-meets again, and counts seqs from 1. A peer that sees a clear asked for at its next call joins it.
-A count exchange that timed out asks for a clear too (a peer may have launched the round's stream);
-the meet also brings every rank's fresh round count to the largest, so their count boards match again.
+with every peer (``_clear``): each rank ends its launches (the abort words), meets the others
+through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``), zeroes its space,
+boards and counts, meets again, and counts from 1. A peer that sees a clear asked for at its next
+call joins it, and raises for that call (its peers left theirs). A count exchange that timed out
+asks for a clear too (a peer may have launched the round's stream).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import NoReturn
 import torch
 
 from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import outputs as stream_outputs
 from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
@@ -53,7 +61,7 @@ from warmlink.errors import ConfigError, TransferTimeout
 
 __all__ = ["StreamedMode"]
 
-_CLEAR = 1 << 62  # a meet value asking every rank to clear the stream space; the low bits: a fresh round
+_CLEAR = 1 << 62  # a meet value asking every rank to clear the stream space
 
 
 class StreamedMode:
@@ -70,7 +78,6 @@ class StreamedMode:
         self.mover = path.mover
         self.rank, self.num_ranks, self.timeout_s = rounds.rank, rounds.num_ranks, rounds.timeout_s
         self.done_events = done_events
-        self.fresh = 0  # the last fresh dispatch's round: its count board's tag
         self.unresolved: Handle | None = None
         self.must_clear = False
         self.recv_failed = False  # no receive stream: close always orders the caller's stream after the calls
@@ -80,8 +87,14 @@ class StreamedMode:
     # -- between calls ------------------------------------------------------------------------------
     def before_call(self, func: str) -> None:
         """Clear the space if a failure (here or at a peer) asks for it; raise a finished call's
-        failure; bring a padded dispatch's counts to the host (raising its refusal)."""
+        failure; bring a padded dispatch's counts to the host (raising its refusal). Inside a graph
+        capture none of that can run: a clear still due refuses the call."""
         asked = self._clear_asked()
+        if capturing():
+            if self.must_clear or asked:
+                raise ConfigError(f"ep.Buffer.{func}: captured in a CUDA graph while the stream space awaits a clear "
+                                  "after a failure; make an eager call first (it clears the space with every peer)")
+            return
         if self.must_clear or asked:
             mine = self.must_clear
             self._clear()
@@ -103,7 +116,7 @@ class StreamedMode:
     def abandon(self) -> None:
         """At close: end every launch still waiting on a peer."""
         self.unresolved = None
-        self.path.abort_all(self.fresh)
+        self.path.abort_all()
         torch.cuda.synchronize(self.device)  # no launch writes a region that goes back to the pool
         self.path.close()
 
@@ -118,12 +131,11 @@ class StreamedMode:
         does not come raises ``TransferTimeout`` here, and the next call tries again."""
         self.must_clear = True
         self.unresolved = None
-        self.path.abort_all(self.fresh)
+        self.path.abort_all()
         torch.cuda.synchronize(self.device)  # every launch of this rank ended: none writes a peer's space
-        fresh = max(v & (_CLEAR - 1) for v in self.rounds.all_gather_int(_CLEAR | self.fresh, self.timeout_s))
+        self.rounds.all_gather_int(_CLEAR, self.timeout_s)
         self.path.clear()
-        self.rounds.all_gather_int(_CLEAR | fresh, self.timeout_s)  # every space is zero before any seq 1
-        self.fresh = fresh
+        self.rounds.all_gather_int(_CLEAR, self.timeout_s)  # every space is zero before any call 1
         self.must_clear = False
 
     # -- dispatch -----------------------------------------------------------------------------------
@@ -139,7 +151,7 @@ class StreamedMode:
             args = self.checks.dispatch(x, cached, expert_alignment, num_worst_tokens, topk_idx, topk_weights,
                                         num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, True)
         except ConfigError as exc:
-            if cached:  # no exchange to refuse in (Note [Refused dispatch])
+            if cached or capturing():  # no exchange to refuse in (Note [Refused dispatch])
                 raise
             self.refuse_dispatch(str(exc))
         tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
@@ -148,9 +160,8 @@ class StreamedMode:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
         else:
             src = Sources(as_words(tokens), topk, weights, scales)
-            self.fresh += 1
             call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
-                             config, num_worst_tokens, self.fresh, f"dispatch.{self.fresh % PARITIES}", ("", ""))
+                             config, num_worst_tokens, 0, "dispatch", ("", ""))
             out, handle = self._fresh(call, marks)
         marks["sent"] = time.perf_counter()
         self.last_phases = {"layout": marks.get("counts", marks["sent"]) - t0,
@@ -163,62 +174,76 @@ class StreamedMode:
     def _fresh(self, call: FreshSend, marks: dict):
         """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``."""
         path, src = self.path, call.src
-        rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
+        in_graph = capturing()
         padded = bool(call.num_worst_tokens)
+        if in_graph and not padded:
+            raise ConfigError("ep.Buffer.dispatch: a fresh dispatch captured in a CUDA graph needs num_worst_tokens "
+                              "(its outputs are sized at capture; without it the host reads the received count)")
+        rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
         board = path.board_like() if padded else None
         path.launch_counts(call, rows, board)
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
-                        round=call.round, num_worst_tokens=call.num_worst_tokens, board=board,
+                        num_worst_tokens=call.num_worst_tokens, board=board,
                         taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
         marks["launched"] = time.perf_counter()
+        refused = None
         if padded:
-            handle.recv_offset, valid = self._padded_plan(board, call.num_worst_tokens, call.round)
-            handle.pending = functools.partial(self._complete, handle, call)
-            self.unresolved = handle
+            handle.recv_offset, valid = self._padded_plan(board, call.num_worst_tokens)
+            if in_graph:  # its counts come from its own board copy, when asked for
+                handle.pending = functools.partial(self._complete_from_copy, handle)
+            else:
+                handle.pending = functools.partial(self._complete, handle, call)
+                self.unresolved = handle
             n = call.num_worst_tokens
         else:
-            refused = None
             try:
                 self._complete(handle, call)
             except ConfigError as exc:  # every rank read the same board: each launches an empty stream
                 refused = exc
-            valid = path.valid(call.round)
+            valid = path.valid()
             n = 0 if refused is not None else handle.num_recv_tokens
-            if refused is None:
-                handle.recv_offset = torch.tensor(handle.recv_starts, dtype=torch.int64, device=rows.device)
-            else:
-                handle.recv_offset = torch.zeros(self.num_ranks, dtype=torch.int64, device=rows.device)
+            starts = [0] * self.num_ranks if refused is not None else handle.recv_starts
+            handle.recv_offset = torch.tensor(starts, dtype=torch.int64, device=rows.device)
         marks["counts"] = time.perf_counter()
         out = stream_outputs(n, src)
         if padded:  # rows past the received ones: no expert, no weight
             for t, fill in ((out.idx, -1), (out.weights, 0)):
                 if t is not None:
                     t.fill_(fill)
-        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid)
-        if not padded and refused is not None:
+        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
+                      fresh=True)
+        if refused is not None:
             raise refused
         return out, handle
 
-    def _padded_plan(self, board: torch.Tensor, num_worst_tokens: int, round_: int):
+    def _padded_plan(self, board: torch.Tensor, num_worst_tokens: int):
         """``(recv_offset [R], valid [1])`` on the device from a padded round's board copy: where each
         source's rows start here, and whether the round stands (the exchange accepted it, and no
         rank receives more than ``num_worst_tokens`` rows)."""
         counts = board[:, 2:2 + self.num_ranks]  # [source, destination]
         mine = counts[:, self.rank]
         fits = counts.sum(0).amax() <= num_worst_tokens
-        valid = ((self.path.valid(round_) != 0) & fits).to(torch.int64)
+        valid = ((self.path.valid() != 0) & fits).to(torch.int64)
         return mine.cumsum(0) - mine, valid
 
     def _complete(self, handle: Handle, call: FreshSend) -> None:
-        """Fill ``handle``'s plan in from its round's board, waited for on the host. A refusal is the
-        same on every rank (each read the same board); a timeout asks for a clear."""
+        """Fill ``handle``'s plan in from the last eager exchange's board, waited for on the host. A
+        refusal is the same on every rank (each read the same board); a timeout asks for a clear."""
         try:
-            words, board = self.path.wait_board(call.round, lambda: None)
+            words, board = self.path.wait_board(lambda: None)
             handle.send_counts = self.checks.counts(words, handle.num_tokens, call.num_experts)[0].tolist()
-            plan_from_board(handle, board, call.round, self.rank, self.layout.max_tokens)
+            handle.round = int(board[self.rank, 0])  # the device's round: every source's tag must be it
+            plan_from_board(handle, board, handle.round, self.rank, self.layout.max_tokens)
         except TransferTimeout:
             self.must_clear = True
             raise
+
+    def _complete_from_copy(self, handle: Handle) -> None:
+        """``_complete`` for a dispatch captured in a graph: from its board copy (a device read)."""
+        board = handle.board.cpu().numpy()
+        handle.round = int(board[self.rank, 0])
+        handle.send_counts = board[self.rank, 2:2 + self.num_ranks].tolist()
+        plan_from_board(handle, board, handle.round, self.rank, self.layout.max_tokens)
 
     def _cached(self, handle, tokens, scales, num_worst_tokens: int):
         """A cached dispatch: the handle's rows streamed again, no exchange; ``(outputs, handle)``."""
@@ -227,7 +252,8 @@ class StreamedMode:
                               "dispatch of this Buffer")
         if handle.num_tokens != tokens.shape[0]:
             raise ConfigError(f"ep.Buffer.dispatch: handle is for {handle.num_tokens} tokens; x has {tokens.shape[0]}")
-        handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
+        if not capturing():
+            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
         if num_worst_tokens not in (0, handle.num_worst_tokens):
             raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
                               f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
@@ -243,11 +269,10 @@ class StreamedMode:
         dev = torch.device("cuda", self.device)
         src = Sources(as_words(torch.empty(0, self.layout.hidden, dtype=torch.bfloat16, device=dev)),
                       torch.empty(0, 1, dtype=torch.int64, device=dev))
-        self.fresh += 1
         per_rank = torch.full((self.num_ranks,), -1, dtype=torch.int32, device=dev)  # no row matches: the device refuses
         call = FreshSend(src, torch.empty(0, self.num_ranks, dtype=torch.bool, device=dev), per_rank,
-                         torch.zeros(self.num_ranks, dtype=torch.int32, device=dev), self.num_ranks, REFUSED, 0,
-                         self.fresh, f"dispatch.{self.fresh % PARITIES}", ("", ""), refused=reason)
+                         torch.zeros(self.num_ranks, dtype=torch.int32, device=dev), self.num_ranks, REFUSED, 0, 0,
+                         "dispatch", ("", ""), refused=reason)
         try:
             self._fresh(call, {})
         except ConfigError:  # the device's refusal of this very round
