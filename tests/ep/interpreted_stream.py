@@ -249,3 +249,26 @@ def test_a_receiver_takes_nothing_from_the_previous_calls_tail(kernel):
         group.launch(kernel, 0, seq, rows, src, 12, 1, "send", out, offsets)
         _, status = group.launch(kernel, 0, seq, rows, src, 12, 1, "recv", out, offsets)
         assert status[1] == seq << 32 and torch.equal(out.x, src.x), seq
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 8])
+def test_the_padded_plan_kernel_equals_its_torch_twin(interpreter, num_ranks):
+    """A padded streamed dispatch's offsets and verdict from its board (ep.protocol.streamed, Note
+    [Streamed calls]): refused by the exchange, or by a rank receiving one row more than the
+    worst case, or standing with exactly that many."""
+    from warmlink.ep.kernels import stream_programs
+    from warmlink.ep.kernels.stream_counts import padded_plan, padded_plan_torch
+    from warmlink.ep.wire.regions import board_words
+
+    gen = torch.Generator().manual_seed(num_ranks)
+    verdicts = set()
+    for trial in range(6):
+        board = torch.randint(0, 50, (num_ranks, board_words(num_ranks)), generator=gen, dtype=torch.int64)
+        exchange_valid = torch.tensor([trial % 3], dtype=torch.int64)  # 0: the exchange refused the round
+        worst = int(board[:, 2:2 + num_ranks].sum(0).max()) - trial % 2  # exactly what the fullest rank gets, or one short
+        for me in range(num_ranks):
+            got = padded_plan(board, exchange_valid, me, worst, kernel=stream_programs.padded_plan_kernel)
+            want = padded_plan_torch(board, exchange_valid, me, worst)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, me, got, want)
+            verdicts.add(int(got[1]))
+    assert verdicts == {0, 1}

@@ -139,5 +139,5 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_dispatch_passes(
     ((grid, args, constexprs),) = rec.calls
     assert grid == (2 * channels,)
     ptx = sm90_ptx(stream_programs.stream_dispatch_kernel, args, constexprs,
-                   ("seq", "num_tokens", "out_rows", "first_program"))
+                   ("num_tokens", "out_rows", "first_program"))
     assert "fence.acq_rel.sys" in ptx and "release.exch" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx

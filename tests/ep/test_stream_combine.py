@@ -72,5 +72,5 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_combine_passes()
     ((grid, args, constexprs),) = rec.calls
     assert grid == (2 * channels,)
     ptx = sm90_ptx(stream_combine_programs.stream_combine_kernel, args, constexprs,
-                   ("seq", "num_tokens", "x_rows", "first_program"))
+                   ("num_tokens", "x_rows", "first_program"))
     assert "fence.acq_rel.sys" in ptx and "release.exch" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx

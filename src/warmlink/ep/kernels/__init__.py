@@ -5,6 +5,7 @@ what a dispatch launches), ``programs`` (the Triton source), ``reduce`` (the com
 ``call_block`` (what graph-replayed launches read per call), ``launch`` (launching them
 cheaply), ``sum_programs`` (the combine sum's Triton source), and ``stream`` /
 ``stream_programs`` with ``stream_combine`` / ``stream_combine_programs`` (a dispatch and its
-combine streamed through fixed rings with device-checked credits; not used by ep.Buffer yet). Nothing here knows of rounds, peers or
-mailboxes: callers pass addresses and counts.
+combine streamed through fixed rings with device-checked credits: a streamed Buffer's, ep.paths.streamed)
+and ``stream_counts`` (what that Buffer keeps on the device between calls). Nothing here knows of
+rounds, peers or mailboxes: callers pass addresses and counts.
 """

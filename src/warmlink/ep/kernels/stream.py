@@ -89,9 +89,9 @@ from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.launch import launch
 from warmlink.errors import ConfigError
 
-__all__ = ["COUNTER_WORDS", "FIN", "Failure", "Sources", "StreamOutputs", "StreamSpace", "advance", "failures",
-           "meta_words", "outputs", "recv_offsets", "row_words", "seq_word", "stream_dispatch", "stream_dispatch_torch",
-           "stream_nbytes"]
+__all__ = ["COUNTER_WORDS", "FIN", "Failure", "Sources", "StreamOutputs", "StreamSpace", "failures",
+           "meta_words", "outputs", "recv_offsets", "row_words", "seq_word",
+           "stream_dispatch", "stream_dispatch_torch", "stream_nbytes"]
 
 COUNTER_WORDS = 16  # int64 words of one tail or head: a 128-byte line each
 LINE_WORDS = 16  # a ring row is a whole number of 128-byte lines
@@ -240,22 +240,6 @@ def seq_word(func: str, seq, device: torch.device) -> torch.Tensor:
     if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq < 1 << 31:
         raise ConfigError(f"{func}: seq={seq!r}; expected 1 <= seq < 2**31")
     return torch.full((1,), seq, dtype=torch.int64, device=device)
-
-
-def advance(counters: torch.Tensor, call_round: torch.Tensor | None = None, kernel=None) -> None:
-    """On the current stream: ``counters[1] += 1`` (the next call's seq), and with ``call_round`` (a
-    fresh dispatch) ``counters[0] += 1`` (its count exchange's round) written into ``call_round`` too.
-    ``counters``: ``[2]`` int64 on the device, zero before the first call."""
-    launch(kernel or _advance(), (1,), (counters, call_round if call_round is not None else counters),
-           {"FRESH": call_round is not None})
-
-
-@functools.cache
-def _advance():
-    from warmlink.ep.kernels import stream_programs
-    from warmlink.ep.kernels.launch import FastLaunch
-
-    return FastLaunch(stream_programs.advance_kernel)
 
 
 def pow2(n: int) -> int:

@@ -21,6 +21,7 @@ W_ROWS = tl.constexpr(3)  # a receiver: the peer sent no row
 BAD_ROW = tl.constexpr(4)  # a receiver: a row's ordinal fell outside its source's output rows
 ABORTED = tl.constexpr(1 << 24)  # the wait ended by the abort word, not by the deadline
 _BIG = tl.constexpr(1 << 30)
+ABORT_POLL_NS = tl.constexpr(20_000)  # a wait reads the abort word once it lasted this long
 ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's threads
 
 
@@ -76,9 +77,15 @@ def head_state(h, seq64):
 def ended(start, timeout_ns, abort_ptr, seq64, wait, peer, going):
     # the status of a wait still ``going``: 0, or its code once past the deadline or aborted. Each
     # thread reads the clock and the abort word itself, and warps at different times: the code is
-    # reduced over a block that spans every thread, so that all of them leave a wait together
-    stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) >= seq64
-    late = (device_clock_ns() - start) > timeout_ns
+    # reduced over a block that spans every thread, so that all of them leave a wait together.
+    # The abort word may lie in pinned host memory, a PCIe round trip away: it is read only once a
+    # wait has lasted ABORT_POLL_NS (read at every step, it made a call 6x slower on one H200)
+    waited = device_clock_ns() - start
+    aborted = tl.zeros([], dtype=tl.int64)
+    if going & (waited > ABORT_POLL_NS):
+        aborted = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True)
+    stop = aborted >= seq64
+    late = waited > timeout_ns
     code = tl.where(stop, ABORTED, 0).to(tl.int64) | (wait << 16) | peer.to(tl.int64)
     mine = tl.where(going & (late | stop), code, 0)
     return tl.max(tl.where(tl.arange(0, ALL_THREADS) >= 0, mine, 0), 0)
@@ -324,3 +331,18 @@ def advance_kernel(counters_ptr, call_round_ptr, FRESH: tl.constexpr):
         round_ = tl.load(counters_ptr) + 1
         tl.store(counters_ptr, round_)
         tl.store(call_round_ptr, round_)
+
+
+@triton.jit
+def padded_plan_kernel(board_ptr, row, exchange_valid_ptr, offsets_ptr, valid_ptr, me, worst,
+                       NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr):
+    # from a padded round's board (row s: tag, valid, rows s sends each rank, ...): where each source's
+    # rows start at rank ``me`` (the rows of lower sources), and whether the round stands
+    s = tl.arange(0, R_BLOCK)
+    m = (s[:, None] < NUM_RANKS) & (s[None, :] < NUM_RANKS)
+    counts = tl.load(board_ptr + s[:, None] * row + 2 + s[None, :], mask=m, other=0)  # [source, destination]
+    fits = tl.max(tl.sum(counts, 0), 0) <= worst
+    mine = tl.sum(tl.where(s[None, :] == me, counts, 0), 1)  # [source]: the rows it sends ``me``
+    below = tl.sum(tl.where(s[None, :] < s[:, None], mine[None, :], 0), 1)
+    tl.store(offsets_ptr + s, below, mask=s < NUM_RANKS)
+    tl.store(valid_ptr, ((tl.load(exchange_valid_ptr) != 0) & fits).to(tl.int64))

@@ -7,7 +7,7 @@ the host waits for, is the protocol's (ep.protocol.streamed); this path launches
 
 Every launch is a call of the space's seq count (1, 2, 3, ... on every rank: dispatch, cached
 dispatch and combine alike), and every fresh dispatch a round of the count exchange. Both counts
-live on the device (``counters``: a kernel advances them before each call, ep.kernels.stream
+live on the device (``counters``: a kernel advances them before each call, ep.kernels.stream_counts
 ``advance``), so that a CUDA graph of calls runs calls of their own at every replay; the host
 holds neither. One board parity serves every round: a rank's stream of round n ends only after
 every peer's stream of round n began, which follows that peer's exchange of round n, so no
@@ -27,6 +27,7 @@ from collections import deque
 import torch
 
 from warmlink.ep.kernels import stream, stream_combine
+from warmlink.ep.kernels.stream_counts import advance
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
@@ -96,7 +97,7 @@ class StreamPath:
                                    advance=self._advance_fresh)
 
     def _advance_fresh(self, block: torch.Tensor) -> None:
-        stream.advance(self.counters, block[_ROUND:_ROUND + 1])
+        advance(self.counters, block[_ROUND:_ROUND + 1])
 
     def board_like(self) -> torch.Tensor:
         return self.mover.board_like()
@@ -117,7 +118,7 @@ class StreamPath:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
         stream (``fresh``: right after ``launch_counts``, which advanced the seq already)."""
         if not fresh:
-            stream.advance(self.counters)
+            advance(self.counters)
         slot = self._slot()
         stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status[slot], me=self.rank,
                                seq=self.counters[1:], max_tokens=self.layout.max_tokens,
@@ -128,7 +129,7 @@ class StreamPath:
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
                 recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:
         """Stream ``x``'s rows back to their sources, which sum them into ``out``."""
-        stream.advance(self.counters)
+        advance(self.counters)
         slot = self._slot()
         stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status[slot],
                                       me=self.rank, seq=self.counters[1:], timeout_s=self.timeout_s, weights=weights,

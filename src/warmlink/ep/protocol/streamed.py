@@ -48,6 +48,7 @@ import torch
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import outputs as stream_outputs
+from warmlink.ep.kernels.stream_counts import padded_plan
 from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
 from warmlink.ep.paths.senders import FreshSend
@@ -155,7 +156,7 @@ class StreamedMode:
                 raise
             self.refuse_dispatch(str(exc))
         tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
-        marks = self.last_marks = {"start": t0}
+        marks = self.last_marks = {"start": t0, "checked": time.perf_counter()}
         if cached:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
         else:
@@ -188,7 +189,8 @@ class StreamedMode:
         marks["launched"] = time.perf_counter()
         refused = None
         if padded:
-            handle.recv_offset, valid = self._padded_plan(board, call.num_worst_tokens)
+            # where each source's rows start, and whether the round stands, on the device
+            handle.recv_offset, valid = padded_plan(board, path.valid(), self.rank, call.num_worst_tokens)
             if in_graph:  # its counts come from its own board copy, when asked for
                 handle.pending = functools.partial(self._complete_from_copy, handle)
             else:
@@ -206,6 +208,7 @@ class StreamedMode:
             handle.recv_offset = torch.tensor(starts, dtype=torch.int64, device=rows.device)
         marks["counts"] = time.perf_counter()
         out = stream_outputs(n, src)
+        marks["outputs"] = time.perf_counter()
         if padded:  # rows past the received ones: no expert, no weight
             for t, fill in ((out.idx, -1), (out.weights, 0)):
                 if t is not None:
@@ -215,16 +218,6 @@ class StreamedMode:
         if refused is not None:
             raise refused
         return out, handle
-
-    def _padded_plan(self, board: torch.Tensor, num_worst_tokens: int):
-        """``(recv_offset [R], valid [1])`` on the device from a padded round's board copy: where each
-        source's rows start here, and whether the round stands (the exchange accepted it, and no
-        rank receives more than ``num_worst_tokens`` rows)."""
-        counts = board[:, 2:2 + self.num_ranks]  # [source, destination]
-        mine = counts[:, self.rank]
-        fits = counts.sum(0).amax() <= num_worst_tokens
-        valid = ((self.path.valid() != 0) & fits).to(torch.int64)
-        return mine.cumsum(0) - mine, valid
 
     def _complete(self, handle: Handle, call: FreshSend) -> None:
         """Fill ``handle``'s plan in from the last eager exchange's board, waited for on the host. A
