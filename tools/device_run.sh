@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
-# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-rest)
+# Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
+#        tests-ep-rest)
 #        tests-refit host-profile demo doctor
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
@@ -75,12 +76,14 @@ for d in range(torch.cuda.device_count()):
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         timeout 240 python3 -m warmlink.cli.main bench ep --low-latency --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | tee "$OUT/ll_${TAG:-}$i.log" | head -12
       done ;;
-    tests-ep)  # over 560 s where ranks share one GPU: there, run tests-ep-buffer and tests-ep-rest in two calls
+    tests-ep)  # over 560 s where ranks share one GPU: there, run tests-ep-buffer, tests-ep-stream and tests-ep-rest apart
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     tests-ep-buffer)
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_ep_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_buffer.log" | tail -40 ;;
+    tests-ep-stream)  # the streamed kernels and Buffer: about 4 minutes where two ranks share one GPU
+      timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_stream_gpu.py tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_stream.log" | tail -40 ;;
     tests-ep-rest)
-      timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep --ignore=tests/ep/test_ep_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_rest.log" | tail -40 ;;
+      timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep --ignore=tests/ep/test_ep_gpu.py --ignore=tests/ep/test_stream_gpu.py --ignore=tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_rest.log" | tail -40 ;;
     host-profile)
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)
