@@ -569,7 +569,8 @@ def disagree_then_agree(rank: int, num_ranks: int, store, case: dict) -> dict:
 
 def gathered_ints(rank: int, num_ranks: int, store, case: dict) -> dict:
     """``Buffer.all_gather_int`` many times in a row, rank 1 late every few meets; then a refused
-    value, and last a meet that rank 0 calls alone (its peers stop): what each raised."""
+    value, and a meet that rank 0 calls alone (its peers stop): what each raised; last rank 0 waits
+    for that meet again and the peers join it late."""
     import random
     import time
 
@@ -595,8 +596,11 @@ def gathered_ints(rank: int, num_ranks: int, store, case: dict) -> dict:
             out["alone"] = "returned"
         except (TransferTimeout, PeerLostError) as exc:
             out["alone"] = type(exc).__name__
+        # the same meet once more (a streamed Buffer's clear retries so): the peers join it late
+        out["again"] = buf._normal.rounds.all_gather_int(0, 10.0, again=True)
     else:
         time.sleep(case["linger_s"])  # alive but not meeting: rank 0 must time out, not hang
+        out["again"] = buf.all_gather_int(7 + rank)
     buf.close()
     return out
 

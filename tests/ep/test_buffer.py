@@ -409,9 +409,11 @@ def test_a_buffer_left_open_is_closed_when_collected():
 
 def test_all_gather_int_gives_every_ranks_value_in_order_and_a_lone_caller_times_out():
     """Host-only meets through the mailboxes, 60 in a row with one rank late now and then: no
-    value is read from the wrong meet; a bad value is refused; a meet no peer joins raises."""
+    value is read from the wrong meet; a bad value is refused; a meet no peer joins raises, and
+    waiting for it again (``again=True``) gives the values of the peers that join it late."""
     results = run_ranks(gathered_ints, 3, case={"meets": 60, "linger_s": 3.0}, timeout_s=120)
     for got in results:
         assert got["wrong"] == [], got["wrong"][:3]
         assert "value=-1; expected an int in [0, 2**63)" in got["refused"]
     assert results[0]["alone"] == "TransferTimeout"  # its peers were alive and not meeting
+    assert [got["again"] for got in results] == [[5, 8, 9]] * 3  # the timed-out meet, joined late

@@ -73,11 +73,13 @@ class Rounds:
         self.meets = 0  # all_gather_int rounds so far
         self.late: list[tuple[int, int, int, list[int]]] = []  # (field, round, own word, ranks) to check later
 
-    def all_gather_int(self, value: int, timeout_s: float) -> list[int]:
+    def all_gather_int(self, value: int, timeout_s: float, again: bool = False) -> list[int]:
         """Every rank's ``value`` in rank order, through the mailboxes (a peer at most one meet
-        ahead writes the other parity's word, so this meet's values stay until all are read)."""
-        self.meets += 1
-        self.mailbox.publish_meet(self.meets, value)
+        ahead writes the other parity's word, so this meet's values stay until all are read).
+        ``again``: wait once more for the last meet, whose wait timed out (``value`` is not used)."""
+        if not again:
+            self.meets += 1
+            self.mailbox.publish_meet(self.meets, value)
         self.mailbox.wait(mb.MEET, self.meets, timeout_s)
         return [self.mailbox.meet_value(r, self.meets) for r in range(self.num_ranks)]
 

@@ -81,6 +81,7 @@ class StreamedMode:
         self.done_events = done_events
         self.unresolved: Handle | None = None
         self.must_clear = False
+        self._clearing = 0  # a clear whose meet timed out: 1 in its first meet, 2 in its second
         self.recv_failed = False  # no receive stream: close always orders the caller's stream after the calls
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
@@ -129,14 +130,20 @@ class StreamedMode:
 
     def _clear(self) -> None:
         """Clear the stream space with every peer (Note [Streamed calls]). Collective; a peer that
-        does not come raises ``TransferTimeout`` here, and the next call tries again."""
+        does not come raises ``TransferTimeout`` here, and the next call waits for it again in the
+        same meet (a new meet would leave this rank one meet ahead of a peer that joins late)."""
         self.must_clear = True
         self.unresolved = None
-        self.path.abort_all()
-        torch.cuda.synchronize(self.device)  # every launch of this rank ended: none writes a peer's space
-        self.rounds.all_gather_int(_CLEAR, self.timeout_s)
-        self.path.clear()
-        self.rounds.all_gather_int(_CLEAR, self.timeout_s)  # every space is zero before any call 1
+        again = self._clearing == 2
+        if not again:  # (past the first meet the space is clear, and peers may be streaming into it)
+            self.path.abort_all()
+            torch.cuda.synchronize(self.device)  # every launch of this rank ended: none writes a peer's space
+            retry, self._clearing = self._clearing == 1, 1
+            self.rounds.all_gather_int(_CLEAR, self.timeout_s, again=retry)
+            self.path.clear()
+            self._clearing = 2
+        self.rounds.all_gather_int(_CLEAR, self.timeout_s, again=again)  # every space is zero before any call
+        self._clearing = 0
         self.must_clear = False
 
     # -- dispatch -----------------------------------------------------------------------------------
