@@ -117,7 +117,7 @@ def _received(recv_x, count, handle, stats) -> dict:
 
 def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
     """One dispatch + combine per entry of ``case["calls"]`` (``fp8``, ``round_scale``, ``ue8m0``,
-    ``hook_delay_s``, ``out``), repeated ``case.get("repeat", 1)`` times; returns this rank's
+    ``hook_delay_s``, ``out``, ``zero_copy``: the rows written into the next combine buffer), repeated ``case.get("repeat", 1)`` times; returns this rank's
     outputs of each (copies)."""
     mine, dev = _mine(case, rank), _device(case)
     local = case["experts"] // num_ranks
@@ -130,8 +130,13 @@ def ll_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
             y = expert_output(dequantized(got["recv_x"], case["hidden"]), rank, local).to(dev)
             out = torch.empty(len(mine["x"]), case["hidden"], dtype=torch.bfloat16, device=dev) if call.get("out") else None
             delay = call.get("hook_delay_s")
+            zero_copy = bool(call.get("zero_copy"))
+            if zero_copy:  # DeepEP's zero-copy loop: the rows go into the buffer, and x (zeros here) is not read
+                buf.get_next_low_latency_combine_buffer(handle)[:] = y
+                y = torch.zeros_like(y)
             combined, _, hook = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle,
-                                                        return_recv_hook=delay is not None, out=out)
+                                                        return_recv_hook=delay is not None, out=out,
+                                                        zero_copy=zero_copy)
             if delay is not None:
                 time.sleep(delay)
                 hook()

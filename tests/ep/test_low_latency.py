@@ -96,9 +96,10 @@ def check_rounds(case: dict, results: list[list[dict]]) -> None:
 
 
 CASES = {
-    "2 ranks, bf16 and fp8, hook with out": {
+    "2 ranks, bf16 and fp8, hook with out, zero-copy combines of both parities": {
         "tokens": [32, 24], "hidden": 512, "experts": 16, "topk": 4, "masked": 10, "seed": 1,
-        "calls": [{"fp8": False}, {"fp8": True}, {"fp8": True, "hook_delay_s": 0.01, "out": True}]},
+        "calls": [{"fp8": False, "zero_copy": True}, {"fp8": True, "zero_copy": True, "hook_delay_s": 0.0},
+                  {"fp8": True, "hook_delay_s": 0.01, "out": True}]},
     "4 ranks, top-8 of 32, a rank with no tokens, fewer tokens than the buffer holds": {
         "tokens": [64, 1, 0, 40], "hidden": 1024, "experts": 32, "topk": 8, "masked": 10, "seed": 2,
         "max_tokens": 96, "call_tokens": 64, "num_topk": 9,
@@ -260,15 +261,19 @@ def test_bad_combine_arguments_and_handles_are_refused(one_rank):
            ({"topk_idx": unmasked}, "selects experts where the dispatch's topk_idx held -1"),
            ({"out": torch.empty(3, 256, dtype=torch.bfloat16)}, r"out.shape=\(3, 256\)"),
            ({"handle": tuple(handle)}, "handle is a tuple"),
-           ({"combine_wait_recv_cost_stats": torch.zeros(1, dtype=torch.int32)}, "combine_wait_recv_cost_stats.dtype")]
+           ({"combine_wait_recv_cost_stats": torch.zeros(1, dtype=torch.int32)}, "combine_wait_recv_cost_stats.dtype"),
+           ({"zero_copy": True}, "zero_copy=True, but get_next_low_latency_combine_buffer was never called")]
     for change, match in bad:
         args = {"x": y, "topk_idx": idx, "topk_weights": w, "handle": handle, **change}
         with pytest.raises(ConfigError, match=match):
             one_rank.low_latency_combine(**args)
+    with pytest.raises(ConfigError, match="get_next_low_latency_combine_buffer: handle is a tuple"):
+        one_rank.get_next_low_latency_combine_buffer(tuple(handle))
     masked = idx.clone()
     masked[0, 1] = -1  # masking more entries than the dispatch did is allowed: they are skipped
     costs = torch.zeros(1, dtype=torch.int64)
-    combined, _, hook = one_rank.low_latency_combine(y, masked, w, handle, zero_copy=True,
+    one_rank.get_next_low_latency_combine_buffer(handle).copy_(y)  # read instead of x: zero_copy
+    combined, _, hook = one_rank.low_latency_combine(torch.zeros_like(y), masked, w, handle, zero_copy=True,
                                                      combine_wait_recv_cost_stats=costs)
     keep = (masked >= 0).float() * w
     assert hook is None and costs.item() >= 0
@@ -313,13 +318,14 @@ def test_two_dispatches_may_await_their_hooks_a_third_is_refused_and_no_mode_no_
         store.close()
 
 
-def test_size_hint_counts_the_region_and_outputs_and_refuses_bad_sizes():
+def test_size_hint_counts_the_region_outputs_and_combine_buffers_and_refuses_bad_sizes():
     from warmlink.ep import Buffer
 
     # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H + 256)
     region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168 + 256)
     outputs = 2 * (256 * 128 * (2 * 7168 + 4 * 56 + 4 * 14 + 12) + 256 * 8 + 32 * 4 + 128 * 8)
-    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == region + outputs
+    combine_buffers = 2 * 256 * 128 * 2 * 7168  # the zero-copy combine's, 2 x E*T*2H
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == region + outputs + combine_buffers
     for args, match in (((128, 7168, 8, 250), "num_experts=250; expected a multiple of num_ranks=8"),
                         ((128, 7000, 8, 256), "hidden=7000; expected a multiple of 128"),
                         ((0, 7168, 8, 256), "max_tokens=0")):

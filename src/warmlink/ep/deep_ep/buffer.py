@@ -17,7 +17,7 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
 from warmlink.ep.deep_ep import calls
-from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, ZERO_COPY, not_here
+from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, not_here
 from warmlink.ep.deep_ep.comm import CommCalls
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
@@ -352,7 +352,6 @@ class Buffer(LowLatencyCalls, CommCalls):
                 f"inner={self._inner!r}{low_latency})")
 
     # -- DeepEP's methods that are not here -------------------------------------------------------
-    get_next_low_latency_combine_buffer = not_here("get_next_low_latency_combine_buffer", ZERO_COPY)
     low_latency_update_mask_buffer = not_here("low_latency_update_mask_buffer", MASK)
     low_latency_query_mask_buffer = not_here("low_latency_query_mask_buffer", MASK)
     low_latency_clean_mask_buffer = not_here("low_latency_clean_mask_buffer", MASK)

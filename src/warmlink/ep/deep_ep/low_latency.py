@@ -100,13 +100,23 @@ class LowLatencyCalls:
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, False, return_recv_hook)
             return recv_x, count, handle, returned_event(async_finish), hook
 
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """DeepEP's call: the BF16 ``[L, R*T, H]`` buffer the next ``low_latency_combine`` reads with
+        ``zero_copy=True`` (``ep.Buffer.get_next_low_latency_combine_buffer``)."""
+        func = "get_next_low_latency_combine_buffer"
+        self._check_low_latency(func)
+        if self._ll is None:
+            raise ConfigError(f"deep_ep.Buffer.{func}: no low_latency_dispatch on this Buffer yet; pass the handle "
+                              "its low_latency_dispatch returned")
+        return self._ll.get_next_low_latency_combine_buffer(handle)
+
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: torch.Tensor | None = None,
                             combine_wait_recv_cost_stats: torch.Tensor | None = None) -> tuple:
         """DeepEP's ``low_latency_combine``: ``ep.Buffer.low_latency_combine`` (its docstring has the
-        shapes). ``zero_copy`` is accepted: ``x`` is always read (there is no
-        ``get_next_low_latency_combine_buffer``); ``use_logfmt`` must be False.
+        shapes). With ``zero_copy`` the rows are read from ``get_next_low_latency_combine_buffer``'s
+        buffer, not from ``x``; ``use_logfmt`` must be False.
 
         Returns:
             ``(combined_x, event, hook)`` as DeepEP's.

@@ -89,14 +89,27 @@ class LowLatencyMethods:
         Returns:
             Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H + 256*ceil(24R/256))``
             (the last term: the device path's signal and ack words), plus the outputs
-            this rank fills, ``2 x E*T*(2H + H/32 + 4*ceil(H/512) + 12)`` and a few counts (both
-            parities of each). Unlike DeepEP's, no send buffer: rows go straight from ``x`` to the peers.
+            this rank fills, ``2 x E*T*(2H + H/32 + 4*ceil(H/512) + 12)`` and a few counts, and the
+            zero-copy combine buffers, ``2 x E*T*2H`` (both parities of each). Unlike DeepEP's, no
+            send buffer otherwise: rows go straight from ``x`` to the peers.
 
         Raises:
             ConfigError: a size that is not a positive int, H not a multiple of 128, E not a
                 multiple of R.
         """
         return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """BF16 ``[L, R*T, H]``: where the expert outputs of ``handle``'s rows may be written for the
+        next ``low_latency_combine`` to read with ``zero_copy=True`` instead of its ``x`` (DeepEP's
+        call: the expert GEMM writes straight into it). The two combine parities have a buffer
+        each, made by the first call of each (``get_low_latency_rdma_size_hint`` counts them), so
+        the combine after the next gets the other one.
+
+        Raises:
+            ConfigError: no ``low_latency_mode``, or a handle this Buffer would not combine.
+        """
+        return self._runtime("get_next_low_latency_combine_buffer").next_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero this rank's low-latency region and outputs, and meet every peer (DeepEP's call).
@@ -198,7 +211,8 @@ class LowLatencyMethods:
             topk_weights: float32 ``[N, K]``.
             handle: the dispatch's handle (this Buffer's, from one of its last two dispatches).
             use_logfmt: must be False (LogFMT is not implemented: ``ConfigError``).
-            zero_copy: accepted: ``x`` is always read (no ``get_next_low_latency_combine_buffer``).
+            zero_copy: the rows were written into ``get_next_low_latency_combine_buffer(handle)``, which
+                is read instead of ``x`` (``x``'s shape is still checked), as DeepEP's.
             async_finish, return_recv_hook: as ``low_latency_dispatch``'s.
             out: optional BF16 ``[N, H]`` contiguous, written and returned.
             combine_wait_recv_cost_stats: optional int64 ``[R]``, as the dispatch's (on a GPU the

@@ -141,6 +141,12 @@ class LowLatencyLayout:
                       + self.num_experts * 8 + self.local_experts * 4 + self.max_tokens * self.num_topk)
         return LL_PARITIES * per_parity
 
+    @property
+    def combine_buffer_nbytes(self) -> int:
+        """Bytes of the zero-copy combine buffers (both parities: BF16 ``[L, R*T, H]`` each), made by
+        the first ``get_next_low_latency_combine_buffer``."""
+        return LL_PARITIES * self.slots * self.hidden * 2
+
     def view(self, region, area: str, p: int, dtype, cols: int):
         """``[rows, cols]`` view of ``area`` (``"disp"``, ``"disp_meta"``, ``"signal"``, ``"comb"``) of parity ``p``
         in a flat ``uint8`` region tensor."""
@@ -151,9 +157,10 @@ class LowLatencyLayout:
 
 def size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
               num_topk: int = 8) -> int:
-    """Bytes one rank's low-latency mode holds: its region plus its outputs (both parities).
+    """Bytes one rank's low-latency mode holds: its region, its outputs and its zero-copy combine
+    buffers (both parities of each; the last made on first use).
 
     See ``Buffer.get_low_latency_rdma_size_hint``.
     """
     lay = LowLatencyLayout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk)
-    return lay.region_nbytes + lay.output_nbytes
+    return lay.region_nbytes + lay.output_nbytes + lay.combine_buffer_nbytes

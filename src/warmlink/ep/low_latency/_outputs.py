@@ -52,6 +52,8 @@ class Outputs:
         self._layout_range = each(layout.num_experts, torch.int64)
         self._dispatched = each(layout.max_tokens * layout.num_topk, torch.bool)
         self._views: dict[tuple, ParityViews] = {}
+        self._device = on
+        self._combine: list[torch.Tensor | None] = [None] * LL_PARITIES  # zero-copy combine buffers, made on first use
 
     def views(self, p: int, tokens: int, fp8: bool, ue8m0: bool) -> ParityViews:
         """The views of parity ``p`` for a call of ``tokens`` (made once per shape: the storage is fixed)."""
@@ -76,6 +78,17 @@ class Outputs:
                            self._layout_range[p].view(num_local, lay.num_ranks),
                            self._comb_slot[p][:rows].view(num_local, per_expert),
                            self._dispatched[p].view(lay.max_tokens, lay.num_topk))
+
+    def combine_buffer(self, p: int, tokens: int, make: bool) -> torch.Tensor | None:
+        """Parity ``p``'s zero-copy combine buffer, BF16 ``[L, R*tokens, H]`` contiguous (the front of
+        its storage), made now when ``make``; None when it was never made."""
+        lay = self.layout
+        if self._combine[p] is None:
+            if not make:
+                return None
+            self._combine[p] = torch.empty(lay.slots * lay.hidden, dtype=torch.bfloat16, device=self._device)
+        rows = lay.local_experts * lay.num_ranks * tokens
+        return self._combine[p][:rows * lay.hidden].view(lay.local_experts, lay.num_ranks * tokens, lay.hidden)
 
     def zero(self) -> None:
         for group in (self._x, self._scales, self._packed, self._count, self._src_info, self._comb_slot,

@@ -170,8 +170,8 @@ class LowLatencyRuntime:
             self._receive(lambda: self.mailbox.wait(_RECEIVED[phase], round_ - 2, self.timeout_s))
         return round_
 
-    def _check_handle(self, handle) -> None:
-        func, latest = "low_latency_combine", self._round["dispatch"]
+    def _check_handle(self, handle, func: str = "low_latency_combine") -> None:
+        latest = self._round["dispatch"]
         if not isinstance(handle, LowLatencyHandle):
             raise ConfigError(f"ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle "
                               "low_latency_dispatch returned")
@@ -307,8 +307,13 @@ class LowLatencyRuntime:
         self._check_handle(handle)
         x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                                          async_finish, return_recv_hook, out, wait_stats)
+        p = (self._round["combine"] + 1) % LL_PARITIES
+        if zero_copy:  # the rows were written into this combine's buffer (next_combine_buffer): x is not read
+            x = self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=False)
+            if x is None:
+                raise ConfigError("ep.Buffer.low_latency_combine: zero_copy=True, but get_next_low_latency_combine_buffer "
+                                  "was never called: write the rows into the buffer it returns first")
         round_ = self._next_round("combine", "low_latency_combine")
-        p = round_ % LL_PARITIES
         tag = handle.round & 0xFFFFFF  # every rank must combine the same dispatch
         if self._on_device:
             self._path.send_combine(p, x, handle, tag)
@@ -334,6 +339,14 @@ class LowLatencyRuntime:
             self._path.receive_combine(p, topk_idx, topk_weights, combined)
 
         return self._finish("combine", round_, receive, return_recv_hook, async_finish, (combined,))
+
+    def next_combine_buffer(self, handle) -> torch.Tensor:
+        """The buffer the next combine reads with ``zero_copy=True`` (its parity's: the one after
+        it gets the other, so one may be filled while the other is sent)."""
+        self._check_usable("get_next_low_latency_combine_buffer")
+        self._check_handle(handle, "get_next_low_latency_combine_buffer")
+        p = (self._round["combine"] + 1) % LL_PARITIES
+        return self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=True)
 
     def clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
         func = "clean_low_latency_buffer"
