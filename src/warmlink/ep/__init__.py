@@ -11,7 +11,10 @@ Who moves the bytes is chosen once per Buffer (``Buffer(send=...)``): on GPUs, b
 dispatch without a receive hook is sent by kernels that store the rows into the peers' memory
 (``send="sm"``), or by the copy engines after the ranks meet on the host (``send="copy"``); a
 dispatch with a hook, and every combine, by the copy engines, so no kernel stays resident while
-the bytes move. On CPU (the shm backend) the host copies them (``send="host"``).
+the bytes move. A streamed Buffer (``send="stream"``) moves dispatches and combines alike through a
+fixed space the GPUs pace, whatever the batch (``ep.protocol.streamed``, Note [Streamed calls]):
+what ``deep_ep`` builds within a small budget. On CPU (the shm backend) the host copies them
+(``send="host"``).
 
 On GPUs a combine and a cached dispatch return at launch: the device, not the host, waits for the
 peers' rows, on arrival flags in pinned memory (``ep.wire.flags``); a fresh dispatch waits for its
@@ -26,7 +29,8 @@ Where things are, from the call down (a folder imports only folders below it):
 - ``api``: ``Buffer``, the facade: it checks a call, picks its stream, and hands it on;
 - ``low_latency``: DeepEP's low-latency calls, a runtime of their own;
 - ``protocol``: ``NormalMode`` (protocol/normal.py), which runs each normal-mode round's steps,
-  the mailbox meetings (Note [Round protocol]) and the argument checks;
+  the mailbox meetings (Note [Round protocol]) and the argument checks; ``StreamedMode``
+  (protocol/streamed.py), a streamed Buffer's calls;
 - ``paths``: where the bytes move: the data path chosen once (SMs, copy engines, host copies),
   the combine, the streams, and what a Buffer leases once;
 - ``wire``: what the ranks share and read: region layout, mailboxes, arrival flags, call words,
@@ -35,7 +39,8 @@ Where things are, from the call down (a folder imports only folders below it):
 - ``deep_ep``: DeepEP's own API over ``Buffer``, so DeepEP code runs unchanged.
 
 A dispatch's bytes: ``Buffer.dispatch`` -> ``NormalMode.dispatch`` -> the path's ``send_cached``
-or, for a fresh one, ``NormalMode.send_fresh`` -> ``SmPath.launch`` / ``StagedPath.send_planned``.
+or, for a fresh one, ``NormalMode.send_fresh`` -> ``SmPath.launch`` / ``StagedPath.send_planned``;
+on a streamed Buffer ``StreamedMode.dispatch`` -> ``StreamPath.dispatch`` (ep.paths.streamed).
 """
 
 from warmlink.ep.api.buffer import Buffer
