@@ -48,7 +48,7 @@ class LowLatencyMethods:
             return
         if num_experts is None:
             raise ConfigError("ep.Buffer: low_latency_mode=True needs num_experts (it sizes the receive slots)")
-        from warmlink.ep.low_latency._runtime import refuse_backend
+        from warmlink.ep.low_latency._checks import refuse_backend
 
         refuse_backend(self.backend)
 

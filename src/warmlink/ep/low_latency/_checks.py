@@ -14,7 +14,7 @@ from warmlink.ep.low_latency._handle import LowLatencyHandle
 from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.errors import ConfigError
 
-__all__ = ["LowLatencyChecks"]
+__all__ = ["LowLatencyChecks", "refuse_backend"]
 
 _TOPK_DTYPES = (torch.int64, torch.int32)
 
@@ -23,6 +23,20 @@ def _flag(func: str, name: str, value) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"ep.Buffer.{func}: {name}={value!r}; expected a bool")
     return value
+
+
+def refuse_backend(backend: str) -> None:
+    """Raise ``ConfigError`` unless low-latency mode runs on ``backend``: shm (the host path), or
+    cuda_ipc where Triton is (the device path's kernels)."""
+    if backend == "shm":
+        return
+    if backend != "cuda_ipc":
+        raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; expected 'shm' or 'cuda_ipc'")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("ep.Buffer: low_latency_mode=True on a GPU needs Triton (its kernels move the rows); "
+                          "install triton, or build the Buffer with backend='shm'") from exc
 
 
 class LowLatencyChecks:

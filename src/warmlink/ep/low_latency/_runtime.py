@@ -36,7 +36,7 @@ import torch
 
 from warmlink import _cuda
 from warmlink.ep.kernels.launch import current_stream
-from warmlink.ep.low_latency._checks import LowLatencyChecks
+from warmlink.ep.low_latency._checks import LowLatencyChecks, refuse_backend
 from warmlink.ep.low_latency._connect import Peers, connect
 from warmlink.ep.low_latency._device import DevicePath, call_tag
 from warmlink.ep.low_latency._handle import LowLatencyHandle
@@ -47,7 +47,7 @@ from warmlink.ep.paths.event import EventOverlap
 from warmlink.ep.wire import mailbox as mb
 from warmlink.errors import ConfigError, MetadataError, PeerLostError, TransferTimeout
 
-__all__ = ["LowLatencyRuntime", "refuse_backend"]
+__all__ = ["LowLatencyRuntime"]
 
 _SERIALS = itertools.count(1)
 _CLEAN = 1 << 62  # the config word of a clean round
@@ -66,20 +66,6 @@ def _describe(word: int) -> str:
 
 
 _RECEIVED = {"dispatch": mb.DISPATCH_RECEIVED, "combine": mb.COMBINE_RECEIVED}
-
-
-def refuse_backend(backend: str) -> None:
-    """Raise ``ConfigError`` unless low-latency mode runs on ``backend``: shm (the host path), or
-    cuda_ipc where Triton is (the device path's kernels)."""
-    if backend == "shm":
-        return
-    if backend != "cuda_ipc":
-        raise ConfigError(f"ep.Buffer: low_latency_mode=True with backend={backend!r}; expected 'shm' or 'cuda_ipc'")
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError("ep.Buffer: low_latency_mode=True on a GPU needs Triton (its kernels move the rows); "
-                          "install triton, or build the Buffer with backend='shm'") from exc
 
 
 class LowLatencyRuntime:
