@@ -59,8 +59,8 @@ class Buffer(LowLatencyMethods, Closing):
             ep.paths.sm_pushes), ``"copy"`` (cuda_ipc: the host meets the peers, then the copy engines
             push), ``"stream"`` (cuda_ipc: the rows stream through a fixed space of ``stream_channels``
             x ``ring_rows`` rows per source, whatever the batch, paced by the GPUs; no receive hook;
-            ep.protocol.streamed, Note [Streamed calls]) or ``"host"`` (shm: CPU copies). None: ``"host"`` on shm, ``WARMLINK_EP_SEND``
-            (default ``"sm"``) on cuda_ipc. A call with a hook uses the copy engines on cuda_ipc.
+            ep.protocol.streamed, Note [Streamed calls]) or ``"host"`` (shm: CPU copies). None:
+            ``"host"`` on shm, ``WARMLINK_EP_SEND`` (default ``"sm"``) on cuda_ipc. A call with a hook uses the copy engines on cuda_ipc.
             Every rank passes the same.
         graphs: replay the SM and cached sends' launches as CUDA graphs from their second call per
             shape (ep.paths.sm_pushes, Note [Fresh send graph]). None: ``WARMLINK_EP_GRAPH`` (default

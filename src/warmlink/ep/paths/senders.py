@@ -28,9 +28,10 @@ import torch
 from warmlink.ep.kernels.call_block import FreshShape, Sources, call_words
 from warmlink.ep.kernels.steps import plan
 from warmlink.ep.wire.handle import Handle
+from warmlink.ep.wire.words import REFUSED
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 
-__all__ = ["PATHS", "CopyEnginePath", "FreshSend", "HostPath", "SmPath", "StagedPath", "fresh_shape"]
+__all__ = ["PATHS", "CopyEnginePath", "FreshSend", "HostPath", "SmPath", "StagedPath", "fresh_shape", "refused_send"]
 
 _SERIALS = itertools.count()  # one per path: keys what a handle caches about a Buffer's mappings
 
@@ -49,6 +50,18 @@ class FreshSend(NamedTuple):
     phase: str  # the round's event phase: "dispatch.<parity>"
     parts: tuple[str, str]  # the receive areas of the round's parity: x, meta
     refused: str | None = None  # why this rank refused its arguments: it sends no tokens (Note [Refused dispatch])
+
+
+def refused_send(reason: str, num_ranks: int, hidden: int, device: torch.device, round_: int = 0,
+                 phase: str = "dispatch", parts: tuple[str, str] = ("", "")) -> FreshSend:
+    """A fresh dispatch of no tokens, refused for ``reason``: its count per rank (-1) matches no row,
+    so the device refuses the round on every rank (ep.protocol.normal, Note [Refused dispatch])."""
+    src = Sources(torch.empty(0, hidden // 4, dtype=torch.int64, device=device),
+                  torch.empty(0, 1, dtype=torch.int64, device=device))
+    return FreshSend(src, torch.empty(0, num_ranks, dtype=torch.bool, device=device),
+                     torch.full((num_ranks,), -1, dtype=torch.int32, device=device),
+                     torch.zeros(num_ranks, dtype=torch.int32, device=device), num_ranks, REFUSED, 0, round_, phase,
+                     parts, refused=reason)
 
 
 class StagedPath:
@@ -129,9 +142,9 @@ class SmPath(CopyEnginePath):
         handle's, filled by the plan; ``board``: where the count board is copied for a padded
         call, Note [Padded dispatch returns at launch] in ep.protocol.normal)."""
         src = call.src
-        self.mover.send_sm(fresh_shape(self.layout, self.num_ranks, call), call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows,
-                                                         src, call.round, call.config),
-                           call.round, call.phase, timeout_s, self.graphs, board_copy=board)
+        words = call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows, src, call.round, call.config)
+        self.mover.send_sm(fresh_shape(self.layout, self.num_ranks, call), words, call.round, call.phase, timeout_s,
+                           self.graphs, board_copy=board)
 
     def board_like(self) -> torch.Tensor:
         return self.mover.board_like()

@@ -59,7 +59,7 @@ from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
 from warmlink.ep.paths.outputs import dispatch_outputs
-from warmlink.ep.paths.senders import FreshSend
+from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Pending, Rounds
 from warmlink.ep.wire import mailbox as mb
@@ -294,13 +294,8 @@ class NormalMode:
         round_ = rounds.next("dispatch")
         self.mover.start_round("dispatch", round_)
         dev = torch.device("cpu") if self.device < 0 else torch.device("cuda", self.device)
-        src = Sources(as_words(torch.empty(0, self.layout.hidden, dtype=torch.bfloat16, device=dev)),
-                      torch.empty(0, 1, dtype=torch.int64, device=dev))
-        per_rank = torch.full((num_ranks,), -1, dtype=torch.int32, device=dev)  # no row matches: the device refuses
-        call = FreshSend(src, torch.empty(0, num_ranks, dtype=torch.bool, device=dev), per_rank,
-                         torch.zeros(num_ranks, dtype=torch.int32, device=dev), num_ranks, REFUSED, 0, round_,
-                         f"dispatch.{round_ % PARITIES}", (area("recv_x", round_), area("recv_meta", round_)),
-                         refused=reason)
+        call = refused_send(reason, num_ranks, self.layout.hidden, dev, round_, f"dispatch.{round_ % PARITIES}",
+                            (area("recv_x", round_), area("recv_meta", round_)))
         self.send_fresh(call, {}, return_recv_hook)
         raise ConfigError(reason)  # each order raises it after the round; this holds if one did not
 

@@ -51,13 +51,12 @@ from warmlink.ep.kernels.stream import outputs as stream_outputs
 from warmlink.ep.kernels.stream_counts import padded_plan
 from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
-from warmlink.ep.paths.senders import FreshSend
+from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Rounds
 from warmlink.ep.wire import mailbox as mb
 from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
-from warmlink.ep.wire.words import REFUSED
 from warmlink.errors import ConfigError, TransferTimeout
 
 __all__ = ["StreamedMode"]
@@ -266,13 +265,7 @@ class StreamedMode:
     def refuse_dispatch(self, reason: str, return_recv_hook: bool = False) -> NoReturn:
         """Take part in the next fresh dispatch without tokens, refused (Note [Streamed calls]), then
         raise ``ConfigError(reason)``. Collective."""
-        dev = torch.device("cuda", self.device)
-        src = Sources(as_words(torch.empty(0, self.layout.hidden, dtype=torch.bfloat16, device=dev)),
-                      torch.empty(0, 1, dtype=torch.int64, device=dev))
-        per_rank = torch.full((self.num_ranks,), -1, dtype=torch.int32, device=dev)  # no row matches: the device refuses
-        call = FreshSend(src, torch.empty(0, self.num_ranks, dtype=torch.bool, device=dev), per_rank,
-                         torch.zeros(self.num_ranks, dtype=torch.int32, device=dev), self.num_ranks, REFUSED, 0, 0,
-                         "dispatch", ("", ""), refused=reason)
+        call = refused_send(reason, self.num_ranks, self.layout.hidden, torch.device("cuda", self.device))
         try:
             self._fresh(call, {})
         except ConfigError:  # the device's refusal of this very round
