@@ -87,3 +87,44 @@ def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
         _attempt(report, "after_destroy", lambda: _dispatch(buffer, mine, case, case["calls"][0], None))
     report["events"] = sorted(report.get("events", ()))
     return {"rounds": rounds, "report": report}
+
+
+def deep_ep_ll_shrink(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """DeepEP's ``--shrink-test`` flow on ``deep_ep.Buffer(..., enable_shrink=True)``: a BF16
+    dispatch + combine on every rank; then rank ``case["fails"]`` dispatches but stops before its
+    combine (alive, calling nothing, as DeepEP's failing rank), and the others' combine masks it
+    at its deadline; they query the mask, clean, query again and run a round without it. Returns
+    each round's outputs (``_ll_workers.ll_shrink``'s) with the mask after it, and the queries."""
+    mine = ll_inputs(case)[rank]
+    tokens, hidden, experts = max(case["tokens"]), case["hidden"], case["experts"]
+    local, status = experts // num_ranks, torch.zeros(num_ranks, dtype=torch.int32)
+    rounds, report = [], {}
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        size = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts, num_topk=case["topk"])
+        buffer = deep_ep.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=local, explicitly_destroy=True,
+                                enable_shrink=True, timeout_s=case["timeout_s"])
+
+        def one(fails: bool = False) -> dict | None:
+            stats = torch.zeros(local, dtype=torch.int32)
+            recv_x, count, handle, _, _ = buffer.low_latency_dispatch(
+                mine["x"], mine["topk_idx"], tokens, experts, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+            if fails and rank == case["fails"]:
+                return None
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(got["recv_x"], rank, local)
+            got["combined"] = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle)[0].clone()
+            buffer.low_latency_query_mask_buffer(status)
+            got["mask"] = status.tolist()
+            return got
+
+        rounds.append(one())
+        second = one(fails=True)
+        if second is not None:
+            rounds.append(second)
+            buffer.clean_low_latency_buffer(tokens, hidden, experts)
+            buffer.low_latency_query_mask_buffer(status)
+            report["mask_after_clean"] = status.tolist()
+            rounds.append(one())
+        group.barrier()  # the failed rank stays until the others are done, as DeepEP's test's does
+        buffer.destroy()
+    return {"rounds": rounds, "report": report}

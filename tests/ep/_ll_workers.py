@@ -85,7 +85,8 @@ def _buffer(rank, num_ranks, store, case):
 
     return Buffer(store, rank, num_ranks, max_tokens_per_rank=case.get("max_tokens", max(case["tokens"])),
                   hidden=case["hidden"], num_topk=case.get("num_topk", case["topk"]), backend=case.get("backend", "shm"),
-                  timeout_s=case.get("timeout_s", 30.0), low_latency_mode=True, num_experts=case["experts"])
+                  timeout_s=case.get("timeout_s", 30.0), low_latency_mode=True, num_experts=case["experts"],
+                  enable_shrink=case.get("enable_shrink", False))
 
 
 def _dispatch(buf, mine: dict, case: dict, call: dict, stats):
@@ -351,6 +352,47 @@ def ll_fault(rank: int, num_ranks: int, store, case: dict) -> dict:
             attempt("old_handle", lambda: buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], first[2]))
             report["count"] = _dispatch(buf, mine, case, call, None)[1].clone()
     return report
+
+
+def ll_shrink(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """DeepEP's enable_shrink: four BF16 dispatch + combine rounds; rank ``case["dies"]`` exits after
+    sending its second dispatch (its rows arrive; it never combines), or with ``case["stays"]``
+    stays alive calling nothing; the others mask it and go on, with a clean_low_latency_buffer
+    before the fourth. Returns this rank's outputs of each round and its mask after it."""
+    mine, dev = _mine(case, rank), _device(case)
+    local, tokens = case["experts"] // num_ranks, max(case["tokens"])
+    rounds = []
+    with _buffer(rank, num_ranks, store, dict(case, enable_shrink=True)) as buf:
+        def one(dies: bool = False) -> dict:
+            stats = torch.zeros(local, dtype=torch.int32, device=dev)
+            recv_x, count, handle, _, hook = buf.low_latency_dispatch(
+                mine["x"], mine["topk_idx"], tokens, case["experts"], cumulative_local_expert_recv_stats=stats,
+                use_fp8=False, return_recv_hook=True)
+            if dies and rank == case["dies"]:
+                if not case.get("stays"):
+                    os._exit(0)
+                # alive and calling nothing, as DeepEP's failing rank: its memory stays mapped
+                store.wait_until(lambda: store.add("shrink-done", 0, checked=False) >= num_ranks - 1,
+                                 what="the other ranks' rounds", timeout_s=120)
+                return None
+            hook()
+            got = _received(recv_x, count, handle, stats)
+            y = expert_output(got["recv_x"], rank, local).to(dev)
+            combined = buf.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], handle)[0]
+            got["combined"] = combined.to("cpu", copy=True)
+            mask = torch.full((num_ranks,), 7, dtype=torch.int32, device=dev)
+            buf.low_latency_query_mask_buffer(mask)
+            got["mask"] = mask.cpu().tolist()
+            return got
+
+        rounds += [one(), one(dies=True)]
+        if rounds[-1] is None:
+            return "stayed"
+        rounds.append(one())
+        buf.clean_low_latency_buffer(tokens, case["hidden"], case["experts"])
+        rounds.append(one())
+        store.add("shrink-done", 1, checked=False)
+    return rounds
 
 
 def ll_warm(rank: int, num_ranks: int, store, case: dict) -> dict:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import warmlink.ep.deep_ep as deep_ep
-from tests.ep._deep_ep_ll_workers import deep_ep_ll_rounds
+from tests.ep._deep_ep_ll_workers import deep_ep_ll_rounds, deep_ep_ll_shrink
 from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
-from tests.ep.test_low_latency import check_rounds
+from tests.ep.test_low_latency import check_masked_round, check_rounds, reference_routes
 from warmlink.ep import Buffer as EPBuffer
 from warmlink.ep import size_hint
 from warmlink.errors import ConfigError
@@ -86,6 +86,22 @@ def _check_deep_ep_low_latency(case: dict) -> None:
         assert report["after_destroy"] == "ConfigError: deep_ep.Buffer.low_latency_dispatch: the buffer was destroyed"
 
 
+def test_deep_eps_shrink_flow_masks_a_rank_that_stops_calling_and_the_others_go_on():
+    """DeepEP's test_low_latency.py --shrink-test, at 3 ranks (its own needs 6: it fails ranks 1, 3
+    and 5): rank 1 dispatches, then calls nothing; the others' combine masks it when its deadline
+    passes, the mask stays through a clean, and a round without it is right (the oracle)."""
+    case = {"tokens": [12, 9, 10], "hidden": 256, "experts": 6, "topk": 3, "masked": 3, "seed": 11, "fails": 1,
+            "timeout_s": 2.0, "dist_port": free_port()}
+    results = run_ranks(deep_ep_ll_shrink, 3, case=case, timeout_s=120)
+    assert len(results[1]["rounds"]) == 1  # the failed rank's first round only
+    routes = reference_routes(case)
+    survivors = {r: results[r] for r in (0, 2)}
+    for i, (sources_out, experts_out) in enumerate([(set(), set()), (set(), {1}), ({1}, {1})]):
+        check_masked_round(case, {r: out["rounds"][i] for r, out in survivors.items()}, routes, sources_out,
+                           experts_out)
+    assert all(out["report"]["mask_after_clean"] == [0, 1, 0] for out in survivors.values())
+
+
 def test_a_shape_the_budget_cannot_hold_is_refused_naming_both_before_anything_is_built():
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16)  # DeepEP's call: top-8 assumed
     assert hint == EPBuffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16) + size_hint(64, 7168, num_ranks=2)
@@ -104,11 +120,31 @@ def test_a_shape_the_budget_cannot_hold_is_refused_naming_both_before_anything_i
         buffer.low_latency_combine(x, idx, torch.zeros(64, 8), None)
 
 
+def test_the_mask_buffer_before_the_first_call_keeps_the_updates_and_refuses_bad_ones():
+    """DeepEP's mask calls work from construction (its mask buffer exists then); before the first
+    low_latency_dispatch builds warmlink's, they are kept and applied by it."""
+    buffer = deep_ep.Buffer(_Group(4), 0, 1 << 20, low_latency_mode=True, enable_shrink=True)
+    assert buffer.enable_shrink
+    status = torch.full((4,), 7, dtype=torch.int32)
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0, 0, 0]
+    buffer.low_latency_update_mask_buffer(2, True)
+    buffer.low_latency_update_mask_buffer(3, True)
+    buffer.low_latency_update_mask_buffer(3)  # mask=False: DeepEP's default unmasks
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0, 1, 0]
+    buffer.low_latency_clean_mask_buffer()
+    buffer.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0, 0, 0]
+    with pytest.raises(ConfigError, match=r"rank=4; expected an int in \[0, 4\)"):
+        buffer.low_latency_update_mask_buffer(4, True)
+    with pytest.raises(ConfigError, match="mask_status must be an int32 tensor of shape \\[4\\]"):
+        buffer.low_latency_query_mask_buffer(torch.zeros(3, dtype=torch.int32))
+
+
 def test_low_latency_arguments_and_what_is_not_here_are_refused_by_name():
     with pytest.raises(ConfigError, match="low_latency_mode=True with num_rdma_bytes=0"):
         deep_ep.Buffer(_Group(2), 0, 0, low_latency_mode=True)
-    with pytest.raises(ConfigError, match="enable_shrink=True is not supported: the low-latency mask buffer"):
-        deep_ep.Buffer(_Group(2), 0, 1 << 20, low_latency_mode=True, enable_shrink=True)
     normal = deep_ep.Buffer(_Group(2), 1 << 20)
     with pytest.raises(ConfigError, match="made with low_latency_mode=False"):
         normal.low_latency_dispatch(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int64), 2, 2)
@@ -119,8 +155,8 @@ def test_low_latency_arguments_and_what_is_not_here_are_refused_by_name():
     # low-latency within one node may use more ranks than DeepEP's NVLink domain: num_rdma_bytes is its budget there
     assert deep_ep.Buffer(_Group(16), 0, 1 << 20, low_latency_mode=True).num_rdma_bytes == 1 << 20
     buffer = deep_ep.Buffer(_Group(2), 0, 1 << 20, low_latency_mode=True)
-    for name in ("low_latency_update_mask_buffer", "low_latency_query_mask_buffer", "low_latency_clean_mask_buffer"):
-        with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: not supported; the low-latency mask buffer"):
+    for name in ("low_latency_update_mask_buffer", "low_latency_query_mask_buffer"):
+        with pytest.raises(ConfigError, match=f"deep_ep.Buffer.{name}: this Buffer was made with enable_shrink=False"):
             getattr(buffer, name)(0)
     with pytest.raises(ConfigError, match="x and topk_idx must be 2-D tensors"):
         buffer.low_latency_dispatch(torch.zeros(128, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64), 2, 2)

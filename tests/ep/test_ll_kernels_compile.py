@@ -46,37 +46,47 @@ def _signature(jit, args: tuple, constexprs: dict) -> tuple[dict, dict]:
     return sig, consts
 
 
-@pytest.mark.parametrize("rank,fp8,round_scale,ue8m0,stats", [(0, True, False, False, True), (1, True, True, True, False),
-                                                              (1, False, False, False, True)])
+@pytest.mark.parametrize("rank,fp8,round_scale,ue8m0,stats,shrink", [(0, True, False, False, True, False),
+                                                                     (1, True, True, True, False, True),
+                                                                     (1, False, False, False, True, False)])
 def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path_passes(rank, fp8, round_scale, ue8m0,
-                                                                                      stats):
+                                                                                      stats, shrink):
+    """Every phase of both kernels (send, receive, both in one launch) and the mask buffer's kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from warmlink.ep.low_latency import _triton
+    from warmlink.ep.low_latency._device import BOTH, RECV, SEND, build_kernels
 
     calls: list = []
-    kernels = SimpleNamespace(**{name: _Recorder(calls, getattr(_triton, name)) for name in
-                                 ("slots_kernel", "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel",
-                                  "combine_recv_kernel")})
+    jits = build_kernels(interpreted=True)  # the plain triton.jit functions
+    kernels = SimpleNamespace(**{name: _Recorder(calls, jit) for name, jit in vars(jits).items()})
     lay = LowLatencyLayout(2, 128, 7168, 256, 8)
-    path = DevicePath(lay, rank, {0: 1 << 40, 1: 1 << 41}, torch.device("cpu"), 30.0, kernels)
-    out = Outputs(lay, -1).views(1, 32, fp8, ue8m0)  # 32 tokens: a tag of 1 with FP8, as Triton then specializes it
+    outputs = Outputs(lay, -1)
+    path = DevicePath(lay, rank, {0: 1 << 40, 1: 1 << 41}, torch.device("cpu"), 30.0, outputs, kernels, shrink=shrink)
+    out = outputs.views(1, 32, fp8, ue8m0)  # 32 tokens: a tag of 1 with FP8, as Triton then specializes it
     x, idx = torch.zeros(32, 7168, dtype=torch.bfloat16), torch.zeros(32, 8, dtype=torch.int64)
     counts = torch.zeros(lay.local_experts, dtype=torch.int32) if stats else None
     waits = torch.zeros(2, dtype=torch.int64) if stats else None
-    path.send_dispatch(1, x, idx, 32, fp8, round_scale, 1 if fp8 else 0, out.dispatched)
-    path.receive_dispatch(1, 32, fp8, ue8m0, out, 1 if fp8 else 0, counts, waits)
-    handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot, num_max_dispatch_tokens_per_rank=32)
+    handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot, num_max_dispatch_tokens_per_rank=32,
+                             dispatched=out.dispatched[:32])
     y = torch.zeros(lay.local_experts, 64, 7168, dtype=torch.bfloat16)
-    path.send_combine(1, y, handle, 1)
-    path.receive_combine(1, idx, torch.zeros(32, 8), out.dispatched, torch.zeros(32, 7168, dtype=torch.bfloat16), 1, waits)
-    assert len(calls) == 5
+    for phase in (SEND, RECV, BOTH):
+        path.dispatch(phase, 1, x, idx, 32, fp8, round_scale, ue8m0, 1 if fp8 else 0, counts, waits)
+        path.combine(phase, 1, y, handle, idx, torch.zeros(32, 8), torch.zeros(32, 7168, dtype=torch.bfloat16), 1,
+                     waits)
+    path.query_mask(torch.zeros(2, dtype=torch.int32))
+    path.update_mask(1, True)
+    path.clean_mask()
+    assert len(calls) == 9
     for jit, args, constexprs in calls:
         options = {"num_warps": constexprs.pop("num_warps", 4)}
+        assert list(constexprs) == jit.arg_names[len(args):], "FastLaunch takes the constexprs in the kernel's order"
         sig, consts = _signature(jit, args, constexprs)
-        triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        compiled = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        if "PHASE" in constexprs:  # what profilers show, and DeepEP's kineto timing looks for
+            name = "dispatch" if "FP8" in constexprs else "combine"
+            assert compiled.metadata.name == f"_ZN8warmlink2ep11low_latency{len(name)}{name}Ev"
 
 
 @pytest.mark.parametrize("padded", [False, True])

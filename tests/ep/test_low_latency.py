@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.ep._group import run_ranks
-from tests.ep._ll_workers import RANK_OFFSET, decode_scales, dequantized, expert_output, ll_fault, ll_inputs, ll_rounds
+from tests.ep._ll_workers import (RANK_OFFSET, decode_scales, dequantized, expert_output, ll_fault, ll_inputs, ll_rounds,
+                                  ll_shrink)
 from warmlink.errors import ConfigError
 
 _LOW32 = (1 << 32) - 1
@@ -152,6 +153,56 @@ def test_a_peer_killed_mid_round_raises_peer_lost_and_the_buffer_stays_refused()
         assert report["combine"].startswith("PeerLostError") and "rank 1" in report["combine"], report
         assert report["combine_s"] < _PEER_CASE["timeout_s"]
         assert report["after"].startswith("PeerLostError") and "out of step" in report["after"], report
+
+
+def check_masked_round(case: dict, got: dict, routes, sources_out: set, experts_out: set) -> None:
+    """One round of the survivors ``got`` (``{rank: outputs}``): rows from ``sources_out`` absent
+    from the dispatch, rows of experts on ``experts_out`` absent from each token's sum, and the
+    mask naming ``experts_out``."""
+    num_ranks, hidden = len(case["tokens"]), case["hidden"]
+    local = case["experts"] // num_ranks
+    inputs = ll_inputs(case)
+    for d, g in got.items():
+        assert g["mask"] == [int(r in experts_out) for r in range(num_ranks)], (d, g["mask"])
+        for e, rows in enumerate(routes[d]):
+            rows = [row for row in rows if row[0] not in sources_out]
+            n = len(rows)
+            assert g["count"][e].item() == n and g["stats"][e].item() == n, (d, e)
+            assert g["src_info"][e, :n].tolist() == [t for _, t, _ in rows], (d, e)
+            want = torch.stack([inputs[s]["x"][t] for s, t, _ in rows]) if rows else torch.empty(0, hidden)
+            assert torch.equal(g["recv_x"][e, :n], want.to(torch.bfloat16)), (d, e)
+            for s in sources_out:
+                assert g["layout_range"][e, s].item() & _LOW32 == 0, (d, e, s)
+    for s, g in got.items():  # expert_output's scale of each row, from the oracle (a dead rank returns nothing)
+        want = torch.zeros(len(inputs[s]["x"]), hidden, dtype=torch.float64)
+        for t, row in enumerate(inputs[s]["topk_idx"].tolist()):
+            for k, expert in enumerate(row):
+                if expert >= 0 and expert // local not in experts_out:
+                    want[t] += inputs[s]["topk_weights"][t, k].double() * inputs[s]["x"][t].double() * 2.0 ** (expert % 3)
+        assert torch.allclose(g["combined"].double(), want, rtol=2**-7, atol=1e-6), f"rank {s}: combined_x differs"
+
+
+SHRINK_CASE = {"tokens": [16, 12, 14], "hidden": 256, "experts": 6, "topk": 3, "masked": 4, "seed": 8, "dies": 2,
+               "timeout_s": 3.0}
+
+
+def check_shrink(case: dict, results: list) -> None:
+    """ll_shrink's rounds: all ranks; the dead rank's rows arrived but its combine did not; then
+    without it (before and after a clean)."""
+    dead = case["dies"]
+    assert results[dead] == ("stayed" if case.get("stays") else "exited")
+    routes = reference_routes(case)
+    survivors = {r: rounds for r, rounds in enumerate(results) if r != dead}
+    for i, (sources_out, experts_out) in enumerate([(set(), set()), (set(), {dead}), ({dead}, {dead}),
+                                                    ({dead}, {dead})]):
+        check_masked_round(case, {r: rounds[i] for r, rounds in survivors.items()}, routes, sources_out, experts_out)
+
+
+def test_with_enable_shrink_a_rank_killed_mid_call_is_masked_and_the_others_go_on_without_its_rows():
+    """DeepEP's mask buffer over shm: a rank exits between its dispatch and its combine; the
+    others' combine masks it (a dead peer is seen at once, not after the timeout), and later
+    rounds, a clean and the round after it run among the survivors, against the oracle."""
+    check_shrink(SHRINK_CASE, run_ranks(ll_shrink, 3, case=SHRINK_CASE, timeout_s=120))
 
 
 def test_a_stalled_peer_raises_transfer_timeout_after_the_timeout_naming_it():

@@ -16,9 +16,11 @@ from tests.ep._ll_workers import (
     ll_device_fault,
     ll_graph,
     ll_rounds,
+    ll_shrink,
     ll_two_batches,
 )
-from tests.ep.test_low_latency import CASES, _counts, check_identical_reruns, check_rounds, reference_routes
+from tests.ep.test_low_latency import (CASES, SHRINK_CASE, _counts, check_identical_reruns, check_rounds, check_shrink,
+                                       reference_routes)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -96,3 +98,13 @@ def test_gpu_clean_zeroes_the_outputs_and_the_next_round_is_right():
     for d, report in enumerate(run_ranks(ll_device_fault, 2, case=case, timeout_s=120)):
         assert report["zeroed"], report
         assert torch.equal(report["count"], _counts(routes, d))
+
+
+def test_gpu_with_enable_shrink_a_rank_gone_mid_call_is_masked_and_the_others_go_on_without_its_rows():
+    """The CPU test's scenario on the device path: the kernels' waits on the rank that stopped end
+    at their deadline and mask it, and every later kernel neither waits for it nor writes into it.
+    The rank stays alive, as DeepEP's test's failing rank does: its peers write into its region
+    until they mask it, and a region exported through CUDA IPC by a process that exited is not
+    promised to stay allocated."""
+    case = dict(SHRINK_CASE, hidden=1024, stays=True, **_ON_GPU)
+    check_shrink(case, run_ranks(ll_shrink, 3, case=case, timeout_s=200))

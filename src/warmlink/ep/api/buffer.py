@@ -74,6 +74,8 @@ class Buffer(LowLatencyMethods, Closing):
             the SMs) and rows per ring (None: 20 and 128). Every rank passes the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
             experts, ``max_tokens_per_rank`` tokens (ep.low_latency: host copies on shm, kernels on cuda_ipc).
+        enable_shrink: with ``low_latency_mode``, a peer that stalls or dies is masked and the
+            low-latency calls go on without it, instead of raising (DeepEP's mask buffer: ep.low_latency._mask).
 
     Raises:
         ConfigError: bad sizes or options (naming the argument), or a peer built with different sizes.
@@ -87,7 +89,7 @@ class Buffer(LowLatencyMethods, Closing):
                  num_topk: int = 8, device=None, backend: str | None = None, timeout_s: float | None = None,
                  send: str | None = None, graphs: bool | None = None, copy_streams: str | None = None,
                  combine_parts: int | None = None, stream_channels: int | None = None, ring_rows: int | None = None,
-                 low_latency_mode: bool = False, num_experts: int | None = None) -> None:
+                 low_latency_mode: bool = False, num_experts: int | None = None, enable_shrink: bool = False) -> None:
         from warmlink.transport import resolve_backend
 
         self._closed = True
@@ -108,7 +110,7 @@ class Buffer(LowLatencyMethods, Closing):
         self.layout = RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk,
                                    *resolve_stream(self.send, stream_channels, ring_rows))
         self._checks = Checks(self.layout, num_ranks, self.device)
-        self._check_low_latency(low_latency_mode, num_experts)
+        self._check_low_latency(low_latency_mode, num_experts, enable_shrink)
         self._normal: NormalMode | None = None
         self._res = Resources(self.layout, rank, num_ranks, self.device, self.backend, self.timeout_s,
                               self.copy_streams)
@@ -116,7 +118,7 @@ class Buffer(LowLatencyMethods, Closing):
         self._closed = False
         try:
             self._res.connect(store)
-            self._open_low_latency(store, low_latency_mode, num_experts, num_topk)
+            self._open_low_latency(store, low_latency_mode, num_experts, num_topk, enable_shrink)
             self._normal = self._mode()
         except BaseException:
             self.close()
@@ -147,7 +149,7 @@ class Buffer(LowLatencyMethods, Closing):
         ranks' ``secret`` is not used); the Buffer owns that store and closes it with itself.
         ``options``: the constructor's ``send``, ``graphs``, ``copy_streams``, ``combine_parts``,
         ``stream_channels``, ``ring_rows``,
-        ``low_latency_mode`` and ``num_experts``. Collective over ``group``.
+        ``low_latency_mode``, ``num_experts`` and ``enable_shrink``. Collective over ``group``.
         """
         store, rank, world = group_store(group, timeout_s, secret)
         try:

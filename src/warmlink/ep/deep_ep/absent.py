@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from warmlink.errors import ConfigError
 
-__all__ = ["INTERNODE", "MASK", "NO_RING", "not_here"]
+__all__ = ["INTERNODE", "NO_RING", "not_here"]
 
-MASK = ("the low-latency mask buffer (masking failed ranks) is not implemented: a lost peer raises PeerLostError "
-        "and the Buffer stays refused")
 INTERNODE = "warmlink.ep runs the ranks of one node"
 NO_RING = ("warmlink has no ring buffer to expose: rows land in per-source slots of the receive area, and outputs "
            "are fresh tensors")

@@ -17,7 +17,7 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
 from warmlink.ep.deep_ep import calls
-from warmlink.ep.deep_ep.absent import INTERNODE, MASK, NO_RING, not_here
+from warmlink.ep.deep_ep.absent import INTERNODE, NO_RING, not_here
 from warmlink.ep.deep_ep.comm import CommCalls
 from warmlink.ep.deep_ep.config import NVL_PEERS, Config, combine_config, dispatch_config
 from warmlink.ep.deep_ep.events import EventHandle, EventOverlap, returned_event, wait_previous
@@ -64,7 +64,8 @@ class Buffer(LowLatencyCalls, CommCalls):
             fabric API is needed for only across nodes). In DeepEP's positional order.
         explicitly_destroy: as DeepEP's: True means the caller calls ``destroy()``; otherwise the
             buffer is released when collected.
-        enable_shrink: must be False (the mask buffer is not here).
+        enable_shrink: with ``low_latency_mode``, DeepEP's mask buffer: a rank that stalls or dies
+            is masked and the low-latency calls go on without it (ep.low_latency._mask).
         comm: must be None (an mpi4py communicator is not supported; pass ``group``).
         timeout_s: warmlink's limit for every wait (default ``WARMLINK_TIMEOUT_S``); not DeepEP's.
 
@@ -93,7 +94,7 @@ class Buffer(LowLatencyCalls, CommCalls):
         for name, value in (("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                             ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric)):
             _flag(func, name, value)
-        _flag(func, "enable_shrink", enable_shrink, f"is not supported: {MASK}")
+        _flag(func, "enable_shrink", enable_shrink)
         self.explicitly_destroy = _flag(func, "explicitly_destroy", explicitly_destroy)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -109,7 +110,7 @@ class Buffer(LowLatencyCalls, CommCalls):
             raise ConfigError(f"{func}: num_rdma_bytes={num_rdma_bytes} with {self.group_size} ranks is DeepEP's internode "
                               f"mode; warmlink.ep runs the ranks of one node (at most {NVL_PEERS} in DeepEP's terms)")
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.enable_shrink = False
+        self.enable_shrink = enable_shrink
         self._timeout_s = timeout_s
         self._widest_topk = 0  # of get_dispatch_layout's calls so far: deep_ep.inner, Note [Built on first dispatch]
 
@@ -352,9 +353,6 @@ class Buffer(LowLatencyCalls, CommCalls):
                 f"inner={self._inner!r}{low_latency})")
 
     # -- DeepEP's methods that are not here -------------------------------------------------------
-    low_latency_update_mask_buffer = not_here("low_latency_update_mask_buffer", MASK)
-    low_latency_query_mask_buffer = not_here("low_latency_query_mask_buffer", MASK)
-    low_latency_clean_mask_buffer = not_here("low_latency_clean_mask_buffer", MASK)
     internode_dispatch = not_here("internode_dispatch", INTERNODE)
     internode_combine = not_here("internode_combine", INTERNODE)
     get_local_buffer_tensor = not_here("get_local_buffer_tensor", NO_RING)

@@ -156,6 +156,48 @@ class LowLatencyCalls:
         self._check_shape(func, num_max_dispatch_tokens_per_rank, hidden, num_experts, None)
         self._ll.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    # -- the mask buffer (enable_shrink: ep.low_latency._mask) -------------------------------------
+    _mask_before_build: dict = {}
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """DeepEP's call: 1 in int32 ``mask_status`` ``[num_ranks]`` where a rank is masked
+        (``ep.Buffer.low_latency_query_mask_buffer``); before the first ``low_latency_dispatch``,
+        the updates made so far."""
+        func = "low_latency_query_mask_buffer"
+        self._check_mask(func)
+        if self._ll is not None:
+            self._ll.low_latency_query_mask_buffer(mask_status)
+            return
+        if not isinstance(mask_status, torch.Tensor) or mask_status.shape != (self.group_size,):
+            raise ConfigError(f"deep_ep.Buffer.{func}: mask_status must be an int32 tensor of shape [{self.group_size}]")
+        mask_status.zero_()
+        for rank, masked in self._mask_before_build.items():
+            mask_status[rank] = int(masked)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's call: mask (or unmask) a rank (``ep.Buffer.low_latency_update_mask_buffer``)."""
+        func = "low_latency_update_mask_buffer"
+        self._check_mask(func)
+        if self._ll is not None:
+            self._ll.low_latency_update_mask_buffer(rank_to_mask, mask)
+            return
+        if type(rank_to_mask) is not int or not 0 <= rank_to_mask < self.group_size:
+            raise ConfigError(f"deep_ep.Buffer.{func}: rank={rank_to_mask!r}; expected an int in [0, {self.group_size})")
+        self._mask_before_build = {**self._mask_before_build, rank_to_mask: bool(mask)}
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """DeepEP's call: unmask every rank."""
+        self._check_mask("low_latency_clean_mask_buffer")
+        if self._ll is not None:
+            self._ll.low_latency_clean_mask_buffer()
+        self._mask_before_build = {}
+
+    def _check_mask(self, func: str) -> None:
+        self._check_low_latency(func)
+        if not self.enable_shrink:
+            raise ConfigError(f"deep_ep.Buffer.{func}: this Buffer was made with enable_shrink=False, so it has no mask "
+                              "buffer; make it with enable_shrink=True, as for DeepEP")
+
     # -- helpers ---------------------------------------------------------------------------------
     def _check_low_latency(self, func: str) -> None:
         self._check_usable(func)
@@ -180,8 +222,11 @@ class LowLatencyCalls:
         dev, backend = (device.index, None) if device.type == "cuda" else (-1, "shm")
         self._ll = _EPBuffer.from_group(self.group, max_tokens_per_rank=tokens, hidden=hidden, num_topk=num_topk,
                                         device=dev, backend=backend, timeout_s=self._timeout_s, low_latency_mode=True,
-                                        num_experts=num_experts)
+                                        num_experts=num_experts, enable_shrink=self.enable_shrink)
         self._ll_shape = (tokens, hidden, num_experts, num_topk)
+        for rank, masked in self._mask_before_build.items():  # updates made before there was a mask
+            self._ll.low_latency_update_mask_buffer(rank, masked)
+        self._mask_before_build = {}
         return self._ll
 
     def _check_shape(self, func: str, tokens, hidden, num_experts, num_topk: int | None) -> None:

@@ -81,7 +81,7 @@ class FastLaunch:
         self._cache: dict[tuple, object] = {}
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
-        device = torch.cuda.current_device()
+        device = _get_device() if _get_device is not None else torch.cuda.current_device()  # 0.3 us, not 2-4
         backend = self.jit.device_caches[device][3]
         spec = self._specialize
         key = (device, num_warps, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))

@@ -37,10 +37,14 @@ class LowLatencyMethods:
     _low_latency = None
     _call: Callable  # ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
 
-    def _check_low_latency(self, low_latency_mode: bool, num_experts: int | None) -> None:
+    def _check_low_latency(self, low_latency_mode: bool, num_experts: int | None, enable_shrink: bool = False) -> None:
         """Refuse low-latency arguments this Buffer cannot take, before ``__init__`` leases anything."""
-        if not isinstance(low_latency_mode, bool):
-            raise ConfigError(f"ep.Buffer: low_latency_mode={low_latency_mode!r}; expected a bool")
+        for name, value in (("low_latency_mode", low_latency_mode), ("enable_shrink", enable_shrink)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"ep.Buffer: {name}={value!r}; expected a bool")
+        if enable_shrink and not low_latency_mode:
+            raise ConfigError("ep.Buffer: enable_shrink=True without low_latency_mode=True; the mask buffer is "
+                              "low-latency mode's")
         if not low_latency_mode:
             if num_experts is not None:
                 raise ConfigError(f"ep.Buffer: num_experts={num_experts!r} without low_latency_mode=True; "
@@ -52,7 +56,8 @@ class LowLatencyMethods:
 
         refuse_backend(self.backend)
 
-    def _open_low_latency(self, store, low_latency_mode: bool, num_experts: int | None, num_topk: int) -> None:
+    def _open_low_latency(self, store, low_latency_mode: bool, num_experts: int | None, num_topk: int,
+                          enable_shrink: bool = False) -> None:
         """Build the low-latency runtime (collective) when ``low_latency_mode``; called by ``__init__``
         after ``_check_low_latency``."""
         if not low_latency_mode:
@@ -62,7 +67,7 @@ class LowLatencyMethods:
         self._low_latency = LowLatencyRuntime(
             store, self.rank, self.num_ranks, max_tokens=self.layout.max_tokens, hidden=self.layout.hidden,
             num_experts=num_experts, num_topk=num_topk, device=self.device, backend=self.backend,
-            timeout_s=self.timeout_s)
+            timeout_s=self.timeout_s, shrink=enable_shrink)
 
     def _close_low_latency(self) -> None:
         runtime, self._low_latency = self._low_latency, None
@@ -111,6 +116,30 @@ class LowLatencyMethods:
         """
         return self._runtime("get_next_low_latency_combine_buffer").next_combine_buffer(handle)
 
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into ``mask_status`` (int32 ``[R]`` on the Buffer's device): 1 where this
+        rank masked a rank, 0 elsewhere (DeepEP's call; on a GPU a kernel on the current stream).
+
+        Raises:
+            ConfigError: no ``enable_shrink``, or another tensor.
+        """
+        self._runtime("low_latency_query_mask_buffer").mask_call("low_latency_query_mask_buffer", "query",
+                                                                  out=mask_status)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask ``rank_to_mask`` (``mask=True``: nothing is sent to it or awaited from it again), or
+        unmask it; an unmasked rank must have made the same low-latency calls meanwhile (DeepEP's call).
+
+        Raises:
+            ConfigError: no ``enable_shrink``, or a rank outside ``[0, R)``.
+        """
+        self._runtime("low_latency_update_mask_buffer").mask_call("low_latency_update_mask_buffer", "update",
+                                                                   rank=rank_to_mask, masked=mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (DeepEP's call). Raises ``ConfigError`` without ``enable_shrink``."""
+        self._runtime("low_latency_clean_mask_buffer").mask_call("low_latency_clean_mask_buffer", "clean")
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero this rank's low-latency region and outputs, and meet every peer (DeepEP's call).
 
@@ -124,7 +153,8 @@ class LowLatencyMethods:
 
         Raises:
             ConfigError: other sizes, a round awaiting its hook, or a peer that made another call.
-            TransferTimeout / PeerLostError: a peer stalled or died.
+            TransferTimeout / PeerLostError: a peer stalled or died (with ``enable_shrink``: it is
+                masked instead).
 
         Collective? Yes, counted as a dispatch round. Blocking? Until every peer has cleaned.
         """

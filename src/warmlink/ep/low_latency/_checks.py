@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from warmlink.ep.low_latency._handle import LowLatencyHandle
-from warmlink.ep.low_latency._layout import LowLatencyLayout
+from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
 from warmlink.errors import ConfigError
 
-__all__ = ["LowLatencyChecks", "refuse_backend"]
+__all__ = ["LowLatencyChecks", "check_handle", "refuse_backend"]
 
 _TOPK_DTYPES = (torch.int64, torch.int32)
 
@@ -137,3 +137,25 @@ class LowLatencyChecks:
                 raise ConfigError(f"ep.Buffer.{func}: out must be contiguous")
         self.stats(func, "combine_wait_recv_cost_stats", wait_stats, torch.int64, lay.num_ranks)
         return x.contiguous(), idx, weights.contiguous()
+
+
+def check_handle(handle, func: str, owner: int, latest: int, clean_round: int) -> None:
+    """Refuse a handle that Buffer ``owner`` would not combine: of another Buffer, from before its
+    last clean (dispatch round ``clean_round``), outputs reused since (``latest``: its last
+    dispatch round), or a receive that did not complete."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise ConfigError(f"ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle "
+                          "low_latency_dispatch returned")
+    if handle.owner != owner:
+        raise ConfigError(f"ep.Buffer.{func}: handle={handle!r} comes from another Buffer; pass the handle this "
+                          "Buffer's low_latency_dispatch returned")
+    if handle.round <= clean_round:
+        raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} predates "
+                          f"clean_low_latency_buffer (round {clean_round}), which zeroed its outputs")
+    if handle.round < latest - 1:
+        raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round}; its outputs were reused "
+                          f"by dispatch round {handle.round + LL_PARITIES} (a handle serves until the second "
+                          "dispatch after it); pass a newer handle")
+    if handle.rows_by_source is None:
+        raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} whose receive did not "
+                          "complete; call its hook first (a refused round has nothing to combine)")

@@ -4,22 +4,25 @@ regions and poll signal words, with no host synchronisation inside a call.
 # Note [Low-latency device path]
 A call launches its kernels on the caller's stream and returns: nothing waits on the host, so a
 dispatch + hook + combine + hook can be captured in a CUDA graph and replayed
-(ep.low_latency._triton holds the kernels):
+(ep.low_latency._triton_dispatch and _triton_combine hold the kernels). Two kernels, ``dispatch`` and ``combine``, each a send
+phase and a receive phase: a call without a hook launches one kernel running both (at most a
+program per SM, so that every program that waits in the receive lets the others send), a call
+with one launches the send and leaves the receive to the hook.
 
-- dispatch, send: ``slots_kernel`` gives each (token, column) its slot, its rank among this
-  rank's rows to the same expert (from ``topk_idx`` alone: there is no count exchange), and flags
-  an expert id out of range; ``dispatch_send_kernel`` casts each token (FP8 on request) and stores
-  it into slot ``(e, this rank)`` of each of its experts' ranks (ep.low_latency._layout). Its last
-  program to finish (a per-kernel counter in the device state, after a system fence in every
-  program) writes the signal word of every (rank, local expert): ``seq << 32 | tag << 24 |
-  count``, where ``seq`` is this parity's dispatch sequence number and ``tag`` the call's
-  arguments (``call_tag``); a refused input sends the count ``0xFFFFFF`` instead of rows;
-- dispatch, receive (the hook, or at once): ``dispatch_recv_kernel``, a program per (local
-  expert, source), spins on the signal words with the Buffer's timeout as a ``%globaltimer``
-  deadline, then packs the rows into the outputs, whose addresses are fixed per parity; its last
-  program writes "received seq" into every source's ack word;
-- combine: the same two steps, rows stored at ``t * K + k`` in their source, one signal word per
-  expert rank, and the weighted sum in the receive kernel.
+- dispatch, send: every program reads all of ``topk_idx`` (a few KB): an expert id out of range
+  refuses the round on all of them alike, and each (token, column) gets its slot, its rank among
+  this rank's entries to the same expert in token order, without a count exchange or a kernel
+  before; each token is cast (FP8 on request) and stored into slot ``(e, this rank)`` of each of
+  its experts' ranks (ep.low_latency._layout). The last program to finish (a per-phase counter in
+  the device state, after a system fence in every program) writes the signal word of every
+  (rank, local expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is this parity's dispatch
+  sequence number and ``tag`` the call's arguments (``call_tag``); a refused input sends the
+  count ``0xFFFFFF`` instead of rows;
+- dispatch, receive: each (local expert, source) spins on the signal words with the Buffer's
+  timeout as a ``%globaltimer`` deadline, then packs the rows into the outputs, whose addresses
+  are fixed per parity; the last program writes "received seq" into every source's ack word;
+- combine: the same two phases, rows stored at ``t * K + k`` in their source, one signal word per
+  expert rank, and the weighted sum in the receive.
 
 A parity's sequence numbers live in device memory (the state words) and only the kernels advance
 them, so a graph replay is a new round. Before a send stores into a rank it waits for that
@@ -33,6 +36,13 @@ unmasks an entry writes its code there too but keeps the group going. The next c
 word on the host and raises (``failure``): ``TransferTimeout`` or ``PeerLostError`` (after a
 liveness check) for good, ``ConfigError`` once. Synchronising the stream before the next call
 makes that call the one that raises.
+
+With ``shrink`` (DeepEP's ``enable_shrink``) a wait past its deadline instead masks the ranks it
+waited for in a device word per rank (DeepEP's mask buffer): no kernel waits for, sends to or
+reads from a masked rank again, a receive reads the rank's rows as absent (a combine sums a token
+without the rows of experts on masked ranks), and the calls go on; the mask is read after every
+wait, so the programs of one call agree on it. A rank comes back only through
+``update_mask`` (then ``clean_low_latency_buffer``, on every rank).
 """
 
 from __future__ import annotations
@@ -43,16 +53,18 @@ from types import SimpleNamespace
 import torch
 
 from warmlink.ep.kernels.launch import FastLaunch, launch
-from warmlink.ep.low_latency._layout import LowLatencyLayout
-from warmlink.ep.low_latency._outputs import ParityViews
+from warmlink.ep.low_latency._layout import BLOCK_WORDS, LowLatencyLayout
+from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
-__all__ = ["DevicePath", "build_kernels", "call_tag"]
+__all__ = ["BOTH", "RECV", "SEND", "DevicePath", "build_kernels", "call_tag"]
 
-STATE_WORDS = 16  # seq of (dispatch, combine) x parity, failed, bad input by parity, done counters (_triton)
+STATE_WORDS = 16  # seq of (dispatch, combine) x parity, failed, spare, done counters (_triton)
 F_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED = 1, 2, 3, 4
-_SLOT_BLOCK = 256
-_KERNELS = ("slots_kernel", "dispatch_send_kernel", "dispatch_recv_kernel", "combine_send_kernel", "combine_recv_kernel")
+SEND, RECV, BOTH = 1, 2, 3  # a kernel's PHASE: a call without a hook launches both phases at once
+_SCAN_BLOCK = 256  # topk_idx entries a dispatch program compares at a time
+_WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
+          ("combine", SEND): 4, ("combine", RECV): 8, ("combine", BOTH): 8}
 
 
 def call_tag(tokens: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
@@ -65,9 +77,9 @@ def call_tag(tokens: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
 def build_kernels(interpreted: bool = False) -> SimpleNamespace:
     """The kernels, as ``FastLaunch`` wrappers (or the plain ``triton.jit`` functions, for the
     interpreter). Raises ImportError without Triton."""
-    from warmlink.ep.low_latency import _triton
+    from warmlink.ep.low_latency import _triton, _triton_combine, _triton_dispatch
 
-    jits = {name: getattr(_triton, name) for name in _KERNELS}
+    jits = {"dispatch": _triton_dispatch.dispatch, "combine": _triton_combine.combine, "mask_kernel": _triton.mask_kernel}
     return SimpleNamespace(**(jits if interpreted else {k: FastLaunch(v) for k, v in jits.items()}))
 
 
@@ -90,86 +102,120 @@ class DevicePath:
         device: a torch device for the state and scratch (a CUDA device; the CPU under Triton's
             interpreter in tests).
         timeout_s: every wait's deadline.
+        outputs: the rank's outputs, where the receives write (their storage is fixed per parity).
         kernels: ``build_kernels()``'s (default: the compiled ones).
+        shrink: a wait past its deadline masks the late rank (``mask``) and the call goes on
+            without it, instead of failing (DeepEP's ``enable_shrink``).
     """
 
     def __init__(self, layout: LowLatencyLayout, rank: int, bases: dict[int, int], device: torch.device,
-                 timeout_s: float, kernels: SimpleNamespace | None = None) -> None:
-        self.layout, self.rank, self.device = layout, rank, device
+                 timeout_s: float, outputs: Outputs, kernels: SimpleNamespace | None = None,
+                 shrink: bool = False) -> None:
+        self.layout, self.rank, self.device, self.shrink = layout, rank, device, shrink
         self.timeout_ns = int(timeout_s * 1e9)
         self.kernels = kernels or _gpu_kernels()
         lay = layout
         self.bases = torch.tensor([bases[r] for r in range(lay.num_ranks)], dtype=torch.int64, device=device)
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=device)
-        # per parity, as every word a send writes: two calls may run on two streams at once
-        self.slots = list(torch.empty(2, lay.max_tokens * lay.num_topk, dtype=torch.int32, device=device))
-        self.counts = list(torch.empty(2, lay.num_experts, dtype=torch.int32, device=device))
+        self.mask = torch.zeros(lay.num_ranks, dtype=torch.int32, device=device)  # 1: a masked rank
+        # per parity, as every word a send writes (two calls may run on two streams at once); the
+        # send counts its rows per expert in them and its last program zeroes them again
+        self.counts = list(torch.zeros(2, lay.num_experts, dtype=torch.int32, device=device))
         # read by the next call on the host, written by any kernel that fails (mapped: UVA)
         self.fail = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
-        self._fail_words, self._fail_ptr = self.fail.numpy(), self.fail.data_ptr()  # read on every call
-        self._off = {name: {p: lay.offset(f"{name}.{p}") for p in range(2)} for name in ("disp", "disp_meta", "signal",
-                                                                                          "comb")}
+        self._fail_words = self.fail.numpy()  # read on every call
+        self.blocks = [self._block(p, outputs) for p in range(2)]
+        # a launch of both phases waits in its receive for what its own programs send: all of them
+        # must be resident at once, so it has at most one program per SM
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # the constexprs, in the kernels' order (FastLaunch passes them so)
+        ranks, h_block = _pow2(lay.num_ranks, 2), _pow2(lay.hidden, 128)
+        self._dispatch_consts = {fp8: {"NUM_RANKS": lay.num_ranks, "R_BLOCK": ranks, "LOCAL": lay.local_experts,
+                                       "L_BLOCK": _pow2(lay.local_experts, 2), "HIDDEN": lay.hidden, "H_BLOCK": h_block,
+                                       "W_BLOCK": _pow2(lay.hidden // 8 if fp8 else lay.hidden // 4, 16),
+                                       "S_BLOCK": _pow2(lay.num_scales, 4), "NUM_TOPK": lay.num_topk,
+                                       "K_BLOCK": _pow2(lay.num_topk, 2), "BLOCK": _SCAN_BLOCK}
+                                 for fp8 in (False, True)}
+        self._combine_consts = {(phase, waits): {
+            "PHASE": phase, "NUM_RANKS": lay.num_ranks, "R_BLOCK": ranks, "LOCAL": lay.local_experts,
+            "HIDDEN": lay.hidden, "H_BLOCK": h_block, "W_BLOCK": _pow2(lay.hidden // 4, 16), "NUM_TOPK": lay.num_topk,
+            "HAS_WAIT": waits, "SHRINK": shrink} for phase in (SEND, RECV, BOTH) for waits in (False, True)}
+        self._consts: dict[tuple, dict] = {}  # the dispatch's, by kind of call
+        self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
+
+    def _block(self, p: int, outputs: Outputs) -> torch.Tensor:
+        lay = self.layout
+        views = outputs.views(p, lay.max_tokens, True, False)
+        words = {"bases": self.bases.data_ptr(), "state": self.state.data_ptr(), "fail": self.fail.data_ptr(),
+                 "mask": self.mask.data_ptr(), "counts": self.counts[p].data_ptr(),
+                 "dispatched": views.dispatched.data_ptr(), "x_out": views.x.data_ptr(),
+                 "scales_out": views.scales.data_ptr(),
+                 "packed_out": outputs.views(p, lay.max_tokens, True, True).scales.data_ptr(),
+                 "count_out": views.count.data_ptr(), "src_info": views.src_info.data_ptr(),
+                 "range": views.layout_range.data_ptr(), "comb_slot": views.comb_slot.data_ptr(), "rank": self.rank,
+                 "timeout_ns": self.timeout_ns, "num_experts": lay.num_experts, "parity": p}
+        for area in ("disp", "disp_meta", "signal", "comb"):
+            words[area] = lay.offset(f"{area}.{p}")
         # the parts of each parity's words area (ep.low_latency._layout): combine signals, then acks
         for part, at in (("comb_signal", 0), ("dispatch_ack", lay.num_ranks), ("combine_ack", 2 * lay.num_ranks)):
-            self._off[part] = {p: lay.offset(f"words.{p}") + 8 * at for p in range(2)}
-        self._r_block = _pow2(lay.num_ranks, 2)
-        self._h_block = _pow2(lay.hidden, 128)
+            words[part] = lay.offset(f"words.{p}") + 8 * at
+        return torch.tensor([words[w] for w in BLOCK_WORDS], dtype=torch.int64, device=self.device)
+
+    def _grid(self, phase: int, sends: int, receives: int) -> tuple[int]:
+        if phase == BOTH:
+            return (max(1, min(self._sms, max(sends, receives))),)
+        return (max(1, sends if phase == SEND else receives),)
 
     # -- dispatch ---------------------------------------------------------------------------------
-    def send_dispatch(self, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool, round_scale: bool,
-                      tag: int, dispatched: torch.Tensor) -> None:
-        """Launch the dispatch's send; ``dispatched`` (bool ``[T, num_topk]``) gets the handle's
-        mask of the entries sent, ``topk_idx >= 0``, in its top-left ``[N, K]``."""
-        lay, k = self.layout, self.kernels
+    def dispatch(self, phase: int, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
+                 round_scale: bool, ue8m0: bool, tag: int, cumulative_stats: torch.Tensor | None,
+                 wait_stats: torch.Tensor | None) -> None:
+        """Launch the dispatch's ``phase`` (SEND, RECV or BOTH) of parity ``p``; the send fills
+        the parity's ``dispatched``'s top-left ``[N, K]`` with the handle's mask of the entries sent
+        (``topk_idx >= 0``), the receive the rest of its outputs."""
         n, num_cols = topk_idx.shape
-        slots, counts = self.slots[p], self.counts[p]  # views made once
-        launch(k.slots_kernel, (lay.num_experts + 1,), (topk_idx, slots, counts, self.state, dispatched, n * num_cols,
-                                                        num_cols, lay.num_experts, p),
-               {"NUM_TOPK": lay.num_topk, "BLOCK": _SLOT_BLOCK})
-        launch(k.dispatch_send_kernel, (max(n, 1),),
-               (x, topk_idx, slots, counts, self.bases, self.state, self._fail_ptr, self.rank, n,
-                num_cols, tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],
-                self._off["dispatch_ack"][p], p, tag, self.timeout_ns),
-               {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "LOCAL": lay.local_experts,
-                "L_BLOCK": _pow2(lay.local_experts, 2), "HIDDEN": lay.hidden, "H_BLOCK": self._h_block,
-                "NUM_TOPK": lay.num_topk, "FP8": fp8, "ROUND_SCALE": round_scale}, num_warps=8)
-
-    def receive_dispatch(self, p: int, tokens: int, fp8: bool, ue8m0: bool, out: ParityViews, tag: int,
-                         cumulative_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> None:
-        lay = self.layout
-        words = lay.hidden // 8 if fp8 else lay.hidden // 4
-        scales = out.scales if out.scales is not None else out.count  # any tensor: FP8 alone reads it
-        launch(self.kernels.dispatch_recv_kernel, (lay.local_experts, lay.num_ranks),
-               (self.bases, out.x, scales, out.count, out.src_info, out.layout_range, out.comb_slot,
-                cumulative_stats if cumulative_stats is not None else out.count,
-                wait_stats if wait_stats is not None else self.state, self.state, self._fail_ptr, self.rank,
-                tokens, self._off["disp"][p], self._off["disp_meta"][p], self._off["signal"][p],
-                self._off["dispatch_ack"][p], p, tag, self.timeout_ns),
-               {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "LOCAL": lay.local_experts, "HIDDEN": lay.hidden,
-                "W_BLOCK": _pow2(words, 16), "NUM_TOPK": lay.num_topk, "FP8": fp8, "UE8M0": ue8m0,
-                "S_BLOCK": _pow2(lay.num_scales, 4), "HAS_CUM": cumulative_stats is not None,
-                "HAS_WAIT": wait_stats is not None}, num_warps=4)
+        key = (phase, fp8, round_scale, ue8m0, cumulative_stats is not None, wait_stats is not None)
+        consts = self._consts.get(key)
+        if consts is None:  # made once per kind of call
+            consts = self._consts[key] = {
+                "PHASE": phase, **self._dispatch_consts[fp8], "FP8": fp8, "ROUND_SCALE": round_scale, "UE8M0": ue8m0,
+                "HAS_CUM": key[4], "HAS_WAIT": key[5], "SHRINK": self.shrink}
+        block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
+        launch(self.kernels.dispatch, self._grid(phase, n, self._items),
+               (x, topk_idx, cumulative_stats if cumulative_stats is not None else self.mask,
+                wait_stats if wait_stats is not None else block, block, n, num_cols, tokens, tag),
+               consts, num_warps=_WARPS["dispatch", phase])
 
     # -- combine ----------------------------------------------------------------------------------
-    def send_combine(self, p: int, x: torch.Tensor, handle, tag: int) -> None:
-        lay = self.layout
-        launch(self.kernels.combine_send_kernel, (lay.local_experts, lay.num_ranks),
-               (x, handle.layout_range, handle.comb_slot, self.bases, self.state, self._fail_ptr, self.rank,
-                lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, self._off["comb"][p],
-                self._off["comb_signal"][p], self._off["combine_ack"][p], 2 + p, tag, self.timeout_ns),
-               {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "HIDDEN": lay.hidden,
-                "W_BLOCK": _pow2(lay.hidden // 4, 16)}, num_warps=4)
-
-    def receive_combine(self, p: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor, dispatched: torch.Tensor,
-                        out: torch.Tensor, tag: int, wait_stats: torch.Tensor | None) -> None:
-        lay = self.layout
+    def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor, tag: int, wait_stats: torch.Tensor | None) -> None:
+        """Launch the combine's ``phase`` of parity ``p``: ``x``'s rows (the dispatch's layout,
+        ``handle``'s ranges) back to their sources, then ``out``, each token's weighted sum (the
+        dispatch's mask ``handle.dispatched``, a ``[N, K]`` view of ``[T, num_topk]``, gives the
+        kernel its strides)."""
         n, num_cols = topk_idx.shape
-        launch(self.kernels.combine_recv_kernel, (max(n, 1),),
-               (self.bases, topk_idx, topk_weights, dispatched, out, wait_stats if wait_stats is not None else self.state,
-                self.state, self._fail_ptr, self.rank, n, num_cols, self._off["comb"][p],
-                self._off["comb_signal"][p], self._off["combine_ack"][p], 2 + p, tag, self.timeout_ns),
-               {"NUM_RANKS": lay.num_ranks, "R_BLOCK": self._r_block, "HIDDEN": lay.hidden, "H_BLOCK": self._h_block,
-                "NUM_TOPK": lay.num_topk, "HAS_WAIT": wait_stats is not None}, num_warps=8)
+        block = self.blocks[p]
+        launch(self.kernels.combine, self._grid(phase, self._items, n),
+               (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
+                wait_stats if wait_stats is not None else block, block,
+                self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n, num_cols, tag),
+               self._combine_consts[phase, wait_stats is not None], num_warps=_WARPS["combine", phase])
+
+    # -- the mask buffer (DeepEP's calls, on the current stream) ----------------------------------
+    def query_mask(self, out: torch.Tensor) -> None:
+        """Copy the mask (1: masked) into ``out``, int32 ``[R]`` on this device."""
+        self._mask_op(0, out, 0, 0)
+
+    def update_mask(self, rank: int, masked: bool) -> None:
+        self._mask_op(1, self.mask, rank, int(masked))
+
+    def clean_mask(self) -> None:
+        self._mask_op(2, self.mask, 0, 0)
+
+    def _mask_op(self, op: int, out: torch.Tensor, rank: int, value: int) -> None:
+        lay = self.layout
+        launch(self.kernels.mask_kernel, (1,), (self.mask, out, rank, value),
+               {"NUM_RANKS": lay.num_ranks, "R_BLOCK": _pow2(lay.num_ranks, 2), "OP": op})
 
     # -- failures and lifecycle -------------------------------------------------------------------
     def failure(self) -> tuple[int, str, int, int] | None:

@@ -62,9 +62,10 @@ class HostPath:
         self._order = [(rank + i) % layout.num_ranks for i in range(layout.num_ranks)]  # ranks start on different peers
 
     def send_dispatch(self, round_: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
-                      round_scale: bool) -> None:
+                      round_scale: bool, masked: set[int] = frozenset()) -> None:
         """Write every (token, expert) row of ``x`` into its expert's rank, then the signal words of
-        round ``round_``. ``tokens`` is the call's ``num_max_dispatch_tokens_per_rank``."""
+        round ``round_``, except to the ``masked`` ranks (ep.low_latency._mask). ``tokens`` is the
+        call's ``num_max_dispatch_tokens_per_rank``."""
         lay, p = self.layout, round_ % LL_PARITIES
         n, num_cols = topk_idx.shape
         hidden, stage = lay.hidden, self._stage[:n]
@@ -87,20 +88,25 @@ class HostPath:
         signals = per_dest | round_ << 32
         bounds = [0, *per_dest.sum(1).cumsum(0).tolist()]
         for d in self._order:
+            if d in masked:
+                continue
             a, b = bounds[d], bounds[d + 1]
             if a < b:
                 self._disp[d, p].index_copy_(0, rows[a:b], stage.view(torch.int64).index_select(0, token[a:b]))
                 self._meta[d, p].index_copy_(0, rows[a:b], meta[a:b])
             self._signal[d, p][:, self.rank] = signals[d]  # after the rows (x86 keeps stores in order)
 
-    def arrived_counts(self, round_: int) -> np.ndarray:
-        """int64 ``[R, L]``: rows each source wrote into this rank's slots in round ``round_``.
+    def arrived_counts(self, round_: int, live: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[R, L]``: rows each source wrote into this rank's slots in round ``round_``; 0
+        for a source not ``live`` (bool ``[R]``, default all: masked, ep.low_latency._mask), whatever it wrote.
 
         Raises:
             MetadataError: a signal word of another round (a source published the round in its
                 mailbox before its counts, or wrote outside its slots).
         """
         words = self._signal[self.rank, round_ % LL_PARITIES].numpy().T.copy()
+        if live is not None:
+            words[~live] = round_ << 32
         tags = words >> 32
         if (tags != round_).any():
             s, e = (int(v[0]) for v in np.nonzero(tags != round_))
@@ -137,20 +143,26 @@ class HostPath:
         return [torch.from_numpy(_ranges(np.arange(num_local) * per_expert + begins[s], counts[s]))
                 for s in range(num_ranks)]
 
-    def send_combine(self, p: int, x: torch.Tensor, rows_by_source: list[torch.Tensor], comb_slot: torch.Tensor) -> None:
-        """Each received row of ``x`` (``[L, R*Tc, H]``) back to its source, at its ``t * K + k`` row."""
+    def send_combine(self, p: int, x: torch.Tensor, rows_by_source: list[torch.Tensor], comb_slot: torch.Tensor,
+                     masked: set[int] = frozenset()) -> None:
+        """Each received row of ``x`` (``[L, R*Tc, H]``) back to its source, at its ``t * K + k`` row,
+        except to the ``masked`` ranks."""
         flat, slots = x.view(-1, self.layout.hidden).view(torch.int64), comb_slot.reshape(-1)
         for s in self._order:
             rows = rows_by_source[s]
-            if rows.numel():
+            if rows.numel() and s not in masked:
                 self._comb[s, p].index_copy_(0, slots.index_select(0, rows), flat.index_select(0, rows))
 
-    def receive_combine(self, p: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[t] = sum_k topk_weights[t, k] * row(t, k)`` over ``topk_idx[t, k] >= 0`` (float32, then BF16)."""
+    def receive_combine(self, p: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+                        live: np.ndarray | None = None) -> None:
+        """``out[t] = sum_k topk_weights[t, k] * row(t, k)`` over ``topk_idx[t, k] >= 0`` whose expert's
+        rank is ``live`` (bool ``[R]``, default all) (float32, then BF16)."""
         lay = self.layout
         n, num_cols = topk_idx.shape
         comb = self._comb[self.rank, p][:n * lay.num_topk].view(torch.bfloat16).view(n, lay.num_topk, lay.hidden)
         valid = topk_idx >= 0
+        if live is not None and not live.all():
+            valid &= torch.from_numpy(live)[(topk_idx.long() // lay.local_experts).clamp(min=0)]
         acc = torch.zeros(n, lay.hidden, dtype=torch.float32, device=comb.device)
         for k in range(num_cols):  # in column order, so every rerun sums alike
             # where, not a multiply by 0: a slot no rank wrote this round may hold any bits, NaN included

@@ -29,19 +29,19 @@ A Buffer on a GPU runs the same rounds without the host: ep.low_latency._device,
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import torch
 
 from warmlink import _cuda
 from warmlink.ep.kernels.launch import current_stream
-from warmlink.ep.low_latency._checks import LowLatencyChecks, refuse_backend
+from warmlink.ep.low_latency._checks import LowLatencyChecks, check_handle, refuse_backend
 from warmlink.ep.low_latency._connect import Peers, connect
-from warmlink.ep.low_latency._device import DevicePath, call_tag
+from warmlink.ep.low_latency._device import BOTH, RECV, SEND, DevicePath, call_tag
 from warmlink.ep.low_latency._handle import LowLatencyHandle
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
+from warmlink.ep.low_latency._mask import HostMask, check_mask_call
 from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.ep.paths.event import EventOverlap
 from warmlink.ep.wire import mailbox as mb
@@ -73,7 +73,7 @@ class LowLatencyRuntime:
     construction; see ``ep.low_latency``."""
 
     def __init__(self, store, rank: int, num_ranks: int, *, max_tokens: int, hidden: int, num_experts: int,
-                 num_topk: int, device: int, backend: str, timeout_s: float) -> None:
+                 num_topk: int, device: int, backend: str, timeout_s: float, shrink: bool = False) -> None:
         from warmlink.pool.events import lease_event
         from warmlink.transport import lease_link
 
@@ -87,6 +87,7 @@ class LowLatencyRuntime:
         self.serial = next(_SERIALS)
         self._on_device = backend != "shm"
         self._checks = LowLatencyChecks(self.layout, device, read_values=not self._on_device)
+        self._mask = HostMask(num_ranks, rank, shrink)  # the host path's (ep.low_latency._mask)
         self._meets = 0  # the device path's clean meets (mailbox MEET rounds)
         self._round = {"dispatch": 0, "combine": 0}
         self._received = {"dispatch": 0, "combine": 0}  # every round up to this one was received
@@ -115,7 +116,8 @@ class LowLatencyRuntime:
                     self._leases.append(lease)
                     self._events[key] = lease
                 bases = {rank: region.ptr, **{r: reg.ptr for r, reg in self._peers.regions.items()}}
-                self._path = DevicePath(self.layout, rank, bases, torch.device("cuda", device), timeout_s)
+                self._path = DevicePath(self.layout, rank, bases, torch.device("cuda", device), timeout_s,
+                                        self._outputs, shrink=shrink)
             else:
                 regions = {r: reg.tensor for r, reg in self._peers.regions.items()}
                 self._path = HostPath(self.layout, rank, {rank: region.tensor, **regions})
@@ -153,43 +155,10 @@ class LowLatencyRuntime:
             raise ConfigError(f"ep.Buffer.{func}: the receive hooks of low-latency {phase} rounds {waiting} were not "
                               f"called; at most {outstanding} {phase} rounds may await their hooks (call the oldest first)")
         if round_ > 2 and not self._on_device:  # on a device, each send kernel waits for the acks
-            self._receive(lambda: self.mailbox.wait(_RECEIVED[phase], round_ - 2, self.timeout_s))
+            self._receive(lambda: self._mask.wait(self.mailbox, _RECEIVED[phase], round_ - 2, self.timeout_s))
         return round_
 
-    def _check_handle(self, handle, func: str = "low_latency_combine") -> None:
-        latest = self._round["dispatch"]
-        if not isinstance(handle, LowLatencyHandle):
-            raise ConfigError(f"ep.Buffer.{func}: handle is a {type(handle).__name__}; expected the handle "
-                              "low_latency_dispatch returned")
-        if handle.owner != self.serial:
-            raise ConfigError(f"ep.Buffer.{func}: handle={handle!r} comes from another Buffer; pass the handle this "
-                              "Buffer's low_latency_dispatch returned")
-        if handle.round <= self._clean_round:
-            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} predates "
-                              f"clean_low_latency_buffer (round {self._clean_round}), which zeroed its outputs")
-        if handle.round < latest - 1:
-            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round}; its outputs were reused "
-                              f"by dispatch round {handle.round + LL_PARITIES} (a handle serves until the second "
-                              "dispatch after it); pass a newer handle")
-        if handle.rows_by_source is None:
-            raise ConfigError(f"ep.Buffer.{func}: handle of dispatch round {handle.round} whose receive did not "
-                              "complete; call its hook first (a refused round has nothing to combine)")
-
     # -- the round protocol (Note [Low-latency rounds]) -------------------------------------------
-    def _wait(self, field: int, round_: int, costs: torch.Tensor | None) -> None:
-        """Wait for every peer's ``field`` of ``round_``; with ``costs`` (int64 ``[R]``) add to
-        ``costs[s]`` the nanoseconds until source ``s``'s round was seen (sources are awaited in
-        rank order, so a late source's wait also counts in the ranks after it)."""
-        if costs is None:
-            self.mailbox.wait(field, round_, self.timeout_s)
-            return
-        start = time.perf_counter_ns()
-        seen = np.zeros(self.layout.num_ranks, dtype=np.int64)
-        for s in range(self.layout.num_ranks):
-            self.mailbox.wait(field, round_, self.timeout_s, ranks=[s])
-            seen[s] = time.perf_counter_ns() - start
-        costs.add_(torch.from_numpy(seen).to(costs.device))
-
     def _finish(self, phase: str, round_: int, receive, return_recv_hook: bool, async_finish: bool,
                 result: tuple) -> tuple:
         """``(*result, event, hook)``: the receive ran now (hook None), or runs once in ``hook()``.
@@ -233,8 +202,9 @@ class LowLatencyRuntime:
         self.mailbox.publish(_RECEIVED[phase], self._received[phase])
 
     def _same_dispatch(self, round_: int, word: int) -> None:
+        live = self._mask.live()
         for r in range(self.layout.num_ranks):
-            theirs = self.mailbox.config(r, round_)
+            theirs = self.mailbox.config(r, round_) if r in live else word
             if theirs != word:
                 raise ConfigError(f"ep.Buffer: low-latency round {round_}: rank {r} called {_describe(theirs)}, "
                                   f"this rank {_describe(word)}; every rank must make the same call with the same "
@@ -255,10 +225,11 @@ class LowLatencyRuntime:
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
         dispatched = out.dispatched[:n, :num_cols]
-        if self._on_device:
-            self._path.send_dispatch(p, x, topk_idx, tokens, use_fp8, round_scale, tag, out.dispatched)
+        args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
+        if self._on_device:  # without a hook, one launch sends and receives
+            self._path.dispatch(SEND if return_recv_hook else BOTH, *args)
         else:
-            self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale)
+            self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale, self._mask.masked())
             self.mailbox.publish_dispatch(round_, word)
             dispatched.copy_(topk_idx >= 0)
         self._round["dispatch"] = round_
@@ -268,13 +239,14 @@ class LowLatencyRuntime:
                                   comb_slot=out.comb_slot, dispatched=dispatched)
 
         def receive_on_device() -> None:
-            self._path.receive_dispatch(p, tokens, use_fp8, use_ue8m0, out, tag, cumulative_stats, wait_stats)
+            if return_recv_hook:
+                self._path.dispatch(RECV, *args)
             handle.rows_by_source = ()  # the kernels' combine reads the handle's tensors instead
 
         def receive() -> None:
-            self._wait(mb.DISPATCH, round_, wait_stats)
+            self._mask.wait(self.mailbox, mb.DISPATCH, round_, self.timeout_s, wait_stats)
             self._same_dispatch(round_, word)
-            counts = self._path.arrived_counts(round_)
+            counts = self._path.arrived_counts(round_, self._mask.live_array())
             if counts.max(initial=0) > tokens:
                 s, e = (int(v[0]) for v in np.nonzero(counts > tokens))
                 raise MetadataError(f"ep low-latency dispatch round {round_}: rank {s} wrote {counts[s, e]} rows for "
@@ -290,7 +262,7 @@ class LowLatencyRuntime:
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 wait_stats) -> tuple:
         self._check_usable("low_latency_combine")
-        self._check_handle(handle)
+        check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
         x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                                          async_finish, return_recv_hook, out, wait_stats)
         p = (self._round["combine"] + 1) % LL_PARITIES
@@ -301,28 +273,28 @@ class LowLatencyRuntime:
                                   "was never called: write the rows into the buffer it returns first")
         round_ = self._next_round("combine", "low_latency_combine")
         tag = handle.round & 0xFFFFFF  # every rank must combine the same dispatch
-        if self._on_device:
-            self._path.send_combine(p, x, handle, tag)
-        else:
-            self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot)
-            self.mailbox.publish_combine(round_, handle.round)
-        self._round["combine"] = round_
         combined = out if out is not None else torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16,
                                                             device=x.device)
-        if self._on_device:  # the dispatch's mask is a [N, K] view of [T, num_topk]: the kernel's strides
-            return self._finish("combine", round_, lambda: self._path.receive_combine(
-                p, topk_idx, topk_weights, handle.dispatched, combined, tag, wait_stats), return_recv_hook, async_finish,
-                (combined,))
+        args = (p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats)
+        if self._on_device:  # without a hook, one launch sends and receives
+            self._path.combine(SEND if return_recv_hook else BOTH, *args)
+        else:
+            self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot, self._mask.masked())
+            self.mailbox.publish_combine(round_, handle.round)
+        self._round["combine"] = round_
+        if self._on_device:
+            receive = (lambda: self._path.combine(RECV, *args)) if return_recv_hook else (lambda: None)
+            return self._finish("combine", round_, receive, return_recv_hook, async_finish, (combined,))
 
         def receive() -> None:
-            self._wait(mb.COMBINE, round_, wait_stats)
-            for r in range(self.layout.num_ranks):
+            self._mask.wait(self.mailbox, mb.COMBINE, round_, self.timeout_s, wait_stats)
+            for r in self._mask.live():
                 theirs = self.mailbox.combine_handle(r, round_)
                 if theirs != handle.round:
                     raise ConfigError(f"ep.Buffer.low_latency_combine: rank {r} combines the handle of dispatch round "
                                       f"{theirs}, this rank that of round {handle.round}; every rank must pass the "
                                       "handle of the same dispatch")
-            self._path.receive_combine(p, topk_idx, topk_weights, combined)
+            self._path.receive_combine(p, topk_idx, topk_weights, combined, self._mask.live_array())
 
         return self._finish("combine", round_, receive, return_recv_hook, async_finish, (combined,))
 
@@ -330,7 +302,8 @@ class LowLatencyRuntime:
         """The buffer the next combine reads with ``zero_copy=True`` (its parity's: the one after
         it gets the other, so one may be filled while the other is sent)."""
         self._check_usable("get_next_low_latency_combine_buffer")
-        self._check_handle(handle, "get_next_low_latency_combine_buffer")
+        check_handle(handle, "get_next_low_latency_combine_buffer", self.serial, self._round["dispatch"],
+                     self._clean_round)
         p = (self._round["combine"] + 1) % LL_PARITIES
         return self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=True)
 
@@ -354,7 +327,7 @@ class LowLatencyRuntime:
         self._round["dispatch"] = self._clean_round = round_
 
         def receive() -> None:
-            self._wait(mb.DISPATCH, round_, None)
+            self._mask.wait(self.mailbox, mb.DISPATCH, round_, self.timeout_s)
             self._same_dispatch(round_, _CLEAN)
 
         self._receive(receive, "dispatch", round_)
@@ -365,6 +338,7 @@ class LowLatencyRuntime:
         writing into a region still being zeroed. Sequence numbers go on (Note [Low-latency device path])."""
         torch.cuda.synchronize(self.device)
         self._raise_device_failure("clean_low_latency_buffer")
+        self._mask.words.copy_(self._path.mask)  # whom the kernels masked: the meets wait for the others
         self._meet()
         for area in ("disp", "disp_meta", "comb"):
             for p in range(LL_PARITIES):
@@ -373,12 +347,26 @@ class LowLatencyRuntime:
         self._outputs.zero()
         torch.cuda.synchronize(self.device)
         self._meet()
+        self._path.mask.copy_(self._mask.words)  # and whom the meets masked
         self._clean_round = self._round["dispatch"]
 
     def _meet(self) -> None:
         self._meets += 1
         self.mailbox.publish_meet(self._meets, _CLEAN)
-        self._receive(lambda: self.mailbox.wait(mb.MEET, self._meets, self.timeout_s))
+        self._receive(lambda: self._mask.wait(self.mailbox, mb.MEET, self._meets, self.timeout_s))
+
+    # -- the mask buffer (ep.low_latency._mask) -----------------------------------------------------
+    def mask_call(self, func: str, op: str, rank=None, masked: bool = True, out=None) -> None:
+        """DeepEP's mask buffer calls: ``op`` "query" (into ``out``), "update" or "clean"."""
+        self._check_usable(func)
+        check_mask_call(func, self._mask.shrink, self.layout.num_ranks, rank, out, self.device)
+        mask = self._path if self._on_device else self._mask  # on a GPU: kernels on the current stream
+        if op == "query":
+            mask.query_mask(out)
+        elif op == "update":
+            mask.update_mask(rank, bool(masked))
+        else:
+            mask.clean_mask()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:

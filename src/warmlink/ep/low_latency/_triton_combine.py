@@ -1,0 +1,132 @@
+"""The low-latency ``combine`` kernel: its send phase, its receive phase, and the entry point running
+either or both (Note [Low-latency device path] in ep.low_latency._device; shared parts in
+ep.low_latency._triton)."""
+
+import triton
+import triton.language as tl
+
+from warmlink.ep.kernels.programs import device_clock_ns
+from warmlink.ep.low_latency._triton import (B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_PARITY, F_MISMATCH, F_REFUSED,
+                                             F_UNMASKED, NO_RANK, REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge,
+                                             block_pointer, healthy, last_program, live_ranks, report, shared_words,
+                                             symbol, wait_words)
+
+
+# -- combine ----------------------------------------------------------------------------------------
+@triton.jit
+def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert, comb_off,
+                 comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                 NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
+                 W_BLOCK: tl.constexpr, SHRINK: tl.constexpr):
+    # item (e, s) of each program: the rows local expert e received from source s back to s, each
+    # at its row t * K + k there; the last program to finish writes this rank's signal word in
+    # every live source
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    r = tl.arange(0, R_BLOCK)
+    rm = r < NUM_RANKS
+    own = tl.load(bases_ptr + me)
+    ack = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
+    w = tl.arange(0, W_BLOCK)
+    words_per_row: tl.constexpr = HIDDEN // 4
+    for item in range(pid, LOCAL * NUM_RANKS, grid):
+        e = item // NUM_RANKS + tl.zeros([], dtype=tl.int64)
+        s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
+        wait_words(ack, r == s, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0,
+                   True, SHRINK)
+        if healthy(state_ptr) & (tl.sum((live_ranks(mask_ptr, r, rm) & (r == s)).to(tl.int32), 0) > 0):
+            packed = tl.load(range_ptr + e * NUM_RANKS + s)
+            begin = packed >> 32
+            count = packed & 0xFFFFFFFF
+            base = tl.load(bases_ptr + s)
+            for i in range(count):
+                flat = e * per_expert + begin + i
+                slot = tl.load(comb_slot_ptr + flat)
+                data = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, mask=w < words_per_row)
+                tl.store((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)) + w, data,
+                         mask=w < words_per_row)
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
+        if healthy(state_ptr):
+            live = live_ranks(mask_ptr, r, rm)
+            at = (tl.load(bases_ptr + r, mask=live, other=0) + comb_signal_off + me * 8).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(at, (q << 32) | (tag + tl.zeros([R_BLOCK], dtype=tl.int64)), mask=live, sem="release",
+                           scope="sys")
+        tl.store(state_ptr + seq_slot, q)
+
+
+@triton.jit
+def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me,
+                 num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                 NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
+                 H_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+    # wait for every live expert rank's signal word, then for each program's tokens t: out[t] =
+    # sum_k w[t, k] * row(t, k) over the columns with an expert on a live rank, in column order
+    # (float32, then BF16); the last program to finish tells every expert rank that this parity's
+    # round was read
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    own = tl.load(bases_ptr + me)
+    r = tl.arange(0, R_BLOCK)
+    rm = r < NUM_RANKS
+    if healthy(state_ptr):
+        signals = (own + comb_signal_off + r * 8).to(tl.pointer_type(tl.int64))
+        start = device_clock_ns()
+        words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 32,
+                                   False, SHRINK)
+        if HAS_WAIT & (pid == 0):
+            tl.atomic_add(wait_stats_ptr + r, tl.zeros([R_BLOCK], dtype=tl.int64) + (device_clock_ns() - start),
+                          mask=rm)
+        live = live_ranks(mask_ptr, r, rm)
+        other = live & ((words & 0xFFFFFF) != tag)  # expert ranks that combined another dispatch
+        if (failed == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
+            report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, NO_RANK), 0))
+        elif failed == 0:
+            cols = tl.arange(0, H_BLOCK)
+            in_row = cols < HIDDEN
+            w4 = tl.arange(0, H_BLOCK // 4)
+            shifts = (tl.arange(0, 4) * 16).to(tl.int64)
+            for tok in range(pid, num_tokens, grid):
+                t = tok + tl.zeros([], dtype=tl.int64)  # (a plain int in the interpreter)
+                acc = tl.zeros([H_BLOCK], dtype=tl.float32)
+                for k in range(num_cols):
+                    e = tl.load(topk_ptr + t * num_cols + k)
+                    if (e >= 0) & (tl.sum((live & (r == e // LOCAL)).to(tl.int32), 0) > 0):
+                        if tl.load(dispatched_ptr + t * NUM_TOPK + k) != 0:
+                            # the row as 8-byte words (wide loads), then its four BF16 values each
+                            row = (own + comb_off + (t * NUM_TOPK + k) * (2 * HIDDEN)).to(tl.pointer_type(tl.int64))
+                            data = tl.load(row + w4, mask=w4 < HIDDEN // 4, other=0)
+                            halves = ((data[:, None] >> shifts[None, :]) & 0xFFFF).to(tl.uint16)
+                            values = tl.reshape(halves.to(tl.bfloat16, bitcast=True), (H_BLOCK,)).to(tl.float32)
+                            acc += values * tl.load(w_ptr + t * num_cols + k)
+                        else:  # a row no rank sent: refuse rather than sum stale bytes
+                            report(fail_ptr, F_UNMASKED, seq_slot, q, me)
+                tl.store(out_ptr + t * HIDDEN + cols, acc.to(tl.bfloat16), mask=in_row)
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
+        if healthy(state_ptr):
+            acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
+
+
+def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, block_ptr,
+             per_expert, num_tokens, num_cols, tag,
+             PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
+             HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr,
+             HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+    # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's; the
+    # handle's tensors (range, comb_slot, dispatched) are its dispatch's parity's, maybe not this one's
+    bases_ptr, state_ptr, fail_ptr, mask_ptr, me, timeout_ns = shared_words(block_ptr)
+    seq_slot = 2 + tl.load(block_ptr + B_PARITY)
+    comb_off, comb_signal_off = tl.load(block_ptr + B_COMB), tl.load(block_ptr + B_COMB_SIGNAL)
+    ack_off = tl.load(block_ptr + B_COMBINE_ACK)
+    q = tl.load(state_ptr + seq_slot)
+    if PHASE % 2 == 1:  # SEND or BOTH
+        q += 1
+        combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert,
+                     comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL,
+                     HIDDEN, W_BLOCK, SHRINK)
+    if PHASE // 2 == 1:  # RECV or BOTH
+        combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr,
+                     me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                     NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, H_BLOCK, NUM_TOPK, HAS_WAIT, SHRINK)
+
+
+combine = triton.jit(_combine, repr=symbol("combine"))

@@ -1,0 +1,229 @@
+"""The low-latency ``dispatch`` kernel: its send phase, its receive phase, and the entry point running
+either or both (Note [Low-latency device path] in ep.low_latency._device; shared parts in
+ep.low_latency._triton)."""
+
+import triton
+import triton.language as tl
+
+from warmlink.ep.kernels.programs import device_clock_ns
+from warmlink.ep.low_latency._triton import (B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP, B_DISPATCHED, B_DISPATCH_ACK,
+                                             B_DISP_META, B_EXPERTS, B_PACKED_OUT, B_PARITY, B_RANGE, B_SCALES_OUT,
+                                             B_SIGNAL, B_SRC_INFO, B_X_OUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
+                                             REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
+                                             healthy, last_program, live_ranks, report, shared_words, symbol,
+                                             wait_words)
+
+
+# -- dispatch ---------------------------------------------------------------------------------------
+@triton.jit
+def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, dispatched_ptr, me, num_tokens,
+                  num_cols, num_experts, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, L_BLOCK: tl.constexpr,
+                  HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
+                  BLOCK: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, SHRINK: tl.constexpr):
+    # each program's tokens (cast to FP8 on request) into slot (e, me) of each of its experts' ranks,
+    # with its meta word t * K + k; a slot is the entry's rank among this rank's entries to the same
+    # expert in token order, which every program counts from topk_idx itself (no count exchange,
+    # no kernel before this one). The last program to finish writes the signal words of every
+    # (destination, local expert), then advances this parity's dispatch sequence number.
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    r = tl.arange(0, R_BLOCK)
+    rm = r < NUM_RANKS
+    own = tl.load(bases_ptr + me)
+    # every destination received this parity's previous round (its ack word here), so nothing it
+    # has not read yet is overwritten (Note [Low-latency device path])
+    acks = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
+    wait_words(acks, rm, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0, True,
+               SHRINK)
+    live = live_ranks(mask_ptr, r, rm)
+    num_entries = num_tokens * num_cols
+    offs = tl.arange(0, BLOCK)
+    bad = tl.zeros([], dtype=tl.int32)  # every program reads every id: one out of range refuses the round
+    for start in range(0, num_entries, BLOCK):
+        v = tl.load(topk_ptr + start + offs, mask=start + offs < num_entries, other=-1).to(tl.int64)
+        bad += tl.sum(((v < -1) | (v >= num_experts)).to(tl.int32), 0)
+    go = healthy(state_ptr) & (bad == 0)
+    kk = tl.arange(0, K_BLOCK)
+    km = kk < num_cols
+    for tok in range(pid, num_tokens, grid):
+        t = tok + tl.zeros([], dtype=tl.int64)  # (a plain int in the interpreter)
+        ek = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
+        tl.store(dispatched_ptr + t * NUM_TOPK + kk, (ek >= 0).to(tl.int8), mask=km)
+        if go:
+            before = tl.zeros([K_BLOCK], dtype=tl.int32)  # entries before (t, k) that go to ek[k]
+            pos = t * num_cols + kk
+            for start in range(0, (tok + 1) * num_cols, BLOCK):
+                i = start + offs
+                v = tl.load(topk_ptr + i, mask=i < num_entries, other=-1).to(tl.int64)
+                hit = (v[None, :] == ek[:, None]) & (i[None, :] < pos[:, None])
+                before += tl.sum(hit.to(tl.int32), 1)
+            tl.atomic_add(count_ptr + ek, tl.zeros_like(kk) + 1, mask=km & (ek >= 0), sem="relaxed", scope="gpu")
+            nb = tl.arange(0, H_BLOCK // 128)
+            w = tl.arange(0, H_BLOCK // 8) if FP8 else tl.arange(0, H_BLOCK // 4)
+            if FP8:  # as ep.low_latency._cast.cast_fp8
+                cols = tl.arange(0, H_BLOCK)
+                xv = tl.load(x_ptr + t * HIDDEN + cols, mask=cols < HIDDEN, other=0.0)
+                blocks = tl.reshape(xv.to(tl.float32), (H_BLOCK // 128, 128))
+                amax = tl.maximum(tl.max(tl.abs(blocks), 1), 1e-4)
+                scale = tl.div_rn(amax, 448.0)
+                if ROUND_SCALE:  # up to a power of two, exactly: the next exponent unless the mantissa is 0
+                    bits = scale.to(tl.int32, bitcast=True)
+                    scale = (((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+                qx = tl.clamp(tl.div_rn(blocks, scale[:, None]), -448.0, 448.0)
+                qx = tl.reshape(qx, (H_BLOCK // 8, 8)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                # eight bytes to a word: the stores into the peer are 8 bytes wide, not one
+                shifts = (tl.arange(0, 8) * 8).to(tl.int64)
+                row_words = tl.sum(qx.to(tl.uint8, bitcast=True).to(tl.int64) << shifts[None, :], 1)
+            else:
+                row_words = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + t * (HIDDEN // 4) + w, mask=w < HIDDEN // 4)
+            for k in range(num_cols):
+                e = tl.load(topk_ptr + t * num_cols + k).to(tl.int64)
+                d = e // LOCAL
+                if (e >= 0) & (tl.sum((live & (r == d)).to(tl.int32), 0) > 0):
+                    slot = tl.sum(tl.where(kk == k, before, 0), 0).to(tl.int64)
+                    row = ((e % LOCAL) * NUM_RANKS + me) * tokens + slot
+                    base = tl.load(bases_ptr + d)
+                    at = base + disp_off + row * (2 * HIDDEN)
+                    if FP8:
+                        tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 8)
+                        tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32)) + nb, scale, mask=nb < HIDDEN // 128)
+                    else:
+                        tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 4)
+                    tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + k)
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
+        if healthy(state_ptr):
+            el = tl.arange(0, L_BLOCK)
+            m = el < LOCAL
+            live = live_ranks(mask_ptr, r, rm)
+            for d in range(NUM_RANKS):
+                if tl.sum((live & (r == d)).to(tl.int32), 0) > 0:
+                    c = tl.load(count_ptr + d * LOCAL + el, mask=m, other=0).to(tl.int64)
+                    c = tl.where(bad != 0, REFUSED_COUNT, c)
+                    at = tl.load(bases_ptr + d) + signal_off + (el * NUM_RANKS + me) * 8
+                    # tag widened first (an int32 argument, or a constexpr when 1): shifted into bit 31 it would
+                    # sign-extend over the seq
+                    tl.atomic_xchg(at.to(tl.pointer_type(tl.int64)),
+                                   (q << 32) | ((tag + tl.zeros([], dtype=tl.int64)) << 24) | c, mask=m,
+                                   sem="release", scope="sys")
+        for first in range(0, num_experts, BLOCK):  # the counts start at zero for this parity's next round
+            tl.store(count_ptr + first + offs, tl.zeros_like(offs), mask=first + offs < num_experts)
+        tl.store(state_ptr + seq_slot, q)
+
+
+@triton.jit
+def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_ptr, range_ptr, comb_slot_ptr,
+                  cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me, tokens, disp_off, meta_off,
+                  signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
+                  W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
+                  S_BLOCK: tl.constexpr, HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+    # item (e, s) of each program: wait for every source's signal word of local expert e, then pack
+    # source s's rows of e after those of the sources below it (DeepEP's layout, in a fixed order);
+    # a masked source sends nothing. The last program to finish tells every source that this
+    # parity's round was read (its ack word there).
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    own = tl.load(bases_ptr + me)
+    r = tl.arange(0, R_BLOCK)
+    rm = r < NUM_RANKS
+    for item in range(pid, LOCAL * NUM_RANKS, grid):
+        e = item // NUM_RANKS + tl.zeros([], dtype=tl.int64)
+        s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
+        if healthy(state_ptr):
+            signals = (own + signal_off + (e * NUM_RANKS + r) * 8).to(tl.pointer_type(tl.int64))
+            start = device_clock_ns()
+            # source s first (the wait its stats count), then every source (the counts below it)
+            words, failed = wait_words(signals, r == s, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
+                                       timeout_ns, 32, False, SHRINK)
+            if HAS_WAIT & (e == 0):
+                tl.atomic_add(wait_stats_ptr + s, device_clock_ns() - start)
+            if failed == 0:
+                words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
+                                           timeout_ns, 32, False, SHRINK)
+            if failed == 0:
+                live = live_ranks(mask_ptr, r, rm)
+                counts = words & 0xFFFFFF
+                tags = (words >> 24) & 0xFF
+                if tl.sum((live & (tags != tag)).to(tl.int32), 0) > 0:
+                    report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(live & (tags != tag), r, NO_RANK), 0))
+                elif tl.sum((live & (counts == REFUSED_COUNT)).to(tl.int32), 0) > 0:
+                    report(fail_ptr, F_REFUSED, seq_slot, q,
+                           tl.min(tl.where(live & (counts == REFUSED_COUNT), r, NO_RANK), 0))
+                else:
+                    counts = tl.where(live, counts, 0)
+                    begin = tl.sum(tl.where(r < s, counts, 0), 0)
+                    mine = tl.sum(tl.where(r == s, counts, 0), 0)
+                    per_expert = NUM_RANKS * tokens
+                    if s == 0:
+                        total = tl.sum(counts, 0)
+                        tl.store(count_out_ptr + e, total.to(tl.int32))
+                        if HAS_CUM:
+                            tl.store(cum_stats_ptr + e, tl.load(cum_stats_ptr + e) + total.to(tl.int32))
+                    tl.store(range_ptr + e * NUM_RANKS + s, (begin << 32) | mine)
+                    words_per_row: tl.constexpr = HIDDEN // 8 if FP8 else HIDDEN // 4
+                    w = tl.arange(0, W_BLOCK)
+                    sc = tl.arange(0, S_BLOCK)
+                    num_scales: tl.constexpr = HIDDEN // 128
+                    for i in range(mine):
+                        slot = (e * NUM_RANKS + s) * tokens + i
+                        at = own + disp_off + slot * (2 * HIDDEN)
+                        row = begin + i  # within expert e's block
+                        flat = e * per_expert + row
+                        data = tl.load(at.to(tl.pointer_type(tl.int64)) + w, mask=w < words_per_row)
+                        tl.store(x_out_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, data,
+                                 mask=w < words_per_row)
+                        if FP8:
+                            scales = tl.load((at + HIDDEN).to(tl.pointer_type(tl.float32)) + sc, mask=sc < num_scales,
+                                             other=0.0)
+                            if UE8M0:  # four biased exponents per int32, byte j of word c is block 4c + j
+                                ex = (scales.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                                ex = tl.reshape(ex, (S_BLOCK // 4, 4)) << (tl.arange(0, 4) * 8)[None, :]
+                                packed = tl.sum(ex, 1)
+                                pc = tl.arange(0, S_BLOCK // 4)
+                                num_packed: tl.constexpr = (num_scales + 3) // 4
+                                tl.store(scales_out_ptr.to(tl.pointer_type(tl.int32)) + e * num_packed * per_expert
+                                         + pc * per_expert + row, packed, mask=pc < num_packed)
+                            else:  # column-major in the last two dimensions, as DeepEP's
+                                tl.store(scales_out_ptr.to(tl.pointer_type(tl.float32)) + e * num_scales * per_expert
+                                         + sc * per_expert + row, scales, mask=sc < num_scales)
+                        meta = tl.load((own + meta_off + slot * 8).to(tl.pointer_type(tl.int64)))
+                        tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32))
+                        tl.store(comb_slot_ptr + flat, meta)
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
+        if healthy(state_ptr):
+            acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
+
+
+def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tokens, num_cols, tokens, tag,
+              PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
+              L_BLOCK: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
+              S_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+              FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
+              HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+    # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a dispatch; in one launch, the
+    # receive's round is the one this launch's send made. What every call of this parity shares
+    # comes from its block (ep.low_latency._layout.BLOCK_WORDS).
+    bases_ptr, state_ptr, fail_ptr, mask_ptr, me, timeout_ns = shared_words(block_ptr)
+    seq_slot = tl.load(block_ptr + B_PARITY)
+    signal_off, ack_off = tl.load(block_ptr + B_SIGNAL), tl.load(block_ptr + B_DISPATCH_ACK)
+    disp_off, meta_off = tl.load(block_ptr + B_DISP), tl.load(block_ptr + B_DISP_META)
+    q = tl.load(state_ptr + seq_slot)  # advanced by the send, this launch's or an earlier one's
+    if PHASE % 2 == 1:  # SEND or BOTH
+        q += 1
+        dispatch_send(x_ptr, topk_ptr, block_pointer(block_ptr, B_COUNTS, tl.int32), bases_ptr, state_ptr, fail_ptr,
+                      mask_ptr, block_pointer(block_ptr, B_DISPATCHED, tl.int8), me, num_tokens, num_cols,
+                      tl.load(block_ptr + B_EXPERTS), tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag,
+                      timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, L_BLOCK, HIDDEN, H_BLOCK, NUM_TOPK, K_BLOCK, BLOCK, FP8,
+                      ROUND_SCALE, SHRINK)
+    if PHASE // 2 == 1:  # RECV or BOTH
+        scales_word: tl.constexpr = B_PACKED_OUT if UE8M0 else B_SCALES_OUT
+        dispatch_recv(bases_ptr, tl.load(block_ptr + B_X_OUT), tl.load(block_ptr + scales_word),
+                      block_pointer(block_ptr, B_COUNT_OUT, tl.int32), block_pointer(block_ptr, B_SRC_INFO, tl.int32),
+                      block_pointer(block_ptr, B_RANGE, tl.int64), block_pointer(block_ptr, B_COMB_SLOT, tl.int64),
+                      cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me, tokens, disp_off, meta_off,
+                      signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, W_BLOCK,
+                      NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK)
+
+
+dispatch = triton.jit(_dispatch, repr=symbol("dispatch"))
