@@ -5,6 +5,7 @@
 #        tests-refit host-profile demo doctor
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
+#        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        nixl (install the carried .whl/nixl wheel first) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
@@ -72,10 +73,23 @@ for d in range(torch.cuda.device_count()):
       timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
     tests-ll)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_low_latency_gpu.py tests/ep/test_deep_ep_low_latency.py tests/bench/test_bench_ep_low_latency.py 2>&1 | tee "$OUT/gpu_tests_ll.log" | tail -30 ;;
-    bench-ll)
+    bench-ll)  # beside DeepEP V1 when the deepep stage unpacked it (one GPU per rank)
       for i in $(seq 1 ${REPEATS_EP:-3}); do
-        timeout 240 python3 -m warmlink.cli.main bench ep --low-latency --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | tee "$OUT/ll_${TAG:-}$i.log" | head -12
+        PYTHONPATH="$PWD/src:$PWD/.baseline/deepep-v1" timeout 240 python3 -m warmlink.cli.main bench ep --low-latency \
+          --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | grep -v IBGDA \
+          | tee "$OUT/ll_${TAG:-}$i.log" | head -16
       done ;;
+    ll-host)  # host time of eager low-latency calls, one rank (tools/ll_host_profile.py)
+      timeout 150 python3 tools/ll_host_profile.py --calls 600 2>&1 | tee "$OUT/ll_host.log" | head -30 ;;
+    tests-ll-shrink)  # the enable_shrink GPU test, REPEATS times
+      for i in $(seq 1 ${REPEATS:-5}); do
+        timeout 110 python3 -m pytest -q -p no:cacheprovider tests/ep/test_low_latency_gpu.py -k shrink 2>&1 \
+          | tee "$OUT/shrink_$i.log" | tail -1
+      done ;;
+    deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS)
+      ( cd .baseline/deepep-v1/tests && PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
+        timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py --num-processes ${RANKS:-2} ) 2>&1 \
+        | tee "$OUT/deepep_low_latency.log" | grep -v IBGDA | tail -25 ;;
     tests-ep)  # over 560 s where ranks share one GPU: there, run tests-ep-buffer, tests-ep-stream and tests-ep-rest apart
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     tests-ep-buffer)

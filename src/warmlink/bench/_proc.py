@@ -10,14 +10,22 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
 from typing import Callable
 
-__all__ = ["SAFE_ENV", "Group", "Outbox", "run_in_child"]
+__all__ = ["SAFE_ENV", "Group", "Outbox", "free_port", "run_in_child"]
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a ``torch.distributed`` group of the bench's ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Outbox:

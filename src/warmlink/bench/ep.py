@@ -39,12 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
 import time
 
 from warmlink.bench._ep_routing import routing
-from warmlink.bench._proc import Group
+from warmlink.bench._proc import Group, free_port
 from warmlink.bench.args import int_in, positive_float, refuse
 from warmlink.bench.ep_table import table
 
@@ -81,10 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
     p.add_argument("--low-latency", action="store_true",
-                   help="instead: DeepEP's low-latency dispatch (FP8) and combine (BF16), per-call latency beside "
-                   "DeepEP's published figures (bench.ep_low_latency): on GPUs one rank per GPU (two sharing one "
-                   "GPU), 128 tokens x 7168, top-8 of 256 by default; without CUDA on the host over shm, 2 ranks, "
-                   "32 tokens x 1024, 32 experts")
+                   help="instead: DeepEP's low-latency dispatch (FP8) and combine (BF16), per call and per "
+                   "dispatch + combine, eager and replayed from CUDA graphs, beside DeepEP V1 on the same inputs "
+                   "where `import deep_ep` finds it and each rank has a GPU, and DeepEP's published figures "
+                   "(bench.ep_low_latency): on GPUs one rank per GPU (two sharing one GPU), 128 tokens x 7168, "
+                   "top-8 of 256 by default; without CUDA on the host over shm, 2 ranks, 32 tokens x 1024, 32 experts")
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before a stalled run fails (default 300)")
     p.add_argument("--pin", action="store_true",
@@ -99,12 +99,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "DeepEP on the same inputs, with DeepEP's hint-sized budget and with 2e9 bytes; both clocks (CUDA "
                    "events on the caller's stream, and the host) and the ratio; on GPUs also a GEMM queued before an "
                    "async combine given a previous_event from before it")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -536,7 +530,7 @@ def run(args) -> int:
     if args.lifecycles:
         return _run_lifecycles(cfg, args)
     with Store(is_server=True, prefix="bench-ep", timeout_s=args.timeout) as server, Group(args.timeout) as group:
-        port = _free_port()
+        port = free_port()
         for r in range(cfg["ranks"]):
             group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,
                         secret=server.secret, dist_port=port, cfg=cfg)

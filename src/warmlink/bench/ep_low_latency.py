@@ -1,5 +1,6 @@
 """``warmlink bench ep --low-latency``: per-call latency of DeepEP's low-latency dispatch (FP8) and
-combine (BF16), with DeepEP's published figures beside it for reference.
+combine (BF16), beside DeepEP V1 itself on the same inputs in the same run where ``import deep_ep``
+finds it (GPUs, one rank per GPU), and DeepEP's published figures for reference.
 
 Every rank draws a routing as DeepEP's test does (top-K of random scores, 10 entries masked to
 -1), builds one ``ep.Buffer`` with ``low_latency_mode=True`` and times each of ``--iterations``
@@ -12,6 +13,11 @@ With CUDA: one rank per GPU (cuda_ipc, the device path), DeepEP's shape by defau
 share it, which times the kernels and the protocol but not a link. Without CUDA the rows move on
 the host over shared memory (the shm backend), timed on the host clock; DeepEP's shape holds
 about 1.9 GB per rank there, so the default is a reduced one.
+
+DeepEP runs the same loop through its own ``Buffer`` (built as its test builds it, with its size
+hint, over the ranks' ``torch.distributed`` group) after warmlink's, on the same tensors; it needs
+a GPU per rank (NVSHMEM), so with ranks sharing GPUs, or without DeepEP, its columns say why they
+are empty. ``pair`` rows are a dispatch and a combine of one iteration, summed per iteration.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import json
 import statistics
 import time
 
+from warmlink.bench._proc import Group, free_port
 from warmlink.bench.args import refuse
-from warmlink.bench._proc import Group
 
 __all__ = ["DEEPEP_LOW_LATENCY", "run_low_latency"]
 
@@ -35,6 +41,7 @@ _DEEPEP_SOURCE = ("DeepEP docs/legacy.md @dd758ca (linked from its README): H800
                   "128 tokens, 7168 hidden, top-8, FP8 dispatch, BF16 combine")
 _OPS = ("dispatch", "combine", "dispatch_send", "dispatch_hook", "combine_send", "combine_hook")
 _GRAPH_OPS = ("dispatch_graph", "combine_graph")  # GPUs only: replays of captured calls, no host launches
+_PAIRS = {"pair": ("dispatch", "combine"), "pair_graph": ("dispatch_graph", "combine_graph")}  # per iteration
 _MASKED = 10  # entries set to -1, as DeepEP's test does
 
 
@@ -63,34 +70,72 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     x, idx, w = (t.to(dev) for t in _routing(rank, tokens, experts, cfg["topk"], hidden))
-    times: dict[str, list[float]] = {op: [] for op in _OPS}
-    marks = _Marks(gpu)
+    y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device=dev)
     with Store.connect(store_address, prefix="bench-ep-ll", timeout_s=cfg["timeout"], secret=secret) as store, \
             Buffer(store, rank, num_ranks, max_tokens_per_rank=tokens, hidden=hidden, num_topk=cfg["topk"],
                    backend="cuda_ipc" if gpu else "shm", timeout_s=cfg["timeout"], low_latency_mode=True,
                    num_experts=experts) as buf:
-        y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device=dev)
-        for i in range(cfg["warmup"] + cfg["iterations"]):
-            marks.mark()
-            handle = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)[2]
-            marks.mark()
-            buf.low_latency_combine(y, idx, w, handle)
-            marks.mark()
-            hook = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
-            marks.mark()
-            hook[4]()
-            marks.mark()
-            _, _, combine_hook = buf.low_latency_combine(y, idx, w, hook[2], return_recv_hook=True)
-            marks.mark()
-            combine_hook()
-            marks.mark()
-            spans = marks.spans()
-            if i >= cfg["warmup"]:
-                for op, t in zip(_OPS, spans, strict=True):
-                    times[op].append(t)
-        if gpu:
-            times.update(_graph_times(buf, x, idx, w, y, tokens, experts, cfg, marks))
-    results.put({"event": "result", "value": {"rank": rank, "times_s": times}})
+        times = _time_calls(buf, x, idx, w, y, cfg)
+    value = {"rank": rank, "times_s": times}
+    if cfg["deepep"] == "ran":
+        value["deepep_times_s"] = _time_deepep(rank, num_ranks, x, idx, w, y, cfg)
+    results.put({"event": "result", "value": value})
+
+
+def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> dict[str, list[float]]:
+    """The same loop through DeepEP V1's ``Buffer`` over a ``torch.distributed`` group of the ranks."""
+    import torch.distributed as dist
+
+    from warmlink.bench.ep_deep_ep import real_deep_ep
+
+    deep_ep = real_deep_ep()
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}", rank=rank,
+                            world_size=num_ranks, device_id=x.device)
+    try:
+        group = dist.new_group(list(range(num_ranks)))
+        tokens, hidden, experts = cfg["tokens"], cfg["hidden"], cfg["experts"]
+        size = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts)
+        buf = deep_ep.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=experts // num_ranks,
+                             explicitly_destroy=True)
+        try:
+            return _time_calls(buf, x, idx.to(deep_ep.topk_idx_t), w, y, cfg)
+        finally:
+            buf.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_calls(buf, x, idx, w, y, cfg: dict) -> dict[str, list[float]]:
+    """Per iteration a dispatch and a combine, then the same in hook mode; on GPUs then replays of
+    both captured in CUDA graphs. ``buf`` is warmlink's ``ep.Buffer`` or DeepEP's (one API)."""
+    tokens, experts = cfg["tokens"], cfg["experts"]
+    gpu = cfg["device"] == "cuda"
+    times: dict[str, list[float]] = {op: [] for op in _OPS}
+    marks = _Marks(gpu)
+    for i in range(cfg["warmup"] + cfg["iterations"]):
+        marks.mark()
+        handle = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)[2]
+        marks.mark()
+        buf.low_latency_combine(y, idx, w, handle)
+        marks.mark()
+        hook = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
+        marks.mark()
+        hook[4]()
+        marks.mark()
+        _, _, combine_hook = buf.low_latency_combine(y, idx, w, hook[2], return_recv_hook=True)
+        marks.mark()
+        combine_hook()
+        marks.mark()
+        spans = marks.spans()
+        if i >= cfg["warmup"]:
+            for op, t in zip(_OPS, spans, strict=True):
+                times[op].append(t)
+    if gpu:
+        times.update(_graph_times(buf, x, idx, w, y, tokens, experts, cfg, marks))
+    for pair, (dispatch, combine) in _PAIRS.items():
+        if dispatch in times:
+            times[pair] = [a + b for a, b in zip(times[dispatch], times[combine], strict=True)]
+    return times
 
 
 def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks) -> dict[str, list[float]]:
@@ -165,10 +210,17 @@ def _defaults(args) -> dict:
             "device": "cuda" if gpus else "cpu", "gpus": gpus}
 
 
+def _summary(ranks: list[dict], key: str) -> dict:
+    """Per operation the slowest rank's median and p90, in us."""
+    ops = [op for op in (*_OPS, *_GRAPH_OPS, *_PAIRS) if op in ranks[0][key]]
+    return {op: {"median_us": max(statistics.median(r[key][op]) for r in ranks) * 1e6,
+                 "p90_us": max(_p90(r[key][op]) for r in ranks) * 1e6} for op in ops}
+
+
 def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
-    ops = [op for op in (*_OPS, *_GRAPH_OPS) if op in ranks[0]["times_s"]]
-    summary = {op: {"median_us": max(statistics.median(r["times_s"][op]) for r in ranks) * 1e6,
-                    "p90_us": max(_p90(r["times_s"][op]) for r in ranks) * 1e6} for op in ops}
+    summary = _summary(ranks, "times_s")
+    ops = list(summary)
+    deepep = _summary(ranks, "deepep_times_s") if cfg["deepep"] == "ran" else None
     if cfg["device"] == "cuda":
         where = f"{cfg['gpus']} GPU(s), cuda_ipc, CUDA events" + (
             "; ranks share GPUs: kernels and protocol, not a link" if cfg["ranks"] > cfg["gpus"] else "")
@@ -177,17 +229,35 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     lines = [f"ep low-latency bench: {cfg['ranks']} ranks ({where}), {cfg['tokens']} tokens x "
              f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, FP8 dispatch, BF16 combine; "
              f"{cfg['iterations']} calls after {cfg['warmup']} warmup, slowest rank",
-             "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}"]
+             "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}{'DeepEP V1 (us)':>16}{'DeepEP / warmlink':>19}"]
     names = {"dispatch": "dispatch (fp8)", "combine": "combine (bf16)", "dispatch_send": "dispatch, hook mode: send",
              "dispatch_hook": "dispatch, hook mode: hook", "combine_send": "combine, hook mode: send",
              "combine_hook": "combine, hook mode: hook", "dispatch_graph": "dispatch + hook, CUDA graph replay",
-             "combine_graph": "combine + hook, CUDA graph replay"}
+             "combine_graph": "combine + hook, CUDA graph replay", "pair": "dispatch + combine, eager",
+             "pair_graph": "dispatch + combine, graph replays"}
     for op in ops:
-        lines.append(f"{names[op]:<34}{summary[op]['median_us']:>13.1f}{summary[op]['p90_us']:>11.1f}")
+        theirs = f"{deepep[op]['median_us']:>16.1f}{deepep[op]['median_us'] / summary[op]['median_us']:>18.2f}x" \
+            if deepep else ""
+        lines.append(f"{names[op]:<34}{summary[op]['median_us']:>13.1f}{summary[op]['p90_us']:>11.1f}{theirs}")
+    if deepep is None:
+        lines.append(f"DeepEP V1 in this run: {cfg['deepep']}")
+    else:
+        summary = {"warmlink": summary, "deepep_v1": deepep}
     lines += ["", f"for reference, {_DEEPEP_SOURCE}:",
               f"  {'EP':>4}{'dispatch (us)':>15}{'GB/s':>7}{'combine (us)':>15}{'GB/s':>7}"]
     lines += [f"  {ep:>4}{d:>15}{dg:>7}{c:>15}{cg:>7}" for ep, d, dg, c, cg in DEEPEP_LOW_LATENCY]
     return lines, summary
+
+
+def _deepep_here(cfg: dict) -> str:
+    """``"ran"`` where DeepEP V1 runs beside warmlink in this bench, else why not."""
+    if cfg["device"] != "cuda":
+        return "not run (its kernels need CUDA)"
+    if cfg["ranks"] > cfg["gpus"]:
+        return f"not run ({cfg['ranks']} ranks on {cfg['gpus']} GPU(s): DeepEP needs a GPU per rank)"
+    from warmlink.bench.ep_deep_ep import real_deep_ep
+
+    return "ran" if real_deep_ep() is not None else "not run (`import deep_ep` does not find DeepEP V1 here)"
 
 
 def run_low_latency(args) -> int:
@@ -199,6 +269,7 @@ def run_low_latency(args) -> int:
                       f"--ranks={cfg['ranks']}; expected every rank to hold as many experts")
     if cfg["topk"] > cfg["experts"]:
         return refuse("warmlink bench ep --low-latency", f"--topk={cfg['topk']} exceeds --experts={cfg['experts']}")
+    cfg["deepep"], cfg["dist_port"] = _deepep_here(cfg), free_port()
     with Store(is_server=True, prefix="bench-ep-ll", timeout_s=args.timeout) as server, Group(args.timeout) as group:
         for r in range(cfg["ranks"]):
             group.start(f"rank{r}", _rank_main, rank=r, num_ranks=cfg["ranks"], store_address=server.address,

@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "of rank 0 calls about 1 ms after it. Prints time and GB/s per rank "
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
         "that warmlink's outputs equal the NCCL path's. With --low-latency instead: DeepEP's low-latency dispatch "
-        "(FP8) and combine (BF16), median and p90 per call, beside DeepEP's published figures.",
+        "(FP8) and combine (BF16), median and p90 per call, beside DeepEP V1 in the same run where it is "
+        "importable (one GPU per rank) and DeepEP's published figures.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
     sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")
