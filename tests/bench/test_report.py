@@ -185,3 +185,10 @@ def test_plot_scenarios_record_with_nccl_result_and_peak(tmp_path):
     assert peak_s == pytest.approx(8.8 / 394.0) and "394" in label
     for stacked in (False, True):
         assert plot_cycles(rec, tmp_path / f"s{stacked}.png", stacked=stacked).stat().st_size > 5000
+
+
+def test_a_method_with_a_label_is_drawn_under_it_not_under_its_key():
+    """The refit bench's gloo baseline on CPU sits under the key "nccl"; its legend says gloo."""
+    rec = {"scenarios": {"nccl": {"label": "gloo per tensor", "cycles": [{"cycle": 1, "total_s": 0.01}]},
+                         "warm": {"cycles": [{"cycle": 1, "total_s": 0.02}]}}}
+    assert [label for label, _ in report._methods(rec)] == ["gloo per tensor", "warm"]

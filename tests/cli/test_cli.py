@@ -30,6 +30,34 @@ def test_no_command_prints_help_and_fails(capsys):
     assert "usage" in capsys.readouterr().out
 
 
+def test_bench_alone_prints_the_bench_help_and_fails(capsys):
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: warmlink bench") and "reconfigure" in out and "manifest" in out
+
+
+def test_the_help_prints_percent_signs_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "at 5% size" in out and "%%" not in out
+
+
+@pytest.mark.parametrize("bench", ["refit", "lifecycle", "reconfigure"])
+def test_devices_of_host_processes_parse_as_the_help_writes_them(bench):
+    """``--devices -1,-1`` (the help's spelling), not only ``--devices=-1,-1``: argparse alone reads
+    ``-1,-1`` as an option."""
+    from warmlink.cli.main import _joined, build_parser
+
+    args = build_parser().parse_args(_joined(["bench", bench, "--devices", "-1,-1"]))
+    assert args.devices == (-1, -1)
+
+
+def test_deep_ep_with_low_latency_is_refused_saying_why(capsys):
+    assert main(["bench", "ep", "--low-latency", "--deep-ep"]) == 2
+    assert "--deep-ep times normal-mode calls" in capsys.readouterr().err
+
+
 def test_demo_refits_bit_exactly_on_cpu():
     from warmlink.cli.demo import run_demo
 
@@ -52,6 +80,8 @@ def test_bench_refit_on_cpu_writes_a_record_and_warm_cycles_create_nothing(tmp_p
     assert record["first_cycle"]["ratio"] > 0
     out = capsys.readouterr().out
     assert "summary" in out and "first cycle, setup included" in out
+    assert "of gloo group creation" in out and "NCCL" not in out  # on CPU the broadcast baseline is gloo's
+    assert record["scenarios"]["nccl"]["label"] == "gloo per tensor"  # the chart's legend
 
 
 def test_bench_refit_rejects_unknown_scenarios(capsys):

@@ -522,6 +522,10 @@ def run(args) -> int:
     if args.low_latency:
         from warmlink.bench.ep_low_latency import run_low_latency
 
+        if args.deep_ep:
+            return refuse("warmlink bench ep", "--deep-ep times normal-mode calls; with --low-latency DeepEP V1 "
+                          "runs beside warmlink whenever `import deep_ep` finds it (drop --deep-ep)")
+
         return run_low_latency(args)
     cfg = _defaults(args)
     problem = _refusal(cfg, args)

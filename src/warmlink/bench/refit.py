@@ -133,9 +133,11 @@ def run_warmlink_refit(
     seed: int = 0,
     timeout_s: float = 300.0,
     label: str = "",
+    progress=None,
 ) -> dict:
     """Run ``cycles`` refits from ``src_tp`` publisher processes on ``devices[0]`` into ``dst_tp``
-    receiver processes on ``devices[1]`` (-1 = CPU, shm).
+    receiver processes on ``devices[1]`` (-1 = CPU, shm); ``progress(step)``, when given, hears
+    each step as it ends ("exported", "cycle 1", ..., "verified").
 
     Returns:
         ``{"label", "src_tp", "dst_tp", "pool", "install", "nbytes", "cycles": [phase seconds per
@@ -149,6 +151,8 @@ def run_warmlink_refit(
         for r in range(src_tp):
             group.start(f"pub{r}", _publisher, tp=src_tp, rank=r, device_idx=devices[0], **common)
         ready = group.expect("ready", src_tp)
+        tell = progress or (lambda step: None)
+        tell("exported")
         for r in range(dst_tp):
             group.start(f"rec{r}", _receiver, src_tp=src_tp, dst_tp=dst_tp, rank=r, device_idx=devices[1], install=install, **common)
         group.expect("ready", dst_tp)
@@ -168,9 +172,11 @@ def run_warmlink_refit(
             row["num_copies"] = sum(rep["num_copies"] for rep in reports)
             row["created"] = {k: sum(rep["created"].get(k, 0) for rep in reports) for k in reports[0]["created"]}
             rows.append(row)
+            tell(f"cycle {c}")
         for r in range(dst_tp):
             group.send(f"rec{r}", ("verify",))
         verified = group.expect("verified", dst_tp)
+        tell("verified")
     return {
         "label": label, "src_tp": src_tp, "dst_tp": dst_tp, "pool": pool_on, "install": install,
         "backend": backend or "auto", "nbytes": spec.nbytes, "staged": any(m["staged"] for m in ready),

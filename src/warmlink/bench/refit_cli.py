@@ -286,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
             with _nixl_threads_env(args.nixl_threads if backend else None):
                 res = step(name, lambda: run_warmlink_refit(
                     spec, src_tp=src_tp, dst_tp=dst_tp, cycles=args.cycles, pool_on=not cold, devices=devices,
-                    backend=backend, install=mode, seed=args.seed, timeout_s=args.timeout, label=name))
+                    backend=backend, install=mode, seed=args.seed, timeout_s=args.timeout, label=name,
+                    progress=lambda what: print(f" {what},", end="", flush=True)))
             memory.append((f"warmlink {name}, install {mode}", res["receive_nbytes"], res["staging_nbytes"]))
             tables.append((name, f"warmlink {name}: TP {src_tp} -> {dst_tp}, pool {'off' if cold else 'on'}, "
                                  f"install {mode}{', over NIXL' if backend else ''}"
@@ -318,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             res = step(name, lambda: run_nccl_refit(
                 tensors, mode="per_tensor" if name == "nccl" else "bucket", cycles=args.cycles,
                 devices=devices, backend=backend, timeout_s=args.timeout))
+            res["label"] = f"{backend} {'per tensor' if name == 'nccl' else 'buckets'}"  # the chart's legend
             tables.append((name, f"{backend} broadcast {'per tensor' if name == 'nccl' else 'in 1 GiB buckets'}"
                                  f"{'' if res['correct'] else '  (INCORRECT BYTES)'}", _nccl_rows(res)))
 
@@ -350,8 +352,9 @@ def run(args: argparse.Namespace) -> int:
         ours = sc["warm"]["export_s"] + sc["warm"]["cycles"][0]["total_s"]
         theirs = sc["nccl"]["init_s"] + sc["nccl"]["first_collective_s"] + sc["nccl"]["cycles"][0]["total_s"]
         record["first_cycle"] = {"warmlink_s": ours, "nccl_s": theirs, "ratio": ours / theirs}
+        group = "gloo" if devices[0] < 0 else "NCCL"
         print(f"first cycle, setup included (publisher export + receiver cycle 1): {ours * 1e3:.1f} ms = "
-              f"{100 * ours / theirs:.1f}% of NCCL group creation + first broadcast ({theirs * 1e3:.1f} ms)")
+              f"{100 * ours / theirs:.1f}% of {group} group creation + first broadcast ({theirs * 1e3:.1f} ms)")
     ok = all(record["scenarios"][n].get("correct", True) for n in record["scenarios"])
     if args.json_path:
         write_record(args.json_path, record)

@@ -305,7 +305,7 @@ def _methods(record: dict) -> list[tuple[str, list[dict]]]:
     """``(label, cycles)`` per method; a top-level ``group_init_s`` is added to cycle 1 as a phase."""
     methods = record.get("methods", record.get("scenarios"))
     if isinstance(methods, dict):
-        items = [(str(k), v) for k, v in methods.items() if isinstance(v, dict)]
+        items = [(str(v.get("label", k)), v) for k, v in methods.items() if isinstance(v, dict)]
     elif isinstance(methods, list):
         items = [(str(m.get("label", f"method {i}")), m) for i, m in enumerate(methods) if isinstance(m, dict)]
     else:
@@ -379,6 +379,10 @@ def plot_cycles(record: dict, path: str | os.PathLike, *, stacked: bool = False)
         for c in cs:
             phases.extend(k for k in c if k.endswith("_s") and k != "total_s" and k not in phases)
     stacked = stacked and bool(phases)
+    # a colour per phase: matplotlib's default cycle repeats after 10, the lifecycle has 13 phases
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"] if len(phases) > 10 else (lambda i: f"C{i}")
     fig = Figure(figsize=(max(7.5, 3.0 + 0.45 * len(cycles) * len(methods)), 4.8), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -397,11 +401,12 @@ def plot_cycles(record: dict, path: str | os.PathLike, *, stacked: bool = False)
             bottom = [0.0] * len(cycles)
             for p_idx, ph in enumerate(phases):
                 vals = [_ms(by_cycle.get(cyc, {}).get(ph)) for cyc in cycles]
-                ax.bar(xs, vals, width, bottom=bottom, color=f"C{p_idx % 10}", edgecolor="white", linewidth=0.5,
+                ax.bar(xs, vals, width, bottom=bottom, color=palette(p_idx), edgecolor="white", linewidth=0.5,
                        label=ph[:-2] if m_idx == 0 else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-            for x, t in zip(xs, totals):
-                ax.text(x, t, f"{t:.1f}" if t else "", ha="center", va="bottom", fontsize=6)
+            for x, t, top in zip(xs, totals, bottom):  # on its stack (phases may overlap: not at the total)
+                ax.text(x, top, f"{t:.1f}" if t else "", ha="center", va="bottom", fontsize=6)
+            all_totals[-len(totals):] = [max(t, top) for t, top in zip(totals, bottom)]  # the axis holds the stacks
         else:
             bars = ax.bar(xs, totals, width, color=f"C{m_idx % 10}", label=label)
             ax.bar_label(bars, labels=[f"{t:.1f}" if t else "" for t in totals], fontsize=6, padding=1)

@@ -11,7 +11,7 @@ __all__ = ["main", "build_parser"]
 _EPILOG = """\
 examples:
   warmlink demo                          trainer (TP=2) -> inference (TP=1), refit after each step
-  warmlink bench refit --scale 0.05      Qwen3-4B-shaped refit at 5%% size, pool on/off vs NCCL
+  warmlink bench refit --scale 0.05      Qwen3-4B-shaped refit at 5% size, pool on/off vs NCCL
   warmlink bench refit --cycles 5 --plot out/refit.png --json out/refit.json
   warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
   warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds any process may stall before the demo fails (default 120)")
 
     bench = sub.add_parser("bench", help="benchmarks that reproduce the seed tables")
+    bench.set_defaults(bench_parser=bench)  # `warmlink bench` without a benchmark prints this parser's help
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     from warmlink.bench.refit_cli import add_arguments
 
@@ -124,9 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value may begin with "-" (``--devices -1,-1``: host processes), which argparse
+# would otherwise read as an option of its own.
+_DASH_VALUES = ("--devices",)
+
+
+def _joined(argv: list[str]) -> list[str]:
+    """``argv`` with ``--devices -1,-1`` written as ``--devices=-1,-1``."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _DASH_VALUES and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_joined(list(sys.argv[1:] if argv is None else argv)))
     from warmlink import _env
 
     errors = _env.check_all()
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         from warmlink.cli.doctor import run_doctor
 
         return run_doctor()
-    parser.print_help()
+    (args.bench_parser if args.command == "bench" else parser).print_help()  # `warmlink bench` alone: its own help
     return 2
 
 
