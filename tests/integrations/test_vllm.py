@@ -381,3 +381,27 @@ def test_layouts_are_checked_against_the_live_modules(engine):
     wrong = llm.collective_rpc("warmlink_misread", args=(2 * tp, 1))
     for message in wrong:
         assert message is not None and "vllm engine:" in message and "the live" in message and "expected equal" in message
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("DeepSeek-V3 kv_a_proj_with_mqa, 576 rows: a partial block", (576, 7168)),
+    ("DeepSeek-V3 expert down_proj", (7168, 2048)),
+    ("Qwen3-235B-A22B expert gate_up_proj", (3072, 4096)),
+    ("Qwen3-235B-A22B expert down_proj, TP 2 rank 1", (4096, 768)),
+    ("partial blocks at both edges", (300, 200)),
+])
+def test_block_fp8_equals_vllms_own_quantizer_bit_for_bit(name, shape):
+    """warmlink.refit.fp8.block_fp8 against vLLM's per_block_cast_to_fp8 (its reference for the
+    128 x 128 block-quantized weights its Fp8LinearMethod loads): the same e4m3 bytes and the same
+    weight_scale_inv, bit for bit."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from warmlink.refit.fp8 import block_fp8
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    rows = torch.logspace(-4, 0, shape[0])[torch.randperm(shape[0], generator=gen)]  # blocks of every magnitude
+    weight = (torch.randn(shape, generator=gen) * rows[:, None]).to(torch.bfloat16)
+    values, scales = block_fp8(weight)
+    want_values, want_scales = per_block_cast_to_fp8(weight, [128, 128])
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), name
+    assert torch.equal(scales, want_scales), name
