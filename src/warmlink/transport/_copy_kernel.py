@@ -24,7 +24,8 @@ ALIGN_BYTES = 16
 #: Bytes per program, and the variant and warps: the best of both chips measured, as a fraction of
 #: one flat copy of a 290-tensor model: 0.954 on an H100 and 0.959 on an H200. The fastest on each
 #: differ (16 warps: 0.969 on the H100, 0.929 on the H200; 8 warps x 64 KiB: 0.943 and 0.964):
-#: benchmarks/colocated_copy_methods_1xH100_2026-11-25_b.log and ..._2xH200_2026-11-26.log (GPU 0).
+#: the colocated_copy_methods logs of 2026-11-25 (1 x H100) and 2026-11-26 (2 x H200, GPU 0), in git
+#: history (git show 031ad9e:benchmarks/colocated_copy_methods_1xH100_2026-11-25_b.log).
 CHUNK_NBYTES = 128 << 10
 VARIANT = "v2"
 NUM_WARPS = 8
