@@ -179,7 +179,10 @@ def check_masked_round(case: dict, got: dict, routes, sources_out: set, experts_
             for k, expert in enumerate(row):
                 if expert >= 0 and expert // local not in experts_out:
                     want[t] += inputs[s]["topk_weights"][t, k].double() * inputs[s]["x"][t].double() * 2.0 ** (expert % 3)
-        assert torch.allclose(g["combined"].double(), want, rtol=2**-7, atol=1e-6), f"rank {s}: combined_x differs"
+        bad = ~torch.isclose(g["combined"].double(), want, rtol=2**-7, atol=1e-6)
+        assert not bad.any(), (f"rank {s}: combined_x differs at {bad.sum().item()} elements, first (token, column) "
+                               f"{bad.nonzero()[0].tolist()}: {g['combined'][bad][0].item()} where "
+                               f"{want[bad][0].item():.4f}")
 
 
 SHRINK_CASE = {"tokens": [16, 12, 14], "hidden": 256, "experts": 6, "topk": 3, "masked": 4, "seed": 8, "dies": 2,
@@ -195,7 +198,11 @@ def check_shrink(case: dict, results: list) -> None:
     survivors = {r: rounds for r, rounds in enumerate(results) if r != dead}
     for i, (sources_out, experts_out) in enumerate([(set(), set()), (set(), {dead}), ({dead}, {dead}),
                                                     ({dead}, {dead})]):
-        check_masked_round(case, {r: rounds[i] for r, rounds in survivors.items()}, routes, sources_out, experts_out)
+        try:
+            check_masked_round(case, {r: rounds[i] for r, rounds in survivors.items()}, routes, sources_out,
+                               experts_out)
+        except AssertionError as exc:  # which round: the first, the one the rank stopped in, or after
+            raise AssertionError(f"round {i + 1} of 4: {exc}") from None
 
 
 def test_with_enable_shrink_a_rank_killed_mid_call_is_masked_and_the_others_go_on_without_its_rows():
