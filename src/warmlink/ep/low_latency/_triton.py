@@ -67,15 +67,6 @@ def block_pointer(block_ptr, word, T: tl.constexpr):
 
 
 @triton.jit
-def shared_words(block_ptr):
-    # what both kernels read from a parity block first: (bases, state, fail word, mask, this rank,
-    # deadline in ns)
-    return (block_pointer(block_ptr, B_BASES, tl.int64), block_pointer(block_ptr, B_STATE, tl.int64),
-            tl.load(block_ptr + B_FAIL), block_pointer(block_ptr, B_MASK, tl.int32), tl.load(block_ptr + B_RANK),
-            tl.load(block_ptr + B_TIMEOUT))
-
-
-@triton.jit
 def report(fail_ptr, code, slot, seq, rank):
     # the failure's details, then its code (the host reads the code first)
     f = fail_ptr.to(tl.pointer_type(tl.int64))

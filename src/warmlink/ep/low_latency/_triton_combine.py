@@ -6,10 +6,10 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns
-from warmlink.ep.low_latency._triton import (B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_PARITY, F_MISMATCH, F_REFUSED,
-                                             F_UNMASKED, NO_RANK, REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge,
-                                             block_pointer, healthy, last_program, live_ranks, report, shared_words,
-                                             symbol, wait_words)
+from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
+                                             B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
+                                             REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
+                                             healthy, last_program, live_ranks, report, symbol, wait_words)
 
 
 # -- combine ----------------------------------------------------------------------------------------
@@ -113,7 +113,12 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
              HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's; the
     # handle's tensors (range, comb_slot, dispatched) are its dispatch's parity's, maybe not this one's
-    bases_ptr, state_ptr, fail_ptr, mask_ptr, me, timeout_ns = shared_words(block_ptr)
+    bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
+    state_ptr = block_pointer(block_ptr, B_STATE, tl.int64)
+    fail_ptr = tl.load(block_ptr + B_FAIL)
+    mask_ptr = block_pointer(block_ptr, B_MASK, tl.int32)
+    me = tl.load(block_ptr + B_RANK)
+    timeout_ns = tl.load(block_ptr + B_TIMEOUT)
     seq_slot = 2 + tl.load(block_ptr + B_PARITY)
     comb_off, comb_signal_off = tl.load(block_ptr + B_COMB), tl.load(block_ptr + B_COMB_SIGNAL)
     ack_off = tl.load(block_ptr + B_COMBINE_ACK)

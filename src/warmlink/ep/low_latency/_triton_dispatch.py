@@ -6,12 +6,12 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns
-from warmlink.ep.low_latency._triton import (B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP, B_DISPATCHED, B_DISPATCH_ACK,
-                                             B_DISP_META, B_EXPERTS, B_PACKED_OUT, B_PARITY, B_RANGE, B_SCALES_OUT,
-                                             B_SIGNAL, B_SRC_INFO, B_X_OUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
+from warmlink.ep.low_latency._triton import (B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP, B_DISPATCHED,
+                                             B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK, B_PACKED_OUT,
+                                             B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL, B_SRC_INFO, B_STATE,
+                                             B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
                                              REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_ranks, report, shared_words, symbol,
-                                             wait_words)
+                                             healthy, last_program, live_ranks, report, symbol, wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -204,7 +204,12 @@ def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tok
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a dispatch; in one launch, the
     # receive's round is the one this launch's send made. What every call of this parity shares
     # comes from its block (ep.low_latency._layout.BLOCK_WORDS).
-    bases_ptr, state_ptr, fail_ptr, mask_ptr, me, timeout_ns = shared_words(block_ptr)
+    bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
+    state_ptr = block_pointer(block_ptr, B_STATE, tl.int64)
+    fail_ptr = tl.load(block_ptr + B_FAIL)
+    mask_ptr = block_pointer(block_ptr, B_MASK, tl.int32)
+    me = tl.load(block_ptr + B_RANK)
+    timeout_ns = tl.load(block_ptr + B_TIMEOUT)
     seq_slot = tl.load(block_ptr + B_PARITY)
     signal_off, ack_off = tl.load(block_ptr + B_SIGNAL), tl.load(block_ptr + B_DISPATCH_ACK)
     disp_off, meta_off = tl.load(block_ptr + B_DISP), tl.load(block_ptr + B_DISP_META)
