@@ -31,11 +31,11 @@ def advance_clock() -> int:
 
 
 def swap_ptx_helpers(monkeypatch, module) -> None:
-    """Give ``module``'s kernels Python stand-ins for the clock and the system fence (PTX, which
+    """Give ``module``'s kernels Python stand-ins for the clock, the system fence and cta_any (PTX, which
     the interpreter cannot run); the interpreter resolves a kernel's helpers through its module."""
     import triton
 
-    for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence)):
+    for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence), ("cta_any", _one_thread_any)):
         if hasattr(module, name):  # the helpers the module's kernels call
             monkeypatch.setattr(module, name, triton.jit(fake))
 
@@ -46,3 +46,7 @@ def _fake_clock():
 
 def _no_fence():
     pass
+
+
+def _one_thread_any(x):
+    return (x != 0).to(tl.int32)  # the interpreter runs a program as one thread: nothing to agree on

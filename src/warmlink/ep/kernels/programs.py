@@ -208,6 +208,18 @@ def device_clock_ns():
 
 
 @triton.jit
+def cta_any(x):
+    # 1 in every thread of the program if x != 0 in any of them, else 0 (bar.red.or: a barrier the
+    # whole program reaches; tests swap this helper out). Each warp reads the clock and volatile
+    # words itself, so a branch or loop exit decided on them may differ between warps; warps that
+    # part ways reach different barriers, which then pair wrongly, and the shared-memory exchanges
+    # after them (a reduction, a reshape) read each other's halves. Such decisions go through here.
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred %p<2>; setp.ne.s32 %p0, $1, 0; bar.red.or.pred %p1, 0, %p0; selp.s32 $0, 1, 0, %p1; }",
+        "=r,r", [x.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def fence_system():
     # this thread's earlier stores become visible to the whole system (other GPUs, the host) first
     tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)

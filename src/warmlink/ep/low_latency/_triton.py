@@ -16,7 +16,7 @@ find each under one name whatever its phase.
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import device_clock_ns, fence_system
+from warmlink.ep.kernels.programs import cta_any, device_clock_ns, fence_system
 from warmlink.ep.low_latency._layout import BLOCK_WORDS
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
@@ -79,8 +79,27 @@ def report(fail_ptr, code, slot, seq, rank):
 
 @triton.jit
 def live_ranks(mask_ptr, r, rm):
-    # the ranks of ``rm`` not masked (DeepEP's mask buffer: 1 = masked)
+    # the ranks of ``rm`` not masked (DeepEP's mask buffer: 1 = masked), as this warp reads them:
+    # for masks of stores and atomics; a branch takes live_snapshot
     return rm & (tl.load(mask_ptr + r, mask=rm, other=1, volatile=True) == 0)
+
+
+@triton.jit
+def live_snapshot(mask_ptr, r, rm, R_BLOCK: tl.constexpr):
+    # live_ranks, one answer for the whole program (a rank any warp saw masked is masked; a barrier
+    # per rank), so that every warp of it sums and sends the same rows (cta_any)
+    masked = tl.load(mask_ptr + r, mask=rm, other=1, volatile=True) != 0
+    live = rm
+    for i in tl.static_range(R_BLOCK):
+        seen = cta_any(tl.sum((masked & (r == i)).to(tl.int32), 0))
+        live = live & ~((r == i) & (seen != 0))
+    return live
+
+
+@triton.jit
+def rank_live(mask_ptr, rank):
+    # one rank of live_snapshot (one barrier)
+    return cta_any(tl.load(mask_ptr + rank, volatile=True)) == 0
 
 
 @triton.jit
@@ -97,16 +116,19 @@ def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_
     # ``want``; a rank masked meanwhile is not waited for. Past the deadline: with SHRINK the late
     # ranks are masked (DeepEP's enable_shrink); else a late rank is reported and the device state
     # marked failed (every later kernel does nothing). Returns (the words, 1 if that failure
-    # happened); the ranks to read are then live_ranks(wanted), read after this returns.
+    # happened); the ranks to read are then live_snapshot(wanted), read after this returns.
+    # Every exit and branch is decided for the whole program (cta_any): each warp reads the mask and
+    # the clock itself, and near the deadline they disagree
     words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
     late = behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
-    expired = tl.zeros([], dtype=tl.int32)
-    while (tl.sum(late.to(tl.int32), 0) > 0) & (expired == 0):
+    waiting = cta_any(tl.sum(late.to(tl.int32), 0))
+    while waiting != 0:
         words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
         late = behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
-        expired = ((device_clock_ns() - start) > timeout_ns).to(tl.int32)
+        on_time = (device_clock_ns() - start) <= timeout_ns
+        waiting = cta_any((tl.sum(late.to(tl.int32), 0) > 0) & on_time)
     failed = tl.zeros([], dtype=tl.int32)
-    if tl.sum(late.to(tl.int32), 0) > 0:
+    if cta_any(tl.sum(late.to(tl.int32), 0)) != 0:
         if SHRINK:
             tl.atomic_xchg(mask_ptr + r, tl.zeros_like(r) + 1, mask=late, sem="release", scope="gpu")
         else:
@@ -132,7 +154,8 @@ def last_program(state_ptr, slot, total):
 
 @triton.jit
 def healthy(state_ptr):
-    return tl.load(state_ptr + S_FAILED, volatile=True) == 0
+    # no kernel failed, one answer for the program (cta_any): another program may fail meanwhile
+    return cta_any(tl.load(state_ptr + S_FAILED, volatile=True)) == 0
 
 
 @triton.jit

@@ -9,7 +9,8 @@ from warmlink.ep.kernels.programs import device_clock_ns
 from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
                                              B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
                                              REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_ranks, report, symbol, wait_words)
+                                             healthy, last_program, live_ranks, live_snapshot, rank_live, report, symbol,
+                                             wait_words)
 
 
 # -- combine ----------------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
         s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
         wait_words(ack, r == s, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0,
                    True, SHRINK)
-        if healthy(state_ptr) & (tl.sum((live_ranks(mask_ptr, r, rm) & (r == s)).to(tl.int32), 0) > 0):
+        if healthy(state_ptr) & rank_live(mask_ptr, s):
             packed = tl.load(range_ptr + e * NUM_RANKS + s)
             begin = packed >> 32
             count = packed & 0xFFFFFFFF
@@ -76,7 +77,7 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
         if HAS_WAIT & (pid == 0):
             tl.atomic_add(wait_stats_ptr + r, tl.zeros([R_BLOCK], dtype=tl.int64) + (device_clock_ns() - start),
                           mask=rm)
-        live = live_ranks(mask_ptr, r, rm)
+        live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
         other = live & ((words & 0xFFFFFF) != tag)  # expert ranks that combined another dispatch
         if (failed == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
             report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, NO_RANK), 0))

@@ -11,7 +11,7 @@ from warmlink.ep.low_latency._triton import (B_BASES, B_COMB_SLOT, B_COUNTS, B_C
                                              B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL, B_SRC_INFO, B_STATE,
                                              B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
                                              REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_ranks, report, symbol, wait_words)
+                                             healthy, last_program, live_snapshot, report, symbol, wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
     acks = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
     wait_words(acks, rm, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0, True,
                SHRINK)
-    live = live_ranks(mask_ptr, r, rm)
+    live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
     num_entries = num_tokens * num_cols
     offs = tl.arange(0, BLOCK)
     bad = tl.zeros([], dtype=tl.int32)  # every program reads every id: one out of range refuses the round
@@ -95,7 +95,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
         if healthy(state_ptr):
             el = tl.arange(0, L_BLOCK)
             m = el < LOCAL
-            live = live_ranks(mask_ptr, r, rm)
+            live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
             for d in range(NUM_RANKS):
                 if tl.sum((live & (r == d)).to(tl.int32), 0) > 0:
                     c = tl.load(count_ptr + d * LOCAL + el, mask=m, other=0).to(tl.int64)
@@ -142,7 +142,7 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                 words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
                                            timeout_ns, 32, False, SHRINK)
             if failed == 0:
-                live = live_ranks(mask_ptr, r, rm)
+                live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
                 counts = words & 0xFFFFFF
                 tags = (words >> 24) & 0xFF
                 if tl.sum((live & (tags != tag)).to(tl.int32), 0) > 0:
