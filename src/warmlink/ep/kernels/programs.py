@@ -282,7 +282,7 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
             tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
             late = (device_clock_ns() - start) > timeout_ns
             stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) >= round_
-            failed = (late | stop).to(tl.int32)
+            failed = cta_any(late | stop)  # every warp leaves together (the loop holds barriers)
         word = tl.load(own + s * ROW + 1, volatile=True)
         if (word != config) & (tag == round_):
             tl.store(own + s * ROW + 1, 0)  # every program may store it: the same 0
