@@ -84,14 +84,14 @@ def _call(kernel, group: _Group, call: dict, seq: int):
 
 
 CASES = {
-    "2 ranks, bf16, hidden 2880": {"tokens": [[300, 1], [0, 257]], "hidden": 2880, "experts": 8, "topk": 4,
+    "2 ranks, bf16, hidden 2880": {"tokens": [[130, 1], [0, 111]], "hidden": 2880, "experts": 8, "topk": 4,
                                    "channels": 3},
     "3 ranks, fp8, hidden 7168, column-major scales": {
-        "tokens": [[1, 200, 0], [150, 0, 33]], "hidden": 7168, "experts": 12, "topk": 3, "channels": 2,
+        "tokens": [[1, 90, 0], [70, 0, 33]], "hidden": 7168, "experts": 12, "topk": 3, "channels": 2,
         "dtype": torch.float8_e4m3fn, "layout": "column"},
     "2 ranks, fp8, hidden 2880, no weights": {"tokens": [[0, 0], [40, 7]], "hidden": 2880, "experts": 6, "topk": 2,
                                               "channels": 4, "dtype": torch.float8_e4m3fn, "weights": False},
-    "3 ranks, bf16, hidden 7168": {"tokens": [[64, 9, 130], [1, 0, 0]], "hidden": 7168, "experts": 24, "topk": 8,
+    "3 ranks, bf16, hidden 7168": {"tokens": [[40, 9, 70], [1, 0, 0]], "hidden": 7168, "experts": 24, "topk": 8,
                                    "channels": 2},
     # tiles of 4 tokens, visits of 3 rows, tails every 5 rows, over 61 and 23 tokens a channel: no count is
     # a multiple of another, so tiles and visits end part-way

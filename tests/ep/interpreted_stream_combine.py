@@ -97,11 +97,11 @@ def _combine(kernel, group: _Group, seq: int, rows_of, ys, ws, got, roles=("send
 
 
 CASES = {
-    "2 ranks, hidden 2880, weights": {"tokens": [[150, 1], [0, 133]], "hidden": 2880, "experts": 8, "topk": 4,
+    "2 ranks, hidden 2880, weights": {"tokens": [[70, 1], [0, 61]], "hidden": 2880, "experts": 8, "topk": 4,
                                       "channels": 3},
-    "3 ranks, hidden 7168, no weights": {"tokens": [[1, 100, 0], [75, 0, 33]], "hidden": 7168, "experts": 12,
+    "3 ranks, hidden 7168, no weights": {"tokens": [[1, 50, 0], [37, 0, 33]], "hidden": 7168, "experts": 12,
                                          "topk": 3, "channels": 2, "weights": False},
-    "2 ranks, hidden 2880, fp16 expert outputs": {"tokens": [[64, 130]], "hidden": 2880, "experts": 8, "topk": 3,
+    "2 ranks, hidden 2880, fp16 expert outputs": {"tokens": [[64, 70]], "hidden": 2880, "experts": 8, "topk": 3,
                                                   "channels": 2, "out_dtype": torch.float16},
 }
 
