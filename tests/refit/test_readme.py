@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,11 +29,11 @@ TIMEOUT_S = 120.0
 WORLD, TP, STEPS = 2, 2, 2
 
 
-def snippet(marker: str) -> str:
-    """The README's python block containing ``marker``, as written."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def snippet(marker: str, lang: str = "python") -> str:
+    """The README's ``lang`` block containing ``marker``, as written."""
+    blocks = re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
     found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"expected one README python block with {marker!r}, found {len(found)}"
+    assert len(found) == 1, f"expected one README {lang} block with {marker!r}, found {len(found)}"
     return found[0]
 
 
@@ -120,3 +122,18 @@ def test_readme_refit_snippets_install_the_stepped_weights(tmp_path):
         finally:
             for w in workers:
                 w.stop()
+
+
+def test_readme_refit_job_command_runs_and_checks_the_weights():
+    """The README's command for examples/refit_job.py, run as written in a shell whose ``python``
+    is this interpreter (the README's install line activates its venv): it exits 0 and its
+    launcher's check line says every version reached the engine bit for bit."""
+    command = snippet("examples/refit_job.py", "bash")
+    root = README.parent
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root / "src"), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    assert re.search(r"^check OK: 1 engine\(s\) held the trainer's weights bit for bit at versions 1\.\.4$",
+                     out.stdout, flags=re.M), out.stdout
+    assert re.findall(r"^engine 0: installed version (\d+)", out.stdout, flags=re.M) == ["1", "2", "3", "4"]
