@@ -2,7 +2,7 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
 #        tests-ep-rest)
-#        tests-refit host-profile demo doctor
+#        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) host-profile demo doctor
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
@@ -58,6 +58,12 @@ for d in range(torch.cuda.device_count()):
       timeout 560 python3 -m warmlink.cli.main bench refit --scale 1 --cycles ${CYCLES:-8} --timeout 150 --json "$OUT/refit_full${TAG:-}.json" --plot "$OUT/refit_full${TAG:-}.png" 2>&1 | tee "$OUT/refit_full${TAG:-}.log" | tail -90 ;;
     tests-refit)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/refit tests/transport tests/pool tests/bench 2>&1 | tee "$OUT/gpu_tests_refit.log" | tail -40 ;;
+    tests-fp8)  # the FP8 kernel: Triton's interpreter, the GPU against torch and vLLM's formula, a CUDA publisher, the bench
+      timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/refit/test_fp8_triton.py 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -30 ;;
+    bench-fp8)
+      for i in $(seq 1 ${REPEATS_FP8:-3}); do
+        timeout 300 python3 -m warmlink.cli.main bench fp8 --scale ${SCALE_FP8:-1} --json "$OUT/fp8_$i.json" 2>&1 | tee "$OUT/fp8_$i.log" | tail -12
+      done ;;
     bench-colocated)
       # trainer and engine on one GPU (Note [Copy kernel]); REPEATS runs for medians across runs
       for i in $(seq 1 ${REPEATS:-1}); do

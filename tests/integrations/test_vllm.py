@@ -405,3 +405,33 @@ def test_block_fp8_equals_vllms_own_quantizer_bit_for_bit(name, shape):
     want_values, want_scales = per_block_cast_to_fp8(weight, [128, 128])
     assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), name
     assert torch.equal(scales, want_scales), name
+
+
+@pytest.mark.parametrize("scheme", ["channel", "tensor"])
+def test_channel_and_tensor_fp8_equal_vllms_online_methods_bit_for_bit(scheme):
+    """warmlink.refit.fp8.quantize against the functions vLLM's online FP8 methods run on a weight:
+    ``Fp8PtpcOnlineLinearMethod`` (``_fp8_channel_scale`` of the row amaxes, ``_fp8_quant_per_channel``)
+    and ``Fp8PerTensorOnlineLinearMethod`` (``_fp8_scale`` of the amax). Its per-tensor values come
+    from the static ``scaled_fp8_quant`` kernel, which vLLM's CPU build does not implement (the op
+    takes no arguments there): tests/refit/test_fp8.py checks them against that kernel's formula."""
+    from vllm.model_executor.layers.quantization.online.fp8 import (
+        _fp8_channel_scale,
+        _fp8_quant_per_channel,
+        _fp8_scale,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    from warmlink.refit.fp8 import quantize
+
+    gen = torch.Generator().manual_seed(5)
+    for shape in ((576, 7168), (300, 200), (4096, 768)):
+        rows = torch.logspace(-5, 0, shape[0])[torch.randperm(shape[0], generator=gen)]  # rows past the scale's floor too
+        weight = (torch.randn(shape, generator=gen) * rows[:, None]).to(torch.bfloat16)
+        values, scales = quantize(weight, scheme)
+        if scheme == "channel":
+            want_scales = _fp8_channel_scale(weight_amax(weight, dim=-1, keepdim=True))
+            want_values = _fp8_quant_per_channel(weight, want_scales)
+            assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)), shape
+        else:
+            want_scales = _fp8_scale(weight_amax(weight).reshape(1))
+        assert torch.equal(scales, want_scales), shape

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from _spawned import SpawnedWorker, serve
+from _spawned import Workers, serve
 
 TIMEOUT_S = 120.0
 
@@ -143,12 +143,12 @@ def _worker(control, results):
     serve(control, results, COMMANDS, {}, _reset)
 
 
-class World:
+class World(Workers):
     """``world`` trainer ranks, each holding one model per mode ("fsdp", "tp", "2d") sharded that
     way and published under ``modes[mode]``, a store prefix of the server at ``address`` (its secret ``secret``)."""
 
     def __init__(self, world: int, modes: dict[str, str], address: str, secret: str, tmp_path) -> None:
-        self.workers = [SpawnedWorker(_worker) for _ in range(world)]
+        super().__init__(_worker, world, TIMEOUT_S)
         init_file = os.path.join(str(tmp_path), f"pg-{world}")
         try:
             self.kinds = self.call_all("init", lambda r: dict(rank=r, world=world, modes=modes, init_file=init_file,
@@ -156,12 +156,3 @@ class World:
         except BaseException:
             self.close()
             raise
-
-    def call_all(self, cmd: str, kwargs=lambda r: {}):
-        for r, w in enumerate(self.workers):
-            w.send(cmd, **kwargs(r))
-        return [w.result(TIMEOUT_S) for w in self.workers]
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.stop()

@@ -26,6 +26,20 @@ def zeros_like_layout(layout: TensorLayout) -> torch.Tensor:
     return torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
 
 
+def module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose parameters have exactly these dotted names (an engine's, here vLLM's)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
 def refit_layouts(
     sources: Mapping[int, Mapping[str, tuple[torch.Tensor, TensorLayout]]],
     receivers: list[Mapping[str, TensorLayout]],

@@ -65,6 +65,33 @@ class SpawnedWorker:
         self.proc.join(timeout=10)
 
 
+class Workers:
+    """``num`` workers running ``target``, addressed together: collectives need every rank inside
+    the same command, so a command is sent to all before any answer is read."""
+
+    def __init__(self, target, num: int, timeout_s: float = 60.0) -> None:
+        self.workers = [SpawnedWorker(target) for _ in range(num)]
+        self.timeout_s = timeout_s
+
+    def call_all(self, cmd: str, kwargs=lambda r: {}):
+        """``cmd`` on every worker, ``kwargs(rank)`` each; their answers in rank order."""
+        for r, w in enumerate(self.workers):
+            w.send(cmd, **kwargs(r))
+        return [w.result(self.timeout_s) for w in self.workers]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+def close_keys(state: dict, *keys: str) -> None:
+    """Pop each of ``keys`` from a worker's ``state`` and close what it holds (absent ones skipped)."""
+    for key in keys:
+        obj = state.pop(key, None)
+        if obj is not None:
+            obj.close()
+
+
 def serve(control, results, commands: dict, state: dict, reset) -> None:
     """A worker's loop: run ``commands[cmd](state, **kwargs)`` for each message until ``None`` (or
     five idle minutes), send ``("ok", value)`` or ``("error", traceback)``, and ``reset(state)`` at

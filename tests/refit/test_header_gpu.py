@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from _spawned import SpawnedWorker, serve
+from _spawned import SpawnedWorker, close_keys, serve
 
 from warmlink.errors import VersionError
 from warmlink.refit import Receiver, TensorLayout, protocol
@@ -55,10 +55,7 @@ def _cmd_step(state, *, timeout_s=TIMEOUT_S):
 
 
 def _reset(state):
-    for key in ("pub", "store"):
-        obj = state.pop(key, None)
-        if obj is not None:
-            obj.close()
+    close_keys(state, "pub", "store")
 
 
 def _worker(control, results):

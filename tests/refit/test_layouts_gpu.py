@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _dtensor_world import tiny_model
-from _spawned import SpawnedWorker, serve
+from _spawned import SpawnedWorker, close_keys, serve
 
 from warmlink._dtypes import dtype_name
 from warmlink.refit import Receiver, TensorLayout
@@ -73,10 +73,7 @@ def _cmd_fsdp_step(state, *, version):
 def _reset(state):
     import torch.distributed as dist
 
-    for key in ("pub", "store"):
-        obj = state.pop(key, None)
-        if obj is not None:
-            obj.close()
+    close_keys(state, "pub", "store")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _dtensor_world import tiny_model
+from _harness import module_of
 from _references import ref_vllm
 from _spawned import SpawnedWorker, serve
 
@@ -77,22 +78,8 @@ def _worker(control, results):
     serve(control, results, {"train": _cmd_train}, {}, _reset)
 
 
-def module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module whose parameters have exactly these dotted names (an engine's, here vLLM's)."""
-    root = torch.nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
-
-
 def test_readme_refit_snippets_install_the_stepped_weights(tmp_path):
-    train, receive = snippet("pub.add_module(model)"), snippet("rec.add_module(engine")
+    train, receive = snippet("pub.add_module(model)"), snippet("rec = Receiver(store, num_publishers=world)")
     config = tiny_model().config
     with Store("127.0.0.1", 0, is_server=True, prefix="job", timeout_s=TIMEOUT_S) as server:
         workers = [SpawnedWorker(_worker) for _ in range(WORLD)]

@@ -1,4 +1,4 @@
-"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure|ep|manifest`` and ``doctor``."""
+"""The ``warmlink`` command: ``demo``, ``bench refit|lifecycle|reconfigure|ep|manifest|fp8`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ examples:
   warmlink bench ep                      MoE dispatch/combine on every GPU: normal, hook, FP8 vs torch+NCCL
   warmlink bench ep --low-latency        DeepEP's low-latency dispatch/combine: per-call latency
   warmlink bench manifest               export and first plan of 40,000 DeepSeek-V3-shaped tensors
+  warmlink bench fp8                     FP8 quantize-on-send throughput beside a flat copy of the same bytes
   warmlink doctor                        GPUs, peer access, copy-engine bandwidth, backends
 
 environment (operational switches only; arguments win):
@@ -100,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the record.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
+    from warmlink.bench import fp8
+
+    fp8.add_arguments(bench_sub.add_parser(
+        "fp8", help="FP8 quantize on send (128 x 128 blocks): GB/s and share of a flat copy of the same bytes",
+        description="The linear weights of a Qwen3-4B-shaped model (bf16, --scale of 8.8 GB) on one device, "
+        "quantized to FP8 values and 128 x 128 block scales by the quantizer a publisher runs at every publish "
+        "(a Triton kernel on CUDA), beside a flat copy of the same BF16 bytes in the same run: median time, GB/s "
+        "(bytes read + written) and the quantizer's share of the copy's GB/s (HBM bandwidth on a GPU).",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
     from warmlink.bench import ep
 
     ep.add_arguments(bench_sub.add_parser(
@@ -165,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         from warmlink.bench import ep
 
         return ep.run(args)
+    if args.command == "bench" and args.bench == "fp8":
+        from warmlink.bench import fp8
+
+        return fp8.run(args)
     if args.command == "bench" and args.bench == "manifest":
         from warmlink.bench import manifest
 

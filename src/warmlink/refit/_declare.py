@@ -6,8 +6,9 @@ Every published tensor is one of two kinds.
   layout is exactly what is published. Receivers read it where it is when the transport can share
   that memory; otherwise the publisher copies it into its staging arena at every ``publish``.
 * **Built**: a layout the trainer does not hold as one tensor (a fused ``[q; k; v]`` cut from full
-  tensors, a dtype cast). It is rebuilt from the live tensors into the staging arena at every
-  ``publish``, so a version always holds the bytes of the moment it was published.
+  tensors, a dtype cast, FP8 values and their scales). It is rebuilt from the live tensors into the
+  staging arena at every ``publish``, so a version always holds the bytes of the moment it was
+  published.
 
 # Note [Live sources]
 A source is kept as the object the caller handed over (a ``Parameter``, a ``DTensor``) and its
@@ -51,6 +52,9 @@ class Declared:
     layout: TensorLayout
     source: Any  # in place: the live tensor (Note [Live sources]); built: None
     fills: tuple[Fill, ...] = ()
+    # FP8 values or scales of a weight (refit.quantize.Fp8Weight), written by the publisher's
+    # Quantizer from the weight's fills rather than copied by them (Note [Where FP8 is quantized] in refit.fp8)
+    quantized: Any = None
 
     @property
     def in_place(self) -> bool:

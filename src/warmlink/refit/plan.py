@@ -47,6 +47,7 @@ from warmlink._geometry import pad_shape
 from warmlink.errors import ConfigError, LayoutError
 from warmlink.refit import _boxes
 from warmlink.refit._boxes import Box
+from warmlink.refit._fp8_layout import check_scales
 from warmlink.refit.manifest import Part, Shard, TensorLayout
 
 __all__ = ["Run", "StagedPull", "TensorPlan", "Plan", "build_plan", "layout_signature",
@@ -397,8 +398,9 @@ def build_plan(
     Raises:
         LayoutError: a logical tensor no publisher holds, a destination box no publisher covers,
             global shapes or source dtypes that disagree, several source dtypes in one target,
-            a bad rank or duplicate tensor names, or two source parts holding one element where
-            not both are replicas (Note [Replica choice]).
+            a bad rank or duplicate tensor names, two source parts holding one element where
+            not both are replicas (Note [Replica choice]), a cast to or from FP8, or FP8 values
+            declared without their scales (Note [FP8 versions] in ``refit._fp8_layout``).
         ConfigError: ``max_runs_per_tensor`` is not an int >= 1.
 
     Collective? No. Blocking? Host only, no device work. Warm path? No: this is the plan step; cache
@@ -407,9 +409,10 @@ def build_plan(
     sig = _signature or layout_signature(sources, targets, max_runs_per_tensor=max_runs_per_tensor, name_map=name_map)
     index = _boxes.index_sources(sources)
     _check_replicas(index)
+    nm = dict(name_map or {})
+    check_scales(index, targets, nm)  # See Note [FP8 versions] in refit._fp8_layout
     src_layouts = {(r, t.name): t for r, ts in sources.items() for t in ts}
     src_shapes: dict[tuple[int, str], tuple[int, ...]] = {}
-    nm = dict(name_map or {})
     sole = _sole_holders(index)
     plans = []
     for ti, t in enumerate(targets):

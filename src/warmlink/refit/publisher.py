@@ -30,8 +30,7 @@ from warmlink.errors import (
     TransferTimeout,
     VersionError,
 )
-from warmlink.refit import protocol
-from warmlink.refit import _board
+from warmlink.refit import _board, protocol, quantize
 from warmlink.refit._board import LINE_WAIT_S, PublisherBoard
 from warmlink.refit._declare import Declared, declare_module, declare_tensor, run_fills
 from warmlink.refit._header import CLOSED, HEADER_NBYTES, PUBLISHED, UPDATING, WRITING, PublisherHeader, digest_prefix
@@ -85,8 +84,10 @@ class Publisher(Closing):
         with pub.update():           # waits until no receiver reads, then publishes v+1 on exit
             optimizer.step()
 
-    Collective? No. Blocking? ``export`` and ``begin_update`` block on the store.
-    Warm path? ``update`` does no allocation or registration; staged tensors are copied.
+    Collective? No; with ``Fp8(group=...)`` (``add(..., fp8=)``) ``export`` and ``publish`` are
+    collective over that group. Blocking? ``export`` and ``begin_update`` block on the store.
+    Warm path? ``update`` does no allocation or registration; staged tensors are copied, FP8 ones
+    quantized (Note [Where FP8 is quantized] in ``refit.fp8``).
     """
 
     def __init__(self, store, *, rank: int = 0, world_size: int = 1, backend: str | None = None, timeout_s: float | None = None,
@@ -113,9 +114,11 @@ class Publisher(Closing):
         self._board: PublisherBoard | None = None
         self._header: PublisherHeader | None = None  # Note [Version header]
         self._digest = b""  # the manifest's digest prefix the header carries
+        self._fp8 = None  # the Fp8 every quantized tensor was declared with (one per publisher)
+        self._quantizer: quantize.Quantizer | None = None
 
     # -- declaration -------------------------------------------------------------------------
-    def add(self, name: str, tensor, layout: TensorLayout | None = None) -> None:
+    def add(self, name: str, tensor, layout: TensorLayout | None = None, *, fp8=None) -> None:
         """Declare one live tensor, published as it is at every ``publish``.
 
         Args:
@@ -123,16 +126,27 @@ class Publisher(Closing):
             tensor: a contiguous tensor, or a ``DTensor`` (its local shard is published, in place).
             layout: what it holds; default: its placements for a DTensor, else the whole tensor as
                 logical tensor ``name``. A layout of another dtype casts at every publish.
+            fp8: a ``refit.fp8.Fp8``: publish the tensor quantized, as FP8 values named ``name`` and
+                float32 scales named ``fp8.scale_name(name, scheme)`` (Note [FP8 formats] in
+                ``refit.fp8``), both rebuilt from the live tensor at every ``publish``.
 
         Raises:
             LayoutError: the tensor's shape differs from ``layout``, a DTensor holds other boxes than
-                ``layout`` says, ``layout`` is transposed (receivers only) or ``name`` repeats.
-                VersionError: after ``export``.
+                ``layout`` says, ``layout`` is transposed (receivers only), ``name`` repeats, or an
+                FP8 layout whose scales this rank cannot compute (Note [Where FP8 is quantized]).
+            ConfigError: ``fp8`` of another scheme or group than an earlier one of this publisher.
+            VersionError: after ``export``.
         """
         _refuse_transposed([layout] if layout is not None else [], "add")
-        self._declare([declare_tensor(name, tensor, layout)], "add")
+        declared = [declare_tensor(name, tensor, layout)]
+        if fp8 is not None:
+            self._check_fp8(fp8, "add")
+            declared = quantize.declare(declared[0], fp8, "Publisher.add")
+        self._declare(declared, "add")
+        self._fp8 = fp8 if fp8 is not None else self._fp8
 
-    def add_module(self, module, layouts: Mapping[str, TensorLayout] | None = None, *, dtype: str | None = None) -> None:
+    def add_module(self, module, layouts: Mapping[str, TensorLayout] | None = None, *, dtype: str | None = None,
+                   fp8=None) -> None:
         """Declare a module's parameters and persistent buffers, read live at every ``publish``.
 
         Args:
@@ -146,16 +160,32 @@ class Publisher(Closing):
                 model) and is rebuilt at every publish. Default: every tensor, as it is.
             dtype: wire dtype for every tensor when ``layouts`` is None (``"bfloat16"`` for fp32
                 master weights); a cast is rebuilt at every publish.
+            fp8: a ``refit.fp8.Fp8`` whose ``logical`` names the weights to publish quantized (e.g.
+                ``families.fp8_weights(config)``); each tensor holding them is published as FP8
+                values and float32 scales (``add``'s ``fp8``).
 
         Raises:
             LayoutError: a layout that names no module tensor of its shape and cannot be built from
-                whole ones (the message names the layout and the logical tensor), or a transposed
-                one (receivers only: vLLM's GPT-OSS experts; publish another convention).
+                whole ones (the message names the layout and the logical tensor), a transposed
+                one (receivers only: vLLM's GPT-OSS experts; publish another convention), or an
+                ``fp8.logical`` name no declared tensor holds, or a tensor holding some of them.
+            ConfigError: ``fp8`` without ``logical``.
 
         **Collective?** No. **Warm path?** No: declare once, before ``export``.
         """
         _refuse_transposed(list((layouts or {}).values()), "add_module")
-        self._declare(declare_module(module, layouts, dtype), "add_module")
+        declared = declare_module(module, layouts, dtype)
+        if fp8 is not None:
+            self._check_fp8(fp8, "add_module")
+            declared = quantize.declare_module(declared, fp8, "Publisher.add_module")
+        self._declare(declared, "add_module")
+        self._fp8 = fp8 if fp8 is not None else self._fp8
+
+    def _check_fp8(self, fp8, func: str) -> None:
+        """One ``Fp8`` per publisher: its Quantizer runs one scheme and one reduction."""
+        if self._fp8 is not None and (fp8.scheme, fp8.group) != (self._fp8.scheme, self._fp8.group):
+            raise ConfigError(f"Publisher.{func}: fp8 scheme={fp8.scheme!r} differs from scheme={self._fp8.scheme!r} "
+                              "(or group) of an earlier declaration; expected one Fp8 per publisher")
 
     @property
     def staging_nbytes(self) -> int:
@@ -232,6 +262,12 @@ class Publisher(Closing):
             e.view = self._staging.tensor[off : off + e.layout.nbytes].view(torch_dtype(e.layout.dtype)).view(e.layout.shape)
         if to_stage:
             log.info("publisher stages tensors", extra={"rank": self.rank, "num_staged": len(to_stage), "nbytes": total})
+        weights = {id(e.declared.quantized): e.declared.quantized for e in self._entries.values() if e.declared.quantized}
+        if weights:
+            self._quantizer = quantize.Quantizer(
+                [(w, self._entries[w.name].view, self._entries[w.scale_name].view) for w in weights.values()],
+                self._fp8.scheme, self._fp8.group)
+            self._quantizer.check_group()
 
         self._board = self._take_board()
         host, pid, start = local_identity()
@@ -306,13 +342,16 @@ class Publisher(Closing):
 
         for e in self._entries.values():
             if e.staged:
-                run_fills(e.declared.staging_fills(), e.view)
+                if e.declared.quantized is None:  # FP8 values and scales: the quantizer's, below
+                    run_fills(e.declared.staging_fills(), e.view)
             elif e.declared.data_ptr() != e.data_ptr:
                 raise LayoutError(
                     f"Publisher.publish: tensor {e.declared.name!r} moved since export (data_ptr "
                     f"{e.data_ptr:#x} -> {e.declared.data_ptr():#x}; was its .data replaced?); receivers would read "
                     "memory it no longer uses: re-create the publisher after re-allocating parameters"
                 )
+        if self._quantizer is not None:
+            self._quantizer.run()
         if self.device >= 0:
             torch.cuda.current_stream(self.device).synchronize()
 
