@@ -119,6 +119,29 @@ def test_four_hosts_are_other_machines_behind_links_at_their_rate() -> None:
     assert not {h.netns for h in cluster.hosts} & _namespaces()
 
 
+def _tbf_rates(cluster: Cluster) -> list[int | None]:
+    """The token bucket's rate (bytes/s, as tc's JSON gives it) on each end of each link, or None."""
+    out = []
+    for h in cluster.hosts:
+        for ns, dev in ((h.netns, DEVICE), (cluster.switch, f"h{h.idx}")):
+            qdiscs = json.loads(subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], capture_output=True,
+                                               text=True, timeout=30, check=True).stdout)
+            out.append(next((int(q["options"]["rate"]) for q in qdiscs if q["kind"] == "tbf"), None))
+    return out
+
+
+def test_the_links_rate_changes_while_the_hosts_run() -> None:
+    with Cluster(2, link_rate_bps=RATE_BPS) as cluster:
+        assert _tbf_rates(cluster) == [RATE_BPS // 8] * 4
+        cluster.set_link_rate(None)
+        assert _tbf_rates(cluster) == [None] * 4 and cluster.link_rate_bps is None
+        cluster.set_link_rate(2 * RATE_BPS)
+        assert _tbf_rates(cluster) == [RATE_BPS // 4] * 4 and cluster.link_rate_bps == 2 * RATE_BPS
+        with pytest.raises(ConfigError, match="link_rate_bps=10 invalid"):
+            cluster.set_link_rate(10)
+        assert _tbf_rates(cluster) == [RATE_BPS // 4] * 4
+
+
 def test_close_ends_every_process_of_every_host_even_after_one_died() -> None:
     cluster = Cluster(2)
     names = {h.netns for h in cluster.hosts} | {cluster.switch}

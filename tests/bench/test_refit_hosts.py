@@ -41,10 +41,11 @@ def test_bench_refit_hosts_into_engines_on_three_other_hosts_is_bit_exact(cluste
     assert record["placement"] == [1, 2, 3] and record["link_rate_bps"] == 100_000_000 and record["nbytes"] == nbytes
     rows = record["modes"]["pull"]
     assert [r["engines"] for r in rows] == [1, 2, 3] and all(r["exact"] for r in rows), rows
-    versions = [c["version"] for r in rows for c in r["cycles"]]
-    assert versions == list(range(versions[0], versions[0] + 6))  # a new version every cycle, each checked
+    versions = [c["version"] for r in rows for c in [*r["cycles"], r["unlimited"]]]
+    assert versions == list(range(versions[0], versions[0] + 9))  # a new version every cycle, each checked
     for r in rows:
-        assert not any(c["bad"] for c in r["cycles"])
+        assert not any(c["bad"] for c in [*r["cycles"], r["unlimited"]])
+        assert r["unlimited"]["created"] == 0 and r["unlimited_s"] > 0  # the limit lifted, the same warm path
         assert r["cycles"][1]["created"] == 0  # the warm cycle registers and plans nothing
         # Every engine pulled the whole model through the trainer's link: N copies, plus headers.
         assert all(c["trainer_sent_bytes"] >= r["engines"] * nbytes for c in r["cycles"])
@@ -52,7 +53,8 @@ def test_bench_refit_hosts_into_engines_on_three_other_hosts_is_bit_exact(cluste
     assert rows[0]["cycles"][0]["created"] > 0  # the first engine's first cycle made its plan and buffers
     assert chart.stat().st_size > 0
     assert "3 engines ready on hosts 1, 2, 3" in out and "[pull] N=3 cycle 2/2" in out  # progress while it runs
-    assert "warm cycle (median of cycles 2..) against its bound" in out
+    assert "pull: every engine pulls from the trainer; bound = N x bytes / rate" in out  # the table's title
+    assert "N=3 unlimited links" in out
     assert "pull: " in out and "its bound" in out  # the verdict: the links bound it, or not
 
 

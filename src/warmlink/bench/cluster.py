@@ -119,6 +119,15 @@ def unavailable() -> str | None:
     return None
 
 
+def _check_rate(link_rate_bps, func: str) -> None:
+    from warmlink.errors import ConfigError
+
+    if link_rate_bps is not None and (isinstance(link_rate_bps, bool) or not isinstance(link_rate_bps, int)
+                                      or link_rate_bps < 8000):
+        raise ConfigError(f"{func}: link_rate_bps={link_rate_bps!r} invalid; expected None or an int >= 8000 bits "
+                          "per second")
+
+
 def _run(argv: list[str], what: str, timeout_s: float = 30.0) -> str:
     """Run one setup command; its stdout, or ClusterUnavailable naming ``what`` and the answer."""
     try:
@@ -177,14 +186,11 @@ class Cluster:
 
         if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or not 1 <= num_hosts <= 250:
             raise ConfigError(f"Cluster: num_hosts={num_hosts!r} out of range; expected an int in [1, 250]")
-        if link_rate_bps is not None and (isinstance(link_rate_bps, bool) or not isinstance(link_rate_bps, int)
-                                          or link_rate_bps < 8000):
-            raise ConfigError(f"Cluster: link_rate_bps={link_rate_bps!r} invalid; expected None or an int >= 8000 "
-                              "bits per second")
+        _check_rate(link_rate_bps, "Cluster")
         reason = _missing()
         if reason is not None:
             raise ClusterUnavailable(f"Cluster: {reason}")
-        self.link_rate_bps = link_rate_bps
+        self.link_rate_bps: int | None = None  # what the links run at now; set_link_rate sets it
         self.timeout_s = timeout_s
         self.hosts: list[Host] = []
         self._tag = f"wlc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -193,7 +199,7 @@ class Cluster:
         self._closed = False
         reap_stale()
         try:
-            self._make(num_hosts, shm_bytes)
+            self._make(num_hosts, shm_bytes, link_rate_bps)
         except BaseException:
             self.close()
             raise
@@ -207,7 +213,7 @@ class Cluster:
         _run(["ip", "netns", "add", name], "making a network namespace", self.timeout_s)
         self._made.append(name)
 
-    def _make(self, num_hosts: int, shm_bytes: int | None) -> None:
+    def _make(self, num_hosts: int, shm_bytes: int | None, link_rate_bps: int | None) -> None:
         self._netns(self.switch)
         _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"], "making the switch's bridge")
         _run(["ip", "-n", self.switch, "link", "set", "br0", "up"], "starting the switch's bridge")
@@ -222,19 +228,34 @@ class Cluster:
                          ["-n", ns, "link", "set", "lo", "up"], ["-n", self.switch, "link", "set", port, "master", "br0"],
                          ["-n", self.switch, "link", "set", port, "up"]):
                 _run(["ip", *step], f"setting up host {i}'s link")
-            if self.link_rate_bps is not None:
-                self._limit(ns, DEVICE, f"host {i}'s sending side")
-                self._limit(self.switch, port, f"host {i}'s receiving side")
             self.hosts.append(Host(i, ns, f"wl-host-{i}", address, self._start_init(ns, f"wl-host-{i}", shm_bytes)))
+        self.set_link_rate(link_rate_bps)
 
-    def _limit(self, ns: str, dev: str, what: str) -> None:
-        """A token bucket at the link rate on ``dev``'s egress. Its bucket holds 1 ms of the rate
-        (at least 32 KiB): a burst no longer than that can beat the rate."""
-        rate = self.link_rate_bps
+    def set_link_rate(self, link_rate_bps: int | None) -> None:
+        """Set every host's link to ``link_rate_bps`` bits per second both ways (None: unlimited),
+        while the hosts run.
+
+        Raises:
+            ConfigError: a rate below 8000 bits per second.
+            ClusterUnavailable: tc refused the limit (the kernel's sch_tbf module missing, say).
+        """
+        _check_rate(link_rate_bps, "Cluster.set_link_rate")
+        for host in self.hosts:
+            for ns, dev, side in ((host.netns, DEVICE, "sending"), (self.switch, f"h{host.idx}", "receiving")):
+                self._limit(ns, dev, link_rate_bps, f"host {host.idx}'s {side} side")
+        self.link_rate_bps = link_rate_bps
+
+    def _limit(self, ns: str, dev: str, rate: int | None, what: str) -> None:
+        """A token bucket at ``rate`` on ``dev``'s egress (None: none). Its bucket holds 1 ms of the
+        rate (at least 32 KiB): a burst no longer than that can beat the rate."""
+        if rate is None:
+            if self.link_rate_bps is not None:
+                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], f"lifting the rate limit on {what}")
+            return
         burst = max(32 << 10, rate // 8 // 1000)
         try:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-                  "latency", "100ms"], f"the rate limit on {what} (tc tbf)")
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst",
+                  str(burst), "latency", "100ms"], f"the rate limit on {what} (tc tbf)")
         except ClusterUnavailable as exc:
             raise ClusterUnavailable(f"{exc} (is the kernel's sch_tbf module available?)") from None
 

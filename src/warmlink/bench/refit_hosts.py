@@ -64,8 +64,9 @@ def run_hosts_refit(
         ``{"modes": {mode: [one row per count]}, "placement": [host of each engine], ...}``; a row
         holds its cycles (span from the first engine's start to the last one's end, seconds; bytes
         the trainer's link sent, headers included), ``warm_s`` (the median span of cycles 2..),
-        ``bound_s`` (the trainer's copies x bytes / rate) and whether every engine held every
-        version bit-exact.
+        ``bound_s`` (the trainer's copies x bytes / rate), ``unlimited_s`` (one more cycle with
+        the links' limit lifted: Note [Link-bound]) and whether every engine held every version
+        bit-exact.
 
     Raises:
         ClusterUnavailable: this machine cannot make the cluster (the message says why).
@@ -108,7 +109,10 @@ def _run_mode(cluster: Cluster, spec, mode: str, counts: list[int], placement: l
             e.expect("ready", timeout_s)
         tell(f"{len(engines)} engines ready on hosts {', '.join(map(str, sorted(set(placement))))} in "
              f"{time.perf_counter() - t:.1f} s")
-        rows = [_time_count(cluster, trainer, engines[:n], mode, spec.nbytes, cycles, timeout_s, tell) for n in counts]
+        rows = []
+        for i, n in enumerate(counts):
+            joined = counts[i - 1] if i else 0  # engines[joined:n] take their first version in this count
+            rows.append(_time_count(cluster, trainer, engines[:n], joined, mode, spec.nbytes, cycles, timeout_s, tell))
         return rows
     except BaseException:
         for child in started:  # the cluster's teardown ends them too; this stops them now
@@ -119,32 +123,51 @@ def _run_mode(cluster: Cluster, spec, mode: str, counts: list[int], placement: l
             child.close(timeout_s=30)
 
 
-def _time_count(cluster: Cluster, trainer, engines: list, mode: str, nbytes: int, cycles: int, timeout_s: float,
-                tell: Callable[[str], None]) -> dict:
-    """``cycles`` refits of fresh versions into ``engines``; one row (see ``run_hosts_refit``)."""
-    n, rows, exact = len(engines), [], True
+def _time_count(cluster: Cluster, trainer, engines: list, joined: int, mode: str, nbytes: int, cycles: int,
+                timeout_s: float, tell: Callable[[str], None]) -> dict:
+    """``cycles`` refits of fresh versions into ``engines`` (``engines[joined:]`` new to the job),
+    then one more with the links' limit lifted (what the CPU and the software allow: Note
+    [Link-bound]); one row (see ``run_hosts_refit``)."""
+    n, rows = len(engines), []
     for c in range(1, cycles + 1):
-        trainer.send("publish")
-        version = trainer.expect("published", timeout_s)["version"]
-        sent_before = cluster.link_bytes(0)[0]
-        for e in engines:
-            e.send(f"refit {version}")
-        done = [e.expect("cycle", timeout_s) for e in engines]
-        sent = cluster.link_bytes(0)[0] - sent_before
-        for e in engines:
-            e.send(f"verify {version}")
-        checks = [e.expect("verified", timeout_s) for e in engines]
-        bad = [b for check in checks for b in check["bad"]]
-        exact = exact and not bad
-        span = max(m["t1"] for m in done) - min(m["t0"] for m in done)
-        created = sum(sum(m["report"]["created"].values()) for m in done)
-        slowest = max((m["report"] for m in done), key=lambda r: r["total_s"])
-        rows.append({"cycle": c, "version": version, "span_s": span, "trainer_sent_bytes": sent, "created": created,
-                     "slowest": {k: slowest[k] for k in ("sync_s", "plan_s", "pull_s", "install_s", "total_s")},
-                     "bad": bad[:5]})
-        tell(f"N={n} cycle {c}/{cycles}: {span:.2f} s, trainer sent {sent / nbytes:.2f} x the model"
-             f"{'' if not bad else ', WRONG BYTES'}")
+        rows.append(_cycle(cluster, trainer, engines, c, timeout_s, joined if c == 1 else n))
+        tell(f"N={n} cycle {c}/{cycles}: {rows[-1]['span_s']:.2f} s, trainer sent "
+             f"{rows[-1]['trainer_sent_bytes'] / nbytes:.2f} x the model{', WRONG BYTES' if rows[-1]['bad'] else ''}")
+    rate = cluster.link_rate_bps
+    cluster.set_link_rate(None)
+    try:
+        free = _cycle(cluster, trainer, engines, cycles + 1, timeout_s)
+    finally:
+        cluster.set_link_rate(rate)
+    tell(f"N={n} unlimited links: {free['span_s']:.2f} s{', WRONG BYTES' if free['bad'] else ''}")
     warm = rows[1:] or rows
-    bound_s = trainer_copies(mode, n) * nbytes * 8 / cluster.link_rate_bps
-    return {"engines": n, "cycles": rows, "warm_s": statistics.median(r["span_s"] for r in warm), "bound_s": bound_s,
-            "trainer_sent_x": statistics.median(r["trainer_sent_bytes"] for r in warm) / nbytes, "exact": exact}
+    return {"engines": n, "cycles": rows, "warm_s": statistics.median(r["span_s"] for r in warm),
+            "bound_s": trainer_copies(mode, n) * nbytes * 8 / rate, "unlimited": free, "unlimited_s": free["span_s"],
+            "trainer_sent_x": statistics.median(r["trainer_sent_bytes"] for r in warm) / nbytes,
+            "exact": not any(r["bad"] for r in [*rows, free])}
+
+
+def _cycle(cluster: Cluster, trainer, engines: list, c: int, timeout_s: float, joined: int | None = None) -> dict:
+    """One version published and refit into every engine, then checked; its row. The engines
+    before ``joined`` refit at once; those from it on are new to the job and take their first
+    version one after another, in engine order, while the others refit (Note [Refit modes]: the
+    order replicas join is the order of a fan-out chain)."""
+    trainer.send("publish")
+    version = trainer.expect("published", timeout_s)["version"]
+    joined = len(engines) if joined is None else joined
+    sent_before = cluster.link_bytes(0)[0]
+    for e in engines[:joined]:
+        e.send(f"refit {version}")
+    newcomers = []
+    for e in engines[joined:]:
+        e.send(f"refit {version}")
+        newcomers.append(e.expect("cycle", timeout_s))
+    done = [e.expect("cycle", timeout_s) for e in engines[:joined]] + newcomers
+    sent = cluster.link_bytes(0)[0] - sent_before
+    for e in engines:
+        e.send(f"verify {version}")
+    bad = [b for e in engines for b in e.expect("verified", timeout_s)["bad"]]
+    slowest = max((m["report"] for m in done), key=lambda r: r["total_s"])
+    return {"cycle": c, "version": version, "span_s": max(m["t1"] for m in done) - min(m["t0"] for m in done),
+            "trainer_sent_bytes": sent, "created": sum(sum(m["report"]["created"].values()) for m in done),
+            "slowest": {k: slowest[k] for k in ("sync_s", "plan_s", "pull_s", "install_s", "total_s")}, "bad": bad[:5]}

@@ -43,7 +43,8 @@ __all__ = ["MODES", "mode_unavailable", "receiver_options", "trainer_copies", "v
 # * ``fanout``: the engines join one fan-out group (``warmlink.refit.FanOut``) in the order they
 #   first refit, and take the version from each other; the trainer sends it about once: at best
 #   bytes / rate. The bench places engines on hosts in blocks (engines 0..k-1 on host 1, the next
-#   k on host 2, ...), so that a chain in join order crosses each host's link once each way.
+#   k on host 2, ...) and lets engines new to the job take their first version one after another
+#   in engine order, so that a chain in join order crosses each host's link once each way.
 MODES = ("pull", "fanout")
 
 
