@@ -24,38 +24,34 @@
   are still all zero.
 
 Every report carries who the process is: its pid here and in the test's namespace, hostname,
-shm file prefix and liveness token. The test's side is ``Child``: it starts this script (in new
-PID and UTS namespaces where asked, in a network namespace and on a /dev/shm of its own where
-asked) and waits for its reports with deadlines, never forever.
+shm file prefix and liveness token. The test's side is ``Child`` (a ``JsonChild``): it starts
+this script, in new PID and UTS namespaces where asked, and waits for its reports with deadlines,
+never forever. On an emulated host (``warmlink.bench.cluster``) tests start it with
+``Cluster.start``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import zlib
 
-# In new PID and UTS namespaces: set the hostname, optionally the pid the next process gets and a
-# fresh tmpfs on /dev/shm (with --mount: another host's /dev/shm as far as liveness tokens tell),
-# and run the command as a child of the namespace's init (not exec'd: it must not be pid 1 there).
-_SETUP = ('hostname "$1" && { [ "$2" = - ] || echo "$2" > /proc/sys/kernel/ns_last_pid; } && '
-          '{ [ "$3" = - ] || mount -t tmpfs -o size=256m,mode=1777 wl-shm /dev/shm; } && shift 3 && "$@"; exit $?')
+from warmlink.bench.json_child import JsonChild, say
+
+# In new PID and UTS namespaces: set the hostname and optionally the pid the next process gets, and
+# run the command as a child of the namespace's init (not exec'd: it must not be pid 1 there).
+_SETUP = ('hostname "$1" && { [ "$2" = - ] || echo "$2" > /proc/sys/kernel/ns_last_pid; } && shift 2 && "$@"; '
+          'exit $?')
 
 
-def _in_namespaces(cmd: list[str], hostname: str, last_pid: int | None = None, netns: str | None = None,
-                   own_shm: bool = False) -> list[str]:
+def _in_namespaces(cmd: list[str], hostname: str, last_pid: int | None = None) -> list[str]:
     """``cmd`` run under ``hostname`` in new PID and UTS namespaces (see ``Child``)."""
-    mount = ["--mount"] if own_shm else []  # unshare(1) makes the new mounts private
-    cmd = ["unshare", "--pid", "--uts", *mount, "--fork", "--kill-child", "--", "sh", "-c", _SETUP, "sh", hostname,
-           "-" if last_pid is None else str(last_pid), "+" if own_shm else "-", *cmd]
-    return cmd if netns is None else ["ip", "netns", "exec", netns, *cmd]
+    return ["unshare", "--pid", "--uts", "--fork", "--kill-child", "--", "sh", "-c", _SETUP, "sh", hostname,
+            "-" if last_pid is None else str(last_pid), *cmd]
 
 
 def free_pid() -> int | None:
@@ -79,104 +75,35 @@ def wait_dead(token: str, pid: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def namespaces_unavailable(netns: str | None = None, own_shm: bool = False) -> str | None:
-    """Why this machine cannot start a process in new PID and UTS namespaces (in network namespace
-    ``netns``, on a /dev/shm of its own: see ``Child``), or None."""
+def namespaces_unavailable() -> str | None:
+    """Why this machine cannot start a process in new PID and UTS namespaces (see ``Child``), or None."""
     if shutil.which("unshare") is None:
         return "no unshare(1) on this machine"
-    what = "unshare --pid --uts" + (" --mount with a tmpfs on /dev/shm" if own_shm else "")
+    what = "unshare --pid --uts"
     try:
-        done = subprocess.run(_in_namespaces(["true"], "wl-probe", netns=netns, own_shm=own_shm), capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(_in_namespaces(["true"], "wl-probe"), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{what} failed: {exc}"
     return None if done.returncode == 0 else f"{what} is not permitted here: {done.stderr.strip()}"
 
 
-class Child:
-    """This script as a child process: ``expect(event)`` returns its next report of that event.
+class Child(JsonChild):
+    """This script as a child process: ``expect(event)`` returns its next report of that event
+    (``warmlink.bench.json_child.JsonChild``).
 
     Args:
         args: the mode and its arguments.
         hostname: run in new PID and UTS namespaces under this hostname (None: a plain child).
         last_pid: in the new PID namespace, the pid before the one the script gets.
-        netns: run in this network namespace (``ip netns exec``); with a hostname only.
-        own_shm: mount a fresh tmpfs on /dev/shm in a new mount namespace; with a hostname only.
         env: variables set (None: removed) in the script's environment.
     """
 
     def __init__(self, args: list[str], *, hostname: str | None = None, last_pid: int | None = None,
-                 netns: str | None = None, own_shm: bool = False, env: dict[str, str | None] | None = None) -> None:
+                 env: dict[str, str | None] | None = None) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), *args]
         if hostname is not None:
-            cmd = _in_namespaces(cmd, hostname, last_pid, netns, own_shm)
-        environ = dict(os.environ)
-        for k, v in (env or {}).items():
-            if v is None:
-                environ.pop(k, None)
-            else:
-                environ[k] = v
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=environ)
-        self._lines: queue.Queue = queue.Queue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(line)
-            else:  # a library's own log on stdout (UCX's): kept for the failure message
-                self._stderr.append(line)
-        self._lines.put(None)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-
-    def expect(self, event: str, timeout_s: float = 180.0) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"child gave no {event!r} in {timeout_s} s; stderr:\n{self.output()}") from None
-                continue
-            if line is None:
-                self.proc.wait(timeout=30)
-                raise RuntimeError(f"child exited ({self.proc.returncode}) before {event!r}; stderr:\n{self.output()}")
-            msg = json.loads(line)
-            if msg.get("event") == event:
-                return msg
-            if msg.get("event") == "error":
-                raise RuntimeError(f"child reported {msg['type']}: {msg['msg']} before {event!r}; "
-                                   f"stderr:\n{self.output()}")
-
-    def output(self) -> str:
-        """What it wrote besides its reports (its stderr, and libraries' logs on its stdout)."""
-        return "".join(self._stderr)
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def close(self, timeout_s: float = 60.0) -> int:
-        """Close its stdin and wait for it to exit (killed past ``timeout_s``); returns its exit code."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # unshare --kill-child takes the namespace down with it
-            return self.proc.wait(timeout=30)
-
-
-def say(**msg) -> None:
-    print(json.dumps(msg), flush=True)
+            cmd = _in_namespaces(cmd, hostname, last_pid)
+        super().__init__(cmd, env=env, name=f"_ns_child.py {args[0]}")
 
 
 def who() -> dict:

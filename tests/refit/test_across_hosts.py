@@ -1,22 +1,22 @@
-"""Refit across two hosts over nixl: publisher and receivers in two network namespaces joined by a
-veth pair, each process with its own hostname and PID namespace, each receiver with a /dev/shm of
-its own. As far as warmlink can tell they are other machines: a receiver cannot open the
-publisher's version board (their liveness tokens name another tmpfs), so it syncs through the
-store's reader counts (Note [Version protocol], Note [Reader slots] in ``warmlink.refit.protocol``).
+"""Refit across two hosts over nixl: publisher and receivers on two emulated hosts
+(``warmlink.bench.cluster``: network namespaces on one bridge, each host with its own hostname,
+PID namespace and /dev/shm). As far as warmlink can tell they are other machines: a receiver
+cannot open the publisher's version board (their liveness tokens name another tmpfs), so it syncs
+through the store's reader counts (Note [Version protocol], Note [Reader slots] in
+``warmlink.refit.protocol``).
 
-UCX moves host memory over TCP on the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES``); the store
-serves on side A's veth address only, under a secret. The namespaces need root (or a kernel that
-lets this user make them): where ``ip netns``, ``unshare`` or the tmpfs mount is refused the tests
-skip and say why. Every wait is bounded with a wide margin: two loaded cores must not fail them.
+UCX moves host memory over TCP on the hosts' links (``UCX_TLS=tcp``, ``UCX_NET_DEVICES``); the
+store serves on host A's address only, under a secret. The cluster needs root: where it is refused
+(``warmlink.bench.cluster.unavailable`` says why) the tests skip and say why. Every wait is bounded
+with a wide margin: two loaded cores must not fail them.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
-import subprocess
+import sys
 import uuid
 from typing import NamedTuple
 
@@ -24,57 +24,34 @@ import pytest
 
 pytest.importorskip("nixl_cu13._api", reason="nixl-cu13 is not installed (pip install warmlink[nixl])")
 
-from tests._ns_child import Child, namespaces_unavailable
+import tests._ns_child
+from warmlink.bench.cluster import DEVICE, Cluster, unavailable
+from warmlink.bench.json_child import JsonChild
 
-ADDR_A, ADDR_B = "10.213.0.1", "10.213.0.2"  # inside the run's own namespaces: the same every run
-DEV = "wl0"  # the veth end's name in both namespaces
-ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEV, "WARMLINK_SECRET": None}  # the secret only as an argument
+_NS_CHILD = tests._ns_child.__file__
 
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": DEVICE, "WARMLINK_SECRET": None}  # the secret only as an argument
 
 
 @pytest.fixture(scope="module")
-def hosts() -> tuple[str, str]:
-    """Two network namespaces joined by a veth pair; removed at teardown, whatever happened."""
-    if shutil.which("ip") is None:
-        pytest.skip("no ip(8) on this machine")
-    tag = uuid.uuid4().hex[:8]
-    a, b = f"wl-a-{tag}", f"wl-b-{tag}"
-    made: list[str] = []
-    try:
-        for ns in (a, b):
-            done = _ip("netns", "add", ns)
-            if done.returncode != 0:
-                pytest.skip(f"ip netns add is not permitted here: {done.stderr.strip()}")
-            made.append(ns)
-        steps = [("link", "add", f"wla{tag}", "type", "veth", "peer", "name", f"wlb{tag}"),
-                 ("link", "set", f"wla{tag}", "netns", a), ("link", "set", f"wlb{tag}", "netns", b)]
-        for ns, end, addr in ((a, f"wla{tag}", ADDR_A), (b, f"wlb{tag}", ADDR_B)):
-            steps += [("-n", ns, "link", "set", end, "name", DEV), ("-n", ns, "addr", "add", f"{addr}/30", "dev", DEV),
-                      ("-n", ns, "link", "set", DEV, "up"), ("-n", ns, "link", "set", "lo", "up")]
-        for step in steps:
-            done = _ip(*step)
-            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr.strip()}"
-        reason = namespaces_unavailable(netns=b, own_shm=True)
-        if reason is not None:
-            pytest.skip(reason)
-        yield a, b
-    finally:
-        for ns in made:
-            _ip("-n", ns, "link", "del", DEV)  # the pair goes with either end
-            _ip("netns", "del", ns)
+def hosts():
+    """Two emulated hosts (``warmlink.bench.cluster``), links not rate-limited; torn down at the end."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with Cluster(2) as cluster:
+        yield cluster
 
 
 @pytest.fixture
 def spawn(hosts):
-    """Start an ``_ns_child.py`` mode on host ``"a"`` or ``"b"``; every child ends at teardown."""
-    started: list[Child] = []
+    """Start an ``_ns_child.py`` mode on host ``"a"`` (0) or ``"b"`` (1); every child ends at teardown."""
+    started: list[JsonChild] = []
 
-    def start(host: str, *args: str, env: dict | None = None) -> Child:
-        child = Child(list(args), hostname=f"wl-host-{host}", netns=hosts[host == "b"], own_shm=host == "b",
-                      env={**ENV, **(env or {})})
+    def start(host: str, *args: str, env: dict | None = None) -> JsonChild:
+        idx = int(host == "b")
+        child = hosts.start(idx, [sys.executable, _NS_CHILD, *args], env={**ENV, **(env or {})},
+                            name=f"_ns_child.py {args[0]} on host {idx}")
         started.append(child)
         return child
 
@@ -84,21 +61,21 @@ def spawn(hosts):
 
 
 class Side(NamedTuple):
-    child: Child
+    child: JsonChild
     ready: dict
     prefix: str
     secret: str
 
 
 @pytest.fixture
-def publisher(spawn) -> Side:
+def publisher(spawn, hosts) -> Side:
     """Host A: the store on A's veth address only, under a secret, and a publisher of the model."""
     secret, prefix = secrets.token_hex(16), f"hosts-{uuid.uuid4().hex[:8]}"
-    child = spawn("a", "nixl_publisher", ADDR_A, prefix, secret)
+    child = spawn("a", "nixl_publisher", hosts.hosts[0].address, prefix, secret)
     return Side(child, child.expect("ready", timeout_s=120), prefix, secret)
 
 
-def _receiver(spawn, pub: Side, secret: str | None = None, **kwargs) -> Child:
+def _receiver(spawn, pub: Side, secret: str | None = None, **kwargs) -> JsonChild:
     return spawn("b", "nixl_receiver", pub.ready["address"], pub.prefix, secret or pub.secret, **kwargs)
 
 
@@ -107,19 +84,19 @@ def _update(pub: Side, timeout_s: float = 60.0) -> dict:
     return pub.child.expect("updated", timeout_s=timeout_s + 60)
 
 
-def _refit(rec: Child) -> dict:
+def _refit(rec: JsonChild) -> dict:
     rec.send("refit")
     return rec.expect("refit", timeout_s=120)
 
 
-def test_refit_between_two_hosts_over_nixl_is_bit_exact_across_versions(spawn, publisher) -> None:
+def test_refit_between_two_hosts_over_nixl_is_bit_exact_across_versions(spawn, publisher, hosts) -> None:
     rec = _receiver(spawn, publisher, env={"UCX_PROTO_INFO": "y"})
     a, b = publisher.ready, rec.expect("ready", timeout_s=120)
     # Other hosts as far as warmlink can tell: names, pid tables and /dev/shm all differ.
-    assert (a["hostname"], b["hostname"]) == ("wl-host-a", "wl-host-b")
+    assert (a["hostname"], b["hostname"]) == ("wl-host-0", "wl-host-1")
     assert a["ns_pid"] != a["host_pid"] and b["ns_pid"] != b["host_pid"]
     assert a["token"].split("/")[0] != b["token"].split("/")[0]  # another tmpfs: no version board
-    assert a["address"].startswith(f"{ADDR_A}:") and a["loopback"] == "refused"  # bound to the veth address only
+    assert a["address"].startswith(f"{hosts.hosts[0].address}:") and a["loopback"] == "refused"  # bound to the veth address only
 
     first = _refit(rec)
     assert first["exact"]
@@ -129,7 +106,7 @@ def test_refit_between_two_hosts_over_nixl_is_bit_exact_across_versions(spawn, p
         assert updated["slots"] == 1  # the receiver counted itself in through the store
         assert _refit(rec) == {"event": "refit", "version": version, "exact": True}
     rec.close(timeout_s=60)  # UCX's log reaches the pipe by exit at the latest
-    assert "inter-node" in rec.output() and f"tcp/{DEV}" in rec.output()  # UCX moved the bytes over the veth
+    assert "inter-node" in rec.output() and f"tcp/{DEVICE}" in rec.output()  # UCX moved the bytes over the veth
 
 
 def test_receiver_killed_on_the_other_host_is_revoked_once_its_heartbeat_stops(spawn, publisher) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from warmlink.refit.manifest import TensorLayout
 from warmlink.refit.plan import gate_up_layout, qkv_layout
 
-__all__ = ["ModelSpec", "qwen3_4b_like"]
+__all__ = ["ModelSpec", "qwen3_4b_like", "scale_for_nbytes"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,15 @@ def qwen3_4b_like(scale: float = 1.0) -> ModelSpec:
         num_layers=layers, head_dim=head_dim, num_q_heads=32, num_kv_heads=8, hidden=20 * head_dim,
         intermediate=76 * head_dim, vocab=max(256, round(151936 * scale)),
     )
+
+
+def scale_for_nbytes(nbytes: int) -> float:
+    """The largest ``qwen3_4b_like`` scale whose model holds at most ``nbytes`` bytes (the smallest
+    model, about 1 MB, where even that is more): bytes grow with the scale in steps, so a bisection."""
+    lo, hi = 1e-6, 1.0
+    if qwen3_4b_like(hi).nbytes <= nbytes:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if qwen3_4b_like(mid).nbytes <= nbytes else (lo, mid)
+    return lo

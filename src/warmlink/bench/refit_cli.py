@@ -23,6 +23,11 @@ copy peak is one flat device-to-device copy of the same bytes, and ``warm`` runs
 mode of ``--install`` (default ``direct,swap,copy``; Note [Install modes] in ``refit._install``),
 each with the receiver's and the publisher's memory beyond the model.
 
+``--hosts H`` runs on an emulated cluster instead (``bench.refit_hosts_cli``): H hosts as network
+namespaces behind rate-limited links, one trainer into ``--engines`` replicas over NIXL/UCX TCP,
+the warm cycle time against N for every engine pulling from the trainer (and for fan-out) beside
+the bound bytes / link rate.
+
 GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
 """
 
@@ -36,6 +41,7 @@ import sys
 import time
 
 from warmlink.bench import args as bench_args
+from warmlink.bench import refit_hosts_cli
 from warmlink.bench._devices import pick_devices
 
 __all__ = ["add_arguments", "run", "SCENARIOS"]
@@ -47,8 +53,10 @@ _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "tr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scale", type=bench_args.fraction, default=1.0, help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0)")
-    p.add_argument("--cycles", type=bench_args.int_in(1), default=5, help="refit cycles per scenario (default 5)")
+    p.add_argument("--scale", type=bench_args.fraction, default=None,
+                   help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0; with --hosts see below)")
+    p.add_argument("--cycles", type=bench_args.int_in(1), default=None,
+                   help="refit cycles per scenario (default 5; with --hosts 3)")
     p.add_argument("--scenarios", default=None,
                    help=f"comma list from {','.join(SCENARIOS)} (default: all but the nixl ones)")
     p.add_argument("--backend", choices=("auto", "nixl"), default="auto",
@@ -68,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG chart here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=bench_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
+    refit_hosts_cli.add_arguments(p)
 
 
 def _install_list(text: str) -> tuple[str, ...]:
@@ -218,6 +227,13 @@ def run(args: argparse.Namespace) -> int:
     from warmlink.bench.refit import run_warmlink_refit
     from warmlink.bench.report import cycle_table, gbps, machine_info, write_record
 
+    if args.hosts is not None:
+        return refit_hosts_cli.run(args)
+    for flag, value in (("--engines", args.engines), ("--link-rate", args.link_rate), ("--modes", args.modes)):
+        if value is not None:
+            return bench_args.refuse("warmlink bench refit", f"{flag} needs --hosts (the emulated cluster)")
+    args.scale = args.scale if args.scale is not None else 1.0
+    args.cycles = args.cycles if args.cycles is not None else 5
     default = [s for s in SCENARIOS if s not in _NIXL]
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else default
     if args.backend == "nixl":

@@ -13,6 +13,8 @@ examples:
   warmlink demo                          trainer (TP=2) -> inference (TP=1), refit after each step
   warmlink bench refit --scale 0.05      Qwen3-4B-shaped refit at 5% size, pool on/off vs NCCL
   warmlink bench refit --cycles 5 --plot out/refit.png --json out/refit.json
+  warmlink bench refit --hosts 4 --engines 1..8
+                                         one trainer into 1-8 engines on 4 emulated hosts (root; nixl)
   warmlink bench lifecycle               create -> first refit -> destroy, N times, pool on vs off
   warmlink bench reconfigure             a receiver process replaced: P50s beside a new NCCL group
   warmlink bench ep                      MoE dispatch/combine on every GPU: normal, hook, FP8 vs torch+NCCL
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Refit cycles of a synthetic Qwen3-4B-shaped model (290 bf16 tensors, 8.8 GB at --scale 1) "
         "from trainer to inference processes, printed as the seed's table (cycle | alloc | register | pull | "
         "translate | total) for warmlink pool on, WARMLINK_POOL=0, NCCL broadcast per tensor and in 1 GiB buckets, "
-        "all in one run, with the copy-engine peak measured in the same run.",
+        "all in one run, with the copy-engine peak measured in the same run. With --hosts: one trainer into N "
+        "engine replicas across emulated hosts (network namespaces behind tc-limited links), time against N.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
     from warmlink.bench import lifecycle, reconfigure
 
