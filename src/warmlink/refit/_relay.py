@@ -81,11 +81,11 @@ class _RouteAround(Exception):
 class _Job:
     """One cycle's fill of the served region: what it fills, and how far it got."""
 
-    __slots__ = ("plan", "bufs", "chunks", "batches", "version", "label", "deadline", "timeout_s", "cancelled",
-                 "finished", "error", "pulled_from", "num_copies")
+    __slots__ = ("bufs", "chunks", "batches", "version", "label", "deadline", "timeout_s", "cancelled", "finished", "error",
+                 "pulled_from", "num_copies")
 
-    def __init__(self, plan, bufs, chunks, batches, version: int, label: bytes, timeout_s: float) -> None:
-        self.plan, self.bufs, self.chunks, self.batches = plan, bufs, chunks, batches
+    def __init__(self, bufs, chunks, batches, version: int, label: bytes, timeout_s: float) -> None:
+        self.bufs, self.chunks, self.batches = bufs, chunks, batches
         self.version, self.label = version, label
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
@@ -191,11 +191,11 @@ class Relay:
         """Start filling ``bufs`` (the cycle's receive buffers of ``plan``) with ``version``, which
         the cycle entered at the publishers of ``state.sources``; returns once the fill is queued."""
         sources = state.sources
-        if self._link is None:
+        if self.member == 0:
             self._join(state.link, plan, bufs)
         chunks, batches = bufs.chunked(plan, sources, self.config.chunk_bytes_for(plan.link_nbytes))
         label = digest16([sources.generations(), list(sources.digests())])
-        job = _Job(plan, bufs, chunks, batches, version, label, timeout_s)
+        job = _Job(bufs, chunks, batches, version, label, timeout_s)
         with self._lock:  # a new epoch before the region takes a byte of it: Note [Fan-out]
             old = self._words
             self._write(RelayWords(self.incarnation, old.epoch + 1, version, FILLING, 0, chunks.num_chunks, chunks.chunk_bytes,
@@ -260,19 +260,25 @@ class Relay:
 
     # -- joining -----------------------------------------------------------------------------
     def _join(self, link, plan, bufs) -> None:
-        """Take a member number and write this relay's record (Note [Fan-out tree])."""
+        """Take a member number and write this relay's record (Note [Fan-out tree]); a join that
+        failed (the store) is tried again by the next cycle."""
         import torch
 
-        self._link = link
-        self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES))
-        device = "cpu" if link.device < 0 else torch.device("cuda", link.device)
-        try:
-            self._read_into = link.local_region(torch.empty(RELAY_HEADER_NBYTES, dtype=torch.uint8, device=device))
-        except LayoutError:
-            self._read_into = link.allocate(RELAY_HEADER_NBYTES)
+        if self._link is None:  # the header and the place headers are read into: once, given back by close
+            self._link = link
+            self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES))
+            device = "cpu" if link.device < 0 else torch.device("cuda", link.device)
+            try:
+                self._read_into = link.local_region(torch.empty(RELAY_HEADER_NBYTES, dtype=torch.uint8, device=device))
+            except LayoutError:
+                self._read_into = link.allocate(RELAY_HEADER_NBYTES)
         self._write(RelayWords(self.incarnation, 0, 0, EMPTY, 0, 0, 0, 0, b"", digest16(plan.signature), digest16(bufs.region.desc)))
         c = self.config
-        self.member = self.store.add(_members.members_key(c.group, c.rank), 1, checked=False)
+        member = self.store.add(_members.members_key(c.group, c.rank), 1, checked=False)
+        if not 1 <= member < 1 << 40:
+            raise MetadataError(f"Receiver.refit: store key {_members.members_key(c.group, c.rank)!r} gave member number "
+                                f"{member}; expected 1 to 2**40 (a forged counter?)")
+        self.member = member
         self._announce(bufs.region.desc)
         log.info("fan-out member joined", extra={"group": c.group, "rank": c.rank, "member": self.member,
                                                   "source": _members.parent(self.member, c.degree)})
@@ -305,7 +311,7 @@ class Relay:
 
     def _fill(self, job: _Job) -> None:
         held = 0
-        for member in _members.ancestors(self.member, self.config.degree):
+        for member in _members.ancestors(self.member, self.config.degree):  # the last is 0, the publishers
             if member in self._gone:
                 continue
             if member == 0:
