@@ -251,7 +251,7 @@ def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
         assert [g["bad"] for g in first] == [[]] * 4
         by_member = {g["replica"]: w for g, w in zip(first, ws)}
         victim = by_member[2]
-        victim.call("arm_kill", after=3, sleep_s=0.05)
+        victim.call("arm_kill", after=6, sleep_s=0.2)
         version = trainer.update()
         for w in ws:
             w.send("refit")

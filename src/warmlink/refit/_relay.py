@@ -82,7 +82,7 @@ class _Job:
     """One cycle's fill of the served region: what it fills, and how far it got."""
 
     __slots__ = ("bufs", "chunks", "batches", "version", "label", "deadline", "timeout_s", "cancelled", "finished", "error",
-                 "pulled_from", "num_copies")
+                 "held", "pulled_from", "num_copies")
 
     def __init__(self, bufs, chunks, batches, version: int, label: bytes, timeout_s: float) -> None:
         self.bufs, self.chunks, self.batches = bufs, chunks, batches
@@ -92,6 +92,7 @@ class _Job:
         self.cancelled = False
         self.finished = threading.Event()
         self.error: BaseException | None = None
+        self.held = 0  # chunks this fill holds, from whichever source: 0 .. held-1
         self.pulled_from: dict[str, int] = {}
         self.num_copies = 0
 
@@ -310,31 +311,29 @@ class Relay:
                 job.finished.set()
 
     def _fill(self, job: _Job) -> None:
-        held = 0
         for member in _members.ancestors(self.member, self.config.degree):  # the last is 0, the publishers
             if member in self._gone:
                 continue
             if member == 0:
-                self._from_publishers(job, held)
+                self._from_publishers(job)
                 return
             try:
-                held = self._from_member(job, member, held)
-            except _RouteAround as why:
-                log.info("fan-out routes around a replica", extra={"member": self.member, "source": member, "why": str(why),
-                                                                   "held": held})
-                continue
-            if held == job.chunks.num_chunks:
+                self._from_member(job, member)
                 return
+            except _RouteAround as why:  # the chunks held so far stay: the next source gives the rest
+                log.info("fan-out routes around a replica", extra={"member": self.member, "source": member, "why": str(why),
+                                                                   "held": job.held})
 
     def _progress(self, job: _Job, held: int) -> None:
+        job.held = held
         with self._lock:
             if not job.cancelled:
                 self._write(self._words._replace(held=held))
 
-    def _from_publishers(self, job: _Job, held: int) -> None:
+    def _from_publishers(self, job: _Job) -> None:
         issued = []
         try:
-            for k in range(held, job.chunks.num_chunks):
+            for k in range(job.held, job.chunks.num_chunks):
                 batch = job.batches[k]
                 issued.append((k, batch, self._link.read(batch) if batch is not None else None))
             for k, batch, transfer in issued:
@@ -345,14 +344,15 @@ class Relay:
         finally:
             _settle([t for _, _, t in issued], job.timeout_s)
 
-    def _from_member(self, job: _Job, member: int, held: int) -> int:
-        """Copy chunks from ``member`` as it shows them held, from ``held`` on; returns the chunks
-        held when done. Raises _RouteAround when it gives no more.
+    def _from_member(self, job: _Job, member: int) -> None:
+        """Copy chunks from ``member`` as it shows them held, from ``job.held`` until every chunk
+        is held. Raises _RouteAround when it gives no more.
 
         At most ``WINDOW`` chunk copies are in flight; each header read verifies the copies that had
         landed before it was issued (Note [Fan-out]) and says what the member holds now, while the
         next copy keeps the link busy."""
         up = self._upstream(job, member)
+        held = job.held
         last_move, sleep_s = time.monotonic(), 50e-6
         inflight: collections.deque = collections.deque()  # (chunk, transfer), in chunk order from ``held``
         up, words = self._current(job, up)
@@ -378,7 +378,7 @@ class Relay:
                         self._progress(job, held)
                         last_move, sleep_s = time.monotonic(), 50e-6
                         if held == job.chunks.num_chunks:
-                            return held
+                            return
                     else:  # its region took other bytes: what is in flight is not to be trusted
                         _settle([t for _, t in inflight], job.timeout_s)
                         inflight.clear()
