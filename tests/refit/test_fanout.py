@@ -345,6 +345,28 @@ def test_a_chain_in_flight_at_once(request, job, sync):
             rec.close()
 
 
+def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job):
+    """A relay that starts its next cycle (the same version) while its reader copies bumps its
+    epoch first: the reader's copies of that moment are void, and it takes them again."""
+    store, trainer = job
+    (relay, _), (reader, targets) = _receivers(store, 2, group="again")
+    try:
+        relay.refit()
+        for version in (2, 3):
+            assert trainer.update() == version
+            relay.refit()
+            for _ in range(5):
+                targets["w"].fill_(SENTINEL)
+                handle = reader.start_refit()
+                relay.refit()  # the same version again, into the region the reader copies from
+                rep = handle.wait()
+                assert rep.version == version and list(rep.pulled_from) == ["replica 1"]
+                assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+    finally:
+        relay.close()
+        reader.close()
+
+
 def test_a_closed_relay_is_routed_around(job):
     store, trainer = job
     recs = _receivers(store, 3, group="closing")

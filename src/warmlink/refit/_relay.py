@@ -75,7 +75,12 @@ WINDOW = 2  # chunk copies in flight from one member: one lands while the next m
 
 
 class _RouteAround(Exception):
-    """The member being pulled from cannot give more now: try the next source."""
+    """The member being pulled from cannot give more now: try the next source. ``gone``: it died
+    or closed, and is never pulled from again."""
+
+    def __init__(self, why: str, *, gone: bool = False) -> None:
+        super().__init__(why)
+        self.gone = gone
 
 
 class _Job:
@@ -350,13 +355,13 @@ class Relay:
 
         At most ``WINDOW`` chunk copies are in flight; each header read verifies the copies that had
         landed before it was issued (Note [Fan-out]) and says what the member holds now, while the
-        next copy keeps the link busy."""
+        next copy keeps the link busy. A mapping closes only once no copy reads it."""
         up = self._upstream(job, member)
         held = job.held
         last_move, sleep_s = time.monotonic(), 50e-6
         inflight: collections.deque = collections.deque()  # (chunk, transfer), in chunk order from ``held``
-        up, words = self._current(job, up)
         try:
+            up, words = self._current(job, up)
             while True:
                 job.left()
                 if inflight or self._serves(job, words, held):
@@ -369,7 +374,7 @@ class Relay:
                     landed = 0
                     while landed < len(inflight) and inflight[landed][1].done():
                         landed += 1
-                    up, after = self._current(job, up)
+                    after = self._read(job, up)
                     for _ in range(landed):
                         chunk, _t = inflight.popleft()
                         job.count(up.name, batches[chunk].nbytes, batches[chunk].num_copies)
@@ -379,10 +384,11 @@ class Relay:
                         last_move, sleep_s = time.monotonic(), 50e-6
                         if held == job.chunks.num_chunks:
                             return
-                    else:  # its region took other bytes: what is in flight is not to be trusted
-                        _settle([t for _, t in inflight], job.timeout_s)
-                        inflight.clear()
-                    words = after
+                        words = after
+                        continue
+                    _settle([t for _, t in inflight], job.timeout_s)  # its region took other bytes: in flight is void
+                    inflight.clear()
+                    up, words = self._current(job, up, after)
                     continue
                 if words is not None and words.state == FAILED and words.label == job.label:
                     raise _RouteAround(f"{up.name} failed its pull of this version")
@@ -392,6 +398,12 @@ class Relay:
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, 5e-3)
                 up, words = self._current(job, up)
+        except _RouteAround as exc:
+            _settle([t for _, t in inflight], job.timeout_s)
+            inflight.clear()
+            if exc.gone:
+                self._lost(up)
+            raise
         finally:
             _settle([t for _, t in inflight], job.timeout_s)
 
@@ -401,21 +413,23 @@ class Relay:
         return (words is not None and words.state in (FILLING, HELD) and words.version == job.version
                 and words.label == job.label and words.held > chunk)
 
-    def _land(self, job: _Job, up: _Upstream, transfer) -> None:
+    @staticmethod
+    def _land(job: _Job, up: _Upstream, transfer) -> None:
         """Wait for one read from ``up`` (a chunk or its header); its failures route around it."""
         try:
             transfer.wait(job.left())
         except PeerLostError as exc:
-            self._lost(up)
-            raise _RouteAround(str(exc)) from None
+            raise _RouteAround(str(exc), gone=True) from None
         except (TransferError, TransferTimeout) as exc:
             job.left()  # the cycle's own end is not the member's fault
             raise _RouteAround(str(exc)) from None
 
-    def _current(self, job: _Job, up: _Upstream) -> tuple[_Upstream, RelayWords | None]:
-        """``up`` and its header now (None: nothing to serve yet). A header naming another region
-        than the one opened means ``up`` moved to other buffers: it is opened again from its record."""
-        words = self._read(job, up)
+    def _current(self, job: _Job, up: _Upstream, words: RelayWords | None = None) -> tuple[_Upstream, RelayWords | None]:
+        """``up`` and its header (``words`` if just read, else read now; None: nothing to serve
+        yet), with nothing of ``up``'s in flight. A header naming another region than the one
+        opened means ``up`` moved to other buffers: it is opened again from its record."""
+        if words is None:
+            words = self._read(job, up)
         if words is not None and words.region != up.region_digest:
             self._close_upstream(up)
             up = self._upstream(job, up.member)
@@ -475,8 +489,8 @@ class Relay:
         self._land(job, up, self._link.read(up.header_batch))
         words = parse_words(self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes())
         if words is None or words.incarnation != up.record["incarnation"] or words.state == CLOSED:
-            self._lost(up)  # its header memory went back, or holds another relay's words: it closed
-            raise _RouteAround(f"{up.name} closed")
+            # its header memory went back, or holds another relay's words: it closed
+            raise _RouteAround(f"{up.name} closed", gone=True)
         mine = self._words
         if words.signature != mine.signature:
             raise LayoutError(
