@@ -235,14 +235,14 @@ def test_a_relay_with_another_layout_is_refused_before_any_byte_moves(workers, j
         (got,) = _refit_all([other])
         assert got.get("error") == "LayoutError" and "another layout" in got["message"] and "replica 1" in got["message"], got
         assert got["installed"] == 0 and got["bad"] == [], "targets written before the refusal"
-        assert trainer.pub.begin_update(timeout_s=2.0) < 1.0  # the refused cycle left no reader behind
+        trainer.pub.begin_update(timeout_s=5.0)  # the refused cycle left no reader behind (else TransferTimeout)
         trainer.pub.publish()
     finally:
         _close([first, other])
 
 
 def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
-    """Runs last in this module: it kills a worker."""
+    """The last test of this module to use the workers: it kills one."""
     store, trainer = job
     ws = workers[4:8]
     _start(ws, store, "kill")
@@ -265,7 +265,7 @@ def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
             outcomes[member] = w.result(TIMEOUT_S)
         took = time.monotonic() - start
         assert victim.proc.exitcode == -signal.SIGKILL
-        assert took < 20, f"replicas took {took:.1f} s after the relay died"
+        assert took < TIMEOUT_S / 2, f"replicas took {took:.1f} s: they waited for a timeout, not routed around"
         for member, got in outcomes.items():
             if got.get("error") is not None:  # a typed error: the whole earlier version stays
                 assert got["error"] in ("PeerLostError", "TransferTimeout") and got["bad"] == [], got
@@ -273,7 +273,7 @@ def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
                 assert got["version"] == version and got["bad"] == [], got
         assert outcomes[3].get("error") is None, outcomes[3]
         assert outcomes[3]["pulled_from"].get("replica 1", 0) > 0, outcomes[3]  # routed around to the relay's source
-        assert trainer.pub.begin_update(timeout_s=5.0) < 5.0  # the dead relay holds the trainer no more
+        trainer.pub.begin_update(timeout_s=5.0)  # the dead relay holds the trainer no more (else TransferTimeout)
         trainer.pub.publish()
     finally:
         _close([w for w in ws if w is not victim])
@@ -394,7 +394,7 @@ def test_a_replica_whose_source_never_refits_pulls_from_the_trainer_after_stall_
         version = trainer.update()
         start = time.monotonic()
         rep = recs[1][0].refit()  # member 1 does not refit this version
-        assert 0.5 <= time.monotonic() - start < 10
+        assert 0.5 <= time.monotonic() - start < TIMEOUT_S / 2  # after stall_s, not at the cycle's timeout
         assert rep.version == version and rep.pulled_from.keys() == {"publishers"}
         assert all(torch.equal(recs[1][1][n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
     finally:

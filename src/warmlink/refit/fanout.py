@@ -18,7 +18,9 @@ from warmlink.refit._members import GROUP_NAME
 
 __all__ = ["FanOut", "DEFAULT_NUM_CHUNKS", "MIN_CHUNK_BYTES"]
 
-DEFAULT_NUM_CHUNKS = 64  # a chain of N replicas takes about (64 + N - 1) / 64 of one link's time
+# a replica lags the one it pulls from by one or two chunks: a chain of N takes about
+# (128 + 2 N) / 128 of one link's time
+DEFAULT_NUM_CHUNKS = 128
 MIN_CHUNK_BYTES = 4096  # a chunk costs a header read: smaller ones would move more words than bytes
 _DEFAULT_MIN_CHUNK_BYTES = 64 << 10
 
@@ -37,7 +39,7 @@ class FanOut:
             model once (time about bytes / link rate plus a pipeline fill); ``d > 1`` a tree of
             depth ``log_d N``, whose relays each send the model ``d`` times.
         chunk_bytes: the pipeline's unit, bytes (at least 4 KiB); every replica of a group must use
-            the same. Default: a 64th of the bytes a receiver pulls, at least 64 KiB.
+            the same. Default: a 128th of the bytes a receiver pulls, at least 64 KiB.
         stall_s: how long a replica waits for the replica it pulls from to show progress before it
             pulls from that one's own source instead (for that cycle), seconds. A replica that
             dies is routed around at once.
