@@ -24,7 +24,7 @@ import torch
 from _spawned import SpawnedWorker, preloaded, serve
 
 from warmlink.bench.refit import build_physical
-from warmlink.errors import ConfigError, LayoutError, WarmlinkError
+from warmlink.errors import ConfigError, WarmlinkError
 from warmlink.pool import arenas
 from warmlink.refit import FanOut, Publisher, Receiver, Shard, TensorLayout
 from warmlink.rendezvous import Store

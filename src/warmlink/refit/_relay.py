@@ -57,14 +57,13 @@ import threading
 import time
 
 from warmlink._backoff import poll
-from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError, TransferTimeout
+from warmlink.errors import MetadataError, TransferError, TransferTimeout
 from warmlink.pool import liveness
 from warmlink.refit import _members
 from warmlink.refit._relay_header import (CLOSED, EMPTY, FAILED, FILLING, HELD, RELAY_HEADER_NBYTES, RelayHeader, RelayWords,
                                           digest16)
-from warmlink.refit._relay_header import parse as parse_words
-from warmlink.rendezvous import schema
-from warmlink.transport.base import Copy, PeerRef, local_identity
+from warmlink.refit._upstreams import RouteAround, Upstreams, land
+from warmlink.transport.base import local_identity
 
 __all__ = ["Relay", "FanTransfer"]
 
@@ -72,15 +71,6 @@ log = logging.getLogger("warmlink.refit")
 
 PUBLISHERS = "publishers"
 WINDOW = 2  # chunk copies in flight from one member: one lands while the next moves
-
-
-class _RouteAround(Exception):
-    """The member being pulled from cannot give more now: try the next source. ``gone``: it died
-    or closed, and is never pulled from again."""
-
-    def __init__(self, why: str, *, gone: bool = False) -> None:
-        super().__init__(why)
-        self.gone = gone
 
 
 class _Job:
@@ -148,22 +138,6 @@ class FanTransfer:
         return self._job.num_copies
 
 
-class _Upstream:
-    """A member this relay pulls from, opened: its record, header and region, prepared reads."""
-
-    __slots__ = ("member", "record", "peer", "header", "region", "region_digest", "header_batch", "batches")
-
-    def __init__(self, member: int, record: dict, peer: PeerRef) -> None:
-        self.member, self.record, self.peer = member, record, peer
-        self.header = self.region = self.header_batch = None
-        self.region_digest = digest16(record["region"])
-        self.batches: tuple | None = None  # (my region, chunking, prepared batch per chunk)
-
-    @property
-    def name(self) -> str:
-        return f"replica {self.member}"
-
-
 class Relay:
     """One receiver's part in fan-out (Note [Fan-out]): it joins its group, fills its receive region
     from the replica before it or from the publishers, and serves it to the replicas after it.
@@ -184,10 +158,7 @@ class Relay:
         self._lock = threading.Lock()  # header writes: the driver's progress against a cycle's end
         self._served = None  # (state, token) of the buffers served between cycles
         self._announced: dict | None = None  # the region descriptor the record names
-        self._upstreams: dict[int, _Upstream] = {}
-        self._gone: set[int] = set()  # members that died or closed: never pulled from again
-        self._absent_since: dict[int, float] = {}
-        self._read_into = None  # where upstream headers are read into
+        self._ups: Upstreams | None = None  # the members it pulls from, from its first cycle
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
@@ -252,14 +223,12 @@ class Relay:
         if thread is not None:
             self._jobs.put(None)
             thread.join(timeout=self.timeout_s)
-        for up in list(self._upstreams.values()):
-            self._close_upstream(up)
+        if self._ups is not None:
+            self._ups.close_all()
         link, self._link = self._link, None
         if link is not None:
-            for region in (self._read_into, self._header.region):
-                if region is not None:
-                    link.release(region)
-        self._read_into = self._header = None
+            link.release(self._header.region)
+        self._header = None
         served, self._served = self._served, None
         if served is not None:
             served[0].release_buffers(served[1])
@@ -268,16 +237,10 @@ class Relay:
     def _join(self, link, plan, bufs) -> None:
         """Take a member number and write this relay's record (Note [Fan-out tree]); a join that
         failed (the store) is tried again by the next cycle."""
-        import torch
-
-        if self._link is None:  # the header and the place headers are read into: once, given back by close
+        if self._link is None:  # its header and the members it pulls from: once, given back by close
             self._link = link
             self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES))
-            device = "cpu" if link.device < 0 else torch.device("cuda", link.device)
-            try:
-                self._read_into = link.local_region(torch.empty(RELAY_HEADER_NBYTES, dtype=torch.uint8, device=device))
-            except LayoutError:
-                self._read_into = link.allocate(RELAY_HEADER_NBYTES)
+            self._ups = Upstreams(self.config, self.store, link)
         self._write(RelayWords(self.incarnation, 0, 0, EMPTY, 0, 0, 0, 0, b"", digest16(plan.signature), digest16(bufs.region.desc)))
         c = self.config
         member = self.store.add(_members.members_key(c.group, c.rank), 1, checked=False)
@@ -317,7 +280,7 @@ class Relay:
 
     def _fill(self, job: _Job) -> None:
         for member in _members.ancestors(self.member, self.config.degree):  # the last is 0, the publishers
-            if member in self._gone:
+            if member in self._ups.gone:
                 continue
             if member == 0:
                 self._from_publishers(job)
@@ -325,7 +288,7 @@ class Relay:
             try:
                 self._from_member(job, member)
                 return
-            except _RouteAround as why:  # the chunks held so far stay: the next source gives the rest
+            except RouteAround as why:  # the chunks held so far stay: the next source gives the rest
                 log.info("fan-out routes around a replica", extra={"member": self.member, "source": member, "why": str(why),
                                                                    "held": job.held})
 
@@ -351,30 +314,31 @@ class Relay:
 
     def _from_member(self, job: _Job, member: int) -> None:
         """Copy chunks from ``member`` as it shows them held, from ``job.held`` until every chunk
-        is held. Raises _RouteAround when it gives no more.
+        is held. Raises RouteAround when it gives no more.
 
         At most ``WINDOW`` chunk copies are in flight; each header read verifies the copies that had
         landed before it was issued (Note [Fan-out]) and says what the member holds now, while the
         next copy keeps the link busy. A mapping closes only once no copy reads it."""
-        up = self._upstream(job, member)
+        ups, mine = self._ups, self._words
+        up = ups.get(member, job.left)
         held = job.held
         last_move, sleep_s = time.monotonic(), 50e-6
         inflight: collections.deque = collections.deque()  # (chunk, transfer), in chunk order from ``held``
         try:
-            up, words = self._current(job, up)
+            up, words = ups.current(up, job.left, mine)
             while True:
                 job.left()
                 if inflight or self._serves(job, words, held):
-                    batches = self._batches(job, up)
+                    batches = ups.batches(up, job.bufs.region, job.chunks)
                     k = held + len(inflight)
                     while len(inflight) < WINDOW and self._serves(job, words, k):
                         inflight.append((k, self._link.read(batches[k])))
                         k += 1
-                    self._land(job, up, inflight[0][1])
+                    land(inflight[0][1], job.left)
                     landed = 0
                     while landed < len(inflight) and inflight[landed][1].done():
                         landed += 1
-                    after = self._read(job, up)
+                    after = ups.read(up, job.left, mine)
                     for _ in range(landed):
                         chunk, _t = inflight.popleft()
                         job.count(up.name, batches[chunk].nbytes, batches[chunk].num_copies)
@@ -388,21 +352,21 @@ class Relay:
                         continue
                     _settle([t for _, t in inflight], job.timeout_s)  # its region took other bytes: in flight is void
                     inflight.clear()
-                    up, words = self._current(job, up, after)
+                    up, words = ups.current(up, job.left, mine, after)
                     continue
                 if words is not None and words.state == FAILED and words.label == job.label:
-                    raise _RouteAround(f"{up.name} failed its pull of this version")
+                    raise RouteAround(f"{up.name} failed its pull of this version")
                 if time.monotonic() - last_move > self.config.stall_s:
-                    raise _RouteAround(f"{up.name} showed no progress for {self.config.stall_s:.3g} s "
+                    raise RouteAround(f"{up.name} showed no progress for {self.config.stall_s:.3g} s "
                                        f"({words.describe() if words is not None else 'no header'})")
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, 5e-3)
-                up, words = self._current(job, up)
-        except _RouteAround as exc:
+                up, words = ups.current(up, job.left, mine)
+        except RouteAround as exc:
             _settle([t for _, t in inflight], job.timeout_s)
             inflight.clear()
             if exc.gone:
-                self._lost(up)
+                ups.lost(up)
             raise
         finally:
             _settle([t for _, t in inflight], job.timeout_s)
@@ -413,125 +377,6 @@ class Relay:
         return (words is not None and words.state in (FILLING, HELD) and words.version == job.version
                 and words.label == job.label and words.held > chunk)
 
-    @staticmethod
-    def _land(job: _Job, up: _Upstream, transfer) -> None:
-        """Wait for one read from ``up`` (a chunk or its header); its failures route around it."""
-        try:
-            transfer.wait(job.left())
-        except PeerLostError as exc:
-            raise _RouteAround(str(exc), gone=True) from None
-        except (TransferError, TransferTimeout) as exc:
-            job.left()  # the cycle's own end is not the member's fault
-            raise _RouteAround(str(exc)) from None
-
-    def _current(self, job: _Job, up: _Upstream, words: RelayWords | None = None) -> tuple[_Upstream, RelayWords | None]:
-        """``up`` and its header (``words`` if just read, else read now; None: nothing to serve
-        yet), with nothing of ``up``'s in flight. A header naming another region than the one
-        opened means ``up`` moved to other buffers: it is opened again from its record."""
-        if words is None:
-            words = self._read(job, up)
-        if words is not None and words.region != up.region_digest:
-            self._close_upstream(up)
-            up = self._upstream(job, up.member)
-            words = self._read(job, up)
-            if words is not None and words.region != up.region_digest:
-                return up, None  # its record has not caught up with its header yet
-        return up, words
-
-    # -- members pulled from -----------------------------------------------------------------
-    def _upstream(self, job: _Job, member: int) -> _Upstream:
-        """``member`` opened (cached across cycles); waits up to ``stall_s`` for its record."""
-        up = self._upstreams.get(member)
-        if up is not None:
-            return up
-        c = self.config
-        key = _members.member_key(c.group, c.rank, member)
-        peer_name = f"fan-out {c.group}/{c.rank} replica {member}"
-        while True:
-            try:
-                raw = self.store.try_get(key, peer=peer_name, timeout_s=job.left())
-                record = schema.decode(raw, _members.KIND, peer_name) if raw is not None else None
-            except MetadataError as exc:  # a bad record costs its member this receiver's pulls, not the cycle
-                log.warning("fan-out record refused", extra={"source": member, "error": str(exc)})
-                raise _RouteAround(str(exc)) from None
-            if record is not None and record["region"] is not None:
-                break
-            first = self._absent_since.setdefault(member, time.monotonic())
-            if time.monotonic() - first > c.stall_s:
-                raise _RouteAround(f"replica {member} has announced no region for {c.stall_s:.3g} s")
-            time.sleep(0.01)
-        self._absent_since.pop(member, None)
-        if (record["member"], record["group"], record["rank"]) != (member, c.group, c.rank):
-            raise _RouteAround(f"record under {key!r} names member {record['member']} of {record['group']}/{record['rank']}")
-        if record["backend"] != self._link.backend:
-            raise ConfigError(f"Receiver.refit: {peer_name} uses backend={record['backend']!r}, this receiver "
-                              f"{self._link.backend!r}; every replica of a fan-out group must use the same backend")
-        token = record["token"] or None
-        peer = PeerRef(f"{getattr(self.store, 'prefix', '')}:fanout/{c.group}/{c.rank}/{member}", member, record["host"],
-                       record["pid"], record["start_time"], token)
-        up = _Upstream(member, record, peer)
-        try:
-            up.header = self._link.open(peer, record["header"])
-            up.region = self._link.open(peer, record["region"])
-        except (PeerLostError, MetadataError, LayoutError) as exc:
-            self._close_upstream(up)
-            if not peer.alive():
-                self._gone.add(member)
-            raise _RouteAround(f"{up.name}: {exc}") from None
-        up.header_batch = self._link.prepare([Copy(self._read_into, 0, up.header, 0, RELAY_HEADER_NBYTES)])
-        self._upstreams[member] = up
-        return up
-
-    def _read(self, job: _Job, up: _Upstream) -> RelayWords | None:
-        """``up``'s header now, checked against its record and this relay's layout: None while it
-        holds nothing to serve. Raises _RouteAround for a member gone, typed errors for one that
-        cannot serve this receiver at all."""
-        self._land(job, up, self._link.read(up.header_batch))
-        words = parse_words(self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes())
-        if words is None or words.incarnation != up.record["incarnation"] or words.state == CLOSED:
-            # its header memory went back, or holds another relay's words: it closed
-            raise _RouteAround(f"{up.name} closed", gone=True)
-        mine = self._words
-        if words.signature != mine.signature:
-            raise LayoutError(
-                f"Receiver.refit: fan-out group {self.config.group!r} rank {self.config.rank}: {up.name} holds another "
-                f"layout (plan signature {words.signature.hex()}, this receiver's {mine.signature.hex()}); every replica of "
-                "a group and rank must declare the same tensors in the same layout (FanOut(rank=) is the engine's TP rank)")
-        if words.state == EMPTY:
-            return None
-        if (words.num_chunks, words.chunk_bytes, words.served_nbytes) != (mine.num_chunks, mine.chunk_bytes, mine.served_nbytes):
-            raise ConfigError(
-                f"Receiver.refit: fan-out group {self.config.group!r} rank {self.config.rank}: {up.name} cuts its region into "
-                f"{words.num_chunks} chunks of {words.chunk_bytes} bytes, this receiver into {mine.num_chunks} of "
-                f"{mine.chunk_bytes}; expected the same FanOut(chunk_bytes=) on every replica")
-        return words
-
-    def _batches(self, job: _Job, up: _Upstream) -> list:
-        """The prepared copy of each chunk from ``up``'s region into this cycle's (kept per upstream)."""
-        region, chunks = job.bufs.region, job.chunks
-        cached = up.batches
-        if cached is None or cached[0] is not region or cached[1] != chunks:
-            if up.region.nbytes < region.nbytes:
-                raise LayoutError(f"Receiver.refit: fan-out {up.name} serves {up.region.nbytes} bytes, this receiver's "
-                                  f"region holds {region.nbytes}; expected the same receive region")
-            batches = [self._link.prepare([Copy(region, o, up.region, o, n) for o, n in piece]) for piece in chunks.pieces]
-            cached = up.batches = (region, chunks, batches)
-        return cached[2]
-
-    def _lost(self, up: _Upstream) -> None:
-        """``up`` died or closed: never pulled from again; its mappings close."""
-        self._gone.add(up.member)
-        self._close_upstream(up)
-        self._link.forget_peer(up.peer.key)
-
-    def _close_upstream(self, up: _Upstream) -> None:
-        if self._upstreams.get(up.member) is up:
-            del self._upstreams[up.member]
-        up.batches = up.header_batch = None
-        for region in (up.header, up.region):
-            if region is not None:
-                self._link.close_region(region)
-        up.header = up.region = None
 
     def __repr__(self) -> str:
         words = self._words
