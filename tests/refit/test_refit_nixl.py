@@ -121,6 +121,7 @@ def _fanout_rank(rank: int, num_ranks: int, store) -> object:
             reports.append({"version": report.version, "exact": exact, "replica": report.replica,
                             "pulled_from": dict(report.pulled_from), "created": dict(report.created)})
             store.add(f"pulled/{version}", 1)
+        wait_pulled(VERSIONS)  # a relay that closed early would be routed around by the replicas after it
     return reports
 
 
