@@ -3,8 +3,9 @@
 # Note [Fan-out]
 N engine replicas take every version. Pulled from the trainer, that is N times the model through
 its links; instead a replica that holds a version serves it, and the trainer sends each byte about
-once whatever N is. ``Relay`` (one per receiver with ``FanOut``) owns the protocol; who pulls from
-whom is Note [Fan-out tree] in ``refit._members``. Three decisions:
+once whatever N is. ``Relay`` (one per receiver with ``FanOut``) owns the protocol, the members it
+pulls from are ``refit._upstreams``; who pulls from whom is Note [Fan-out tree] in
+``refit._members``. Three decisions:
 
 * **A relay serves the bytes it pulled, in place.** Replicas of one layout build the same plan,
   hence the same receive region (``ReceiveBuffers``: every tensor and every staged pull's scratch
@@ -28,15 +29,18 @@ whom is Note [Fan-out tree] in ``refit._members``. Three decisions:
   a relay writes a new epoch with 0 chunks, or ``closed``; it raises the count after each chunk
   landed (and, for a chunk from its own relay, was checked). A replica reads the header, copies
   the chunks it shows, reads it again, and counts them as its own only if the incarnation,
-  epoch, label and region are the same: no byte of them changed while it copied. So no replica
+  epoch, label and region are the same: no byte of them changed while it copied. Two copies are
+  in flight at a time, each header read checking those that landed before it was issued, so the
+  link stays busy and a replica lags the one it pulls from by a chunk or two. So no replica
   serves a chunk it does not hold, and every replica's chunks are the version it entered, whoever
   it copied them from; a relay's ``held`` state says its publishers' check passed too.
 
 Failures. A relay that dies (its process lock is free, or the link reports it lost) or closes is
 routed around: the replica keeps the chunks it holds and pulls the rest from the relay's own
-source, up to the publishers, which still hold the version it is counted in at. One that shows
-no progress for ``FanOut.stall_s`` (not yet refitting, stalled, failed) is routed around for
-that cycle. A relay whose plan signature or chunking differs is refused (``LayoutError``,
+source, up to the publishers, which still hold the version it is counted in at (a relay closed
+while read, as at an engine's shutdown, sends its readers there for the rest of that version).
+One that shows no progress for ``FanOut.stall_s`` (not yet refitting, stalled, failed) is routed
+around for that cycle. A relay whose plan signature or chunking differs is refused (``LayoutError``,
 ``ConfigError``) before any byte moves. A replica installs only once every chunk arrived and the
 publishers' check passed; a failure on the way raises (PeerLostError, TransferTimeout) and
 installs nothing, so every replica holds a whole version, old or new.
