@@ -15,11 +15,15 @@ CTX = mp.get_context("spawn")
 
 
 class SpawnedWorker:
-    """``target(control, results, *extra)`` in a new process; ``result`` raises the worker's traceback."""
+    """``target(control, results, *extra)`` in a new process; ``result`` raises the worker's traceback.
 
-    def __init__(self, target, *extra) -> None:
-        self.control, self.results = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=target, args=(self.control, self.results, *extra), daemon=True)
+    ``ctx``: the multiprocessing context, "spawn" by default; ``preloaded`` gives a forkserver that
+    imported torch once, so that many workers start without importing it each."""
+
+    def __init__(self, target, *extra, ctx=None) -> None:
+        ctx = ctx if ctx is not None else CTX
+        self.control, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=target, args=(self.control, self.results, *extra), daemon=True)
         self.proc.start()
 
     @property
@@ -60,6 +64,13 @@ class SpawnedWorker:
             self.proc.join(timeout=5)
         return self.proc.exitcode
 
+    def ask_stop(self) -> None:
+        """Ask the process to exit without waiting for it (``stop`` waits): stop many at once."""
+        try:
+            self.control.put(None)
+        except (OSError, ValueError):
+            pass
+
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(timeout=10)
@@ -90,6 +101,14 @@ def close_keys(state: dict, *keys: str) -> None:
         obj = state.pop(key, None)
         if obj is not None:
             obj.close()
+
+
+def preloaded(*modules: str):
+    """A forkserver context whose server imported ``modules`` (``"torch"``, ``"warmlink.refit"``):
+    its workers are forks of that server and do not import them again. One server per session."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(modules))
+    return ctx
 
 
 def serve(control, results, commands: dict, state: dict, reset) -> None:

@@ -20,7 +20,8 @@ COUNTED = ("arena", "registration", "peer_mapping", "plan")
 
 @dataclass
 class CycleReport:
-    """Phase timings of one refit cycle, in seconds, and what it created."""
+    """Phase timings of one refit cycle, in seconds, what it created, and the bytes it pulled
+    (``nbytes``, by source in ``pulled_from``)."""
 
     cycle: int
     version: int
@@ -36,6 +37,14 @@ class CycleReport:
     nbytes: int = 0
     num_copies: int = 0
     created: dict = field(default_factory=dict)
+    # bytes by where they came from: "publishers", or "replica <m>" with fan-out (Note [Fan-out])
+    pulled_from: dict = field(default_factory=dict)
+    replica: int = 0  # this receiver's member number in its fan-out group; 0 without fan-out
+
+    @property
+    def publisher_nbytes(self) -> int:
+        """Bytes this cycle pulled from the publishers (what left the trainer for this receiver)."""
+        return self.pulled_from.get("publishers", 0)
 
     @property
     def setup_s(self) -> float:

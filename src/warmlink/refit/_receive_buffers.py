@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from warmlink._dtypes import torch_dtype
 from warmlink.pool.core import SharedCache
+from warmlink.refit._chunks import chunking, split_copies
 from warmlink.transport.base import Copy
 
 __all__ = ["ReceiveBuffers", "direct_target"]
@@ -35,7 +36,7 @@ class ReceiveBuffers:
     """
 
     __slots__ = ("link", "region", "recv_offsets", "scratch_offsets", "recv", "scratch", "final", "direct",
-                 "_direct_regions", "_batches")
+                 "_direct_regions", "_batches", "_chunked")
 
     def __init__(self, link, plan, targets=None) -> None:
         import torch
@@ -83,11 +84,24 @@ class ReceiveBuffers:
         # The copy batch filling these buffers, by the sources it was prepared for: a publisher
         # re-created with other regions needs another batch, the same buffers do not.
         self._batches = SharedCache("receive_batch", counted=False, max_entries=1)
+        self._chunked = SharedCache("receive_chunks", counted=False, max_entries=1)
 
     def batch(self, plan, sources):
         """The prepared copy batch that fills these buffers from ``sources`` (a ``SourceSet``);
         prepared once per sources (with pooling on). Opens the regions it reads."""
         return self._batches.get(sources.opened_key(), lambda _key: self.link.prepare(self._copies(plan, sources)))
+
+    def chunked(self, plan, sources, chunk_bytes: int) -> tuple:
+        """For fan-out (Note [Fan-out] in ``refit._relay``): ``(chunks, batches)``, the region cut
+        into chunks of at most ``chunk_bytes`` served bytes (a ``refit._chunks.Chunking``) and per
+        chunk the prepared batch of the pulls from ``sources`` that fill it (None for a chunk they
+        leave unwritten); prepared once per sources (with pooling on). Opens the regions it reads."""
+        return self._chunked.get((sources.opened_key(), chunk_bytes), lambda _key: self._chunk(plan, sources, chunk_bytes))
+
+    def _chunk(self, plan, sources, chunk_bytes: int) -> tuple:
+        copies = self._copies(plan, sources)
+        chunks = chunking(copies, chunk_bytes)
+        return chunks, [self.link.prepare(part) if part else None for part in split_copies(copies, chunks)]
 
     def _copies(self, plan, sources) -> list[Copy]:
         copies = []
@@ -115,6 +129,7 @@ class ReceiveBuffers:
     def close(self) -> None:
         """Give the region back to the link's arenas. Safe to call twice (``Link.release`` is)."""
         self._batches.clear()
+        self._chunked.clear()
         for region in self._direct_regions:
             if region is not None:
                 self.link.release(region)

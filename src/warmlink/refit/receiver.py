@@ -10,7 +10,9 @@ state]), so an engine re-created per test plans, allocates and registers nothing
 
 Two seams are objects of their own: a cycle's version sync (through the publishers' boards or
 the store, chosen at entry: ``refit._version_sync``) and the install mode (``copy``, ``swap``,
-``direct``: a strategy chosen once per receiver, ``refit._install``).
+``direct``: a strategy chosen once per receiver, ``refit._install``). With ``fanout=`` a third,
+the receiver's ``Relay`` (``refit._relay``, Note [Fan-out]), fills the receive buffers from
+another replica or the publishers and serves them to the replicas after it.
 
 ``stream`` is the other way in, for engines that load through ``load_weights`` (quantized or
 checkpoint-format loading): buckets of a version through a bounded buffer (``refit._stream``,
@@ -33,8 +35,10 @@ from warmlink.refit import _parked, _version_sync, translate
 from warmlink.refit._cycle import Cycle, CycleReport, RefitHandle, created_counts
 from warmlink.refit._declare import module_tensors
 from warmlink.refit._install import install_mode
+from warmlink.refit._relay import Relay
 from warmlink.refit._stream import PartialLoadError, StreamReport, StreamState, bucket_plan, groups_key
 from warmlink.refit.dtensor import dtensor_layout, is_dtensor
+from warmlink.refit.fanout import FanOut
 from warmlink.refit.manifest import TensorLayout
 from warmlink.transport import resolve_backend
 
@@ -71,6 +75,16 @@ class Receiver(Closing):
             locally.
         name_map: destination logical name -> publisher logical name.
         timeout_s: default for waits and transfers, seconds (default ``WARMLINK_TIMEOUT_S``).
+        fanout: a ``FanOut`` naming this receiver's group of engine replicas (every replica of one
+            engine gives the same group, and its rank within the engine): it then pulls each
+            version from another replica where one holds it, and serves it to the replicas after
+            it, so the publishers send each byte about once (Note [Fan-out] in
+            ``refit._relay``). ``CycleReport.pulled_from`` says where the bytes came from. Needs
+            ``install="copy"``; ``stream`` is refused.
+
+    Raises:
+        ConfigError: an unknown install mode, ``num_publishers < 1``, or ``fanout`` that is not a
+            ``FanOut`` or comes with another install mode.
 
     Collective? No: each receiver refits on its own schedule.
     """
@@ -86,16 +100,23 @@ class Receiver(Closing):
         max_runs_per_tensor: int = 64,
         name_map: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        fanout: FanOut | None = None,
     ) -> None:
         if num_publishers < 1:
             raise ConfigError(f"Receiver: num_publishers={num_publishers!r}; expected >= 1")
         self._install_mode = install_mode(install)  # every install-mode decision is this strategy's
+        if fanout is not None and not isinstance(fanout, FanOut):
+            raise ConfigError(f"Receiver: fanout={fanout!r}; expected a warmlink.refit.FanOut or None")
+        if fanout is not None and install != "copy":
+            raise ConfigError(f"Receiver: fanout with install={install!r}; expected install='copy' (a relay serves "
+                              "receive memory its install leaves as pulled: Note [Fan-out])")
         self.store = store
         self.num_publishers = num_publishers
         self.install = install
         self.max_runs_per_tensor = max_runs_per_tensor
         self.name_map = dict(name_map) if name_map else None
         self.timeout_s = timeout_s if timeout_s is not None else _env.default_timeout_s()
+        self._relay = Relay(fanout, store, self.timeout_s) if fanout is not None else None
         self._device_arg = device
         self._backend_arg = backend
         self._layouts: dict[str, TensorLayout] = {}
@@ -219,14 +240,20 @@ class Receiver(Closing):
             t3 = time.perf_counter()
             report.alloc_s = t3 - t2
 
-            batch = bufs.batch(plan, state.sources)
-            if twin is not None:
-                twin.batch(plan, state.sources)  # prepared now so that the next cycle prepares nothing
-            t4 = time.perf_counter()
-            report.register_s = t4 - t3
+            if self._relay is not None:  # Note [Fan-out]: from a replica or the publishers, in chunks
+                transfer = self._relay.pull(state, plan, bufs, sync.version, timeout)
+                t4 = time.perf_counter()
+                report.register_s, report.replica = t4 - t3, self._relay.member
+            else:
+                batch = bufs.batch(plan, state.sources)
+                if twin is not None:
+                    twin.batch(plan, state.sources)  # prepared now so that the next cycle prepares nothing
+                t4 = time.perf_counter()
+                report.register_s = t4 - t3
 
-            transfer = state.link.read(batch)  # pull counts from here: some transports copy while posting
-            report.nbytes, report.num_copies = batch.nbytes, batch.num_copies
+                transfer = state.link.read(batch)  # pull counts from here: some transports copy while posting
+                report.nbytes, report.num_copies = batch.nbytes, batch.num_copies
+                report.pulled_from = {"publishers": batch.nbytes}
         except BaseException:
             self._end_failed(sync, token)
             raise
@@ -315,6 +342,9 @@ class Receiver(Closing):
         copy batches are reused; nothing is allocated, registered or planned.
         """
         self._check_idle("stream")
+        if self._relay is not None:
+            raise ConfigError("Receiver.stream: this receiver has fanout; a relay serves receive memory a stream does not "
+                              "keep (Note [Fan-out]); expected refit() or a receiver without fanout")
         if not callable(load_weights):
             raise ConfigError(f"Receiver.stream: load_weights={load_weights!r} is not callable; expected the engine's loader")
         timeout = timeout_s if timeout_s is not None else self.timeout_s
@@ -398,6 +428,10 @@ class Receiver(Closing):
                 cycle.sync.check_held(self.timeout_s)
             finally:
                 cycle.sync.leave(self.timeout_s)
+            if self._relay is not None:
+                self._relay.verified()
+                rep.pulled_from, rep.num_copies = cycle.transfer.pulled_from, cycle.transfer.num_copies
+                rep.nbytes = sum(rep.pulled_from.values())
             t_pulled = time.perf_counter()
             rep.pull_s = t_pulled - cycle.t_issue
 
@@ -422,6 +456,8 @@ class Receiver(Closing):
                 _sync(state.link.device)
             rep.install_s = time.perf_counter() - t_translated
         except BaseException as exc:
+            if self._relay is not None:
+                self._relay.failed()  # before its buffers may go back: Note [Fan-out]
             state.release_buffers(cycle.token)
             state.end_cycle()
             partial = self._install_mode.failure(cycle.plan, bufs, rep.version, exc)
@@ -429,7 +465,10 @@ class Receiver(Closing):
                 self.installed_version = None
                 raise partial from exc
             raise
-        self._install_mode.installed(state, cycle.token)
+        if self._relay is not None:
+            self._relay.keep(state, cycle.token)  # served until the next cycle: Note [Fan-out]
+        else:
+            self._install_mode.installed(state, cycle.token)
         state.end_cycle()
         self._last_named = named
         self.installed_version = rep.version
@@ -458,6 +497,8 @@ class Receiver(Closing):
         """End a cycle that installs nothing: its buffers and this cycle's mappings go back first,
         then its versions are left (a lost store raises there, with nothing else held)."""
         try:
+            if self._relay is not None:
+                self._relay.failed()
             if token is not None:
                 self._state.release_buffers(token)
             self._state.end_cycle()
@@ -506,6 +547,8 @@ class Receiver(Closing):
             if cycle is not None:
                 self._abandon(cycle)
         finally:
+            if self._relay is not None:
+                self._relay.close()  # says "closed" before its buffers may go back: Note [Fan-out]
             self._close_stream()
             lease, state = self._state_lease, self._state
             self._state_lease = self._state = self._link = None

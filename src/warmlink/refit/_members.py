@@ -1,0 +1,118 @@
+"""Who is in a fan-out group, and which replica each one pulls from: records in the store and a tree.
+
+# Note [Fan-out tree]
+The replicas of one engine that declare the same layout (``FanOut(group, rank=)``: the same group
+name and the same rank within their engine) form one group. A receiver joins its group at its
+first cycle: it takes a member number ``m = add(fanout/{group}/{rank}/members, 1)`` (1, 2, ... in
+the order they join) and writes its record under ``fanout/{group}/{rank}/member/{m}``: its process
+(host, pid, start time, liveness token), its backend, the random incarnation of its relay, and the
+descriptors of its header and of the receive region it serves (``null`` until it has one).
+
+Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers: ``m - 1`` in
+a chain (``d = 1``, the default: each link carries the model once), ``(m - 2) // d + 1`` in a
+tree; member 1 pulls from the publishers. A parent that is gone (its process died, or it closed)
+is routed around to its own parent, up to the publishers; one that stalls is routed around for
+that cycle (Note [Fan-out] in ``refit._relay``). A member joining a running job is the last
+number: its parent is a replica that already holds the current version. The plan is the
+library's: nothing but the order of joining and ``degree`` decides it, so every member works it
+out alone.
+
+Records are MAC'd like every value, but anyone with the job's secret could write one, and the
+store can replay an old one: a record only says where to look. What a member serves is decided by
+its header, which only it writes (Note [Fan-out]), read through the link: it names the region it
+serves (a digest of its descriptor), its incarnation must be the record's, its plan signature
+this receiver's.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from warmlink.errors import MetadataError
+from warmlink.pool import liveness
+from warmlink.rendezvous import schema
+
+__all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "GROUP_NAME"]
+
+KIND = "fanout_member"
+GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+_KEYS = ("schema_version", "kind", "group", "rank", "member", "incarnation", "host", "pid", "start_time", "token",
+         "backend", "header", "region")
+_MAX_RANK = 1 << 20
+_MAX_MEMBER = 1 << 40
+
+
+def members_key(group: str, rank: int) -> str:
+    return f"fanout/{group}/{rank}/members"
+
+
+def member_key(group: str, rank: int, member: int) -> str:
+    return f"fanout/{group}/{rank}/member/{member}"
+
+
+def parent(member: int, degree: int) -> int:
+    """The member ``member`` pulls from (0: the publishers). See Note [Fan-out tree]."""
+    return 0 if member <= 1 else (member - 2) // degree + 1
+
+
+def ancestors(member: int, degree: int) -> list[int]:
+    """``member``'s parent, its parent's parent, ... down to member 1, then 0 (the publishers)."""
+    out = []
+    while member > 0:
+        member = parent(member, degree)
+        out.append(member)
+    return out
+
+
+def make_record(*, group: str, rank: int, member: int, incarnation: int, identity: tuple[str, int, int], token: str | None,
+                backend: str, header: dict, region: dict | None) -> dict:
+    """A member's record (Note [Fan-out tree]), for ``Store.set_json``."""
+    host, pid, start = identity
+    return {"schema_version": 1, "kind": KIND, "group": group, "rank": rank, "member": member, "incarnation": incarnation,
+            "host": host, "pid": pid, "start_time": start, "token": token or "", "backend": backend, "header": header,
+            "region": region}
+
+
+def _fail(peer: str, msg: str):
+    raise MetadataError(f"fan-out member record from peer={peer!r}: {msg}")
+
+
+def _int(obj: dict, key: str, lo: int, hi: int, peer: str) -> int:
+    value = obj[key]
+    if type(value) is not int or not lo <= value < hi:
+        _fail(peer, f"{key}={value!r}; expected an int in [{lo}, {hi})")
+    return value
+
+
+def validate_member(obj: Any, peer: str) -> dict:
+    """Check a parsed ``fanout_member`` payload; returns it unchanged. Raises ``MetadataError``."""
+    if type(obj) is not dict or set(obj) != set(_KEYS):
+        _fail(peer, f"keys {sorted(obj) if type(obj) is dict else type(obj).__name__}; expected exactly {sorted(_KEYS)}")
+    if obj["schema_version"] not in schema.SUPPORTED_SCHEMA_VERSIONS or type(obj["schema_version"]) is not int:
+        _fail(peer, f"schema_version={obj['schema_version']!r} is not supported")
+    if obj["kind"] != KIND:
+        _fail(peer, f"kind={obj['kind']!r}; expected {KIND!r}")
+    if type(obj["group"]) is not str or not GROUP_NAME.fullmatch(obj["group"]):
+        _fail(peer, f"group={obj['group']!r}; expected {GROUP_NAME.pattern}")
+    _int(obj, "rank", 0, _MAX_RANK, peer)
+    _int(obj, "member", 1, _MAX_MEMBER, peer)
+    _int(obj, "incarnation", 0, 1 << 63, peer)
+    _int(obj, "pid", 1, 1 << 31, peer)
+    _int(obj, "start_time", 0, 1 << 63, peer)
+    host = obj["host"]
+    if type(host) is not str or not 1 <= len(host) <= 255 or not host.isprintable():
+        _fail(peer, f"host={host!r}; expected 1 to 255 printable characters")
+    token = obj["token"]
+    if type(token) is not str or (token and not liveness.TOKEN.fullmatch(token)):
+        _fail(peer, f"token={token!r}; expected '' or a process lock token")
+    if obj["backend"] not in schema.BACKENDS:
+        _fail(peer, f"backend={obj['backend']!r}; expected one of {list(schema.BACKENDS)}")
+    schema.validate_region(obj["header"], peer, "header")
+    if obj["region"] is not None:
+        schema.validate_region(obj["region"], peer, "region")
+    return obj
+
+
+# a record is under 2 KB but for a NIXL agent's metadata, which the region descriptors carry twice
+schema.register_kind(KIND, validate_member, max_bytes=4 * schema.MAX_NIXL_META_HEX)

@@ -1,0 +1,432 @@
+"""Fan-out over shm (Note [Fan-out] in ``refit._relay``, Note [Fan-out tree] in ``refit._members``).
+
+Engine replicas take each version from each other: eight receiver processes get two versions
+bit-exact while the trainer sends the model once; a relay SIGKILLed mid-version leaves every other
+replica with a whole version or a typed error; a replica joining a running job takes its first
+version from a replica; a relay whose layout differs is refused before any byte moves. Every
+received byte is compared with values built independently from the version's seed.
+
+Eight worker processes start once for the module, forks of a server that imported torch and
+warmlink (one import, not eight); every wait on them is bounded, and a worker that dies fails the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from _spawned import SpawnedWorker, preloaded, serve
+
+from warmlink.bench.refit import build_physical
+from warmlink.errors import ConfigError, WarmlinkError
+from warmlink.pool import arenas
+from warmlink.refit import FanOut, Publisher, Receiver, Shard, TensorLayout
+from warmlink.rendezvous import Store
+from warmlink.transport import shm
+
+TIMEOUT_S = 60.0
+CHUNK_BYTES = 16 << 10
+SENTINEL = -1.0
+LAYOUTS = {  # ~520 KiB: ~33 chunks of 16 KiB; a bf16 tensor and a fused one, all staged by the trainer
+    "w": TensorLayout.plain("w", "float32", (256, 512)),
+    "b": TensorLayout.plain("b", "float32", (1000,)),
+    "n": TensorLayout.plain("n", "bfloat16", (300,)),
+    "qkv": TensorLayout.fused("qkv", "float32", [("q", Shard((32, 16))), ("k", Shard((16, 16)))]),
+}
+MODEL_NBYTES = sum(lay.nbytes for lay in LAYOUTS.values())
+
+
+# -- the trainer, in this process --------------------------------------------------------------------
+class Trainer:
+    """One publisher rank whose tensors hold the values of seed ``version`` at every version."""
+
+    def __init__(self, store: Store) -> None:
+        self.tensors = {n: build_physical(lay, "cpu", 1) for n, lay in LAYOUTS.items()}
+        self.pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=TIMEOUT_S)
+        for n, t in self.tensors.items():
+            self.pub.add(n, t, LAYOUTS[n])
+        self.pub.export()
+
+    def update(self) -> int:
+        """Publish the next version, its tensors built from its number; returns it."""
+        with self.pub.update(timeout_s=TIMEOUT_S):
+            for n, t in self.tensors.items():
+                t.copy_(build_physical(LAYOUTS[n], "cpu", self.pub.version + 1))
+        return self.pub.version
+
+
+@pytest.fixture
+def job():
+    """A store and a trainer at version 1; closed after the test."""
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"fanout-{uuid.uuid4().hex[:8]}", timeout_s=TIMEOUT_S) as store:
+        trainer = Trainer(store)
+        try:
+            yield store, trainer
+        finally:
+            trainer.pub.close()
+
+
+# -- worker processes --------------------------------------------------------------------------------
+def _cmd_start(state, *, address, secret, prefix, group, layouts, chunk_bytes=CHUNK_BYTES, stall_s=30.0, degree=1):
+    _cmd_close(state)
+    if state.get("store_key") != (address, prefix):
+        if state.get("store") is not None:
+            state["store"].close()
+        state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
+        state["store_key"] = (address, prefix)
+    rec = Receiver(state["store"], num_publishers=1, backend="shm", timeout_s=TIMEOUT_S,
+                   fanout=FanOut(group, chunk_bytes=chunk_bytes, stall_s=stall_s, degree=degree))
+    state["targets"] = {n: torch.full(lay.shape, SENTINEL, dtype=getattr(torch, lay.dtype)) for n, lay in layouts.items()}
+    state["layouts"] = layouts
+    for n, lay in layouts.items():
+        rec.add(n, lay, state["targets"][n])
+    state["rec"] = rec
+    return os.getpid()
+
+
+def _cmd_refit(state, *, timeout_s=TIMEOUT_S):
+    """A cycle; its report's facts and the tensors that differ from the version's values, or the
+    typed error it raised (with whether the targets still hold a whole earlier version)."""
+    rec = state["rec"]
+    try:
+        rep = rec.refit(timeout_s=timeout_s)
+    except WarmlinkError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "installed": rec.installed_version,
+                "bad": _bad(state, rec.installed_version)}
+    return {"version": rep.version, "replica": rep.replica, "pulled_from": rep.pulled_from, "created": rep.created,
+            "bad": _bad(state, rep.version)}
+
+
+def _bad(state, version) -> list[str]:
+    if not version:  # nothing installed yet: the targets must hold what they were made with
+        return [n for n, t in state["targets"].items() if not bool((t == SENTINEL).all())]
+    return [n for n, lay in state["layouts"].items() if not torch.equal(state["targets"][n], build_physical(lay, "cpu", version))]
+
+
+def _cmd_arm_kill(state, *, after: int, sleep_s: float):
+    """SIGKILL this process once ``after`` chunk copies of its link have landed, each slowed by
+    ``sleep_s`` (header reads pass untouched): it dies mid-version, while others pull from it."""
+    copied = [0]
+
+    def hook(nbytes: int) -> None:
+        if nbytes <= 128:
+            return
+        copied[0] += 1
+        if copied[0] > after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(sleep_s)
+
+    shm.fault_hook = hook
+
+
+def _cmd_close(state):
+    rec = state.pop("rec", None)
+    if rec is not None:
+        rec.close()
+
+
+def _reset(state):
+    _cmd_close(state)
+    if state.get("store") is not None:
+        state["store"].close()
+    shm.fault_hook = None
+
+
+_COMMANDS = {"start": _cmd_start, "refit": _cmd_refit, "arm_kill": _cmd_arm_kill, "close": _cmd_close,
+             "ping": lambda state: os.getpid()}
+
+
+def _worker_main(control, results) -> None:
+    serve(control, results, _COMMANDS, {}, _reset)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ctx = preloaded("torch", "warmlink.refit")
+    ws = [SpawnedWorker(_worker_main, ctx=ctx) for _ in range(8)]
+    try:
+        for w in ws:  # started (the server's one import may take long on a loaded machine): tests time only their work
+            w.call("ping", timeout_s=300)
+        yield ws
+    finally:
+        for w in ws:
+            w.ask_stop()
+        for w in ws:
+            w.stop()
+        arenas.reap_orphaned_shm()  # a killed worker leaves its files: Note [Leaked shm files]
+
+
+def _start(ws, store, group: str, layouts=LAYOUTS, **kw) -> None:
+    for w in ws:
+        w.send("start", address=store.address, secret=store.secret, prefix=store.prefix, group=group, layouts=layouts, **kw)
+    for w in ws:
+        w.result(TIMEOUT_S)
+
+
+def _refit_all(ws) -> list[dict]:
+    """Every worker refits at once; their results in worker order."""
+    for w in ws:
+        w.send("refit")
+    return [w.result(TIMEOUT_S + 10) for w in ws]
+
+
+def _close(ws) -> None:
+    for w in ws:
+        if w.proc.is_alive():
+            w.call("close", TIMEOUT_S)
+
+
+# -- fan-out to processes --------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_engines", [1, 8])
+def test_engines_get_two_versions_bit_exact_and_the_trainer_sends_the_model_once(workers, job, num_engines):
+    store, trainer = job
+    ws = workers[:num_engines]
+    _start(ws, store, f"two-versions-{num_engines}")
+    try:
+        for version in (1, 2):
+            if version > 1:
+                assert trainer.update() == version
+            got = _refit_all(ws)
+            assert [g.get("error") for g in got] == [None] * num_engines, got
+            assert [g["version"] for g in got] == [version] * num_engines
+            assert [g["bad"] for g in got] == [[]] * num_engines
+            from_trainer = sum(g["pulled_from"].get("publishers", 0) for g in got)
+            assert from_trainer == MODEL_NBYTES, f"version {version}: the trainer sent {from_trainer} bytes, the model is {MODEL_NBYTES}"
+            members = sorted(g["replica"] for g in got)
+            assert members == list(range(1, num_engines + 1))
+            for g in got:  # a chain: member m pulled all of it from member m - 1
+                source = "publishers" if g["replica"] == 1 else f"replica {g['replica'] - 1}"
+                assert list(g["pulled_from"]) == [source], g
+        assert all(sum(c.values()) == 0 for c in (g["created"] for g in got)), "a warm fan-out cycle created something"
+    finally:
+        _close(ws)
+
+
+def test_an_engine_joining_a_running_job_takes_its_first_version_from_a_replica(workers, job):
+    store, trainer = job
+    trainer.update()
+    running, joining = workers[:2], workers[2]
+    _start(running, store, "join")
+    try:
+        assert [g["bad"] for g in _refit_all(running)] == [[], []]
+        _start([joining], store, "join")
+        (got,) = _refit_all([joining])
+        assert got.get("error") is None and got["version"] == 2 and got["bad"] == [], got
+        assert got["replica"] == 3 and got["pulled_from"] == {"replica 2": got["pulled_from"]["replica 2"]}, got
+        assert got["pulled_from"]["replica 2"] >= MODEL_NBYTES
+    finally:
+        _close(running + [joining])
+
+
+def test_a_relay_with_another_layout_is_refused_before_any_byte_moves(workers, job):
+    store, trainer = job
+    first, other = workers[3], workers[4]
+    _start([first], store, "layouts")
+    try:
+        assert _refit_all([first])[0]["bad"] == []
+        half = dict(LAYOUTS, w=TensorLayout.plain("w", "float32", (256, 512), split_dim=0, num_shards=2, shard_idx=0))
+        _start([other], store, "layouts", layouts=half)  # the same group and rank, another layout: a launcher bug
+        (got,) = _refit_all([other])
+        assert got.get("error") == "LayoutError" and "another layout" in got["message"] and "replica 1" in got["message"], got
+        assert got["installed"] == 0 and got["bad"] == [], "targets written before the refusal"
+        trainer.pub.begin_update(timeout_s=5.0)  # the refused cycle left no reader behind (else TransferTimeout)
+        trainer.pub.publish()
+    finally:
+        _close([first, other])
+
+
+def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
+    """The last test of this module to use the workers: it kills one."""
+    store, trainer = job
+    ws = workers[4:8]
+    _start(ws, store, "kill")
+    try:
+        first = _refit_all(ws)
+        assert [g["bad"] for g in first] == [[]] * 4
+        by_member = {g["replica"]: w for g, w in zip(first, ws)}
+        victim = by_member[2]
+        victim.call("arm_kill", after=6, sleep_s=0.2)
+        version = trainer.update()
+        for w in ws:
+            w.send("refit")
+        start = time.monotonic()
+        outcomes = {}
+        for member, w in sorted(by_member.items()):
+            if w is victim:
+                with pytest.raises(RuntimeError, match="died"):
+                    w.result(TIMEOUT_S)
+                continue
+            outcomes[member] = w.result(TIMEOUT_S)
+        took = time.monotonic() - start
+        assert victim.proc.exitcode == -signal.SIGKILL
+        assert took < TIMEOUT_S / 2, f"replicas took {took:.1f} s: they waited for a timeout, not routed around"
+        for member, got in outcomes.items():
+            if got.get("error") is not None:  # a typed error: the whole earlier version stays
+                assert got["error"] in ("PeerLostError", "TransferTimeout") and got["bad"] == [], got
+            else:
+                assert got["version"] == version and got["bad"] == [], got
+        assert outcomes[3].get("error") is None, outcomes[3]
+        assert outcomes[3]["pulled_from"].get("replica 1", 0) > 0, outcomes[3]  # routed around to the relay's source
+        trainer.pub.begin_update(timeout_s=5.0)  # the dead relay holds the trainer no more (else TransferTimeout)
+        trainer.pub.publish()
+    finally:
+        _close([w for w in ws if w is not victim])
+
+
+# -- in this process --------------------------------------------------------------------------------------
+def _receivers(store, n: int, group: str, **fanout) -> list[tuple[Receiver, dict]]:
+    out = []
+    for _ in range(n):
+        rec = Receiver(store, num_publishers=1, backend="shm", timeout_s=TIMEOUT_S,
+                       fanout=FanOut(group, **{"chunk_bytes": CHUNK_BYTES, "stall_s": 30.0, **fanout}))
+        targets = {n: torch.full(lay.shape, SENTINEL, dtype=getattr(torch, lay.dtype)) for n, lay in LAYOUTS.items()}
+        for name, lay in LAYOUTS.items():
+            rec.add(name, lay, targets[name])
+        out.append((rec, targets))
+    return out
+
+
+def test_a_tree_of_degree_two_started_at_once(job):
+    store, trainer = job
+    recs = _receivers(store, 5, group="tree", degree=2)
+    try:
+        for version in (1, 2):
+            if version > 1:
+                assert trainer.update() == version
+            handles = [rec.start_refit() for rec, _ in recs]  # all in flight at once: relays pipeline
+            reports = [h.wait() for h in handles]
+            for (rec, targets), rep in zip(recs, reports):
+                assert rep.version == version
+                assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+            sources = {rep.replica: set(rep.pulled_from) for rep in reports}
+            assert sources == {1: {"publishers"}, 2: {"replica 1"}, 3: {"replica 1"}, 4: {"replica 2"}, 5: {"replica 2"}}
+            assert sum(rep.publisher_nbytes for rep in reports) == MODEL_NBYTES
+    finally:
+        for rec, _ in recs:
+            rec.close()
+
+
+@pytest.fixture
+def pooling_off():
+    from warmlink import pool
+
+    pool.set_enabled(False)
+    try:
+        yield
+    finally:
+        pool.set_enabled(None)
+
+
+@pytest.mark.parametrize("sync", ["store_sync", "pooling_off"])
+def test_a_chain_in_flight_at_once(request, job, sync):
+    """Replicas that count themselves in through the store (another host's, or no board), and
+    relays whose buffers are new every cycle (pooling off: each re-announces its region)."""
+    request.getfixturevalue(sync)
+    store, trainer = job
+    recs = _receivers(store, 4, group=f"chain-{sync}")
+    try:
+        for version in (1, 2, 3):
+            if version > 1:
+                assert trainer.update() == version
+            reports = [h.wait() for h in [rec.start_refit() for rec, _ in recs]]
+            assert [rep.version for rep in reports] == [version] * 4
+            for rec, targets in recs:
+                assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+            assert {rep.replica: list(rep.pulled_from) for rep in reports} == {
+                1: ["publishers"], 2: ["replica 1"], 3: ["replica 2"], 4: ["replica 3"]}
+    finally:
+        for rec, _ in recs:
+            rec.close()
+
+
+def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job):
+    """A relay that starts its next cycle (the same version) while its reader copies bumps its
+    epoch first: the reader's copies of that moment are void, and it takes them again."""
+    store, trainer = job
+    (relay, _), (reader, targets) = _receivers(store, 2, group="again")
+    try:
+        relay.refit()
+        for version in (2, 3):
+            assert trainer.update() == version
+            relay.refit()
+            for _ in range(5):
+                targets["w"].fill_(SENTINEL)
+                handle = reader.start_refit()
+                relay.refit()  # the same version again, into the region the reader copies from
+                rep = handle.wait()
+                assert rep.version == version and list(rep.pulled_from) == ["replica 1"]
+                assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+    finally:
+        relay.close()
+        reader.close()
+
+
+def test_a_closed_relay_is_routed_around(job):
+    store, trainer = job
+    recs = _receivers(store, 3, group="closing")
+    try:
+        for rec, _ in recs:
+            rec.refit()
+        recs[1][0].close()  # member 2 leaves
+        version = trainer.update()
+        first, third = recs[0], recs[2]
+        assert first[0].refit().version == version
+        rep = third[0].refit()
+        assert rep.pulled_from.keys() == {"replica 1"} and rep.version == version
+        assert all(torch.equal(third[1][n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+    finally:
+        for rec, _ in recs:
+            rec.close()
+
+
+def test_a_replica_whose_source_never_refits_pulls_from_the_trainer_after_stall_s(job):
+    store, trainer = job
+    recs = _receivers(store, 2, group="stall", stall_s=0.5)
+    try:
+        for rec, _ in recs:
+            rec.refit()
+        version = trainer.update()
+        start = time.monotonic()
+        rep = recs[1][0].refit()  # member 1 does not refit this version
+        assert 0.5 <= time.monotonic() - start < TIMEOUT_S / 2  # after stall_s, not at the cycle's timeout
+        assert rep.version == version and rep.pulled_from.keys() == {"publishers"}
+        assert all(torch.equal(recs[1][1][n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+    finally:
+        for rec, _ in recs:
+            rec.close()
+
+
+def test_bad_fanout_arguments_are_config_errors():
+    for kwargs, match in [({"group": "no spaces"}, "group="), ({"group": "g", "degree": 0}, "degree=0"),
+                          ({"group": "g", "rank": -1}, "rank=-1"), ({"group": "g", "chunk_bytes": 100}, "chunk_bytes=100"),
+                          ({"group": "g", "stall_s": 0}, "stall_s=0")]:
+        with pytest.raises(ConfigError, match=match):
+            FanOut(**kwargs)
+    with pytest.raises(ConfigError, match="install='swap'"):
+        Receiver(object(), num_publishers=1, install="swap", fanout=FanOut("g"))
+    with pytest.raises(ConfigError, match="expected a warmlink.refit.FanOut"):
+        Receiver(object(), num_publishers=1, fanout="g")
+    rec = Receiver(object(), num_publishers=1, fanout=FanOut("g"))
+    rec.add("w", LAYOUTS["w"])
+    with pytest.raises(ConfigError, match="fanout"):
+        rec.stream(lambda weights: None, buffer_bytes=1 << 20)
+
+
+def test_replicas_with_other_chunk_sizes_are_refused(job):
+    store, trainer = job
+    (a, _), = _receivers(store, 1, group="chunks")
+    (b, targets), = _receivers(store, 1, group="chunks", chunk_bytes=2 * CHUNK_BYTES)
+    try:
+        a.refit()
+        with pytest.raises(ConfigError, match="chunk_bytes"):
+            b.refit()
+        assert all(bool((t == SENTINEL).all()) for t in targets.values())
+    finally:
+        a.close()
+        b.close()
