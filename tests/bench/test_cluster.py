@@ -183,7 +183,10 @@ def test_an_owner_ended_by_a_signal_leaves_nothing_behind(sig) -> None:
     (Note [Cluster teardown])."""
     code = _OWNER if sig != signal.SIGTERM else (
         "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n" + _OWNER)
-    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C reaches a terminal's foreground process, whose SIGINT is not ignored; a suite started in
+    # the background (a CI job, `cmd &`) hands its children SIGINT ignored, and Python then keeps it so
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         made = json.loads(owner.stdout.readline())
         assert set(made["names"]) <= _namespaces()
