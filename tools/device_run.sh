@@ -92,10 +92,12 @@ for d in range(torch.cuda.device_count()):
         timeout 110 python3 -m pytest -q -p no:cacheprovider tests/ep/test_low_latency_gpu.py -k shrink 2>&1 \
           | tee "$OUT/shrink_$i.log" | tail -1
       done ;;
-    deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS)
-      ( cd .baseline/deepep-v1/tests && PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
-        timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py --num-processes ${RANKS:-2} ) 2>&1 \
-        | tee "$OUT/deepep_low_latency.log" | grep -v IBGDA | tail -25 ;;
+    deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS), then --shrink-test
+      for extra in "" --shrink-test; do
+        ( cd .baseline/deepep-v1/tests && PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
+          timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py --num-processes ${RANKS:-2} $extra ) 2>&1 \
+          | tee "$OUT/deepep_low_latency${extra:+_shrink}.log" | grep -v IBGDA | tail -${TAIL:-25}; echo "rc ${PIPESTATUS[0]}"
+      done ;;
     tests-ep)  # over 560 s where ranks share one GPU: there, run tests-ep-buffer, tests-ep-stream and tests-ep-rest apart
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     tests-ep-buffer)

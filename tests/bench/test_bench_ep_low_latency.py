@@ -21,7 +21,10 @@ def test_bench_ep_low_latency_prints_each_call_beside_deepeps_figures(tmp_path, 
                 "DeepEP V1 in this run: not run (its kernels need CUDA)"):
         assert row in text, row
     assert "     8             77     98            114    127" in text  # EP 8, as DeepEP publishes it
+    assert "outputs checked against the routing (recv_count, combine): right" in text
     record = json.loads(out.read_text())
+    assert record["wrong"] == [] and all(r["checks"] == {"warmlink": {"recv_count": True, "combine": True}}
+                                         for r in record["ranks"])
     assert record["deepep_published"]["rows"] == [list(r) for r in DEEPEP_LOW_LATENCY]
     for rank in record["ranks"]:
         assert all(len(times) == 3 and min(times) > 0 for times in rank["times_s"].values()), rank
@@ -29,6 +32,38 @@ def test_bench_ep_low_latency_prints_each_call_beside_deepeps_figures(tmp_path, 
         assert rank["times_s"]["pair"] == pairs
     for op, row in record["summary"].items():
         assert 0 < row["median_us"] <= row["p90_us"], (op, row)
+
+
+class _Miscounting:
+    """A low-latency Buffer's two calls over one rank, with one expert's count one short (and its
+    rows zeroed) or every combined row scaled: what the bench's check must catch."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    def low_latency_dispatch(self, x, idx, tokens, experts, use_fp8=True):
+        import torch
+
+        count = torch.bincount(idx[idx >= 0].flatten(), minlength=experts).int()
+        rows = torch.zeros(experts, tokens, x.shape[1], dtype=torch.float8_e4m3fn)
+        if self.fault == "count":
+            count[int(count.argmax())] -= 1
+        return (rows, torch.ones(experts, tokens, x.shape[1] // 128)), count, None, None, None
+
+    def low_latency_combine(self, y, idx, w, handle):
+        return (0.5 if self.fault == "combine" else 1.0) * self.x * (w * (idx >= 0)).sum(1, keepdim=True), None, None
+
+
+@pytest.mark.parametrize("fault", ["count", "combine"])
+def test_the_output_check_catches_a_wrong_count_and_a_wrong_combine(fault):
+    from warmlink.bench.ep_low_latency import _routing, check_outputs
+
+    cfg = {"tokens": 16, "hidden": 256, "experts": 8, "topk": 4}
+    x, idx, w = _routing(0, 16, 8, 4, 256)
+    buf = _Miscounting(fault)
+    buf.x = x.double()
+    checked = check_outputs(buf, x, idx, w, 0, 1, cfg)
+    assert checked == {"recv_count": fault != "count", "combine": fault != "combine"}
 
 
 def test_bench_ep_low_latency_refuses_experts_that_do_not_divide(capsys):

@@ -33,6 +33,16 @@ def test_gpu_dispatch_and_combine_match_the_reference(name):
     check_rounds(case, run_ranks(ll_rounds, len(case["tokens"]), case=case, timeout_s=300))
 
 
+def test_gpu_deepeps_shape_with_more_local_experts_than_a_program_has_threads_matches_the_reference():
+    """DeepEP's test shape (128 tokens x 7168, top-8 of 288: 144 experts per rank): the send's
+    last program reads each destination's counts and zeroes them for the next round, threads
+    splitting the two differently; without a barrier between them a rank received its later
+    experts' rows with count 0 (seen across NVLink, where the signal stores are slow)."""
+    case = {"tokens": [128, 128], "hidden": 7168, "experts": 288, "topk": 8, "masked": 10, "seed": 1,
+            "calls": [{"fp8": False}, {"fp8": True}, {"fp8": False, "hook_delay_s": 0.0}], **_ON_GPU}
+    check_rounds(case, run_ranks(ll_rounds, 2, case=case, timeout_s=300))
+
+
 def test_gpu_twenty_reruns_are_identical_and_two_micro_batches_overlap():
     case = {"tokens": [32, 29], "hidden": 7168, "experts": 16, "topk": 4, "masked": 6, "seed": 4, "repeat": 20,
             "calls": [{"fp8": True, "hook_delay_s": 0.0}], **_ON_GPU}

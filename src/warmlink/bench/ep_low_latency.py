@@ -76,14 +76,40 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
                    backend="cuda_ipc" if gpu else "shm", timeout_s=cfg["timeout"], low_latency_mode=True,
                    num_experts=experts) as buf:
         times = _time_calls(buf, x, idx, w, y, cfg)
-    value = {"rank": rank, "times_s": times}
+        checks = {"warmlink": check_outputs(buf, x, idx, w, rank, num_ranks, cfg)}
+    value = {"rank": rank, "times_s": times, "checks": checks}
     if cfg["deepep"] == "ran":
-        value["deepep_times_s"] = _time_deepep(rank, num_ranks, x, idx, w, y, cfg)
+        value["deepep_times_s"], checks["deepep_v1"] = _time_deepep(rank, num_ranks, x, idx, w, y, cfg)
     results.put({"event": "result", "value": value})
 
 
-def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> dict[str, list[float]]:
-    """The same loop through DeepEP V1's ``Buffer`` over a ``torch.distributed`` group of the ranks."""
+def check_outputs(buf, x, idx, w, rank: int, num_ranks: int, cfg: dict) -> dict[str, bool]:
+    """One more dispatch and combine after the timed ones, against the routing every rank can draw
+    (``_routing`` is seeded by rank): each local expert's ``recv_count``, and, with every expert
+    handing back the rows it received, each token's combined row against ``x * sum of its
+    weights`` (DeepEP's test's measure; FP8 dispatch: within 1e-3). ``buf`` is either side's."""
+    import torch
+
+    tokens, experts = cfg["tokens"], cfg["experts"]
+    local = experts // num_ranks
+    want = torch.zeros(local, dtype=torch.int64)
+    for s in range(num_ranks):
+        ids = _routing(s, tokens, experts, cfg["topk"], cfg["hidden"])[1].flatten()
+        mine = ids[(ids >= rank * local) & (ids < (rank + 1) * local)] - rank * local
+        want += torch.bincount(mine, minlength=local)
+    (rows, scales), count, handle, _, _ = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)
+    y = torch.zeros(rows.shape, dtype=torch.bfloat16, device=rows.device)
+    for e, n in enumerate(count.tolist()):  # the identity expert: its rows dequantized
+        y[e, :n] = (rows[e, :n].float() * scales[e, :n].repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    combined = buf.low_latency_combine(y, idx, w, handle)[0].double()
+    ref = x.double() * (w.double() * (idx >= 0)).sum(1, keepdim=True)
+    diff = 1 - 2 * (ref * combined).sum() / (ref * ref + combined * combined).sum().clamp(min=1e-30)
+    return {"recv_count": torch.equal(count.cpu().to(torch.int64), want), "combine": bool(diff.item() < 1e-3)}
+
+
+def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> tuple[dict[str, list[float]], dict]:
+    """The same loop through DeepEP V1's ``Buffer`` over a ``torch.distributed`` group of the ranks,
+    and the same output check."""
     import torch.distributed as dist
 
     from warmlink.bench.ep_deep_ep import real_deep_ep
@@ -98,7 +124,8 @@ def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> dict[str
         buf = deep_ep.Buffer(group, 0, size, low_latency_mode=True, num_qps_per_rank=experts // num_ranks,
                              explicitly_destroy=True)
         try:
-            return _time_calls(buf, x, idx.to(deep_ep.topk_idx_t), w, y, cfg)
+            idx = idx.to(deep_ep.topk_idx_t)
+            return _time_calls(buf, x, idx, w, y, cfg), check_outputs(buf, x, idx, w, rank, num_ranks, cfg)
         finally:
             buf.destroy()
     finally:
@@ -276,10 +303,14 @@ def run_low_latency(args) -> int:
                         secret=server.secret, cfg=cfg)
         ranks = sorted((m["value"] for m in group.expect("result", cfg["ranks"])), key=lambda r: r["rank"])
     lines, summary = _table(cfg, ranks)
+    wrong = sorted({f"{side} {what} on rank {r['rank']}" for r in ranks for side, checked in r["checks"].items()
+                    for what, ok in checked.items() if not ok})
+    lines.append(f"outputs checked against the routing (recv_count, combine): {'WRONG: ' + ', '.join(wrong) if wrong else 'right'}"
+                 + (", on both sides" if cfg["deepep"] == "ran" and not wrong else ""))
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "summary": summary, "deepep_published": {"source": _DEEPEP_SOURCE,
                        "rows": DEEPEP_LOW_LATENCY}, "ranks": ranks,
-                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
-    return 0
+                       "wrong": wrong, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
+    return 1 if wrong else 0

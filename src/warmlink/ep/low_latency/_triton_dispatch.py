@@ -98,7 +98,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
             live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
             for d in range(NUM_RANKS):
                 if tl.sum((live & (r == d)).to(tl.int32), 0) > 0:
-                    c = tl.load(count_ptr + d * LOCAL + el, mask=m, other=0).to(tl.int64)
+                    c = tl.load(count_ptr + d * LOCAL + el, mask=m, other=0, volatile=True).to(tl.int64)
                     c = tl.where(bad != 0, REFUSED_COUNT, c)
                     at = tl.load(bases_ptr + d) + signal_off + (el * NUM_RANKS + me) * 8
                     # tag widened first (an int32 argument, or a constexpr when 1): shifted into bit 31 it would
@@ -106,6 +106,9 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                     tl.atomic_xchg(at.to(tl.pointer_type(tl.int64)),
                                    (q << 32) | ((tag + tl.zeros([], dtype=tl.int64)) << 24) | c, mask=m,
                                    sem="release", scope="sys")
+        # every thread has read its counts before any thread zeroes them: the reads and the zeroing
+        # below split the counts among the threads differently
+        tl.debug_barrier()
         for first in range(0, num_experts, BLOCK):  # the counts start at zero for this parity's next round
             tl.store(count_ptr + first + offs, tl.zeros_like(offs), mask=first + offs < num_experts)
         tl.store(state_ptr + seq_slot, q)
