@@ -1,0 +1,88 @@
+"""The streamed Buffer (``send="stream"``) at several channel counts and ring sizes, one rank per
+GPU: per configuration the median of each call (fresh dispatch, cached dispatch, combine; CUDA
+events on the caller's stream) on the slowest rank, and the space each rank holds.
+
+    python tools/stream_sweep.py [--configs 20x128 32x64 64x32] [--tokens 4096] [--hidden 7168] [--fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None:
+    from warmlink.ep import Buffer
+    from warmlink.rendezvous import Store
+
+    torch.cuda.set_device(rank)
+    t, h, k, experts = args.tokens, args.hidden, 8, 256
+    gen = torch.Generator(device="cuda").manual_seed(7 + rank)
+    scores = torch.rand(t, experts, device="cuda", generator=gen)
+    topk = scores.topk(k, dim=1).indices
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.rand(t, k, device="cuda", generator=gen)
+    rows = {}
+    with Store.connect(address, prefix="stream-sweep", timeout_s=60, secret=secret) as store:
+        for config in args.configs:
+            channels, ring = (int(v) for v in config.split("x"))
+            with Buffer(store, rank, world, max_tokens_per_rank=t, hidden=h, num_topk=k, device=rank, send="stream",
+                        stream_channels=channels, ring_rows=ring, timeout_s=60) as buf:
+                lay = buf.get_dispatch_layout(topk, experts)
+                kwargs = {"topk_idx": topk, "topk_weights": w, "num_tokens_per_rank": lay[0],
+                          "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2]}
+                out = buf.dispatch(x, **kwargs)
+                handle, y = out[4], out[0].clone()
+                calls = {"fresh": lambda: buf.dispatch(x, **kwargs), "cached": lambda: buf.dispatch(x, handle=handle),
+                         "combine": lambda: buf.combine(y, handle, topk_weights=out[2])}
+                row = {}
+                for name, fn in calls.items():
+                    times = []
+                    for i in range(args.iterations + 3):
+                        torch.cuda.synchronize()
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        fn()
+                        b.record()
+                        torch.cuda.synchronize()
+                        if i >= 3:
+                            times.append(a.elapsed_time(b) * 1e3)
+                    row[name] = statistics.median(times)
+                rows[config] = row
+    queue.put((rank, rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=["20x128", "32x64", "48x32", "64x32"],
+                    help="CHANNELSxRING_ROWS each")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--iterations", type=int, default=15)
+    args = ap.parse_args()
+    from warmlink.rendezvous import Store
+
+    world = torch.cuda.device_count()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with Store(is_server=True, prefix="stream-sweep", timeout_s=60) as server:
+        procs = [ctx.Process(target=_rank, args=(r, world, server.address, server.secret, args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=540) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    print(f"streamed Buffer, {world} ranks (one per GPU), {args.tokens} tokens x {args.hidden} BF16, top-8 of 256; "
+          "slowest rank's median, us")
+    print(f"{'config':>8}{'fresh':>9}{'cached':>9}{'combine':>9}")
+    for config in args.configs:
+        worst = {k: max(results[r][config][k] for r in results) for k in ("fresh", "cached", "combine")}
+        print(f"{config:>8}{worst['fresh']:>9.0f}{worst['cached']:>9.0f}{worst['combine']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
