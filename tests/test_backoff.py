@@ -185,6 +185,37 @@ def test_a_replayed_batch_dozes_through_most_of_its_last_time_then_polls_closely
     assert clock.now - started == pytest.approx(0.004, abs=2e-5)  # spinning: no sleep past the landing
 
 
+class _Polled(_Landing):
+    """A transfer whose bytes move only while ``done`` is called (NIXL over UCX without UCX
+    threads): it lands ``takes_s`` of polling after its start, however long the waiter slept."""
+
+    moves_alone = False
+
+    def __init__(self, batch, clock: Clock, takes_s: float) -> None:
+        super().__init__(batch, clock, None)
+        self.left_s, self.polled_at = takes_s, None
+
+    def done(self) -> bool:
+        now = self.clock.now
+        if self.polled_at is not None and now - self.polled_at <= 200e-6:  # a sleep moves nothing
+            self.left_s -= now - self.polled_at
+        self.polled_at = now
+        return self.left_s <= 0
+
+
+def test_a_transfer_that_moves_only_while_polled_never_dozes_so_its_waits_do_not_grow(ticking: Ticking) -> None:
+    """A doze would add to such a transfer's time, and the next doze would be longer: repeated, a
+    0.5 ms read would settle near 6.7x (Note [Waiting for a replay])."""
+    clock = ticking
+    batch = _batch()
+    times = []
+    for _ in range(20):
+        started = clock.now
+        _Polled(batch, clock, 0.0005).wait()
+        times.append(clock.now - started)
+    assert max(times) < 0.0008 and all(s <= 100e-6 for s in clock.sleeps)
+
+
 def test_a_replay_that_never_lands_still_times_out_at_its_limit(ticking: Ticking) -> None:
     clock = ticking
     batch = _batch()

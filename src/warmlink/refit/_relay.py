@@ -29,9 +29,10 @@ pulls from are ``refit._upstreams``; who pulls from whom is Note [Fan-out tree] 
   a relay writes a new epoch with 0 chunks, or ``closed``; it raises the count after each chunk
   landed (and, for a chunk from its own relay, was checked). A replica reads the header, copies
   the chunks it shows, reads it again, and counts them as its own only if the incarnation,
-  epoch, label and region are the same: no byte of them changed while it copied. Two copies are
-  in flight at a time, each header read checking those that landed before it was issued, so the
-  link stays busy and a replica lags the one it pulls from by a chunk or two. So no replica
+  epoch, label and region are the same: no byte of them changed while it copied. Up to ``WINDOW``
+  copies are in flight, each header read checking those that landed before it was issued, so the
+  link stays busy through the header's round trip and a replica lags the one it pulls from by a
+  few chunks. So no replica
   serves a chunk it does not hold, and every replica's chunks are the version it entered, whoever
   it copied them from; a relay's ``held`` state says its publishers' check passed too.
 
@@ -74,7 +75,10 @@ __all__ = ["Relay", "FanTransfer"]
 log = logging.getLogger("warmlink.refit")
 
 PUBLISHERS = "publishers"
-WINDOW = 2  # chunk copies in flight from one member: one lands while the next moves
+# chunk copies in flight from one member. Each header read (a round trip, behind the chunks queued
+# on a busy link) checks every copy that landed before it: with 8 in flight it checks several at
+# once and the link stays busy meanwhile (with 2, a hop across emulated hosts took 2-15x the link)
+WINDOW = 8
 
 
 class _Job:

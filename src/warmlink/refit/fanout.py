@@ -18,8 +18,8 @@ from warmlink.refit._members import GROUP_NAME
 
 __all__ = ["FanOut", "DEFAULT_NUM_CHUNKS", "MIN_CHUNK_BYTES"]
 
-# a replica lags the one it pulls from by one or two chunks: a chain of N takes about
-# (128 + 2 N) / 128 of one link's time
+# a replica lags the one it pulls from by a few chunks (refit._relay.WINDOW in flight): a chain of
+# N takes about (128 + a few N) / 128 of one link's time
 DEFAULT_NUM_CHUNKS = 128
 MIN_CHUNK_BYTES = 4096  # a chunk costs a header read: smaller ones would move more words than bytes
 _DEFAULT_MIN_CHUNK_BYTES = 64 << 10

@@ -206,6 +206,7 @@ class NixlTransfer(Transfer):
         self._pending = [(x, peer) for (x, peer), done in zip(xfers, finished) if not done]
         self._error: BaseException | None = None
         self._finished = False
+        self.moves_alone = link.ucx_threads > 0  # else UCX progresses in ``done`` only (Note [Polling NIXL])
 
     def done(self) -> bool:
         if self._error is not None or self._finished:
