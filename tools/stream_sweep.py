@@ -2,7 +2,11 @@
 GPU: per configuration the median of each call (fresh dispatch, cached dispatch, combine; CUDA
 events on the caller's stream) on the slowest rank, and the space each rank holds.
 
-    python tools/stream_sweep.py [--configs 20x128 32x64 64x32] [--tokens 4096] [--hidden 7168] [--fp8]
+    python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168]
+
+A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS) and
+/bN (the most rows a receiver takes from a source per visit, BATCH_ROWS), for the dispatch and the
+combine alike.
 """
 
 from __future__ import annotations
@@ -12,6 +16,24 @@ import statistics
 
 import torch
 import torch.multiprocessing as mp
+
+
+def _parse(config: str) -> tuple[int, int, dict]:
+    shape, *knobs = config.split("/")
+    channels, ring = (int(v) for v in shape.split("x"))
+    names = {"p": "publish", "b": "batch"}
+    return channels, ring, {names[k[0]]: int(k[1:]) for k in knobs}
+
+
+def _knobs(kwargs: dict):
+    """Patch the stream kernels' launches (as ep.paths.streamed calls them) with ``kwargs``."""
+    from warmlink.ep.kernels import stream, stream_combine
+
+    originals = stream.stream_dispatch, stream_combine.stream_combine
+    stream.stream_dispatch = lambda *a, **k: originals[0](*a, **{**k, **kwargs})
+    stream_combine.stream_combine = lambda *a, **k: originals[1](*a, **{**k, **kwargs})
+    return lambda: (setattr(stream, "stream_dispatch", originals[0]),
+                    setattr(stream_combine, "stream_combine", originals[1]))
 
 
 def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None:
@@ -28,7 +50,8 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
     rows = {}
     with Store.connect(address, prefix="stream-sweep", timeout_s=60, secret=secret) as store:
         for config in args.configs:
-            channels, ring = (int(v) for v in config.split("x"))
+            channels, ring, kwargs = _parse(config)
+            restore = _knobs(kwargs)
             with Buffer(store, rank, world, max_tokens_per_rank=t, hidden=h, num_topk=k, device=rank, send="stream",
                         stream_channels=channels, ring_rows=ring, timeout_s=60) as buf:
                 lay = buf.get_dispatch_layout(topk, experts)
@@ -52,6 +75,7 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
                             times.append(a.elapsed_time(b) * 1e3)
                     row[name] = statistics.median(times)
                 rows[config] = row
+            restore()
     queue.put((rank, rows))
 
 
@@ -78,10 +102,10 @@ def main() -> None:
             p.join(timeout=60)
     print(f"streamed Buffer, {world} ranks (one per GPU), {args.tokens} tokens x {args.hidden} BF16, top-8 of 256; "
           "slowest rank's median, us")
-    print(f"{'config':>8}{'fresh':>9}{'cached':>9}{'combine':>9}")
+    print(f"{'config':>16}{'fresh':>9}{'cached':>9}{'combine':>9}")
     for config in args.configs:
         worst = {k: max(results[r][config][k] for r in results) for k in ("fresh", "cached", "combine")}
-        print(f"{config:>8}{worst['fresh']:>9.0f}{worst['cached']:>9.0f}{worst['combine']:>9.0f}")
+        print(f"{config:>16}{worst['fresh']:>9.0f}{worst['cached']:>9.0f}{worst['combine']:>9.0f}")
 
 
 if __name__ == "__main__":
