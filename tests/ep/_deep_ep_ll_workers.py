@@ -128,3 +128,30 @@ def deep_ep_ll_shrink(rank: int, num_ranks: int, store, case: dict) -> dict:
         group.barrier()  # the failed rank stays until the others are done, as DeepEP's test's does
         buffer.destroy()
     return {"rounds": rounds, "report": report}
+
+
+def deep_ep_ll_gone_before_first_call(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Every rank builds ``deep_ep.Buffer(group, 0, hint, low_latency_mode=True)``; rank 1 then
+    makes no call (alive, as DeepEP's shrink test fails a rank) until rank 0 is done, and rank 0's
+    first dispatch, which builds the low-latency Buffer, must end within its timeout: the error's
+    type and message and the seconds it took."""
+    import time
+
+    mine = ll_inputs(case)[rank]
+    tokens, hidden, experts = max(case["tokens"]), case["hidden"], case["experts"]
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        size = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts, num_topk=case["topk"])
+        buffer = deep_ep.Buffer(group, 0, size, low_latency_mode=True, explicitly_destroy=True,
+                                enable_shrink=case.get("shrink", False), timeout_s=case["timeout_s"])
+        if rank == 1:
+            store.get("gone-test/done", timeout_s=60)
+            return {}
+        start = time.monotonic()
+        try:
+            buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts, use_fp8=False)
+            return {"error": None}
+        except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        finally:
+            store.set("gone-test/done", b"1")
+            buffer.close()

@@ -5,11 +5,13 @@ oracle as ``ep.Buffer``'s own low-latency calls; in one process, the budget and 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 import warmlink.ep.deep_ep as deep_ep
-from tests.ep._deep_ep_ll_workers import deep_ep_ll_rounds, deep_ep_ll_shrink
+from tests.ep._deep_ep_ll_workers import deep_ep_ll_gone_before_first_call, deep_ep_ll_rounds, deep_ep_ll_shrink
 from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 from tests.ep.test_low_latency import check_masked_round, check_rounds, reference_routes
@@ -100,6 +102,18 @@ def test_deep_eps_shrink_flow_masks_a_rank_that_stops_calling_and_the_others_go_
         check_masked_round(case, {r: out["rounds"][i] for r, out in survivors.items()}, routes, sources_out,
                            experts_out)
     assert all(out["report"]["mask_after_clean"] == [0, 1, 0] for out in survivors.values())
+
+
+def test_a_rank_gone_before_its_first_call_costs_the_others_a_timeout_not_a_hang():
+    """The low-latency Buffer is built by the first call; its ranks meet over the store the
+    constructor made, so a rank that makes no call (as DeepEP's shrink test fails one, here with
+    enable_shrink) is named within the timeout instead of blocking its peers in a collective of
+    the group (before, rank 0 waited in the group's all_gather)."""
+    case = {"tokens": [6, 6], "hidden": 256, "experts": 4, "topk": 2, "timeout_s": 2.0, "shrink": True,
+            "dist_port": free_port()}
+    got = run_ranks(deep_ep_ll_gone_before_first_call, 2, case=case, timeout_s=60)[0]
+    assert got["error"] is not None and got["error"].startswith(("TransferTimeout", "PeerLostError")), got
+    assert re.search(r"key='ep(-ll)?/\d+/1'", got["error"]) and got["seconds"] < 15, got  # rank 1's rendezvous key
 
 
 def test_a_shape_the_budget_cannot_hold_is_refused_naming_both_before_anything_is_built():

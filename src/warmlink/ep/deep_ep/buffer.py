@@ -13,6 +13,7 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep import dispatch_layout
@@ -25,6 +26,7 @@ from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
 from warmlink.ep.deep_ep.inner import built
 from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
 from warmlink.ep.deep_ep.scales import pack_scales
+from warmlink.ep.paths.setup import group_store
 from warmlink.errors import ConfigError
 
 __all__ = ["Buffer"]
@@ -113,6 +115,12 @@ class Buffer(LowLatencyCalls, CommCalls):
         self.enable_shrink = enable_shrink
         self._timeout_s = timeout_s
         self._widest_topk = 0  # of get_dispatch_layout's calls so far: deep_ep.inner, Note [Built on first dispatch]
+        # the low-latency build's rendezvous store, made here, where every rank is present (Note
+        # [Low-latency built on first call]); without torch.distributed (a group that runs no
+        # collective) the first call makes it
+        self._ll_store = None
+        if low_latency_mode and dist.is_available() and dist.is_initialized():
+            self._ll_store = group_store(group, timeout_s, None)[0]
 
     # -- DeepEP's static methods ---------------------------------------------------------------
     @staticmethod
@@ -315,6 +323,9 @@ class Buffer(LowLatencyCalls, CommCalls):
             if inner is not None:
                 inner.close()
         self._inner = self._ll = None
+        store, self._ll_store = getattr(self, "_ll_store", None), None
+        if store is not None:
+            store.close()
 
     def __enter__(self) -> "Buffer":
         return self

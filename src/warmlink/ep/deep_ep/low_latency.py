@@ -5,7 +5,11 @@ DeepEP's constructor takes ``num_rdma_bytes``, not shapes; warmlink's low-latenc
 for fixed shapes. So ``deep_ep.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True)`` builds
 its low-latency warmlink Buffer on the first ``low_latency_dispatch``, which is collective as
 DeepEP's constructor is, for that call's ``num_max_dispatch_tokens_per_rank``, hidden size, top-k
-width and ``num_experts``, on the device of ``x``. Before building, the bytes those shapes need
+width and ``num_experts``, on the device of ``x``. The ranks meet for it over a rendezvous store
+that the constructor made (one collective of the group there, where DeepEP's constructor has
+its own): the build waits for its peers with the Buffer's timeout, so a rank gone before its
+first call costs the others a ``TransferTimeout`` naming it, not a wait in a group collective it
+never joins. Such a rank is not masked, even with ``enable_shrink``: its memory was never mapped. Before building, the bytes those shapes need
 (``deep_ep.sizing.low_latency_bytes``, what ``get_low_latency_rdma_size_hint`` returns) are
 checked against ``num_rdma_bytes``: a call that needs more raises ``ConfigError`` naming both,
 before any byte moves. Every later call must have the same ``num_max_dispatch_tokens_per_rank``,
@@ -25,6 +29,7 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep.deep_ep import sizing
 from warmlink.ep.deep_ep.events import returned_event
+from warmlink.ep.paths.setup import group_store
 from warmlink.errors import ConfigError
 
 __all__ = ["LowLatencyCalls"]
@@ -41,6 +46,7 @@ class LowLatencyCalls:
     Buffer (or builds it) and calls that Buffer's method of the same name once."""
 
     _ll: _EPBuffer | None = None
+    _ll_store = None  # its rendezvous store (deep_ep.Buffer's constructor makes it)
     _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
     _call: Callable  # deep_ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
 
@@ -220,9 +226,11 @@ class LowLatencyCalls:
                 f"cannot hold them: pass num_rdma_bytes >= {need} (get_low_latency_rdma_size_hint(..., "
                 f"num_topk={num_topk}))")
         dev, backend = (device.index, None) if device.type == "cuda" else (-1, "shm")
-        self._ll = _EPBuffer.from_group(self.group, max_tokens_per_rank=tokens, hidden=hidden, num_topk=num_topk,
-                                        device=dev, backend=backend, timeout_s=self._timeout_s, low_latency_mode=True,
-                                        num_experts=num_experts, enable_shrink=self.enable_shrink)
+        if self._ll_store is None:
+            self._ll_store = group_store(self.group, self._timeout_s, None)[0]
+        self._ll = _EPBuffer(self._ll_store, self.rank, self.group_size, max_tokens_per_rank=tokens, hidden=hidden,
+                             num_topk=num_topk, device=dev, backend=backend, timeout_s=self._timeout_s,
+                             low_latency_mode=True, num_experts=num_experts, enable_shrink=self.enable_shrink)
         self._ll_shape = (tokens, hidden, num_experts, num_topk)
         for rank, masked in self._mask_before_build.items():  # updates made before there was a mask
             self._ll.low_latency_update_mask_buffer(rank, masked)
