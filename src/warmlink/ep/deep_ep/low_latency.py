@@ -9,7 +9,8 @@ width and ``num_experts``, on the device of ``x``. The ranks meet for it over a 
 that the constructor made (one collective of the group there, where DeepEP's constructor has
 its own): the build waits for its peers with the Buffer's timeout, so a rank gone before its
 first call costs the others a ``TransferTimeout`` naming it, not a wait in a group collective it
-never joins. Such a rank is not masked, even with ``enable_shrink``: its memory was never mapped. Before building, the bytes those shapes need
+never joins. Such a rank is not masked, even with ``enable_shrink``: its memory was never
+mapped. Before building, the bytes those shapes need
 (``deep_ep.sizing.low_latency_bytes``, what ``get_low_latency_rdma_size_hint`` returns) are
 checked against ``num_rdma_bytes``: a call that needs more raises ``ConfigError`` naming both,
 before any byte moves. Every later call must have the same ``num_max_dispatch_tokens_per_rank``,
