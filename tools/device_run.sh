@@ -92,8 +92,10 @@ for d in range(torch.cuda.device_count()):
         timeout 110 python3 -m pytest -q -p no:cacheprovider tests/ep/test_low_latency_gpu.py -k shrink 2>&1 \
           | tee "$OUT/shrink_$i.log" | tail -1
       done ;;
-    deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS), then --shrink-test
-      for extra in "" --shrink-test; do
+    deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS); with RANKS >= 6
+      # also its --shrink-test, which fails ranks 1, 3 and 5 and cannot pass with fewer (DeepEP's own neither)
+      shrink=""; [ "${RANKS:-2}" -ge 6 ] && shrink=--shrink-test
+      for extra in "" $shrink; do
         ( cd .baseline/deepep-v1/tests && PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
           timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py --num-processes ${RANKS:-2} $extra ) 2>&1 \
           | tee "$OUT/deepep_low_latency${extra:+_shrink}.log" | grep -v IBGDA | tail -${TAIL:-25}; echo "rc ${PIPESTATUS[0]}"

@@ -32,9 +32,9 @@ pulls from are ``refit._upstreams``; who pulls from whom is Note [Fan-out tree] 
   epoch, label and region are the same: no byte of them changed while it copied. Up to ``WINDOW``
   copies are in flight, each header read checking those that landed before it was issued, so the
   link stays busy through the header's round trip and a replica lags the one it pulls from by a
-  few chunks. So no replica
-  serves a chunk it does not hold, and every replica's chunks are the version it entered, whoever
-  it copied them from; a relay's ``held`` state says its publishers' check passed too.
+  few chunks. So no replica serves a chunk it does not hold, and every replica's chunks are the
+  version it entered, whoever it copied them from; a relay's ``held`` state says its publishers'
+  check passed too.
 
 Failures. A relay that dies (its process lock is free, or the link reports it lost) or closes is
 routed around: the replica keeps the chunks it holds and pulls the rest from the relay's own
