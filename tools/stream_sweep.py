@@ -4,9 +4,10 @@ events on the caller's stream) on the slowest rank, and the space each rank hold
 
     python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168]
 
-A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS) and
-/bN (the most rows a receiver takes from a source per visit, BATCH_ROWS), for the dispatch and the
-combine alike.
+A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS),
+/bN (the most rows a receiver takes from a source per visit, BATCH_ROWS) and /wN (warps a program),
+for the dispatch and the combine alike, and /tN (tokens a step, TILE_TOKENS) and /xN (int64 words
+of a row a step, X_BLOCK_WORDS) for the dispatch alone.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import torch.multiprocessing as mp
 def _parse(config: str) -> tuple[int, int, dict]:
     shape, *knobs = config.split("/")
     channels, ring = (int(v) for v in shape.split("x"))
-    names = {"p": "publish", "b": "batch"}
+    names = {"p": "publish", "b": "batch", "w": "num_warps", "t": "tokens", "x": "x_block"}
     return channels, ring, {names[k[0]]: int(k[1:]) for k in knobs}
+
+
+DISPATCH_ONLY = ("tokens", "x_block")
 
 
 def _knobs(kwargs: dict):
@@ -30,8 +34,9 @@ def _knobs(kwargs: dict):
     from warmlink.ep.kernels import stream, stream_combine
 
     originals = stream.stream_dispatch, stream_combine.stream_combine
+    both = {k: v for k, v in kwargs.items() if k not in DISPATCH_ONLY}
     stream.stream_dispatch = lambda *a, **k: originals[0](*a, **{**k, **kwargs})
-    stream_combine.stream_combine = lambda *a, **k: originals[1](*a, **{**k, **kwargs})
+    stream_combine.stream_combine = lambda *a, **k: originals[1](*a, **{**k, **both})
     return lambda: (setattr(stream, "stream_dispatch", originals[0]),
                     setattr(stream_combine, "stream_combine", originals[1]))
 

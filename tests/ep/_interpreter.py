@@ -35,7 +35,8 @@ def swap_ptx_helpers(monkeypatch, module) -> None:
     the interpreter cannot run); the interpreter resolves a kernel's helpers through its module."""
     import triton
 
-    for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence), ("cta_any", _one_thread_any)):
+    for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence), ("fence_by_one", _no_fence),
+                       ("store_by_one", _store), ("cta_any", _one_thread_any)):
         if hasattr(module, name):  # the helpers the module's kernels call
             monkeypatch.setattr(module, name, triton.jit(fake))
 
@@ -46,6 +47,10 @@ def _fake_clock():
 
 def _no_fence():
     pass
+
+
+def _store(addr, value):
+    tl.store(addr.to(tl.pointer_type(tl.int64)), value)
 
 
 def _one_thread_any(x):

@@ -73,4 +73,4 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_combine_passes()
     assert grid == (2 * channels,)
     ptx = sm90_ptx(stream_combine_programs.stream_combine_kernel, args, constexprs,
                    ("num_tokens", "x_rows", "first_program"))
-    assert "fence.acq_rel.sys" in ptx and "release.exch" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx
+    assert "fence.acq_rel.sys" in ptx and "st.relaxed.sys.global.b64" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx

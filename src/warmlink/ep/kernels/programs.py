@@ -226,6 +226,25 @@ def fence_system():
 
 
 @triton.jit
+def fence_by_one():
+    # thread 0's system fence. After a block barrier it puts every thread's earlier stores before
+    # thread 0's later ones (bar.sync orders them before the fence, and the fence is cumulative), as
+    # NCCL publishes a step: one fence a block, not one a thread (tests swap this helper out)
+    tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p fence.acq_rel.sys; mov.u32 $0, 0; }",
+                              "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_by_one(addr, value):
+    # thread 0 stores the int64 ``value`` at byte address ``addr`` (scalars), a system-scope store
+    # that no later load waits for (tests swap this helper out)
+    tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                              "@p st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+                              "=r,l,l", [addr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, me, num_experts, experts_per_rank, max_tokens,
                          x_row_bytes, meta_row_bytes, timeout_ns,
                          NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from warmlink.ep.kernels.stream_programs import (BAD_ROW, COUNT_MASK, COUNTER, FIN, W_CREDIT, W_ROWS,
                                                  device_clock_ns, ended, fence_system, first, head_state, previous_taken,
-                                                 publish, space_of)
+                                                 publish, publish_one, space_of)
 
 __all__ = ["stream_combine_kernel", "fence_system"]
 
@@ -102,7 +102,7 @@ def combine_send(x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, abort_ptr, c, 
                     kin = rows[:, None] & (kc < num_k)[None, :]
                     tl.store(dst.to(tl.pointer_type(tl.float32))[:, None] + 2 * x_words + kc[None, :],
                              tl.load(w_ptr + src[:, None] * num_k + kc[None, :], mask=kin), mask=kin)
-                publish(space_of(bases_ptr, s) + (me * CHANNELS + c) * COUNTER, seq64, done + m, 0, None)
+                publish_one(space_of(bases_ptr, s) + (me * CHANNELS + c) * COUNTER, seq64, done + m, 0)
                 sent = tl.where(r == s, done + m, sent)
                 moved += 1
         if moved > 0:
@@ -112,7 +112,7 @@ def combine_send(x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, abort_ptr, c, 
             status = ended(start, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r), moved == 0)
     # 3. FIN to every source, also where this channel sent it nothing
     if status == 0:
-        publish(tails, seq64, sent, FIN, rm)
+        publish(tails, seq64, sent, FIN, rm, R_BLOCK)
     return status
 
 
@@ -191,7 +191,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
                          mask=tm[:, None] & (kc < num_k)[None, :])
             # 3. credits back to every rank whose rows the tile took (their slots are free again)
             consumed += need
-            publish(heads, seq64, consumed, 0, need > 0)
+            publish(heads, seq64, consumed, 0, need > 0, R_BLOCK)
             t += step
     # 4. every rank's FIN with no row left over: its ring and tail are read for this call
     waiting = rm
@@ -208,5 +208,5 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
             status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS, first(waiting, r),
                            tl.sum(waiting.to(tl.int32), 0) > 0)
     if status == 0:
-        publish(heads, seq64, consumed, FIN, rm)
+        publish(heads, seq64, consumed, FIN, rm, R_BLOCK)
     return status

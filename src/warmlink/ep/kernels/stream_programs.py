@@ -7,7 +7,7 @@ are names of this module, so that tests swap the clock and the fence here for th
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import device_clock_ns, fence_system, meta_parts
+from warmlink.ep.kernels.programs import device_clock_ns, fence_by_one, fence_system, meta_parts, store_by_one
 
 # The space's words (ep.kernels.stream.StreamSpace): tails, then heads, then rings; a counter has a
 # 128-byte line of its own, so that a poll never shares a line with another pair's writes
@@ -98,11 +98,27 @@ def first(mask, r):
 
 
 @triton.jit
-def publish(ptrs, seq64, counts, flag, mask):
-    # every thread's row stores reach the system before the word that counts them
-    fence_system()
+def publish(ptrs, seq64, counts, flag, mask, R_BLOCK: tl.constexpr):
+    # ``seq << 32 | flag | counts`` into each word of ``ptrs`` where ``mask`` holds ([R_BLOCK]
+    # vectors), after every thread's row stores: one barrier, one system fence (thread 0's) and
+    # thread 0's stores. A fence in every thread and a release exchange per word, waiting for its
+    # answer across NVLink, held the whole program for each publish and made it latency-bound.
     tl.debug_barrier()
-    tl.atomic_xchg(ptrs, (seq64 << 32) | flag | counts, mask=mask, sem="release", scope="sys")
+    fence_by_one()
+    r = tl.arange(0, R_BLOCK)
+    words = (seq64 << 32) | flag | counts
+    addrs = ptrs.to(tl.int64)
+    for d in tl.static_range(R_BLOCK):
+        if tl.sum(((r == d) & mask).to(tl.int32), 0) > 0:
+            store_by_one(tl.sum(tl.where(r == d, addrs, 0), 0), tl.sum(tl.where(r == d, words, 0), 0))
+
+
+@triton.jit
+def publish_one(ptr, seq64, count, flag):
+    # ``publish`` of one word (scalars)
+    tl.debug_barrier()
+    fence_by_one()
+    store_by_one(ptr.to(tl.int64), (seq64 << 32) | flag | count)
 
 
 @triton.jit
@@ -168,7 +184,7 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
         if take == 0:  # a credit wait for token t: the rows it waits on must be visible first
             full = (tl.sum(tl.where(tok[:, None] == 0, goes.to(tl.int32), 0), 0) > 0) & (room <= 0)
             due = full & (counts > published)
-            publish(tails, seq64, counts, 0, due)
+            publish(tails, seq64, counts, 0, due, R_BLOCK)
             published = tl.where(due, counts, published)
             start = device_clock_ns()
             while (tl.sum(full.to(tl.int32), 0) > 0) & (status == 0):
@@ -215,12 +231,12 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
             counts += tl.sum(mine, 0).to(tl.int64)
             due = rm & (counts - published >= PUBLISH)
             if tl.sum(due.to(tl.int32), 0) > 0:
-                publish(tails, seq64, counts, 0, due)
+                publish(tails, seq64, counts, 0, due, R_BLOCK)
                 published = tl.where(due, counts, published)
             t += take
     # 3. FIN to every destination, also where this channel sent it nothing
     if status == 0:
-        publish(tails, seq64, counts, FIN, rm)
+        publish(tails, seq64, counts, FIN, rm, R_BLOCK)
     return status
 
 
@@ -259,7 +275,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                 finished = ours & (((tail >> 31) & 1) != 0) & (have == count)
                 if (n > 0) | finished:  # credits back to the source (its ring slots are free again)
                     there = space_of(bases_ptr, s) + NUM_RANKS * CHANNELS * COUNTER + (me * CHANNELS + c) * COUNTER
-                    publish(there, seq64, have, tl.where(finished, FIN, 0).to(tl.int64), None)
+                    publish_one(there, seq64, have, tl.where(finished, FIN, 0).to(tl.int64))
                     moved += 1
                 consumed = tl.where(r == s, have, consumed)
                 left = tl.where((r == s) & finished, 0, left)
