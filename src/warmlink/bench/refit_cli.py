@@ -26,7 +26,8 @@ each with the receiver's and the publisher's memory beyond the model.
 ``--hosts H`` runs on an emulated cluster instead (``bench.refit_hosts_cli``): H hosts as network
 namespaces behind rate-limited links, one trainer into ``--engines`` replicas over NIXL/UCX TCP,
 the warm cycle time against N for every engine pulling from the trainer (and for fan-out) beside
-the bound bytes / link rate.
+the bound bytes / link rate. ``--engines N`` alone runs them on this machine's devices
+(``bench.refit_engines_cli``).
 
 GB means 10^9 bytes. "% of peak" is (bytes / peak bandwidth) / cycle time.
 """
@@ -229,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.hosts is not None:
         return refit_hosts_cli.run(args)
+    if args.engines is not None:
+        from warmlink.bench import refit_engines_cli
+
+        return refit_engines_cli.run(args)
     for flag, value in (("--engines", args.engines), ("--link-rate", args.link_rate), ("--modes", args.modes)):
         if value is not None:
             return bench_args.refuse("warmlink bench refit", f"{flag} needs --hosts (the emulated cluster)")

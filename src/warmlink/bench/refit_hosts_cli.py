@@ -71,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hosts", type=bench_args.int_in(2, 250), default=None, metavar="H",
                    help="run on H emulated hosts (2 to 250) instead of this machine's devices")
     g.add_argument("--engines", type=engine_counts, default=None, metavar="N",
-                   help="engine counts to time: 4, 1..8 or 1,2,4,8 (default 1..4)")
+                   help="engine counts to time: 4, 1..8 or 1,2,4,8 (default 1..4). Without --hosts: one trainer "
+                        "into N engine processes on --devices (engines alternate over the second device and the "
+                        "first), pull beside fanout, e.g. --engines 1,3 --devices 0,1")
     g.add_argument("--link-rate", type=link_rate, default=None, metavar="RATE",
                    help="each host's link rate, each way, as tc writes it (default 200mbit)")
     g.add_argument("--modes", default=None, metavar="LIST",
