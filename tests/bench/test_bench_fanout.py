@@ -34,7 +34,7 @@ def test_bench_refit_engines_prints_pull_beside_fanout_on_this_machine(tmp_path,
     from warmlink.cli.main import main
 
     record = tmp_path / "engines.json"
-    rc = main(["bench", "refit", "--engines", "1,2", "--devices=-1,-1", "--scale", "0.001", "--cycles", "2",
+    rc = main(["bench", "refit", "--engines", "1,2", "--devices=-1,-1", "--scale", "0.001", "--cycles", "2", "--fanout-chunks", "8",
                "--timeout", "120", "--json", str(record)])
     out = capsys.readouterr().out
     assert rc == 0, out

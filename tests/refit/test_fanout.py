@@ -430,3 +430,43 @@ def test_replicas_with_other_chunk_sizes_are_refused(job):
     finally:
         a.close()
         b.close()
+
+
+def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_joining():
+    """Note [Fan-out tree]: the places (host, GPU) of the earlier members pick a member's parent."""
+    from warmlink.refit._members import ancestors, parent
+
+    gpu0, gpu1 = ("node-a", "GPU-0"), ("node-a", "GPU-1")
+    places = {1: gpu1, 2: gpu0, 3: gpu1}  # the bench's engines on 2 GPUs, the trainer on GPU0
+    assert [parent(m, 1, places) for m in (1, 2, 3)] == [0, 1, 1]  # GPU0 -> GPU1 carries the model once
+    assert ancestors(3, 1, places) == [1, 0]
+    hosts = {1: ("a", ""), 2: ("b", ""), 3: ("a", ""), 4: ("b", ""), 5: ("c", "")}
+    assert [parent(m, 1, hosts) for m in range(1, 6)] == [0, 1, 1, 2, 4]  # each host link crossed about once
+    assert ancestors(5, 1, hosts) == [4, 2, 1, 0]
+    unknown = {3: ("a", "")}  # records it could not read: the member before it
+    assert parent(3, 1, unknown) == 2 and parent(3, 1, None) == 2
+    assert [parent(m, 2, places) for m in (2, 3)] == [1, 1]  # a tree keeps the member numbers' shape
+
+
+def test_a_member_record_with_a_bad_device_is_refused():
+    from warmlink.errors import MetadataError
+    from warmlink.refit._members import make_record, validate_member
+
+    region = {"kind": "shm", "name": "wl-x", "offset": 0, "nbytes": 64}
+    record = make_record(group="g", rank=0, member=1, incarnation=1, identity=("h", 1, 0), device="", token=None,
+                         backend="shm", header=region, region=None)
+    assert validate_member(record, "p") is record
+    with pytest.raises(MetadataError, match="device="):
+        validate_member({**record, "device": 7}, "p")
+    with pytest.raises(MetadataError, match="device="):
+        validate_member({**record, "device": "x" * 101}, "p")
+
+
+def test_the_default_chunk_is_a_32nd_of_the_bytes_over_cuda_ipc_and_a_128th_elsewhere():
+    from warmlink.refit.fanout import CUDA_IPC_NUM_CHUNKS, DEFAULT_NUM_CHUNKS
+
+    nbytes = 8 << 30
+    assert FanOut("g").chunk_bytes_for(nbytes, "cuda_ipc") == nbytes // CUDA_IPC_NUM_CHUNKS == 256 << 20
+    assert FanOut("g").chunk_bytes_for(nbytes, "nixl") == FanOut("g").chunk_bytes_for(nbytes) == nbytes // DEFAULT_NUM_CHUNKS
+    assert FanOut("g").chunk_bytes_for(1 << 20, "cuda_ipc") == 64 << 10  # at least 64 KiB
+    assert FanOut("g", chunk_bytes=1 << 20).chunk_bytes_for(nbytes, "cuda_ipc") == 1 << 20

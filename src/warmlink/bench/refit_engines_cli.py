@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from warmlink.bench.fanout import run_fanout
     from warmlink.bench.model_spec import qwen3_4b_like
     from warmlink.bench.report import machine_info, write_record
+    from warmlink.refit.fanout import MIN_CHUNK_BYTES
 
     if (problem := _refusal(args)) is not None:
         return bench_args.refuse(_PROG, problem)
@@ -61,9 +62,13 @@ def run(args: argparse.Namespace) -> int:
     scale = args.scale if args.scale is not None else (1.0 if devices[0] >= 0 else 0.02)
     spec = qwen3_4b_like(scale)
     where = "CPU over shm" if devices[0] < 0 else f"trainer on GPU{devices[0]}"
+    chunk_bytes = None
+    if args.fanout_chunks is not None:  # the bytes a receiver pulls: the model, TP 1 on both sides
+        chunk_bytes = max(MIN_CHUNK_BYTES, -(-spec.nbytes // args.fanout_chunks))
     print(f"{_PROG} {','.join(map(str, args.engines))}: {where}; {spec.nbytes / 1e9:.3f} GB model "
           f"({len(spec.layouts(1, 0))} bf16 tensors, Qwen3-4B shape at scale {scale:g}), {cycles} cycles per mode, "
-          f"modes {','.join(names)}", flush=True)
+          f"modes {','.join(names)}" + (f", fan-out chunks of {chunk_bytes / 1e6:.1f} MB" if chunk_bytes else ""),
+          flush=True)
     t0 = time.perf_counter()
     runs = []
     for n in args.engines:
@@ -71,10 +76,12 @@ def run(args: argparse.Namespace) -> int:
         if devices[0] >= 0:
             print(f"  {n} engine(s) on " + ", ".join(f"GPU{d}" for d in placed[1:]), flush=True)
         out = run_fanout(spec, engines=n, modes=modes, cycles=cycles, devices=placed, timeout_s=args.timeout,
+                         chunk_bytes=chunk_bytes,
                          progress=lambda step, n=n: print(f"  {time.perf_counter() - t0:6.1f} s  N={n} {step}", flush=True))
         out["devices"] = list(placed)
         runs.append(out)
     record = {"bench": "refit_engines", "scale": scale, "spec": dict(spec.__dict__), "cycles": cycles, "runs": runs,
+              "chunk_bytes": chunk_bytes,
               "machine": machine_info()}
     print()
     print(_table(runs, names, spec.nbytes))

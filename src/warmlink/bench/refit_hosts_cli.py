@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each host's link rate, each way, as tc writes it (default 200mbit)")
     g.add_argument("--modes", default=None, metavar="LIST",
                    help="comma list of pull,fanout (default: every mode this build has)")
+    g.add_argument("--fanout-chunks", type=bench_args.int_in(1, 1 << 16), default=None, metavar="K",
+                   help="--engines without --hosts: fan-out's pipeline unit, the model cut into K chunks (default: "
+                        "FanOut's, 128)")
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
@@ -85,7 +88,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
     from warmlink.bench.refit_hosts_roles import MODES, mode_unavailable
 
     for flag, value in (("--scenarios", args.scenarios), ("--devices", args.devices), ("--install", args.install),
-                        ("--nixl-threads", args.nixl_threads), ("--nixl-sweep", args.nixl_sweep)):
+                        ("--nixl-threads", args.nixl_threads), ("--nixl-sweep", args.nixl_sweep),
+                        ("--fanout-chunks", args.fanout_chunks)):
         if value is not None:
             return f"{flag} does not apply with --hosts (the cluster mode runs on host memory over nixl)"
     if args.backend != "auto":

@@ -8,14 +8,19 @@ the order they join) and writes its record under ``fanout/{group}/{rank}/member/
 (host, pid, start time, liveness token), its backend, the random incarnation of its relay, and the
 descriptors of its header and of the receive region it serves (``null`` until it has one).
 
-Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers: ``m - 1`` in
-a chain (``d = 1``, the default: each link carries the model once), ``(m - 2) // d + 1`` in a
-tree; member 1 pulls from the publishers. A parent that is gone (its process died, or it closed)
+Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers:
+``(m - 2) // d + 1`` in a tree (``d > 1``); in a chain (``d = 1``, the default: each link carries
+the model once) the latest earlier member on its device (the same host and GPU), else on its
+host, else ``m - 1``, from the places (host, GPU) the records of members ``1 .. m - 1`` give. So a
+chain crosses each link between GPUs and hosts about once whatever the order of joining: three
+replicas joining as GPU1, GPU0, GPU1 (the trainer on GPU0) pull 1 <- publishers, 2 <- 1, 3 <- 1,
+not 3 <- 2, which would carry the model over GPU0 -> GPU1 a second time. Member 1 pulls from the
+publishers. A parent that is gone (its process died, or it closed)
 is routed around to its own parent, up to the publishers; one that stalls is routed around for
 that cycle (Note [Fan-out] in ``refit._relay``). A member joining a running job is the last
 number: its parent is a replica that already holds the current version. The plan is the
-library's: nothing but the order of joining and ``degree`` decides it, so every member works it
-out alone.
+library's: nothing but the order of joining, the places and ``degree`` decides it, so every
+member works out its own sources alone (a record it cannot read counts as a place of its own).
 
 Records are MAC'd like every value, but anyone with the job's secret could write one, and the
 store can replay an old one: a record only says where to look. What a member serves is decided by
@@ -33,12 +38,13 @@ from warmlink.errors import MetadataError
 from warmlink.pool import liveness
 from warmlink.rendezvous import schema
 
-__all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "GROUP_NAME"]
+__all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "device_id", "place_of",
+           "GROUP_NAME"]
 
 KIND = "fanout_member"
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
-_KEYS = ("schema_version", "kind", "group", "rank", "member", "incarnation", "host", "pid", "start_time", "token",
-         "backend", "header", "region")
+_KEYS = ("schema_version", "kind", "group", "rank", "member", "incarnation", "host", "device", "pid", "start_time",
+         "token", "backend", "header", "region")
 _MAX_RANK = 1 << 20
 _MAX_MEMBER = 1 << 40
 
@@ -51,26 +57,55 @@ def member_key(group: str, rank: int, member: int) -> str:
     return f"fanout/{group}/{rank}/member/{member}"
 
 
-def parent(member: int, degree: int) -> int:
-    """The member ``member`` pulls from (0: the publishers). See Note [Fan-out tree]."""
-    return 0 if member <= 1 else (member - 2) // degree + 1
+Place = tuple  # (host, device): where a member's buffers are (``place_of``)
 
 
-def ancestors(member: int, degree: int) -> list[int]:
+def parent(member: int, degree: int, places: dict[int, Place] | None = None) -> int:
+    """The member ``member`` pulls from (0: the publishers), given the ``places`` known of it and of
+    the members before it. See Note [Fan-out tree]."""
+    if member <= 1:
+        return 0
+    if degree > 1:
+        return (member - 2) // degree + 1
+    mine = (places or {}).get(member)
+    if mine is not None:
+        for same in (lambda p: p == mine, lambda p: p[0] == mine[0]):  # the device, then the host
+            for earlier in range(member - 1, 0, -1):
+                p = places.get(earlier)
+                if p is not None and same(p):
+                    return earlier
+    return member - 1
+
+
+def ancestors(member: int, degree: int, places: dict[int, Place] | None = None) -> list[int]:
     """``member``'s parent, its parent's parent, ... down to member 1, then 0 (the publishers)."""
     out = []
     while member > 0:
-        member = parent(member, degree)
+        member = parent(member, degree, places)
         out.append(member)
     return out
 
 
-def make_record(*, group: str, rank: int, member: int, incarnation: int, identity: tuple[str, int, int], token: str | None,
-                backend: str, header: dict, region: dict | None) -> dict:
-    """A member's record (Note [Fan-out tree]), for ``Store.set_json``."""
+def device_id(device: int) -> str:
+    """What tells a GPU apart across processes (its UUID; an ordinal depends on CUDA_VISIBLE_DEVICES),
+    '' for the CPU."""
+    if device < 0:
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def place_of(record: dict) -> Place:
+    return record["host"], record["device"]
+
+
+def make_record(*, group: str, rank: int, member: int, incarnation: int, identity: tuple[str, int, int], device: str,
+                token: str | None, backend: str, header: dict, region: dict | None) -> dict:
+    """A member's record (Note [Fan-out tree]), for ``Store.set_json``; ``device`` is ``device_id``'s."""
     host, pid, start = identity
     return {"schema_version": 1, "kind": KIND, "group": group, "rank": rank, "member": member, "incarnation": incarnation,
-            "host": host, "pid": pid, "start_time": start, "token": token or "", "backend": backend, "header": header,
+            "host": host, "device": device, "pid": pid, "start_time": start, "token": token or "", "backend": backend, "header": header,
             "region": region}
 
 
@@ -103,6 +138,9 @@ def validate_member(obj: Any, peer: str) -> dict:
     host = obj["host"]
     if type(host) is not str or not 1 <= len(host) <= 255 or not host.isprintable():
         _fail(peer, f"host={host!r}; expected 1 to 255 printable characters")
+    device = obj["device"]
+    if type(device) is not str or len(device) > 100 or not device.isprintable():
+        _fail(peer, f"device={device!r}; expected up to 100 printable characters ('' for the CPU)")
     token = obj["token"]
     if type(token) is not str or (token and not liveness.TOKEN.fullmatch(token)):
         _fail(peer, f"token={token!r}; expected '' or a process lock token")

@@ -68,6 +68,7 @@ from warmlink.refit import _members
 from warmlink.refit._relay_header import (CLOSED, EMPTY, FAILED, FILLING, HELD, RELAY_HEADER_NBYTES, RelayHeader, RelayWords,
                                           digest16)
 from warmlink.refit._upstreams import RouteAround, Upstreams, land
+from warmlink.rendezvous import schema
 from warmlink.transport.base import local_identity
 
 __all__ = ["Relay", "FanTransfer"]
@@ -159,6 +160,7 @@ class Relay:
         self.store = store
         self.timeout_s = timeout_s
         self.member = 0  # this receiver's number in its group, from its first cycle
+        self._sources: list[int] = []  # the members it pulls from, in order, then 0 (Note [Fan-out tree])
         self.incarnation = secrets.randbits(63)
         self._link = None
         self._header: RelayHeader | None = None
@@ -178,7 +180,7 @@ class Relay:
         sources = state.sources
         if self.member == 0:
             self._join(state.link, plan, bufs)
-        chunks, batches = bufs.chunked(plan, sources, self.config.chunk_bytes_for(plan.link_nbytes))
+        chunks, batches = bufs.chunked(plan, sources, self.config.chunk_bytes_for(plan.link_nbytes, state.link.backend))
         label = digest16([sources.generations(), list(sources.digests())])
         job = _Job(bufs, chunks, batches, version, label, timeout_s)
         with self._lock:  # a new epoch before the region takes a byte of it: Note [Fan-out]
@@ -257,13 +259,38 @@ class Relay:
                                 f"{member}; expected 1 to 2**40 (a forged counter?)")
         self.member = member
         self._announce(bufs.region.desc)
+        places = self._earlier_places() if c.degree == 1 else {}
+        self._sources = _members.ancestors(member, c.degree, places)
         log.info("fan-out member joined", extra={"group": c.group, "rank": c.rank, "member": self.member,
-                                                  "source": _members.parent(self.member, c.degree)})
+                                                  "source": self._sources[0]})
+
+    def _earlier_places(self) -> dict:
+        """The places of this member and those before it (``_members.place_of``), from their records:
+        each is written just after its member took its number, so a missing one is waited for a
+        little (a second in all); one still missing, or refused, counts as a place of its own."""
+        c = self.config
+        places = {self.member: (local_identity()[0], _members.device_id(self._link.device))}
+        deadline = time.monotonic() + min(1.0, c.stall_s)
+        for earlier in range(self.member - 1, 0, -1):
+            peer = f"fan-out {c.group}/{c.rank} replica {earlier}"
+            while True:
+                try:
+                    raw = self.store.try_get(_members.member_key(c.group, c.rank, earlier), peer=peer,
+                                             timeout_s=max(0.1, deadline - time.monotonic()))
+                    if raw is not None:
+                        places[earlier] = _members.place_of(schema.decode(raw, _members.KIND, peer))
+                except MetadataError as exc:
+                    log.warning("fan-out record refused", extra={"source": earlier, "error": str(exc)})
+                if earlier in places or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        return places
 
     def _announce(self, region: dict) -> None:
         c = self.config
         record = _members.make_record(group=c.group, rank=c.rank, member=self.member, incarnation=self.incarnation,
-                                      identity=local_identity(), token=liveness.token(), backend=self._link.backend,
+                                      identity=local_identity(), device=_members.device_id(self._link.device),
+                                      token=liveness.token(), backend=self._link.backend,
                                       header=self._header.region.desc, region=region)
         self.store.set_json(_members.member_key(c.group, c.rank, self.member), record)
         self._announced = region
@@ -287,7 +314,7 @@ class Relay:
                 job.finished.set()
 
     def _fill(self, job: _Job) -> None:
-        for member in _members.ancestors(self.member, self.config.degree):  # the last is 0, the publishers
+        for member in self._sources:  # the last is 0, the publishers
             if member in self._ups.gone:
                 continue
             if member == 0:
