@@ -317,3 +317,29 @@ def run_snippet(rank: int, num_ranks: int, store, case: dict) -> dict:
         want_w = torch.where(topk_idx >= 0, topk_weights, 0.0)  # each slot comes back once, from its expert's rank
         ok = torch.equal(ns["combined_x"], want_x) and torch.allclose(ns["combined_topk_weights"], want_w)
         return {"ok": ok, "received": ns["recv_x"].shape[0]}
+
+
+def gone_before_first_dispatch(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Every rank builds ``deep_ep.Buffer(group, num_nvl_bytes)``; rank 1 then makes no call (alive)
+    until rank 0 is done, and rank 0's first dispatch, which builds the warmlink Buffer, must end
+    within its timeout: the error's type and message and the seconds it took."""
+    import time
+
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        buffer = deep_ep.Buffer(group, case["num_nvl_bytes"], explicitly_destroy=True, timeout_s=case["timeout_s"])
+        if rank == 1:
+            store.get("gone-test/done", timeout_s=60)
+            buffer.close()
+            return {}
+        x, idx, probs = routed(case, rank)
+        layout = buffer.get_dispatch_layout(idx, case["experts"])
+        start = time.monotonic()
+        try:
+            buffer.dispatch(x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=layout[0],
+                            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+            return {"error": None}
+        except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+        finally:
+            store.set("gone-test/done", b"1")
+            buffer.close()

@@ -6,6 +6,8 @@ after the Buffer is built."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ import warmlink.ep.deep_ep as deep_ep
 from tests.ep._deep_ep_workers import (
     bias_and_refusals,
     free_port,
+    gone_before_first_dispatch,
     megatron_steps,
     outputs_outlive_later_calls,
     packed_scales_arrive_bit_for_bit,
@@ -195,6 +198,17 @@ def test_outputs_are_fresh_tensors_that_later_calls_leave_alone():
             "num_nvl_bytes": _hint(2, 256)}
     for got in run_ranks(outputs_outlive_later_calls, 2, case=case, timeout_s=120):
         assert got["same"] and got["later_differ"] and got["rows"] > 0, got
+
+
+def test_a_rank_gone_before_its_first_dispatch_costs_the_others_a_timeout_not_a_hang():
+    """The first dispatch builds the warmlink Buffer; its ranks meet over the store the constructor
+    made, so a rank that makes no call is named within the timeout (before, rank 0 waited in the
+    group's all_gather, gloo's 30 minutes; on GPUs in an all_reduce, without end)."""
+    case = {"tokens": 24, "hidden": 128, "experts": 4, "topk": 2, "seed": 5, "dist_port": free_port(),
+            "num_nvl_bytes": _hint(2, 256), "timeout_s": 2.0}
+    got = run_ranks(gone_before_first_dispatch, 2, case=case, timeout_s=60)[0]
+    assert got["error"] is not None and got["error"].startswith(("TransferTimeout", "PeerLostError")), got
+    assert re.search(r"key='ep/\d+/1'", got["error"]) and got["seconds"] < 15, got  # rank 1's rendezvous key
 
 
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -64,3 +64,38 @@ def test_widen_then_narrow_gives_the_rows_back(rows, width, extra, fp8, odd_scal
     assert cut == (width < hidden)
     for a, b in zip(back if isinstance(back, tuple) else (back,), tokens if isinstance(tokens, tuple) else (tokens,)):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.float(), b.float()) and a.is_contiguous()
+
+
+def test_the_largest_first_batch_is_agreed_over_the_store_and_a_bad_count_is_refused():
+    """deep_ep.inner._most_tokens (a GPU build's choice between slots and streaming): every rank's
+    count through the rendezvous store, the largest on every rank; a count that is not one is
+    refused by name; a rank that never writes costs a timeout."""
+    import threading
+    from types import SimpleNamespace
+
+    from warmlink.ep.deep_ep.inner import _most_tokens
+    from warmlink.errors import MetadataError, TransferTimeout
+    from warmlink.rendezvous import Store
+
+    with Store(is_server=True, prefix="most-tokens", timeout_s=10) as store:
+        def owner(rank: int, size: int, exchanges: int, timeout_s: float = 5.0):
+            return SimpleNamespace(rank=rank, group_size=size, _exchanges=exchanges, _timeout_s=timeout_s,
+                                   _rendezvous=lambda: store)
+
+        owners = [owner(r, 3, 0) for r in range(3)]
+        got = [None] * 3
+
+        def call(r: int) -> None:
+            got[r] = _most_tokens(owners[r], torch.zeros(7 * r + 2, 4))
+
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got == [16, 16, 16] and [o._exchanges for o in owners] == [1, 1, 1]
+        store.set("deep_ep/most/2/1", b"-5")
+        with pytest.raises(MetadataError, match="rank 1's token count under 'deep_ep/most/2' is '-5'"):
+            _most_tokens(owner(0, 2, 1), torch.zeros(3, 4))
+        with pytest.raises(TransferTimeout, match="deep_ep/most/3/1"):
+            _most_tokens(owner(0, 2, 2, timeout_s=0.5), torch.zeros(3, 4))

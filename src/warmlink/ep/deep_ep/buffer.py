@@ -115,12 +115,14 @@ class Buffer(LowLatencyCalls, CommCalls):
         self.enable_shrink = enable_shrink
         self._timeout_s = timeout_s
         self._widest_topk = 0  # of get_dispatch_layout's calls so far: deep_ep.inner, Note [Built on first dispatch]
-        # the low-latency build's rendezvous store, made here, where every rank is present (Note
-        # [Low-latency built on first call]); without torch.distributed (a group that runs no
-        # collective) the first call makes it
-        self._ll_store = None
-        if low_latency_mode and dist.is_available() and dist.is_initialized():
-            self._ll_store = group_store(group, timeout_s, None)[0]
+        # the rendezvous store of the warmlink Buffers the first calls build, made here, where every
+        # rank is present (Note [Built on first dispatch], Note [Low-latency built on first call]):
+        # a rank that then makes no call costs the others a timeout, not a wait in a collective of
+        # the group. Without torch.distributed (a group that runs no collective) the first build makes it
+        self._store = None
+        self._exchanges = 0  # batch-size exchanges of normal-mode builds so far (deep_ep.inner): their keys
+        if dist.is_available() and dist.is_initialized():
+            self._store = group_store(group, timeout_s, None)[0]
 
     # -- DeepEP's static methods ---------------------------------------------------------------
     @staticmethod
@@ -314,6 +316,13 @@ class Buffer(LowLatencyCalls, CommCalls):
                               "explicitly_destroy=True is released when collected")
         self.close()
 
+    def _rendezvous(self):
+        """The store the warmlink Buffers of this one meet over (the constructor's; made here,
+        collectively, where it could not make it)."""
+        if self._store is None:
+            self._store = group_store(self.group, self._timeout_s, None)[0]
+        return self._store
+
     def close(self) -> None:
         """Release the buffer whatever ``explicitly_destroy`` says (warmlink's verb; idempotent).
         Collective, as ``destroy``."""
@@ -323,7 +332,7 @@ class Buffer(LowLatencyCalls, CommCalls):
             if inner is not None:
                 inner.close()
         self._inner = self._ll = None
-        store, self._ll_store = getattr(self, "_ll_store", None), None
+        store, self._store = getattr(self, "_store", None), None
         if store is not None:
             store.close()
 

@@ -8,9 +8,12 @@ call's hidden size (rounded up to a multiple of 8: rows move as 8-byte words, so
 size works), the widest top-k seen so far and the most tokens per rank that fit
 ``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``; every rank computes the same sizes.
 A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). On CUDA,
-when those slots would not hold the largest first batch of any rank in one round (one
-``all_reduce`` over the group when the Buffer is built, so that every rank decides alike), it is a
-streamed Buffer (``send="stream"``) within the budget instead, which takes any batch in one call.
+when those slots would not hold the largest first batch of any rank in one round (every rank's
+count through the rendezvous store when the Buffer is built, so that every rank decides alike), it
+is a streamed Buffer (``send="stream"``) within the budget instead, which takes any batch in one
+call. The ranks meet over the store ``deep_ep.Buffer``'s constructor made, not in a collective of
+the group: a rank that makes no first dispatch costs the others ``TransferTimeout`` within the
+Buffer's timeout, naming it, where a collective would wait for it without end.
 
 A later call with a wider hidden size or top-k grows it: the ranks first agree on the new sizes
 in a host meet (``ep.Buffer.all_gather_int``: a rank that calls otherwise makes the others time
@@ -64,7 +67,7 @@ def built(owner, rows: torch.Tensor, num_topk: int) -> EPBuffer:
                               "rank must dispatch the same hidden size and top-k width")
     held = sizing.tokens_within(owner.num_nvl_bytes, owner.group_size, hidden, topk)
     streamed = None
-    if rows.is_cuda and held < _most_tokens(owner.group, rows):  # a slot round would not hold a batch: stream
+    if rows.is_cuda and (held == 0 or held < _most_tokens(owner, rows)):  # a slot round would not hold a batch
         streamed = sizing.stream_within(owner.num_nvl_bytes, owner.group_size, hidden, topk,
                                         sm_count(rows.device.index) // 2)
     if held == 0 and streamed is None:
@@ -75,23 +78,36 @@ def built(owner, rows: torch.Tensor, num_topk: int) -> EPBuffer:
         owner._inner = None
         inner.close()
     device, backend = (rows.device.index, None) if rows.is_cuda else (-1, "shm")
+    store, rank, size = owner._rendezvous(), owner.rank, owner.group_size
     if streamed is not None:
         channels, ring_rows = streamed
-        return EPBuffer.from_group(owner.group, max_tokens_per_rank=sizing.MAX_TOKENS, hidden=hidden, num_topk=topk,
-                                   device=device, timeout_s=owner._timeout_s, send="stream", stream_channels=channels,
-                                   ring_rows=ring_rows)
-    return EPBuffer.from_group(owner.group, max_tokens_per_rank=held, hidden=hidden, num_topk=topk, device=device,
-                               backend=backend, timeout_s=owner._timeout_s)
+        return EPBuffer(store, rank, size, max_tokens_per_rank=sizing.MAX_TOKENS, hidden=hidden, num_topk=topk,
+                        device=device, timeout_s=owner._timeout_s, send="stream", stream_channels=channels,
+                        ring_rows=ring_rows)
+    return EPBuffer(store, rank, size, max_tokens_per_rank=held, hidden=hidden, num_topk=topk, device=device,
+                    backend=backend, timeout_s=owner._timeout_s)
 
 
-def _most_tokens(group, rows: torch.Tensor) -> int:
-    """The largest batch of any rank of ``group`` in this call (collective: at a build only)."""
-    import torch.distributed as dist
+def _most_tokens(owner, rows: torch.Tensor) -> int:
+    """The largest batch of any rank of ``owner`` (a ``deep_ep.Buffer``) in this call, from every
+    rank's count in its rendezvous store, under keys of their own (every rank asks at the same
+    builds). Raises ``TransferTimeout`` (a rank that made no call) or ``MetadataError`` (a count that
+    is not one)."""
+    from warmlink.errors import MetadataError
 
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64,
-                         device=rows.device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    return max(int(count.item()), 1)
+    store = owner._rendezvous()
+    owner._exchanges += 1
+    key = f"deep_ep/most/{owner._exchanges}"
+    store.set(f"{key}/{owner.rank}", str(rows.shape[0]).encode("ascii"), timeout_s=owner._timeout_s)
+    most = 1
+    for r in range(owner.group_size):
+        raw = store.get(f"{key}/{r}", timeout_s=owner._timeout_s, peer=f"deep_ep rank {r}")
+        text = raw.decode("ascii", "replace")
+        if not text.isdigit() or len(text) > 12:
+            raise MetadataError(f"deep_ep.Buffer.dispatch: rank {r}'s token count under {key!r} is {text[:40]!r}; "
+                                "expected a decimal count")
+        most = max(most, int(text))
+    return most
 
 
 def widen(tokens, hidden: int):

@@ -30,7 +30,6 @@ import torch
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep.deep_ep import sizing
 from warmlink.ep.deep_ep.events import returned_event
-from warmlink.ep.paths.setup import group_store
 from warmlink.errors import ConfigError
 
 __all__ = ["LowLatencyCalls"]
@@ -47,9 +46,9 @@ class LowLatencyCalls:
     Buffer (or builds it) and calls that Buffer's method of the same name once."""
 
     _ll: _EPBuffer | None = None
-    _ll_store = None  # its rendezvous store (deep_ep.Buffer's constructor makes it)
     _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
     _call: Callable  # deep_ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
+    _rendezvous: Callable  # deep_ep.Buffer's: the store its warmlink Buffers meet over
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -227,9 +226,7 @@ class LowLatencyCalls:
                 f"cannot hold them: pass num_rdma_bytes >= {need} (get_low_latency_rdma_size_hint(..., "
                 f"num_topk={num_topk}))")
         dev, backend = (device.index, None) if device.type == "cuda" else (-1, "shm")
-        if self._ll_store is None:
-            self._ll_store = group_store(self.group, self._timeout_s, None)[0]
-        self._ll = _EPBuffer(self._ll_store, self.rank, self.group_size, max_tokens_per_rank=tokens, hidden=hidden,
+        self._ll = _EPBuffer(self._rendezvous(), self.rank, self.group_size, max_tokens_per_rank=tokens, hidden=hidden,
                              num_topk=num_topk, device=dev, backend=backend, timeout_s=self._timeout_s,
                              low_latency_mode=True, num_experts=num_experts, enable_shrink=self.enable_shrink)
         self._ll_shape = (tokens, hidden, num_experts, num_topk)
