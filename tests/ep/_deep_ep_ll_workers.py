@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import warmlink.ep.deep_ep as deep_ep
-from tests.ep._deep_ep_workers import gloo_group, ranks_of, routed
+from tests.ep._deep_ep_workers import first_call_outcome, gloo_group, ranks_of, routed
 from tests.ep._ll_workers import _dispatch, _received, dequantized, expert_output, ll_inputs
 
 
@@ -133,10 +133,8 @@ def deep_ep_ll_shrink(rank: int, num_ranks: int, store, case: dict) -> dict:
 def deep_ep_ll_gone_before_first_call(rank: int, num_ranks: int, store, case: dict) -> dict:
     """Every rank builds ``deep_ep.Buffer(group, 0, hint, low_latency_mode=True)``; rank 1 then
     makes no call (alive, as DeepEP's shrink test fails a rank) until rank 0 is done, and rank 0's
-    first dispatch, which builds the low-latency Buffer, must end within its timeout: the error's
-    type and message and the seconds it took."""
-    import time
-
+    first dispatch, which builds the low-latency Buffer, must end within its timeout
+    (``first_call_outcome``)."""
     mine = ll_inputs(case)[rank]
     tokens, hidden, experts = max(case["tokens"]), case["hidden"], case["experts"]
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
@@ -146,12 +144,5 @@ def deep_ep_ll_gone_before_first_call(rank: int, num_ranks: int, store, case: di
         if rank == 1:
             store.get("gone-test/done", timeout_s=60)
             return {}
-        start = time.monotonic()
-        try:
-            buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], tokens, experts, use_fp8=False)
-            return {"error": None}
-        except Exception as exc:  # noqa: BLE001 - the test compares the type and message
-            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
-        finally:
-            store.set("gone-test/done", b"1")
-            buffer.close()
+        return first_call_outcome(store, buffer, lambda: buffer.low_latency_dispatch(
+            mine["x"], mine["topk_idx"], tokens, experts, use_fp8=False))

@@ -319,12 +319,26 @@ def run_snippet(rank: int, num_ranks: int, store, case: dict) -> dict:
         return {"ok": ok, "received": ns["recv_x"].shape[0]}
 
 
+def first_call_outcome(store, buffer, call) -> dict:
+    """Rank 0's side of a test where rank 1 makes no first call: ``call()``'s error (type and
+    message) and the seconds it took; then rank 1 is told it may go, and ``buffer`` closed."""
+    import time
+
+    start = time.monotonic()
+    try:
+        call()
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and message
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        store.set("gone-test/done", b"1")
+        buffer.close()
+
+
 def gone_before_first_dispatch(rank: int, num_ranks: int, store, case: dict) -> dict:
     """Every rank builds ``deep_ep.Buffer(group, num_nvl_bytes)``; rank 1 then makes no call (alive)
     until rank 0 is done, and rank 0's first dispatch, which builds the warmlink Buffer, must end
-    within its timeout: the error's type and message and the seconds it took."""
-    import time
-
+    within its timeout (``first_call_outcome``)."""
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
         buffer = deep_ep.Buffer(group, case["num_nvl_bytes"], explicitly_destroy=True, timeout_s=case["timeout_s"])
         if rank == 1:
@@ -333,13 +347,6 @@ def gone_before_first_dispatch(rank: int, num_ranks: int, store, case: dict) -> 
             return {}
         x, idx, probs = routed(case, rank)
         layout = buffer.get_dispatch_layout(idx, case["experts"])
-        start = time.monotonic()
-        try:
-            buffer.dispatch(x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=layout[0],
-                            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
-            return {"error": None}
-        except Exception as exc:  # noqa: BLE001 - the test compares the type and message
-            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
-        finally:
-            store.set("gone-test/done", b"1")
-            buffer.close()
+        return first_call_outcome(store, buffer, lambda: buffer.dispatch(
+            x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2]))
