@@ -138,6 +138,22 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_dispatch_passes(
                     timeout_s=10.0, kernel=rec)
     ((grid, args, constexprs),) = rec.calls
     assert grid == (2 * channels,)
-    ptx = sm90_ptx(stream_programs.stream_dispatch_kernel, args, constexprs,
-                   ("num_tokens", "out_rows", "first_program"))
+    ptx = sm90_ptx(stream_programs.stream_dispatch_kernel, args, constexprs, ("num_tokens", "out_rows", "first_program"))
     assert "fence.acq_rel.sys" in ptx and "st.relaxed.sys.global.b64" in ptx and "sys.acquire" in ptx and "ld.global.cg" in ptx
+
+
+def test_the_dispatch_spills_no_register_at_its_defaults():
+    """A spilled register is a load from local memory that every step waits on (the combine's, at
+    its 4 warps, made it latency-bound). tools/kernel_resources.py compiles the kernel for sm_90
+    with the launch's arguments and reads the cubin's stack: no GPU needed."""
+    pytest.importorskip("triton")
+    import triton
+
+    if triton.knobs.runtime.interpret:
+        pytest.skip("compiles for a GPU: run without TRITON_INTERPRET")
+    from types import SimpleNamespace
+
+    from tools.kernel_resources import usage
+
+    got = usage("dispatch", {}, SimpleNamespace(channels=20, ring_rows=128, hidden=7168, topk=8))
+    assert got["STACK"] == 0 and got["REG"] <= 255 and got["warps"] == 8, got
