@@ -69,7 +69,7 @@ def test_bench_refit_hosts_says_which_modes_this_build_lacks(cluster_possible, c
     (["--link-rate", "1gbit"], "--link-rate needs --hosts"),
     (["--engines", "2", "--link-rate", "1gbit"], "--link-rate needs --hosts"),
     (["--engines", "2", "--modes", "pull,teleport"], "--modes='pull,teleport' invalid"),
-    (["--engines", "2", "--scenarios", "warm"], "--scenarios and --backend do not apply with --engines"),
+    (["--engines", "2", "--scenarios", "warm"], "--scenarios does not apply with --engines"),
     (["--hosts", "3", "--devices=-1,-1"], "--devices does not apply with --hosts"),
     (["--hosts", "3", "--backend", "nixl"], "--backend does not apply with --hosts"),
     (["--hosts", "3", "--modes", "pull,teleport"], "--modes='pull,teleport' invalid"),

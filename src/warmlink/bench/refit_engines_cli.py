@@ -35,8 +35,12 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for flag, value in (("--link-rate", args.link_rate), ("--plot", args.plot)):
         if value is not None:
             return f"{flag} needs --hosts (the emulated cluster)"
-    if args.scenarios is not None or args.backend != "auto":
-        return "--scenarios and --backend do not apply with --engines (it times pull and fanout)"
+    for flag, value in (("--scenarios", args.scenarios), ("--install", args.install), ("--nixl-threads", args.nixl_threads),
+                        ("--nixl-sweep", args.nixl_sweep)):
+        if value is not None:
+            return f"{flag} does not apply with --engines (it times pull and fanout)"
+    if args.backend != "auto":
+        return "--backend does not apply with --engines (it times pull and fanout)"
     if args.modes is not None:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not modes or any(m not in MODE_NAMES for m in modes) or len(set(modes)) != len(modes):

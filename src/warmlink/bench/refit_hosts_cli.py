@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of pull,fanout (default: every mode this build has)")
     g.add_argument("--fanout-chunks", type=bench_args.int_in(1, 1 << 16), default=None, metavar="K",
                    help="--engines without --hosts: fan-out's pipeline unit, the model cut into K chunks (default: "
-                        "FanOut's, 128)")
+                        "FanOut's: 32 over CUDA IPC, 128 elsewhere)")
 
 
 def _refusal(args: argparse.Namespace) -> str | None:

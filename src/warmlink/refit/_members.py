@@ -15,12 +15,12 @@ host, else ``m - 1``, from the places (host, GPU) the records of members ``1 .. 
 chain crosses each link between GPUs and hosts about once whatever the order of joining: three
 replicas joining as GPU1, GPU0, GPU1 (the trainer on GPU0) pull 1 <- publishers, 2 <- 1, 3 <- 1,
 not 3 <- 2, which would carry the model over GPU0 -> GPU1 a second time. Member 1 pulls from the
-publishers. A parent that is gone (its process died, or it closed)
-is routed around to its own parent, up to the publishers; one that stalls is routed around for
-that cycle (Note [Fan-out] in ``refit._relay``). A member joining a running job is the last
-number: its parent is a replica that already holds the current version. The plan is the
-library's: nothing but the order of joining, the places and ``degree`` decides it, so every
-member works out its own sources alone (a record it cannot read counts as a place of its own).
+publishers. A parent that is gone (its process died, or it closed) is routed around to its own
+parent, up to the publishers; one that stalls is routed around for that cycle (Note [Fan-out] in
+``refit._relay``). A member joining a running job is the last number: its parent is a replica
+that already holds the current version. The plan is the library's: nothing but the order of
+joining, the places and ``degree`` decides it, so every member works out its own sources alone (a
+record it cannot read counts as a place of its own).
 
 Records are MAC'd like every value, but anyone with the job's secret could write one, and the
 store can replay an old one: a record only says where to look. What a member serves is decided by
@@ -38,8 +38,8 @@ from warmlink.errors import MetadataError
 from warmlink.pool import liveness
 from warmlink.rendezvous import schema
 
-__all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "device_id", "place_of",
-           "GROUP_NAME"]
+__all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "device_id",
+           "place_of", "GROUP_NAME"]
 
 KIND = "fanout_member"
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
@@ -105,8 +105,8 @@ def make_record(*, group: str, rank: int, member: int, incarnation: int, identit
     """A member's record (Note [Fan-out tree]), for ``Store.set_json``; ``device`` is ``device_id``'s."""
     host, pid, start = identity
     return {"schema_version": 1, "kind": KIND, "group": group, "rank": rank, "member": member, "incarnation": incarnation,
-            "host": host, "device": device, "pid": pid, "start_time": start, "token": token or "", "backend": backend, "header": header,
-            "region": region}
+            "host": host, "device": device, "pid": pid, "start_time": start, "token": token or "", "backend": backend,
+            "header": header, "region": region}
 
 
 def _fail(peer: str, msg: str):

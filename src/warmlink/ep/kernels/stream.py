@@ -29,12 +29,13 @@ a ring smaller than a tile works; when not even the first fits, it waits for tha
 It then moves the taken tokens as ``[tokens, x_block]`` blocks of words, and their meta and
 ordinals, into every destination's slots with masks, and every ``publish`` rows (and before any
 wait, so that the rows it waits on can be taken) publishes ``tails[me][c]`` in d's memory:
-``seq << 32 | count``, stored by one thread after a block barrier and its system fence; at the end ``seq << 32 | FIN | count``
-(FIN = 1 << 31) to every destination, also one it sent nothing. Receiver program c visits the
-sources round-robin (a slow source holds up no other), takes each one's new rows (at most
-``batch`` a visit, ``tokens`` rows a block: their ordinals a vector, then ``[tokens, x_block]``
-blocks) into ``out[recv_offset[s] + ordinal]`` (ids made local, -1 elsewhere; weights 0 where
-the id is not local; scales as sent), and gives credits back with one store a visit of
+``seq << 32 | count``, stored by one thread after a block barrier and its system fence; at the
+end ``seq << 32 | FIN | count`` (FIN = 1 << 31) to every destination, also one it sent nothing.
+Receiver program c visits the sources round-robin (a slow source holds up no other), takes each
+one's new rows (at most ``batch`` a visit, ``tokens`` rows a block: their ordinals a vector, then
+``[tokens, x_block]`` blocks) into ``out[recv_offset[s] + ordinal]`` (ids made local, -1
+elsewhere; weights 0 where the id is not local; scales as sent), and gives credits back with one
+store a visit of
 ``heads[me][c]`` in the source's memory: ``seq << 32 | taken``, with FIN once the source's FIN
 came and all its rows are taken. It ends when every source is FIN and taken. The order is the
 non-streamed dispatch's exactly: by source rank, then source token (a row's place comes from its
@@ -49,11 +50,11 @@ DeepEP moves these rows at about 20 GB/s a channel; a step of many rows puts tha
 flight at once.
 
 Credits: row i of a call goes to slot ``i % ring_rows`` only once ``i - taken < ring_rows``, with
-``taken`` from a head the receiver published (barrier, one thread's system fence, store) after reading rows
-below ``taken``, and read by the sender with an acquire: the row the slot held was read. The
-receiver reads rows only below a tail's count, read with an acquire; the sender published it
-after the rows' stores (barrier, one thread's system fence, store). Ring loads bypass L1: a slot holds
-another row on the next lap.
+``taken`` from a head the receiver published (barrier, one thread's system fence, store) after
+reading rows below ``taken``, and read by the sender with an acquire: the row the slot held was
+read. The receiver reads rows only below a tail's count, read with an acquire; the sender
+published it after the rows' stores (barrier, one thread's system fence, store). Ring loads
+bypass L1: a slot holds another row on the next lap.
 
 The seq rule, so that nothing is reset between calls: every rank calls with seq 1, 2, 3, ... (the
 space zeroed once before seq 1). A tail of another seq counts as nothing sent this call. A sender

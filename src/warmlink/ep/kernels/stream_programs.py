@@ -101,8 +101,8 @@ def first(mask, r):
 def publish(ptrs, seq64, counts, flag, mask, R_BLOCK: tl.constexpr):
     # ``seq << 32 | flag | counts`` into each word of ``ptrs`` where ``mask`` holds ([R_BLOCK]
     # vectors), after every thread's row stores: one barrier, one system fence (thread 0's) and
-    # thread 0's stores. A fence in every thread and a release exchange per word, waiting for its
-    # answer across NVLink, held the whole program for each publish and made it latency-bound.
+    # thread 0's stores, none of which waits for an answer across NVLink (a fence in every thread,
+    # or an exchange per word, would hold the whole program that long at each publish)
     tl.debug_barrier()
     fence_by_one()
     r = tl.arange(0, R_BLOCK)
