@@ -433,7 +433,8 @@ def test_replicas_with_other_chunk_sizes_are_refused(job):
 
 
 def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_joining():
-    """Note [Fan-out tree]: the places (host, GPU) of the earlier members pick a member's parent."""
+    """Note [Fan-out tree]: the places (host, GPU) of the earlier members and of the publishers pick
+    a member's parent."""
     from warmlink.refit._members import ancestors, parent
 
     gpu0, gpu1 = ("node-a", "GPU-0"), ("node-a", "GPU-1")
@@ -443,6 +444,12 @@ def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_
     hosts = {1: ("a", ""), 2: ("b", ""), 3: ("a", ""), 4: ("b", ""), 5: ("c", "")}
     assert [parent(m, 1, hosts) for m in range(1, 6)] == [0, 1, 1, 2, 4]  # each host link crossed about once
     assert ancestors(5, 1, hosts) == [4, 2, 1, 0]
+    trainer_gpu0 = {0: gpu0, **places}  # the publishers' regions on GPU0 too: replica 2 copies within GPU0
+    assert [parent(m, 1, trainer_gpu0) for m in (1, 2, 3)] == [0, 0, 1]
+    gpu0_first = {0: gpu0, 1: gpu0, 2: gpu1, 3: gpu1}  # a replica on the trainer's GPU is no better a source
+    assert [parent(m, 1, gpu0_first) for m in (1, 2, 3)] == [0, 0, 2]
+    assert [parent(m, 1, {0: gpu0, 1: gpu0, 2: gpu0}) for m in (1, 2)] == [0, 1]  # a replica on its GPU comes first
+    assert parent(2, 1, {0: ("a", ""), 1: ("a", ""), 2: ("a", "")}) == 1  # the CPU is no GPU: the chain stays
     unknown = {3: ("a", "")}  # records it could not read: the member before it
     assert parent(3, 1, unknown) == 2 and parent(3, 1, None) == 2
     assert [parent(m, 2, places) for m in (2, 3)] == [1, 1]  # a tree keeps the member numbers' shape

@@ -1,6 +1,6 @@
 """Fan-out on GPUs (cuda_ipc): a trainer and three engine processes, all pulling from the trainer
 against fan-out in one run (``bench.fanout.run_fanout``), bit-exact, the trainer sending the
-model three times against once. On one GPU, and across two where there are two."""
+model three times against once per link. On one GPU, and across two where there are two."""
 
 from __future__ import annotations
 
@@ -24,12 +24,21 @@ def test_three_engines_with_fanout_take_the_model_from_the_trainer_once(devices)
     layouts = list(spec.layouts(1, 0).values())
     model_nbytes = build_plan({0: layouts}, layouts).link_nbytes
     out = run_fanout(spec, engines=3, cycles=3, devices=devices, timeout_s=300)
-    for mode, copies in (("trainer", 3), ("fanout", 1)):
+    # one GPU: a chain from the trainer; two: replica 1 (GPU1) from the trainer across NVLink, replica
+    # 2 from the trainer within GPU0, replica 3 (GPU1) from replica 1, so GPU0 -> GPU1 carries the
+    # model once (Note [Fan-out tree])
+    one_gpu = devices[1] == devices[2]
+    for mode, copies in (("trainer", 3), ("fanout", 1 if one_gpu else 2)):
         result = out["modes"][mode]
         assert result["correct"], (mode, result["bad"])
         assert [row["trainer_nbytes"] for row in result["cycles"]] == [copies * model_nbytes] * 3, (mode, result["cycles"])
-    # one GPU: a chain; two: replicas 2 (GPU0) and 3 (GPU1) both take it from replica 1 (GPU1), so
-    # GPU0 -> GPU1 carries the model once (Note [Fan-out tree])
-    served = {"publishers", "replica 1", "replica 2"} if devices[1] == devices[2] else {"publishers", "replica 1"}
+    engines_on = {f"engine{i}": d for i, d in enumerate(devices[1:])}
     for row in out["modes"]["fanout"]["cycles"]:
-        assert set(row["sources"]) == served, row
+        got = {e["replica"]: (engines_on[e["engine"]], sorted(e["sources"])) for e in row["engines"]}
+        if one_gpu:  # member numbers follow the order of joining; a chain follows them
+            assert got == {1: (0, ["publishers"]), 2: (0, ["replica 1"]), 3: (0, ["replica 2"])}, row
+            continue
+        first_gpu1, second_gpu1 = sorted(m for m, (d, _) in got.items() if d == 1)
+        assert got[first_gpu1][1] == ["publishers"] and got[second_gpu1][1] == [f"replica {first_gpu1}"], row
+        assert [s for d, s in got.values() if d == 0] == [["publishers"]], row
+

@@ -64,8 +64,8 @@ def engine_main(*, control, results, name, address, secret, prefix, spec, device
                 if msg[0] == "open":
                     fanout = FanOut(f"{group}-{msg[1]}", degree=degree, chunk_bytes=chunk_bytes) if msg[1] == "fanout" else None
                     rec = Receiver(store, num_publishers=1, backend=backend, fanout=fanout)
-                    for name, lay in layouts.items():
-                        rec.add(name, lay, targets[name])
+                    for tensor, lay in layouts.items():
+                        rec.add(tensor, lay, targets[tensor])
                     results.put({"tag": name, "event": "opened"})
                 elif msg[0] == "refit":
                     start = time.monotonic()
@@ -112,7 +112,8 @@ def run_fanout(
     Returns:
         ``{"engines", "nbytes" (the model), "modes": {mode: {"cycles": [{"cycle", "wall_s" (first start
         to last end, seconds), "slowest_s" (the slowest engine's cycle), "trainer_nbytes" (bytes the
-        trainer sent), "relay_nbytes" (bytes replicas sent each other), "sources"}], "correct"}}}``.
+        trainer sent), "relay_nbytes" (bytes replicas sent each other), "sources", "engines": [{"engine", "replica",
+        "end_s" (its end after the first start), "pull_s", "sources"}]}], "correct"}}}``.
         The first cycle of a mode includes its setup (plans, buffers, mappings).
     """
     from warmlink.errors import ConfigError
@@ -150,10 +151,16 @@ def run_fanout(
                 for rep in reports:
                     for source, n in rep["pulled_from"].items():
                         sources[source] = sources.get(source, 0) + n
-                rows.append({"cycle": c, "wall_s": max(msg["end"] for msg in msgs) - min(msg["start"] for msg in msgs),
+                first = min(msg["start"] for msg in msgs)
+                rows.append({"cycle": c, "wall_s": max(msg["end"] for msg in msgs) - first,
                              "slowest_s": max(rep["total_s"] for rep in reports),
                              "trainer_nbytes": sources.get("publishers", 0),
-                             "relay_nbytes": sum(n for s, n in sources.items() if s != "publishers"), "sources": sources})
+                             "relay_nbytes": sum(n for s, n in sources.items() if s != "publishers"), "sources": sources,
+                             # who was late, and what it waited on: a chain's last replica ends last
+                             "engines": [{"engine": msg["tag"], "replica": msg["report"]["replica"],
+                                          "end_s": msg["end"] - first, "pull_s": msg["report"]["pull_s"],
+                                          "sources": msg["report"]["pulled_from"]}
+                                         for msg in sorted(msgs, key=lambda m: m["tag"])]})
                 tell(f"{mode} cycle {c}")
             _to_all(group, tags, ("verify",))
             verified = group.expect("verified", engines)

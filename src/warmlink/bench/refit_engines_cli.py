@@ -117,4 +117,13 @@ def _table(runs: list[dict], names: list[str], nbytes: int) -> str:
             exact = "yes" if r["modes"][MODE_NAMES[name]]["correct"] else "NO"
             lines.append(f"{r['engines']:>7}  {name:<7}{rows[0]['wall_s'] * 1e3:>11.1f}{warm * 1e3:>11.2f}{ratio:>12}"
                          f"{nbytes / warm / 1e9:>16.1f}{sent:>23.2f}  {exact}")
+            if r["engines"] > 1 and name == "fanout":
+                lines.append(_ends(rows[-1]))
     return "\n".join(lines)
+
+
+def _ends(row: dict) -> str:
+    """Where each replica took the last cycle from and when it ended: a chain's lag shows there."""
+    ends = ", ".join(f"{e['replica']} <- {'/'.join(sorted(e['sources'])).replace('replica ', '')} {e['end_s'] * 1e3:.1f}"
+                     for e in sorted(row["engines"], key=lambda e: e["replica"]))
+    return f"{'':>9}cycle {row['cycle']}, replica <- source, end (ms): {ends}"

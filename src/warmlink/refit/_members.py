@@ -10,17 +10,19 @@ descriptors of its header and of the receive region it serves (``null`` until it
 
 Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers:
 ``(m - 2) // d + 1`` in a tree (``d > 1``); in a chain (``d = 1``, the default: each link carries
-the model once) the latest earlier member on its device (the same host and GPU), else on its
-host, else ``m - 1``, from the places (host, GPU) the records of members ``1 .. m - 1`` give. So a
-chain crosses each link between GPUs and hosts about once whatever the order of joining: three
-replicas joining as GPU1, GPU0, GPU1 (the trainer on GPU0) pull 1 <- publishers, 2 <- 1, 3 <- 1,
-not 3 <- 2, which would carry the model over GPU0 -> GPU1 a second time. Member 1 pulls from the
-publishers. A parent that is gone (its process died, or it closed) is routed around to its own
-parent, up to the publishers; one that stalls is routed around for that cycle (Note [Fan-out] in
-``refit._relay``). A member joining a running job is the last number: its parent is a replica
-that already holds the current version. The plan is the library's: nothing but the order of
-joining, the places and ``degree`` decides it, so every member works out its own sources alone (a
-record it cannot read counts as a place of its own).
+the model once) the latest earlier member on its device (the same host and GPU), else the publishers if they are all
+on that GPU, else the latest earlier member on its host (the publishers instead if that one is on
+their GPU: the same link, without its lag), else ``m - 1``, from the places (host, GPU) the records
+of members ``1 .. m - 1`` and the publishers' manifests give. So a chain crosses each link between
+GPUs and hosts about once whatever the order of joining: three replicas joining as GPU1, GPU0, GPU1
+(the trainer on GPU0) pull 1 <- publishers, 2 <- publishers (a copy within GPU0, at HBM speed, from
+the start of the version rather than behind replica 1), 3 <- 1, not 3 <- 2, which would carry the
+model over GPU0 -> GPU1 a second time. Member 1 pulls from the publishers. A parent that is gone
+(its process died, or it closed) is routed around to its own parent, up to the publishers; one that
+stalls is routed around for that cycle (Note [Fan-out] in ``refit._relay``). A member joining a
+running job is the last number: its parent is a replica that already holds the current version. The
+plan is the library's: nothing but the order of joining, the places and ``degree`` decides it, so
+every member works out its own sources alone (a record it cannot read counts as a place of its own).
 
 Records are MAC'd like every value, but anyone with the job's secret could write one, and the
 store can replay an old one: a record only says where to look. What a member serves is decided by
@@ -34,7 +36,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from warmlink.errors import MetadataError
+from warmlink.errors import BackendUnavailable, MetadataError
 from warmlink.pool import liveness
 from warmlink.rendezvous import schema
 
@@ -61,20 +63,28 @@ Place = tuple  # (host, device): where a member's buffers are (``place_of``)
 
 
 def parent(member: int, degree: int, places: dict[int, Place] | None = None) -> int:
-    """The member ``member`` pulls from (0: the publishers), given the ``places`` known of it and of
-    the members before it. See Note [Fan-out tree]."""
+    """The member ``member`` pulls from (0: the publishers), given the ``places`` known of it, of
+    the members before it and (key 0) of the publishers. See Note [Fan-out tree]."""
     if member <= 1:
         return 0
     if degree > 1:
         return (member - 2) // degree + 1
     mine = (places or {}).get(member)
     if mine is not None:
-        for same in (lambda p: p == mine, lambda p: p[0] == mine[0]):  # the device, then the host
-            for earlier in range(member - 1, 0, -1):
-                p = places.get(earlier)
-                if p is not None and same(p):
-                    return earlier
+        earlier = _latest(member, places, lambda p: p == mine)  # on its own GPU
+        if earlier is not None:
+            return earlier
+        if mine[1] and places.get(0) == mine:  # the publishers' GPU: a copy crossing no link
+            return 0
+        earlier = _latest(member, places, lambda p: p[0] == mine[0])  # on its own host
+        if earlier is not None:  # one on the publishers' GPU crosses the same link as they, later
+            return 0 if places[earlier][1] and places[earlier] == places.get(0) else earlier
     return member - 1
+
+
+def _latest(member: int, places: dict[int, Place], same) -> int | None:
+    """The latest member before ``member`` whose place is ``same``, or None."""
+    return next((m for m in range(member - 1, 0, -1) if m in places and same(places[m])), None)
 
 
 def ancestors(member: int, degree: int, places: dict[int, Place] | None = None) -> list[int]:
@@ -87,13 +97,18 @@ def ancestors(member: int, degree: int, places: dict[int, Place] | None = None) 
 
 
 def device_id(device: int) -> str:
-    """What tells a GPU apart across processes (its UUID; an ordinal depends on CUDA_VISIBLE_DEVICES),
-    '' for the CPU."""
+    """What tells a GPU apart across processes (its UUID as 32 hex characters, as CUDA IPC region
+    descriptors name it; an ordinal depends on CUDA_VISIBLE_DEVICES), '' for the CPU."""
     if device < 0:
         return ""
-    import torch
+    from warmlink import _cuda
 
-    return str(torch.cuda.get_device_properties(device).uuid)
+    try:
+        return _cuda.device_uuid(device)
+    except BackendUnavailable:  # no cuda-bindings (a NIXL-only GPU setup): torch's spelling of the same UUID
+        import torch
+
+        return str(torch.cuda.get_device_properties(device).uuid).removeprefix("GPU-").replace("-", "").lower()
 
 
 def place_of(record: dict) -> Place:

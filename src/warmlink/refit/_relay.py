@@ -179,7 +179,7 @@ class Relay:
         the cycle entered at the publishers of ``state.sources``; returns once the fill is queued."""
         sources = state.sources
         if self.member == 0:
-            self._join(state.link, plan, bufs)
+            self._join(state.link, plan, bufs, sources.place())
         chunks, batches = bufs.chunked(plan, sources, self.config.chunk_bytes_for(plan.link_nbytes, state.link.backend))
         label = digest16([sources.generations(), list(sources.digests())])
         job = _Job(bufs, chunks, batches, version, label, timeout_s)
@@ -244,9 +244,10 @@ class Relay:
             served[0].release_buffers(served[1])
 
     # -- joining -----------------------------------------------------------------------------
-    def _join(self, link, plan, bufs) -> None:
+    def _join(self, link, plan, bufs, publishers_place) -> None:
         """Take a member number and write this relay's record (Note [Fan-out tree]); a join that
-        failed (the store) is tried again by the next cycle."""
+        failed (the store) is tried again by the next cycle. ``publishers_place``: the one GPU every
+        publisher's regions are on (``SourceSet.place``), or None."""
         if self._link is None:  # its header and the members it pulls from: once, given back by close
             self._link = link
             self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES))
@@ -260,6 +261,8 @@ class Relay:
         self.member = member
         self._announce(bufs.region.desc)
         places = self._earlier_places() if c.degree == 1 else {}
+        if publishers_place is not None:
+            places[0] = publishers_place
         self._sources = _members.ancestors(member, c.degree, places)
         log.info("fan-out member joined", extra={"group": c.group, "rank": c.rank, "member": self.member,
                                                   "source": self._sources[0]})

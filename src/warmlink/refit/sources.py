@@ -154,6 +154,16 @@ class SourceSet:
         peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
         return _Source(peer, parsed, ReaderBoard.open(parsed.board, info["pid"], peer_name), self.link)
 
+    def place(self) -> tuple[str, str] | None:
+        """``(host, GPU UUID)`` where every publisher's regions are, when that is one GPU of one host
+        (CUDA IPC regions name their GPU); else None. Fan-out's chain uses it (Note [Fan-out tree])."""
+        places = {(src.peer.host, region.get("device_uuid") or "") for src in self._sources if src is not None
+                  for region in src.regions}
+        if len(places) != 1 or None in self._sources:
+            return None
+        place = places.pop()
+        return place if place[1] else None
+
     def boards(self) -> tuple[list[ReaderBoard], list[int]] | None:
         """Every publisher's board and the generation planned against, when every one is on this
         host and the manifests read are current (Note [Version board]); else None: the store."""
