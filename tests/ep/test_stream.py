@@ -143,9 +143,9 @@ def test_the_kernel_compiles_for_sm90_with_the_arguments_stream_dispatch_passes(
 
 
 def test_the_dispatch_spills_no_register_at_its_defaults():
-    """A spilled register is a load from local memory that a step waits on. tools/kernel_resources.py
-    compiles the kernel for sm_90 with the launch's arguments and reads the cubin's stack: no GPU
-    needed."""
+    """A spilled register is a load from local memory that every step waits on (the combine's, at
+    its 4 warps, made it latency-bound). tools/kernel_resources.py compiles the kernel for sm_90
+    with the launch's arguments and reads the cubin's stack: no GPU needed."""
     pytest.importorskip("triton")
     import triton
 

@@ -47,19 +47,11 @@ import functools
 import torch
 
 from warmlink.ep.kernels.launch import launch
-from warmlink.ep.kernels.stream import StreamSpace, no_abort, pow2, seq_word, sm_count
+from warmlink.ep.kernels.stream import BATCH_ROWS, PUBLISH_ROWS, StreamSpace, no_abort, pow2, seq_word, sm_count
 from warmlink.errors import ConfigError
 
-__all__ = ["BATCH_ROWS", "NUM_WARPS", "PUBLISH_ROWS", "combine_row_words", "stream_combine", "stream_combine_torch"]
+__all__ = ["combine_row_words", "stream_combine", "stream_combine_torch"]
 
-# A sender's step is ``[publish, _X_BLOCK]`` words and a receiver's ``[batch, _H_BLOCK]`` sums, in
-# programs of 8 warps: on 2 x H200 (tools/stream_sweep.py, 4096 tokens x 7168, 20 channels x 128
-# rows) 16 rows a send step and 8 a sum step took 0.88 and 0.83 of the time of 16 and 16 at 4
-# warps, and of 8 and 8, in two leases. Whether the kernel spills (tools/kernel_resources.py: 1.3 KB
-# a thread at 16/16/4 warps, 88 bytes here, none at 8/8/8) changed nothing measurable.
-PUBLISH_ROWS = 16
-BATCH_ROWS = 8
-NUM_WARPS = 8
 _X_BLOCK = 1024  # int64 words of a row a sender moves per step
 _H_BLOCK = 512  # elements of a row a receiver sums per step
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -88,7 +80,7 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
                    recv_offset: torch.Tensor, bases: torch.Tensor, status: torch.Tensor, *, me: int, seq,
                    timeout_s: float, weights: torch.Tensor | None = None, out_weights: torch.Tensor | None = None,
                    abort: int = 0, role: str = "both", publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS,
-                   kernel=None, num_warps: int = NUM_WARPS) -> None:
+                   kernel=None, num_warps: int = 0) -> None:
     """Launch rank ``me``'s streamed combine of call ``seq`` (Note [Streamed combine]).
 
     Args:
