@@ -20,6 +20,8 @@ import uuid
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _spawned import SpawnedWorker, preloaded, serve
 
@@ -455,18 +457,44 @@ def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_
     assert [parent(m, 2, places) for m in (2, 3)] == [1, 1]  # a tree keeps the member numbers' shape
 
 
-def test_a_member_record_with_a_bad_device_is_refused():
+def test_a_member_record_with_a_bad_device_or_host_header_is_refused():
     from warmlink.errors import MetadataError
     from warmlink.refit._members import make_record, validate_member
 
     region = {"kind": "shm", "name": "wl-x", "offset": 0, "nbytes": 64}
     record = make_record(group="g", rank=0, member=1, incarnation=1, identity=("h", 1, 0), device="", token=None,
-                         backend="shm", header=region, region=None)
+                         backend="shm", header=region, host_header=region, region=None)
     assert validate_member(record, "p") is record
+    assert validate_member({**record, "host_header": None}, "p")["host_header"] is None
     with pytest.raises(MetadataError, match="device="):
         validate_member({**record, "device": 7}, "p")
     with pytest.raises(MetadataError, match="device="):
         validate_member({**record, "device": "x" * 101}, "p")
+    gpu = {"kind": "cuda_ipc", "handle": "ab" * 64, "alloc_nbytes": 1 << 20, "offset": 0, "nbytes": 128, "device": 0,
+           "buffer_id": 7, "device_uuid": "0123456789abcdef" * 2}
+    assert validate_member({**record, "header": gpu, "backend": "cuda_ipc"}, "p")
+    with pytest.raises(MetadataError, match="host_header.kind="):  # shared memory of the host, nothing else
+        validate_member({**record, "host_header": gpu}, "p")
+    with pytest.raises(MetadataError, match="host_header"):
+        validate_member({**record, "host_header": {"kind": "shm"}}, "p")
+
+
+@settings(max_examples=60, deadline=None)
+@given(at=st.integers(0, 127), flip=st.integers(1, 255), held=st.integers(0, 1 << 40))
+def test_a_relay_header_read_in_the_middle_of_a_write_or_damaged_is_no_header(at, flip, held):
+    """Note [Relay header in host memory]: a header ends with a checksum of its words, so a read
+    that mixes two writes, or any changed byte, parses as no header (read again) and never as
+    words nobody wrote."""
+    from warmlink.refit._relay_header import FILLING, RelayWords, parse
+
+    old = RelayWords(7, 2, 5, FILLING, held, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
+    new = old._replace(epoch=3, held=0)
+    assert parse(old.pack()) == old and parse(new.pack()) == new
+    torn = new.pack()[:at] + old.pack()[at:]  # a write of ``new`` over ``old`` seen half done
+    assert parse(torn) == ({old.pack(): old, new.pack(): new}.get(torn))
+    damaged = bytearray(old.pack())
+    damaged[at] ^= flip
+    assert parse(bytes(damaged)) is None
 
 
 def test_the_default_chunk_is_a_32nd_of_the_bytes_over_cuda_ipc_and_a_128th_elsewhere():
@@ -477,3 +505,48 @@ def test_the_default_chunk_is_a_32nd_of_the_bytes_over_cuda_ipc_and_a_128th_else
     assert FanOut("g").chunk_bytes_for(nbytes, "nixl") == FanOut("g").chunk_bytes_for(nbytes) == nbytes // DEFAULT_NUM_CHUNKS
     assert FanOut("g").chunk_bytes_for(1 << 20, "cuda_ipc") == 64 << 10  # at least 64 KiB
     assert FanOut("g", chunk_bytes=1 << 20).chunk_bytes_for(nbytes, "cuda_ipc") == 1 << 20
+
+
+def test_a_replica_on_the_members_host_reads_its_header_from_shared_memory_and_notices_it_die():
+    """Note [Relay header in host memory]: a member's record names its header's copy in this host's
+    shared memory; a replica here reads it there (the words the relay wrote), one on another host
+    (another /dev/shm key in the token) or of a record without it through the link, and a member
+    whose process is gone is routed around as gone."""
+    from warmlink.pool import liveness
+    from warmlink.refit._members import make_record
+    from warmlink.refit._relay_header import FILLING, RelayHeader, RelayWords
+    from warmlink.refit._upstreams import RouteAround, Upstream, Upstreams
+    from warmlink.transport import lease_link
+    from warmlink.transport.base import PeerRef, local_identity
+
+    link, host = lease_link("shm", -1, 5.0), lease_link("shm", -1, 5.0)
+    header = RelayHeader(link.resource.allocate(128), host.resource.allocate(128))
+    words = RelayWords(7, 2, 5, FILLING, 3, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
+    header.write(words)
+    ups = Upstreams(FanOut("g"), None, link.resource, 5.0)
+    try:
+        record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
+                             token=liveness.token(), backend="shm", header=header.region.desc,
+                             host_header=header.host.desc, region=None)
+        me = PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token())
+        up = Upstream(1, record, me)
+        up.host_header = ups._open_host_header(up)
+        assert up.host_header is not None and ups._read_host(up) == words
+        header.write(words._replace(held=9))
+        assert ups._read_host(up).held == 9
+        ups.close(up)
+        elsewhere = Upstream(1, {**record, "token": "another-host/x.lock"}, me)
+        assert ups._open_host_header(elsewhere) is None
+        assert ups._open_host_header(Upstream(1, {**record, "host_header": None}, me)) is None
+        gone = Upstream(1, {**record, "token": ""}, PeerRef("test:gone", 1, local_identity()[0], 2**22 + 12345, 1))
+        gone.host_header = host.resource.open(me, header.host.desc)
+        with pytest.raises(RouteAround, match="died") as err:
+            ups._read_host(gone)
+        assert err.value.gone
+        host.resource.close_region(gone.host_header)
+    finally:
+        ups.close_all()
+        link.resource.release(header.region)
+        host.resource.release(header.host)
+        link.release()
+        host.release()

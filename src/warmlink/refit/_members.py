@@ -6,7 +6,8 @@ name and the same rank within their engine) form one group. A receiver joins its
 first cycle: it takes a member number ``m = add(fanout/{group}/{rank}/members, 1)`` (1, 2, ... in
 the order they join) and writes its record under ``fanout/{group}/{rank}/member/{m}``: its process
 (host, pid, start time, liveness token), its backend, the random incarnation of its relay, and the
-descriptors of its header and of the receive region it serves (``null`` until it has one).
+descriptors of its header (in its link's memory and in its host's shared memory) and of the
+receive region it serves (``null`` until it has one).
 
 Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers:
 ``(m - 2) // d + 1`` in a tree (``d > 1``); in a chain (``d = 1``, the default: each link carries
@@ -46,7 +47,7 @@ __all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member"
 KIND = "fanout_member"
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _KEYS = ("schema_version", "kind", "group", "rank", "member", "incarnation", "host", "device", "pid", "start_time",
-         "token", "backend", "header", "region")
+         "token", "backend", "header", "host_header", "region")
 _MAX_RANK = 1 << 20
 _MAX_MEMBER = 1 << 40
 
@@ -116,12 +117,14 @@ def place_of(record: dict) -> Place:
 
 
 def make_record(*, group: str, rank: int, member: int, incarnation: int, identity: tuple[str, int, int], device: str,
-                token: str | None, backend: str, header: dict, region: dict | None) -> dict:
-    """A member's record (Note [Fan-out tree]), for ``Store.set_json``; ``device`` is ``device_id``'s."""
+                token: str | None, backend: str, header: dict, host_header: dict | None, region: dict | None) -> dict:
+    """A member's record (Note [Fan-out tree]), for ``Store.set_json``; ``device`` is ``device_id``'s,
+    ``host_header`` the shared-memory region of its header on its host (Note [Relay header in host
+    memory] in ``refit._relay_header``), or None."""
     host, pid, start = identity
     return {"schema_version": 1, "kind": KIND, "group": group, "rank": rank, "member": member, "incarnation": incarnation,
             "host": host, "device": device, "pid": pid, "start_time": start, "token": token or "", "backend": backend,
-            "header": header, "region": region}
+            "header": header, "host_header": host_header, "region": region}
 
 
 def _fail(peer: str, msg: str):
@@ -162,6 +165,10 @@ def validate_member(obj: Any, peer: str) -> dict:
     if obj["backend"] not in schema.BACKENDS:
         _fail(peer, f"backend={obj['backend']!r}; expected one of {list(schema.BACKENDS)}")
     schema.validate_region(obj["header"], peer, "header")
+    if obj["host_header"] is not None:
+        schema.validate_region(obj["host_header"], peer, "host_header")
+        if obj["host_header"]["kind"] != "shm":
+            _fail(peer, f"host_header.kind={obj['host_header']['kind']!r}; expected 'shm'")
     if obj["region"] is not None:
         schema.validate_region(obj["region"], peer, "region")
     return obj

@@ -23,7 +23,8 @@ pulls from are ``refit._upstreams``; who pulls from whom is Note [Fan-out tree] 
   [Version header]) covers bytes that came through relays too, which were read from the
   publishers while v stood. What a replica learns from a relay is only which chunks it may copy.
 * **Chunks, pipelined and checked like a seqlock.** A relay's header (``refit._relay_header``, in
-  its own transfer memory: incarnation, epoch, version and the label of the publishers'
+  its own transfer memory, and a copy in its host's shared memory that replicas there read: Note
+  [Relay header in host memory]; incarnation, epoch, version and the label of the publishers'
   generations and manifests, plan signature, served region, chunks held) says how many chunks of
   the version it holds. Before its region takes other bytes (its next pull, other buffers, close)
   a relay writes a new epoch with 0 chunks, or ``closed``; it raises the count after each chunk
@@ -62,13 +63,14 @@ import threading
 import time
 
 from warmlink._backoff import poll
-from warmlink.errors import MetadataError, TransferError, TransferTimeout
+from warmlink.errors import MetadataError, TransferError, TransferTimeout, WarmlinkError
 from warmlink.pool import liveness
 from warmlink.refit import _members
 from warmlink.refit._relay_header import (CLOSED, EMPTY, FAILED, FILLING, HELD, RELAY_HEADER_NBYTES, RelayHeader, RelayWords,
                                           digest16)
 from warmlink.refit._upstreams import RouteAround, Upstreams, land
 from warmlink.rendezvous import schema
+from warmlink.transport import lease_link
 from warmlink.transport.base import local_identity
 
 __all__ = ["Relay", "FanTransfer"]
@@ -163,6 +165,7 @@ class Relay:
         self._sources: list[int] = []  # the members it pulls from, in order, then 0 (Note [Fan-out tree])
         self.incarnation = secrets.randbits(63)
         self._link = None
+        self._host = None  # the shared-memory link lease of the header's copy on this host, or None
         self._header: RelayHeader | None = None
         self._words: RelayWords | None = None  # what the header says now
         self._lock = threading.Lock()  # header writes: the driver's progress against a cycle's end
@@ -238,6 +241,10 @@ class Relay:
         link, self._link = self._link, None
         if link is not None:
             link.release(self._header.region)
+        host, self._host = self._host, None
+        if host is not None:
+            host.resource.release(self._header.host)
+            host.release()
         self._header = None
         served, self._served = self._served, None
         if served is not None:
@@ -250,8 +257,8 @@ class Relay:
         publisher's regions are on (``SourceSet.place``), or None."""
         if self._link is None:  # its header and the members it pulls from: once, given back by close
             self._link = link
-            self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES))
-            self._ups = Upstreams(self.config, self.store, link)
+            self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES), self._host_region())
+            self._ups = Upstreams(self.config, self.store, link, self.timeout_s)
         self._write(RelayWords(self.incarnation, 0, 0, EMPTY, 0, 0, 0, 0, b"", digest16(plan.signature), digest16(bufs.region.desc)))
         c = self.config
         member = self.store.add(_members.members_key(c.group, c.rank), 1, checked=False)
@@ -289,12 +296,27 @@ class Relay:
                 time.sleep(0.01)
         return places
 
+    def _host_region(self):
+        """The header's copy in this host's shared memory (Note [Relay header in host memory] in
+        ``refit._relay_header``), or None where there is none: its readers then read the header
+        through their link."""
+        try:
+            self._host = lease_link("shm", -1, self.timeout_s)
+            return self._host.resource.allocate(RELAY_HEADER_NBYTES)
+        except (WarmlinkError, OSError) as exc:
+            log.warning("fan-out header stays in link memory only", extra={"error": str(exc)})
+            if self._host is not None:
+                self._host.release()
+            self._host = None
+            return None
+
     def _announce(self, region: dict) -> None:
         c = self.config
         record = _members.make_record(group=c.group, rank=c.rank, member=self.member, incarnation=self.incarnation,
                                       identity=local_identity(), device=_members.device_id(self._link.device),
                                       token=liveness.token(), backend=self._link.backend,
-                                      header=self._header.region.desc, region=region)
+                                      header=self._header.region.desc, region=region,
+                                      host_header=self._header.host.desc if self._header.host is not None else None)
         self.store.set_json(_members.member_key(c.group, c.rank, self.member), record)
         self._announced = region
 

@@ -1,8 +1,19 @@
-"""A fan-out relay's words in its own transfer memory, read by the replicas it serves through their link.
+"""A fan-out relay's words in its own transfer memory, read by the replicas it serves through their
+link, and in host shared memory, read there by the replicas on its host.
 
 Note [Fan-out] in ``refit._relay`` says what they mean and who writes them when. The words are
 written only by their relay, in memory only it writes; a reader takes nothing the store says
 about them on trust (the store only says where they are).
+
+# Note [Relay header in host memory]
+A replica reads its source's header after each batch of chunk copies. Through the link that read
+is a copy on the GPU, queued behind the copies in flight and, when the source shares the GPU,
+behind the source's own work from another process: on 2 x H200 the read that checked a chained
+replica's last chunk took 2.5 ms while its source installed. So the relay also keeps its words in
+a small shared-memory region of its host (the record names it), and a replica on that host reads
+them there with one memcpy, after its copies completed. A read may meet a write half done: every
+header ends with a checksum of its words (BLAKE2b, 8 bytes), and a read whose checksum fails is
+read again (``parse`` returns None for it).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ _MAGIC = 0x31305941_4C45524C  # "LRELAY01" read as little-endian bytes
 # magic, incarnation, epoch, version, state, chunks held, num_chunks, chunk_bytes, served bytes,
 # label (which publishers' version), plan signature, served region
 _WORDS = struct.Struct("<QQqqqqqqq16s16s16s")
+_CHECK_BYTES = 8  # the checksum of the words, at the header's end: Note [Relay header in host memory]
 
 
 def digest16(value) -> bytes:
@@ -57,12 +69,21 @@ class RelayWords(NamedTuple):
         return f"version {self.version} {STATE_NAMES.get(self.state, self.state)}, {self.held}/{self.num_chunks} chunks"
 
     def pack(self) -> bytes:
-        return _WORDS.pack(_MAGIC, *self).ljust(RELAY_HEADER_NBYTES, b"\0")
+        body = _WORDS.pack(_MAGIC, *self).ljust(RELAY_HEADER_NBYTES - _CHECK_BYTES, b"\0")
+        return body + _checksum(body)
+
+
+def _checksum(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=_CHECK_BYTES).digest()
 
 
 def parse(raw: bytes) -> RelayWords | None:
     """The words in ``raw`` (``RELAY_HEADER_NBYTES`` read from a relay's header region), or None
-    when they are not a relay header (memory given back, never written)."""
+    when they are not a relay header (memory given back, never written, or read in the middle of
+    a write: Note [Relay header in host memory])."""
+    body = raw[:RELAY_HEADER_NBYTES - _CHECK_BYTES]
+    if len(raw) < RELAY_HEADER_NBYTES or raw[len(body):RELAY_HEADER_NBYTES] != _checksum(body):
+        return None
     magic, *rest = _WORDS.unpack_from(raw)
     words = RelayWords(*rest)
     if magic != _MAGIC or words.state not in STATE_NAMES:
@@ -72,13 +93,15 @@ def parse(raw: bytes) -> RelayWords | None:
 
 class RelayHeader:
     """The header a relay writes, at the front of ``region`` (one of its link's regions, the
-    relay's own, released by it). Device memory is written on a stream of its own, so that a
-    relay's progress never waits for the engine's kernels."""
+    relay's own, released by it) and of ``host`` (a region of a shared-memory link on its host, or
+    None: Note [Relay header in host memory]). Device memory is written on a stream of its own, so
+    that a relay's progress never waits for the engine's kernels."""
 
-    __slots__ = ("region", "_stream")
+    __slots__ = ("region", "host", "_stream")
 
-    def __init__(self, region) -> None:
+    def __init__(self, region, host=None) -> None:
         self.region = region
+        self.host = host
         self._stream = None
 
     def write(self, words: RelayWords) -> None:
@@ -86,6 +109,8 @@ class RelayHeader:
         import torch
 
         src = torch.frombuffer(bytearray(words.pack()), dtype=torch.uint8)
+        if self.host is not None:
+            self.host.tensor[:RELAY_HEADER_NBYTES].copy_(src)
         dst = self.region.tensor[:RELAY_HEADER_NBYTES]
         if dst.device.type == "cpu":
             dst.copy_(src)

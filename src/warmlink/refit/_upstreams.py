@@ -2,9 +2,11 @@
 checked, their chunks' copies prepared; kept across cycles (Note [Fan-out] in ``refit._relay``,
 Note [Fan-out tree] in ``refit._members``).
 
-What a record says is only where to look: a member's header, read through the link, says whether
-the region opened is the one it serves (its digest), whether the header is this member's (its
-incarnation) and whether it can serve this receiver at all (plan signature, chunking).
+What a record says is only where to look: a member's header, read through the link (or, for a
+member on this host, from its copy in shared memory: Note [Relay header in host memory] in
+``refit._relay_header``), says whether the region opened is the one it serves (its digest),
+whether the header is this member's (its incarnation) and whether it can serve this receiver at
+all (plan signature, chunking).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import logging
 import time
 from typing import Callable
 
-from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError, TransferTimeout
+from warmlink.errors import (ConfigError, LayoutError, MetadataError, PeerLostError, TransferError, TransferTimeout,
+                             WarmlinkError)
 from warmlink.refit import _members
 from warmlink.refit._relay_header import CLOSED, EMPTY, RELAY_HEADER_NBYTES, RelayWords, digest16
 from warmlink.refit._relay_header import parse as parse_words
@@ -23,6 +26,9 @@ from warmlink.transport.base import Copy, PeerRef
 __all__ = ["RouteAround", "Upstream", "Upstreams", "land"]
 
 log = logging.getLogger("warmlink.refit")
+# reads of a header before its words count as none: a read may meet a write half done (Note
+# [Relay header in host memory]); a write takes well under a microsecond
+_READS = 8
 
 
 class RouteAround(Exception):
@@ -49,11 +55,12 @@ def land(transfer, left: Callable[[], float]) -> None:
 class Upstream:
     """A member this relay pulls from, opened: its record, header and region, prepared reads."""
 
-    __slots__ = ("member", "record", "peer", "header", "region", "region_digest", "header_batch", "batches")
+    __slots__ = ("member", "record", "peer", "header", "host_header", "region", "region_digest", "header_batch",
+                 "batches")
 
     def __init__(self, member: int, record: dict, peer: PeerRef) -> None:
         self.member, self.record, self.peer = member, record, peer
-        self.header = self.region = self.header_batch = None
+        self.header = self.host_header = self.region = self.header_batch = None
         self.region_digest = digest16(record["region"])
         self.batches: tuple | None = None  # (my region, chunking, prepared batch per chunk)
 
@@ -66,10 +73,11 @@ class Upstreams:
     """The members one relay pulls from, over ``link`` (the relay's), for receivers of ``config``
     (its ``FanOut``). ``gone``: members that died or closed, never opened again."""
 
-    def __init__(self, config, store, link) -> None:
+    def __init__(self, config, store, link, timeout_s: float) -> None:
         import torch
 
-        self.config, self.store, self.link = config, store, link
+        self.config, self.store, self.link, self.timeout_s = config, store, link, timeout_s
+        self._host = None  # a shared-memory link lease: members' header copies on this host
         self.gone: set[int] = set()
         self._open: dict[int, Upstream] = {}
         self._absent_since: dict[int, float] = {}
@@ -134,15 +142,37 @@ class Upstreams:
                 self.gone.add(member)
             raise RouteAround(f"{up.name}: {exc}") from None
         up.header_batch = self.link.prepare([Copy(self._read_into, 0, up.header, 0, RELAY_HEADER_NBYTES)])
+        up.host_header = self._open_host_header(up)
         self._open[member] = up
         return up
+
+    def _open_host_header(self, up: Upstream):
+        """``up``'s header copy in this host's shared memory, opened; None when it has none, or it
+        is on another host (another /dev/shm), or it cannot be opened: then its header is read
+        through the link."""
+        from warmlink.pool import liveness
+        from warmlink.transport import lease_link
+
+        desc, key = up.record["host_header"], liveness.local_key()
+        if desc is None or key is None or not (up.record["token"] or "").startswith(key + "/"):
+            return None
+        try:
+            if self._host is None:
+                self._host = lease_link("shm", -1, self.timeout_s)
+            region = self._host.resource.open(up.peer, desc)
+        except (WarmlinkError, OSError) as exc:
+            log.info("fan-out header read through the link", extra={"source": up.member, "error": str(exc)})
+            return None
+        if region.nbytes < RELAY_HEADER_NBYTES:
+            self._host.resource.close_region(region)
+            return None
+        return region
 
     def read(self, up: Upstream, left: Callable[[], float], mine: RelayWords) -> RelayWords | None:
         """``up``'s header now, checked against its record and against ``mine`` (the relay's own
         words): None while it holds nothing to serve. Raises RouteAround for a member gone, typed
         errors for one that cannot serve this receiver at all."""
-        land(self.link.read(up.header_batch), left)
-        words = parse_words(self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes())
+        words = self._read_host(up) if up.host_header is not None else self._read_link(up, left)
         if words is None or words.incarnation != up.record["incarnation"] or words.state == CLOSED:
             # its header memory went back, or holds another relay's words: it closed
             raise RouteAround(f"{up.name} closed", gone=True)
@@ -158,6 +188,26 @@ class Upstreams:
                 f"Receiver.refit: fan-out group {self.config.group!r} rank {self.config.rank}: {up.name} cuts its region into "
                 f"{words.num_chunks} chunks of {words.chunk_bytes} bytes, this receiver into {mine.num_chunks} of "
                 f"{mine.chunk_bytes}; expected the same FanOut(chunk_bytes=) on every replica")
+        return words
+
+    def _read_link(self, up: Upstream, left: Callable[[], float]) -> RelayWords | None:
+        for _ in range(_READS):
+            land(self.link.read(up.header_batch), left)
+            words = parse_words(self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes())
+            if words is not None:
+                break
+        return words
+
+    def _read_host(self, up: Upstream) -> RelayWords | None:
+        """The header copy in shared memory, read again while a write is half done (its checksum
+        fails). A read through the link fails on a dead member; this one checks it lives."""
+        if not up.peer.alive():
+            raise RouteAround(f"{up.name} died", gone=True)
+        view = up.host_header.tensor[:RELAY_HEADER_NBYTES].numpy()
+        for _ in range(_READS):
+            words = parse_words(view.tobytes())
+            if words is not None:
+                break
         return words
 
     def batches(self, up: Upstream, region, chunks) -> list:
@@ -186,7 +236,9 @@ class Upstreams:
         for region in (up.header, up.region):
             if region is not None:
                 self.link.close_region(region)
-        up.header = up.region = None
+        if up.host_header is not None:
+            self._host.resource.close_region(up.host_header)
+        up.header = up.host_header = up.region = None
 
     def close_all(self) -> None:
         """Close every member's mappings and give back where headers are read into. Idempotent."""
@@ -195,4 +247,7 @@ class Upstreams:
         read_into, self._read_into = self._read_into, None
         if read_into is not None:
             self.link.release(read_into)
+        host, self._host = self._host, None
+        if host is not None:
+            host.release()
 
