@@ -20,6 +20,51 @@ def numpy_scalars_in_the_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch
+    _patch_the_language_once_a_launch(interpreter)
+
+
+def _patch_the_language_once_a_launch(interpreter) -> None:
+    """Triton's interpreter patches ``triton.language`` for a launch (``GridExecutor``), and again at
+    every call of a jit'd helper inside it (``InterpretedFunction.__call__``), never restoring the
+    second: a scan of the language's members each time, most of an interpreted kernel's run
+    (the low-latency kernels call a helper tens of thousands of times). Inside a launch the
+    language is patched already and a helper's patch sets the same stand-ins again, so it is
+    skipped where the launch's patch covers the helper's modules; the launch's own patch and its
+    restore are Triton's."""
+    original = interpreter._patch_lang
+    if getattr(original, "once_a_launch", False):
+        return
+    import inspect
+
+    import triton.language as lang
+
+    held: list[tuple[object, set]] = []  # the scopes not yet restored, with the modules each patched
+
+    def langs(fn) -> set:  # the modules _patch_lang patches for fn
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (lang, lang.core)}
+
+    class Held:
+        def __init__(self, scope, patched: set) -> None:
+            self.scope, self.entry = scope, (scope, patched)
+            held.append(self.entry)
+
+        def restore(self) -> None:
+            held.remove(self.entry)
+            self.scope.restore()
+
+    class Covered:  # nothing to restore: the scope that patched the language restores it
+        @staticmethod
+        def restore() -> None:
+            pass
+
+    def patch_lang(fn):
+        wanted = langs(fn)
+        if any(wanted <= patched for _, patched in held):
+            return Covered()
+        return Held(original(fn), wanted)
+
+    patch_lang.once_a_launch = True
+    interpreter._patch_lang = patch_lang
 
 
 CLOCK = [0]  # the fake device clock, in nanoseconds

@@ -202,8 +202,8 @@ def test_engines_get_two_versions_bit_exact_and_the_trainer_sends_the_model_once
             assert from_trainer == MODEL_NBYTES, f"version {version}: the trainer sent {from_trainer} bytes, the model is {MODEL_NBYTES}"
             members = sorted(g["replica"] for g in got)
             assert members == list(range(1, num_engines + 1))
-            for g in got:  # a chain: member m pulled all of it from member m - 1
-                source = "publishers" if g["replica"] == 1 else f"replica {g['replica'] - 1}"
+            for g in got:  # one place: a star around member 1 (Note [Fan-out tree])
+                source = "publishers" if g["replica"] == 1 else "replica 1"
                 assert list(g["pulled_from"]) == [source], g
         assert all(sum(c.values()) == 0 for c in (g["created"] for g in got)), "a warm fan-out cycle created something"
     finally:
@@ -220,8 +220,8 @@ def test_an_engine_joining_a_running_job_takes_its_first_version_from_a_replica(
         _start([joining], store, "join")
         (got,) = _refit_all([joining])
         assert got.get("error") is None and got["version"] == 2 and got["bad"] == [], got
-        assert got["replica"] == 3 and got["pulled_from"] == {"replica 2": got["pulled_from"]["replica 2"]}, got
-        assert got["pulled_from"]["replica 2"] >= MODEL_NBYTES
+        assert got["replica"] == 3 and got["pulled_from"] == {"replica 1": got["pulled_from"]["replica 1"]}, got
+        assert got["pulled_from"]["replica 1"] >= MODEL_NBYTES  # the first on its host (Note [Fan-out tree])
     finally:
         _close(running + [joining])
 
@@ -244,10 +244,11 @@ def test_a_relay_with_another_layout_is_refused_before_any_byte_moves(workers, j
 
 
 def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
-    """The last test of this module to use the workers: it kills one."""
+    """The last test of this module to use the workers: it kills one. A tree of degree 2 (4 <- 2
+    <- 1, 3 <- 1): on one host a chain is a star around member 1 (Note [Fan-out tree])."""
     store, trainer = job
     ws = workers[4:8]
-    _start(ws, store, "kill")
+    _start(ws, store, "kill", degree=2)
     try:
         first = _refit_all(ws)
         assert [g["bad"] for g in first] == [[]] * 4
@@ -273,8 +274,8 @@ def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
                 assert got["error"] in ("PeerLostError", "TransferTimeout") and got["bad"] == [], got
             else:
                 assert got["version"] == version and got["bad"] == [], got
-        assert outcomes[3].get("error") is None, outcomes[3]
-        assert outcomes[3]["pulled_from"].get("replica 1", 0) > 0, outcomes[3]  # routed around to the relay's source
+        assert outcomes[4].get("error") is None, outcomes[4]
+        assert outcomes[4]["pulled_from"].get("replica 1", 0) > 0, outcomes[4]  # routed around to the relay's source
         trainer.pub.begin_update(timeout_s=5.0)  # the dead relay holds the trainer no more (else TransferTimeout)
         trainer.pub.publish()
     finally:
@@ -326,12 +327,13 @@ def pooling_off():
 
 
 @pytest.mark.parametrize("sync", ["store_sync", "pooling_off"])
-def test_a_chain_in_flight_at_once(request, job, sync):
+def test_relays_of_relays_in_flight_at_once(request, job, sync):
     """Replicas that count themselves in through the store (another host's, or no board), and
-    relays whose buffers are new every cycle (pooling off: each re-announces its region)."""
+    relays whose buffers are new every cycle (pooling off: each re-announces its region). On one
+    host a chain is a star (Note [Fan-out tree]): a tree of degree 2 puts a relay behind a relay."""
     request.getfixturevalue(sync)
     store, trainer = job
-    recs = _receivers(store, 4, group=f"chain-{sync}")
+    recs = _receivers(store, 4, group=f"chain-{sync}", degree=2)
     try:
         for version in (1, 2, 3):
             if version > 1:
@@ -341,7 +343,7 @@ def test_a_chain_in_flight_at_once(request, job, sync):
             for rec, targets in recs:
                 assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
             assert {rep.replica: list(rep.pulled_from) for rep in reports} == {
-                1: ["publishers"], 2: ["replica 1"], 3: ["replica 2"], 4: ["replica 3"]}
+                1: ["publishers"], 2: ["replica 1"], 3: ["replica 1"], 4: ["replica 2"]}
     finally:
         for rec, _ in recs:
             rec.close()
@@ -371,17 +373,17 @@ def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job):
 
 def test_a_closed_relay_is_routed_around(job):
     store, trainer = job
-    recs = _receivers(store, 3, group="closing")
+    recs = _receivers(store, 4, group="closing", degree=2)  # 4 <- 2 <- 1
     try:
         for rec, _ in recs:
             rec.refit()
         recs[1][0].close()  # member 2 leaves
         version = trainer.update()
-        first, third = recs[0], recs[2]
+        first, fourth = recs[0], recs[3]
         assert first[0].refit().version == version
-        rep = third[0].refit()
+        rep = fourth[0].refit()
         assert rep.pulled_from.keys() == {"replica 1"} and rep.version == version
-        assert all(torch.equal(third[1][n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+        assert all(torch.equal(fourth[1][n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
     finally:
         for rec, _ in recs:
             rec.close()
@@ -444,8 +446,13 @@ def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_
     assert [parent(m, 1, places) for m in (1, 2, 3)] == [0, 1, 1]  # GPU0 -> GPU1 carries the model once
     assert ancestors(3, 1, places) == [1, 0]
     hosts = {1: ("a", ""), 2: ("b", ""), 3: ("a", ""), 4: ("b", ""), 5: ("c", "")}
-    assert [parent(m, 1, hosts) for m in range(1, 6)] == [0, 1, 1, 2, 4]  # each host link crossed about once
-    assert ancestors(5, 1, hosts) == [4, 2, 1, 0]
+    # a star around each host's first member, a chain of first members: each host link crossed once
+    assert [parent(m, 1, hosts) for m in range(1, 6)] == [0, 1, 1, 2, 2]
+    assert ancestors(5, 1, hosts) == [2, 1, 0]
+    blocks = {m: (f"h{(m - 1) // 3}", "") for m in range(1, 9)}  # 8 replicas joining host by host
+    assert max(len(ancestors(m, 1, blocks)) for m in blocks) == 4  # one hop per host, then one within
+    gpus = {1: ("a", "g1"), 2: ("a", "g1"), 3: ("a", "g2"), 4: ("a", "g3")}
+    assert [parent(m, 1, gpus) for m in range(1, 5)] == [0, 1, 1, 3]  # the GPUs' links in a chain
     trainer_gpu0 = {0: gpu0, **places}  # the publishers' regions on GPU0 too: replica 2 copies within GPU0
     assert [parent(m, 1, trainer_gpu0) for m in (1, 2, 3)] == [0, 0, 1]
     gpu0_first = {0: gpu0, 1: gpu0, 2: gpu1, 3: gpu1}  # a replica on the trainer's GPU is no better a source

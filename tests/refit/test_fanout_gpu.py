@@ -24,9 +24,9 @@ def test_three_engines_with_fanout_take_the_model_from_the_trainer_once(devices)
     layouts = list(spec.layouts(1, 0).values())
     model_nbytes = build_plan({0: layouts}, layouts).link_nbytes
     out = run_fanout(spec, engines=3, cycles=3, devices=devices, timeout_s=300)
-    # one GPU: a chain from the trainer; two: replica 1 (GPU1) from the trainer across NVLink, replica
-    # 2 from the trainer within GPU0, replica 3 (GPU1) from replica 1, so GPU0 -> GPU1 carries the
-    # model once (Note [Fan-out tree])
+    # one GPU: a star around replica 1, which takes it from the trainer; two: the first replica on
+    # GPU1 from the trainer across NVLink, the one on GPU0 from the trainer within GPU0, the other on
+    # GPU1 from the first there, so GPU0 -> GPU1 carries the model once (Note [Fan-out tree])
     one_gpu = devices[1] == devices[2]
     for mode, copies in (("trainer", 3), ("fanout", 1 if one_gpu else 2)):
         result = out["modes"][mode]
@@ -35,8 +35,8 @@ def test_three_engines_with_fanout_take_the_model_from_the_trainer_once(devices)
     engines_on = {f"engine{i}": d for i, d in enumerate(devices[1:])}
     for row in out["modes"]["fanout"]["cycles"]:
         got = {e["replica"]: (engines_on[e["engine"]], sorted(e["sources"])) for e in row["engines"]}
-        if one_gpu:  # member numbers follow the order of joining; a chain follows them
-            assert got == {1: (0, ["publishers"]), 2: (0, ["replica 1"]), 3: (0, ["replica 2"])}, row
+        if one_gpu:  # member numbers follow the order of joining
+            assert got == {1: (0, ["publishers"]), 2: (0, ["replica 1"]), 3: (0, ["replica 1"])}, row
             continue
         first_gpu1, second_gpu1 = sorted(m for m, (d, _) in got.items() if d == 1)
         assert got[first_gpu1][1] == ["publishers"] and got[second_gpu1][1] == [f"replica {first_gpu1}"], row

@@ -11,19 +11,24 @@ receive region it serves (``null`` until it has one).
 
 Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers:
 ``(m - 2) // d + 1`` in a tree (``d > 1``); in a chain (``d = 1``, the default: each link carries
-the model once) the latest earlier member on its device (the same host and GPU), else the publishers if they are all
-on that GPU, else the latest earlier member on its host (the publishers instead if that one is on
-their GPU: the same link, without its lag), else ``m - 1``, from the places (host, GPU) the records
-of members ``1 .. m - 1`` and the publishers' manifests give. So a chain crosses each link between
-GPUs and hosts about once whatever the order of joining: three replicas joining as GPU1, GPU0, GPU1
-(the trainer on GPU0) pull 1 <- publishers, 2 <- publishers (a copy within GPU0, at HBM speed, from
-the start of the version rather than behind replica 1), 3 <- 1, not 3 <- 2, which would carry the
-model over GPU0 -> GPU1 a second time. Member 1 pulls from the publishers. A parent that is gone
-(its process died, or it closed) is routed around to its own parent, up to the publishers; one that
-stalls is routed around for that cycle (Note [Fan-out] in ``refit._relay``). A member joining a
-running job is the last number: its parent is a replica that already holds the current version. The
-plan is the library's: nothing but the order of joining, the places and ``degree`` decides it, so
-every member works out its own sources alone (a record it cannot read counts as a place of its own).
+the model once) from the places (host, GPU) the records of members ``1 .. m - 1`` and the
+publishers' manifests give: the first earlier member on its place (the same host and GPU), else
+the publishers if they are all on that GPU, else the first member of the latest earlier place on
+its host, else the first member of the place of member ``m - 1``, else ``m - 1`` (and the
+publishers instead of a first member on their own GPU: the same link, without its lag). So the
+members of one place form a star around the first to arrive there (their copies cross no link),
+and the first members of the places a chain, one hop per link between GPUs or hosts: a version
+crosses each link about once whatever the order of joining, and goes through one hop per place
+rather than one per replica (8 replicas on 3 hosts: 4 hops, not 8). Three replicas joining as
+GPU1, GPU0, GPU1 (the trainer on GPU0) pull 1 <- publishers, 2 <- publishers (a copy within GPU0,
+at HBM speed, from the start of the version rather than behind replica 1), 3 <- 1, not 3 <- 2,
+which would carry the model over GPU0 -> GPU1 a second time. Member 1 pulls from the publishers.
+A parent that is gone (its process died, or it closed) is routed around to its own parent, up to
+the publishers; one that stalls is routed around for that cycle (Note [Fan-out] in
+``refit._relay``). A member joining a running job is the last number: its parent is a replica
+that already holds the current version. The plan is the library's: nothing but the order of
+joining, the places and ``degree`` decides it, so every member works out its own sources alone (a
+record it cannot read counts as a place of its own).
 
 Records are MAC'd like every value, but anyone with the job's secret could write one, and the
 store can replay an old one: a record only says where to look. What a member serves is decided by
@@ -72,20 +77,25 @@ def parent(member: int, degree: int, places: dict[int, Place] | None = None) -> 
         return (member - 2) // degree + 1
     mine = (places or {}).get(member)
     if mine is not None:
-        earlier = _latest(member, places, lambda p: p == mine)  # on its own GPU
-        if earlier is not None:
-            return earlier
+        head = _first(member, places, lambda p: p == mine)  # on its own GPU: a star, copies within it
+        if head is not None:
+            return head
         if mine[1] and places.get(0) == mine:  # the publishers' GPU: a copy crossing no link
             return 0
-        earlier = _latest(member, places, lambda p: p[0] == mine[0])  # on its own host
-        if earlier is not None:  # one on the publishers' GPU crosses the same link as they, later
-            return 0 if places[earlier][1] and places[earlier] == places.get(0) else earlier
+        # else the head of the latest place on its host (a chain over its GPUs' links), or of the
+        # place of the member before it (across hosts)
+        near = next((m for m in range(member - 1, 0, -1) if m in places and places[m][0] == mine[0]), None)
+        near = near if near is not None else (member - 1 if member - 1 in places else None)
+        if near is not None:
+            head = _first(member, places, lambda p: p == places[near])
+            # one on the publishers' GPU crosses the same link as they, later
+            return 0 if places[head][1] and places[head] == places.get(0) else head
     return member - 1
 
 
-def _latest(member: int, places: dict[int, Place], same) -> int | None:
-    """The latest member before ``member`` whose place is ``same``, or None."""
-    return next((m for m in range(member - 1, 0, -1) if m in places and same(places[m])), None)
+def _first(member: int, places: dict[int, Place], same) -> int | None:
+    """The first member before ``member`` whose place is ``same``, or None."""
+    return next((m for m in range(1, member) if m in places and same(places[m])), None)
 
 
 def ancestors(member: int, degree: int, places: dict[int, Place] | None = None) -> list[int]:
