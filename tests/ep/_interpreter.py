@@ -27,10 +27,11 @@ def _patch_the_language_once_a_launch(interpreter) -> None:
     """Triton's interpreter patches ``triton.language`` for a launch (``GridExecutor``), and again at
     every call of a jit'd helper inside it (``InterpretedFunction.__call__``), never restoring the
     second: a scan of the language's members each time, most of an interpreted kernel's run
-    (the low-latency kernels call a helper tens of thousands of times). Inside a launch the
-    language is patched already and a helper's patch sets the same stand-ins again, so it is
-    skipped where the launch's patch covers the helper's modules; the launch's own patch and its
-    restore are Triton's."""
+    (the low-latency kernels call a helper tens of thousands of times). A helper whose modules are
+    patched already is skipped. One that is not (Triton's own ``tl.zeros`` sees other modules than
+    ep's kernels) is patched, and its patch is undone with the launch's that encloses it, newest
+    first: undoing only the launch's would leave the helper's entry claiming modules whose stand-ins
+    the launch's restore just took away."""
     original = interpreter._patch_lang
     if getattr(original, "once_a_launch", False):
         return
@@ -38,19 +39,19 @@ def _patch_the_language_once_a_launch(interpreter) -> None:
 
     import triton.language as lang
 
-    held: list[tuple[object, set]] = []  # the scopes not yet restored, with the modules each patched
+    held: list[tuple[object, set]] = []  # the scopes in force, oldest first, with the modules each patched
 
     def langs(fn) -> set:  # the modules _patch_lang patches for fn
         return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (lang, lang.core)}
 
     class Held:
         def __init__(self, scope, patched: set) -> None:
-            self.scope, self.entry = scope, (scope, patched)
-            held.append(self.entry)
+            self.depth = len(held)
+            held.append((scope, patched))
 
-        def restore(self) -> None:
-            held.remove(self.entry)
-            self.scope.restore()
+        def restore(self) -> None:  # this scope and every one patched inside it, newest first
+            while len(held) > self.depth:
+                held.pop()[0].restore()
 
     class Covered:  # nothing to restore: the scope that patched the language restores it
         @staticmethod
@@ -59,7 +60,7 @@ def _patch_the_language_once_a_launch(interpreter) -> None:
 
     def patch_lang(fn):
         wanted = langs(fn)
-        if any(wanted <= patched for _, patched in held):
+        if held and wanted <= set().union(*(patched for _, patched in held)):
             return Covered()
         return Held(original(fn), wanted)
 
