@@ -114,9 +114,12 @@ def preloaded(*modules: str):
 def serve(control, results, commands: dict, state: dict, reset) -> None:
     """A worker's loop: run ``commands[cmd](state, **kwargs)`` for each message until ``None`` (or
     five idle minutes), send ``("ok", value)`` or ``("error", traceback)``, and ``reset(state)`` at
-    the end whatever happened."""
+    the end whatever happened. A fatal signal (a crash in native code, glibc's abort on a damaged
+    heap) prints every thread's Python stack first, so the test's log shows where the worker was."""
+    import faulthandler
     import traceback
 
+    faulthandler.enable(all_threads=True)
     try:
         while True:
             try:
