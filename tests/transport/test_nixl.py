@@ -434,3 +434,55 @@ def test_lease_link_keeps_the_agent() -> None:
         second.release()
     finally:
         pool.set_enabled(None)
+
+
+def test_an_idle_agent_leaves_the_cores_alone():
+    """NIXL's Python API makes its progress thread poll without pause; warmlink's agents wake on
+    UCX's events and every ``PROGRESS_WAKEUP_US`` (Note [NIXL's progress thread]). Spinning, an
+    idle agent took the whole of a core; load on this machine can only lower what it takes."""
+    from warmlink.transport._nixl_agent import Agent, make_agent_name
+
+    agent = Agent(make_agent_name())
+    try:
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    finally:
+        agent.close()
+    assert cpu < 0.3 * wall, f"an idle NIXL agent took {cpu:.2f} s of CPU in {wall:.2f} s"
+
+
+def test_an_agent_made_meanwhile_by_another_thread_is_nixls_own():
+    """The amended config reaches warmlink's agent only: an agent another thread makes while
+    warmlink's is being made (a vLLM connector's, say) gets NIXL's own, and NIXL's module is as it
+    was after."""
+    from warmlink.transport import _nixl_agent
+
+    api = _nixl_agent.load_nixl()
+    real = api.nixlBind
+    made = []  # (thread, the config's pthrDelay)
+
+    def other_agent():
+        api.nixl_agent(_nixl_agent.make_agent_name(), api.nixl_agent_config(backends=[]))
+
+    class Spy:
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(name, config):  # noqa: N802 - NIXL's name
+            made.append((threading.current_thread().name, config.pthrDelay))
+            if threading.current_thread() is threading.main_thread():  # inside warmlink's making
+                other = threading.Thread(target=other_agent, name="other")
+                other.start()
+                other.join(timeout=60)
+                assert not other.is_alive()
+            return real.nixlAgent(name, config)
+
+    api.nixlBind = Spy()
+    try:
+        _nixl_agent._agent_with_wakeup(api, _nixl_agent.make_agent_name(), 12345)
+        assert isinstance(api.nixlBind, Spy)  # put back as it was found
+    finally:
+        api.nixlBind = real
+    assert made == [("MainThread", 12345), ("other", 0)]

@@ -19,6 +19,18 @@ transfer then copies inline: ``read``/``write`` return after the bytes moved (25
 ``UCX_TLS=tcp,self`` (for hosts where CMA is not allowed) also passes the tests. warmlink writes
 no ``UCX_*`` variable; users set ``UCX_TLS`` (and ``UCX_NET_DEVICES`` on RDMA clusters) before the
 link is made.
+
+# Note [NIXL's progress thread]
+NIXL's Python API makes every agent with a progress thread that wakes at least every ``pthrDelay``
+microseconds besides when UCX signals work, and sets that to 0: the thread polls without pause and
+an idle agent takes a whole core (measured: 2.0 s of CPU in 2 s of sleep, nixl-cu13 1.5.1). Every
+process with a NIXL link then spins one core for its lifetime; on a host running a trainer and
+several engine processes the spinning threads starve the processes that move bytes (8 fan-out
+replicas on a 2-core host: 70% of the CPU in the kernel, in the threads' poll and eventfd reads).
+The thread still wakes at once on UCX's events (it arms the worker and polls its event fd); the
+timeout only covers wakeups UCX misses, so the agent is made with ``PROGRESS_WAKEUP_US`` (an
+idle agent then takes 3% of a core). The API has no parameter for it: the agent is constructed
+with NIXL's own config object amended (``_agent_with_wakeup``).
 """
 
 from __future__ import annotations
@@ -39,9 +51,11 @@ from warmlink.errors import (
 
 log = logging.getLogger("warmlink.transport")
 
-__all__ = ["Agent", "installed_package", "load_nixl", "make_agent_name"]
+__all__ = ["Agent", "PROGRESS_WAKEUP_US", "installed_package", "load_nixl", "make_agent_name"]
 
 _MODULES = ("nixl_cu13._api", "nixl._api")
+PROGRESS_WAKEUP_US = 1000  # Note [NIXL's progress thread]
+_MAKING = threading.Lock()
 
 
 def installed_package() -> str | None:
@@ -96,6 +110,33 @@ def _wrap(exc: BaseException, what: str, peer: str | None = None) -> Exception:
     return TransferError(f"NixlLink.{what}: NIXL raised {kind}: {exc}" + (f" (peer agent {peer!r})" if peer else ""))
 
 
+def _agent_with_wakeup(api, name: str, wakeup_us: int):
+    """``api.nixl_agent(name, ...)`` (no backend yet, telemetry on) whose progress thread wakes at
+    least every ``wakeup_us`` microseconds instead of spinning (Note [NIXL's progress thread]).
+
+    ``nixl_agent.__init__`` builds NIXL's config object and the native agent from its module's
+    ``nixlBind``; for the call it sees a stand-in whose ``nixlAgent`` amends the config, for this
+    thread only, so that an agent another thread makes meanwhile (a vLLM connector's) is NIXL's own."""
+    real, me = api.nixlBind, threading.get_ident()
+
+    class Bindings:
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name, config):  # noqa: N802 - NIXL's name
+            if threading.get_ident() == me and hasattr(config, "pthrDelay"):
+                config.pthrDelay = wakeup_us
+            return real.nixlAgent(agent_name, config)
+
+    with _MAKING:
+        api.nixlBind = Bindings()
+        try:
+            return api.nixl_agent(name, api.nixl_agent_config(backends=[], capture_telemetry=True))
+        finally:
+            api.nixlBind = real
+
+
 class Agent:
     """A NIXL agent with the UCX backend, and the remote agents loaded into it (counted).
 
@@ -110,7 +151,7 @@ class Agent:
     def __init__(self, name: str, ucx_params: dict[str, str] | None = None) -> None:
         api = load_nixl()
         try:
-            self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=[], capture_telemetry=True))
+            self._agent = _agent_with_wakeup(api, name, PROGRESS_WAKEUP_US)
             self._agent.create_backend("UCX", dict(ucx_params or {}))
         except Exception as exc:
             raise BackendUnavailable(f"NixlLink: cannot create NIXL agent {name!r}: {type(exc).__name__}: {exc}") from exc
