@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,12 +79,20 @@ _SOURCE = textwrap.dedent("""
 """)
 
 
-def _qdisc_bytes(ns: str, dev: str) -> tuple[int, int]:
-    """``(rate in bits/s, bytes sent)`` of the token bucket on ``dev`` in ``ns``."""
-    out = subprocess.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True,
-                         timeout=30, check=True).stdout
-    tbf = next(q for q in json.loads(out) if q["kind"] == "tbf")
-    return int(tbf["options"]["rate"]), int(tbf["bytes"])
+def _tc(*args: str) -> str:
+    return subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def _limit(ns: str, dev: str) -> tuple[int | None, int]:
+    """``(rate in bits/s, bytes sent)`` of the limit on ``dev``'s egress in ``ns`` (rate None: no
+    limit): the ``htb``'s top class of a small-first link, the ``tbf`` of a FIFO one."""
+    root = next(q for q in json.loads(_tc("-n", ns, "-s", "-j", "qdisc", "show", "dev", dev)) if q.get("root"))
+    if root["kind"] == "tbf":
+        return int(root["options"]["rate"]) * 8, int(root["bytes"])  # tc's JSON rate is in bytes/s
+    if root["kind"] == "htb":  # tc prints htb classes as text, even with -j
+        rate = re.search(r"class htb 1:1 root .*?\brate (\S+)", _tc("-n", ns, "class", "show", "dev", dev)).group(1)
+        return parse_rate(rate.lower()), int(root["bytes"])
+    return None, int(root.get("bytes", 0))
 
 
 def test_four_hosts_are_other_machines_behind_links_at_their_rate() -> None:
@@ -99,8 +108,8 @@ def test_four_hosts_are_other_machines_behind_links_at_their_rate() -> None:
                                 stdout=subprocess.PIPE, text=True)
         try:
             port = sink.stdout.readline().strip()
-            sent_before = _qdisc_bytes(cluster.hosts[3].netns, DEVICE)[1]
-            received_before = _qdisc_bytes(cluster.switch, "h0")[1]
+            sent_before = _limit(cluster.hosts[3].netns, DEVICE)[1]
+            received_before = _limit(cluster.switch, "h0")[1]
             source = subprocess.run(cluster.command(3, [sys.executable, "-c", _SOURCE, cluster.hosts[0].address, port,
                                                         str(NBYTES)]), capture_output=True, text=True, timeout=120)
             assert source.returncode == 0, source.stderr
@@ -110,36 +119,103 @@ def test_four_hosts_are_other_machines_behind_links_at_their_rate() -> None:
             sink.wait(timeout=30)
         elapsed_s = float(source.stdout)
         assert elapsed_s >= 0.95 * NBYTES * 8 / RATE_BPS, f"{NBYTES} bytes in {elapsed_s:.3f} s: faster than the link"
-        # Both ends' buckets carried the bytes: host 3's sending side and host 0's receiving side.
-        rate, sent = _qdisc_bytes(cluster.hosts[3].netns, DEVICE)
-        assert rate == RATE_BPS // 8 and sent - sent_before >= NBYTES  # tc's JSON rate is in bytes/s
-        rate, received = _qdisc_bytes(cluster.switch, "h0")
-        assert rate == RATE_BPS // 8 and received - received_before >= NBYTES
+        # Both ends' limits carried the bytes: host 3's sending side and host 0's receiving side.
+        rate, sent = _limit(cluster.hosts[3].netns, DEVICE)
+        assert rate == RATE_BPS and sent - sent_before >= NBYTES
+        rate, received = _limit(cluster.switch, "h0")
+        assert rate == RATE_BPS and received - received_before >= NBYTES
         assert cluster.link_bytes(3)[0] >= NBYTES and cluster.link_bytes(0)[1] >= NBYTES
     assert not {h.netns for h in cluster.hosts} & _namespaces()
 
 
-def _tbf_rates(cluster: Cluster) -> list[int | None]:
-    """The token bucket's rate (bytes/s, as tc's JSON gives it) on each end of each link, or None."""
-    out = []
-    for h in cluster.hosts:
-        for ns, dev in ((h.netns, DEVICE), (cluster.switch, f"h{h.idx}")):
-            qdiscs = json.loads(subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], capture_output=True,
-                                               text=True, timeout=30, check=True).stdout)
-            out.append(next((int(q["options"]["rate"]) for q in qdiscs if q["kind"] == "tbf"), None))
-    return out
+def _rates(cluster: Cluster) -> list[int | None]:
+    """The limit's rate (bits/s) on each end of each link, or None."""
+    return [_limit(ns, dev)[0] for h in cluster.hosts for ns, dev in ((h.netns, DEVICE), (cluster.switch, f"h{h.idx}"))]
 
 
-def test_the_links_rate_changes_while_the_hosts_run() -> None:
-    with Cluster(2, link_rate_bps=RATE_BPS) as cluster:
-        assert _tbf_rates(cluster) == [RATE_BPS // 8] * 4
+@pytest.mark.parametrize("queue", ["small-first", "fifo"])
+def test_the_links_rate_changes_while_the_hosts_run(queue) -> None:
+    with Cluster(2, link_rate_bps=RATE_BPS, link_queue=queue) as cluster:
+        assert _rates(cluster) == [RATE_BPS] * 4
         cluster.set_link_rate(None)
-        assert _tbf_rates(cluster) == [None] * 4 and cluster.link_rate_bps is None
+        assert _rates(cluster) == [None] * 4 and cluster.link_rate_bps is None
         cluster.set_link_rate(2 * RATE_BPS)
-        assert _tbf_rates(cluster) == [RATE_BPS // 4] * 4 and cluster.link_rate_bps == 2 * RATE_BPS
+        assert _rates(cluster) == [2 * RATE_BPS] * 4 and cluster.link_rate_bps == 2 * RATE_BPS
         with pytest.raises(ConfigError, match="link_rate_bps=10 invalid"):
             cluster.set_link_rate(10)
-        assert _tbf_rates(cluster) == [RATE_BPS // 4] * 4
+        assert _rates(cluster) == [2 * RATE_BPS] * 4
+
+
+_ECHO = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((sys.argv[1], 0))
+    print(s.getsockname()[1], flush=True)
+    while True:
+        data, peer = s.recvfrom(64)
+        s.sendto(data, peer)
+""")
+
+_PINGS = textwrap.dedent("""
+    import socket, statistics, sys, time
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5)
+    rtts = []
+    for i in range(20):
+        t0 = time.monotonic()
+        s.sendto(b"%d" % i, (sys.argv[1], int(sys.argv[2])))
+        s.recvfrom(64)
+        rtts.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    print(statistics.median(rtts), flush=True)
+""")
+
+
+def _small_rtt_beside_bulk(queue: str) -> tuple[float, str]:
+    """The median round trip of a 1-byte UDP request from host 1 to host 0 while hosts 1 and 2 both
+    stream to host 0 (Note [Link queues]): twice what host 0's link takes arrives at the switch,
+    whose side of that link queues the streams' bytes and the request together. Also the classes'
+    counters on that side (tc's text)."""
+    with Cluster(3, link_rate_bps=RATE_BPS, link_queue=queue) as cluster:
+        address = cluster.hosts[0].address
+        procs = []
+
+        def start(host: int, code: str, *args: str) -> subprocess.Popen:
+            procs.append(subprocess.Popen(cluster.command(host, [sys.executable, "-c", code, *args]),
+                                          stdout=subprocess.PIPE, text=True))
+            return procs[-1]
+
+        try:
+            echo_port = start(0, _ECHO, address).stdout.readline().strip()
+            sources = [start(h, _SOURCE, address, start(0, _SINK, address).stdout.readline().strip(), str(4 * NBYTES))
+                       for h in (1, 2)]
+            time.sleep(0.5)  # the streams fill the queue
+            pings = subprocess.run(cluster.command(1, [sys.executable, "-c", _PINGS, address, echo_port]),
+                                   capture_output=True, text=True, timeout=60)
+            assert pings.returncode == 0, pings.stderr
+            assert all(s.poll() is None for s in sources), "a stream ended before the requests did: not measured beside it"
+            return float(pings.stdout), _tc("-n", cluster.switch, "-s", "class", "show", "dev", "h0")
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def _class_sent(text: str, classid: str) -> tuple[int, int]:
+    """``(bytes, packets)`` an htb class sent, from ``tc -s class show``."""
+    found = re.search(rf"class htb {classid} .*?\n\s*Sent (\d+) bytes (\d+) pkt", text)
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_small_packets_pass_a_busy_links_queue_that_a_fifo_holds_them_in() -> None:
+    """The requests go to the small class, the streams' bytes to the bulk one, and the requests
+    come back sooner than through one FIFO, which holds them behind the bytes queued before them
+    (tens of ms here; only the order is asserted, which load on this machine does not turn)."""
+    fifo, _ = _small_rtt_beside_bulk("fifo")
+    small_first, classes = _small_rtt_beside_bulk("small-first")
+    assert _class_sent(classes, "1:10")[1] >= 20  # the 20 requests (and the streams' handshakes)
+    assert _class_sent(classes, "1:20")[0] >= NBYTES
+    assert small_first < fifo, (fifo, small_first)
 
 
 def test_close_ends_every_process_of_every_host_even_after_one_died() -> None:
@@ -231,6 +307,8 @@ def test_bad_arguments_are_refused_before_anything_is_made() -> None:
             Cluster(bad)
     with pytest.raises(ConfigError, match="link_rate_bps"):
         Cluster(2, link_rate_bps=100)
+    with pytest.raises(ConfigError, match="link_queue='lifo' unknown"):
+        Cluster(2, link_queue="lifo")
     assert _namespaces() == before
     assert parse_rate("200mbit") == 200_000_000 and parse_rate("1.5Gbit") == 1_500_000_000
     assert parse_rate("64000bit") == 64_000

@@ -4,12 +4,27 @@
 
 * a network namespace with one link ``wl0`` at ``10.214.0.{i + 1}/24``, whose other end sits on a
   bridge (the switch) in a namespace of its own, so nothing is added to this machine's network;
-* a ``tc`` token bucket on both ends of that link at ``link_rate_bps``, standing in for the
-  host's NIC: the host's end limits what the host sends, the switch's end what it receives;
+* a ``tc`` rate limit on both ends of that link at ``link_rate_bps``, standing in for the
+  host's NIC: the host's end limits what the host sends, the switch's end what it receives
+  (Note [Link queues]: small packets go before bulk ones, as a NIC serves them);
 * a host init: ``unshare --pid --uts --mount`` in that namespace under hostname ``wl-host-{i}``
   with a tmpfs of its own on /dev/shm. Processes started on the host (``command``, ``start``)
   enter the init's namespaces with ``nsenter``: they share the host's hostname, pid table,
   /dev/shm and network, and see other hosts' processes only over the links, as on other machines.
+
+# Note [Link queues]
+Behind a rate limit, packets wait. One FIFO (a ``tbf`` of 100 ms, as this module first had) puts a
+100-byte read request, a header read's answer or an ACK behind every byte another flow queued
+there: on a host that receives a version and passes it on, each request it sends upstream waits
+behind the bytes it sends downstream, and each request from downstream behind the bytes arriving
+from upstream, up to 100 ms apiece. Real NICs do not do that: an RDMA NIC arbitrates between its
+queue pairs packet by packet, and Linux's default qdisc (fq_codel) serves a sparse flow before a
+busy one. So each end of a link is an ``htb`` at the rate with two classes: packets shorter than
+512 bytes (requests, ACKs, small answers: a ``u32`` match on the IP length) go first, bulk ones
+after, each class with a queue of 100 ms of the rate. This kernel has neither fq nor fq_codel to
+attach below a limit. ``link_queue="fifo"`` keeps the single ``tbf`` FIFO for comparison (a chain
+of fan-out relays pays for it: BENCHMARKS.md). Byte counters then count GSO segments as the
+kernel hands them over: their headers once per segment, not per wire packet.
 
 Everything needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), ``ip``, ``tc``, ``unshare`` and
 ``nsenter``. ``unavailable()`` says what is missing or refused; ``Cluster`` raises
@@ -32,11 +47,13 @@ from dataclasses import dataclass
 from warmlink.bench.json_child import JsonChild
 from warmlink.errors import WarmlinkError
 
-__all__ = ["Cluster", "ClusterUnavailable", "Host", "parse_rate", "reap_stale", "unavailable", "DEVICE"]
+__all__ = ["Cluster", "ClusterUnavailable", "Host", "LINK_QUEUES", "parse_rate", "reap_stale", "unavailable", "DEVICE"]
 
 DEVICE = "wl0"  # every host's link, by the same name on every host (UCX_NET_DEVICES=wl0)
 _SUBNET = "10.214.0"  # inside the cluster's own namespaces: never seen by this machine's network
 _NAME = re.compile(r"^wlc-(\d+)-([0-9a-f]{8})-(sw|h\d+)$")
+LINK_QUEUES = ("small-first", "fifo")  # Note [Link queues]
+_SMALL_BYTES = 512  # an IP packet shorter than this is "small" (the u32 match below is on its length's top 7 bits)
 _TOOLS = {"ip": "iproute2", "tc": "iproute2", "unshare": "util-linux", "nsenter": "util-linux"}
 
 # The host init, under ``unshare``: it names the host, mounts its /dev/shm, prints its pid as this
@@ -167,6 +184,8 @@ class Cluster:
     Args:
         num_hosts: how many hosts, 1 to 250; host ``i`` has address ``10.214.0.{i + 1}``.
         link_rate_bps: each host's link rate in bits per second, both ways (None: unlimited).
+        link_queue: how a limited link queues (Note [Link queues]): ``"small-first"`` (default),
+            packets under 512 bytes before bulk ones; ``"fifo"``, one 100 ms FIFO.
         shm_bytes: the size of each host's /dev/shm tmpfs, bytes (None: the kernel's default, half
             of this machine's memory).
         timeout_s: how long one setup step may take, seconds.
@@ -180,13 +199,16 @@ class Cluster:
     (Note [Cluster teardown]). ``close`` is idempotent; ``with`` calls it.
     """
 
-    def __init__(self, num_hosts: int, *, link_rate_bps: int | None = None, shm_bytes: int | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(self, num_hosts: int, *, link_rate_bps: int | None = None, link_queue: str = "small-first",
+                 shm_bytes: int | None = None, timeout_s: float = 30.0) -> None:
         from warmlink.errors import ConfigError
 
         if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or not 1 <= num_hosts <= 250:
             raise ConfigError(f"Cluster: num_hosts={num_hosts!r} out of range; expected an int in [1, 250]")
         _check_rate(link_rate_bps, "Cluster")
+        if link_queue not in LINK_QUEUES:
+            raise ConfigError(f"Cluster: link_queue={link_queue!r} unknown; expected one of {', '.join(LINK_QUEUES)}")
+        self.link_queue = link_queue
         reason = _missing()
         if reason is not None:
             raise ClusterUnavailable(f"Cluster: {reason}")
@@ -246,18 +268,36 @@ class Cluster:
         self.link_rate_bps = link_rate_bps
 
     def _limit(self, ns: str, dev: str, rate: int | None, what: str) -> None:
-        """A token bucket at ``rate`` on ``dev``'s egress (None: none). Its bucket holds 1 ms of the
-        rate (at least 32 KiB): a burst no longer than that can beat the rate."""
+        """A limit at ``rate`` on ``dev``'s egress (None: none), queued as ``link_queue`` says (Note
+        [Link queues]). Its bucket holds 1 ms of the rate (at least 32 KiB): a burst no longer than
+        that can beat the rate; its queues hold 100 ms of it."""
+        tc = ["tc", "-n", ns]
         if rate is None:
             if self.link_rate_bps is not None:
-                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], f"lifting the rate limit on {what}")
+                _run(tc + ["qdisc", "del", "dev", dev, "root"], f"lifting the rate limit on {what}")
             return
-        burst = max(32 << 10, rate // 8 // 1000)
-        try:
-            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst",
-                  str(burst), "latency", "100ms"], f"the rate limit on {what} (tc tbf)")
-        except ClusterUnavailable as exc:
-            raise ClusterUnavailable(f"{exc} (is the kernel's sch_tbf module available?)") from None
+        burst = str(max(32 << 10, rate // 8 // 1000))
+        if self.link_queue == "fifo":
+            steps = [["qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", burst, "latency", "100ms"]]
+        else:
+            queue, small = str(max(64 << 10, rate // 8 // 10)), rate // 10  # the small class needs far less than its share
+            bucket = ["burst", burst, "cburst", burst]
+            steps = [["qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20", "r2q", "1000"],
+                     ["class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{rate}bit", *bucket],
+                     ["class", "replace", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", f"{small}bit",
+                      "ceil", f"{rate}bit", *bucket, "prio", "0"],
+                     ["class", "replace", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{rate - small}bit",
+                      "ceil", f"{rate}bit", *bucket, "prio", "1"],
+                     ["qdisc", "replace", "dev", dev, "parent", "1:10", "bfifo", "limit", queue],
+                     ["qdisc", "replace", "dev", dev, "parent", "1:20", "bfifo", "limit", queue],
+                     ["filter", "replace", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                      "match", "u16", "0", f"{0xffff & ~(_SMALL_BYTES - 1):#06x}", "at", "2", "flowid", "1:10"]]
+        for step in steps:
+            try:
+                _run(tc + step, f"the rate limit on {what} (tc {step[0]})")
+            except ClusterUnavailable as exc:
+                kind = "sch_tbf" if self.link_queue == "fifo" else "sch_htb, cls_u32 and sch_fifo"
+                raise ClusterUnavailable(f"{exc} (are the kernel's {kind} modules available?)") from None
 
     def _start_init(self, ns: str, hostname: str, shm_bytes: int | None) -> int:
         """Start the host init in ``ns`` (see ``_INIT``); returns its pid as this machine sees it."""

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
         from warmlink.bench import refit_engines_cli
 
         return refit_engines_cli.run(args)
-    for flag, value in (("--link-rate", args.link_rate), ("--modes", args.modes), ("--fanout-chunks", args.fanout_chunks)):
+    for flag, value in (("--link-rate", args.link_rate), ("--link-queue", args.link_queue), ("--modes", args.modes),
+                        ("--fanout-chunks", args.fanout_chunks)):
         if value is not None:
             return bench_args.refuse("warmlink bench refit", f"{flag} needs --hosts (the emulated cluster)")
     args.scale = args.scale if args.scale is not None else 1.0

@@ -32,7 +32,7 @@ def engine_devices(devices: tuple[int, int], engines: int) -> tuple[int, ...]:
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
-    for flag, value in (("--link-rate", args.link_rate), ("--plot", args.plot)):
+    for flag, value in (("--link-rate", args.link_rate), ("--link-queue", args.link_queue), ("--plot", args.plot)):
         if value is not None:
             return f"{flag} needs --hosts (the emulated cluster)"
     for flag, value in (("--scenarios", args.scenarios), ("--install", args.install), ("--nixl-threads", args.nixl_threads),

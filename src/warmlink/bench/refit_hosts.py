@@ -42,6 +42,7 @@ def run_hosts_refit(
     num_hosts: int,
     engine_counts: list[int],
     link_rate_bps: int,
+    link_queue: str = "small-first",
     modes: tuple[str, ...] = ("pull",),
     cycles: int = 3,
     seed: int = 0,
@@ -55,6 +56,7 @@ def run_hosts_refit(
         num_hosts: hosts of the emulated cluster, >= 2 (host 0: the trainer).
         engine_counts: engine counts to time, ascending.
         link_rate_bps: every host's link rate, bits per second, each way.
+        link_queue: how the links queue (``Cluster``'s, Note [Link queues] in ``bench.cluster``).
         modes: from ``refit_hosts_roles.MODES``.
         cycles: cycles per count; the first is the newcomers' first refit, the rest are warm.
         timeout_s: how long any one step may take, seconds.
@@ -74,10 +76,11 @@ def run_hosts_refit(
     """
     tell = progress or (lambda line: None)
     placement = engine_hosts(num_hosts, max(engine_counts))
-    record = {"nbytes": spec.nbytes, "num_hosts": num_hosts, "link_rate_bps": link_rate_bps, "cycles": cycles,
+    record = {"nbytes": spec.nbytes, "num_hosts": num_hosts, "link_rate_bps": link_rate_bps,
+              "link_queue": link_queue, "cycles": cycles,
               "placement": placement, "modes": {}}
     t = time.perf_counter()
-    with Cluster(num_hosts, link_rate_bps=link_rate_bps, timeout_s=min(timeout_s, 60.0)) as cluster:
+    with Cluster(num_hosts, link_rate_bps=link_rate_bps, link_queue=link_queue, timeout_s=min(timeout_s, 60.0)) as cluster:
         tell(f"cluster: {num_hosts} hosts up in {time.perf_counter() - t:.2f} s")
         for mode in modes:
             record["modes"][mode] = _run_mode(cluster, spec, mode, engine_counts, placement, cycles=cycles, seed=seed,

@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first), pull beside fanout, e.g. --engines 1,3 --devices 0,1")
     g.add_argument("--link-rate", type=link_rate, default=None, metavar="RATE",
                    help="each host's link rate, each way, as tc writes it (default 200mbit)")
+    g.add_argument("--link-queue", choices=("small-first", "fifo"), default=None,
+                   help="how a link queues behind its limit: small-first (default: packets under 512 bytes, such "
+                        "as read requests and ACKs, before bulk ones, as a NIC or Linux's fq_codel serves them) or "
+                        "fifo (one 100 ms FIFO, where a request waits behind another flow's bytes)")
     g.add_argument("--modes", default=None, metavar="LIST",
                    help="comma list of pull,fanout (default: every mode this build has)")
     g.add_argument("--fanout-chunks", type=bench_args.int_in(1, 1 << 16), default=None, metavar="K",
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     spec = qwen3_4b_like(scale)
     copy_s = spec.nbytes * 8 / rate
     print(f"warmlink bench refit --hosts {args.hosts}: trainer on host 0, engines {counts[0]}..{counts[-1]} on hosts "
-          f"1..{args.hosts - 1}, links {rate / 1e6:g} Mbit/s each way; {spec.nbytes / 1e6:.2f} MB model "
+          f"1..{args.hosts - 1}, links {rate / 1e6:g} Mbit/s each way ({args.link_queue or 'small-first'} queues); {spec.nbytes / 1e6:.2f} MB model "
           f"({len(spec.layouts(1, 0))} bf16 tensors, Qwen3-4B shape at scale {scale:.4g}), {cycles} cycles per count; "
           f"one copy through a link: {copy_s:.2f} s", flush=True)
     t0 = time.perf_counter()
@@ -158,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _sigterm_ends_the_run():
-            record = run_hosts_refit(spec, num_hosts=args.hosts, engine_counts=counts, link_rate_bps=rate, modes=modes,
-                                     cycles=cycles, seed=args.seed, timeout_s=args.timeout, progress=progress)
+            record = run_hosts_refit(spec, num_hosts=args.hosts, engine_counts=counts, link_rate_bps=rate,
+                                     link_queue=args.link_queue or "small-first", modes=modes, cycles=cycles, seed=args.seed, timeout_s=args.timeout, progress=progress)
     except ClusterUnavailable as exc:
         return bench_args.refuse(_PROG, str(exc))
     record.update(bench="refit_hosts", spec=dict(spec.__dict__), scale=scale, machine=machine_info())
