@@ -105,3 +105,25 @@ def test_every_version_changes_every_word() -> None:
     base = torch.randn(4096).to(torch.bfloat16)
     one, two = (version_values(base, v).view(torch.int16) for v in (1, 2))
     assert bool((one != two).all()) and bool((one != base.view(torch.int16)).all())
+
+
+def _record(*rows: tuple[int, float, float]) -> dict:
+    """A bench record of one mode whose rows are ``(engines, warm_s, unlimited_s)``, bound 1 s."""
+    return {"modes": {"fanout": [{"engines": n, "warm_s": w, "bound_s": 1.0, "unlimited_s": u, "exact": True}
+                                 for n, w, u in rows]}}
+
+
+@pytest.mark.parametrize("rows,says", [
+    ([(1, 1.05, 0.1), (8, 1.2, 0.3)], "fanout: 1.05-1.20x its bound at every N, and with the limit lifted a cycle takes "
+                                      "at most 25% of the limited one: the links bound it, not the CPU"),
+    ([(1, 1.05, 0.1), (8, 2.0, 0.3)], "fanout: up to 2.00x its bound (N=8), and with the limit lifted a cycle takes at "
+                                      "most 15% of the limited one: the links bound it, at 50% of their rate at worst"),
+    ([(1, 1.05, 0.1), (8, 1.2, 0.66)], "fanout: 1.05-1.20x its bound at every N, and at N=8 the limit lifted leaves 55% "
+                                       "of the cycle (0.66 s against 1.20 s): the CPU, not only the links, bounds it there"),
+    ([(1, 1.05, 0.1), (8, 4.0, 3.6)], "fanout: up to 4.00x its bound, and at N=8 the limit lifted leaves 90% of the "
+                                      "cycle (3.60 s against 4.00 s)"),
+])
+def test_the_verdict_says_what_bounds_a_mode(rows, says) -> None:
+    from warmlink.bench.refit_hosts_cli import _verdicts
+
+    assert _verdicts(_record(*rows))[0].startswith(says)
