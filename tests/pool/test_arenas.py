@@ -155,3 +155,38 @@ def test_churn_does_not_grow(pool_enabled: bool) -> None:
             assert c1["created"] - c0["created"] == 50 == c1["destroyed"] - c0["destroyed"]
     finally:
         pool.set_enabled(None)
+
+
+_VIEW_OUTLIVES = """
+import gc, sys, torch
+from warmlink import pool
+from warmlink.pool.arenas import lease_arena
+from warmlink.transport import lease_link
+
+pool.set_enabled(False)  # an arena is destroyed, its file unlinked and its mmap closed, at release
+with lease_arena("shm", 4 << 20) as arena:
+    name, view = arena.name, arena.tensor[4096:8192]
+# What the address may be reused by, were it unmapped: malloc's big blocks and new arenas.
+junk = [bytearray(1 << 20) for _ in range(64)] + [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(16)]
+with lease_arena("shm", 4 << 20) as other:
+    other.tensor.fill_(0x55)
+    view.fill_(7)
+    assert int(view.sum()) == 7 * 4096 and int(other.tensor.min()) == 0x55, "the view's bytes landed elsewhere"
+mapped = lambda: any(name in line for line in open("/proc/self/maps"))
+assert mapped(), "the mapping went while a view of it lived"
+del view
+gc.collect()
+assert not mapped(), "the mapping outlived its last view"
+print("ok")
+"""
+
+
+def test_a_view_keeps_its_arenas_mapping_after_the_arena_is_destroyed() -> None:
+    """Note [Views keep a mapping]: a view of a destroyed shm arena still reads and writes the
+    arena's memory (a write did land in whatever reused the address, or crashed), and the memory
+    goes with the last view. In a child: a regression may crash the process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _VIEW_OUTLIVES], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-3000:])

@@ -47,7 +47,7 @@ from warmlink.pool import liveness
 from warmlink.pool.core import FreeList, Lease
 from warmlink.errors import ConfigError, PoolError
 
-__all__ = ["Arena", "lease_arena", "round_up", "ARENA_ALIGN_BYTES", "SHM_DIR", "REAP_INTERVAL_S", "reap_orphaned_shm",
+__all__ = ["Arena", "lease_arena", "mapped_tensor", "round_up", "ARENA_ALIGN_BYTES", "SHM_DIR", "REAP_INTERVAL_S", "reap_orphaned_shm",
            "shm_prefix", "shm_free_bytes"]
 
 log = logging.getLogger("warmlink.pool")
@@ -110,6 +110,21 @@ class _ShmOwner:
     def __init__(self, name: str, mm: mmap.mmap) -> None:
         self.name = name
         self.mm = mm
+
+
+# Note [Views keep a mapping]
+# ``torch.frombuffer(mmap)`` takes no buffer export: ``mmap.close()`` then unmaps the memory under
+# every tensor viewing it, and a later write through one lands wherever the address was reused (a
+# malloc arena: glibc aborts on the damaged heap, or nothing is noticed at all). A tensor made
+# through NumPy holds the export (NumPy keeps the buffer, the tensor keeps the array), so closing
+# the mmap while a view lives raises BufferError, and the memory is unmapped with the last view.
+def mapped_tensor(mm: mmap.mmap):
+    """``mm`` as a uint8 CPU tensor that keeps the mapping while it or a view of it lives (Note
+    [Views keep a mapping])."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
 
 def reap_orphaned_shm() -> int:
@@ -234,8 +249,6 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
 
 
 def _create_shm(nbytes: int):
-    import torch
-
     try:
         tag = _start()
     except PoolError as exc:
@@ -256,7 +269,7 @@ def _create_shm(nbytes: int):
         raise
     finally:
         os.close(fd)
-    tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    tensor = mapped_tensor(mm)
     arena = Arena("shm", -1, nbytes, tensor, tensor.data_ptr(), name, _ShmOwner(name, mm))
     with _live_lock:
         _live_shm[name] = arena
@@ -272,10 +285,13 @@ def _destroy_shm(arena: Arena) -> None:
     except FileNotFoundError:
         pass
     arena.tensor = None
+    mm, owner.mm = owner.mm, None
     try:
-        owner.mm.close()
+        if mm is not None:
+            mm.close()
     except BufferError:
-        # A view of the arena is still alive somewhere; the mapping goes when it does.
+        # A view of the arena is still alive somewhere; the mapping goes when it does (Note
+        # [Views keep a mapping]).
         pass
 
 

@@ -46,8 +46,6 @@ class _Mapping:
 
 
 def _open_mapping(key) -> _Mapping:
-    import torch
-
     peer_key, process, name = key
     path = os.path.join(arenas.SHM_DIR, name)
     # The name is peer metadata: never follow a link, never block on a FIFO, and map only a
@@ -70,15 +68,17 @@ def _open_mapping(key) -> _Mapping:
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), nbytes)
+    return _Mapping(mm, arenas.mapped_tensor(mm), nbytes)
 
 
 def _close_mapping(m: _Mapping) -> None:
     m.tensor = None
+    mm, m.mm = m.mm, None
     try:
-        m.mm.close()
+        if mm is not None:
+            mm.close()
     except BufferError:
-        pass  # a view is still alive; the mapping goes with it
+        pass  # a view is still alive; the mapping goes with it (Note [Views keep a mapping] in pool.arenas)
 
 
 def _export(key) -> dict:
