@@ -2,7 +2,8 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
 #        tests-ep-rest)
-#        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) host-profile demo doctor
+#        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) tests-fanout bench-fanout (REPEATS_FANOUT, CYCLES)
+#        host-profile demo doctor
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
@@ -60,6 +61,13 @@ for d in range(torch.cuda.device_count()):
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/refit tests/transport tests/pool tests/bench 2>&1 | tee "$OUT/gpu_tests_refit.log" | tail -40 ;;
     tests-fp8)  # the FP8 kernel: Triton's interpreter, the GPU against torch and vLLM's formula, a CUDA publisher, the bench
       timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/refit/test_fp8_triton.py 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -30 ;;
+    tests-fanout)  # fan-out on GPUs: 1 trainer -> 3 engines over CUDA IPC, bit-exact, sources per GPU
+      timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/refit/test_fanout_gpu.py 2>&1 | tee "$OUT/gpu_tests_fanout.log" | tail -30 ;;
+    bench-fanout)  # pull beside fan-out into 1 and 3 engines on GPUs 0 and 1; REPEATS_FANOUT runs for medians
+      for i in $(seq 1 ${REPEATS_FANOUT:-3}); do
+        timeout 300 python3 -m warmlink.cli.main bench refit --engines 1,3 --devices 0,1 --cycles ${CYCLES:-6} \
+          --json "$OUT/refit_engines_${TAG:-}$i.json" 2>&1 | tee "$OUT/refit_engines_${TAG:-}$i.log" | tail -20
+      done ;;
     bench-fp8)
       for i in $(seq 1 ${REPEATS_FP8:-3}); do
         timeout 300 python3 -m warmlink.cli.main bench fp8 --scale ${SCALE_FP8:-1} --json "$OUT/fp8_$i.json" 2>&1 | tee "$OUT/fp8_$i.log" | tail -12
