@@ -557,3 +557,62 @@ def test_a_replica_on_the_members_host_reads_its_header_from_shared_memory_and_n
         host.resource.release(header.host)
         link.release()
         host.release()
+
+
+def test_a_header_left_torn_by_a_stalled_writer_is_read_again_and_never_taken_for_a_closed_relay(monkeypatch):
+    """Note [Relay header in host memory]: a writer preempted inside its copy leaves the words torn
+    for a while. The reader backs off and reads them again, so the write that finishes meanwhile
+    is read; words still torn after every reread route around the relay for this cycle only (not
+    gone: a relay taken for closed would never be pulled from again)."""
+    import torch
+
+    from warmlink.pool import liveness
+    from warmlink.refit import _upstreams
+    from warmlink.refit._members import make_record
+    from warmlink.refit._relay_header import FILLING, RelayHeader, RelayWords
+    from warmlink.refit._upstreams import RouteAround, Upstream, Upstreams
+    from warmlink.transport import lease_link
+    from warmlink.transport.base import PeerRef, local_identity
+
+    link, host = lease_link("shm", -1, 5.0), lease_link("shm", -1, 5.0)
+    header = RelayHeader(link.resource.allocate(128), host.resource.allocate(128))
+    old = RelayWords(7, 2, 5, FILLING, 3, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
+    new = old._replace(held=4)
+    ups = Upstreams(FanOut("g"), None, link.resource, 5.0)
+    try:
+        record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
+                             token=liveness.token(), backend="shm", header=header.region.desc,
+                             host_header=header.host.desc, region=None)
+        up = Upstream(1, record, PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token()))
+        up.host_header = ups._open_host_header(up)
+
+        def tear() -> None:  # the first 44 bytes of ``new`` over ``old``: a write stalled inside its copy
+            torn = bytearray(new.pack()[:44] + old.pack()[44:])  # within ``held``
+            header.host.tensor[:128].copy_(torch.frombuffer(torn, dtype=torch.uint8))
+
+        header.write(old)
+        tear()
+        pauses = []
+
+        def stalled_writer_resumes(seconds: float) -> None:  # the reader's backoff; the writer ends at the 3rd
+            pauses.append(seconds)
+            if len(pauses) == 3:
+                header.write(new)
+
+        monkeypatch.setattr(_upstreams.time, "sleep", stalled_writer_resumes)
+        assert ups.read(up, lambda: 5.0, old) == new
+        assert pauses == [50e-6, 100e-6, 200e-6]
+        pauses.clear()
+        monkeypatch.setattr(_upstreams.time, "sleep", pauses.append)  # the writer never resumes
+        tear()
+        with pytest.raises(RouteAround, match="stayed torn") as err:
+            ups.read(up, lambda: 5.0, old)
+        assert not err.value.gone and len(pauses) == _upstreams._READS - 1 and sum(pauses) > 0.04
+        header.write(new)
+        assert ups.read(up, lambda: 5.0, old) == new  # the next cycle reads it again
+    finally:
+        ups.close_all()
+        link.resource.release(header.region)
+        host.resource.release(header.host)
+        link.release()
+        host.release()

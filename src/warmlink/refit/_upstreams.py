@@ -26,9 +26,11 @@ from warmlink.transport.base import Copy, PeerRef
 __all__ = ["RouteAround", "Upstream", "Upstreams", "land"]
 
 log = logging.getLogger("warmlink.refit")
-# reads of a header before its words count as none: a read may meet a write half done (Note
-# [Relay header in host memory]); a write takes well under a microsecond
-_READS = 8
+# reads of a header before its words count as unreadable this time: a read may meet a write half
+# done, and the writer may be preempted inside it (Note [Relay header in host memory]); rereads of
+# host memory back off from 50 us, doubling: 11 reads span about 50 ms
+_READS = 11
+_FIRST_REREAD_S = 50e-6
 
 
 class RouteAround(Exception):
@@ -173,7 +175,9 @@ class Upstreams:
         words): None while it holds nothing to serve. Raises RouteAround for a member gone, typed
         errors for one that cannot serve this receiver at all."""
         words = self._read_host(up) if up.host_header is not None else self._read_link(up, left)
-        if words is None or words.incarnation != up.record["incarnation"] or words.state == CLOSED:
+        if words is None:  # torn every time: its writer stalled inside a write, not gone
+            raise RouteAround(f"{up.name}'s header stayed torn through {_READS} reads")
+        if words.incarnation != up.record["incarnation"] or words.state == CLOSED:
             # its header memory went back, or holds another relay's words: it closed
             raise RouteAround(f"{up.name} closed", gone=True)
         if words.signature != mine.signature:
@@ -203,12 +207,14 @@ class Upstreams:
         fails). A read through the link fails on a dead member; this one checks it lives."""
         if not up.peer.alive():
             raise RouteAround(f"{up.name} died", gone=True)
-        view = up.host_header.tensor[:RELAY_HEADER_NBYTES].numpy()
-        for _ in range(_READS):
+        view, pause = up.host_header.tensor[:RELAY_HEADER_NBYTES].numpy(), _FIRST_REREAD_S
+        for read in range(_READS):
             words = parse_words(view.tobytes())
-            if words is not None:
-                break
-        return words
+            if words is not None or read == _READS - 1:
+                return words
+            time.sleep(pause)
+            pause *= 2
+        return None
 
     def batches(self, up: Upstream, region, chunks) -> list:
         """The prepared copy of each of ``chunks`` from ``up``'s region into ``region`` (the cycle's),
