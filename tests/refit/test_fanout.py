@@ -514,105 +514,105 @@ def test_the_default_chunk_is_a_32nd_of_the_bytes_over_cuda_ipc_and_a_128th_else
     assert FanOut("g", chunk_bytes=1 << 20).chunk_bytes_for(nbytes, "cuda_ipc") == 1 << 20
 
 
-def test_a_replica_on_the_members_host_reads_its_header_from_shared_memory_and_notices_it_die():
+class _HostHeaderMember:
+    """A member's header in link memory and in this host's shared memory, its record, and a
+    replica's ``Upstreams`` with the member opened (Note [Relay header in host memory])."""
+
+    def __init__(self) -> None:
+        from warmlink.pool import liveness
+        from warmlink.refit._members import make_record
+        from warmlink.refit._relay_header import FILLING, RelayHeader, RelayWords
+        from warmlink.refit._upstreams import Upstream, Upstreams
+        from warmlink.transport import lease_link
+        from warmlink.transport.base import PeerRef, local_identity
+
+        self.link, self.host = lease_link("shm", -1, 5.0), lease_link("shm", -1, 5.0)
+        self.header = RelayHeader(self.link.resource.allocate(128), self.host.resource.allocate(128))
+        self.words = RelayWords(7, 2, 5, FILLING, 3, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
+        self.header.write(self.words)
+        self.ups = Upstreams(FanOut("g"), None, self.link.resource, 5.0)
+        self.record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
+                                  token=liveness.token(), backend="shm", header=self.header.region.desc,
+                                  host_header=self.header.host.desc, region=None)
+        self.me = PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token())
+        self.up = Upstream(1, self.record, self.me)
+        self.up.host_header = self.ups._open_host_header(self.up)
+
+    def close(self) -> None:
+        self.ups.close_all()
+        self.link.resource.release(self.header.region)
+        self.host.resource.release(self.header.host)
+        self.link.release()
+        self.host.release()
+
+
+@pytest.fixture
+def host_header_member():
+    member = _HostHeaderMember()
+    try:
+        yield member
+    finally:
+        member.close()
+
+
+def test_a_replica_on_the_members_host_reads_its_header_from_shared_memory_and_notices_it_die(host_header_member):
     """Note [Relay header in host memory]: a member's record names its header's copy in this host's
     shared memory; a replica here reads it there (the words the relay wrote), one on another host
     (another /dev/shm key in the token) or of a record without it through the link, and a member
     whose process is gone is routed around as gone."""
-    from warmlink.pool import liveness
-    from warmlink.refit._members import make_record
-    from warmlink.refit._relay_header import FILLING, RelayHeader, RelayWords
-    from warmlink.refit._upstreams import RouteAround, Upstream, Upstreams
-    from warmlink.transport import lease_link
+    from warmlink.refit._upstreams import RouteAround, Upstream
     from warmlink.transport.base import PeerRef, local_identity
 
-    link, host = lease_link("shm", -1, 5.0), lease_link("shm", -1, 5.0)
-    header = RelayHeader(link.resource.allocate(128), host.resource.allocate(128))
-    words = RelayWords(7, 2, 5, FILLING, 3, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
-    header.write(words)
-    ups = Upstreams(FanOut("g"), None, link.resource, 5.0)
-    try:
-        record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
-                             token=liveness.token(), backend="shm", header=header.region.desc,
-                             host_header=header.host.desc, region=None)
-        me = PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token())
-        up = Upstream(1, record, me)
-        up.host_header = ups._open_host_header(up)
-        assert up.host_header is not None and ups._read_host(up) == words
-        header.write(words._replace(held=9))
-        assert ups._read_host(up).held == 9
-        ups.close(up)
-        elsewhere = Upstream(1, {**record, "token": "another-host/x.lock"}, me)
-        assert ups._open_host_header(elsewhere) is None
-        assert ups._open_host_header(Upstream(1, {**record, "host_header": None}, me)) is None
-        gone = Upstream(1, {**record, "token": ""}, PeerRef("test:gone", 1, local_identity()[0], 2**22 + 12345, 1))
-        gone.host_header = host.resource.open(me, header.host.desc)
-        with pytest.raises(RouteAround, match="died") as err:
-            ups._read_host(gone)
-        assert err.value.gone
-        host.resource.close_region(gone.host_header)
-    finally:
-        ups.close_all()
-        link.resource.release(header.region)
-        host.resource.release(header.host)
-        link.release()
-        host.release()
+    m = host_header_member
+    ups, up, record, me = m.ups, m.up, m.record, m.me
+    assert up.host_header is not None and ups._read_host(up) == m.words
+    m.header.write(m.words._replace(held=9))
+    assert ups._read_host(up).held == 9
+    ups.close(up)
+    elsewhere = Upstream(1, {**record, "token": "another-host/x.lock"}, me)
+    assert ups._open_host_header(elsewhere) is None
+    assert ups._open_host_header(Upstream(1, {**record, "host_header": None}, me)) is None
+    gone = Upstream(1, {**record, "token": ""}, PeerRef("test:gone", 1, local_identity()[0], 2**22 + 12345, 1))
+    gone.host_header = m.host.resource.open(me, m.header.host.desc)
+    with pytest.raises(RouteAround, match="died") as err:
+        ups._read_host(gone)
+    assert err.value.gone
+    m.host.resource.close_region(gone.host_header)
 
 
-def test_a_header_left_torn_by_a_stalled_writer_is_read_again_and_never_taken_for_a_closed_relay(monkeypatch):
+def test_a_header_left_torn_by_a_stalled_writer_is_read_again_and_never_taken_for_a_closed_relay(host_header_member,
+                                                                                                   monkeypatch):
     """Note [Relay header in host memory]: a writer preempted inside its copy leaves the words torn
     for a while. The reader backs off and reads them again, so the write that finishes meanwhile
     is read; words still torn after every reread route around the relay for this cycle only (not
     gone: a relay taken for closed would never be pulled from again)."""
-    import torch
-
-    from warmlink.pool import liveness
     from warmlink.refit import _upstreams
-    from warmlink.refit._members import make_record
-    from warmlink.refit._relay_header import FILLING, RelayHeader, RelayWords
-    from warmlink.refit._upstreams import RouteAround, Upstream, Upstreams
-    from warmlink.transport import lease_link
-    from warmlink.transport.base import PeerRef, local_identity
+    from warmlink.refit._upstreams import RouteAround
 
-    link, host = lease_link("shm", -1, 5.0), lease_link("shm", -1, 5.0)
-    header = RelayHeader(link.resource.allocate(128), host.resource.allocate(128))
-    old = RelayWords(7, 2, 5, FILLING, 3, 32, 1 << 20, 32 << 20, b"l" * 16, b"s" * 16, b"r" * 16)
+    m = host_header_member
+    old = m.words
     new = old._replace(held=4)
-    ups = Upstreams(FanOut("g"), None, link.resource, 5.0)
-    try:
-        record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
-                             token=liveness.token(), backend="shm", header=header.region.desc,
-                             host_header=header.host.desc, region=None)
-        up = Upstream(1, record, PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token()))
-        up.host_header = ups._open_host_header(up)
 
-        def tear() -> None:  # the first 44 bytes of ``new`` over ``old``: a write stalled inside its copy
-            torn = bytearray(new.pack()[:44] + old.pack()[44:])  # within ``held``
-            header.host.tensor[:128].copy_(torch.frombuffer(torn, dtype=torch.uint8))
+    def tear() -> None:  # the first 44 bytes of ``new`` over ``old``: a write stalled inside its copy
+        torn = bytearray(new.pack()[:44] + old.pack()[44:])  # within ``held``; the checksum is old's
+        m.header.host.tensor[:128].copy_(torch.frombuffer(torn, dtype=torch.uint8))
 
-        header.write(old)
-        tear()
-        pauses = []
+    tear()
+    pauses = []
 
-        def stalled_writer_resumes(seconds: float) -> None:  # the reader's backoff; the writer ends at the 3rd
-            pauses.append(seconds)
-            if len(pauses) == 3:
-                header.write(new)
+    def stalled_writer_resumes(seconds: float) -> None:  # the reader's backoff; the writer ends at the 3rd
+        pauses.append(seconds)
+        if len(pauses) == 3:
+            m.header.write(new)
 
-        monkeypatch.setattr(_upstreams.time, "sleep", stalled_writer_resumes)
-        assert ups.read(up, lambda: 5.0, old) == new
-        assert pauses == [50e-6, 100e-6, 200e-6]
-        pauses.clear()
-        monkeypatch.setattr(_upstreams.time, "sleep", pauses.append)  # the writer never resumes
-        tear()
-        with pytest.raises(RouteAround, match="stayed torn") as err:
-            ups.read(up, lambda: 5.0, old)
-        assert not err.value.gone and len(pauses) == _upstreams._READS - 1 and sum(pauses) > 0.04
-        header.write(new)
-        assert ups.read(up, lambda: 5.0, old) == new  # the next cycle reads it again
-    finally:
-        ups.close_all()
-        link.resource.release(header.region)
-        host.resource.release(header.host)
-        link.release()
-        host.release()
+    monkeypatch.setattr(_upstreams.time, "sleep", stalled_writer_resumes)
+    assert m.ups.read(m.up, lambda: 5.0, old) == new
+    assert pauses == [50e-6, 100e-6, 200e-6]
+    pauses.clear()
+    monkeypatch.setattr(_upstreams.time, "sleep", pauses.append)  # the writer never resumes
+    tear()
+    with pytest.raises(RouteAround, match="stayed torn") as err:
+        m.ups.read(m.up, lambda: 5.0, old)
+    assert not err.value.gone and len(pauses) == _upstreams._READS - 1 and sum(pauses) > 0.04
+    m.header.write(new)
+    assert m.ups.read(m.up, lambda: 5.0, old) == new  # the next cycle reads it again
