@@ -365,17 +365,18 @@ class Relay:
         NIXL over UCX TCP moves the reads it has outstanding interleaved, so with every chunk issued
         at once the first 32 of 128 landed only at 0.62 s of a 0.91 s pull (a relay trace, 4
         emulated hosts), and the replicas behind this one waited that long for a chunk to copy."""
-        first, issued = job.held, []  # issued[i]: (batch, transfer) of chunk first + i
+        issued, landed = [], 0  # (chunk, batch, transfer) in chunk order; the first ``landed`` waited for
         try:
-            for k in range(first, job.chunks.num_chunks):
-                if len(issued) >= WINDOW:
-                    self._landed_from_publishers(job, k - WINDOW, *issued[k - WINDOW - first])
+            for k in range(job.held, job.chunks.num_chunks):
+                if len(issued) - landed == WINDOW:
+                    self._landed_from_publishers(job, *issued[landed])
+                    landed += 1
                 batch = job.batches[k]
-                issued.append((batch, self._link.read(batch) if batch is not None else None))
-            for k in range(max(first, job.chunks.num_chunks - WINDOW), job.chunks.num_chunks):
-                self._landed_from_publishers(job, k, *issued[k - first])
+                issued.append((k, batch, self._link.read(batch) if batch is not None else None))
+            for entry in issued[landed:]:
+                self._landed_from_publishers(job, *entry)
         finally:
-            _settle([t for _, t in issued], job.timeout_s)
+            _settle([t for _, _, t in issued], job.timeout_s)
 
     def _landed_from_publishers(self, job: _Job, k: int, batch, transfer) -> None:
         if transfer is not None:

@@ -27,10 +27,23 @@ __all__ = ["RouteAround", "Upstream", "Upstreams", "land"]
 
 log = logging.getLogger("warmlink.refit")
 # reads of a header before its words count as unreadable this time: a read may meet a write half
-# done, and the writer may be preempted inside it (Note [Relay header in host memory]); rereads of
-# host memory back off from 50 us, doubling: 11 reads span about 50 ms
+# done, and the writer may be preempted inside it (Note [Relay header in host memory]); rereads
+# back off from 50 us, doubling: 11 reads span about 50 ms
 _READS = 11
 _FIRST_REREAD_S = 50e-6
+
+
+def _reread(read_once: Callable[[], bytes]) -> RelayWords | None:
+    """The words of ``read_once()``, read again while a write is half done (the checksum fails),
+    after a pause that doubles from ``_FIRST_REREAD_S``; None when all ``_READS`` reads were torn."""
+    pause = _FIRST_REREAD_S
+    for _ in range(_READS - 1):
+        words = parse_words(read_once())
+        if words is not None:
+            return words
+        time.sleep(pause)
+        pause *= 2
+    return parse_words(read_once())
 
 
 class RouteAround(Exception):
@@ -195,26 +208,19 @@ class Upstreams:
         return words
 
     def _read_link(self, up: Upstream, left: Callable[[], float]) -> RelayWords | None:
-        for _ in range(_READS):
+        def read_once() -> bytes:
             land(self.link.read(up.header_batch), left)
-            words = parse_words(self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes())
-            if words is not None:
-                break
-        return words
+            return self._read_into.tensor[:RELAY_HEADER_NBYTES].cpu().numpy().tobytes()
+
+        return _reread(read_once)
 
     def _read_host(self, up: Upstream) -> RelayWords | None:
-        """The header copy in shared memory, read again while a write is half done (its checksum
-        fails). A read through the link fails on a dead member; this one checks it lives."""
+        """The header copy in shared memory. A read through the link fails on a dead member; this
+        one checks it lives."""
         if not up.peer.alive():
             raise RouteAround(f"{up.name} died", gone=True)
-        view, pause = up.host_header.tensor[:RELAY_HEADER_NBYTES].numpy(), _FIRST_REREAD_S
-        for read in range(_READS):
-            words = parse_words(view.tobytes())
-            if words is not None or read == _READS - 1:
-                return words
-            time.sleep(pause)
-            pause *= 2
-        return None
+        view = up.host_header.tensor[:RELAY_HEADER_NBYTES].numpy()
+        return _reread(view.tobytes)
 
     def batches(self, up: Upstream, region, chunks) -> list:
         """The prepared copy of each of ``chunks`` from ``up``'s region into ``region`` (the cycle's),
