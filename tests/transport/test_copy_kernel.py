@@ -11,6 +11,8 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -48,3 +50,44 @@ def test_every_variant_copies_exactly_in_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _reference_table(copies, chunk_nbytes):
+    """The table as the kernel reads it, row by row: (src, dst, row words, rows, src pitch words,
+    dst pitch words) per program; long single rows cut at ``chunk_nbytes``, else whole rows."""
+    table = []
+    for dst, src, row_nbytes, rows, dst_pitch, src_pitch in copies:
+        if rows == 1:
+            dst_pitch = src_pitch = row_nbytes
+        if any(v % 16 for v in (dst, src, row_nbytes, dst_pitch, src_pitch)):
+            continue
+        if rows == 1 and row_nbytes > chunk_nbytes:
+            table += [(src + o, dst + o, min(chunk_nbytes, row_nbytes - o) // 16, 1) + (min(chunk_nbytes, row_nbytes - o) // 16,) * 2
+                      for o in range(0, row_nbytes, chunk_nbytes)]
+            continue
+        per = max(1, chunk_nbytes // row_nbytes)
+        table += [(src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, min(per, rows - r), src_pitch // 16, dst_pitch // 16)
+                  for r in range(0, rows, per)]
+    return table
+
+
+_copies = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 1 << 16), st.integers(1, 40),
+                             st.integers(1, 1 << 17), st.integers(1, 1 << 17)).map(
+    lambda c: (c[0] * 16 if c[0] % 3 else c[0], c[1] * 16, c[2] * 16 if c[2] % 5 else c[2], c[3], c[4] * 16, c[5] * 16)),
+    max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(copies=_copies, chunk_nbytes=st.sampled_from([16, 1024, 128 << 10]))
+def test_the_table_holds_one_row_per_program_of_every_aligned_copy(copies, chunk_nbytes) -> None:
+    import torch
+
+    from warmlink.transport import _copy_kernel as ck
+
+    plan = ck.CopyPlan(copies, device=-1, chunk_nbytes=chunk_nbytes)
+    want = _reference_table(copies, chunk_nbytes)
+    got = [] if plan.table is None else [tuple(r) for r in plan.table.reshape(-1, 6).tolist()]
+    assert got == want and plan.num_programs == len(want)
+    assert plan.rest == [(d, s, n, r, dp if r > 1 else n, sp if r > 1 else n) for d, s, n, r, dp, sp in copies
+                         if any(v % 16 for v in (d, s, n) + ((dp, sp) if r > 1 else ()))]
+    assert plan.table is None or plan.table.dtype == torch.int64

@@ -25,7 +25,7 @@ import torch
 
 from warmlink import _cuda, pool
 from warmlink.errors import ConfigError, LayoutError, MetadataError, PeerLostError, TransferError
-from warmlink.transport.base import Copy, PeerRef, local_identity
+from warmlink.transport.base import Batch, Copy, PeerRef, local_identity
 from warmlink.transport._cuda_ipc_parts import COPY_METHODS, CopyPlan, build_descriptor, check_descriptor, resolve_copy_method
 from warmlink.transport.cuda_ipc import CudaIpcLink
 
@@ -250,6 +250,24 @@ def test_link_logic_over_host_memory(host_cuda, copy_method, num_streams):
     recv.close()
     pub.close()
     assert all(r._closed for r in (*remotes, *locs, *regs))
+
+
+def test_only_a_batch_of_many_copies_from_this_gpu_goes_to_the_copy_kernel(host_cuda):
+    """Note [Copy kernel]: the kernel takes a batch whose peers share this GPU once it has
+    ``MIN_COPIES`` copies; fewer (a header, a fan-out chunk) stay on the copy engines."""
+    from warmlink.transport._copy_kernel import MIN_COPIES
+
+    pub = CudaIpcLink(0, 5.0)
+    host_cuda.links.append(pub)
+    seg = host_cuda.alloc(MIN_COPIES * 256, seed=4)
+    regs = [pub.register(seg[i * 256:(i + 1) * 256]) for i in range(MIN_COPIES)]
+    peer = PeerRef("pub/0", 1, *local_identity())
+    for device, count, kernel in [(0, MIN_COPIES, True), (0, MIN_COPIES - 1, False), (1, MIN_COPIES, False)]:
+        recv = CudaIpcLink(device, 5.0)
+        host_cuda.links.append(recv)
+        copies = [Copy(recv.register(host_cuda.alloc(256)), 0, recv.open(peer, r.desc), 0, 256) for r in regs[:count]]
+        plan = CopyPlan.build(Batch(copies, [], len(copies)), device, kernel=True)
+        assert plan.same_device is kernel, (device, count)
 
 
 def test_import_creates_no_cuda_state():

@@ -11,16 +11,20 @@ is cut into pieces of at most ``chunk_nbytes``, a table with one row per piece i
 the batch is prepared (setup; uploaded to the device once), and each program of the kernel copies
 one piece with 16-byte accesses. A warm pull is then one launch whatever the number of tensors.
 Copies whose addresses, sizes or pitches are not multiples of 16 bytes are left to the copy
-engines (``CopyPlan.rest``).
+engines (``CopyPlan.rest``). So is a batch of fewer than ``MIN_COPIES`` copies (a version header,
+a fan-out chunk): a few large copies come near the ceiling on the copy engines, and the kernel's
+first use costs a process 0.5-0.8 s (importing Triton, hashing its sources for its cache key,
+loading the module), which would fall on the first cycle of a fan-out replica on its source's GPU.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["CopyPlan", "ALIGN_BYTES", "CHUNK_NBYTES", "available", "get_kernel"]
+__all__ = ["CopyPlan", "ALIGN_BYTES", "CHUNK_NBYTES", "MIN_COPIES", "available", "get_kernel"]
 
 ALIGN_BYTES = 16
+MIN_COPIES = 16  # a batch with fewer copies stays on the copy engines
 #: Bytes per program, and the variant and warps: the best of both chips measured, as a fraction of
 #: one flat copy of a 290-tensor model: 0.954 on an H100 and 0.959 on an H200. The fastest on each
 #: differ (16 warps: 0.969 on the H100, 0.929 on the H200; 8 warps x 64 KiB: 0.943 and 0.964):
@@ -34,13 +38,15 @@ _BLOCK = 1024  # int32 elements per step: 4 KiB
 
 
 def available() -> bool:
-    """Whether Triton and a CUDA device are present (the kernel's only requirements)."""
-    try:
-        import torch
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    """Whether Triton and a CUDA device are present (the kernel's only requirements). Triton is
+    found, not imported: importing it took 147 ms of a receiver's 224 ms connect on an H200 host,
+    and a link whose peers sit on other GPUs never launches the kernel (it is imported at the
+    first launch)."""
+    import importlib.util
+
+    import torch
+
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
 _kernels: dict = {}
@@ -119,7 +125,9 @@ class CopyPlan:
 
         if chunk_nbytes < ALIGN_BYTES:
             raise ValueError(f"CopyPlan: chunk_nbytes={chunk_nbytes} must be >= {ALIGN_BYTES}")
-        table, rest, nbytes = [], [], 0
+        # A long row is cut with tensor ops: a 275 MB chunk of a fan-out pull is ~2,100 programs,
+        # and 32 such tables built row by row in Python took 140 ms of a cycle on an H200 host.
+        rest, nbytes, rows_of, short = [], 0, [], []
         for dst, src, row_nbytes, rows, dst_pitch, src_pitch in copies:
             if rows == 1:
                 dst_pitch = src_pitch = row_nbytes
@@ -127,23 +135,30 @@ class CopyPlan:
                 rest.append((dst, src, row_nbytes, rows, dst_pitch, src_pitch))
                 continue
             nbytes += row_nbytes * rows
-            if rows == 1 and row_nbytes > chunk_nbytes:  # one long row: cut into pieces
+            if rows == 1 and row_nbytes > 8 * chunk_nbytes:  # one long row: cut into pieces
+                if short:  # the table keeps the copies' order
+                    rows_of.append(torch.tensor(short, dtype=torch.int64).reshape(-1, 6))
+                    short = []
+                offs = torch.arange(0, row_nbytes, chunk_nbytes, dtype=torch.int64)
+                words = (row_nbytes - offs).clamp_(max=chunk_nbytes) // 16
+                rows_of.append(torch.stack([src + offs, dst + offs, words, torch.ones_like(offs), words, words], 1))
+            elif rows == 1 and row_nbytes > chunk_nbytes:
                 for off in range(0, row_nbytes, chunk_nbytes):
-                    n = min(chunk_nbytes, row_nbytes - off)
-                    table.append((src + off, dst + off, n // 16, 1, n // 16, n // 16))
-                continue
-            per = max(1, chunk_nbytes // row_nbytes)  # whole rows per program
-            for r in range(0, rows, per):
-                k = min(per, rows - r)
-                table.append((src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, k,
-                              src_pitch // 16, dst_pitch // 16))
+                    n = min(chunk_nbytes, row_nbytes - off) // 16
+                    short.append((src + off, dst + off, n, 1, n, n))
+            else:
+                per = max(1, chunk_nbytes // row_nbytes)  # whole rows per program
+                short.extend((src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, min(per, rows - r), src_pitch // 16,
+                              dst_pitch // 16) for r in range(0, rows, per))
+        if short:
+            rows_of.append(torch.tensor(short, dtype=torch.int64).reshape(-1, 6))
+        table = torch.cat(rows_of) if rows_of else None
         self.device = device
         self._streams: dict = {}  # cudaStream_t -> its torch ExternalStream, made once
         self.rest = rest
         self.nbytes = nbytes
-        self.num_programs = len(table)
-        self.table = (torch.tensor(table, dtype=torch.int64, device="cpu").reshape(-1).to(f"cuda:{device}" if device >= 0 else "cpu")
-                      if table else None)
+        self.num_programs = 0 if table is None else len(table)
+        self.table = None if table is None else table.reshape(-1).to(f"cuda:{device}" if device >= 0 else "cpu")
 
     def compile(self, *, variant: str = VARIANT, num_warps: int = NUM_WARPS) -> None:
         """Compile the kernel and load it into the device now (once per process), so that no

@@ -9,6 +9,7 @@ from typing import Callable
 
 from warmlink import _cuda
 from warmlink.errors import ConfigError, MetadataError
+from warmlink.transport import _copy_kernel
 from warmlink.transport.base import Batch, RemoteRegion
 
 __all__ = ["MAX_STREAMS", "LEGACY_STREAM", "COPY_METHODS", "resolve_copy_method", "build_descriptor", "check_descriptor",
@@ -136,15 +137,13 @@ class CopyPlan:
         # The GPU's UUID, not a device index (each process numbers its visible GPUs from 0) nor the
         # pointer's attributes (memory a peer GPU exported reads as this process's device there).
         remotes = {id(c.remote): c.remote for c in (*batch.flat, *batch.strided)}
-        same = kernel and bool(remotes) and all(r.desc["device_uuid"] == _cuda.device_uuid(device)
-                                                for r in remotes.values())
+        many = len(flat) + len(strided) >= _copy_kernel.MIN_COPIES  # Note [Copy kernel]: a few stay on the engines
+        same = kernel and many and all(r.desc["device_uuid"] == _cuda.device_uuid(device) for r in remotes.values())
         return cls(device, flat, strided, same)
 
     def kernel(self, direction: str):
         """The copies as one kernel (``transport._copy_kernel.CopyPlan``; its ``rest`` still need
         the copy engines), built once per direction."""
-        from warmlink.transport import _copy_kernel
-
         plan = self._kernels.get(direction)
         if plan is None:
             read = direction == "read"
