@@ -75,14 +75,15 @@ def job():
 
 
 # -- worker processes --------------------------------------------------------------------------------
-def _cmd_start(state, *, address, secret, prefix, group, layouts, chunk_bytes=CHUNK_BYTES, stall_s=30.0, degree=1):
+def _cmd_start(state, *, address, secret, prefix, group, layouts, chunk_bytes=CHUNK_BYTES, stall_s=30.0, degree=1,
+               install="copy"):
     _cmd_close(state)
     if state.get("store_key") != (address, prefix):
         if state.get("store") is not None:
             state["store"].close()
         state["store"] = Store.connect(address, prefix=prefix, timeout_s=TIMEOUT_S, secret=secret)
         state["store_key"] = (address, prefix)
-    rec = Receiver(state["store"], num_publishers=1, backend="shm", timeout_s=TIMEOUT_S,
+    rec = Receiver(state["store"], num_publishers=1, backend="shm", timeout_s=TIMEOUT_S, install=install,
                    fanout=FanOut(group, chunk_bytes=chunk_bytes, stall_s=stall_s, degree=degree))
     state["targets"] = {n: torch.full(lay.shape, SENTINEL, dtype=getattr(torch, lay.dtype)) for n, lay in layouts.items()}
     state["layouts"] = layouts
@@ -185,13 +186,15 @@ def _close(ws) -> None:
 
 
 # -- fan-out to processes --------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_engines", [1, 8])
-def test_engines_get_two_versions_bit_exact_and_the_trainer_sends_the_model_once(workers, job, num_engines):
+@pytest.mark.parametrize("num_engines,install", [(1, "copy"), (8, "copy"), (8, "swap")])
+def test_engines_get_each_version_bit_exact_and_the_trainer_sends_the_model_once(workers, job, num_engines, install):
+    """With ``install="swap"`` three versions: each half of every double buffer is served, then
+    the first again."""
     store, trainer = job
     ws = workers[:num_engines]
-    _start(ws, store, f"two-versions-{num_engines}")
+    _start(ws, store, f"versions-{num_engines}-{install}", install=install)
     try:
-        for version in (1, 2):
+        for version in (1, 2, 3) if install == "swap" else (1, 2):
             if version > 1:
                 assert trainer.update() == version
             got = _refit_all(ws)
@@ -283,10 +286,10 @@ def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
 
 
 # -- in this process --------------------------------------------------------------------------------------
-def _receivers(store, n: int, group: str, **fanout) -> list[tuple[Receiver, dict]]:
+def _receivers(store, n: int, group: str, install: str = "copy", **fanout) -> list[tuple[Receiver, dict]]:
     out = []
     for _ in range(n):
-        rec = Receiver(store, num_publishers=1, backend="shm", timeout_s=TIMEOUT_S,
+        rec = Receiver(store, num_publishers=1, backend="shm", timeout_s=TIMEOUT_S, install=install,
                        fanout=FanOut(group, **{"chunk_bytes": CHUNK_BYTES, "stall_s": 30.0, **fanout}))
         targets = {n: torch.full(lay.shape, SENTINEL, dtype=getattr(torch, lay.dtype)) for n, lay in LAYOUTS.items()}
         for name, lay in LAYOUTS.items():
@@ -326,14 +329,16 @@ def pooling_off():
         pool.set_enabled(None)
 
 
-@pytest.mark.parametrize("sync", ["store_sync", "pooling_off"])
-def test_relays_of_relays_in_flight_at_once(request, job, sync):
+@pytest.mark.parametrize("sync,install", [("store_sync", "copy"), ("pooling_off", "copy"), ("store_sync", "swap"),
+                                          ("pooling_off", "swap")])
+def test_relays_of_relays_in_flight_at_once(request, job, sync, install):
     """Replicas that count themselves in through the store (another host's, or no board), and
     relays whose buffers are new every cycle (pooling off: each re-announces its region). On one
-    host a chain is a star (Note [Fan-out tree]): a tree of degree 2 puts a relay behind a relay."""
+    host a chain is a star (Note [Fan-out tree]): a tree of degree 2 puts a relay behind a relay.
+    With ``install="swap"`` every cycle fills the other half of each double buffer."""
     request.getfixturevalue(sync)
     store, trainer = job
-    recs = _receivers(store, 4, group=f"chain-{sync}", degree=2)
+    recs = _receivers(store, 4, group=f"chain-{sync}-{install}", install=install, degree=2)
     try:
         for version in (1, 2, 3):
             if version > 1:
@@ -412,8 +417,8 @@ def test_bad_fanout_arguments_are_config_errors():
                           ({"group": "g", "stall_s": 0}, "stall_s=0")]:
         with pytest.raises(ConfigError, match=match):
             FanOut(**kwargs)
-    with pytest.raises(ConfigError, match="install='swap'"):
-        Receiver(object(), num_publishers=1, install="swap", fanout=FanOut("g"))
+    with pytest.raises(ConfigError, match="install='direct'"):
+        Receiver(object(), num_publishers=1, install="direct", fanout=FanOut("g"))
     with pytest.raises(ConfigError, match="expected a warmlink.refit.FanOut"):
         Receiver(object(), num_publishers=1, fanout="g")
     rec = Receiver(object(), num_publishers=1, fanout=FanOut("g"))
@@ -464,13 +469,13 @@ def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_
     assert [parent(m, 2, places) for m in (2, 3)] == [1, 1]  # a tree keeps the member numbers' shape
 
 
-def test_a_member_record_with_a_bad_device_or_host_header_is_refused():
+def test_a_member_record_with_a_bad_device_host_header_or_regions_is_refused():
     from warmlink.errors import MetadataError
     from warmlink.refit._members import make_record, validate_member
 
     region = {"kind": "shm", "name": "wl-x", "offset": 0, "nbytes": 64}
     record = make_record(group="g", rank=0, member=1, incarnation=1, identity=("h", 1, 0), device="", token=None,
-                         backend="shm", header=region, host_header=region, region=None)
+                         backend="shm", header=region, host_header=region, regions=[])
     assert validate_member(record, "p") is record
     assert validate_member({**record, "host_header": None}, "p")["host_header"] is None
     with pytest.raises(MetadataError, match="device="):
@@ -484,6 +489,13 @@ def test_a_member_record_with_a_bad_device_or_host_header_is_refused():
         validate_member({**record, "host_header": gpu}, "p")
     with pytest.raises(MetadataError, match="host_header"):
         validate_member({**record, "host_header": {"kind": "shm"}}, "p")
+    assert validate_member({**record, "regions": [region, region]}, "p")  # both halves of a swap double buffer
+    with pytest.raises(MetadataError, match="regions"):
+        validate_member({**record, "regions": [region] * 3}, "p")
+    with pytest.raises(MetadataError, match="regions"):
+        validate_member({**record, "regions": region}, "p")
+    with pytest.raises(MetadataError, match=r"regions\[1\]"):
+        validate_member({**record, "regions": [region, {"kind": "shm"}]}, "p")
 
 
 @settings(max_examples=60, deadline=None)
@@ -533,7 +545,7 @@ class _HostHeaderMember:
         self.ups = Upstreams(FanOut("g"), None, self.link.resource, 5.0)
         self.record = make_record(group="g", rank=0, member=1, incarnation=7, identity=local_identity(), device="",
                                   token=liveness.token(), backend="shm", header=self.header.region.desc,
-                                  host_header=self.header.host.desc, region=None)
+                                  host_header=self.header.host.desc, regions=[])
         self.me = PeerRef("test:fanout/g/0/1", 1, *local_identity(), liveness.token())
         self.up = Upstream(1, self.record, self.me)
         self.up.host_header = self.ups._open_host_header(self.up)

@@ -15,15 +15,19 @@ NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NUM_GPUS < 1, reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("devices", [
-    (0, 0, 0, 0),
-    pytest.param((0, 1, 0, 1), marks=[pytest.mark.multigpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA devices")]),
-], ids=["one-gpu", "two-gpus"])
-def test_three_engines_with_fanout_take_the_model_from_the_trainer_once(devices):
+_TWO = [pytest.mark.multigpu, pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 CUDA devices")]
+
+
+@pytest.mark.parametrize("devices,install", [
+    ((0, 0, 0, 0), "copy"),
+    pytest.param((0, 1, 0, 1), "copy", marks=_TWO),
+    pytest.param((0, 1, 0, 1), "swap", marks=_TWO),
+], ids=["one-gpu", "two-gpus", "two-gpus-swap"])
+def test_three_engines_with_fanout_take_the_model_from_the_trainer_once(devices, install):
     spec = qwen3_4b_like(0.02)
     layouts = list(spec.layouts(1, 0).values())
     model_nbytes = build_plan({0: layouts}, layouts).link_nbytes
-    out = run_fanout(spec, engines=3, cycles=3, devices=devices, timeout_s=300)
+    out = run_fanout(spec, engines=3, cycles=3, devices=devices, install=install, timeout_s=300)
     # one GPU: a star around replica 1, which takes it from the trainer; two: the first replica on
     # GPU1 from the trainer across NVLink, the one on GPU0 from the trainer within GPU0, the other on
     # GPU1 from the first there, so GPU0 -> GPU1 carries the model once (Note [Fan-out tree])

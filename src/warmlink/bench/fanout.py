@@ -43,9 +43,9 @@ def trainer_main(*, control, results, address, secret, prefix, spec, device_idx,
 
 
 def engine_main(*, control, results, name, address, secret, prefix, spec, device_idx, backend, seed, chunk_bytes=None,
-                degree=1, group="bench"):
-    """One TP-1 engine replica, ``name`` in its messages. Messages: ``("open", mode)`` makes its receiver (``"trainer"``:
-    plain; ``"fanout"``: ``FanOut(group-mode, degree=, chunk_bytes=)``) and says ``opened``;
+                degree=1, group="bench", install="copy"):
+    """One TP-1 engine replica, ``name`` in its messages. Messages: ``("open", mode)`` makes its receiver (``install=``;
+    ``"trainer"``: plain; ``"fanout"``: ``FanOut(group-mode, degree=, chunk_bytes=)``) and says ``opened``;
     ``("refit",)`` runs a cycle and says ``cycle`` with its report and monotonic start and end;
     ``("verify",)`` says ``verified`` with the tensors that differ from ``spec``'s values;
     ``("close",)`` closes the receiver (``closed``); ``None`` ends."""
@@ -63,7 +63,7 @@ def engine_main(*, control, results, name, address, secret, prefix, spec, device
             while (msg := control.get(timeout=600)) is not None:
                 if msg[0] == "open":
                     fanout = FanOut(f"{group}-{msg[1]}", degree=degree, chunk_bytes=chunk_bytes) if msg[1] == "fanout" else None
-                    rec = Receiver(store, num_publishers=1, backend=backend, fanout=fanout)
+                    rec = Receiver(store, num_publishers=1, backend=backend, install=install, fanout=fanout)
                     for tensor, lay in layouts.items():
                         rec.add(tensor, lay, targets[tensor])
                     results.put({"tag": name, "event": "opened"})
@@ -94,6 +94,7 @@ def run_fanout(
     backend: str | None = None,
     chunk_bytes: int | None = None,
     degree: int = 1,
+    install: str = "copy",
     seed: int = 0,
     timeout_s: float = 300.0,
     progress=None,
@@ -107,6 +108,7 @@ def run_fanout(
         devices: the trainer's device, then the engines' (cycled): -1 is the CPU (shm).
         backend: the link (default: ``cuda_ipc`` on GPUs, ``shm`` on the CPU).
         chunk_bytes, degree: ``FanOut``'s.
+        install: the receivers' install mode, ``"copy"`` or ``"swap"``, in both modes.
         progress: called with each step's name as it ends.
 
     Returns:
@@ -126,14 +128,14 @@ def run_fanout(
     tell = progress or (lambda step: None)
     prefix = f"bench-fanout-{time.monotonic_ns()}"
     tags = [f"engine{i}" for i in range(engines)]
-    out = {"engines": engines, "nbytes": spec.nbytes, "degree": degree, "modes": {}}
+    out = {"engines": engines, "nbytes": spec.nbytes, "degree": degree, "install": install, "modes": {}}
     with Store("127.0.0.1", 0, is_server=True, prefix=prefix) as store, Group(timeout_s) as group:
         common = dict(address=store.address, secret=store.secret, prefix=prefix, spec=spec, backend=backend, seed=seed)
         group.start("trainer", trainer_main, device_idx=devices[0], **common)
         engine_devices = devices[1:] or devices[:1]
         for i, tag in enumerate(tags):
             group.start(tag, engine_main, name=tag, device_idx=engine_devices[i % len(engine_devices)], chunk_bytes=chunk_bytes,
-                        degree=degree, group=prefix, **common)
+                        degree=degree, group=prefix, install=install, **common)
         group.expect("ready", 1)
         tell("started")
         for m_idx, mode in enumerate(modes):

@@ -7,7 +7,8 @@ first cycle: it takes a member number ``m = add(fanout/{group}/{rank}/members, 1
 the order they join) and writes its record under ``fanout/{group}/{rank}/member/{m}``: its process
 (host, pid, start time, liveness token), its backend, the random incarnation of its relay, and the
 descriptors of its header (in its link's memory and in its host's shared memory) and of the
-receive region it serves (``null`` until it has one).
+receive regions it serves (none until it has one; two with ``install="swap"``, whose cycles
+alternate between the halves of a double buffer, so that a flip costs no store round trip).
 
 Member ``m`` pulls from its parent in a tree of degree ``d`` over the member numbers:
 ``(m - 2) // d + 1`` in a tree (``d > 1``); in a chain (``d = 1``, the default: each link carries
@@ -47,12 +48,13 @@ from warmlink.pool import liveness
 from warmlink.rendezvous import schema
 
 __all__ = ["KIND", "members_key", "member_key", "make_record", "validate_member", "ancestors", "parent", "device_id",
-           "place_of", "GROUP_NAME"]
+           "place_of", "GROUP_NAME", "MAX_REGIONS"]
 
 KIND = "fanout_member"
+MAX_REGIONS = 2  # the halves of a swap double buffer
 GROUP_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _KEYS = ("schema_version", "kind", "group", "rank", "member", "incarnation", "host", "device", "pid", "start_time",
-         "token", "backend", "header", "host_header", "region")
+         "token", "backend", "header", "host_header", "regions")
 _MAX_RANK = 1 << 20
 _MAX_MEMBER = 1 << 40
 
@@ -127,14 +129,15 @@ def place_of(record: dict) -> Place:
 
 
 def make_record(*, group: str, rank: int, member: int, incarnation: int, identity: tuple[str, int, int], device: str,
-                token: str | None, backend: str, header: dict, host_header: dict | None, region: dict | None) -> dict:
+                token: str | None, backend: str, header: dict, host_header: dict | None, regions: list) -> dict:
     """A member's record (Note [Fan-out tree]), for ``Store.set_json``; ``device`` is ``device_id``'s,
     ``host_header`` the shared-memory region of its header on its host (Note [Relay header in host
-    memory] in ``refit._relay_header``), or None."""
+    memory] in ``refit._relay_header``), or None; ``regions`` the receive regions it serves (0 to
+    ``MAX_REGIONS``; its header names the one a cycle fills by its descriptor's digest)."""
     host, pid, start = identity
     return {"schema_version": 1, "kind": KIND, "group": group, "rank": rank, "member": member, "incarnation": incarnation,
             "host": host, "device": device, "pid": pid, "start_time": start, "token": token or "", "backend": backend,
-            "header": header, "host_header": host_header, "region": region}
+            "header": header, "host_header": host_header, "regions": list(regions)}
 
 
 def _fail(peer: str, msg: str):
@@ -179,10 +182,14 @@ def validate_member(obj: Any, peer: str) -> dict:
         schema.validate_region(obj["host_header"], peer, "host_header")
         if obj["host_header"]["kind"] != "shm":
             _fail(peer, f"host_header.kind={obj['host_header']['kind']!r}; expected 'shm'")
-    if obj["region"] is not None:
-        schema.validate_region(obj["region"], peer, "region")
+    regions = obj["regions"]
+    if type(regions) is not list or len(regions) > MAX_REGIONS:
+        _fail(peer, f"regions: {type(regions).__name__} of {len(regions) if type(regions) is list else '?'}; expected a "
+                    f"list of at most {MAX_REGIONS} region descriptors")
+    for i, region in enumerate(regions):
+        schema.validate_region(region, peer, f"regions[{i}]")
     return obj
 
 
-# a record is under 2 KB but for a NIXL agent's metadata, which the region descriptors carry twice
-schema.register_kind(KIND, validate_member, max_bytes=4 * schema.MAX_NIXL_META_HEX)
+# a record is under 2 KB but for a NIXL agent's metadata, which each link region's descriptor carries
+schema.register_kind(KIND, validate_member, max_bytes=(2 + MAX_REGIONS) * schema.MAX_NIXL_META_HEX)

@@ -10,11 +10,14 @@ pulls from are ``refit._upstreams``; who pulls from whom is Note [Fan-out tree] 
 * **A relay serves the bytes it pulled, in place.** Replicas of one layout build the same plan,
   hence the same receive region (``ReceiveBuffers``: every tensor and every staged pull's scratch
   at the same offset). A relay serves that region as its pull left it, before and apart from
-  translate and install, which with ``install="copy"`` write only memory outside it, or receive
+  translate and install, which write only memory outside it (``install="copy"`` copies out of
+  it, ``"swap"`` points the targets into it, a cast lands in tensors of its own), or receive
   elements that a staged pull's unstage fills and every replica fills again from its own scratch
-  (Note [Install modes] in ``refit._install``). The replica copies the same byte ranges to the same
-  offsets (``refit._chunks``), then checks, translates and installs exactly as if they had come
-  from the publishers: no second plan, no memory beyond one receiver's, no copy on the relay.
+  (Note [Install modes] in ``refit._install``); with ``"swap"`` the record names both halves of
+  the double buffer and the header the one a cycle fills. The replica copies the same byte
+  ranges to the same offsets (``refit._chunks``), then checks, translates and installs exactly as
+  if they had come from the publishers: no second plan, no memory beyond one receiver's, no copy
+  on the relay.
 * **The publishers pin the version.** Every replica counts itself in at the publishers as any
   receiver does (Note [Version protocol], Note [Version board]) and pulls the version it entered,
   from a relay or from the publishers. While one replica is inside version v no publisher can
@@ -172,20 +175,24 @@ class Relay:
         self._words: RelayWords | None = None  # what the header says now
         self._lock = threading.Lock()  # header writes: the driver's progress against a cycle's end
         self._served = None  # (state, token) of the buffers served between cycles
-        self._announced: dict | None = None  # the region descriptor the record names
+        self._announced: list = []  # the region descriptors the record names
         self._ups: Upstreams | None = None  # the members it pulls from, from its first cycle
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
 
     # -- the receiver's calls ----------------------------------------------------------------
-    def pull(self, state, plan, bufs, version: int, timeout_s: float) -> FanTransfer:
+    def pull(self, state, plan, bufs, version: int, timeout_s: float, twin=None) -> FanTransfer:
         """Start filling ``bufs`` (the cycle's receive buffers of ``plan``) with ``version``, which
-        the cycle entered at the publishers of ``state.sources``; returns once the fill is queued."""
+        the cycle entered at the publishers of ``state.sources``; returns once the fill is queued.
+        ``twin``: the other half of a swap double buffer (the next cycle's), announced with
+        ``bufs`` so that replicas open both once."""
         sources = state.sources
+        regions = [bufs.region.desc] + ([twin.region.desc] if twin is not None else [])
         if self.member == 0:
-            self._join(state.link, plan, bufs, sources.place())
-        chunks, batches = bufs.chunked(plan, sources, self.config.chunk_bytes_for(plan.link_nbytes, state.link.backend))
+            self._join(state.link, plan, bufs, regions, sources.place())
+        chunk_bytes = self.config.chunk_bytes_for(plan.link_nbytes, state.link.backend)
+        chunks, batches = bufs.chunked(plan, sources, chunk_bytes)
         label = digest16([sources.generations(), list(sources.digests())])
         job = _Job(bufs, chunks, batches, version, label, timeout_s)
         with self._lock:  # a new epoch before the region takes a byte of it: Note [Fan-out]
@@ -193,12 +200,17 @@ class Relay:
             self._write(RelayWords(self.incarnation, old.epoch + 1, version, FILLING, 0, chunks.num_chunks, chunks.chunk_bytes,
                                    chunks.nbytes, label, digest16(plan.signature), digest16(bufs.region.desc)))
             self._job = job
-        if bufs.region.desc != self._announced:  # other buffers (a new plan, or pooling off): tell the store
-            self._announce(bufs.region.desc)
+        if bufs.region.desc not in self._announced:  # other buffers (a new plan, or pooling off): tell the store
+            self._announce(regions)
         if self._thread is None:
             self._thread = threading.Thread(target=self._drive, name="warmlink-fanout", daemon=True)
             self._thread.start()
         self._jobs.put(job)
+        if twin is not None:  # the next cycle's pulls from the publishers, prepared while this one's bytes move
+            try:
+                twin.chunked(plan, sources, chunk_bytes)
+            except WarmlinkError as exc:  # this cycle's bytes are moving: the next cycle prepares again, and raises
+                log.warning("fan-out could not prepare the next cycle's pulls", extra={"error": str(exc)})
         return FanTransfer(self, job)
 
     def verified(self) -> None:
@@ -207,8 +219,10 @@ class Relay:
             self._write(self._words._replace(state=HELD))
 
     def keep(self, state, token) -> None:
-        """The cycle installed: hold its buffers (``token``), which are served until the next
-        cycle's header moves on, and let the previous cycle's go."""
+        """The cycle installed with ``install="copy"``: hold its buffers (``token``), which are
+        served until the next cycle's header moves on, and let the previous cycle's go. (A swap
+        install holds its installed half itself until the next install, which comes after the
+        next pull moved the header off it.)"""
         old, self._served = self._served, (state, token)
         if old is not None:
             old[0].release_buffers(old[1])
@@ -253,10 +267,11 @@ class Relay:
             served[0].release_buffers(served[1])
 
     # -- joining -----------------------------------------------------------------------------
-    def _join(self, link, plan, bufs, publishers_place) -> None:
-        """Take a member number and write this relay's record (Note [Fan-out tree]); a join that
-        failed (the store) is tried again by the next cycle. ``publishers_place``: the one GPU every
-        publisher's regions are on (``SourceSet.place``), or None."""
+    def _join(self, link, plan, bufs, regions: list, publishers_place) -> None:
+        """Take a member number and write this relay's record (Note [Fan-out tree]) naming
+        ``regions``; a join that failed (the store) is tried again by the next cycle.
+        ``publishers_place``: the one GPU every publisher's regions are on (``SourceSet.place``), or
+        None."""
         if self._link is None:  # its header and the members it pulls from: once, given back by close
             self._link = link
             self._header = RelayHeader(link.allocate(RELAY_HEADER_NBYTES), self._host_region())
@@ -268,7 +283,7 @@ class Relay:
             raise MetadataError(f"Receiver.refit: store key {_members.members_key(c.group, c.rank)!r} gave member number "
                                 f"{member}; expected 1 to 2**40 (a forged counter?)")
         self.member = member
-        self._announce(bufs.region.desc)
+        self._announce(regions)
         places = self._earlier_places() if c.degree == 1 else {}
         if publishers_place is not None:
             places[0] = publishers_place
@@ -312,15 +327,15 @@ class Relay:
             self._host = None
             return None
 
-    def _announce(self, region: dict) -> None:
+    def _announce(self, regions: list) -> None:
         c = self.config
         record = _members.make_record(group=c.group, rank=c.rank, member=self.member, incarnation=self.incarnation,
                                       identity=local_identity(), device=_members.device_id(self._link.device),
                                       token=liveness.token(), backend=self._link.backend,
-                                      header=self._header.region.desc, region=region,
+                                      header=self._header.region.desc, regions=regions,
                                       host_header=self._header.host.desc if self._header.host is not None else None)
         self.store.set_json(_members.member_key(c.group, c.rank, self.member), record)
-        self._announced = region
+        self._announced = list(regions)
 
     def _write(self, words: RelayWords) -> None:
         self._header.write(words)
@@ -432,7 +447,9 @@ class Relay:
                     raise RouteAround(f"{up.name} showed no progress for {self.config.stall_s:.3g} s "
                                        f"({words.describe() if words is not None else 'no header'})")
                 time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, 5e-3)
+                # A header in this host's memory costs a 128-byte read: poll it closely, so that a
+                # chunk landing at the source is copied within ~0.5 ms, not after a 5 ms doze.
+                sleep_s = min(2 * sleep_s, 5e-4 if up.host_header is not None else 5e-3)
                 up, words = ups.current(up, job.left, mine)
         except RouteAround as exc:
             _settle([t for _, t in inflight], job.timeout_s)

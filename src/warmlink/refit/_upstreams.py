@@ -4,7 +4,7 @@ Note [Fan-out tree] in ``refit._members``).
 
 What a record says is only where to look: a member's header, read through the link (or, for a
 member on this host, from its copy in shared memory: Note [Relay header in host memory] in
-``refit._relay_header``), says whether the region opened is the one it serves (its digest),
+``refit._relay_header``), says which of the regions its record names it serves (their digests),
 whether the header is this member's (its incarnation) and whether it can serve this receiver at
 all (plan signature, chunking).
 """
@@ -68,16 +68,22 @@ def land(transfer, left: Callable[[], float]) -> None:
 
 
 class Upstream:
-    """A member this relay pulls from, opened: its record, header and region, prepared reads."""
+    """A member this relay pulls from, opened: its record, header and regions, prepared reads.
+    ``region``: the one its header names now (``serving`` picks it)."""
 
-    __slots__ = ("member", "record", "peer", "header", "host_header", "region", "region_digest", "header_batch",
-                 "batches")
+    __slots__ = ("member", "record", "peer", "header", "host_header", "regions", "region", "header_batch", "batches")
 
     def __init__(self, member: int, record: dict, peer: PeerRef) -> None:
         self.member, self.record, self.peer = member, record, peer
         self.header = self.host_header = self.region = self.header_batch = None
-        self.region_digest = digest16(record["region"])
-        self.batches: tuple | None = None  # (my region, chunking, prepared batch per chunk)
+        self.regions: dict = {}  # descriptor digest -> opened region, every one the record names
+        # ids of (its region, my region) -> (both, chunking, prepared batch per chunk): swap's two halves each side
+        self.batches: dict = {}
+
+    def serving(self, words: RelayWords) -> bool:
+        """Point ``region`` at the region ``words`` name; False when the record names no such one."""
+        self.region = self.regions.get(words.region)
+        return self.region is not None
 
     @property
     def name(self) -> str:
@@ -105,15 +111,15 @@ class Upstreams:
     def current(self, up: Upstream, left: Callable[[], float], mine: RelayWords,
                 words: RelayWords | None = None) -> tuple[Upstream, RelayWords | None]:
         """``up`` and its header (``words`` if just read, else read now; None: nothing to serve
-        yet), with nothing of ``up``'s in flight. A header naming another region than the one
-        opened means ``up`` moved to other buffers: it is opened again from its record."""
+        yet), with nothing of ``up``'s in flight. A header naming a region its record did not
+        means ``up`` moved to other buffers: it is opened again from its record."""
         if words is None:
             words = self.read(up, left, mine)
-        if words is not None and words.region != up.region_digest:
+        if words is not None and not up.serving(words):
             self.close(up)
             up = self.get(up.member, left)
             words = self.read(up, left, mine)
-            if words is not None and words.region != up.region_digest:
+            if words is not None and not up.serving(words):
                 return up, None  # its record has not caught up with its header yet
         return up, words
 
@@ -132,7 +138,7 @@ class Upstreams:
             except MetadataError as exc:  # a bad record costs its member this receiver's pulls, not the cycle
                 log.warning("fan-out record refused", extra={"source": member, "error": str(exc)})
                 raise RouteAround(str(exc)) from None
-            if record is not None and record["region"] is not None:
+            if record is not None and record["regions"]:
                 break
             first = self._absent_since.setdefault(member, time.monotonic())
             if time.monotonic() - first > c.stall_s:
@@ -150,7 +156,8 @@ class Upstreams:
         up = Upstream(member, record, peer)
         try:
             up.header = self.link.open(peer, record["header"])
-            up.region = self.link.open(peer, record["region"])
+            for desc in record["regions"]:
+                up.regions[digest16(desc)] = self.link.open(peer, desc)
         except (PeerLostError, MetadataError, LayoutError) as exc:
             self.close(up)
             if not peer.alive():
@@ -223,16 +230,19 @@ class Upstreams:
         return _reread(view.tobytes)
 
     def batches(self, up: Upstream, region, chunks) -> list:
-        """The prepared copy of each of ``chunks`` from ``up``'s region into ``region`` (the cycle's),
-        kept per upstream."""
-        cached = up.batches
-        if cached is None or cached[0] is not region or cached[1] != chunks:
+        """The prepared copy of each of ``chunks`` from ``up``'s region now into ``region`` (the
+        cycle's), kept per upstream and pair of regions."""
+        key = (id(up.region), id(region))  # the entry holds both, so neither id is reused while it stays
+        cached = up.batches.get(key)
+        if cached is None or cached[0] is not up.region or cached[1] is not region or cached[2] != chunks:
             if up.region.nbytes < region.nbytes:
                 raise LayoutError(f"Receiver.refit: fan-out {up.name} serves {up.region.nbytes} bytes, this receiver's "
                                   f"region holds {region.nbytes}; expected the same receive region")
+            if len(up.batches) >= 4:  # two halves each side; more means buffers were replaced
+                up.batches.clear()
             batches = [self.link.prepare([Copy(region, o, up.region, o, n) for o, n in piece]) for piece in chunks.pieces]
-            cached = up.batches = (region, chunks, batches)
-        return cached[2]
+            cached = up.batches[key] = (up.region, region, chunks, batches)
+        return cached[3]
 
     def lost(self, up: Upstream) -> None:
         """``up`` died or closed: never pulled from again; its mappings close (nothing reads them)."""
@@ -244,13 +254,14 @@ class Upstreams:
         """Close ``up``'s mappings (nothing of it in flight)."""
         if self._open.get(up.member) is up:
             del self._open[up.member]
-        up.batches = up.header_batch = None
-        for region in (up.header, up.region):
+        up.batches, up.header_batch = {}, None
+        for region in (up.header, *up.regions.values()):
             if region is not None:
                 self.link.close_region(region)
         if up.host_header is not None:
             self._host.resource.close_region(up.host_header)
         up.header = up.host_header = up.region = None
+        up.regions = {}
 
     def close_all(self) -> None:
         """Close every member's mappings and give back where headers are read into. Idempotent."""

@@ -80,11 +80,11 @@ class Receiver(Closing):
             version from another replica where one holds it, and serves it to the replicas after
             it, so the publishers send each byte about once (Note [Fan-out] in
             ``refit._relay``). ``CycleReport.pulled_from`` says where the bytes came from. Needs
-            ``install="copy"``; ``stream`` is refused.
+            ``install="copy"`` or ``"swap"``; ``stream`` is refused.
 
     Raises:
         ConfigError: an unknown install mode, ``num_publishers < 1``, or ``fanout`` that is not a
-            ``FanOut`` or comes with another install mode.
+            ``FanOut`` or comes with ``install="direct"``.
 
     Collective? No: each receiver refits on its own schedule.
     """
@@ -107,9 +107,9 @@ class Receiver(Closing):
         self._install_mode = install_mode(install)  # every install-mode decision is this strategy's
         if fanout is not None and not isinstance(fanout, FanOut):
             raise ConfigError(f"Receiver: fanout={fanout!r}; expected a warmlink.refit.FanOut or None")
-        if fanout is not None and install != "copy":
-            raise ConfigError(f"Receiver: fanout with install={install!r}; expected install='copy' (a relay serves "
-                              "receive memory its install leaves as pulled: Note [Fan-out])")
+        if fanout is not None and install not in ("copy", "swap"):
+            raise ConfigError(f"Receiver: fanout with install={install!r}; expected install='copy' or 'swap' (a relay "
+                              "serves receive memory as pulled, which 'direct' does not keep: Note [Fan-out])")
         self.store = store
         self.num_publishers = num_publishers
         self.install = install
@@ -241,7 +241,7 @@ class Receiver(Closing):
             report.alloc_s = t3 - t2
 
             if self._relay is not None:  # Note [Fan-out]: from a replica or the publishers, in chunks
-                transfer = self._relay.pull(state, plan, bufs, sync.version, timeout)
+                transfer = self._relay.pull(state, plan, bufs, sync.version, timeout, twin)
                 t4 = time.perf_counter()
                 report.register_s, report.replica = t4 - t3, self._relay.member
             else:
@@ -465,9 +465,9 @@ class Receiver(Closing):
                 self.installed_version = None
                 raise partial from exc
             raise
-        if self._relay is not None:
+        if self._relay is not None and not self._install_mode.double_buffered:
             self._relay.keep(state, cycle.token)  # served until the next cycle: Note [Fan-out]
-        else:
+        else:  # swap holds the installed half until the next install, after the next pull moved off it
             self._install_mode.installed(state, cycle.token)
         state.end_cycle()
         self._last_named = named
