@@ -2,7 +2,9 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
 #        tests-ep-rest)
-#        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) tests-fanout bench-fanout (REPEATS_FANOUT, CYCLES)
+#        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) tests-fanout bench-fanout (REPEATS_FANOUT, CYCLES, INSTALL)
+#        bench-first (REPEATS_FIRST: first cycles against NCCL's group creation) first-profile (where cycle 1 and export go)
+#        fanout-profile (INSTALL, CYCLE: where each replica's fan-out cycle goes)
 #        host-profile demo doctor
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
@@ -23,6 +25,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 unset PYTORCH_CUDA_ALLOC_CONF
 export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+# Byte-compiled once, as an installed package is: first-cycle figures must not count compiling the sources.
+timeout 120 python3 -m compileall -q "${SRC:-$PWD/src}" >/dev/null 2>&1
 wl() { python3 -m warmlink.cli.main "$@"; }
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
@@ -65,9 +69,18 @@ for d in range(torch.cuda.device_count()):
       timeout 400 python3 -m pytest -q -rA -p no:cacheprovider tests/refit/test_fanout_gpu.py 2>&1 | tee "$OUT/gpu_tests_fanout.log" | tail -30 ;;
     bench-fanout)  # pull beside fan-out into 1 and 3 engines on GPUs 0 and 1; REPEATS_FANOUT runs for medians
       for i in $(seq 1 ${REPEATS_FANOUT:-3}); do
-        timeout 300 python3 -m warmlink.cli.main bench refit --engines 1,3 --devices 0,1 --cycles ${CYCLES:-6} \
-          --json "$OUT/refit_engines_${TAG:-}$i.json" 2>&1 | tee "$OUT/refit_engines_${TAG:-}$i.log" | tail -20
+        timeout 400 python3 -m warmlink.cli.main bench refit --engines 1,3 --devices 0,1 --cycles ${CYCLES:-6} \
+          --install ${INSTALL:-copy,swap} --json "$OUT/refit_engines_${TAG:-}$i.json" 2>&1 | tee "$OUT/refit_engines_${TAG:-}$i.log" | tail -20
       done ;;
+    bench-first)  # the first cycle (export + receiver, and a joining engine's) against NCCL's group creation + first broadcast
+      for i in $(seq 1 ${REPEATS_FIRST:-3}); do
+        timeout 200 python3 -m warmlink.cli.main bench refit --scale 1 --cycles 3 --scenarios warm,nccl --timeout 150 \
+          --json "$OUT/refit_first_${TAG:-}$i.json" 2>&1 | tee "$OUT/refit_first_${TAG:-}$i.log" | tail -4
+      done ;;
+    fanout-profile)  # cProfile of each replica's cycle 2 (swap, 3 engines on GPUs 1, 0, 1), both threads
+      timeout 300 python3 tools/fanout_cycle_profile.py --install ${INSTALL:-swap} --cycle ${CYCLE:-2} --out "$OUT" 2>&1 | tail -8 ;;
+    first-profile)
+      timeout 200 python3 tools/refit_first_cycle_profile.py --export --top 30 2>&1 | tee "$OUT/refit_first_profile.log" | head -120 ;;
     bench-fp8)
       for i in $(seq 1 ${REPEATS_FP8:-3}); do
         timeout 300 python3 -m warmlink.cli.main bench fp8 --scale ${SCALE_FP8:-1} --json "$OUT/fp8_$i.json" 2>&1 | tee "$OUT/fp8_$i.log" | tail -12

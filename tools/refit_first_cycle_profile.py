@@ -2,8 +2,9 @@
 
 A publisher process (``bench.refit``'s, on ``--src``) exports the refit bench's model; this process
 is the receiver (on ``--dst``) and runs its first cycles under ``cProfile``, printing each cycle's
-phases and the functions that took longest in cycle 1. Usage:
-    python3 tools/refit_first_cycle_profile.py [--src 0] [--dst 1] [--scale 1.0] [--install swap] [--top 35]
+phases and the functions that took longest in cycle 1; with ``--export`` the publisher's
+``export()`` is profiled too and printed first. Usage:
+    python3 tools/refit_first_cycle_profile.py [--src 0] [--dst 1] [--scale 1.0] [--install swap] [--top 35] [--export]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--install", default="swap")
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--export", action="store_true", help="profile the publisher's export() too")
     args = p.parse_args()
 
     import torch
@@ -36,7 +38,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     with Store("127.0.0.1", 0, is_server=True, prefix=prefix) as store:
         control, results = ctx.Queue(), ctx.Queue()
-        pub = ctx.Process(target=bench_refit._publisher, kwargs=dict(
+        pub = ctx.Process(target=_profiled_publisher if args.export else bench_refit._publisher, kwargs=dict(
             control=control, results=results, address=store.address, secret=store.secret, prefix=prefix, spec=spec,
             tp=1, rank=0,
             device_idx=args.src, pool_on=True, backend=None, seed=0))
@@ -44,6 +46,8 @@ def main() -> None:
         try:
             ready = results.get(timeout=300)
             print(f"publisher ready: export {ready['export_s'] * 1e3:.1f} ms")
+            if args.export:
+                print(results.get(timeout=60)["profile"])
             torch.cuda.set_device(args.dst)
             layouts = spec.layouts(1, 0)
             with Receiver(store, num_publishers=1, install=args.install) as rec:
@@ -64,6 +68,36 @@ def main() -> None:
             pub.join(timeout=60)
             if pub.is_alive():
                 pub.kill()
+
+
+def _profiled_publisher(*, results, top=35, **kwargs) -> None:
+    """``bench.refit._publisher`` with ``Publisher.export`` under cProfile: its stats are put on
+    ``results`` after the ready message."""
+    import io
+
+    from warmlink.bench import refit as bench_refit
+    from warmlink.refit import Publisher
+
+    export = Publisher.export
+    prof = cProfile.Profile()
+
+    class _Results:
+        def put(self, msg):
+            results.put(msg)
+            if msg.get("event") == "ready":
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+                results.put({"profile": out.getvalue()})
+
+    def profiled(self):
+        prof.enable()
+        try:
+            return export(self)
+        finally:
+            prof.disable()
+
+    Publisher.export = profiled
+    bench_refit._publisher(results=_Results(), **kwargs)
 
 
 if __name__ == "__main__":

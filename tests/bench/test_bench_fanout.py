@@ -28,21 +28,30 @@ def test_fanout_sends_the_model_once_where_pulling_from_the_trainer_sends_it_per
 
 
 def test_bench_refit_engines_prints_pull_beside_fanout_on_this_machine(tmp_path, capsys):
-    """``warmlink bench refit --engines 1,2`` without --hosts: the CLI over run_fanout, on the CPU."""
+    """``warmlink bench refit --engines 1,2 --install copy,swap`` without --hosts: the CLI over
+    run_fanout, on the CPU, each install mode against its own one-engine time."""
     import json
 
     from warmlink.cli.main import main
 
     record = tmp_path / "engines.json"
     rc = main(["bench", "refit", "--engines", "1,2", "--devices=-1,-1", "--scale", "0.001", "--cycles", "2", "--fanout-chunks", "8",
-               "--timeout", "120", "--json", str(record)])
+               "--install", "copy,swap", "--timeout", "120", "--json", str(record)])
     out = capsys.readouterr().out
     assert rc == 0, out
     runs = json.loads(record.read_text())["runs"]
-    assert [r["engines"] for r in runs] == [1, 2]
+    assert [(r["install"], r["engines"]) for r in runs] == [("copy", 1), ("copy", 2), ("swap", 1), ("swap", 2)]
     assert all(m["correct"] for r in runs for m in r["modes"].values())
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
-    # engines, mode, first, warm, vs 1 engine, GB/s, trainer sent (models), exact
-    assert [(r[0], r[1], r[4], r[6], r[7]) for r in rows] == [
-        ("1", "pull", "1.00x", "1.00", "yes"), ("1", "fanout", "1.00x", "1.00", "yes"),
-        ("2", "pull", rows[2][4], "2.00", "yes"), ("2", "fanout", rows[3][4], "1.00", "yes")], out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["copy"], ["swap"])]
+    # install, engines, mode, first, warm, vs 1 engine, GB/s, trainer sent (models), exact
+    for install, block in (("copy", rows[:4]), ("swap", rows[4:])):
+        assert [(r[0], r[1], r[2], r[5], r[7], r[8]) for r in block] == [
+            (install, "1", "pull", "1.00x", "1.00", "yes"), (install, "1", "fanout", "1.00x", "1.00", "yes"),
+            (install, "2", "pull", block[2][5], "2.00", "yes"), (install, "2", "fanout", block[3][5], "1.00", "yes")], out
+
+
+def test_bench_refit_engines_refuses_direct_install(capsys):
+    from warmlink.cli.main import main
+
+    assert main(["bench", "refit", "--engines", "2", "--devices=-1,-1", "--install", "direct"]) == 2
+    assert "--install='direct' with --engines" in capsys.readouterr().err

@@ -6,8 +6,10 @@ The trainer runs on the first of ``--devices``; engines alternate over the secon
 GPU and some sit across the link, as data-parallel rollouts do. Per engine count and mode: the
 first cycle (it includes the mode's setup: plans, buffers, mappings), the warm cycle (median of
 cycles >= 2, first engine's start to last engine's end), the warm cycle against one engine's in the
-same mode, and the copies of the model the trainer sent per cycle. Every mode is verified
-bit-exact against the last version.
+same mode, and the copies of the model the trainer sent per cycle. ``--install copy,swap`` times
+each install mode in turn (copy keeps the engines' parameter addresses, as CUDA graphs need; swap
+installs by pointing them at the received memory). Every mode is verified bit-exact against the
+last version.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = ["run", "MODE_NAMES"]
 
 _PROG = "warmlink bench refit --engines"
 MODE_NAMES = {"pull": "trainer", "fanout": "fanout"}  # the flag's names (those of --hosts): bench.fanout's
+INSTALLS = ("copy", "swap")  # the receivers' install modes fan-out takes
 
 
 def engine_devices(devices: tuple[int, int], engines: int) -> tuple[int, ...]:
@@ -35,7 +38,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
     for flag, value in (("--link-rate", args.link_rate), ("--link-queue", args.link_queue), ("--plot", args.plot)):
         if value is not None:
             return f"{flag} needs --hosts (the emulated cluster)"
-    for flag, value in (("--scenarios", args.scenarios), ("--install", args.install), ("--nixl-threads", args.nixl_threads),
+    if args.install is not None and (not args.install or any(m not in INSTALLS for m in args.install)):
+        return f"--install={','.join(args.install)!r} with --engines; expected modes from {','.join(INSTALLS)} (a relay serves " \
+               "its receive memory, which 'direct' does not keep)"
+    for flag, value in (("--scenarios", args.scenarios), ("--nixl-threads", args.nixl_threads),
                         ("--nixl-sweep", args.nixl_sweep)):
         if value is not None:
             return f"{flag} does not apply with --engines (it times pull and fanout)"
@@ -75,15 +81,17 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     t0 = time.perf_counter()
     runs = []
-    for n in args.engines:
-        placed = engine_devices(devices, n)
-        if devices[0] >= 0:
-            print(f"  {n} engine(s) on " + ", ".join(f"GPU{d}" for d in placed[1:]), flush=True)
-        out = run_fanout(spec, engines=n, modes=modes, cycles=cycles, devices=placed, timeout_s=args.timeout,
-                         chunk_bytes=chunk_bytes,
-                         progress=lambda step, n=n: print(f"  {time.perf_counter() - t0:6.1f} s  N={n} {step}", flush=True))
-        out["devices"] = list(placed)
-        runs.append(out)
+    for install in args.install or ["copy"]:
+        for n in args.engines:
+            placed = engine_devices(devices, n)
+            if devices[0] >= 0:
+                print(f"  install={install}: {n} engine(s) on " + ", ".join(f"GPU{d}" for d in placed[1:]), flush=True)
+            out = run_fanout(spec, engines=n, modes=modes, cycles=cycles, devices=placed, timeout_s=args.timeout,
+                             chunk_bytes=chunk_bytes, install=install,
+                             progress=lambda step, n=n, i=install: print(f"  {time.perf_counter() - t0:6.1f} s  {i} N={n} {step}",
+                                                                           flush=True))
+            out["devices"] = list(placed)
+            runs.append(out)
     record = {"bench": "refit_engines", "scale": scale, "spec": dict(spec.__dict__), "cycles": cycles, "runs": runs,
               "chunk_bytes": chunk_bytes,
               "machine": machine_info()}
@@ -102,7 +110,7 @@ def warm_s(rows: list[dict]) -> float:
 
 
 def _table(runs: list[dict], names: list[str], nbytes: int) -> str:
-    head = (f"{'engines':>7}  {'mode':<7}{'first (ms)':>11}{'warm (ms)':>11}{'vs 1 engine':>12}"
+    head = (f"{'install':<8}{'engines':>7}  {'mode':<7}{'first (ms)':>11}{'warm (ms)':>11}{'vs 1 engine':>12}"
             f"{'GB/s per engine':>16}{'trainer sent (models)':>23}  exact")
     lines = [head]
     one = {}
@@ -110,12 +118,13 @@ def _table(runs: list[dict], names: list[str], nbytes: int) -> str:
         for name in names:
             rows = r["modes"][MODE_NAMES[name]]["cycles"]
             warm = warm_s(rows)
+            key = (r["install"], name)
             if r["engines"] == 1:
-                one[name] = warm
-            ratio = f"{warm / one[name]:.2f}x" if name in one else "-"
+                one[key] = warm
+            ratio = f"{warm / one[key]:.2f}x" if key in one else "-"
             sent = statistics.median(row["trainer_nbytes"] for row in rows) / nbytes
             exact = "yes" if r["modes"][MODE_NAMES[name]]["correct"] else "NO"
-            lines.append(f"{r['engines']:>7}  {name:<7}{rows[0]['wall_s'] * 1e3:>11.1f}{warm * 1e3:>11.2f}{ratio:>12}"
+            lines.append(f"{r['install']:<8}{r['engines']:>7}  {name:<7}{rows[0]['wall_s'] * 1e3:>11.1f}{warm * 1e3:>11.2f}{ratio:>12}"
                          f"{nbytes / warm / 1e9:>16.1f}{sent:>23.2f}  {exact}")
             if r["engines"] > 1 and name == "fanout":
                 lines.append(_ends(rows[-1]))
@@ -126,4 +135,4 @@ def _ends(row: dict) -> str:
     """Where each replica took the last cycle from and when it ended: a chain's lag shows there."""
     ends = ", ".join(f"{e['replica']} <- {'/'.join(sorted(e['sources'])).replace('replica ', '')} {e['end_s'] * 1e3:.1f}"
                      for e in sorted(row["engines"], key=lambda e: e["replica"]))
-    return f"{'':>9}cycle {row['cycle']}, replica <- source, end (ms): {ends}"
+    return f"{'':>17}cycle {row['cycle']}, replica <- source, end (ms): {ends}"
