@@ -16,7 +16,7 @@ import torch
 from warmlink.bench.cluster import unavailable
 from warmlink.bench.model_spec import qwen3_4b_like
 from warmlink.bench.refit_hosts import engine_hosts
-from warmlink.bench.refit_hosts_roles import mode_unavailable, version_key, version_values
+from warmlink.bench.refit_hosts_roles import version_key, version_values
 from warmlink.cli.main import main
 
 
@@ -56,13 +56,6 @@ def test_bench_refit_hosts_into_engines_on_three_other_hosts_is_bit_exact(cluste
     assert "pull: every engine pulls from the trainer; bound = N x bytes / rate" in out  # the table's title
     assert "N=3 unlimited links" in out
     assert "pull: " in out and "its bound" in out  # the verdict: the links bound it, or not
-
-
-def test_bench_refit_hosts_says_which_modes_this_build_lacks(cluster_possible, capsys) -> None:
-    if mode_unavailable("fanout") is None:
-        pytest.skip("this build has fan-out")
-    assert main(["bench", "refit", "--hosts", "3", "--modes", "fanout"]) == 2
-    assert "--modes fanout: this build of warmlink has no fan-out (warmlink.refit.FanOut)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """Why these arguments cannot run in the cluster mode, or None."""
-    from warmlink.bench.refit_hosts_roles import MODES, mode_unavailable
+    from warmlink.bench.refit_hosts_roles import MODES
 
     for flag, value in (("--scenarios", args.scenarios), ("--devices", args.devices), ("--install", args.install),
                         ("--nixl-threads", args.nixl_threads), ("--nixl-sweep", args.nixl_sweep),
@@ -102,9 +102,6 @@ def _refusal(args: argparse.Namespace) -> str | None:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
             return f"--modes={args.modes!r} invalid; expected distinct modes from {','.join(MODES)}"
-        for m in modes:
-            if (why := mode_unavailable(m)) is not None:
-                return f"--modes {m}: {why}"
     if importlib.util.find_spec("nixl_cu13") is None and importlib.util.find_spec("nixl") is None:
         return "the cluster mode moves bytes over nixl, which is not installed (pip install warmlink[nixl])"
     from warmlink.bench.cluster import unavailable
@@ -133,20 +130,14 @@ def run(args: argparse.Namespace) -> int:
     from warmlink.bench.cluster import ClusterUnavailable
     from warmlink.bench.model_spec import qwen3_4b_like, scale_for_nbytes
     from warmlink.bench.refit_hosts import run_hosts_refit
-    from warmlink.bench.refit_hosts_roles import MODES, mode_unavailable
+    from warmlink.bench.refit_hosts_roles import MODES
     from warmlink.bench.report import machine_info, write_record
 
     if (problem := _refusal(args)) is not None:
         return bench_args.refuse(_PROG, problem)
     rate = args.link_rate if args.link_rate is not None else DEFAULT_LINK_RATE_BPS
     counts = args.engines if args.engines is not None else [1, 2, 3, 4]
-    if args.modes:
-        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    else:
-        modes = tuple(m for m in MODES if mode_unavailable(m) is None)
-        for m in MODES:
-            if m not in modes:
-                print(f"skipping mode {m}: {mode_unavailable(m)}")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else MODES
     cycles = args.cycles if args.cycles is not None else 3
     scale = args.scale if args.scale is not None else scale_for_nbytes(rate // 8)  # one second of a link
     spec = qwen3_4b_like(scale)

@@ -28,15 +28,14 @@ import traceback
 
 from warmlink.bench.json_child import say
 
-__all__ = ["MODES", "mode_unavailable", "receiver_options", "trainer_copies", "version_key", "version_values"]
+__all__ = ["MODES", "receiver_options", "trainer_copies", "version_key", "version_values"]
 
 # Note [Refit modes]
 # ~~~~~~~~~~~~~~~~~~
 # A mode is how the engines take a version from the trainer, and nothing else: the cluster, the
 # processes, the model, the timing and the check are the same for every mode. What a mode changes
-# lives in three functions here: ``receiver_options`` (the engines' Receiver arguments),
-# ``trainer_copies`` (how many copies of the model must cross the trainer's link, the bound) and
-# ``mode_unavailable`` (why this build cannot run it).
+# lives in two functions here: ``receiver_options`` (the engines' Receiver arguments) and
+# ``trainer_copies`` (how many copies of the model must cross the trainer's link, the bound).
 #
 # * ``pull``: every engine pulls the whole model from the trainer. N engines put N copies
 #   through the trainer's link: at best N x bytes / rate.
@@ -46,18 +45,6 @@ __all__ = ["MODES", "mode_unavailable", "receiver_options", "trainer_copies", "v
 #   k on host 2, ...) and lets engines new to the job take their first version one after another
 #   in engine order, so that a chain in join order crosses each host's link once each way.
 MODES = ("pull", "fanout")
-
-
-def mode_unavailable(mode: str) -> str | None:
-    """Why this build of warmlink cannot run ``mode`` (Note [Refit modes]), or None."""
-    if mode not in MODES:
-        return f"mode={mode!r} is unknown; expected one of {', '.join(MODES)}"
-    if mode == "fanout":
-        import warmlink.refit
-
-        if not hasattr(warmlink.refit, "FanOut"):
-            return "this build of warmlink has no fan-out (warmlink.refit.FanOut)"
-    return None
 
 
 def receiver_options(mode: str) -> dict:
