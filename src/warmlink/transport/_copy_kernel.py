@@ -137,9 +137,9 @@ class CopyPlan:
             nbytes += row_nbytes * rows
             if rows == 1 and row_nbytes > 8 * chunk_nbytes:  # one long row: cut into pieces
                 if short:  # the table keeps the copies' order
-                    rows_of.append(torch.tensor(short, dtype=torch.int64).reshape(-1, 6))
+                    rows_of.append(torch.tensor(short, dtype=torch.int64, device="cpu").reshape(-1, 6))
                     short = []
-                offs = torch.arange(0, row_nbytes, chunk_nbytes, dtype=torch.int64)
+                offs = torch.arange(0, row_nbytes, chunk_nbytes, dtype=torch.int64, device="cpu")
                 words = (row_nbytes - offs).clamp_(max=chunk_nbytes) // 16
                 rows_of.append(torch.stack([src + offs, dst + offs, words, torch.ones_like(offs), words, words], 1))
             elif rows == 1 and row_nbytes > chunk_nbytes:
@@ -151,7 +151,7 @@ class CopyPlan:
                 short.extend((src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, min(per, rows - r), src_pitch // 16,
                               dst_pitch // 16) for r in range(0, rows, per))
         if short:
-            rows_of.append(torch.tensor(short, dtype=torch.int64).reshape(-1, 6))
+            rows_of.append(torch.tensor(short, dtype=torch.int64, device="cpu").reshape(-1, 6))
         table = torch.cat(rows_of) if rows_of else None
         self.device = device
         self._streams: dict = {}  # cudaStream_t -> its torch ExternalStream, made once
