@@ -30,27 +30,31 @@ def cluster_possible():
 
 def test_bench_refit_hosts_into_engines_on_three_other_hosts_is_bit_exact(cluster_possible, tmp_path, capsys) -> None:
     """End to end at a tiny size: a trainer on host 0, engines on hosts 1, 2 and 3 over NIXL/UCX TCP,
-    every engine bit-exact at every version (two per count), the warm cycle making nothing."""
+    every engine bit-exact at every version (two per count), the warm cycle making nothing; pulling
+    from the trainer puts N copies through its link, fan-out about one whatever N."""
     path, chart = tmp_path / "hosts.json", tmp_path / "hosts.png"
     rc = main(["bench", "refit", "--hosts", "4", "--engines", "1..3", "--link-rate", "100mbit", "--scale", "0.001",
-               "--cycles", "2", "--modes", "pull", "--timeout", "120", "--json", str(path), "--plot", str(chart)])
+               "--cycles", "2", "--modes", "pull,fanout", "--timeout", "120", "--json", str(path), "--plot", str(chart)])
     out = capsys.readouterr().out
     assert rc == 0, out
     record = json.loads(path.read_text())
     nbytes = qwen3_4b_like(0.001).nbytes
     assert record["placement"] == [1, 2, 3] and record["link_rate_bps"] == 100_000_000 and record["nbytes"] == nbytes
-    rows = record["modes"]["pull"]
-    assert [r["engines"] for r in rows] == [1, 2, 3] and all(r["exact"] for r in rows), rows
-    versions = [c["version"] for r in rows for c in [*r["cycles"], r["unlimited"]]]
-    assert versions == list(range(versions[0], versions[0] + 9))  # a new version every cycle, each checked
-    for r in rows:
-        assert not any(c["bad"] for c in [*r["cycles"], r["unlimited"]])
-        assert r["unlimited"]["created"] == 0 and r["unlimited_s"] > 0  # the limit lifted, the same warm path
-        assert r["cycles"][1]["created"] == 0  # the warm cycle registers and plans nothing
-        # Every engine pulled the whole model through the trainer's link: N copies, plus headers.
-        assert all(c["trainer_sent_bytes"] >= r["engines"] * nbytes for c in r["cycles"])
-        assert r["bound_s"] == pytest.approx(r["engines"] * nbytes * 8 / 100e6)
-    assert rows[0]["cycles"][0]["created"] > 0  # the first engine's first cycle made its plan and buffers
+    for mode in ("pull", "fanout"):
+        rows = record["modes"][mode]
+        assert [r["engines"] for r in rows] == [1, 2, 3] and all(r["exact"] for r in rows), (mode, rows)
+        versions = [c["version"] for r in rows for c in [*r["cycles"], r["unlimited"]]]
+        assert versions == list(range(versions[0], versions[0] + 9)), mode  # a new version every cycle, each checked
+        for r in rows:
+            assert not any(c["bad"] for c in [*r["cycles"], r["unlimited"]])
+            assert r["unlimited"]["created"] == 0 and r["unlimited_s"] > 0  # the limit lifted, the same warm path
+            assert r["cycles"][1]["created"] == 0  # the warm cycle registers and plans nothing
+            copies = r["engines"] if mode == "pull" else 1  # through the trainer's link, plus headers
+            assert all(c["trainer_sent_bytes"] >= copies * nbytes for c in r["cycles"]), (mode, r)
+            assert r["bound_s"] == pytest.approx(copies * nbytes * 8 / 100e6)
+        assert rows[0]["cycles"][0]["created"] > 0  # the first engine's first cycle made its plan and buffers
+    fanned = [r["trainer_sent_x"] for r in record["modes"]["fanout"]]
+    assert max(fanned) < 1.2 and all(r["trainer_sent_x"] >= r["engines"] for r in record["modes"]["pull"]), fanned
     assert chart.stat().st_size > 0
     assert "3 engines ready on hosts 1, 2, 3" in out and "[pull] N=3 cycle 2/2" in out  # progress while it runs
     assert "pull: every engine pulls from the trainer; bound = N x bytes / rate" in out  # the table's title
