@@ -6,8 +6,8 @@ replica with a whole version or a typed error; a replica joining a running job t
 version from a replica; a relay whose layout differs is refused before any byte moves. Every
 received byte is compared with values built independently from the version's seed.
 
-Eight worker processes start once for the module, forks of a server that imported torch and
-warmlink (one import, not eight); every wait on them is bounded, and a worker that dies fails the test
+Twelve worker processes start once for the module, forks of a server that imported torch and
+warmlink (one import, not twelve); every wait on them is bounded, and a worker that dies fails the test
 instead of hanging it.
 """
 
@@ -152,7 +152,7 @@ def _worker_main(control, results) -> None:
 @pytest.fixture(scope="module")
 def workers():
     ctx = preloaded("torch", "warmlink.refit")
-    ws = [SpawnedWorker(_worker_main, ctx=ctx) for _ in range(8)]
+    ws = [SpawnedWorker(_worker_main, ctx=ctx) for _ in range(12)]
     try:
         for w in ws:  # started (the server's one import may take long on a loaded machine): tests time only their work
             w.call("ping", timeout_s=300)
@@ -246,12 +246,14 @@ def test_a_relay_with_another_layout_is_refused_before_any_byte_moves(workers, j
         _close([first, other])
 
 
-def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job):
-    """The last test of this module to use the workers: it kills one. A tree of degree 2 (4 <- 2
-    <- 1, 3 <- 1): on one host a chain is a star around member 1 (Note [Fan-out tree])."""
+@pytest.mark.parametrize("install", ["copy", "swap"])
+def test_a_relay_killed_mid_version_leaves_every_replica_whole(workers, job, install):
+    """The last tests of this module to use the workers: each kills one of its own four. A tree of
+    degree 2 (4 <- 2 <- 1, 3 <- 1): on one host a chain is a star around member 1 (Note [Fan-out
+    tree]). With swap the version killed is pulled into the other half of every double buffer."""
     store, trainer = job
-    ws = workers[4:8]
-    _start(ws, store, "kill", degree=2)
+    ws = workers[4:8] if install == "copy" else workers[8:12]
+    _start(ws, store, f"kill-{install}", degree=2, install=install)
     try:
         first = _refit_all(ws)
         assert [g["bad"] for g in first] == [[]] * 4
