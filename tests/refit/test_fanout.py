@@ -356,11 +356,13 @@ def test_relays_of_relays_in_flight_at_once(request, job, sync, install):
             rec.close()
 
 
-def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job):
+@pytest.mark.parametrize("install", ["copy", "swap"])
+def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job, install):
     """A relay that starts its next cycle (the same version) while its reader copies bumps its
-    epoch first: the reader's copies of that moment are void, and it takes them again."""
+    epoch first: the reader's copies of that moment are void, and it takes them again (with swap,
+    from the other half of the relay's double buffer, which the header names now)."""
     store, trainer = job
-    (relay, _), (reader, targets) = _receivers(store, 2, group="again")
+    (relay, _), (reader, targets) = _receivers(store, 2, group=f"again-{install}", install=install)
     try:
         relay.refit()
         for version in (2, 3):
@@ -378,9 +380,10 @@ def test_a_relay_pulling_again_while_read_leaves_its_reader_whole(job):
         reader.close()
 
 
-def test_a_closed_relay_is_routed_around(job):
+@pytest.mark.parametrize("install", ["copy", "swap"])
+def test_a_closed_relay_is_routed_around(job, install):
     store, trainer = job
-    recs = _receivers(store, 4, group="closing", degree=2)  # 4 <- 2 <- 1
+    recs = _receivers(store, 4, group=f"closing-{install}", install=install, degree=2)  # 4 <- 2 <- 1
     try:
         for rec, _ in recs:
             rec.refit()
