@@ -62,12 +62,13 @@ def _reference_table(copies, chunk_nbytes):
         if any(v % 16 for v in (dst, src, row_nbytes, dst_pitch, src_pitch)):
             continue
         if rows == 1 and row_nbytes > chunk_nbytes:
-            table += [(src + o, dst + o, min(chunk_nbytes, row_nbytes - o) // 16, 1) + (min(chunk_nbytes, row_nbytes - o) // 16,) * 2
-                      for o in range(0, row_nbytes, chunk_nbytes)]
+            for o in range(0, row_nbytes, chunk_nbytes):
+                words = min(chunk_nbytes, row_nbytes - o) // 16
+                table.append((src + o, dst + o, words, 1, words, words))
             continue
         per = max(1, chunk_nbytes // row_nbytes)
-        table += [(src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, min(per, rows - r), src_pitch // 16, dst_pitch // 16)
-                  for r in range(0, rows, per)]
+        table += [(src + r * src_pitch, dst + r * dst_pitch, row_nbytes // 16, min(per, rows - r), src_pitch // 16,
+                   dst_pitch // 16) for r in range(0, rows, per)]
     return table
 
 

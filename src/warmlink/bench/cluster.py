@@ -278,7 +278,8 @@ class Cluster:
             return
         burst = str(max(32 << 10, rate // 8 // 1000))
         if self.link_queue == "fifo":
-            steps = [["qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", burst, "latency", "100ms"]]
+            steps = [["qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", burst, "latency",
+                      "100ms"]]
         else:
             queue, small = str(max(64 << 10, rate // 8 // 10)), rate // 10  # the small class needs far less than its share
             bucket = ["burst", burst, "cburst", burst]

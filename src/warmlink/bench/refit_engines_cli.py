@@ -39,8 +39,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
         if value is not None:
             return f"{flag} needs --hosts (the emulated cluster)"
     if args.install is not None and (not args.install or any(m not in INSTALLS for m in args.install)):
-        return f"--install={','.join(args.install)!r} with --engines; expected modes from {','.join(INSTALLS)} (a relay serves " \
-               "its receive memory, which 'direct' does not keep)"
+        return (f"--install={','.join(args.install)!r} with --engines; expected modes from {','.join(INSTALLS)} (a relay "
+                "serves its receive memory, which 'direct' does not keep)")
     for flag, value in (("--scenarios", args.scenarios), ("--nixl-threads", args.nixl_threads),
                         ("--nixl-sweep", args.nixl_sweep)):
         if value is not None:
@@ -86,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
             placed = engine_devices(devices, n)
             if devices[0] >= 0:
                 print(f"  install={install}: {n} engine(s) on " + ", ".join(f"GPU{d}" for d in placed[1:]), flush=True)
+            def progress(step, n=n, install=install):
+                print(f"  {time.perf_counter() - t0:6.1f} s  {install} N={n} {step}", flush=True)
+
             out = run_fanout(spec, engines=n, modes=modes, cycles=cycles, devices=placed, timeout_s=args.timeout,
-                             chunk_bytes=chunk_bytes, install=install,
-                             progress=lambda step, n=n, i=install: print(f"  {time.perf_counter() - t0:6.1f} s  {i} N={n} {step}",
-                                                                           flush=True))
+                             chunk_bytes=chunk_bytes, install=install, progress=progress)
             out["devices"] = list(placed)
             runs.append(out)
     record = {"bench": "refit_engines", "scale": scale, "spec": dict(spec.__dict__), "cycles": cycles, "runs": runs,
@@ -124,8 +125,8 @@ def _table(runs: list[dict], names: list[str], nbytes: int) -> str:
             ratio = f"{warm / one[key]:.2f}x" if key in one else "-"
             sent = statistics.median(row["trainer_nbytes"] for row in rows) / nbytes
             exact = "yes" if r["modes"][MODE_NAMES[name]]["correct"] else "NO"
-            lines.append(f"{r['install']:<8}{r['engines']:>7}  {name:<7}{rows[0]['wall_s'] * 1e3:>11.1f}{warm * 1e3:>11.2f}{ratio:>12}"
-                         f"{nbytes / warm / 1e9:>16.1f}{sent:>23.2f}  {exact}")
+            lines.append(f"{r['install']:<8}{r['engines']:>7}  {name:<7}{rows[0]['wall_s'] * 1e3:>11.1f}{warm * 1e3:>11.2f}"
+                         f"{ratio:>12}{nbytes / warm / 1e9:>16.1f}{sent:>23.2f}  {exact}")
             if r["engines"] > 1 and name == "fanout":
                 lines.append(_ends(rows[-1]))
     return "\n".join(lines)

@@ -19,6 +19,7 @@ import textwrap
 import time
 
 from warmlink.bench import args as bench_args
+from warmlink.bench.cluster import LINK_QUEUES
 
 __all__ = ["DEFAULT_LINK_RATE_BPS", "add_arguments", "engine_counts", "link_rate", "plot_hosts", "run"]
 
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(copies through the trainer's link x bytes / rate) and one cycle with the links' limit lifted (what the CPU "
         "allows), with progress lines while it runs. Modes: pull (every "
         "engine pulls from the trainer: N copies) and fanout (engines take the version from each other: one "
-        "copy), where this build has it. --scale defaults to the largest model one second of the link carries; "
+        "copy). --scale defaults to the largest model one second of the link carries; "
         "--cycles to 3 (the first is the newcomers' first refit). Example: --hosts 4 --engines 1..8 --plot hosts.png",
         width=96))
     g.add_argument("--hosts", type=bench_args.int_in(2, 250), default=None, metavar="H",
@@ -76,12 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first), pull beside fanout, e.g. --engines 1,3 --devices 0,1")
     g.add_argument("--link-rate", type=link_rate, default=None, metavar="RATE",
                    help="each host's link rate, each way, as tc writes it (default 200mbit)")
-    g.add_argument("--link-queue", choices=("small-first", "fifo"), default=None,
+    g.add_argument("--link-queue", choices=LINK_QUEUES, default=None,
                    help="how a link queues behind its limit: small-first (default: packets under 512 bytes, such "
                         "as read requests and ACKs, before bulk ones, as a NIC or Linux's fq_codel serves them) or "
                         "fifo (one 100 ms FIFO, where a request waits behind another flow's bytes)")
     g.add_argument("--modes", default=None, metavar="LIST",
-                   help="comma list of pull,fanout (default: every mode this build has)")
+                   help="comma list of pull,fanout (default: both)")
     g.add_argument("--fanout-chunks", type=bench_args.int_in(1, 1 << 16), default=None, metavar="K",
                    help="--engines without --hosts: fan-out's pipeline unit, the model cut into K chunks (default: "
                         "FanOut's: 32 over CUDA IPC, 128 elsewhere)")
@@ -139,11 +140,12 @@ def run(args: argparse.Namespace) -> int:
     counts = args.engines if args.engines is not None else [1, 2, 3, 4]
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else MODES
     cycles = args.cycles if args.cycles is not None else 3
+    queue = args.link_queue or LINK_QUEUES[0]
     scale = args.scale if args.scale is not None else scale_for_nbytes(rate // 8)  # one second of a link
     spec = qwen3_4b_like(scale)
     copy_s = spec.nbytes * 8 / rate
     print(f"warmlink bench refit --hosts {args.hosts}: trainer on host 0, engines {counts[0]}..{counts[-1]} on hosts "
-          f"1..{args.hosts - 1}, links {rate / 1e6:g} Mbit/s each way ({args.link_queue or 'small-first'} queues); {spec.nbytes / 1e6:.2f} MB model "
+          f"1..{args.hosts - 1}, links {rate / 1e6:g} Mbit/s each way ({queue} queues); {spec.nbytes / 1e6:.2f} MB model "
           f"({len(spec.layouts(1, 0))} bf16 tensors, Qwen3-4B shape at scale {scale:.4g}), {cycles} cycles per count; "
           f"one copy through a link: {copy_s:.2f} s", flush=True)
     t0 = time.perf_counter()
@@ -153,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with _sigterm_ends_the_run():
-            record = run_hosts_refit(spec, num_hosts=args.hosts, engine_counts=counts, link_rate_bps=rate,
-                                     link_queue=args.link_queue or "small-first", modes=modes, cycles=cycles, seed=args.seed, timeout_s=args.timeout, progress=progress)
+            record = run_hosts_refit(spec, num_hosts=args.hosts, engine_counts=counts, link_rate_bps=rate, link_queue=queue,
+                                     modes=modes, cycles=cycles, seed=args.seed, timeout_s=args.timeout, progress=progress)
     except ClusterUnavailable as exc:
         return bench_args.refuse(_PROG, str(exc))
     record.update(bench="refit_hosts", spec=dict(spec.__dict__), scale=scale, machine=machine_info())

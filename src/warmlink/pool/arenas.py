@@ -47,8 +47,8 @@ from warmlink.pool import liveness
 from warmlink.pool.core import FreeList, Lease
 from warmlink.errors import ConfigError, PoolError
 
-__all__ = ["Arena", "lease_arena", "mapped_tensor", "round_up", "ARENA_ALIGN_BYTES", "SHM_DIR", "REAP_INTERVAL_S", "reap_orphaned_shm",
-           "shm_prefix", "shm_free_bytes"]
+__all__ = ["Arena", "lease_arena", "mapped_tensor", "round_up", "ARENA_ALIGN_BYTES", "SHM_DIR", "REAP_INTERVAL_S",
+           "reap_orphaned_shm", "shm_prefix", "shm_free_bytes"]
 
 log = logging.getLogger("warmlink.pool")
 
