@@ -7,7 +7,9 @@ events on the caller's stream) on the slowest rank, and the space each rank hold
 A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS),
 /bN (the most rows a receiver takes from a source per visit, BATCH_ROWS) and /wN (warps a program),
 for the dispatch and the combine alike, and /tN (tokens a step, TILE_TOKENS) and /xN (int64 words
-of a row a step, X_BLOCK_WORDS) for the dispatch alone.
+of a row a step, X_BLOCK_WORDS) for the dispatch alone (/w, /t and /x: the Triton kernels only).
+``WARMLINK_EP_STREAM_KERNEL`` picks the kernels; ``--define UNROLL=4`` compiles the CUDA ones with
+that macro (ep/kernels/stream.cu).
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def _knobs(kwargs: dict):
 
 def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None:
     from warmlink.ep import Buffer
+    from warmlink.ep.kernels import stream_cuda
     from warmlink.rendezvous import Store
 
+    stream_cuda.OPTIONS = tuple(f"-D{d}" for d in args.define)
     torch.cuda.set_device(rank)
     t, h, k, experts = args.tokens, args.hidden, 8, 256
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--iterations", type=int, default=15)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a macro for the CUDA kernels' compile, e.g. UNROLL=4 (repeatable)")
     args = ap.parse_args()
     from warmlink.rendezvous import Store
 

@@ -15,6 +15,10 @@ Variables:
         means the link's default (see ``warmlink.transport.nixl``).
     WARMLINK_EP_COPY_STREAMS, WARMLINK_EP_SEND, WARMLINK_EP_GRAPH: the defaults of ``ep.Buffer``'s
         ``copy_streams``, ``send`` and ``graphs`` on cuda_ipc (see their functions below).
+    WARMLINK_EP_STREAM_KERNEL: the kernels of a streamed ``ep.Buffer`` (``send="stream"``): ``cuda``
+        (default: CUDA C++ compiled at run time, a warp group per peer, where NVRTC loads; Triton's
+        otherwise) or ``triton``.
+    WARMLINK_CACHE_DIR: where run-time compiled kernels are kept (default ``~/.cache/warmlink``).
     WARMLINK_SECRET: the job's secret, under which every value of the rendezvous store carries a
         MAC (``rendezvous.Store``): the same value on every process of the job, 16 to 1024 bytes
         of UTF-8 (e.g. ``python -c 'import secrets; print(secrets.token_hex(32))'``). Its value is
@@ -32,7 +36,7 @@ import os
 from warmlink.errors import ConfigError
 
 __all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "ep_copy_streams",
-           "ep_send", "ep_graph", "secret", "check_secret", "shown", "VARIABLES", "check_all", "clear_cache"]
+           "ep_send", "ep_graph", "ep_stream_kernel", "cache_dir", "secret", "check_secret", "shown", "VARIABLES", "check_all", "clear_cache"]
 
 _BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
 MIN_SECRET_BYTES = 16  # a guessable secret would be no secret: refuse short ones
@@ -133,6 +137,26 @@ def ep_graph() -> bool:
     return value == "1"
 
 
+def ep_stream_kernel() -> str:
+    """``WARMLINK_EP_STREAM_KERNEL``: ``"cuda"`` (default) or ``"triton"``, the kernels of a streamed
+    Buffer (ep.kernels.stream_cuda, Note [Warp groups])."""
+    value = _raw("WARMLINK_EP_STREAM_KERNEL") or "cuda"
+    if value not in ("cuda", "triton"):
+        raise ConfigError(f"WARMLINK_EP_STREAM_KERNEL={value!r} is unknown; expected 'cuda' or 'triton'")
+    return value
+
+
+def cache_dir() -> str:
+    """``WARMLINK_CACHE_DIR``: the directory of warmlink's on-disk caches (default ``~/.cache/warmlink``),
+    an absolute path (a relative one would move with each process's working directory)."""
+    value = _raw("WARMLINK_CACHE_DIR")
+    if value is None:
+        return os.path.join(os.path.expanduser("~"), ".cache", "warmlink")
+    if not os.path.isabs(value):
+        raise ConfigError(f"WARMLINK_CACHE_DIR={value!r} is not an absolute path; expected one")
+    return value
+
+
 def _secret_problem(value: object) -> str | None:
     if not isinstance(value, str):
         return f"has type {type(value).__name__}"
@@ -174,7 +198,7 @@ VARIABLES = {
     "WARMLINK_POOL": pool_enabled, "WARMLINK_BACKEND": default_backend, "WARMLINK_TIMEOUT_S": default_timeout_s,
     "WARMLINK_LOG_LEVEL": log_level, "WARMLINK_NIXL_THREADS": nixl_threads,
     "WARMLINK_EP_COPY_STREAMS": ep_copy_streams, "WARMLINK_EP_SEND": ep_send, "WARMLINK_EP_GRAPH": ep_graph,
-    "WARMLINK_SECRET": secret,
+    "WARMLINK_EP_STREAM_KERNEL": ep_stream_kernel, "WARMLINK_CACHE_DIR": cache_dir, "WARMLINK_SECRET": secret,
 }
 
 

@@ -68,7 +68,10 @@ def _patch_the_language_once_a_launch(interpreter) -> None:
     interpreter._patch_lang = patch_lang
 
 
-CLOCK = [0]  # the fake device clock, in nanoseconds
+# the fake device clock, in nanoseconds: from a value past 32 bits, as %globaltimer's are, so that the
+# interpreter types every reading int64 (from 0 it typed the first ones int32, and a process that
+# read it over 2,147 times failed on an int32 overflow, in whichever test was running then)
+CLOCK = [1 << 40]
 
 
 def advance_clock() -> int:

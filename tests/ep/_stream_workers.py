@@ -141,7 +141,8 @@ def stream_calls(rank: int, num_ranks: int, store, case: dict) -> dict:
             start = time.monotonic()
             stream_dispatch(space, rows_of[rank].to(dev), src, out, offsets, bases, status, me=rank, seq=seq,
                             max_tokens=max_tokens, experts_per_rank=experts_per_rank,
-                            timeout_s=call.get("timeout_s", case["timeout_s"]), **case.get("steps", {}))
+                            timeout_s=call.get("timeout_s", case["timeout_s"]), kernel=case.get("kernel"),
+                            **case.get("steps", {}))
             torch.cuda.synchronize(device)  # bounded: every wait of the kernel has its deadline
             elapsed = time.monotonic() - start
             same = {name: same_bits(got, exp) for name, got, exp in zip(out._fields, out, want)}
@@ -193,7 +194,8 @@ def stream_round_trips(rank: int, num_ranks: int, store, case: dict) -> dict:
             barrier(store, f"stream/launch/{seq}", rank, num_ranks, 120.0)
             start = time.monotonic()
             stream_dispatch(space, rows, src, out, offsets, bases, status, me=rank, seq=seq, max_tokens=max_tokens,
-                            experts_per_rank=call["experts"] // num_ranks, timeout_s=timeout_s, taken=taken)
+                            experts_per_rank=call["experts"] // num_ranks, timeout_s=timeout_s, taken=taken,
+                            kernel=case.get("kernel"))
             torch.cuda.synchronize(device)
             dispatch_s = time.monotonic() - start
             fails = [f._asdict() for f in failures(status, seq, space.channels)]
@@ -204,7 +206,7 @@ def stream_round_trips(rank: int, num_ranks: int, store, case: dict) -> dict:
             status = torch.zeros(2 * space.channels, dtype=torch.int64, device=dev)
             start = time.monotonic()
             stream_combine(space, rows, y, summed, taken, offsets, bases, status, me=rank, seq=seq + 1,
-                           timeout_s=timeout_s, weights=w, out_weights=summed_w)
+                           timeout_s=timeout_s, weights=w, out_weights=summed_w, kernel=case.get("kernel"))
             torch.cuda.synchronize(device)
             combine_s = time.monotonic() - start
             fails += [f._asdict() for f in failures(status, seq + 1, space.channels)]

@@ -17,20 +17,23 @@ from tests.ep._stream_workers import stream_calls, stream_round_trips
 from warmlink.ep.kernels.stream import row_words
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# each test runs the Triton kernels and the CUDA C++ ones (ep.kernels.stream_cuda, Note [Warp groups])
+KERNELS = pytest.mark.parametrize("kernel", [None, "cuda"], ids=["triton", "cuda"])
 
 # DeepSeek's shapes: 4096 tokens of 7168, top-8 of 256 experts; a space sized for BF16 rows
 _DEEPSEEK = {"tokens": [4096, 4096], "hidden": 7168, "experts": 256, "topk": 8, "mask_prob": 0.05}
 _SPACE = {"channels": 8, "ring_rows": 8, "row_words": row_words(7168 * 2 // 8, 8, 56)}
 
 
-def test_gpu_streamed_calls_through_rings_of_eight_rows_equal_the_torch_twin():
+@KERNELS
+def test_gpu_streamed_calls_through_rings_of_eight_rows_equal_the_torch_twin(kernel):
     """BF16, then FP8 with DeepEP's column-major scales, then BF16 of uneven batches: seq 1, 2, 3
     through one space; each rank's outputs equal the torch twin's bit for bit, every program
     finished."""
     calls = [dict(_DEEPSEEK, seed=1),
              dict(_DEEPSEEK, seed=2, dtype=torch.float8_e4m3fn, layout="column"),
              dict(_DEEPSEEK, seed=3, tokens=[4096, 1000], max_tokens=4096)]
-    case = dict(_SPACE, calls=calls, timeout_s=60.0)  # a first launch compiles while its peer may already wait
+    case = dict(_SPACE, calls=calls, timeout_s=60.0, kernel=kernel)  # a first launch compiles while its peer waits
     results = run_ranks(stream_calls, 2, case=case, timeout_s=600)
     for rank, per_call in enumerate(results):
         for seq, got in enumerate(per_call, start=1):
@@ -39,25 +42,29 @@ def test_gpu_streamed_calls_through_rings_of_eight_rows_equal_the_torch_twin():
             assert got["rows"] > 0, (rank, seq)
 
 
-def test_gpu_tiles_that_straddle_the_rings_wrap_equal_the_torch_twin():
+@KERNELS
+def test_gpu_tiles_that_straddle_the_rings_wrap_equal_the_torch_twin(kernel):
     """Rings of 12 rows and tiles of 8 tokens (visits of 5 rows, tails every 3): a sender's tile
     finds room for part of itself, its rows wrap the ring part-way through a tile; BF16, then FP8."""
     calls = [dict(_DEEPSEEK, seed=6, tokens=[4096, 3001], max_tokens=4096),
              dict(_DEEPSEEK, seed=7, dtype=torch.float8_e4m3fn, layout="column")]
-    case = dict(_SPACE, ring_rows=12, calls=calls, timeout_s=60.0, steps={"tokens": 8, "batch": 5, "publish": 3})
+    case = dict(_SPACE, ring_rows=12, calls=calls, timeout_s=60.0, steps={"tokens": 8, "batch": 5, "publish": 3},
+                kernel=kernel)
     for rank, per_call in enumerate(run_ranks(stream_calls, 2, case=case, timeout_s=600)):
         for seq, got in enumerate(per_call, start=1):
             assert not got["failures"] and all(got["same"].values()), (rank, seq, got)
 
 
-def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout_with_failure_words():
+@KERNELS
+def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout_with_failure_words(kernel):
     """Call 1 runs on both ranks (and compiles the kernel); in call 2 rank 1 maps its space but never
     launches: rank 0's senders fill rank 1's rings and end at their deadline waiting for credits
     from rank 1, its receivers at theirs waiting for rows from rank 1, the source not heard from;
     the kernel ends within about two timeouts (a receiver's clock restarts at its last row)."""
     timeout_s = 2.0
     small = dict(_DEEPSEEK, tokens=[1024, 1024])
-    case = dict(_SPACE, calls=[dict(small, seed=4, timeout_s=60.0), dict(small, seed=5)], timeout_s=timeout_s, dead=1)
+    case = dict(_SPACE, calls=[dict(small, seed=4, timeout_s=60.0), dict(small, seed=5)], timeout_s=timeout_s, dead=1,
+                kernel=kernel)
     (warm, alone), (warm_1, dead) = run_ranks(stream_calls, 2, case=case, timeout_s=300)
     for got in (warm, warm_1):
         assert not got["failures"] and all(got["same"].values()), got
@@ -69,14 +76,15 @@ def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout
     assert alone["seconds"] < 2 * timeout_s + 5, alone["seconds"]
 
 
-def test_gpu_dispatch_then_combine_twice_through_one_space_equal_the_twins():
+@KERNELS
+def test_gpu_dispatch_then_combine_twice_through_one_space_equal_the_twins(kernel):
     """Dispatch (seq 1), combine (2) of the rows received times 2 or -0.5 by rank, dispatch (3),
     combine (4), through one space of 8-row rings: 4096 x 7168 BF16 top-8 of 256 with weights, then
     uneven batches without weights. Each rank's dispatch outputs, ``taken`` and combined sums
     (float32 in rank order, rounded to BF16) equal the torch twins' bit for bit; every program finished."""
     calls = [dict(_DEEPSEEK, seed=6),
              dict(_DEEPSEEK, seed=7, tokens=[4096, 1000], max_tokens=4096, weights=False)]
-    case = dict(_SPACE, calls=calls, timeout_s=60.0)  # a first launch compiles while its peer may already wait
+    case = dict(_SPACE, calls=calls, timeout_s=60.0, kernel=kernel)  # a first launch compiles while its peer waits
     results = run_ranks(stream_round_trips, 2, case=case, timeout_s=600)
     for rank, per_call in enumerate(results):
         for i, got in enumerate(per_call):

@@ -271,7 +271,8 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
         role: ``"both"``, or ``"send"`` / ``"recv"`` alone (tests: the interpreter runs programs in order).
         publish, batch: rows between a sender's tail stores; rows a receiver takes per visit.
         tokens, x_block: the step's tile, ``[tokens, x_block]`` int64 words (powers of 2).
-        kernel: a Triton kernel to launch instead (the interpreter's, in tests). num_warps: 0, Triton's.
+        kernel: a Triton kernel to launch instead (the interpreter's, in tests), or ``"cuda"``: the CUDA
+            C++ kernel (ep.kernels.stream_cuda; role ``"both"`` only). num_warps: 0, Triton's.
         taken: ``[R, C]`` int64, contiguous, or None: receiver program c writes ``taken[s, c]``, the rows it
             took from source s (the streamed combine's input, ep.kernels.stream_combine).
         valid: an int64 device word read at launch's run, or None (1): 0 sends no token, only FIN (a round
@@ -314,7 +315,7 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
     if rows.is_cuda and 2 * c > sm_count(rows.device.index):
         raise ConfigError(f"stream_dispatch: {c} channels; 2 programs each must be resident at once, at most "
                           f"{sm_count(rows.device.index) // 2}")
-    if kernel is None and not rows.is_cuda:
+    if kernel in (None, "cuda") and not rows.is_cuda:
         raise ConfigError("stream_dispatch: CPU tensors and no kernel; the streamed dispatch runs on CUDA")
     if valid is not None and (valid.dtype != torch.int64 or valid.numel() < 1):
         raise ConfigError(f"stream_dispatch: valid {tuple(valid.shape)} {valid.dtype}; expected an int64 word")
@@ -323,13 +324,23 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
     first, programs = {"both": (0, 2 * c), "send": (0, c), "recv": (c, c)}[role]
     abort = abort or no_abort(rows.device).data_ptr()
     block = min(x_block, pow2(x_words))
+    valid = valid if valid is not None else _always(rows.device)
+    taken = taken if taken is not None else _no_taken(rows.device, r, c)
     args = (rows.contiguous(), x, topk if topk is not None else rows, w if w is not None else rows,
             src.scales if src.scales is not None else rows, bases, recv_offset, out.x,
-            *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort,
-            valid if valid is not None else _always(rows.device), me, seq,
+            *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort, valid, me, seq,
             num_tokens, max_tokens, x_words, num_k, num_scales, *s_strides, meta_words(num_k, num_scales),
-            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first,
-            taken if taken is not None else _no_taken(rows.device, r, c))
+            space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first, taken)
+    if kernel == "cuda":  # the CUDA C++ kernel (ep.kernels.stream_cuda, Note [Warp groups])
+        if role != "both" or rows.dtype != torch.int64:
+            raise ConfigError(f"stream_dispatch: kernel='cuda' with role={role!r}, rows {rows.dtype}; expected "
+                              "'both' and int64 rows")
+        from warmlink.ep.kernels import stream_cuda
+
+        stream_cuda.dispatch(space, args[0], x, topk, w, src.scales, bases, recv_offset, out, status, abort,
+                             valid, me, seq, max_tokens, meta_words(num_k, num_scales), experts_per_rank,
+                             int(timeout_s * 1e9), taken, publish, batch)
+        return
     launch(kernel or _kernel(), (programs,), args, {
         "NUM_RANKS": r, "CHANNELS": c, "R_BLOCK": max(2, 1 << max(0, r - 1).bit_length()), "X_BLOCK": block,
         "CHUNKS": -(-x_words // block), "K_BLOCK": pow2(num_k), "S_BLOCK": pow2(num_scales),

@@ -94,7 +94,7 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
         seq: this call's number: one more than the dispatch's (the two share the count); an int or an
             int64 device word, as ``stream_dispatch``'s.
         weights, out_weights: ``[N, K]`` and ``[T, K]`` float32, both or neither: summed as x.
-        timeout_s, abort, role, kernel, num_warps: as ``stream_dispatch``'s.
+        timeout_s, abort, role, kernel, num_warps: as ``stream_dispatch``'s (``kernel="cuda"``: the CUDA C++ kernel).
         publish, batch: rows a sender moves between tail stores; a receiver's tile of tokens (powers of 2).
     """
     r, c = space.num_ranks, space.channels
@@ -129,7 +129,7 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
     if x.is_cuda and 2 * c > sm_count(x.device.index):
         raise ConfigError(f"stream_combine: {c} channels; 2 programs each must be resident at once, at most "
                           f"{sm_count(x.device.index) // 2}")
-    if kernel is None and not x.is_cuda:
+    if kernel in (None, "cuda") and not x.is_cuda:
         raise ConfigError("stream_combine: CPU tensors and no kernel; the streamed combine runs on CUDA")
     first, programs = {"both": (0, 2 * c), "send": (0, c), "recv": (c, c)}[role]
     abort = abort or no_abort(x.device).data_ptr()
@@ -137,6 +137,14 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
     args = (rows, words, weights if weights is not None else words, taken, recv_offset, bases, out,
             out_weights if out_weights is not None else out, status, abort, me, seq, num_tokens, n, x_words, num_k,
             space.row_words, space.ring_rows, int(timeout_s * 1e9), first)
+    if kernel == "cuda":  # the CUDA C++ kernel (ep.kernels.stream_cuda, Note [Warp groups])
+        if role != "both":
+            raise ConfigError(f"stream_combine: kernel='cuda' with role={role!r}; expected 'both'")
+        from warmlink.ep.kernels import stream_cuda
+
+        stream_cuda.combine(space, rows.contiguous(), words, weights, taken, recv_offset, bases, out, out_weights, status,
+                            abort, me, seq, int(timeout_s * 1e9), publish, batch)
+        return
     x_block, h_block = min(_X_BLOCK, pow2(x_words)), min(_H_BLOCK, pow2(hidden))
     launch(kernel or _kernel(), (programs,), args, {
         "NUM_RANKS": r, "CHANNELS": c, "R_BLOCK": max(2, 1 << max(0, r - 1).bit_length()),

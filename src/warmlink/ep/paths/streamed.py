@@ -26,7 +26,7 @@ from collections import deque
 
 import torch
 
-from warmlink.ep.kernels import stream, stream_combine
+from warmlink.ep.kernels import stream, stream_combine, stream_cuda
 from warmlink.ep.kernels.stream_counts import advance
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.launch import capturing
@@ -65,6 +65,8 @@ class StreamPath:
         self.space = layout.stream
         self.rank, self.num_ranks, self.device = rank, num_ranks, device
         self.graphs, self.timeout_s = graphs, timeout_s
+        # the streamed kernels, chosen once: CUDA C++ where it compiles (Note [Warp groups]), else Triton's
+        self.kernel = "cuda" if stream_cuda.choose(device, num_ranks) == "cuda" else None
         on = torch.device("cuda", device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=on)  # [the last round, the last seq]
         self.bases = torch.tensor([mover.area_address(r, "stream") for r in range(num_ranks)], dtype=torch.int64,
@@ -123,7 +125,7 @@ class StreamPath:
         stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status[slot], me=self.rank,
                                seq=self.counters[1:], max_tokens=self.layout.max_tokens,
                                experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
-                               abort=self._abort.data_ptr(), taken=taken, valid=valid)
+                               abort=self._abort.data_ptr(), taken=taken, valid=valid, kernel=self.kernel)
         self._launched(slot, "dispatch")
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
@@ -133,7 +135,7 @@ class StreamPath:
         slot = self._slot()
         stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status[slot],
                                       me=self.rank, seq=self.counters[1:], timeout_s=self.timeout_s, weights=weights,
-                                      out_weights=out_weights, abort=self._abort.data_ptr())
+                                      out_weights=out_weights, abort=self._abort.data_ptr(), kernel=self.kernel)
         self._launched(slot, "combine")
 
     def _slot(self) -> int:

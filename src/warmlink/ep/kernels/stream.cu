@@ -1,0 +1,607 @@
+// The streamed dispatch and combine as CUDA C++, a warp group per peer (Note [Warp groups] in
+// ep/kernels/stream_cuda.py, which compiles this file with NVRTC and launches it). The protocol is
+// the Triton kernels' word for word: Note [Streamed dispatch] (ep/kernels/stream.py) and Note
+// [Streamed combine] (ep/kernels/stream_combine.py). No #include: NVRTC compiles it alone.
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define COUNTER 16            // int64 words of a tail or head: a 128-byte line each
+#define FIN (1LL << 31)       // a tail: the channel sent its last row; a head: it took it
+#define COUNT_MASK ((1LL << 31) - 1)
+#define W_PREVIOUS 1          // a sender: the peer has not taken the previous call's rows
+#define W_CREDIT 2            // a sender: the peer's ring stayed full
+#define W_ROWS 3              // a receiver: the peer sent no row
+#define BAD_ROW 4             // a receiver: a row outside its source's output rows
+#define ABORTED (1LL << 24)   // the wait ended by the abort word, not by the deadline
+#define ABORT_POLL_NS 20000   // a wait reads the abort word (maybe host memory) once it lasted this long
+#define MAX_GROUPS 15         // named barriers 1..15, one per warp group
+#define MAX_RANKS 8           // the combine's receiver sums at most this many copies of a token at once
+#ifndef UNROLL
+#define UNROLL 4  // 16-byte loads a lane has in flight before its stores (8: more spills, 5-15% slower on H200)
+#endif
+
+struct alignas(16) Pair { i64 a, b; };
+
+__device__ __forceinline__ i64 clock_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return (i64)t;
+}
+__device__ __forceinline__ i64 load_acquire(const i64* p) {
+  i64 v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ i64 load_volatile(const i64* p) {
+  i64 v;
+  asm volatile("ld.volatile.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void store_relaxed(i64* p, i64 v) {
+  asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// a warp group's barrier (named barrier 1 + g; 0 is __syncthreads')
+__device__ __forceinline__ void group_sync(int g, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(g + 1), "r"(threads) : "memory");
+}
+// ring words: another GPU writes them, and a slot holds another row on the next lap, so they are
+// read from L2 (.cg), never from a stale L1 line; volatile keeps them after the barrier that
+// follows the tail's acquire
+__device__ __forceinline__ Pair load_ring2(const Pair* p) {
+  Pair v;
+  asm volatile("ld.global.cg.v2.s64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ i64 load_ring(const i64* p) {
+  i64 v;
+  asm volatile("ld.global.cg.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float load_ring_f(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+// the caller's tokens do not change during a call: the read-only path
+__device__ __forceinline__ Pair load_input2(const Pair* p) {
+  Pair v;
+  asm("ld.global.nc.L1::no_allocate.v2.s64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void store_pair(Pair* p, Pair v) {
+  asm volatile("st.global.v2.s64 [%0], {%1, %2};" ::"l"(p), "l"(v.a), "l"(v.b) : "memory");
+}
+
+// A warp copies `words` int64 words, 16 bytes a lane a step, UNROLL steps in flight (8 bytes a
+// step when either end is not 16-byte aligned or the count is odd). RING: the source is a ring.
+template <bool RING>
+__device__ __forceinline__ void warp_copy(i64* dst, const i64* src, i64 words, int lane) {
+  if (((words & 1) | (((u64)dst | (u64)src) & 15)) == 0) {
+    const Pair* s = (const Pair*)src;
+    Pair* d = (Pair*)dst;
+    const i64 n = words >> 1;
+    for (i64 base = 0; base < n; base += 32 * UNROLL) {
+      Pair v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const i64 i = base + u * 32 + lane;
+        if (i < n) v[u] = RING ? load_ring2(s + i) : load_input2(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const i64 i = base + u * 32 + lane;
+        if (i < n) store_pair(d + i, v[u]);
+      }
+    }
+  } else {
+    for (i64 base = 0; base < words; base += 32 * UNROLL) {
+      i64 v[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const i64 i = base + u * 32 + lane;
+        if (i < words) v[u] = RING ? load_ring(src + i) : src[i];
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const i64 i = base + u * 32 + lane;
+        if (i < words) dst[i] = v[u];
+      }
+    }
+  }
+}
+
+// the status of a wait that has not ended: 0, or its code once past the deadline or aborted
+__device__ __forceinline__ i64 ended(i64 start, i64 timeout_ns, const i64* abort, i64 seq, int wait, int peer) {
+  const i64 waited = clock_ns() - start;
+  const bool stop = waited > ABORT_POLL_NS && load_volatile(abort) >= seq;
+  if (!stop && waited <= timeout_ns) return 0;
+  return (stop ? ABORTED : 0) | ((i64)wait << 16) | (i64)peer;
+}
+
+// whether a ring may take this call's rows, given its head: one of this call, or of the previous
+// call with FIN (all its rows taken), or the zero word before a first call; `took` the rows of
+// this call the receiver took
+__device__ __forceinline__ bool head_ready(i64 h, i64 seq, i64* took) {
+  const i64 hseq = h >> 32;
+  const bool fin = ((h >> 31) & 1) != 0;
+  *took = hseq == seq ? (h & COUNT_MASK) : 0;
+  return hseq == seq || (hseq == seq - 1 && (fin || hseq == 0));
+}
+
+// a sender's first wait: the peer took the previous call's rows of this ring; returns its status
+__device__ i64 wait_previous(const i64* head, i64 seq, i64 timeout_ns, const i64* abort, int peer, i64* consumed) {
+  const i64 start = clock_ns();
+  while (true) {
+    if (head_ready(load_acquire(head), seq, consumed)) return 0;
+    const i64 code = ended(start, timeout_ns, abort, seq, W_PREVIOUS, peer);
+    if (code) return code;
+  }
+}
+
+__device__ __forceinline__ void publish(i64* word, i64 value) {
+  fence_system();  // every thread of the group stored its rows before the barrier the caller passed
+  store_relaxed(word, value);
+}
+
+// A sender leader's credits: room in the peer's ring after `sent` rows, once `want` rows would not
+// fit (a head read); with none, it publishes what it sent (the rows it waits on must be visible to
+// the receiver that frees the slots) and waits for a head, until its deadline. Returns the room;
+// `*code` the wait's failure.
+__device__ i64 credits(const i64* head, i64* tail, i64 seq, i64 sent, i64 want, i64 ring_rows, i64* consumed,
+                       i64* published, i64 timeout_ns, const i64* abort, int peer, i64* code) {
+  i64 room = ring_rows - (sent - *consumed), took;
+  if (room < want) {
+    head_ready(load_acquire(head), seq, &took);
+    *consumed = took > *consumed ? took : *consumed;
+    room = ring_rows - (sent - *consumed);
+  }
+  if (room > 0) return room;
+  if (sent > *published) {
+    publish(tail, (seq << 32) | sent);
+    *published = sent;
+  }
+  const i64 start = clock_ns();
+  while (room <= 0 && !*code) {
+    head_ready(load_acquire(head), seq, &took);
+    *consumed = took > *consumed ? took : *consumed;
+    room = ring_rows - (sent - *consumed);
+    if (room <= 0) *code = ended(start, timeout_ns, abort, seq, W_CREDIT, peer);
+  }
+  return room;
+}
+
+__device__ __forceinline__ int nth_set_bit(unsigned mask, int n) {
+  for (int i = 0; i < n; ++i) mask &= mask - 1;
+  return __ffs(mask) - 1;
+}
+
+struct DispatchArgs {
+  const i64* rows;      // [T, R] the plan's rows (-1: not sent there)
+  const i64* x;         // [T, x_words] the tokens as words
+  const void* topk;     // [T, num_k] int32 or int64 (topk_bytes)
+  const void* w;        // [T, num_k] weights (w_kind)
+  const float* s;       // scales, strided
+  const i64* bases;     // [R] every rank's stream space here
+  const i64* offsets;   // [R] where each source's rows start in the outputs
+  i64* out_x;
+  i64* out_idx;
+  float* out_w;
+  float* out_s;
+  i64* status;          // [2C]
+  const i64* abort;
+  const i64* valid;     // 0: a refused round, send no token
+  const i64* seq;
+  i64* taken;           // [R, C]
+  i64 num_tokens, max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words,
+      ring_rows, out_rows, experts_per_rank, timeout_ns;
+  int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, pad;
+};
+
+// 16-bit floats by their bits (no cuda_fp16.h under NVRTC): half 1 is float16, 0 bfloat16
+__device__ __forceinline__ float to_float(unsigned short bits, int half) {
+  if (!half) return __int_as_float((int)bits << 16);
+  float f;
+  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(bits));
+  return f;
+}
+__device__ __forceinline__ unsigned short from_float(float v, int half) {
+  unsigned short h;
+  if (half) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+  }
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));  // round to nearest even, as torch's cast
+  return h;
+}
+
+// w_kind: 1 float32, 2 bfloat16, 3 float16
+__device__ __forceinline__ float load_weight(const void* w, int kind, i64 i) {
+  if (kind == 1) return ((const float*)w)[i];
+  return to_float(((const unsigned short*)w)[i], kind == 3);
+}
+
+struct Groups {
+  int warp, lane, g, wig, threads;
+  bool leader;
+};
+
+__device__ __forceinline__ Groups groups(int warps_per_peer) {
+  Groups q;
+  q.warp = threadIdx.x >> 5;
+  q.lane = threadIdx.x & 31;
+  q.g = q.warp / warps_per_peer;
+  q.wig = q.warp % warps_per_peer;
+  q.threads = warps_per_peer * 32;
+  q.leader = q.wig == 0 && q.lane == 0;
+  return q;
+}
+
+// the program's status: the first group's failure, else a bad row, else 0
+__device__ void finish(i64* status, int program, i64 seq, const i64* codes, int num_groups, i64 bad) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    i64 code = 0;
+    for (int g = 0; g < num_groups && !code; ++g) code = codes[g];
+    status[program] = (seq << 32) | (code ? code : bad);
+  }
+}
+
+// Sender program c, group g: the channel's tokens to destination g, in order, into its ring
+__device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Groups& q, i64* sh_room, i64* sh_code) {
+  const int R = a.num_ranks, C = a.channels, d = q.g;
+  i64* own = (i64*)a.bases[a.me];
+  i64* there = (i64*)a.bases[d];
+  const i64* head = own + (i64)(R * C + d * C + c) * COUNTER;
+  i64* tail = there + (i64)(a.me * C + c) * COUNTER;
+  i64* ring = there + (i64)2 * R * C * COUNTER + (i64)(a.me * C + c) * a.ring_rows * a.row_words;
+  i64 consumed = 0, counts = 0, published = 0;
+  if (q.leader) sh_code[d] = wait_previous(head, seq, a.timeout_ns, a.abort, d, &consumed);
+  group_sync(d, q.threads);
+  i64 code = sh_code[d];
+  const i64 num_tokens = *a.valid != 0 ? a.num_tokens : 0;
+  const i64 per = (num_tokens + C - 1) / C;
+  const i64 end = per * (c + 1) < num_tokens ? per * (c + 1) : num_tokens;
+  const i64 nk = a.num_k;
+  for (i64 chunk = per * c; chunk < end && !code; chunk += 32) {
+    const i64 t = chunk + q.lane;
+    const i64 at = t < end ? a.rows[t * R + d] : -1;
+    unsigned left = __ballot_sync(0xffffffffu, at >= 0);
+    while (left) {
+      if (q.leader) {  // credits for the next rows
+        sh_room[d] = credits(head, tail, seq, counts, __popc(left), a.ring_rows, &consumed, &published, a.timeout_ns,
+                             a.abort, d, &code);
+        sh_code[d] = code;
+      }
+      group_sync(d, q.threads);
+      code = sh_code[d];
+      if (code) break;
+      const i64 room = sh_room[d];
+      const int n = __popc(left);
+      const int m = room < n ? (int)room : n;
+      for (int j = q.wig; j < m; j += a.warps_per_peer) {
+        const int bit = nth_set_bit(left, j);
+        const i64 tok = chunk + bit;
+        const i64 ordinal = __shfl_sync(0xffffffffu, at, bit) - (i64)d * a.max_tokens;
+        i64* row = ring + ((counts + j) % a.ring_rows) * a.row_words;
+        warp_copy<false>(row, a.x + tok * a.x_words, a.x_words, q.lane);
+        i64* meta = row + a.x_words;
+        float* floats = (float*)meta;
+        for (i64 k = q.lane; k < nk; k += 32) {
+          const i64 i = tok * nk + k;
+          meta[k] = a.topk_bytes == 8 ? ((const i64*)a.topk)[i] : (i64)((const int*)a.topk)[i];
+          if (a.w_kind) floats[2 * nk + k] = load_weight(a.w, a.w_kind, i);
+        }
+        if (a.has_s)
+          for (i64 k = q.lane; k < a.num_scales; k += 32)
+            floats[3 * nk + k] = a.s[tok * a.s_token_stride + k * a.s_col_stride];
+        if (q.lane == 0) meta[a.meta_words] = ordinal;
+      }
+      counts += m;
+      for (int j = 0; j < m; ++j) left &= left - 1;
+      group_sync(d, q.threads);  // the group's rows are stored before the tail that counts them
+      if (q.leader && counts - published >= a.publish) {
+        publish(tail, (seq << 32) | counts);
+        published = counts;
+      }
+    }
+  }
+  if (!code && q.leader) publish(tail, (seq << 32) | FIN | counts);  // also where it sent nothing
+}
+
+// Receiver program c, group g: source g's rows of this channel into the outputs, by their ordinals
+__device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Groups& q, i64* sh_n, i64* sh_code,
+                              i64* sh_bad) {
+  const int R = a.num_ranks, C = a.channels, s = q.g;
+  i64* own = (i64*)a.bases[a.me];
+  const i64* tail = own + (i64)(s * C + c) * COUNTER;
+  i64* head = (i64*)a.bases[s] + (i64)(R * C + a.me * C + c) * COUNTER;
+  const i64* ring = own + (i64)2 * R * C * COUNTER + (i64)(s * C + c) * a.ring_rows * a.row_words;
+  const i64 lo = a.offsets[s], hi = s + 1 < R ? a.offsets[s + 1] : a.out_rows;
+  const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
+  i64 have = 0, code = 0, start = clock_ns();
+  while (true) {
+    if (q.leader) {
+      const i64 t = load_acquire(tail);
+      const bool ours = (t >> 32) == seq;
+      const i64 count = ours ? (t & COUNT_MASK) : 0;
+      i64 n = count - have;
+      n = n < 0 ? 0 : (n > a.batch ? a.batch : n);
+      const bool finished = ours && ((t >> 31) & 1) && have + n == count;
+      if (n == 0 && !finished) {
+        code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, s);
+      } else {
+        start = clock_ns();
+      }
+      sh_n[s] = finished ? -1 - n : n;  // (finished: -1 - n)
+      sh_code[s] = code;
+    }
+    group_sync(s, q.threads);
+    code = sh_code[s];
+    if (code) break;
+    const i64 word = sh_n[s];
+    const bool finished = word < 0;
+    const i64 n = finished ? -1 - word : word;
+    for (i64 j = q.wig; j < n; j += a.warps_per_peer) {
+      const i64* row = ring + ((have + j) % a.ring_rows) * a.row_words;
+      const i64* meta = row + a.x_words;
+      const float* floats = (const float*)meta;
+      const i64 ordinal = load_ring(meta + a.meta_words);
+      const i64 o = lo + ordinal;
+      if (ordinal < 0 || o >= hi) {
+        if (q.lane == 0) atomicCAS((u64*)sh_bad, 0ull, (u64)(((i64)BAD_ROW << 16) | s));
+        continue;
+      }
+      warp_copy<true>(a.out_x + o * a.x_words, row, a.x_words, q.lane);
+      if (a.out_idx)
+        for (i64 k = q.lane; k < nk; k += 32) {
+          const i64 raw = load_ring(meta + k);
+          const i64 local = raw - base;
+          const bool here = raw >= 0 && local >= 0 && local < a.experts_per_rank;
+          a.out_idx[o * nk + k] = here ? local : -1;
+          if (a.out_w) a.out_w[o * nk + k] = here ? load_ring_f(floats + 2 * nk + k) : 0.0f;
+        }
+      if (a.has_s)
+        for (i64 k = q.lane; k < a.num_scales; k += 32)
+          a.out_s[o * a.num_scales + k] = load_ring_f(floats + 3 * nk + k);
+    }
+    have += n;
+    group_sync(s, q.threads);  // every row read before its slot goes back to the source
+    if (q.leader && (n > 0 || finished)) publish(head, (seq << 32) | (finished ? FIN : 0) | have);
+    if (finished) break;
+  }
+  // the rows this channel took from the source: where the streamed combine finds what it sends back
+  if (q.leader) a.taken[s * C + c] = have;
+}
+
+extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(const __grid_constant__ DispatchArgs a) {
+  __shared__ i64 sh_n[MAX_GROUPS], sh_code[MAX_GROUPS], sh_bad;
+  const int C = a.channels, p = blockIdx.x;
+  const i64 seq = *a.seq;  // a device word: a graph's replays each run the call of their own seq
+  if (threadIdx.x == 0) sh_bad = 0;
+  if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
+  __syncthreads();
+  const Groups q = groups(a.warps_per_peer);
+  if (q.g < a.num_ranks) {
+    if (p < C) dispatch_send(a, p, seq, q, sh_n, sh_code);
+    else dispatch_recv(a, p - C, seq, q, sh_n, sh_code, &sh_bad);
+  }
+  finish(a.status, p, seq, sh_code, a.num_ranks, sh_bad);
+}
+
+struct CombineArgs {
+  const i64* rows;      // [T, R] this rank's plan rows of the dispatch (as a source)
+  const i64* x;         // [N, x_words] the expert outputs, as words
+  const float* w;       // [N, num_k] or null
+  const i64* taken;     // [R, C] the dispatch's
+  const i64* offsets;   // [R] the dispatch's recv_offset
+  const i64* bases;
+  void* out;            // [T, hidden] x's dtype
+  float* out_w;         // [T, num_k] or null
+  i64* status;
+  const i64* abort;
+  const i64* seq;
+  i64 num_tokens, x_rows, x_words, num_k, row_words, ring_rows, timeout_ns;
+  int me, num_ranks, channels, half, publish, batch, warps_per_peer, pad;  // half: 1 float16, 0 bfloat16
+};
+
+// Sender program c at an expert rank, group g: the rows dispatch channel c took from source g,
+// back into g's ring, in order
+__device__ void combine_send(const CombineArgs& a, int c, i64 seq, const Groups& q, i64* sh_room, i64* sh_code) {
+  const int R = a.num_ranks, C = a.channels, s = q.g;
+  i64* own = (i64*)a.bases[a.me];
+  i64* there = (i64*)a.bases[s];
+  const i64* head = own + (i64)(R * C + s * C + c) * COUNTER;
+  i64* tail = there + (i64)(a.me * C + c) * COUNTER;
+  i64* ring = there + (i64)2 * R * C * COUNTER + (i64)(a.me * C + c) * a.ring_rows * a.row_words;
+  i64 lo = a.offsets[s];
+  for (int k = 0; k < c; ++k) lo += a.taken[s * C + k];
+  const i64 n = a.taken[s * C + c];
+  i64 consumed = 0, sent = 0, published = 0;
+  if (q.leader) {
+    i64 code = (lo < 0 || n < 0 || lo + n > a.x_rows) ? (((i64)BAD_ROW << 16) | s) : 0;
+    if (!code) code = wait_previous(head, seq, a.timeout_ns, a.abort, s, &consumed);
+    sh_code[s] = code;
+  }
+  group_sync(s, q.threads);
+  i64 code = sh_code[s];
+  while (sent < n && !code) {
+    if (q.leader) {
+      sh_room[s] = credits(head, tail, seq, sent, n - sent, a.ring_rows, &consumed, &published, a.timeout_ns, a.abort,
+                           s, &code);
+      sh_code[s] = code;
+    }
+    group_sync(s, q.threads);
+    code = sh_code[s];
+    if (code) break;
+    i64 m = n - sent;
+    m = m < sh_room[s] ? m : sh_room[s];
+    m = m < a.publish ? m : a.publish;
+    for (i64 j = q.wig; j < m; j += a.warps_per_peer) {
+      const i64 src = lo + sent + j;
+      i64* row = ring + ((sent + j) % a.ring_rows) * a.row_words;
+      warp_copy<false>(row, a.x + src * a.x_words, a.x_words, q.lane);
+      if (a.w)
+        for (i64 k = q.lane; k < a.num_k; k += 32) ((float*)row)[2 * a.x_words + k] = a.w[src * a.num_k + k];
+    }
+    sent += m;
+    group_sync(s, q.threads);
+    if (q.leader && sent - published >= a.publish) {
+      publish(tail, (seq << 32) | sent);
+      published = sent;
+    }
+  }
+  if (!code && q.leader) publish(tail, (seq << 32) | FIN | sent);
+}
+
+// Receiver program c at a source: its tokens of channel c in tiles of at most one token a warp
+// (and a ring of rows from any rank); each token's copies summed in float32 in rank order
+__device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i64* sh_code, int* sh_goes,
+                             i64* sh_consumed, int* sh_need) {
+  const int R = a.num_ranks, C = a.channels;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool poller = lane == 0 && warp < R;  // lane 0 of warp d waits for rank d's rows
+  const int d_own = warp;
+  i64* own = (i64*)a.bases[a.me];
+  const i64 per = (a.num_tokens + C - 1) / C;
+  const i64 end = per * (c + 1) < a.num_tokens ? per * (c + 1) : a.num_tokens;
+  i64 step = a.ring_rows < warps ? a.ring_rows : warps;
+  step = step < 32 ? step : 32;
+  const i64 hidden = a.x_words * 4, nk = a.num_k;
+  i64 counts = 0, code = 0;  // (the poller's: rank d_own's tail count)
+  if (threadIdx.x < R) sh_consumed[threadIdx.x] = 0;
+  __syncthreads();
+  for (i64 t0 = per * c; t0 < end; t0 += step) {
+    const i64 tile = end - t0 < step ? end - t0 : step;
+    if (warp == 0) {  // which ranks each token of the tile has a copy on, and its place in their rows
+      int goes = 0;
+      if (lane < tile)
+        for (int d = 0; d < R; ++d) goes |= (a.rows[(t0 + lane) * R + d] >= 0) << d;
+      sh_goes[lane] = goes;
+      for (int d = 0; d < R; ++d) {
+        const unsigned m = __ballot_sync(0xffffffffu, (goes >> d) & 1);
+        if (lane == 0) sh_need[d] = __popc(m);
+        sh_goes[32 + lane * MAX_RANKS + (d < MAX_RANKS ? d : 0)] = __popc(m & ((1u << lane) - 1));
+      }
+    }
+    __syncthreads();
+    if (poller) {  // 1. rank d_own's rows of the tile are in its ring (a bounded wait)
+      const i64* tail = own + (i64)(d_own * C + c) * COUNTER;
+      const i64 need = sh_need[d_own], consumed = sh_consumed[d_own];
+      const i64 start = clock_ns();
+      while (need > counts - consumed && !code) {
+        const i64 t = load_acquire(tail);
+        if ((t >> 32) == seq) counts = t & COUNT_MASK;
+        if (need <= counts - consumed) break;
+        if ((t >> 32) == seq && ((t >> 31) & 1)) code = ((i64)BAD_ROW << 16) | d_own;  // FIN, rows short
+        else code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
+      }
+      sh_code[d_own] = code;
+    }
+    __syncthreads();
+    for (int d = 0; d < R && !code; ++d) code = sh_code[d];
+    if (code) break;
+    // 2. a warp a token: its copies, in rank order, from each rank's next rows
+    if (warp < tile) {
+      const i64 t = t0 + warp;
+      const int goes = sh_goes[warp];
+      const unsigned short* rows[MAX_RANKS];  // rank d's copy of the token, or null
+#pragma unroll
+      for (int d = 0; d < MAX_RANKS; ++d) {
+        rows[d] = nullptr;
+        if (d < R && ((goes >> d) & 1)) {
+          const i64 slot = (sh_consumed[d] + sh_goes[32 + warp * MAX_RANKS + d]) % a.ring_rows;
+          rows[d] = (const unsigned short*)(own + (i64)2 * R * C * COUNTER + (i64)(d * C + c) * a.ring_rows * a.row_words +
+                                            slot * a.row_words);
+        }
+      }
+      unsigned short* out = (unsigned short*)a.out + t * hidden;
+      const bool wide = ((hidden & 7) | ((u64)out & 15)) == 0;
+      if (wide) {  // 8 elements a lane a step, every rank's copy of them in flight at once
+        for (i64 e = lane * 8; e < hidden; e += 32 * 8) {
+          Pair v[MAX_RANKS];
+#pragma unroll
+          for (int d = 0; d < MAX_RANKS; ++d)
+            if (rows[d]) v[d] = load_ring2((const Pair*)(rows[d] + e));
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int d = 0; d < MAX_RANKS; ++d)  // rank order: the sum is the same bits every run
+            if (rows[d]) {
+              const unsigned short* h = (const unsigned short*)&v[d];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[i] += to_float(h[i], a.half);
+            }
+          Pair o;
+          unsigned short* h = (unsigned short*)&o;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) h[i] = from_float(acc[i], a.half);
+          store_pair((Pair*)(out + e), o);
+        }
+      } else {
+        for (i64 e = lane; e < hidden; e += 32) {
+          float acc = 0;
+#pragma unroll
+          for (int d = 0; d < MAX_RANKS; ++d)
+            if (rows[d]) {
+              unsigned short bits;
+              asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(bits) : "l"(rows[d] + e) : "memory");
+              acc += to_float(bits, a.half);
+            }
+          out[e] = from_float(acc, a.half);
+        }
+      }
+      if (a.out_w)
+        for (i64 k = lane; k < nk; k += 32) {
+          float acc = 0;
+#pragma unroll
+          for (int d = 0; d < MAX_RANKS; ++d)
+            if (rows[d]) acc += load_ring_f((const float*)rows[d] + 2 * a.x_words + k);
+          a.out_w[t * nk + k] = acc;
+        }
+    }
+    __syncthreads();  // 3. every copy of the tile read: credits back to each rank that sent some
+    if (poller) {
+      const i64 consumed = sh_consumed[d_own] + sh_need[d_own];
+      sh_consumed[d_own] = consumed;
+      if (sh_need[d_own] > 0)
+        publish((i64*)a.bases[d_own] + (i64)(R * C + a.me * C + c) * COUNTER, (seq << 32) | consumed);
+    }
+    __syncthreads();
+  }
+  // 4. every rank's FIN with no row left over: its ring and tail are read for this call
+  if (poller && !code) {
+    const i64* tail = own + (i64)(d_own * C + c) * COUNTER;
+    const i64 consumed = sh_consumed[d_own];
+    const i64 start = clock_ns();
+    while (!code) {
+      const i64 t = load_acquire(tail);
+      const bool ours = (t >> 32) == seq;
+      if (ours && (t & COUNT_MASK) > consumed) {
+        code = ((i64)BAD_ROW << 16) | d_own;  // more rows than this rank's tokens sent there
+      } else if (ours && ((t >> 31) & 1)) {
+        break;
+      } else {
+        code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
+      }
+    }
+    if (!code) publish((i64*)a.bases[d_own] + (i64)(R * C + a.me * C + c) * COUNTER, (seq << 32) | FIN | consumed);
+    sh_code[d_own] = code;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_combine(const __grid_constant__ CombineArgs a) {
+  __shared__ i64 sh_room[MAX_GROUPS], sh_code[MAX_GROUPS], sh_consumed[MAX_RANKS];
+  __shared__ int sh_goes[32 + 32 * MAX_RANKS], sh_need[MAX_RANKS];
+  const int C = a.channels, p = blockIdx.x;
+  const i64 seq = *a.seq;
+  if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
+  __syncthreads();
+  if (p < C) {
+    const Groups q = groups(a.warps_per_peer);
+    if (q.g < a.num_ranks) combine_send(a, p, seq, q, sh_room, sh_code);
+  } else {
+    combine_recv(a, p - C, seq, blockDim.x >> 5, sh_code, sh_goes, sh_consumed, sh_need);
+  }
+  finish(a.status, p, seq, sh_code, a.num_ranks, 0);
+}

@@ -1,0 +1,128 @@
+"""The streamed dispatch and combine as CUDA C++ (``stream.cu`` beside this module), compiled at run
+time by NVRTC for the GPU at hand (warmlink._nvrtc). ep.kernels.stream and ep.kernels.stream_combine
+check a call's arguments and launch these kernels, or the Triton ones, as their Buffer chose once
+(``WARMLINK_EP_STREAM_KERNEL``; ``choose``).
+
+# Note [Warp groups]
+Why: a Triton program is one lockstep block. Each step of the Triton streamed kernels loads a
+tile, stores it into every destination, then publishes after a block-wide barrier, so the loads,
+stores and waits of different peers never overlap, and a program moved 7-10 GB/s where DeepEP's
+move about 20 (BENCHMARKS.md). Triton cannot give warps different work; CUDA C++ can.
+
+Here a program's warps form a group per peer (``24 // R`` warps each, at most 15 groups: one named
+barrier each, ``bar.sync 1 + g``). A sender's group g serves destination g alone: its leader (lane
+0 of the group's first warp) polls g's head for credits and publishes g's tail; its warps copy one
+row each, 16 bytes a lane, 8 loads in flight before the stores. A receiver's group g takes source
+g's rows by the same rules. A slow peer holds up its own group, not the program. The combine's
+receiver sums a token per warp (8 elements a lane a step, every rank's copy loaded before the sum,
+summed in rank order: the same bits as the Triton kernel and the torch reference); lane 0 of warp
+d waits for rank d's rows of the tile and gives rank d its credits back.
+
+Everything on the wire is the Triton kernels' (Note [Streamed dispatch], Note [Streamed combine]):
+the space's words, the rows, the seq rule, FIN, the deadlines and abort word, the status words and
+``taken``, so ``failures`` and the host protocol read both alike. A group's failure stops that
+group (it publishes no FIN, so its peer fails too) and the program's status word names the first
+failed group's wait.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import struct
+from importlib import resources
+
+import torch
+
+__all__ = ["MAX_RANKS", "THREADS", "choose", "combine", "dispatch"]
+
+log = logging.getLogger("warmlink.ep")
+
+THREADS = 768  # 24 warps a program: a group of 24 // R per peer
+MAX_RANKS = 8  # the combine's receiver holds every rank's copy of a token at once (stream.cu's MAX_RANKS)
+_KERNELS = ("warmlink_stream_dispatch", "warmlink_stream_combine")
+OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
+# the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
+_DISPATCH = struct.Struct("<16Q13q10i")
+_COMBINE = struct.Struct("<11Q7q8i")
+
+
+@functools.cache
+def _source() -> str:
+    return resources.files("warmlink.ep.kernels").joinpath("stream.cu").read_text()
+
+
+@functools.cache
+def _kernels(device: int) -> dict:
+    from warmlink import _nvrtc
+
+    return _nvrtc.load(_source(), "warmlink_stream", device, _KERNELS, OPTIONS)
+
+
+@functools.cache
+def choose(device: int, num_ranks: int) -> str:
+    """``"cuda"`` or ``"triton"``: the streamed kernels a Buffer on ``device`` with ``num_ranks``
+    ranks launches. CUDA where ``WARMLINK_EP_STREAM_KERNEL`` allows it (the default), the group fits
+    (at most ``MAX_RANKS``) and NVRTC compiles ``stream.cu`` here; otherwise Triton, and a warning
+    says why when CUDA was asked for."""
+    from warmlink import _env
+
+    if _env.ep_stream_kernel() != "cuda":
+        return "triton"
+    if num_ranks > MAX_RANKS:
+        log.warning("ep: %d ranks; the CUDA streamed kernels take at most %d: the Triton ones run", num_ranks, MAX_RANKS)
+        return "triton"
+    try:
+        _kernels(device)
+    except ImportError as exc:  # BackendUnavailable: no NVRTC, or it refused the source
+        log.warning("ep: the CUDA streamed kernels are unavailable on cuda:%d (%s): the Triton ones run", device, exc)
+        return "triton"
+    return "cuda"
+
+
+def _launch(name: str, device: int, grid: int, packed: bytes) -> None:
+    from warmlink.ep.kernels.launch import current_stream
+
+    args = ctypes.create_string_buffer(packed, len(packed))
+    _kernels(device)[name](grid, THREADS, args, current_stream(device))
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, status, abort: int, valid, me: int, seq,
+             max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int,
+             batch: int) -> None:
+    """Launch the streamed dispatch (``stream_dispatch``'s arguments, checked there; ``x`` as
+    contiguous int64 words, ``seq`` and ``valid`` device words, ``taken`` a ``[R, C]`` tensor)."""
+    r, c = space.num_ranks, space.channels
+    num_tokens, x_words = x.shape
+    num_k = topk.shape[1] if topk is not None else 0
+    num_scales = scales.shape[1] if scales is not None else 0
+    s_token, s_col = scales.stride() if scales is not None else (0, 0)
+    w_kind = 0 if weights is None else {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}[weights.dtype]
+    packed = _DISPATCH.pack(
+        rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
+        recv_offset.data_ptr(), out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales),
+        status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), taken.data_ptr(),
+        num_tokens, max_tokens, x_words, num_k, num_scales, s_token, s_col, meta_words, space.row_words,
+        space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns,
+        me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
+        (THREADS // 32) // r, 0)
+    _launch("warmlink_stream_dispatch", x.device.index, 2 * c, packed)
+
+
+def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,
+            seq, timeout_ns: int, publish: int, batch: int) -> None:
+    """Launch the streamed combine (``stream_combine``'s arguments, checked there; ``x_words_t`` the
+    expert outputs as int64 words)."""
+    r, c = space.num_ranks, space.channels
+    n, x_words = x_words_t.shape
+    packed = _COMBINE.pack(
+        rows.data_ptr(), x_words_t.data_ptr(), _ptr(weights), taken.data_ptr(), recv_offset.data_ptr(),
+        bases.data_ptr(), out.data_ptr(), _ptr(out_weights), status.data_ptr(), abort, seq.data_ptr(),
+        rows.shape[0], n, x_words, weights.shape[1] if weights is not None else 0, space.row_words, space.ring_rows,
+        timeout_ns, me, r, c, int(out.dtype == torch.float16), publish, batch, (THREADS // 32) // r, 0)
+    _launch("warmlink_stream_combine", x_words_t.device.index, 2 * c, packed)

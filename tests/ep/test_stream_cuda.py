@@ -1,0 +1,90 @@
+"""The CUDA C++ streamed kernels (ep.kernels.stream_cuda, Note [Warp groups]) on a machine without a GPU:
+``stream.cu`` compiles for Hopper with the machine's nvcc, and the argument structs the launcher
+packs lie as the compiler lays them out (a host program built from the same file prints every
+field's offset). On GPUs they run in test_stream_gpu.py, beside the Triton kernels, against the
+torch twins.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from importlib import resources
+
+import pytest
+
+from warmlink.ep.kernels import stream_cuda
+
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA compiler; no GPU)")
+SOURCE = resources.files("warmlink.ep.kernels").joinpath("stream.cu")
+
+# the fields of stream.cu's argument structs, in order, as stream_cuda packs them
+DISPATCH_FIELDS = ("rows x topk w s bases offsets out_x out_idx out_w out_s status abort valid seq taken num_tokens "
+                   "max_tokens x_words num_k num_scales s_token_stride s_col_stride meta_words row_words ring_rows "
+                   "out_rows experts_per_rank timeout_ns me num_ranks channels topk_bytes w_kind has_s publish batch "
+                   "warps_per_peer pad").split()
+COMBINE_FIELDS = ("rows x w taken offsets bases out out_w status abort seq num_tokens x_rows x_words num_k row_words "
+                  "ring_rows timeout_ns me num_ranks channels half publish batch warps_per_peer pad").split()
+
+
+def _offsets(fmt) -> list[int]:
+    """Each field's offset in a ``struct.Struct`` of little-endian, unpadded codes."""
+    sizes = {"Q": 8, "q": 8, "i": 4}
+    out, at = [], 0
+    for count, code in re.findall(r"(\d*)([Qqi])", fmt.format[1:]):
+        for _ in range(int(count or 1)):
+            out.append(at)
+            at += sizes[code]
+    return out
+
+
+@needs_nvcc
+def test_stream_cu_compiles_for_hopper_with_both_kernels(tmp_path):
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "stream.cubin"),
+                           str(SOURCE)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for kernel in ("warmlink_stream_dispatch", "warmlink_stream_combine"):
+        assert f"Compiling entry function '{kernel}' for 'sm_90'" in done.stderr, done.stderr[-4000:]
+
+
+@needs_nvcc
+def test_the_packed_arguments_lie_where_the_compiler_puts_each_field(tmp_path):
+    """A host program including stream.cu prints sizeof and every offsetof of both structs; the
+    launcher's ``struct`` formats give the same bytes (a field added to one side only fails here)."""
+    lines = ['#include <cstdio>', '#include <cstddef>', f'#include "{SOURCE}"', "int main() {"]
+    for struct_name, fields in (("DispatchArgs", DISPATCH_FIELDS), ("CombineArgs", COMBINE_FIELDS)):
+        lines.append(f'  printf("{struct_name} %zu\\n", sizeof({struct_name}));')
+        lines += [f'  printf("{struct_name}.{f} %zu\\n", offsetof({struct_name}, {f}));' for f in fields]
+    lines.append("  return 0;\n}")
+    program = tmp_path / "layout.cu"
+    program.write_text("\n".join(lines))
+    built = subprocess.run([NVCC, "-arch=sm_90", "-o", str(tmp_path / "layout"), str(program)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-4000:]
+    printed = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=60, check=True).stdout
+    got = dict(line.split() for line in printed.splitlines())
+    for struct_name, fields, fmt in (("DispatchArgs", DISPATCH_FIELDS, stream_cuda._DISPATCH),
+                                     ("CombineArgs", COMBINE_FIELDS, stream_cuda._COMBINE)):
+        assert int(got[struct_name]) == fmt.size, (struct_name, got[struct_name], fmt.size)
+        want = dict(zip(fields, _offsets(fmt), strict=True))
+        assert {f: int(got[f"{struct_name}.{f}"]) for f in fields} == want, struct_name
+
+
+def test_the_switch_and_a_group_past_eight_ranks_choose_triton_without_compiling(monkeypatch):
+    """``WARMLINK_EP_STREAM_KERNEL=triton``, or more ranks than the CUDA kernels hold, send a Buffer
+    to the Triton kernels before NVRTC is asked for anything (this machine has none)."""
+    from warmlink import _env
+
+    monkeypatch.setenv("WARMLINK_EP_STREAM_KERNEL", "triton")
+    _env.clear_cache()
+    stream_cuda.choose.cache_clear()
+    try:
+        assert stream_cuda.choose(0, 2) == "triton"
+        monkeypatch.setenv("WARMLINK_EP_STREAM_KERNEL", "cuda")
+        assert stream_cuda.choose(0, stream_cuda.MAX_RANKS + 1) == "triton"
+    finally:
+        monkeypatch.delenv("WARMLINK_EP_STREAM_KERNEL")
+        _env.clear_cache()
+        stream_cuda.choose.cache_clear()
