@@ -2,7 +2,7 @@
 GPU: per configuration the median of each call (fresh dispatch, cached dispatch, combine; CUDA
 events on the caller's stream) on the slowest rank, and the space each rank holds.
 
-    python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168]
+    python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168] [--graph]
 
 A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS),
 /bN (the most rows a receiver takes from a source per visit, BATCH_ROWS) and /wN (warps a program),
@@ -83,6 +83,22 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
                         if i >= 3:
                             times.append(a.elapsed_time(b) * 1e3)
                     row[name] = statistics.median(times)
+                if args.graph:  # the same calls replayed from CUDA graphs: the device's time without the host's
+                    for name in ("cached", "combine"):
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            calls[name]()
+                        times = []
+                        for i in range(args.iterations + 3):
+                            torch.cuda.synchronize()
+                            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            a.record()
+                            graph.replay()
+                            b.record()
+                            torch.cuda.synchronize()
+                            if i >= 3:
+                                times.append(a.elapsed_time(b) * 1e3)
+                        row[f"{name} graph"] = statistics.median(times)
                 rows[config] = row
             restore()
     queue.put((rank, rows))
@@ -95,6 +111,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--iterations", type=int, default=15)
+    ap.add_argument("--graph", action="store_true", help="also time cached dispatch and combine replayed from CUDA graphs")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a macro for the CUDA kernels' compile, e.g. UNROLL=4 (repeatable)")
     args = ap.parse_args()
@@ -113,10 +130,10 @@ def main() -> None:
             p.join(timeout=60)
     print(f"streamed Buffer, {world} ranks (one per GPU), {args.tokens} tokens x {args.hidden} BF16, top-8 of 256; "
           "slowest rank's median, us")
-    print(f"{'config':>16}{'fresh':>9}{'cached':>9}{'combine':>9}")
+    kinds = ("fresh", "cached", "combine") + (("cached graph", "combine graph") if args.graph else ())
+    print(f"{'config':>16}" + "".join(f"{k:>15}" for k in kinds))
     for config in args.configs:
-        worst = {k: max(results[r][config][k] for r in results) for k in ("fresh", "cached", "combine")}
-        print(f"{config:>16}{worst['fresh']:>9.0f}{worst['cached']:>9.0f}{worst['combine']:>9.0f}")
+        print(f"{config:>16}" + "".join(f"{max(results[r][config][k] for r in results):>15.0f}" for k in kinds))
 
 
 if __name__ == "__main__":

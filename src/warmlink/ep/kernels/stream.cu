@@ -192,7 +192,8 @@ struct DispatchArgs {
   i64* status;          // [2C]
   const i64* abort;
   const i64* valid;     // 0: a refused round, send no token
-  const i64* seq;
+  i64* seq;             // the call's seq word (with `done`: the previous call's, advanced here)
+  u64* done;            // null, or a zeroed word: the launch advances the seq itself (finish)
   i64* taken;           // [R, C]
   i64 num_tokens, max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words,
       ring_rows, out_rows, experts_per_rank, timeout_ns;
@@ -238,14 +239,28 @@ __device__ __forceinline__ Groups groups(int warps_per_peer) {
   return q;
 }
 
-// the program's status: the first group's failure, else a bad row, else 0
-__device__ void finish(i64* status, int program, i64 seq, const i64* codes, int num_groups, i64 bad) {
+// The program's status word (the first group's failure, else a bad row, else 0), which may lie in
+// pinned host memory: the host knows a launch ended when all its words are written. With `done`
+// (an advancing launch) the last program to end stores the call's seq back into the seq word, so
+// that the next launch runs the next call; every program read the word before it counted itself.
+__device__ void finish(i64* status, int program, i64 seq, const i64* codes, int num_groups, i64 bad, i64* seq_word,
+                       u64* done) {
   __syncthreads();
   if (threadIdx.x == 0) {
     i64 code = 0;
     for (int g = 0; g < num_groups && !code; ++g) code = codes[g];
+    if (done && atomicAdd(done, 1ull) == gridDim.x - 1) {
+      *seq_word = seq;
+      *done = 0;
+    }
     status[program] = (seq << 32) | (code ? code : bad);
   }
+}
+
+// the seq of this launch: the word's (a graph's replays each run the call of their own), or with
+// `done` the one after it
+__device__ __forceinline__ i64 call_seq(const i64* seq_word, const u64* done) {
+  return *(volatile const i64*)seq_word + (done ? 1 : 0);
 }
 
 // Sender program c, group g: the channel's tokens to destination g, in order, into its ring
@@ -378,7 +393,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
 extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(const __grid_constant__ DispatchArgs a) {
   __shared__ i64 sh_n[MAX_GROUPS], sh_code[MAX_GROUPS], sh_bad;
   const int C = a.channels, p = blockIdx.x;
-  const i64 seq = *a.seq;  // a device word: a graph's replays each run the call of their own seq
+  const i64 seq = call_seq(a.seq, a.done);
   if (threadIdx.x == 0) sh_bad = 0;
   if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
   __syncthreads();
@@ -387,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(co
     if (p < C) dispatch_send(a, p, seq, q, sh_n, sh_code);
     else dispatch_recv(a, p - C, seq, q, sh_n, sh_code, &sh_bad);
   }
-  finish(a.status, p, seq, sh_code, a.num_ranks, sh_bad);
+  finish(a.status, p, seq, sh_code, a.num_ranks, sh_bad, a.seq, a.done);
 }
 
 struct CombineArgs {
@@ -401,7 +416,8 @@ struct CombineArgs {
   float* out_w;         // [T, num_k] or null
   i64* status;
   const i64* abort;
-  const i64* seq;
+  i64* seq;
+  u64* done;
   i64 num_tokens, x_rows, x_words, num_k, row_words, ring_rows, timeout_ns;
   int me, num_ranks, channels, half, publish, batch, warps_per_peer, pad;  // half: 1 float16, 0 bfloat16
 };
@@ -594,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_combine(con
   __shared__ i64 sh_room[MAX_GROUPS], sh_code[MAX_GROUPS], sh_consumed[MAX_RANKS];
   __shared__ int sh_goes[32 + 32 * MAX_RANKS], sh_need[MAX_RANKS];
   const int C = a.channels, p = blockIdx.x;
-  const i64 seq = *a.seq;
+  const i64 seq = call_seq(a.seq, a.done);
   if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
   __syncthreads();
   if (p < C) {
@@ -603,5 +619,5 @@ extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_combine(con
   } else {
     combine_recv(a, p - C, seq, blockDim.x >> 5, sh_code, sh_goes, sh_consumed, sh_need);
   }
-  finish(a.status, p, seq, sh_code, a.num_ranks, 0);
+  finish(a.status, p, seq, sh_code, a.num_ranks, 0, a.seq, a.done);
 }

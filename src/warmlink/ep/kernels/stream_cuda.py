@@ -44,8 +44,8 @@ MAX_RANKS = 8  # the combine's receiver holds every rank's copy of a token at on
 _KERNELS = ("warmlink_stream_dispatch", "warmlink_stream_combine")
 OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
 # the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
-_DISPATCH = struct.Struct("<16Q13q10i")
-_COMBINE = struct.Struct("<11Q7q8i")
+_DISPATCH = struct.Struct("<17Q13q10i")
+_COMBINE = struct.Struct("<12Q7q8i")
 
 
 @functools.cache
@@ -94,9 +94,11 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, status, abort: int, valid, me: int, seq,
              max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int,
-             batch: int) -> None:
+             batch: int, advance=None) -> None:
     """Launch the streamed dispatch (``stream_dispatch``'s arguments, checked there; ``x`` as
-    contiguous int64 words, ``seq`` and ``valid`` device words, ``taken`` a ``[R, C]`` tensor)."""
+    contiguous int64 words, ``seq`` and ``valid`` device words, ``taken`` a ``[R, C]`` tensor,
+    ``status`` device or pinned host memory, ``advance`` None or a zeroed device word: the launch
+    runs the call after ``seq``'s and stores it back)."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
@@ -106,7 +108,7 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
     packed = _DISPATCH.pack(
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
         recv_offset.data_ptr(), out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales),
-        status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), taken.data_ptr(),
+        status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), _ptr(advance), taken.data_ptr(),
         num_tokens, max_tokens, x_words, num_k, num_scales, s_token, s_col, meta_words, space.row_words,
         space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns,
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
@@ -115,14 +117,14 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
 
 
 def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,
-            seq, timeout_ns: int, publish: int, batch: int) -> None:
+            seq, timeout_ns: int, publish: int, batch: int, advance=None) -> None:
     """Launch the streamed combine (``stream_combine``'s arguments, checked there; ``x_words_t`` the
-    expert outputs as int64 words)."""
+    expert outputs as int64 words; ``status`` and ``advance`` as ``dispatch``'s)."""
     r, c = space.num_ranks, space.channels
     n, x_words = x_words_t.shape
     packed = _COMBINE.pack(
         rows.data_ptr(), x_words_t.data_ptr(), _ptr(weights), taken.data_ptr(), recv_offset.data_ptr(),
-        bases.data_ptr(), out.data_ptr(), _ptr(out_weights), status.data_ptr(), abort, seq.data_ptr(),
+        bases.data_ptr(), out.data_ptr(), _ptr(out_weights), status.data_ptr(), abort, seq.data_ptr(), _ptr(advance),
         rows.shape[0], n, x_words, weights.shape[1] if weights is not None else 0, space.row_words, space.ring_rows,
         timeout_ns, me, r, c, int(out.dtype == torch.float16), publish, batch, (THREADS // 32) // r, 0)
     _launch("warmlink_stream_combine", x_words_t.device.index, 2 * c, packed)

@@ -68,15 +68,19 @@ class StreamPath:
         # the streamed kernels, chosen once: CUDA C++ where it compiles (Note [Warp groups]), else Triton's
         self.kernel = "cuda" if stream_cuda.choose(device, num_ranks) == "cuda" else None
         on = torch.device("cuda", device)
-        self.counters = torch.zeros(2, dtype=torch.int64, device=on)  # [the last round, the last seq]
+        # [the last round, the last seq, the CUDA kernels' count of programs done (they advance the seq)]
+        self.counters = torch.zeros(3, dtype=torch.int64, device=on)
         self.bases = torch.tensor([mover.area_address(r, "stream") for r in range(num_ranks)], dtype=torch.int64,
                                   device=on)
         at = layout.offsets()
         self._own = mover.own_region[at["stream"]:at["stream"] + self.space.nbytes]
         self._boards = mover.own_region[at["board.0"]:at["stream"]]  # both parities' (the streamed layout's order)
         rows, width = _SLOTS + MAX_CAPTURED, 2 * self.space.channels
+        # the status words: the CUDA kernels write them straight into pinned host memory (a launch has
+        # ended when every word of its row is set); the Triton ones into device memory, copied back
         self._status = torch.zeros(rows, width, dtype=torch.int64, device=on)
         self._status_host = torch.zeros(rows, width, dtype=torch.int64, device="cpu", pin_memory=True)
+        self._status_words = self._status_host.numpy()
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)  # read by the kernels through UVA
         self._leases = [lease_event(device) for _ in range(_SLOTS)]
         self._events = [lease.resource.handle for lease in self._leases]
@@ -119,24 +123,42 @@ class StreamPath:
                  fresh: bool = False) -> None:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
         stream (``fresh``: right after ``launch_counts``, which advanced the seq already)."""
-        if not fresh:
-            advance(self.counters)
+        step = None if fresh else self._advance()
         slot = self._slot()
-        stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status[slot], me=self.rank,
-                               seq=self.counters[1:], max_tokens=self.layout.max_tokens,
+        stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot), me=self.rank,
+                               seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
                                experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
-                               abort=self._abort.data_ptr(), taken=taken, valid=valid, kernel=self.kernel)
+                               abort=self._abort.data_ptr(), taken=taken, valid=valid, kernel=self.kernel, advance=step)
         self._launched(slot, "dispatch")
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
                 recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:
         """Stream ``x``'s rows back to their sources, which sum them into ``out``."""
-        advance(self.counters)
+        step = self._advance()
         slot = self._slot()
-        stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status[slot],
-                                      me=self.rank, seq=self.counters[1:], timeout_s=self.timeout_s, weights=weights,
-                                      out_weights=out_weights, abort=self._abort.data_ptr(), kernel=self.kernel)
+        stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status_of(slot),
+                                      me=self.rank, seq=self.counters[1:2], timeout_s=self.timeout_s, weights=weights,
+                                      out_weights=out_weights, abort=self._abort.data_ptr(), kernel=self.kernel,
+                                      advance=step)
         self._launched(slot, "combine")
+
+    def _advance(self) -> torch.Tensor | None:
+        """The next call's seq: the CUDA kernels advance it themselves (the word they count in is
+        returned); for Triton's a kernel launched now does."""
+        if self.kernel == "cuda":
+            return self.counters[2:3]
+        advance(self.counters)
+        return None
+
+    def _status_of(self, slot: int) -> torch.Tensor:
+        """Where the launch of ``slot`` writes its status words: pinned host memory for the CUDA
+        kernels (zeroed now: the row's last launch was read), device memory for Triton's."""
+        if self.kernel != "cuda":
+            return self._status[slot]
+        row = self._status_host[slot]
+        if slot < _SLOTS:
+            self._status_words[slot] = 0
+        return row
 
     def _slot(self) -> int:
         """The status row of the next launch: an eager slot (waiting, with the timeout, for its
@@ -154,9 +176,13 @@ class StreamPath:
         return self.launched % _SLOTS
 
     def _launched(self, slot: int, what: str) -> None:
-        """Copy an eager launch's status words back behind it (and every captured launch's: their
-        graphs may have run since), then its event."""
+        """Queue an eager launch for ``_read``: Triton's get their status words copied back behind
+        them (and every captured launch's: their graphs may have run since), then an event."""
         if slot >= _SLOTS:
+            return
+        if self.kernel == "cuda":  # the words come on their own (_status_of)
+            self.launched += 1
+            self._queued.append((slot, self.captured, what))
             return
         cuda, current, nbytes = self._cuda, self.mover.current_stream(), self._status.shape[1] * 8
         cuda.memcpy_async(self._status_host[slot].data_ptr(), self._status[slot].data_ptr(), nbytes, current)
@@ -176,11 +202,11 @@ class StreamPath:
     def _read(self, block: bool) -> TransferTimeout | None:
         while self._queued:
             slot, captured, what = self._queued[0]
-            event = self._events[slot]
-            if not self._cuda.event_query(event):
+            ended = self._ended(slot)
+            if not ended():
                 if not block:
                     return None
-                self.mover.poll(lambda: self._cuda.event_query(event), 2 * self.timeout_s + 1, lambda: (
+                self.mover.poll(ended, 2 * self.timeout_s + 1, lambda: (
                     f"ep: a streamed {what} did not end on cuda:{self.device} within its deadline"))
             self._queued.popleft()
             rows = [(slot, what)] + [(_SLOTS + i, "call of a CUDA graph") for i in range(captured)]
@@ -189,6 +215,14 @@ class StreamPath:
                 if failed is not None:
                     return failed
         return None
+
+    def _ended(self, slot: int):
+        """Whether the launch of eager ``slot`` ended: every status word set (CUDA), or its event."""
+        if self.kernel == "cuda":
+            words, width = self._status_words[slot], 2 * self.space.channels
+            return lambda: bool(words[:width].all())
+        event = self._events[slot]
+        return lambda: self._cuda.event_query(event)
 
     def abort_all(self) -> None:
         """End every queued launch's waits now (each ends as aborted), and every count exchange's."""
