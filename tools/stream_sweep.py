@@ -33,14 +33,15 @@ DISPATCH_ONLY = ("tokens", "x_block")
 
 def _knobs(kwargs: dict):
     """Patch the stream kernels' launches (as ep.paths.streamed calls them) with ``kwargs``."""
-    from warmlink.ep.kernels import stream, stream_combine
+    from warmlink.ep.kernels import stream, stream_combine, stream_cuda
 
-    originals = stream.stream_dispatch, stream_combine.stream_combine
+    originals = stream.stream_dispatch, stream_combine.stream_combine, dict(stream_cuda.STEPS)
     both = {k: v for k, v in kwargs.items() if k not in DISPATCH_ONLY}
     stream.stream_dispatch = lambda *a, **k: originals[0](*a, **{**k, **kwargs})
     stream_combine.stream_combine = lambda *a, **k: originals[1](*a, **{**k, **both})
+    stream_cuda.STEPS.update({k: v for k, v in kwargs.items() if k in stream_cuda.STEPS})  # the CUDA kernels' knobs
     return lambda: (setattr(stream, "stream_dispatch", originals[0]),
-                    setattr(stream_combine, "stream_combine", originals[1]))
+                    setattr(stream_combine, "stream_combine", originals[1]), stream_cuda.STEPS.update(originals[2]))
 
 
 def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None:
@@ -111,7 +112,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--iterations", type=int, default=15)
-    ap.add_argument("--graph", action="store_true", help="also time cached dispatch and combine replayed from CUDA graphs")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time cached dispatch and combine replayed from CUDA graphs")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a macro for the CUDA kernels' compile, e.g. UNROLL=4 (repeatable)")
     args = ap.parse_args()

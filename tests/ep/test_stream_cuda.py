@@ -23,20 +23,26 @@ SOURCE = resources.files("warmlink.ep.kernels").joinpath("stream.cu")
 # the fields of stream.cu's argument structs, in order, as stream_cuda packs them
 DISPATCH_FIELDS = ("rows x topk w s bases offsets out_x out_idx out_w out_s status abort valid seq done taken num_tokens "
                    "max_tokens x_words num_k num_scales s_token_stride s_col_stride meta_words row_words ring_rows "
-                   "out_rows experts_per_rank timeout_ns me num_ranks channels topk_bytes w_kind has_s publish batch "
-                   "warps_per_peer pad").split()
+                   "out_rows experts_per_rank timeout_ns starts me num_ranks channels topk_bytes w_kind has_s publish batch "
+                   "warps_per_peer starts_given").split()
 COMBINE_FIELDS = ("rows x w taken offsets bases out out_w status abort seq done num_tokens x_rows x_words num_k row_words "
                   "ring_rows timeout_ns me num_ranks channels half publish batch warps_per_peer pad").split()
 
 
-def _offsets(fmt) -> list[int]:
-    """Each field's offset in a ``struct.Struct`` of little-endian, unpadded codes."""
+def _offsets(fmt, fields: list[str]) -> list[int]:
+    """Each field's offset in a ``struct.Struct`` of little-endian, unpadded codes (``starts`` spans
+    ``MAX_RANKS`` words)."""
     sizes = {"Q": 8, "q": 8, "i": 4}
-    out, at = [], 0
+    at, words = 0, []
     for count, code in re.findall(r"(\d*)([Qqi])", fmt.format[1:]):
         for _ in range(int(count or 1)):
-            out.append(at)
+            words.append(at)
             at += sizes[code]
+    out, i = [], 0
+    for f in fields:
+        out.append(words[i])
+        i += stream_cuda.MAX_RANKS if f == "starts" else 1
+    assert i == len(words), (i, len(words))
     return out
 
 
@@ -68,7 +74,7 @@ def test_the_packed_arguments_lie_where_the_compiler_puts_each_field(tmp_path):
     for struct_name, fields, fmt in (("DispatchArgs", DISPATCH_FIELDS, stream_cuda._DISPATCH),
                                      ("CombineArgs", COMBINE_FIELDS, stream_cuda._COMBINE)):
         assert int(got[struct_name]) == fmt.size, (struct_name, got[struct_name], fmt.size)
-        want = dict(zip(fields, _offsets(fmt), strict=True))
+        want = dict(zip(fields, _offsets(fmt, fields), strict=True))
         assert {f: int(got[f"{struct_name}.{f}"]) for f in fields} == want, struct_name
 
 

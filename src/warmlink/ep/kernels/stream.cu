@@ -184,7 +184,7 @@ struct DispatchArgs {
   const void* w;        // [T, num_k] weights (w_kind)
   const float* s;       // scales, strided
   const i64* bases;     // [R] every rank's stream space here
-  const i64* offsets;   // [R] where each source's rows start in the outputs
+  i64* offsets;         // [R] where each source's rows start in the outputs (written from `starts` if given)
   i64* out_x;
   i64* out_idx;
   float* out_w;
@@ -197,7 +197,8 @@ struct DispatchArgs {
   i64* taken;           // [R, C]
   i64 num_tokens, max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words,
       ring_rows, out_rows, experts_per_rank, timeout_ns;
-  int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, pad;
+  i64 starts[MAX_RANKS];  // with starts_given: the offsets, by value (the host knew them: no copy to the device)
+  int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, starts_given;
 };
 
 // 16-bit floats by their bits (no cuda_fp16.h under NVRTC): half 1 is float16, 0 bfloat16
@@ -333,7 +334,9 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
   const i64* tail = own + (i64)(s * C + c) * COUNTER;
   i64* head = (i64*)a.bases[s] + (i64)(R * C + a.me * C + c) * COUNTER;
   const i64* ring = own + (i64)2 * R * C * COUNTER + (i64)(s * C + c) * a.ring_rows * a.row_words;
-  const i64 lo = a.offsets[s], hi = s + 1 < R ? a.offsets[s + 1] : a.out_rows;
+  const i64* offsets = a.starts_given ? a.starts : a.offsets;
+  const i64 lo = offsets[s], hi = s + 1 < R ? offsets[s + 1] : a.out_rows;
+  if (a.starts_given && c == 0 && q.leader) a.offsets[s] = lo;  // for the handle's cached calls and combine
   const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
   i64 have = 0, code = 0, start = clock_ns();
   while (true) {
@@ -528,8 +531,8 @@ __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i6
         rows[d] = nullptr;
         if (d < R && ((goes >> d) & 1)) {
           const i64 slot = (sh_consumed[d] + sh_goes[32 + warp * MAX_RANKS + d]) % a.ring_rows;
-          rows[d] = (const unsigned short*)(own + (i64)2 * R * C * COUNTER + (i64)(d * C + c) * a.ring_rows * a.row_words +
-                                            slot * a.row_words);
+          const i64* ring = own + (i64)2 * R * C * COUNTER + (i64)(d * C + c) * a.ring_rows * a.row_words;
+          rows[d] = (const unsigned short*)(ring + slot * a.row_words);
         }
       }
       unsigned short* out = (unsigned short*)a.out + t * hidden;

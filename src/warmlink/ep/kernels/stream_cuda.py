@@ -42,9 +42,12 @@ log = logging.getLogger("warmlink.ep")
 THREADS = 768  # 24 warps a program: a group of 24 // R per peer
 MAX_RANKS = 8  # the combine's receiver holds every rank's copy of a token at once (stream.cu's MAX_RANKS)
 _KERNELS = ("warmlink_stream_dispatch", "warmlink_stream_combine")
+# a sender's tail every `publish` rows, a receiver's visit of at most `batch` rows (tools/stream_sweep.py
+# sets them; batch 32 beat 16 by 5-12% in three sweeps on 2 x H200)
+STEPS = {"publish": 16, "batch": 32}
 OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
 # the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
-_DISPATCH = struct.Struct("<17Q13q10i")
+_DISPATCH = struct.Struct(f"<17Q{13 + MAX_RANKS}q10i")
 _COMBINE = struct.Struct("<12Q7q8i")
 
 
@@ -71,7 +74,8 @@ def choose(device: int, num_ranks: int) -> str:
     if _env.ep_stream_kernel() != "cuda":
         return "triton"
     if num_ranks > MAX_RANKS:
-        log.warning("ep: %d ranks; the CUDA streamed kernels take at most %d: the Triton ones run", num_ranks, MAX_RANKS)
+        log.warning("ep: %d ranks; the CUDA streamed kernels take at most %d: the Triton ones run", num_ranks,
+                    MAX_RANKS)
         return "triton"
     try:
         _kernels(device)
@@ -93,31 +97,34 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, status, abort: int, valid, me: int, seq,
-             max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int,
-             batch: int, advance=None) -> None:
-    """Launch the streamed dispatch (``stream_dispatch``'s arguments, checked there; ``x`` as
+             max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int = 16,
+             batch: int = 16, advance=None, starts: list[int] | None = None) -> None:
+    """Launch the streamed dispatch (``stream_dispatch``'s arguments, checked there or by the
+    protocol (ep.paths.streamed calls this directly); ``x`` as
     contiguous int64 words, ``seq`` and ``valid`` device words, ``taken`` a ``[R, C]`` tensor,
     ``status`` device or pinned host memory, ``advance`` None or a zeroed device word: the launch
-    runs the call after ``seq``'s and stores it back)."""
+    runs the call after ``seq``'s and stores it back; ``starts``: ``recv_offset``'s values, passed by
+    value, which the launch writes into ``recv_offset``)."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
     num_scales = scales.shape[1] if scales is not None else 0
     s_token, s_col = scales.stride() if scales is not None else (0, 0)
     w_kind = 0 if weights is None else {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}[weights.dtype]
+    given = tuple(starts) if starts is not None else ()
     packed = _DISPATCH.pack(
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
         recv_offset.data_ptr(), out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales),
         status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), _ptr(advance), taken.data_ptr(),
         num_tokens, max_tokens, x_words, num_k, num_scales, s_token, s_col, meta_words, space.row_words,
-        space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns,
+        space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns, *given, *(0,) * (MAX_RANKS - len(given)),
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
-        (THREADS // 32) // r, 0)
+        (THREADS // 32) // r, int(starts is not None))
     _launch("warmlink_stream_dispatch", x.device.index, 2 * c, packed)
 
 
 def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,
-            seq, timeout_ns: int, publish: int, batch: int, advance=None) -> None:
+            seq, timeout_ns: int, publish: int = 16, batch: int = 16, advance=None) -> None:
     """Launch the streamed combine (``stream_combine``'s arguments, checked there; ``x_words_t`` the
     expert outputs as int64 words; ``status`` and ``advance`` as ``dispatch``'s)."""
     r, c = space.num_ranks, space.channels

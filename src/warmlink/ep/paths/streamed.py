@@ -66,12 +66,17 @@ class StreamPath:
         self.rank, self.num_ranks, self.device = rank, num_ranks, device
         self.graphs, self.timeout_s = graphs, timeout_s
         # the streamed kernels, chosen once: CUDA C++ where it compiles (Note [Warp groups]), else Triton's
-        self.kernel = "cuda" if stream_cuda.choose(device, num_ranks) == "cuda" else None
+        self.kernel = stream_cuda.choose(device, num_ranks)
+        self._timeout_ns = int(timeout_s * 1e9)
+        if 2 * self.space.channels > stream.sm_count(device):  # (Triton's launches check it per call)
+            raise ConfigError(f"ep.Buffer: {self.space.channels} stream channels; their 2 programs each must be "
+                              f"resident at once, at most {stream.sm_count(device) // 2} on cuda:{device}")
         on = torch.device("cuda", device)
         # [the last round, the last seq, the CUDA kernels' count of programs done (they advance the seq)]
         self.counters = torch.zeros(3, dtype=torch.int64, device=on)
         self.bases = torch.tensor([mover.area_address(r, "stream") for r in range(num_ranks)], dtype=torch.int64,
                                   device=on)
+        self._valid = torch.ones(1, dtype=torch.int64, device=on)  # a cached call: every round stands
         at = layout.offsets()
         self._own = mover.own_region[at["stream"]:at["stream"] + self.space.nbytes]
         self._boards = mover.own_region[at["board.0"]:at["stream"]]  # both parities' (the streamed layout's order)
@@ -118,17 +123,36 @@ class StreamPath:
         return self.mover.exchange_valid(0)
 
     # -- the streamed calls ------------------------------------------------------------------------
+    def offsets(self, starts: list[int]) -> tuple[torch.Tensor, list[int] | None]:
+        """``(recv_offset, starts for dispatch)`` of a fresh dispatch whose host read where each
+        source's rows start: the CUDA kernel takes them by value and fills the returned tensor
+        itself (no copy to the device on the way to the launch); Triton's read a copy."""
+        if self.kernel == "cuda":
+            return torch.empty(len(starts), dtype=torch.int64, device=self.bases.device), starts
+        return torch.tensor(starts, dtype=torch.int64, device=self.bases.device), None
+
     def dispatch(self, rows: torch.Tensor, src: Sources, out: StreamOutputs, recv_offset: torch.Tensor,
                  taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, starts: list[int] | None = None) -> None:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
-        stream (``fresh``: right after ``launch_counts``, which advanced the seq already)."""
+        stream (``fresh``: right after ``launch_counts``, which advanced the seq already; ``starts``:
+        ``offsets``' second value)."""
         step = None if fresh else self._advance()
         slot = self._slot()
-        stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot), me=self.rank,
-                               seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
-                               experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
-                               abort=self._abort.data_ptr(), taken=taken, valid=valid, kernel=self.kernel, advance=step)
+        if self.kernel == "cuda":  # checked by the protocol, made by this path: launched without a second check
+            num_k = src.topk.shape[1] if src.topk is not None else 0
+            num_scales = src.scales.shape[1] if src.scales is not None else 0
+            topk, weights = (t.contiguous() if t is not None else None for t in (src.topk, src.weights))
+            stream_cuda.dispatch(
+                self.space, rows.contiguous(), src.x.contiguous(), topk, weights, src.scales, self.bases, recv_offset,
+                out, self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
+                self.rank, self.counters[1:2], self.layout.max_tokens, stream.meta_words(num_k, num_scales), experts_per_rank,
+                self._timeout_ns, taken, advance=step, starts=starts, **stream_cuda.STEPS)
+        else:
+            stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot),
+                                   me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
+                                   experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
+                                   abort=self._abort.data_ptr(), taken=taken, valid=valid)
         self._launched(slot, "dispatch")
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
@@ -136,10 +160,15 @@ class StreamPath:
         """Stream ``x``'s rows back to their sources, which sum them into ``out``."""
         step = self._advance()
         slot = self._slot()
-        stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases, self._status_of(slot),
-                                      me=self.rank, seq=self.counters[1:2], timeout_s=self.timeout_s, weights=weights,
-                                      out_weights=out_weights, abort=self._abort.data_ptr(), kernel=self.kernel,
-                                      advance=step)
+        if self.kernel == "cuda":
+            stream_cuda.combine(self.space, rows.contiguous(), x.view(torch.int64), weights, taken, recv_offset,
+                                self.bases, out, out_weights, self._status_of(slot), self._abort.data_ptr(), self.rank,
+                                self.counters[1:2], self._timeout_ns, advance=step, **stream_cuda.STEPS)
+        else:
+            stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases,
+                                          self._status_of(slot), me=self.rank, seq=self.counters[1:2],
+                                          timeout_s=self.timeout_s, weights=weights, out_weights=out_weights,
+                                          abort=self._abort.data_ptr())
         self._launched(slot, "combine")
 
     def _advance(self) -> torch.Tensor | None:

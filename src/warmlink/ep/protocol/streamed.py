@@ -193,7 +193,7 @@ class StreamedMode:
                         num_worst_tokens=call.num_worst_tokens, board=board,
                         taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
         marks["launched"] = time.perf_counter()
-        refused = None
+        refused, starts = None, None
         if padded:
             # where each source's rows start, and whether the round stands, on the device
             handle.recv_offset, valid = padded_plan(board, path.valid(), self.rank, call.num_worst_tokens)
@@ -210,8 +210,7 @@ class StreamedMode:
                 refused = exc
             valid = path.valid()
             n = 0 if refused is not None else handle.num_recv_tokens
-            starts = [0] * self.num_ranks if refused is not None else handle.recv_starts
-            handle.recv_offset = torch.tensor(starts, dtype=torch.int64, device=rows.device)
+            handle.recv_offset, starts = path.offsets([0] * self.num_ranks if refused is not None else handle.recv_starts)
         marks["counts"] = time.perf_counter()
         out = stream_outputs(n, src)
         marks["outputs"] = time.perf_counter()
@@ -220,7 +219,7 @@ class StreamedMode:
                 if t is not None:
                     t.fill_(fill)
         path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
-                      fresh=True)
+                      fresh=True, starts=starts)
         if refused is not None:
             raise refused
         return out, handle
