@@ -95,8 +95,13 @@ class DispatchHandle(tuple):
 
 
 def _prefix(matrix: list[list[int]], device: torch.device) -> torch.Tensor:
-    """DeepEP's ``rank_prefix_matrix``: the count matrix summed over the sources, int32 on ``device``."""
-    return torch.tensor(matrix, dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32).to(device)
+    """DeepEP's ``rank_prefix_matrix``: the count matrix summed over the sources, int32 on ``device``.
+    To a GPU through pinned memory without waiting: a blocking copy from pageable memory synchronizes
+    the stream, which held the host until the dispatch it follows had moved every row."""
+    host = torch.tensor(matrix, dtype=torch.int32, device="cpu").cumsum(0, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def combine_biases(bias, handle: DispatchHandle, hidden: int, x) -> tuple:
