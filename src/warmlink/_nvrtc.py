@@ -29,6 +29,11 @@ __all__ = ["Kernel", "cache_dir", "compile_cubin", "load"]
 _lock = threading.Lock()
 
 
+def _buffer(nbytes: int):
+    """The bytes NVRTC writes a log or a cubin into (the bindings fill the object they are given)."""
+    return b" " * nbytes
+
+
 def cache_dir() -> Path:
     """Where compiled cubins are kept: ``$WARMLINK_CACHE_DIR/cubin`` (default ``~/.cache/warmlink``)."""
     return Path(_env.cache_dir()) / "cubin"
@@ -50,9 +55,9 @@ def _check_nvrtc(nvrtc, result, what: str, prog=None):
     log = ""
     if prog is not None:
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
+        buf = _buffer(size)
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.decode(errors="replace").strip()
+        log = bytes(buf).decode(errors="replace").strip(" \0\n")
     raise BackendUnavailable(f"warmlink._nvrtc: {what} failed ({getattr(err, 'name', err)}){': ' + log if log else ''}")
 
 
@@ -78,8 +83,9 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
         _check_nvrtc(nvrtc, nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded), f"compiling {name}.cu for {arch}",
                      prog)
         (size,) = _check_nvrtc(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = _buffer(size)
         _check_nvrtc(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        cubin = bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     try:  # another process may write the same file: each writes its own, then renames

@@ -2,6 +2,8 @@
 // ep/kernels/stream_cuda.py, which compiles this file with NVRTC and launches it). The protocol is
 // the Triton kernels' word for word: Note [Streamed dispatch] (ep/kernels/stream.py) and Note
 // [Streamed combine] (ep/kernels/stream_combine.py). No #include: NVRTC compiles it alone.
+// Over 400 lines: one source is one NVRTC compile and one cubin; the two kernels share the
+// protocol's helpers (waits, credits, publish, the status words), which a split would duplicate.
 
 typedef long long i64;
 typedef unsigned long long u64;
