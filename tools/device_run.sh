@@ -2,6 +2,7 @@
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
 #        tests-ep-rest)
+#        stream-sweep (the streamed Buffer with the CUDA and the Triton kernels, eager and graph-replayed; CONFIGS)
 #        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) tests-fanout bench-fanout (REPEATS_FANOUT, CYCLES, INSTALL)
 #        bench-first (REPEATS_FIRST: first cycles against NCCL's group creation) first-profile (where cycle 1 and export go)
 #        fanout-profile (INSTALL, CYCLE: where each replica's fan-out cycle goes)
@@ -129,6 +130,12 @@ for d in range(torch.cuda.device_count()):
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_stream_gpu.py tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_stream.log" | tail -40 ;;
     tests-ep-rest)
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep --ignore=tests/ep/test_ep_gpu.py --ignore=tests/ep/test_stream_gpu.py --ignore=tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_rest.log" | tail -40 ;;
+    stream-sweep)
+      for kernel in cuda triton; do
+        echo "-- $kernel kernels"
+        WARMLINK_EP_STREAM_KERNEL=$kernel timeout 200 python3 tools/stream_sweep.py --configs ${CONFIGS:-20x128} \
+          --iterations 15 --graph 2>&1 | tee "$OUT/stream_sweep_$kernel.log" | tail -4
+      done ;;
     host-profile)
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
     bench-ep)
