@@ -7,16 +7,19 @@ the host waits for, is the protocol's (ep.protocol.streamed); this path launches
 
 Every launch is a call of the space's seq count (1, 2, 3, ... on every rank: dispatch, cached
 dispatch and combine alike), and every fresh dispatch a round of the count exchange. Both counts
-live on the device (``counters``: a kernel advances them before each call, ep.kernels.stream_counts
-``advance``), so that a CUDA graph of calls runs calls of their own at every replay; the host
-holds neither. One board parity serves every round: a rank's stream of round n ends only after
+live on the device (``counters``: the fresh dispatch's exchange advances both, ep.kernels.stream_counts
+``advance``; before a cached dispatch or a combine the same kernel advances the seq for Triton's
+streamed kernels, while the CUDA ones advance it themselves, Note [Warp groups]), so that a CUDA
+graph of calls runs calls of their own at every replay; the host holds neither. One board parity serves every round: a rank's stream of round n ends only after
 every peer's stream of round n began, which follows that peer's exchange of round n, so no
 source writes round n + 1 into a board still read for round n.
 
-An eager launch's ``2C`` status words are copied to pinned host memory behind it, with an event:
-``failures`` reads the finished ones without waiting, so a call returns at launch and its
-failure (a peer's deadline, an abort) is raised by a later call. A launch captured in a graph
-writes its words into a row of its own, which every eager call copies back too. ``abort_all``
+An eager launch's ``2C`` status words reach pinned host memory: the CUDA kernels write them there
+themselves (a launch has ended when its row is all set), Triton's into device memory, copied
+back behind them with an event. ``failures`` reads the finished ones without waiting, so a call
+returns at launch and its failure (a peer's deadline, an abort) is raised by a later call. A
+launch captured in a graph writes its words into a row of its own (Triton's: every eager call
+copies those back too). ``abort_all``
 ends every queued launch's waits at once; ``clear`` zeroes the space, the boards and the counts.
 """
 
