@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from warmlink import _env, _nvrtc
-from warmlink.errors import BackendUnavailable
+from warmlink.errors import BackendUnavailable, TransferError
 
 
 class FakeNvrtc:
@@ -90,11 +90,15 @@ def test_a_source_that_does_not_compile_raises_with_the_compilers_log(fake, tmp_
     assert not list(tmp_path.rglob("*.cubin"))  # nothing cached: the next process tries again
 
 
-def test_a_buffer_falls_back_to_triton_when_nvrtc_refuses_the_source(monkeypatch, caplog):
+@pytest.mark.parametrize("error", [
+    BackendUnavailable("warmlink._nvrtc: compiling warmlink_stream.cu for sm_90 failed: no NVRTC here"),
+    TransferError("cuModuleLoadData(warmlink_stream) on cuda:0 failed: no NVRTC here (CUDA_ERROR_NO_BINARY_FOR_GPU)")],
+    ids=["compile", "module load"])
+def test_a_buffer_falls_back_to_triton_when_the_cuda_kernels_do_not_load(monkeypatch, caplog, error):
     from warmlink.ep.kernels import stream_cuda
 
     def refuse(device):
-        raise BackendUnavailable("warmlink._nvrtc: compiling warmlink_stream.cu for sm_90 failed: no NVRTC here")
+        raise error
 
     monkeypatch.delenv("WARMLINK_EP_STREAM_KERNEL", raising=False)
     monkeypatch.setattr(stream_cuda, "_kernels", refuse)

@@ -77,9 +77,11 @@ def choose(device: int, num_ranks: int) -> str:
         log.warning("ep: %d ranks; the CUDA streamed kernels take at most %d: the Triton ones run", num_ranks,
                     MAX_RANKS)
         return "triton"
+    from warmlink.errors import TransferError
+
     try:
         _kernels(device)
-    except ImportError as exc:  # BackendUnavailable: no NVRTC, or it refused the source
+    except (ImportError, TransferError) as exc:  # no NVRTC, it refused the source, or the driver the cubin
         log.warning("ep: the CUDA streamed kernels are unavailable on cuda:%d (%s): the Triton ones run", device, exc)
         return "triton"
     return "cuda"
