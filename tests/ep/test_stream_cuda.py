@@ -94,3 +94,19 @@ def test_the_switch_and_a_group_past_eight_ranks_choose_triton_without_compiling
         monkeypatch.delenv("WARMLINK_EP_STREAM_KERNEL")
         _env.clear_cache()
         stream_cuda.choose.cache_clear()
+
+
+def test_the_dispatch_kernel_reads_any_float_weights_the_protocol_takes():
+    """The protocol takes any floating topk_weights; the kernel reads float32, BF16 and FP16 as they
+    are (w_kind 1-3) and gets any other float as float32, values kept."""
+    import torch
+
+    assert stream_cuda.weight_kind(None) == (None, 0)
+    for dtype, kind in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 3)):
+        w = torch.rand(4, 2).to(dtype)
+        got, k = stream_cuda.weight_kind(w)
+        assert got is w and k == kind
+    for dtype in (torch.float64, torch.float8_e4m3fn):
+        w = torch.tensor([[0.5, 0.25], [1.0, 2.0]]).to(dtype)
+        got, k = stream_cuda.weight_kind(w)
+        assert k == 1 and got.dtype == torch.float32 and torch.equal(got, w.float())

@@ -98,6 +98,19 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr() if t is not None else 0
 
 
+_WEIGHT_KINDS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # stream.cu's w_kind
+
+
+def weight_kind(weights: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """``(weights, w_kind)`` as the dispatch kernel reads them: float32, BF16 and FP16 as they are,
+    any other float (the protocol takes any) converted to float32 first; ``(None, 0)`` without."""
+    if weights is None:
+        return None, 0
+    if weights.dtype not in _WEIGHT_KINDS:
+        weights = weights.float()
+    return weights, _WEIGHT_KINDS[weights.dtype]
+
+
 def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, status, abort: int, valid, me: int, seq,
              max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int = 16,
              batch: int = 16, advance=None, starts: list[int] | None = None) -> None:
@@ -112,7 +125,7 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
     num_k = topk.shape[1] if topk is not None else 0
     num_scales = scales.shape[1] if scales is not None else 0
     s_token, s_col = scales.stride() if scales is not None else (0, 0)
-    w_kind = 0 if weights is None else {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}[weights.dtype]
+    weights, w_kind = weight_kind(weights)
     given = tuple(starts) if starts is not None else ()
     packed = _DISPATCH.pack(
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
