@@ -252,8 +252,7 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
                     experts_per_rank: int, timeout_s: float, abort: int = 0, role: str = "both",
                     publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS, tokens: int = TILE_TOKENS,
                     x_block: int = X_BLOCK_WORDS, kernel=None, num_warps: int = NUM_WARPS,
-                    taken: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                    advance: torch.Tensor | None = None) -> None:
+                    taken: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
     """Launch rank ``me``'s streamed dispatch of call ``seq`` (Note [Streamed dispatch]).
 
     Args:
@@ -278,9 +277,6 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
             took from source s (the streamed combine's input, ep.kernels.stream_combine).
         valid: an int64 device word read at launch's run, or None (1): 0 sends no token, only FIN (a round
             the count exchange refused: every rank then receives nothing, and no rank waits).
-        advance: with ``kernel="cuda"``, None or a zeroed int64 device word: the launch runs the call
-            after ``seq``'s word and stores it back there (no ``advance`` launch before it); ``status``
-            may then be pinned host memory, which the launch's end fills (Note [Warp groups]).
     """
     r, c = space.num_ranks, space.channels
     if role not in ("both", "send", "recv"):
@@ -335,8 +331,6 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
             *(p if p is not None else out.x for p in (out.idx, out.weights, out.scales)), status, abort, valid, me, seq,
             num_tokens, max_tokens, x_words, num_k, num_scales, *s_strides, meta_words(num_k, num_scales),
             space.row_words, space.ring_rows, n, experts_per_rank, int(timeout_s * 1e9), first, taken)
-    if advance is not None and kernel != "cuda":
-        raise ConfigError("stream_dispatch: advance with a Triton kernel; only kernel='cuda' advances the seq itself")
     if kernel == "cuda":  # the CUDA C++ kernel (ep.kernels.stream_cuda, Note [Warp groups])
         if role != "both" or rows.dtype != torch.int64:
             raise ConfigError(f"stream_dispatch: kernel='cuda' with role={role!r}, rows {rows.dtype}; expected "
@@ -345,7 +339,7 @@ def stream_dispatch(space: StreamSpace, rows: torch.Tensor, src: Sources, out: S
 
         stream_cuda.dispatch(space, args[0], x, topk, w, src.scales, bases, recv_offset, out, status, abort,
                              valid, me, seq, max_tokens, meta_words(num_k, num_scales), experts_per_rank,
-                             int(timeout_s * 1e9), taken, publish, batch, advance)
+                             int(timeout_s * 1e9), taken, publish, batch)
         return
     launch(kernel or _kernel(), (programs,), args, {
         "NUM_RANKS": r, "CHANNELS": c, "R_BLOCK": max(2, 1 << max(0, r - 1).bit_length()), "X_BLOCK": block,

@@ -80,7 +80,7 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
                    recv_offset: torch.Tensor, bases: torch.Tensor, status: torch.Tensor, *, me: int, seq,
                    timeout_s: float, weights: torch.Tensor | None = None, out_weights: torch.Tensor | None = None,
                    abort: int = 0, role: str = "both", publish: int = PUBLISH_ROWS, batch: int = BATCH_ROWS,
-                   kernel=None, num_warps: int = 0, advance: torch.Tensor | None = None) -> None:
+                   kernel=None, num_warps: int = 0) -> None:
     """Launch rank ``me``'s streamed combine of call ``seq`` (Note [Streamed combine]).
 
     Args:
@@ -94,8 +94,8 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
         seq: this call's number: one more than the dispatch's (the two share the count); an int or an
             int64 device word, as ``stream_dispatch``'s.
         weights, out_weights: ``[N, K]`` and ``[T, K]`` float32, both or neither: summed as x.
-        timeout_s, abort, role, kernel, num_warps, advance: as ``stream_dispatch``'s (``kernel="cuda"``: the
-            CUDA C++ kernel).
+        timeout_s, abort, role, kernel, num_warps: as ``stream_dispatch``'s (``kernel="cuda"``: the CUDA
+            C++ kernel).
         publish, batch: rows a sender moves between tail stores; a receiver's tile of tokens (powers of 2).
     """
     r, c = space.num_ranks, space.channels
@@ -138,15 +138,13 @@ def stream_combine(space: StreamSpace, rows: torch.Tensor, x: torch.Tensor, out:
     args = (rows, words, weights if weights is not None else words, taken, recv_offset, bases, out,
             out_weights if out_weights is not None else out, status, abort, me, seq, num_tokens, n, x_words, num_k,
             space.row_words, space.ring_rows, int(timeout_s * 1e9), first)
-    if advance is not None and kernel != "cuda":
-        raise ConfigError("stream_combine: advance with a Triton kernel; only kernel='cuda' advances the seq itself")
     if kernel == "cuda":  # the CUDA C++ kernel (ep.kernels.stream_cuda, Note [Warp groups])
         if role != "both":
             raise ConfigError(f"stream_combine: kernel='cuda' with role={role!r}; expected 'both'")
         from warmlink.ep.kernels import stream_cuda
 
-        stream_cuda.combine(space, rows.contiguous(), words, weights, taken, recv_offset, bases, out, out_weights, status,
-                            abort, me, seq, int(timeout_s * 1e9), publish, batch, advance)
+        stream_cuda.combine(space, rows.contiguous(), words, weights, taken, recv_offset, bases, out, out_weights,
+                            status, abort, me, seq, int(timeout_s * 1e9), publish, batch)
         return
     x_block, h_block = min(_X_BLOCK, pow2(x_words)), min(_H_BLOCK, pow2(hidden))
     launch(kernel or _kernel(), (programs,), args, {

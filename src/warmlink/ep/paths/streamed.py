@@ -10,17 +10,18 @@ dispatch and combine alike), and every fresh dispatch a round of the count excha
 live on the device (``counters``: the fresh dispatch's exchange advances both, ep.kernels.stream_counts
 ``advance``; before a cached dispatch or a combine the same kernel advances the seq for Triton's
 streamed kernels, while the CUDA ones advance it themselves, Note [Warp groups]), so that a CUDA
-graph of calls runs calls of their own at every replay; the host holds neither. One board parity serves every round: a rank's stream of round n ends only after
-every peer's stream of round n began, which follows that peer's exchange of round n, so no
-source writes round n + 1 into a board still read for round n.
+graph of calls runs calls of their own at every replay; the host holds neither. One board parity
+serves every round: a rank's stream of round n ends only after every peer's stream of round n
+began, which follows that peer's exchange of round n, so no source writes round n + 1 into a
+board still read for round n.
 
 An eager launch's ``2C`` status words reach pinned host memory: the CUDA kernels write them there
 themselves (a launch has ended when its row is all set), Triton's into device memory, copied
 back behind them with an event. ``failures`` reads the finished ones without waiting, so a call
 returns at launch and its failure (a peer's deadline, an abort) is raised by a later call. A
 launch captured in a graph writes its words into a row of its own (Triton's: every eager call
-copies those back too). ``abort_all``
-ends every queued launch's waits at once; ``clear`` zeroes the space, the boards and the counts.
+copies those back too). ``abort_all`` ends every queued launch's waits at once; ``clear`` zeroes
+the space, the boards and the counts.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ class StreamPath:
             stream_cuda.dispatch(
                 self.space, rows.contiguous(), src.x.contiguous(), topk, weights, src.scales, self.bases, recv_offset,
                 out, self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
-                self.rank, self.counters[1:2], self.layout.max_tokens, stream.meta_words(num_k, num_scales), experts_per_rank,
-                self._timeout_ns, taken, advance=step, starts=starts, **stream_cuda.STEPS)
+                self.rank, self.counters[1:2], self.layout.max_tokens, stream.meta_words(num_k, num_scales),
+                experts_per_rank, self._timeout_ns, taken, advance=step, starts=starts, **stream_cuda.STEPS)
         else:
             stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot),
                                    me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
