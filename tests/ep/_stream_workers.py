@@ -60,11 +60,11 @@ def same_bits(got: torch.Tensor | None, want: torch.Tensor | None) -> bool:
     return got.shape == want.shape and torch.equal(got, want)
 
 
-def expert_output(words: torch.Tensor, hidden: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s expert output for the BF16 rows it received (``[N, W]`` int64 words): the rows
-    times 2, -0.5, 1 or 4 by rank, exact in BF16, so that the device's and the CPU's agree and the
-    sums tell the ranks apart."""
-    return words.view(torch.bfloat16).view(words.shape[0], hidden) * (2.0, -0.5, 1.0, 4.0)[rank % 4]
+def expert_output(words: torch.Tensor, hidden: int, rank: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Rank ``rank``'s expert output for the BF16 (or FP16) rows it received (``[N, W]`` int64 words):
+    the rows times 2, -0.5, 1 or 4 by rank, exact in either, so that the device's and the CPU's
+    agree and the sums tell the ranks apart."""
+    return words.view(dtype).view(words.shape[0], hidden) * (2.0, -0.5, 1.0, 4.0)[rank % 4]
 
 
 @contextlib.contextmanager
@@ -160,7 +160,7 @@ def _twin_side(rank: int, num_ranks: int, call: dict, channels: int):
     for d in range(num_ranks):
         taken = torch.zeros(num_ranks, channels, dtype=torch.int64)
         got = stream_dispatch_torch(d, rows_of, sources_of, max_tokens, epr, taken=taken)
-        ys.append(expert_output(got.x, call["hidden"], d))
+        ys.append(expert_output(got.x, call["hidden"], d, call.get("dtype", torch.bfloat16)))
         taken_of.append(taken)
         offsets_of.append(recv_offsets([int((r[:, d] >= 0).sum()) for r in rows_of])[0])
         ws.append(got.weights)
@@ -199,9 +199,10 @@ def stream_round_trips(rank: int, num_ranks: int, store, case: dict) -> dict:
             torch.cuda.synchronize(device)
             dispatch_s = time.monotonic() - start
             fails = [f._asdict() for f in failures(status, seq, space.channels)]
-            y = expert_output(out.x, call["hidden"], rank)
+            dtype = call.get("dtype", torch.bfloat16)  # BF16 or FP16: the combine sums either
+            y = expert_output(out.x, call["hidden"], rank, dtype)
             w = out.weights if ws is not None else None
-            summed = torch.full((rows.shape[0], call["hidden"]), 7.0, dtype=torch.bfloat16, device=dev)
+            summed = torch.full((rows.shape[0], call["hidden"]), 7.0, dtype=dtype, device=dev)
             summed_w = torch.full((rows.shape[0], call["topk"]), 7.0, device=dev) if w is not None else None
             status = torch.zeros(2 * space.channels, dtype=torch.int64, device=dev)
             start = time.monotonic()

@@ -80,10 +80,12 @@ def test_gpu_a_peer_that_never_launches_ends_the_other_kernel_within_its_timeout
 def test_gpu_dispatch_then_combine_twice_through_one_space_equal_the_twins(kernel):
     """Dispatch (seq 1), combine (2) of the rows received times 2 or -0.5 by rank, dispatch (3),
     combine (4), through one space of 8-row rings: 4096 x 7168 BF16 top-8 of 256 with weights, then
-    uneven batches without weights. Each rank's dispatch outputs, ``taken`` and combined sums
-    (float32 in rank order, rounded to BF16) equal the torch twins' bit for bit; every program finished."""
+    uneven batches without weights, then FP16 (the combine sums and rounds FP16 too). Each rank's
+    dispatch outputs, ``taken`` and combined sums (float32 in rank order, rounded to x's dtype) equal
+    the torch twins' bit for bit; every program finished."""
     calls = [dict(_DEEPSEEK, seed=6),
-             dict(_DEEPSEEK, seed=7, tokens=[4096, 1000], max_tokens=4096, weights=False)]
+             dict(_DEEPSEEK, seed=7, tokens=[4096, 1000], max_tokens=4096, weights=False),
+             dict(_DEEPSEEK, seed=8, tokens=[1024, 777], max_tokens=1024, dtype=torch.float16)]
     case = dict(_SPACE, calls=calls, timeout_s=60.0, kernel=kernel)  # a first launch compiles while its peer waits
     results = run_ranks(stream_round_trips, 2, case=case, timeout_s=600)
     for rank, per_call in enumerate(results):
