@@ -6,9 +6,9 @@ the machine. A cubin is compiled once per source, options, architecture and NVRT
 kept on disk (``$WARMLINK_CACHE_DIR``, default ``~/.cache/warmlink``, under ``cubin/``): a second
 process, or a second run, loads it in milliseconds.
 
-A kernel takes one argument, a struct the caller mirrors as a ``ctypes.Structure``; a launch
-passes its address (``cuLaunchKernel`` copies the bytes), so the host work of a launch is one
-driver call whatever the number of fields.
+A kernel takes one argument, a struct whose bytes the caller packs (``struct.pack`` into a ctypes
+buffer, as ep.kernels.stream_cuda does); a launch passes their address (``cuLaunchKernel`` copies
+them), so the host work of a launch is one driver call whatever the number of fields.
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ class Kernel:
         self._function = function
         self._launch = driver.cuLaunchKernel
 
-    def __call__(self, grid: int, block: int, args: ctypes.Structure, stream: int) -> None:
-        """Launch ``grid`` blocks of ``block`` threads on ``stream`` (a ``cudaStream_t`` as an int)."""
+    def __call__(self, grid: int, block: int, args: ctypes.Array, stream: int) -> None:
+        """Launch ``grid`` blocks of ``block`` threads on ``stream`` (a ``cudaStream_t`` as an int),
+        ``args`` the bytes of the kernel's argument struct."""
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         err = self._launch(self._function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)[0]
         if err:
@@ -133,6 +134,7 @@ def load(source: str, name: str, device: int, kernels: tuple[str, ...], options:
 
     Raises:
         BackendUnavailable: no NVRTC or no driver bindings, or the source does not compile.
+        TransferError: the driver refuses the cubin or a kernel name.
     """
     with _lock:
         module, drv = _module(source, name, device, tuple(options))
