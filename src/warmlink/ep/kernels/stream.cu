@@ -197,11 +197,37 @@ struct DispatchArgs {
   i64* seq;             // the call's seq word (with `done`: the previous call's, advanced here)
   u64* done;            // null, or a zeroed word: the launch advances the seq itself (finish)
   i64* taken;           // [R, C]
+  const i64* board;     // with `padded`: the round's count board copy, row s = tag, valid, rows s sends each rank
   i64 num_tokens, max_tokens, x_words, num_k, num_scales, s_token_stride, s_col_stride, meta_words, row_words,
       ring_rows, out_rows, experts_per_rank, timeout_ns;
   i64 starts[MAX_RANKS];  // with starts_given: the offsets, by value (the host knew them: no copy to the device)
-  int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, starts_given;
+  i64 board_row, worst;   // with padded: the board's row stride and num_worst_tokens
+  int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, starts_given, padded, pad;
 };
+
+// A padded round read from its board copy, by every thread alike (R x R words): whether it stands
+// (the exchange accepted it and no rank receives more than `worst` rows), where each source's rows
+// start here, and how many rows arrive here in all (the rest of the outputs is padding).
+struct PaddedPlan {
+  bool valid;
+  i64 starts[MAX_RANKS + 1];
+};
+
+__device__ PaddedPlan padded_plan(const DispatchArgs& a) {
+  PaddedPlan plan;
+  const int R = a.num_ranks;
+  bool fits = true;
+  for (int d = 0; d < R; ++d) {
+    i64 total = 0;
+    for (int s = 0; s < R; ++s) total += a.board[s * a.board_row + 2 + d];
+    fits = fits && total <= a.worst;
+  }
+  plan.valid = *a.valid != 0 && fits;
+  plan.starts[0] = 0;
+  for (int s = 0; s < R; ++s)
+    plan.starts[s + 1] = plan.starts[s] + (plan.valid ? a.board[s * a.board_row + 2 + a.me] : 0);
+  return plan;
+}
 
 // 16-bit floats by their bits (no cuda_fp16.h under NVRTC): half 1 is float16, 0 bfloat16
 __device__ __forceinline__ float to_float(unsigned short bits, int half) {
@@ -278,7 +304,8 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Group
   if (q.leader) sh_code[d] = wait_previous(head, seq, a.timeout_ns, a.abort, d, &consumed);
   group_sync(d, q.threads);
   i64 code = sh_code[d];
-  const i64 num_tokens = *a.valid != 0 ? a.num_tokens : 0;
+  const bool valid = a.padded ? padded_plan(a).valid : *a.valid != 0;
+  const i64 num_tokens = valid ? a.num_tokens : 0;
   const i64 per = (num_tokens + C - 1) / C;
   const i64 end = per * (c + 1) < num_tokens ? per * (c + 1) : num_tokens;
   const i64 nk = a.num_k;
@@ -336,9 +363,17 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
   const i64* tail = own + (i64)(s * C + c) * COUNTER;
   i64* head = (i64*)a.bases[s] + (i64)(R * C + a.me * C + c) * COUNTER;
   const i64* ring = own + (i64)2 * R * C * COUNTER + (i64)(s * C + c) * a.ring_rows * a.row_words;
-  const i64* offsets = a.starts_given ? a.starts : a.offsets;
-  const i64 lo = offsets[s], hi = s + 1 < R ? offsets[s + 1] : a.out_rows;
-  if (a.starts_given && c == 0 && q.leader) a.offsets[s] = lo;  // for the handle's cached calls and combine
+  i64 lo, hi;
+  if (a.padded) {
+    const PaddedPlan plan = padded_plan(a);
+    lo = plan.starts[s];
+    hi = s + 1 < R ? plan.starts[s + 1] : a.out_rows;
+  } else {
+    const i64* offsets = a.starts_given ? a.starts : a.offsets;
+    lo = offsets[s];
+    hi = s + 1 < R ? offsets[s + 1] : a.out_rows;
+  }
+  if ((a.starts_given || a.padded) && c == 0 && q.leader) a.offsets[s] = lo;  // the handle's, for its cached calls
   const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
   i64 have = 0, code = 0, start = clock_ns();
   while (true) {
@@ -403,6 +438,13 @@ extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(co
   if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
   __syncthreads();
   const Groups q = groups(a.warps_per_peer);
+  if (a.padded && p >= C && a.out_idx) {  // padding rows: no expert, no weight (the receivers fill the rest)
+    const i64 from = padded_plan(a).starts[a.num_ranks] * a.num_k, to = a.out_rows * a.num_k;
+    for (i64 e = from + (i64)(p - C) * blockDim.x + threadIdx.x; e < to; e += (i64)C * blockDim.x) {
+      a.out_idx[e] = -1;
+      if (a.out_w) a.out_w[e] = 0.0f;
+    }
+  }
   if (q.g < a.num_ranks) {
     if (p < C) dispatch_send(a, p, seq, q, sh_n, sh_code);
     else dispatch_recv(a, p - C, seq, q, sh_n, sh_code, &sh_bad);

@@ -47,7 +47,7 @@ _KERNELS = ("warmlink_stream_dispatch", "warmlink_stream_combine")
 STEPS = {"publish": 16, "batch": 32}
 OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
 # the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
-_DISPATCH = struct.Struct(f"<17Q{13 + MAX_RANKS}q10i")
+_DISPATCH = struct.Struct(f"<18Q{15 + MAX_RANKS}q12i")
 _COMBINE = struct.Struct("<12Q7q8i")
 
 
@@ -113,13 +113,15 @@ def weight_kind(weights: torch.Tensor | None) -> tuple[torch.Tensor | None, int]
 
 def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, status, abort: int, valid, me: int, seq,
              max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int = 16,
-             batch: int = 16, advance=None, starts: list[int] | None = None) -> None:
+             batch: int = 16, advance=None, starts: list[int] | None = None, padded=None) -> None:
     """Launch the streamed dispatch (``stream_dispatch``'s arguments, checked there or by the
     protocol (ep.paths.streamed calls this directly); ``x`` as
     contiguous int64 words, ``seq`` and ``valid`` device words, ``taken`` a ``[R, C]`` tensor,
     ``status`` device or pinned host memory, ``advance`` None or a zeroed device word: the launch
     runs the call after ``seq``'s and stores it back; ``starts``: ``recv_offset``'s values, passed by
-    value, which the launch writes into ``recv_offset``)."""
+    value, which the launch writes into ``recv_offset``; ``padded``: ``(board copy, num_worst_tokens)``
+    of a padded round, from which the launch takes whether the round stands, the offsets (written
+    into ``recv_offset``) and the rows to pad, instead of ``padded_plan`` and two fills)."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
@@ -131,10 +133,12 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
         recv_offset.data_ptr(), out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales),
         status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), _ptr(advance), taken.data_ptr(),
+        padded[0].data_ptr() if padded is not None else 0,
         num_tokens, max_tokens, x_words, num_k, num_scales, s_token, s_col, meta_words, space.row_words,
         space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns, *given, *(0,) * (MAX_RANKS - len(given)),
+        padded[0].stride(0) if padded is not None else 0, padded[1] if padded is not None else 0,
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
-        (THREADS // 32) // r, int(starts is not None))
+        (THREADS // 32) // r, int(starts is not None), int(padded is not None), 0)
     _launch("warmlink_stream_dispatch", x.device.index, 2 * c, packed)
 
 

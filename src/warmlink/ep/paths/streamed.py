@@ -31,7 +31,7 @@ from collections import deque
 import torch
 
 from warmlink.ep.kernels import stream, stream_combine, stream_cuda
-from warmlink.ep.kernels.stream_counts import advance
+from warmlink.ep.kernels.stream_counts import advance, padded_plan
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
@@ -135,12 +135,22 @@ class StreamPath:
             return torch.empty(len(starts), dtype=torch.int64, device=self.bases.device), starts
         return torch.tensor(starts, dtype=torch.int64, device=self.bases.device), None
 
+    def padded_offsets(self, board: torch.Tensor, num_worst_tokens: int):
+        """``(recv_offset, valid, padded)`` of a padded fresh dispatch whose board copy is ``board``:
+        the CUDA kernel takes the board itself (``padded`` for ``dispatch``: it decides whether the
+        round stands, fills ``recv_offset`` and pads the outputs); for Triton's, ``padded_plan`` does
+        the first two now and ``padded`` is None (the caller pads the outputs)."""
+        if self.kernel == "cuda":
+            offsets = torch.empty(self.num_ranks, dtype=torch.int64, device=self.bases.device)
+            return offsets, self.valid(), (board, num_worst_tokens)
+        return (*padded_plan(board, self.valid(), self.rank, num_worst_tokens), None)
+
     def dispatch(self, rows: torch.Tensor, src: Sources, out: StreamOutputs, recv_offset: torch.Tensor,
                  taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
-                 fresh: bool = False, starts: list[int] | None = None) -> None:
+                 fresh: bool = False, starts: list[int] | None = None, padded=None) -> None:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
         stream (``fresh``: right after ``launch_counts``, which advanced the seq already; ``starts``:
-        ``offsets``' second value)."""
+        ``offsets``' second value; ``padded``: ``padded_offsets``' third)."""
         step = None if fresh else self._advance()
         slot = self._slot()
         if self.kernel == "cuda":  # checked by the protocol, made by this path: launched without a second check
@@ -151,7 +161,8 @@ class StreamPath:
                 self.space, rows.contiguous(), src.x.contiguous(), topk, weights, src.scales, self.bases, recv_offset,
                 out, self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
                 self.rank, self.counters[1:2], self.layout.max_tokens, stream.meta_words(num_k, num_scales),
-                experts_per_rank, self._timeout_ns, taken, advance=step, starts=starts, **stream_cuda.STEPS)
+                experts_per_rank, self._timeout_ns, taken, advance=step, starts=starts, padded=padded,
+                **stream_cuda.STEPS)
         else:
             stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot),
                                    me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,

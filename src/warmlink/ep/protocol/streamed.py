@@ -48,7 +48,6 @@ import torch
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import outputs as stream_outputs
-from warmlink.ep.kernels.stream_counts import padded_plan
 from warmlink.ep.paths.event import EventOverlap, record_done
 from warmlink.ep.paths.host_mover import as_words
 from warmlink.ep.paths.senders import FreshSend, refused_send
@@ -193,10 +192,10 @@ class StreamedMode:
                         num_worst_tokens=call.num_worst_tokens, board=board,
                         taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
         marks["launched"] = time.perf_counter()
-        refused, starts = None, None
+        refused, starts, padding = None, None, None
         if padded:
             # where each source's rows start, and whether the round stands, on the device
-            handle.recv_offset, valid = padded_plan(board, path.valid(), self.rank, call.num_worst_tokens)
+            handle.recv_offset, valid, padding = path.padded_offsets(board, call.num_worst_tokens)
             if in_graph:  # its counts come from its own board copy, when asked for
                 handle.pending = functools.partial(self._complete_from_copy, handle)
             else:
@@ -214,12 +213,12 @@ class StreamedMode:
         marks["counts"] = time.perf_counter()
         out = stream_outputs(n, src)
         marks["outputs"] = time.perf_counter()
-        if padded:  # rows past the received ones: no expert, no weight
+        if padded and padding is None:  # rows past the received ones: no expert, no weight (else the kernel's)
             for t, fill in ((out.idx, -1), (out.weights, 0)):
                 if t is not None:
                     t.fill_(fill)
         path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
-                      fresh=True, starts=starts)
+                      fresh=True, starts=starts, padded=padding)
         if refused is not None:
             raise refused
         return out, handle
