@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from warmlink.ep.protocol.rounds import Rounds
 from warmlink.ep.wire import mailbox as _mailbox
-from warmlink.ep.wire.handle import Handle, plan_from_board
+from warmlink.ep.wire.handle import Handle, plan_from_board, recv_starts
 from warmlink.ep.wire.regions import RegionLayout, board_words
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
@@ -84,9 +84,14 @@ def test_the_board_gives_the_mailbox_meetings_handle(data):
         assert all(type(v) is int for v in getattr(got, name)), name  # plain ints, as the mailbox path gives
     # the rows of this rank in d start after those of the ranks below it (Note [Send order])
     assert got.dst_rows == [int(counts[:rank, d].sum()) for d in range(num_ranks)]
+    # what a streamed dispatch reads before its launch agrees with the plan filled in after it
+    starts = recv_starts(_board(counts, per_expert, rank), rank, cap)
+    assert starts == [*want.recv_starts, sum(want.recv_counts)] and all(type(v) is int for v in starts)
 
 
-def _refusal(num_ranks=4, rank=1, **board_kw):
+def _refusal(before_launch, num_ranks=4, rank=1, **board_kw):
+    """``plan_from_board`` of a board made with ``board_kw``; ``recv_starts`` of it must raise
+    ``before_launch`` (an error type) or return it (None: a refusal, nothing sent)."""
     counts = np.full((num_ranks, num_ranks), 2, dtype=np.int64)
     per_expert = np.ones((num_ranks, 2 * num_ranks), dtype=np.int64)
     buf = _host_side(num_ranks, rank, 8)
@@ -94,21 +99,28 @@ def _refusal(num_ranks=4, rank=1, **board_kw):
     if overrides is not None:
         counts = overrides
     board = _board(counts, per_expert, rank, **board_kw)
-    plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), board, ROUND, rank, buf.layout.max_tokens)
+    try:
+        plan_from_board(_handle(2 * num_ranks, counts[rank].tolist()), board, ROUND, rank, buf.layout.max_tokens)
+    finally:  # a streamed dispatch's read before its launch: the same timeout and corruption, None for a refusal
+        try:
+            starts = recv_starts(board, rank, buf.layout.max_tokens)
+        except (TransferTimeout, MetadataError) as exc:
+            starts = type(exc)
+        assert starts is before_launch, starts
 
 
 def test_a_board_without_every_rank_of_this_round_is_a_timeout():
     with pytest.raises(TransferTimeout, match=r"round 5 ended without the counts of ranks \[0, 3\]"):
-        _refusal(tags=[ROUND - 2, ROUND, ROUND, 0])
+        _refusal(TransferTimeout, tags=[ROUND - 2, ROUND, ROUND, 0])
 
 
 def test_a_refused_input_is_named_and_nothing_was_sent():
     with pytest.raises(ConfigError, match=r"ranks \[2\] refused their dispatch input.*nothing was sent"):
-        _refusal(valid=[1, 1, 0, 1])
+        _refusal(None, valid=[1, 1, 0, 1])
 
 
 def test_counts_beyond_a_slot_are_refused_as_corrupt():
     counts = np.full((4, 4), 2, dtype=np.int64)
     counts[3, 0] = 9  # more rows than max_tokens=8
     with pytest.raises(MetadataError, match="expected each count in \\[0, 8\\]"):
-        _refusal(counts=counts)
+        _refusal(MetadataError, counts=counts)

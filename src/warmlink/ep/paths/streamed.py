@@ -78,9 +78,11 @@ class StreamPath:
         on = torch.device("cuda", device)
         # [the last round, the last seq, the CUDA kernels' count of programs done (they advance the seq)]
         self.counters = torch.zeros(3, dtype=torch.int64, device=on)
+        self._seq, self._done = self.counters[1:2], self.counters[2:3]  # (views made once: each costs a torch call)
         self.bases = torch.tensor([mover.area_address(r, "stream") for r in range(num_ranks)], dtype=torch.int64,
                                   device=on)
         self._valid = torch.ones(1, dtype=torch.int64, device=on)  # a cached call: every round stands
+        self._exchange_valid: torch.Tensor | None = None  # valid()'s word
         at = layout.offsets()
         self._own = mover.own_region[at["stream"]:at["stream"] + self.space.nbytes]
         self._boards = mover.own_region[at["board.0"]:at["stream"]]  # both parities' (the streamed layout's order)
@@ -90,6 +92,7 @@ class StreamPath:
         self._status = torch.zeros(rows, width, dtype=torch.int64, device=on)
         self._status_host = torch.zeros(rows, width, dtype=torch.int64, device="cpu", pin_memory=True)
         self._status_words = self._status_host.numpy()
+        self._status_rows = list(self._status_host)  # (one view per row, made once)
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)  # read by the kernels through UVA
         self._leases = [lease_event(device) for _ in range(_SLOTS)]
         self._events = [lease.resource.handle for lease in self._leases]
@@ -123,8 +126,11 @@ class StreamPath:
         return self.mover.wait_board(ABORT_ALL, self.timeout_s, check)
 
     def valid(self) -> torch.Tensor:
-        """The device word that is 0 when the last count exchange refused its round."""
-        return self.mover.exchange_valid(0)
+        """The device word that is 0 when the last count exchange refused its round (one word for
+        every round: the exchange runs on one board parity)."""
+        if self._exchange_valid is None:
+            self._exchange_valid = self.mover.exchange_valid(0)
+        return self._exchange_valid
 
     # -- the streamed calls ------------------------------------------------------------------------
     def offsets(self, starts: list[int]) -> tuple[torch.Tensor, list[int] | None]:
@@ -160,7 +166,7 @@ class StreamPath:
             stream_cuda.dispatch(
                 self.space, rows.contiguous(), src.x.contiguous(), topk, weights, src.scales, self.bases, recv_offset,
                 out, self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
-                self.rank, self.counters[1:2], self.layout.max_tokens, stream.meta_words(num_k, num_scales),
+                self.rank, self._seq, self.layout.max_tokens, stream.meta_words(num_k, num_scales),
                 experts_per_rank, self._timeout_ns, taken, advance=step, starts=starts, padded=padded,
                 **stream_cuda.STEPS)
         else:
@@ -178,7 +184,7 @@ class StreamPath:
         if self.kernel == "cuda":
             stream_cuda.combine(self.space, rows.contiguous(), x.view(torch.int64), weights, taken, recv_offset,
                                 self.bases, out, out_weights, self._status_of(slot), self._abort.data_ptr(), self.rank,
-                                self.counters[1:2], self._timeout_ns, advance=step, **stream_cuda.STEPS)
+                                self._seq, self._timeout_ns, advance=step, **stream_cuda.STEPS)
         else:
             stream_combine.stream_combine(self.space, rows, x, out, taken, recv_offset, self.bases,
                                           self._status_of(slot), me=self.rank, seq=self.counters[1:2],
@@ -190,7 +196,7 @@ class StreamPath:
         """The next call's seq: the CUDA kernels advance it themselves (the word they count in is
         returned); for Triton's a kernel launched now does."""
         if self.kernel == "cuda":
-            return self.counters[2:3]
+            return self._done
         advance(self.counters)
         return None
 
@@ -199,7 +205,7 @@ class StreamPath:
         kernels (zeroed now: the row's last launch was read), device memory for Triton's."""
         if self.kernel != "cuda":
             return self._status[slot]
-        row = self._status_host[slot]
+        row = self._status_rows[slot]
         if slot < _SLOTS:
             self._status_words[slot] = 0
         return row
@@ -253,6 +259,10 @@ class StreamPath:
                 self.mover.poll(ended, 2 * self.timeout_s + 1, lambda: (
                     f"ep: a streamed {what} did not end on cuda:{self.device} within its deadline"))
             self._queued.popleft()
+            width = 2 * self.space.channels
+            if not (self._status_words[slot, :width] & 0xFFFFFFFF).any() and not (
+                    captured and (self._status_words[_SLOTS:_SLOTS + captured, :width] & 0xFFFFFFFF).any()):
+                continue  # (the common case, read as one array: every program of those launches finished)
             rows = [(slot, what)] + [(_SLOTS + i, "call of a CUDA graph") for i in range(captured)]
             for row, name in rows:
                 failed = _failed(self._status_host[row], name, self.space.channels)

@@ -46,6 +46,7 @@ class Checks:
         self._layout = layout
         self._num_ranks = num_ranks
         self._device = device
+        self._on = torch.device("cpu") if device < 0 else torch.device("cuda", device)  # (made once: every check reads it)
 
     def experts(self, num_experts) -> None:
         if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % self._num_ranks:
@@ -62,9 +63,8 @@ class Checks:
         most ``max_tokens`` without ``rows``)."""
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ConfigError(f"ep: {what} must be a 2-D tensor; got {type(t).__name__} of shape {tuple(getattr(t, 'shape', ()))}")
-        expected = torch.device("cpu") if self._device < 0 else torch.device("cuda", self._device)
-        if t.device != expected:
-            raise ConfigError(f"ep: {what} is on {t.device}; expected {expected}")
+        if t.device != self._on:
+            raise ConfigError(f"ep: {what} is on {t.device}; expected {self._on}")
         if rows is not None and t.shape[0] != rows:
             raise ConfigError(f"ep: {what} has {t.shape[0]} rows; expected {rows}")
         if t.shape[0] > self._layout.max_tokens and rows is None:

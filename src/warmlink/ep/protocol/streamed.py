@@ -6,7 +6,8 @@ ep.paths.sm_pushes) and pace the rows (Note [Streamed dispatch] in ep.kernels.st
 # Note [Streamed calls]
 A fresh dispatch launches ``plan`` and the count exchange; without ``num_worst_tokens`` the host
 then reads the board once (the received row count sizes the outputs, as DeepEP's host reads its
-counters), places each source's rows (``recv_offset``) and launches the streamed dispatch. With
+counters), places each source's rows (``recv_offset``) and launches the streamed dispatch, and
+only then fills the handle's plan from the same board (the GPUs idle until that launch). With
 ``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
 copy and decide whether the round stands (the exchange accepted every rank's call, and no rank
 receives more than ``num_worst_tokens`` rows: every rank holds every source's counts, so all
@@ -54,7 +55,7 @@ from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Rounds
 from warmlink.ep.wire import mailbox as mb
-from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board
+from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board, recv_starts
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import ConfigError, TransferTimeout
 
@@ -188,52 +189,78 @@ class StreamedMode:
         rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
         board = path.board_like() if padded else None
         path.launch_counts(call, rows, board)
+        marks["launched"] = time.perf_counter()
+        # (made while the GPUs trade the counts)
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
                         num_worst_tokens=call.num_worst_tokens, board=board,
                         taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
-        marks["launched"] = time.perf_counter()
-        refused, starts, padding = None, None, None
         if padded:
-            # where each source's rows start, and whether the round stands, on the device
-            handle.recv_offset, valid, padding = path.padded_offsets(board, call.num_worst_tokens)
-            if in_graph:  # its counts come from its own board copy, when asked for
-                handle.pending = functools.partial(self._complete_from_copy, handle)
-            else:
-                handle.pending = functools.partial(self._complete, handle, call)
-                self.unresolved = handle
-            n = call.num_worst_tokens
-        else:
-            try:
-                self._complete(handle, call)
-            except ConfigError as exc:  # every rank read the same board: each launches an empty stream
-                refused = exc
-            valid = path.valid()
-            n = 0 if refused is not None else handle.num_recv_tokens
-            handle.recv_offset, starts = path.offsets([0] * self.num_ranks if refused is not None else handle.recv_starts)
+            return self._padded(call, handle, in_graph, marks)
+        valid = path.valid()
+        words, board, starts = self._wait_board(starts=True)  # starts None: a rank refused its input
+        handle.recv_offset, given = path.offsets(starts[:-1] if starts is not None else [0] * self.num_ranks)
         marks["counts"] = time.perf_counter()
-        out = stream_outputs(n, src)
+        out = stream_outputs(starts[-1] if starts is not None else 0, src)
         marks["outputs"] = time.perf_counter()
-        if padded and padding is None:  # rows past the received ones: no expert, no weight (else the kernel's)
+        # the launch first, the handle's plan after: only the launch is on the GPUs' path
+        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
+                      fresh=True, starts=given)
+        self._fill(handle, call, words, board)  # raises a refusal
+        return out, handle
+
+    def _padded(self, call: FreshSend, handle: Handle, in_graph: bool, marks: dict):
+        """A padded fresh dispatch after its count exchange: the stream launched at once (its offsets
+        and whether the round stands on the device), the counts read when the handle is resolved."""
+        path = self.path
+        handle.recv_offset, valid, padding = path.padded_offsets(handle.board, call.num_worst_tokens)
+        if in_graph:  # its counts come from its own board copy, when asked for
+            handle.pending = functools.partial(self._complete_from_copy, handle)
+        else:
+            handle.pending = functools.partial(self._complete, handle, call)
+            self.unresolved = handle
+        marks["counts"] = time.perf_counter()
+        out = stream_outputs(call.num_worst_tokens, call.src)
+        marks["outputs"] = time.perf_counter()
+        if padding is None:  # rows past the received ones: no expert, no weight (else the kernel pads them)
             for t, fill in ((out.idx, -1), (out.weights, 0)):
                 if t is not None:
                     t.fill_(fill)
-        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
-                      fresh=True, starts=starts, padded=padding)
-        if refused is not None:
-            raise refused
+        path.dispatch(handle.combine_rows, call.src, out, handle.recv_offset, handle.taken,
+                      call.num_experts // self.num_ranks, valid, fresh=True, padded=padding)
         return out, handle
 
-    def _complete(self, handle: Handle, call: FreshSend) -> None:
-        """Fill ``handle``'s plan in from the last eager exchange's board, waited for on the host. A
-        refusal is the same on every rank (each read the same board); a timeout asks for a clear."""
+    def _wait_board(self, starts: bool = False):
+        """``(plan words, count board)`` of the last eager exchange, waited for on the host, and with
+        ``starts`` its ``recv_starts``; a timeout, or a board without a source's counts, asks for a
+        clear (a peer may have launched the round's stream)."""
         try:
             words, board = self.path.wait_board(lambda: None)
-            handle.send_counts = self.checks.counts(words, handle.num_tokens, call.num_experts)[0].tolist()
-            handle.round = int(board[self.rank, 0])  # the device's round: every source's tag must be it
-            plan_from_board(handle, board, handle.round, self.rank, self.layout.max_tokens)
+            if not starts:
+                return words, board
+            return words, board, recv_starts(board, self.rank, self.layout.max_tokens)
         except TransferTimeout:
             self.must_clear = True
             raise
+
+    def _complete(self, handle: Handle, call: FreshSend) -> None:
+        """Fill a padded ``handle``'s plan in from the last eager exchange's board, waited for on the
+        host."""
+        words, board = self._wait_board()
+        try:
+            self._fill(handle, call, words, board)
+        except TransferTimeout:
+            self.must_clear = True
+            raise
+
+    def _fill(self, handle: Handle, call: FreshSend, words, board) -> None:
+        """Fill ``handle``'s plan in from its round's board (this rank's row: its counts per
+        destination). A refusal is the same on every rank (each read the same board); this rank's
+        plan words name what was wrong with its own input, when it was."""
+        handle.round = int(board[self.rank, 0])  # the device's round: every source's tag must be it
+        if not board[self.rank, 1]:
+            self.checks.counts(words, handle.num_tokens, call.num_experts)
+        plan_from_board(handle, board, handle.round, self.rank, self.layout.max_tokens)
+        handle.send_counts = board[self.rank, 2:2 + self.num_ranks].tolist()
 
     def _complete_from_copy(self, handle: Handle) -> None:
         """``_complete`` for a dispatch captured in a graph: from its board copy (a device read)."""

@@ -6,6 +6,7 @@ dispatch returns at launch]).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,7 +15,7 @@ import torch
 
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
-__all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board"]
+__all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board", "recv_starts"]
 
 
 @dataclass
@@ -118,15 +119,39 @@ def plan_from_board(handle: Handle, board: np.ndarray, round_: int, rank: int, m
     experts. A refused input stopped every push: nothing was sent."""
     num_ranks = board.shape[0]
     epr = handle.num_experts // num_ranks
-    late = [s for s in range(num_ranks) if board[s, 0] != round_]
+    matrix = _board_matrix(board, round_, max_tokens)
+    if matrix is None:
+        refused = [s for s in range(num_ranks) if not board[s, 1]]
+        raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
+                          "layout; see their errors); nothing was sent")
+    fill_plan(handle, matrix, board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist(), rank)
+
+
+def recv_starts(board: np.ndarray, rank: int, max_tokens: int) -> list[int] | None:
+    """Where each source's rows start in rank ``rank``'s outputs, then how many arrive in all, from
+    its count board of this round (``board[rank, 0]``): what a streamed dispatch needs before its
+    launch, its handle's plan filled in after (``plan_from_board``). None when a rank refused its
+    input (nothing is sent); missing or out-of-range counts raise as ``plan_from_board``."""
+    matrix = _board_matrix(board, int(board[rank, 0]), max_tokens)
+    if matrix is None:
+        return None
+    return list(itertools.accumulate((row[rank] for row in matrix), initial=0))
+
+
+def _board_matrix(board: np.ndarray, round_: int, max_tokens: int) -> list[list[int]] | None:
+    """The ``[s][d]`` counts of a count board whose every row is of ``round_``; None when a rank
+    refused its input. Raises TransferTimeout (a source's counts missing: the exchange ended at its
+    deadline) or MetadataError (a count out of range). In Python on the board's first columns, read
+    at once: on a launch's path, where each numpy call on a few words costs more than the loop."""
+    num_ranks = board.shape[0]
+    rows = board[:, :2 + num_ranks].tolist()
+    late = [s for s, row in enumerate(rows) if row[0] != round_]
     if late:
         raise TransferTimeout(f"ep: the count exchange of dispatch round {round_} ended without the counts of "
                               f"ranks {late}")
-    refused = [s for s in range(num_ranks) if not board[s, 1]]
-    if refused:
-        raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
-                          "layout; see their errors); nothing was sent")
-    matrix = board[:, 2:2 + num_ranks]
-    if matrix.min() < 0 or matrix.max() > max_tokens:
-        raise MetadataError(f"ep: the count board holds {matrix.tolist()}; expected each count in [0, {max_tokens}]")
-    fill_plan(handle, matrix.tolist(), board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist(), rank)
+    if not all(row[1] for row in rows):
+        return None
+    matrix = [row[2:] for row in rows]
+    if min(map(min, matrix)) < 0 or max(map(max, matrix)) > max_tokens:
+        raise MetadataError(f"ep: the count board holds {matrix}; expected each count in [0, {max_tokens}]")
+    return matrix
