@@ -136,6 +136,11 @@ class Buffer(LowLatencyMethods, Closing):
         combiner = Combiner(res.mover, self.layout, rank, rounds.order(), self.combine_parts, self.timeout_s)
         return NormalMode(rounds, path, combiner, res.mover, self._checks, self.layout, self.device, res.done_events)
 
+    @property
+    def fresh_outputs(self) -> bool:
+        """Whether ``recv_x`` is a fresh tensor (the streamed kernels'), not a view of the receive area."""
+        return self.send == "stream"
+
     @classmethod
     def from_group(cls, group=None, *, max_tokens_per_rank: int, hidden: int, num_topk: int = 8, device=None,
                    backend: str | None = None, timeout_s: float | None = None, secret: str | None = None,
@@ -256,10 +261,10 @@ class Buffer(LowLatencyMethods, Closing):
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``,
             plus ``hook`` when asked (the tensors are filled when it returns). ``recv_x`` rows are
-            ordered by source rank, then source token, and are a view of the receive area valid until
-            the next dispatch (on CUDA: until the next dispatch's stream runs past the caller's
-            reads); ``recv_topk_idx`` holds local expert ids (-1 elsewhere). ``event`` is an
-            ``ep.EventOverlap`` (in hook mode it marks the send phase).
+            ordered by source rank, then source token: a view of the receive area valid until the
+            next dispatch (on CUDA: until its stream runs past the caller's reads), or fresh tensors
+            with ``send="stream"`` (``fresh_outputs``). ``recv_topk_idx`` holds local expert ids (-1
+            elsewhere). ``event`` is an ``ep.EventOverlap`` (in hook mode it marks the send phase).
 
         Raises:
             ConfigError: bad shapes, dtypes, sizes or expert ids (before any byte moves; the peers

@@ -1,8 +1,8 @@
 """How ``deep_ep.Buffer``'s dispatch and combine are carried out on the warmlink Buffer inside,
 once their arguments are checked: in one round, or in several when the batch is larger than the
 Buffer holds (deep_ep.rounds, Note [Rounds beyond the budget]); rows narrower than it padded to
-its width and cut back (deep_ep.inner); with DeepEP's outputs (fresh tensors, the packed UE8M0
-scales given back, DeepEP's handle).
+its width and cut back (deep_ep.inner); with DeepEP's outputs (fresh tensors: a copy of the slots'
+rows, the streamed Buffer's own; the packed UE8M0 scales given back; DeepEP's handle).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_t
     if not with_topk:
         recv_idx = recv_w = None
     recv_x, cut = narrow(recv_x, width)
-    return unpack_scales(recv_x, packed, fresh=cut), recv_idx, recv_w, per_expert, out
+    return unpack_scales(recv_x, packed, fresh=cut or inner.fresh_outputs), recv_idx, recv_w, per_expert, out
 
 
 def cached(inner, tokens, packed: int, handle: DispatchHandle, expert_alignment: int, num_worst_tokens: int) -> tuple:
@@ -63,7 +63,7 @@ def cached(inner, tokens, packed: int, handle: DispatchHandle, expert_alignment:
         return unpack_scales(narrow(recv_x, width)[0], packed, fresh=True), None, None, None, None
     recv_x, cut = narrow(inner.dispatch(tokens, handle=handle.inner, expert_alignment=expert_alignment,
                                         num_worst_tokens=num_worst_tokens)[0], width)
-    return unpack_scales(recv_x, packed, fresh=cut), None, None, None, None
+    return unpack_scales(recv_x, packed, fresh=cut or inner.fresh_outputs), None, None, None, None
 
 
 def combine(inner, x: torch.Tensor, handle: DispatchHandle, topk_weights, biases: tuple) -> tuple:
