@@ -62,6 +62,17 @@ def widths_share_one_buffer(rank: int, num_ranks: int, store, case: dict) -> dic
                                      case["experts"])[rank]
             mine = tuple(t.cpu() for t in got["dispatch"][:3])
             out["steps"][-1]["reference"] = _same(mine, (ref["recv_x"], ref["recv_topk_idx"], ref["recv_topk_weights"]))
+            # quantized where the ranks quantize (a GPU's division may round unlike the CPU's)
+            fp8_rows = [tuple(t.cpu() for t in quantize(e[0].to(on))) for e in every]
+            ref8 = reference_dispatch(fp8_rows, [e[1].long() for e in every], None, case["experts"])[rank]["recv_x"]
+            for name, fp8 in (("fp8 reference", got["fp8"]), ("fp8 reference, own Buffer", want["fp8"])):
+                fp8 = tuple(t.cpu() for t in fp8)
+                out["steps"][-1][name] = _same(fp8, ref8)
+                if not out["steps"][-1][name]:  # which rows differ, for the failure's message
+                    bad = (fp8[0].view(torch.uint8) != ref8[0].view(torch.uint8)).any(1) | (fp8[1] != ref8[1]).any(1) \
+                        if fp8[0].shape == ref8[0].shape else torch.ones(1, dtype=torch.bool)
+                    out.setdefault("diag", []).append((hidden, topk, name, tuple(fp8[0].shape), tuple(ref8[0].shape),
+                                                       bad.nonzero().flatten()[:20].tolist()))
             inner = shared.warmlink_buffer
             which = next((i for i, b in enumerate(served) if b is inner), len(served))
             served[which:which + 1] = [inner]

@@ -374,15 +374,17 @@ class Buffer(LowLatencyMethods, Closing):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give regions, mappings, streams and events back to the pool. Idempotent.
-
-        Peers may still be running a round with this rank: close after the last operation of the
-        group (as with DeepEP's ``Buffer.destroy``)."""
+        """Give regions, mappings, streams and events back to the pool, once this rank's queued
+        calls ended (within the Buffer's timeout: a peer that never sends costs that much).
+        Idempotent. Peers may still be running a round with this rank: close after the last
+        operation of the group (as with DeepEP's ``Buffer.destroy``)."""
         if getattr(self, "_closed", True) and getattr(self, "_res", None) is None:
             return
         self._closed = True
         normal, self._normal = getattr(self, "_normal", None), None
         if normal is not None:
+            if self._res is not None and not normal.recv_failed:
+                self._res.drain()  # the last calls end before anything they wait on is released
             normal.abandon()
         self._close_low_latency()
         owned, self._owned_store = getattr(self, "_owned_store", None), None

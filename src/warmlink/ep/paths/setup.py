@@ -8,6 +8,8 @@ the store, opens every peer's region and mailbox, leases the streams and events 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -19,7 +21,9 @@ from warmlink.ep.wire import mailbox as mb
 from warmlink.ep.wire.flags import ArrivalFlags, flags_nbytes, flags_page
 from warmlink.ep.wire.info import KIND, check_config
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
-from warmlink.errors import BackendUnavailable, ConfigError, MetadataError
+from warmlink.errors import BackendUnavailable, ConfigError, MetadataError, PeerLostError, TransferTimeout
+
+log = logging.getLogger("warmlink.ep")
 
 __all__ = ["Resources", "group_store"]
 
@@ -215,6 +219,35 @@ class Resources:
         torch.cuda.synchronize(self.device)
         for address in registered:
             _cuda.host_unregister(address)
+
+    def drain(self) -> None:
+        """Let this rank's queued calls end on their own (before ``close``, which releases what they
+        wait on): the work on the caller's, the receive, the communication and the copy streams,
+        within the timeout and while every peer lives. Releasing first would let a receive that
+        still waits for a peer's rows read its area as it is, or end a peer's round (a Buffer closed
+        right after its last call, as DeepEP's ``destroy`` may be); a peer that never sends costs
+        the timeout, then the Buffer closes all the same. No-op without CUDA."""
+        mover = self.mover
+        if not isinstance(mover, CudaMover):
+            return
+        try:
+            streams = [torch.cuda.current_stream(self.device)]
+            if self.recv_stream is not None:
+                streams.append(self.recv_stream.resource.torch_stream())
+            if self.comm is not None:
+                streams.append(self.comm.stream)
+            streams += [stream.torch_stream() for stream in getattr(getattr(self.link, "engines", None), "streams", ())]
+            ends = []
+            for stream in streams:
+                end = torch.cuda.Event()
+                end.record(stream)
+                ends.append(end)
+            mover.poll(lambda: all(end.query() for end in ends), self.timeout_s, lambda: (
+                f"ep: this rank's calls on cuda:{self.device} did not end within {self.timeout_s:.3g} s of close"))
+        except (TransferTimeout, PeerLostError) as exc:  # closing all the same: the peer is gone or stalled
+            log.warning("%s; closing without them", exc)
+        except Exception as exc:  # a broken context: nothing left to wait for, and close must not leak
+            log.warning("ep: could not wait for this rank's calls at close (%s); closing without them", exc)
 
     def close(self, recv_failed: bool = False) -> None:
         """Give regions, mappings, streams and events back to the pool. Idempotent. With

@@ -115,7 +115,8 @@ class StreamedMode:
             handle.resolve()
 
     def abandon(self) -> None:
-        """At close: end every launch still waiting on a peer."""
+        """At close, after the Buffer's drain: end every launch still waiting on a peer (one that
+        did not end within the timeout)."""
         self.unresolved = None
         self.path.abort_all()
         torch.cuda.synchronize(self.device)  # no launch writes a region that goes back to the pool
