@@ -11,13 +11,11 @@ called with the same layout; then a torch profiler table of rank 0's fresh dispa
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import spawn_ranks
 
 
 def _rank(rank: int, num_ranks: int, port: int, calls: int) -> None:
@@ -88,13 +86,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--ranks", type=int, default=2)
     args = p.parse_args()
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(args.ranks, port, args.calls), nprocs=args.ranks, join=True)
-
+    spawn_ranks(_rank, args.ranks, args.calls)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,178 @@
+"""Where a fresh dispatch of the DeepEP drop-in spends its host time, step by step, on two ranks.
+
+``tools/deep_ep_fresh_profile.py`` times whole calls and cProfile charges its own overhead to every
+Python call; this wraps named steps with ``time.perf_counter`` (about 0.3 us each) and prints, per
+rank, each step's median start (us after the call began) and median inclusive time per call, then
+the device's view from CUDA events on the caller's stream: when the count exchange's launches ended
+and when the GPU reached the streamed kernel's launch (it idles between the two while the host
+reads the board and prepares the launch). DeepEP's API as the bench calls it (``get_dispatch_layout``
+then ``dispatch``), its hint budget, the bench's inputs (4096 x 7168 BF16, top-8 of 256)::
+
+    python tools/deep_ep_fresh_steps.py [--calls 40] [--budget hint|2e9] [--padded] [--fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from _spawn import spawn_ranks
+
+
+def _steps():
+    """(owner, attribute) of every step timed; module functions where their caller looks them up."""
+    import warmlink.ep.deep_ep.buffer as de_buffer
+    import warmlink.ep.deep_ep.calls as de_calls
+    import warmlink.ep.deep_ep.handle as de_handle
+    import warmlink.ep.deep_ep.rounds as de_rounds
+    from warmlink import _cuda, _nvrtc
+    from warmlink.ep.api import buffer as api_buffer
+    from warmlink.ep.kernels import launch, steps, stream_cuda
+    from warmlink.ep.paths import cuda_mover, streamed as paths_streamed
+    from warmlink.ep.protocol import checks, streamed as proto_streamed
+
+    return [
+        (de_buffer.Buffer, "get_dispatch_layout"), (de_buffer, "dispatch_layout"), (de_buffer.Buffer, "dispatch"),
+        (de_buffer, "pack_scales"), (de_calls, "fresh"), (de_rounds, "argument_problem"),
+        (de_calls, "widen"), (de_calls, "narrow"), (de_calls, "unpack_scales"), (de_handle.DispatchHandle, "of"),
+        (de_handle, "_prefix"), (api_buffer.Buffer, "dispatch"), (proto_streamed.StreamedMode, "dispatch"),
+        (proto_streamed.StreamedMode, "before_call"), (checks.Checks, "dispatch"), (proto_streamed.StreamedMode, "_fresh"),
+        (paths_streamed.StreamPath, "launch_counts"), (paths_streamed, "call_words"), (cuda_mover.CudaMover, "send_counts"),
+        (_cuda, "graph_launch"), (_cuda, "memcpy_async"), (_cuda, "event_record"), (proto_streamed.StreamedMode, "_complete"),
+        (cuda_mover.CudaMover, "wait_board"), (checks.Checks, "counts"), (proto_streamed, "plan_from_board"),
+        (paths_streamed.StreamPath, "valid"), (paths_streamed.StreamPath, "offsets"),
+        (paths_streamed.StreamPath, "padded_offsets"), (proto_streamed, "stream_outputs"),
+        (paths_streamed.StreamPath, "dispatch"), (stream_cuda, "dispatch"), (stream_cuda, "_launch"),
+        (proto_streamed, "per_expert_list"), (proto_streamed.StreamedMode, "event"),
+        (_nvrtc.Kernel, "__call__"), (launch.FastLaunch, "__call__"), (steps, "layout"),
+        (proto_streamed.StreamedMode, "_clear_asked"), (paths_streamed.StreamPath, "failures"),
+        (proto_streamed, "recv_starts"), (proto_streamed.StreamedMode, "_fill"), (paths_streamed.StreamPath, "_slot"),
+    ]
+
+
+_marks: list[tuple[str, float, float]] = []  # (step, entered, left) of the call in progress
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _marks.append((name, t0, time.perf_counter()))
+    return wrapper
+
+
+def _rank(rank: int, num_ranks: int, port: int, args) -> None:
+    import warmlink.ep.deep_ep as deep_ep
+    from warmlink.bench._ep_routing import routing
+    from warmlink.ep.kernels import stream_cuda
+    from warmlink.ep.paths import cuda_mover
+    from warmlink.ep.wire.fp8 import quantize
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
+                            device_id=torch.device("cuda", rank))
+    num_experts, hidden = 256, 7168
+    x, topk_idx, weights = routing(rank, 4096, num_experts, 8, hidden, torch.device("cuda", rank))
+    if args.fp8:
+        values, scales = quantize(x)
+        x = (values, scales.T.contiguous().T)
+    budget = int(float(args.budget)) if args.budget != "hint" else max(
+        c.get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+        for c in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)))
+    buf = deep_ep.Buffer(dist.group.WORLD, budget, explicitly_destroy=True)
+    extra = {"num_worst_tokens": num_ranks * 4096} if args.padded else {}
+
+    def fresh():
+        lay = buf.get_dispatch_layout(topk_idx, num_experts)
+        return buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                            topk_idx=topk_idx, topk_weights=weights, **extra)
+
+    for _ in range(5):  # compiles, captures the exchange's graphs
+        fresh()
+    torch.cuda.synchronize()
+    # the device's view: events after the exchange's launches and before the streamed kernel's
+    front_done, before_stream = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    send_counts, launch = cuda_mover.CudaMover.send_counts, stream_cuda._launch
+
+    def send_counts_marked(*a, **kw):
+        key = send_counts(*a, **kw)
+        front_done.record()
+        return key
+
+    def launch_marked(*a, **kw):
+        before_stream.record()
+        return launch(*a, **kw)
+
+    cuda_mover.CudaMover.send_counts, stream_cuda._launch = send_counts_marked, launch_marked
+    for owner, attr in _steps():
+        setattr(owner, attr, _timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
+                                    getattr(owner, attr)))
+    flag = torch.zeros(1, device="cuda")
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts, spent, calls = (collections.defaultdict(list) for _ in range(3))
+    wall, device, gap, to_front = [], [], [], []
+    for i in range(args.calls + 5):
+        dist.all_reduce(flag)
+        torch.cuda.synchronize()
+        _marks.clear()
+        begin.record()
+        t0 = time.perf_counter()
+        fresh()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        if i < 5:
+            continue
+        wall.append((t1 - t0) * 1e6)
+        device.append(begin.elapsed_time(end) * 1e3)
+        to_front.append(begin.elapsed_time(front_done) * 1e3)
+        gap.append(front_done.elapsed_time(before_stream) * 1e3)
+        first: dict[str, float] = {}
+        total: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        for name, entered, left in _marks:
+            first.setdefault(name, entered - t0)
+            total[name] += left - entered
+            count[name] += 1
+        for name in total:
+            starts[name].append(first[name] * 1e6)
+            spent[name].append(total[name] * 1e6)
+            calls[name].append(count[name])
+    med = statistics.median
+    kind = args.budget + (", padded" if args.padded else "") + (", fp8" if args.fp8 else "")
+    lines = [f"=== rank {rank} ({kind}): host wall {med(wall):.0f} us, CUDA events {med(device):.0f} us; device: exchange "
+             f"launches done {med(to_front):.0f} us after the call began, streamed kernel reached "
+             f"{med(gap):.0f} us after that (medians of {args.calls})",
+             f"  {'step':52s} {'starts':>8s} {'spends':>8s} {'calls':>6s}"]
+    for name in sorted(spent, key=lambda n: med(starts[n])):
+        lines.append(f"  {name:52s} {med(starts[name]):8.1f} {med(spent[name]):8.1f} {med(calls[name]):6.0f}")
+    report = "\n".join(lines)
+    gathered = [None] * num_ranks
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        print("\n".join(gathered), flush=True)
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--budget", default="hint", help="'hint' (DeepEP's Config hint, as the bench) or bytes, e.g. 2e9")
+    p.add_argument("--padded", action="store_true", help="pass num_worst_tokens (ranks x tokens)")
+    p.add_argument("--fp8", action="store_true", help="FP8 tokens with column-major scales, as DeepEP's tests")
+    args = p.parse_args()
+    spawn_ranks(_rank, args.ranks, args)
+
+if __name__ == "__main__":
+    main()
