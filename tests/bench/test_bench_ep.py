@@ -117,3 +117,22 @@ def test_bench_ep_shuffle_times_the_dispatch_rows_in_the_seeds_order_on_every_ra
     for rank in record["ranks"]:
         assert rank["dispatch_order"] == expected and set(plain) <= set(rank["times_s"])
     assert all(record["summary"]["checks"].values()) and "warmlink dispatch fp8 hook" in capsys.readouterr().out
+
+
+def test_the_codes_beside_each_other_are_timed_call_by_call_in_turn():
+    """With DeepEP importable the bench times both codes (``time_deep_ep`` of two modules): here
+    the drop-in twice, on CPU ranks. Every call of both has its clocks, per budget, and the samples
+    of one call alternate between the codes, the first rotating each iteration, so that a host
+    whose speed drifts during the run moves both alike."""
+    from tests.ep._deep_ep_workers import codes_in_turn, free_port
+    from tests.ep._group import run_ranks
+    from warmlink.bench.ep_deep_ep import BUDGETS, CALLS
+
+    case = {"tokens": 24, "experts": 8, "topk": 2, "hidden": 128, "dist_port": free_port()}
+    for got in run_ranks(codes_in_turn, 2, case=case, timeout_s=240):
+        assert len(got["timed"]) == 2
+        for code in got["timed"]:
+            for budget in BUDGETS:
+                assert code[budget]["rounds"] >= 1 and all(code[budget][c]["host"] > 0 for c in CALLS)
+        # per call kind and budget: 1 warm-up and 2 timed iterations, each running both codes
+        assert got["order"] == [0, 1, 1, 0, 0, 1] * len(CALLS) * len(BUDGETS)

@@ -350,3 +350,26 @@ def gone_before_first_dispatch(rank: int, num_ranks: int, store, case: dict) -> 
         return first_call_outcome(store, buffer, lambda: buffer.dispatch(
             x, topk_idx=idx, topk_weights=probs, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
             num_tokens_per_expert=layout[2]))
+
+
+def codes_in_turn(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """``bench ep --deep-ep``'s timing of two codes at once (the drop-in twice, as DeepEP would be
+    beside it on GPUs): every call of both, per budget, through the bench's own clock; and which
+    code each sample of one call ran (``clocks_of`` takes them in turn)."""
+    from warmlink.bench._ep_routing import routing
+    from warmlink.bench.ep import clocks_of
+    from warmlink.bench.ep_deep_ep import time_deep_ep
+
+    order: list[int] = []
+    with gloo_group(rank, num_ranks, case["dist_port"]):
+        flag = torch.zeros(1)
+
+        def clocks(fn, iterations=2, warmup=1):
+            if isinstance(fn, list):  # record the order the codes' samples ran in
+                fn = [lambda f=f, i=i: (order.append(i), f()) for i, f in enumerate(fn)]
+            return clocks_of(fn, flag, lambda: None, False, iterations, warmup)
+
+        x, topk_idx, weights = routing(rank, case["tokens"], case["experts"], case["topk"], case["hidden"],
+                                       torch.device("cpu"))
+        timed = time_deep_ep([deep_ep, deep_ep], x, topk_idx, weights, case["experts"], clocks)
+    return {"timed": timed, "order": order}

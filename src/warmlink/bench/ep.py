@@ -96,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deep-ep", action="store_true",
                    help="also time DeepEP's calls (fresh, padded and cached dispatch in BF16 and FP8, combine) through "
                    "the drop-in (warmlink.ep.deep_ep) and, on GPUs where `import deep_ep` finds DeepEP itself, through "
-                   "DeepEP on the same inputs, with DeepEP's hint-sized budget and with 2e9 bytes; both clocks (CUDA "
+                   "DeepEP on the same inputs, their samples taken in turn, with DeepEP's hint-sized budget and with "
+                   "2e9 bytes; both clocks (CUDA "
                    "events on the caller's stream, and the host) and the ratio; on GPUs also a GEMM queued before an "
                    "async combine given a previous_event from before it")
 
@@ -151,6 +152,40 @@ def _pin(rank: int, num_ranks: int) -> list[int] | None:
     return mine
 
 
+def clocks_of(fn, flag, sync, cuda: bool, iterations: int, warmup: int):
+    """Median seconds of ``fn`` on two clocks from the same calls: the host's, from the call until
+    the device finished (``sync``), and CUDA events on the caller's stream around the call
+    (DeepEP's tests' clock; None on CPU); every rank starts each call together (an all-reduce of
+    ``flag``). ``fn`` may be a list of functions (one call kind of several codes): their samples
+    are taken in turn, the order rotated each iteration, so that a machine whose speed drifts
+    during the run moves each alike; then a list of results."""
+    import torch
+    import torch.distributed as dist
+
+    fns = list(fn) if isinstance(fn, list) else [fn]
+    host, events = [[] for _ in fns], [[] for _ in fns]
+    begin, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    for i in range(warmup + iterations):
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
+            dist.all_reduce(flag)
+            sync()
+            t0 = time.perf_counter()
+            if cuda:
+                begin.record()
+            fns[k]()
+            if cuda:
+                end.record()
+            sync()
+            if i >= warmup:
+                host[k].append(time.perf_counter() - t0)
+                if cuda:
+                    events[k].append(begin.elapsed_time(end) * 1e-3)
+    out = [{"host": statistics.median(h), "events": statistics.median(e) if e else None} for h, e in zip(host, events)]
+    return out if isinstance(fn, list) else out[0]
+
+
+
 def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, secret: str, dist_port: int,
                cfg: dict) -> None:
     import os
@@ -197,27 +232,8 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
                 samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    def clocks(fn, iterations=cfg["iterations"], warmup=cfg["warmup"]) -> dict:
-        """Median seconds of ``fn`` on two clocks from the same calls: the host's, from the call
-        until the device finished, and CUDA events on the caller's stream around the call
-        (DeepEP's tests' clock; None on CPU)."""
-        host, events = [], []
-        begin, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
-        for i in range(warmup + iterations):
-            dist.all_reduce(flag)
-            sync()
-            t0 = time.perf_counter()
-            if cuda:
-                begin.record()
-            fn()
-            if cuda:
-                end.record()
-            sync()
-            if i >= warmup:
-                host.append(time.perf_counter() - t0)
-                if cuda:
-                    events.append(begin.elapsed_time(end) * 1e-3)
-        return {"host": statistics.median(host), "events": statistics.median(events) if events else None}
+    def clocks(fn, iterations=cfg["iterations"], warmup=cfg["warmup"]):
+        return clocks_of(fn, flag, sync, cuda, iterations, warmup)
 
     T, H, E, K = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
     x, topk_idx, weights = routing(rank, T, E, K, H, device)
@@ -418,10 +434,12 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
         import warmlink.ep.deep_ep as drop_in
         from warmlink.bench.ep_deep_ep import real_deep_ep, time_deep_ep
 
-        out["deep_ep_s"] = time_deep_ep(drop_in, x, topk_idx, weights, E, clocks, cfg["gemm"] if cuda else 0)
         real = real_deep_ep() if cuda else None  # DeepEP's kernels are CUDA only
-        if real is not None:
-            out["deepep_v1_s"] = time_deep_ep(real, x, topk_idx, weights, E, clocks)
+        timed_codes = time_deep_ep([drop_in] + ([real] if real is not None else []), x, topk_idx, weights, E, clocks,
+                                   cfg["gemm"] if cuda else 0)
+        out["deep_ep_s"] = timed_codes[0]
+        if real is not None:  # its samples taken in turn with the drop-in's, call by call
+            out["deepep_v1_s"] = timed_codes[1]
     if cuda and cfg["gemm"]:
         m = cfg["gemm"]
         a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
