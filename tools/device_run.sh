@@ -7,6 +7,8 @@
 #        bench-first (REPEATS_FIRST: first cycles against NCCL's group creation) first-profile (where cycle 1 and export go)
 #        fanout-profile (INSTALL, CYCLE: where each replica's fan-out cycle goes)
 #        host-profile demo doctor
+#        fresh-steps (tools/deep_ep_fresh_steps.py: a fresh dispatch step by step, BF16, padded, FP8; BUDGET) host-op-cost
+#        widths (the deep_ep widths GPU test REPEATS times: a Buffer closed right after its last call)
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
@@ -135,6 +137,19 @@ for d in range(torch.cuda.device_count()):
         echo "-- $kernel kernels"
         WARMLINK_EP_STREAM_KERNEL=$kernel timeout 200 python3 tools/stream_sweep.py --configs ${CONFIGS:-20x128} \
           --iterations 15 --graph 2>&1 | tee "$OUT/stream_sweep_$kernel.log" | tail -4
+      done ;;
+    fresh-steps)
+      for extra in "" --padded --fp8; do
+        timeout 150 python3 tools/deep_ep_fresh_steps.py --calls 40 --budget ${BUDGET:-hint} $extra 2>&1 | grep -v Warning \
+          | tee "$OUT/fresh_steps${extra}.log" | grep "==="
+      done ;;
+    host-op-cost)
+      timeout 150 python3 tools/host_op_cost.py 2>&1 | grep -v Warning | tee "$OUT/host_op_cost.log" ;;
+    widths)
+      for i in $(seq 1 ${REPEATS:-5}); do
+        timeout 100 python3 -m pytest -q -p no:cacheprovider \
+          "tests/ep/test_deep_ep_widths.py::test_calls_of_several_widths_share_one_buffer_and_equal_buffers_built_for_each[gpu]" \
+          2>&1 | tee "$OUT/widths_$i.log" | tail -1
       done ;;
     host-profile)
       CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/ep_host_profile.py --calls 200 --sort ${SORT:-tottime} 2>&1 | tee "$OUT/ep_host_profile.log" | tail -5 ;;
