@@ -97,9 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time DeepEP's calls (fresh, padded and cached dispatch in BF16 and FP8, combine) through "
                    "the drop-in (warmlink.ep.deep_ep) and, on GPUs where `import deep_ep` finds DeepEP itself, through "
                    "DeepEP on the same inputs, their samples taken in turn, with DeepEP's hint-sized budget and with "
-                   "2e9 bytes; both clocks (CUDA "
-                   "events on the caller's stream, and the host) and the ratio; on GPUs also a GEMM queued before an "
-                   "async combine given a previous_event from before it")
+                   "2e9 bytes; both clocks (CUDA events on the caller's stream, and the host) and the ratio; on GPUs "
+                   "also a GEMM queued before an async combine given a previous_event from before it")
 
 
 def _overlap_parts(send, gemm, flag, iterations: int) -> dict:
@@ -183,7 +182,6 @@ def clocks_of(fn, flag, sync, cuda: bool, iterations: int, warmup: int):
                     events[k].append(begin.elapsed_time(end) * 1e-3)
     out = [{"host": statistics.median(h), "events": statistics.median(e) if e else None} for h, e in zip(host, events)]
     return out if isinstance(fn, list) else out[0]
-
 
 
 def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, secret: str, dist_port: int,

@@ -47,7 +47,7 @@ class _Code:
     def __init__(self, module, budget: int, x, x8, topk_idx, weights, num_experts: int) -> None:
         import torch.distributed as dist
 
-        self.module, self.ours = module, module.__name__.startswith("warmlink.")
+        self.ours = module.__name__.startswith("warmlink.")
         self.buf = buf = module.Buffer(dist.group.WORLD, budget, explicitly_destroy=True)
         self.topk_idx, self.weights, self.num_experts = topk_idx.to(module.topk_idx_t), weights, num_experts
         self.recv_x, _, self.recv_w, _, self.handle, _ = self.fresh(x)
