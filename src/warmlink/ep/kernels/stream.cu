@@ -16,7 +16,7 @@ typedef unsigned long long u64;
 #define W_ROWS 3              // a receiver: the peer sent no row
 #define BAD_ROW 4             // a receiver: a row outside its source's output rows
 #define ABORTED (1LL << 24)   // the wait ended by the abort word, not by the deadline
-#define ABORT_POLL_NS 20000   // a wait reads the abort word (maybe host memory) once it lasted this long
+#define ABORT_POLL_NS 20000   // a wait reads the abort word (maybe host memory) once an interval this long
 #define MAX_GROUPS 15         // named barriers 1..15, one per warp group
 #define MAX_RANKS 8           // the combine's receiver sums at most this many copies of a token at once
 #ifndef UNROLL
@@ -114,11 +114,28 @@ __device__ __forceinline__ void warp_copy(i64* dst, const i64* src, i64 words, i
   }
 }
 
+// A bounded wait: its start, and when it next reads the abort word. The word may lie in pinned host
+// memory, a PCIe round trip away; read at every poll it slows the poll, and a slow poll lengthens the
+// peer's waits in turn (once every wait outlasted the first interval, calls ran 4x slower for a whole
+// process), so a wait reads it once an interval.
+struct Wait {
+  i64 start, next_abort;
+};
+
+__device__ __forceinline__ Wait wait_from_now() {
+  const i64 now = clock_ns();
+  return {now, now + ABORT_POLL_NS};
+}
+
 // the status of a wait that has not ended: 0, or its code once past the deadline or aborted
-__device__ __forceinline__ i64 ended(i64 start, i64 timeout_ns, const i64* abort, i64 seq, int wait, int peer) {
-  const i64 waited = clock_ns() - start;
-  const bool stop = waited > ABORT_POLL_NS && load_volatile(abort) >= seq;
-  if (!stop && waited <= timeout_ns) return 0;
+__device__ __forceinline__ i64 ended(Wait& w, i64 timeout_ns, const i64* abort, i64 seq, int wait, int peer) {
+  const i64 now = clock_ns();
+  bool stop = false;
+  if (now >= w.next_abort) {
+    stop = load_volatile(abort) >= seq;
+    w.next_abort = now + ABORT_POLL_NS;
+  }
+  if (!stop && now - w.start <= timeout_ns) return 0;
   return (stop ? ABORTED : 0) | ((i64)wait << 16) | (i64)peer;
 }
 
@@ -134,10 +151,10 @@ __device__ __forceinline__ bool head_ready(i64 h, i64 seq, i64* took) {
 
 // a sender's first wait: the peer took the previous call's rows of this ring; returns its status
 __device__ i64 wait_previous(const i64* head, i64 seq, i64 timeout_ns, const i64* abort, int peer, i64* consumed) {
-  const i64 start = clock_ns();
+  Wait w = wait_from_now();
   while (true) {
     if (head_ready(load_acquire(head), seq, consumed)) return 0;
-    const i64 code = ended(start, timeout_ns, abort, seq, W_PREVIOUS, peer);
+    const i64 code = ended(w, timeout_ns, abort, seq, W_PREVIOUS, peer);
     if (code) return code;
   }
 }
@@ -164,12 +181,12 @@ __device__ i64 credits(const i64* head, i64* tail, i64 seq, i64 sent, i64 want, 
     publish(tail, (seq << 32) | sent);
     *published = sent;
   }
-  const i64 start = clock_ns();
+  Wait w = wait_from_now();
   while (room <= 0 && !*code) {
     head_ready(load_acquire(head), seq, &took);
     *consumed = took > *consumed ? took : *consumed;
     room = ring_rows - (sent - *consumed);
-    if (room <= 0) *code = ended(start, timeout_ns, abort, seq, W_CREDIT, peer);
+    if (room <= 0) *code = ended(w, timeout_ns, abort, seq, W_CREDIT, peer);
   }
   return room;
 }
@@ -375,7 +392,8 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
   }
   if ((a.starts_given || a.padded) && c == 0 && q.leader) a.offsets[s] = lo;  // the handle's, for its cached calls
   const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
-  i64 have = 0, code = 0, start = clock_ns();
+  i64 have = 0, code = 0;
+  Wait w = wait_from_now();
   while (true) {
     if (q.leader) {
       const i64 t = load_acquire(tail);
@@ -385,9 +403,9 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
       n = n < 0 ? 0 : (n > a.batch ? a.batch : n);
       const bool finished = ours && ((t >> 31) & 1) && have + n == count;
       if (n == 0 && !finished) {
-        code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, s);
+        code = ended(w, a.timeout_ns, a.abort, seq, W_ROWS, s);
       } else {
-        start = clock_ns();
+        w = wait_from_now();
       }
       sh_n[s] = finished ? -1 - n : n;  // (finished: -1 - n)
       sh_code[s] = code;
@@ -552,13 +570,13 @@ __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i6
     if (poller) {  // 1. rank d_own's rows of the tile are in its ring (a bounded wait)
       const i64* tail = own + (i64)(d_own * C + c) * COUNTER;
       const i64 need = sh_need[d_own], consumed = sh_consumed[d_own];
-      const i64 start = clock_ns();
+      Wait w = wait_from_now();
       while (need > counts - consumed && !code) {
         const i64 t = load_acquire(tail);
         if ((t >> 32) == seq) counts = t & COUNT_MASK;
         if (need <= counts - consumed) break;
         if ((t >> 32) == seq && ((t >> 31) & 1)) code = ((i64)BAD_ROW << 16) | d_own;  // FIN, rows short
-        else code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
+        else code = ended(w, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
       }
       sh_code[d_own] = code;
     }
@@ -636,7 +654,7 @@ __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i6
   if (poller && !code) {
     const i64* tail = own + (i64)(d_own * C + c) * COUNTER;
     const i64 consumed = sh_consumed[d_own];
-    const i64 start = clock_ns();
+    Wait w = wait_from_now();
     while (!code) {
       const i64 t = load_acquire(tail);
       const bool ours = (t >> 32) == seq;
@@ -645,7 +663,7 @@ __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i6
       } else if (ours && ((t >> 31) & 1)) {
         break;
       } else {
-        code = ended(start, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
+        code = ended(w, a.timeout_ns, a.abort, seq, W_ROWS, d_own);
       }
     }
     if (!code) publish((i64*)a.bases[d_own] + (i64)(R * C + a.me * C + c) * COUNTER, (seq << 32) | FIN | consumed);

@@ -9,7 +9,7 @@ modules' for the interpreter.
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.stream_programs import (BAD_ROW, COUNT_MASK, COUNTER, FIN, W_CREDIT, W_ROWS,
+from warmlink.ep.kernels.stream_programs import (ABORT_POLL_NS, BAD_ROW, COUNT_MASK, COUNTER, FIN, W_CREDIT, W_ROWS,
                                                  device_clock_ns, ended, fence_system, first, head_state, previous_taken,
                                                  publish, publish_one, space_of)
 
@@ -79,6 +79,7 @@ def combine_send(x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, abort_ptr, c, 
     i = tl.arange(0, PUBLISH)
     kc = tl.arange(0, K_BLOCK)
     start = device_clock_ns()
+    poll = start + ABORT_POLL_NS
     while (tl.sum((sent < n).to(tl.int32), 0) > 0) & (status == 0):
         full = (sent < n) & (sent - consumed >= ring_rows)
         if tl.sum(full.to(tl.int32), 0) > 0:  # credits back from the sources whose rings are full
@@ -107,9 +108,10 @@ def combine_send(x_ptr, w_ptr, taken_ptr, offsets_ptr, bases_ptr, abort_ptr, c, 
                 moved += 1
         if moved > 0:
             start = device_clock_ns()
+            poll = start + ABORT_POLL_NS
         else:  # every source with rows left has a full ring (its tail published with the rows)
             full = (sent < n) & (sent - consumed >= ring_rows)
-            status = ended(start, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r), moved == 0)
+            status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r), moved == 0)
     # 3. FIN to every source, also where this channel sent it nothing
     if status == 0:
         publish(tails, seq64, sent, FIN, rm, R_BLOCK)
@@ -148,6 +150,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
         # 1. every rank's rows of the tile are in its ring (a bounded wait)
         short = need > counts - consumed
         start = device_clock_ns()
+        poll = start + ABORT_POLL_NS
         while (tl.sum(short.to(tl.int32), 0) > 0) & (status == 0):
             tail = tl.atomic_add(tails, 0, mask=short, sem="acquire", scope="sys")
             ours = short & ((tail >> 32) == seq64)
@@ -157,7 +160,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
             if tl.sum(over.to(tl.int32), 0) > 0:
                 status = tl.zeros([], dtype=tl.int64) + ((BAD_ROW << 16) | first(over, r))
             else:
-                status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS, first(short, r),
+                status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS, first(short, r),
                                tl.sum(short.to(tl.int32), 0) > 0)
         if status == 0:
             tl.debug_barrier()  # every thread reads the rows after the acquire
@@ -196,6 +199,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
     # 4. every rank's FIN with no row left over: its ring and tail are read for this call
     waiting = rm
     start = device_clock_ns()
+    poll = start + ABORT_POLL_NS
     while (tl.sum(waiting.to(tl.int32), 0) > 0) & (status == 0):
         tail = tl.atomic_add(tails, 0, mask=waiting, sem="acquire", scope="sys")
         ours = waiting & ((tail >> 32) == seq64)
@@ -205,7 +209,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
         if tl.sum(extra.to(tl.int32), 0) > 0:  # more rows than this rank's tokens sent there
             status = tl.zeros([], dtype=tl.int64) + ((BAD_ROW << 16) | first(extra, r))
         else:
-            status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS, first(waiting, r),
+            status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS, first(waiting, r),
                            tl.sum(waiting.to(tl.int32), 0) > 0)
     if status == 0:
         publish(heads, seq64, consumed, FIN, rm, R_BLOCK)

@@ -21,7 +21,7 @@ W_ROWS = tl.constexpr(3)  # a receiver: the peer sent no row
 BAD_ROW = tl.constexpr(4)  # a receiver: a row's ordinal fell outside its source's output rows
 ABORTED = tl.constexpr(1 << 24)  # the wait ended by the abort word, not by the deadline
 _BIG = tl.constexpr(1 << 30)
-ABORT_POLL_NS = tl.constexpr(20_000)  # a wait reads the abort word once it lasted this long
+ABORT_POLL_NS = tl.constexpr(20_000)  # a wait reads the abort word once an interval this long
 ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's threads
 
 
@@ -74,21 +74,24 @@ def head_state(h, seq64):
 
 
 @triton.jit
-def ended(start, timeout_ns, abort_ptr, seq64, wait, peer, going):
-    # the status of a wait still ``going``: 0, or its code once past the deadline or aborted. Each
-    # thread reads the clock and the abort word itself, and warps at different times: the code is
-    # reduced over a block that spans every thread, so that all of them leave a wait together.
-    # The abort word may lie in pinned host memory, a PCIe round trip away: it is read only once a
-    # wait has lasted ABORT_POLL_NS (read at every step, it made a call 6x slower on one H200)
-    waited = device_clock_ns() - start
+def ended(start, poll, timeout_ns, abort_ptr, seq64, wait, peer, going):
+    # ``(status, poll)`` of a wait still ``going``: 0, or its code once past the deadline or
+    # aborted; ``poll`` when it next reads the abort word. Each thread reads the clock and the abort
+    # word itself, and warps at different times: the code is reduced over a block that spans every
+    # thread, so that all of them leave a wait together. The abort word may lie in pinned host
+    # memory, a PCIe round trip away: a wait reads it once every ABORT_POLL_NS (read at every step,
+    # it made a call 6x slower on one H200, and slow polls lengthen the peer's waits in turn)
+    now = device_clock_ns()
     aborted = tl.zeros([], dtype=tl.int64)
-    if going & (waited > ABORT_POLL_NS):
+    due = going & (now >= poll)
+    if due:
         aborted = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True)
+    poll = tl.where(due, now + ABORT_POLL_NS, poll)
     stop = aborted >= seq64
-    late = waited > timeout_ns
+    late = now - start > timeout_ns
     code = tl.where(stop, ABORTED, 0).to(tl.int64) | (wait << 16) | peer.to(tl.int64)
     mine = tl.where(going & (late | stop), code, 0)
-    return tl.max(tl.where(tl.arange(0, ALL_THREADS) >= 0, mine, 0), 0)
+    return tl.max(tl.where(tl.arange(0, ALL_THREADS) >= 0, mine, 0), 0), poll
 
 
 @triton.jit
@@ -135,11 +138,12 @@ def previous_taken(heads, rm, r, seq64, timeout_ns, abort_ptr, R_BLOCK: tl.const
     consumed = tl.zeros([R_BLOCK], dtype=tl.int64)
     waiting = rm
     start = device_clock_ns()
+    poll = start + ABORT_POLL_NS
     while (tl.sum(waiting.to(tl.int32), 0) > 0) & (status == 0):
         ready, took = head_state(tl.atomic_add(heads, 0, mask=waiting, sem="acquire", scope="sys"), seq64)
         consumed = tl.where(waiting, took, consumed)
         waiting = waiting & ~ready
-        status = ended(start, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
+        status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
                        tl.sum(waiting.to(tl.int32), 0) > 0)
     return consumed, status
 
@@ -187,11 +191,12 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
             publish(tails, seq64, counts, 0, due, R_BLOCK)
             published = tl.where(due, counts, published)
             start = device_clock_ns()
+            poll = start + ABORT_POLL_NS
             while (tl.sum(full.to(tl.int32), 0) > 0) & (status == 0):
                 _, took = head_state(tl.atomic_add(heads, 0, mask=full, sem="acquire", scope="sys"), seq64)
                 consumed = tl.where(full, tl.maximum(consumed, took), consumed)
                 full = full & (counts - consumed >= ring_rows)
-                status = ended(start, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r),
+                status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r),
                                tl.sum(full.to(tl.int32), 0) > 0)
         else:
             inn = tok < take
@@ -255,6 +260,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
     status = tl.zeros([], dtype=tl.int64)
     bad = tl.zeros([], dtype=tl.int64)
     start = device_clock_ns()
+    poll = start + ABORT_POLL_NS
     while (tl.sum(left, 0) > 0) & (status == 0):
         moved = tl.zeros([], dtype=tl.int32)
         for s in tl.static_range(NUM_RANKS):  # round-robin: a slow source holds up no other
@@ -281,10 +287,11 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
                 left = tl.where((r == s) & finished, 0, left)
         if moved > 0:
             start = device_clock_ns()
+            poll = start + ABORT_POLL_NS
         else:
             # the peer named: the first source not heard from this call, else the first not done
             silent = first((left > 0) & (heard == 0), r)
-            status = ended(start, timeout_ns, abort_ptr, seq64, W_ROWS,
+            status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS,
                            tl.where(silent < _BIG, silent, first(left > 0, r)), moved == 0)
     # the rows this channel took from each source: where the streamed combine (ep.kernels.stream_combine)
     # finds the rows it sends each source back on this channel
