@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
     topk = scores.topk(k, dim=1).indices
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(t, k, device="cuda", generator=gen)
-    rows = {}
+    rows = []  # one per config, in order (a config may be given twice: a second Buffer of it)
     with Store.connect(address, prefix="stream-sweep", timeout_s=60, secret=secret) as store:
         for config in args.configs:
             channels, ring, kwargs = _parse(config)
@@ -100,7 +100,7 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
                             if i >= 3:
                                 times.append(a.elapsed_time(b) * 1e3)
                         row[f"{name} graph"] = statistics.median(times)
-                rows[config] = row
+                rows.append(row)
             restore()
     queue.put((rank, rows))
 
@@ -134,8 +134,8 @@ def main() -> None:
           "slowest rank's median, us")
     kinds = ("fresh", "cached", "combine") + (("cached graph", "combine graph") if args.graph else ())
     print(f"{'config':>16}" + "".join(f"{k:>15}" for k in kinds))
-    for config in args.configs:
-        print(f"{config:>16}" + "".join(f"{max(results[r][config][k] for r in results):>15.0f}" for k in kinds))
+    for i, config in enumerate(args.configs):
+        print(f"{config:>16}" + "".join(f"{max(results[r][i][k] for r in results):>15.0f}" for k in kinds))
 
 
 if __name__ == "__main__":
