@@ -36,7 +36,7 @@ def test_low_latency_device_path_equals_the_host_path_in_the_interpreter():
 def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     import torch
 
-    from warmlink.ep.kernels import steps as _kernels
+    from warmlink.ep.kernels import layout_cuda, steps as _kernels
     from warmlink.ep.kernels.layout import dispatch_layout
 
     gen = torch.Generator().manual_seed(5)
@@ -51,12 +51,19 @@ def test_ep_kernels_on_the_gpu_equal_the_torch_versions_at_deepseek_shapes():
     dev = torch.device("cuda", 0)
     bad = topk.clone()
     bad[::9, 0] = num_experts + 1
-    for ids in (topk, bad):  # the layout in one launch on CUDA (ep.kernels.steps.layout) against torch's, twice
-        want_lay = dispatch_layout(ids, num_experts, num_ranks)
+    # the layout in one launch on CUDA (ep.kernels.steps.layout) against torch's, twice: the CUDA
+    # block (int64 and int32 ids, a token count past a block's step, top-6 of 288 over 8 ranks) and,
+    # past its MAX_TOKENS, the Triton grid
+    many = torch.randint(-1, 288, (layout_cuda.MAX_TOKENS + 5, k), generator=gen)
+    cases = [(topk, num_experts, num_ranks, True), (bad, num_experts, num_ranks, True),
+             (bad.int(), num_experts, num_ranks, True), (bad[:1500, :6], 288, 8, True), (many, 288, 8, False)]
+    for ids, experts, ranks, one_block in cases:
+        want_lay = dispatch_layout(ids, experts, ranks)
+        assert layout_cuda.fits(ids.to(dev), experts, ranks) == one_block
         for _ in range(2):
-            got_lay = dispatch_layout(ids.to(dev), num_experts, num_ranks)
+            got_lay = dispatch_layout(ids.to(dev), experts, ranks)
             for name in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "num_bad_ids"):
-                assert torch.equal(getattr(got_lay, name).cpu(), getattr(want_lay, name)), name
+                assert torch.equal(getattr(got_lay, name).cpu(), getattr(want_lay, name)), (name, ids.shape, ids.dtype)
     cuda = [t.to(dev) for t in (lay.is_token_in_rank, topk, lay.num_tokens_per_rank, lay.num_tokens_per_expert)]
     for _ in range(2):
         rows, words = _kernels.plan(*cuda, max_tokens)

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from warmlink.ep.kernels import layout_cuda
 from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Padded, Sources, call_words
 from warmlink.ep.kernels.launch import FastLaunch, launch
 
@@ -170,10 +171,13 @@ _LAYOUT_TOKENS = 256  # tokens per program of ``layout``
 
 
 def layout(topk: torch.Tensor, num_experts: int, num_ranks: int, kernels) -> tuple[torch.Tensor, ...]:
-    """``ep.kernels.layout.dispatch_layout`` in one launch (and one zeroing): ``(num_tokens_per_rank,
-    num_tokens_per_expert, is_token_in_rank, num_bad_ids)``, the counts views of one int32 tensor.
-    Its ~15 torch launches cost a DeepEP-style fresh dispatch ~0.25 ms of host time on an H200."""
+    """``ep.kernels.layout.dispatch_layout`` in one launch: ``(num_tokens_per_rank, num_tokens_per_expert,
+    is_token_in_rank, num_bad_ids)``, the counts views of one int32 tensor. Its ~15 torch launches
+    cost a DeepEP-style fresh dispatch ~0.25 ms of host time on an H200; the CUDA C++ block where it
+    fits (ep.kernels.layout_cuda), else the Triton kernel (and a zeroing before it)."""
     topk = topk.contiguous()
+    if layout_cuda.fits(topk, num_experts, num_ranks):  # one NVRTC launch, no zeroing (ep.kernels.layout_cuda)
+        return layout_cuda.layout(topk, num_experts, num_ranks)
     num_tokens, num_k = topk.shape
     counts = torch.zeros(num_ranks + num_experts + 1, dtype=torch.int32, device=topk.device)
     in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk.device)
