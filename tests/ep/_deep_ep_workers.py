@@ -226,6 +226,57 @@ def padded_like_unpadded(rank: int, num_ranks: int, store, case: dict) -> dict:
         return out
 
 
+def captured_layer(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """A MoE layer's calls as code that captures DeepEP in CUDA graphs makes them: the layout, a fresh
+    dispatch with ``num_worst_tokens``, a cached dispatch of its handle and a combine, captured in
+    one graph (after two eager rounds, which build the Buffer within and compile the kernels); then
+    per seed of ``case["seeds"]`` that seed's tokens and routing written into the captured inputs,
+    the graph replayed, and the same calls made eagerly: whether each replayed output equals the
+    eager one (the received rows, the padding's ids and weights, ``rank_prefix_matrix``)."""
+    on = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(on)
+    worst = case["tokens"] * num_ranks
+    names = ("recv_x", "recv_idx", "recv_w", "cached", "combined", "combined_w", "rank_prefix_matrix")
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        buffer = deep_ep.Buffer(group, case["num_nvl_bytes"], explicitly_destroy=True)
+
+        def inputs(seed: int) -> dict:
+            x, idx, probs = routed(dict(case, seed=seed), rank)
+            return {"x": x.to(on), "idx": idx.to(on), "w": probs.to(on)}
+
+        def calls(t: dict):
+            layout = buffer.get_dispatch_layout(t["idx"], case["experts"])
+            recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+                t["x"], num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                topk_idx=t["idx"], topk_weights=t["w"], num_worst_tokens=worst)
+            cached = buffer.dispatch(t["x"], handle=handle)[0]
+            combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+            return (recv_x, recv_idx, recv_w, cached, combined, combined_w, handle[0]), handle
+
+        static = inputs(case["seeds"][0])
+        for _ in range(2):
+            calls(static)
+        streamed = buffer._inner.send == "stream"
+        torch.cuda.synchronize(on)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, _ = calls(static)
+        results = []
+        for seed in case["seeds"]:
+            for name, value in inputs(seed).items():
+                static[name].copy_(value)
+            graph.replay()
+            replayed = [t.cpu() for t in captured]
+            eager, handle = calls(static)
+            n = handle.num_recv_tokens
+            same = {name: torch.equal(a[:n], b.cpu()[:n]) if name in ("recv_x", "cached") else torch.equal(a, b.cpu())
+                    for name, a, b in zip(names, replayed, eager)}
+            results.append({"seed": seed, "received": n, "streamed": streamed, "same": same})
+        torch.cuda.synchronize(on)
+        buffer.destroy()
+    return results
+
+
 def bias_and_refusals(rank: int, num_ranks: int, store, case: dict) -> dict:
     """combine with one and two biases; then a batch larger than the built Buffer holds (sent in
     rounds) and calls it must refuse, each followed by a round that works. Returns what each call raised, and the checks' results."""

@@ -14,6 +14,7 @@ import torch
 import warmlink.ep.deep_ep as deep_ep
 from tests.ep._deep_ep_workers import (
     bias_and_refusals,
+    captured_layer,
     free_port,
     gone_before_first_dispatch,
     megatron_steps,
@@ -220,6 +221,20 @@ def test_a_padded_dispatch_gives_the_handle_rows_and_combine_of_an_unpadded_one(
             "dist_port": free_port(), "num_nvl_bytes": 1 << 22}
     for got in run_ranks(padded_like_unpadded, 2, case=case, timeout_s=180):
         assert all(got.values()), got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_layer_captured_with_num_worst_tokens_replays_like_eager_calls():
+    """DeepEP's budget hint at hidden 7168 holds 576 tokens per rank, so 1024 stream (the Buffer
+    within keeps its seq and round counts on the device: ep.protocol.streamed, Note [Streamed
+    calls]); each replay of the captured layout, padded fresh dispatch, cached dispatch and combine
+    equals the same calls made eagerly, for new tokens and routing written into its inputs."""
+    case = {"tokens": 1024, "hidden": 7168, "experts": 64, "topk": 4, "mask_prob": 0.05, "seeds": [21, 22, 23],
+            "dist_port": free_port(), "num_nvl_bytes": _hint(2, 7168 * 2)}
+    for rank, per_seed in enumerate(run_ranks(captured_layer, 2, case=case, timeout_s=300)):
+        for got in per_seed:
+            assert got["streamed"] and got["received"] > 0 and all(got["same"].values()), (rank, got)
 
 
 def test_bias_is_added_larger_batches_go_in_rounds_and_bad_calls_are_refused_on_every_rank():

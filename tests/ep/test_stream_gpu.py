@@ -43,6 +43,20 @@ def test_gpu_streamed_calls_through_rings_of_eight_rows_equal_the_torch_twin(ker
 
 
 @KERNELS
+def test_gpu_rows_wider_than_a_warp_of_meta_equal_the_torch_twin(kernel):
+    """Top-36 of 288 experts and FP8 rows of 12288 with 96 column-major scales: more ids than a
+    warp's lanes and more scales than two per lane (the CUDA kernels move those past the first
+    32 ids and 64 scales after the row's x, MetaRegs in stream.cu); BF16, then FP8."""
+    wide = {"tokens": [512, 300], "hidden": 12288, "experts": 288, "topk": 36, "mask_prob": 0.05, "max_tokens": 512}
+    space = dict(_SPACE, row_words=max(row_words(12288 * 2 // 8, 36, 0), row_words(12288 // 8, 36, 96)))
+    calls = [dict(wide, seed=8), dict(wide, seed=9, dtype=torch.float8_e4m3fn, layout="column")]
+    case = dict(space, calls=calls, timeout_s=60.0, kernel=kernel)
+    for rank, per_call in enumerate(run_ranks(stream_calls, 2, case=case, timeout_s=600)):
+        for seq, got in enumerate(per_call, start=1):
+            assert not got["failures"] and all(got["same"].values()) and got["rows"] > 0, (rank, seq, got)
+
+
+@KERNELS
 def test_gpu_tiles_that_straddle_the_rings_wrap_equal_the_torch_twin(kernel):
     """Rings of 12 rows and tiles of 8 tokens (visits of 5 rows, tails every 3): a sender's tile
     finds room for part of itself, its rows wrap the ring part-way through a tile; BF16, then FP8."""

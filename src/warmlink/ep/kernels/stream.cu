@@ -309,6 +309,78 @@ __device__ __forceinline__ i64 call_seq(const i64* seq_word, const u64* done) {
   return *(volatile const i64*)seq_word + (done ? 1 : 0);
 }
 
+// A row's meta parts in registers: a lane's id, weight and two scales (the first 32 ids and 64
+// scales of a row; wider rows move the rest after the x copy). Both ends load them before the
+// row's x: the copy's stores carry a "memory" clobber, so loads written after them would issue
+// only once the stores had, a memory latency per row on top of the copy's (an FP8 row's scales,
+// a column-major lane apart, most).
+struct MetaRegs {
+  i64 id;
+  float w, s0, s1;
+};
+
+// the caller's meta parts of token `tok`
+__device__ __forceinline__ MetaRegs load_meta(const DispatchArgs& a, i64 tok, int lane) {
+  MetaRegs m = {0, 0.0f, 0.0f, 0.0f};
+  const i64 nk = a.num_k;
+  if (lane < nk) {
+    const i64 i = tok * nk + lane;
+    m.id = a.topk_bytes == 8 ? ((const i64*)a.topk)[i] : (i64)((const int*)a.topk)[i];
+    if (a.w_kind) m.w = load_weight(a.w, a.w_kind, i);
+  }
+  if (a.has_s) {
+    const float* s = a.s + tok * a.s_token_stride;
+    if (lane < a.num_scales) m.s0 = s[lane * a.s_col_stride];
+    if (lane + 32 < a.num_scales) m.s1 = s[(lane + 32) * a.s_col_stride];
+  }
+  return m;
+}
+
+// token `tok`'s meta parts into its ring row's meta part (ids, weights at float 2k, scales at 3k)
+__device__ __forceinline__ void store_meta(const DispatchArgs& a, const MetaRegs& m, i64* meta, i64 tok, int lane) {
+  const i64 nk = a.num_k;
+  float* floats = (float*)meta;
+  if (lane < nk) {
+    meta[lane] = m.id;
+    if (a.w_kind) floats[2 * nk + lane] = m.w;
+  }
+  for (i64 k = lane + 32; k < nk; k += 32) {
+    const i64 i = tok * nk + k;
+    meta[k] = a.topk_bytes == 8 ? ((const i64*)a.topk)[i] : (i64)((const int*)a.topk)[i];
+    if (a.w_kind) floats[2 * nk + k] = load_weight(a.w, a.w_kind, i);
+  }
+  if (a.has_s) {
+    if (lane < a.num_scales) floats[3 * nk + lane] = m.s0;
+    if (lane + 32 < a.num_scales) floats[3 * nk + lane + 32] = m.s1;
+    for (i64 k = lane + 64; k < a.num_scales; k += 32)
+      floats[3 * nk + k] = a.s[tok * a.s_token_stride + k * a.s_col_stride];
+  }
+}
+
+// a ring row's meta parts, as the receiver's outputs take them
+__device__ __forceinline__ MetaRegs load_ring_meta(const DispatchArgs& a, const i64* meta, int lane) {
+  MetaRegs m = {0, 0.0f, 0.0f, 0.0f};
+  const i64 nk = a.num_k;
+  const float* floats = (const float*)meta;
+  if (a.out_idx && lane < nk) {
+    m.id = load_ring(meta + lane);
+    if (a.out_w) m.w = load_ring_f(floats + 2 * nk + lane);
+  }
+  if (a.has_s) {
+    if (lane < a.num_scales) m.s0 = load_ring_f(floats + 3 * nk + lane);
+    if (lane + 32 < a.num_scales) m.s1 = load_ring_f(floats + 3 * nk + lane + 32);
+  }
+  return m;
+}
+
+// expert id `raw` of output row `o`, column `k`, as a local expert (-1: another rank's), and its weight
+__device__ __forceinline__ void store_local(const DispatchArgs& a, i64 o, i64 k, i64 raw, float w, i64 base) {
+  const i64 local = raw - base;
+  const bool here = raw >= 0 && local >= 0 && local < a.experts_per_rank;
+  a.out_idx[o * a.num_k + k] = here ? local : -1;
+  if (a.out_w) a.out_w[o * a.num_k + k] = here ? w : 0.0f;
+}
+
 // Sender program c, group g: the channel's tokens to destination g, in order, into its ring
 __device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Groups& q, i64* sh_room, i64* sh_code) {
   const int R = a.num_ranks, C = a.channels, d = q.g;
@@ -325,7 +397,6 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Group
   const i64 num_tokens = valid ? a.num_tokens : 0;
   const i64 per = (num_tokens + C - 1) / C;
   const i64 end = per * (c + 1) < num_tokens ? per * (c + 1) : num_tokens;
-  const i64 nk = a.num_k;
   for (i64 chunk = per * c; chunk < end && !code; chunk += 32) {
     const i64 t = chunk + q.lane;
     const i64 at = t < end ? a.rows[t * R + d] : -1;
@@ -347,17 +418,10 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Group
         const i64 tok = chunk + bit;
         const i64 ordinal = __shfl_sync(0xffffffffu, at, bit) - (i64)d * a.max_tokens;
         i64* row = ring + ((counts + j) % a.ring_rows) * a.row_words;
+        const MetaRegs parts = load_meta(a, tok, q.lane);  // before the copy (MetaRegs says why)
         warp_copy<false>(row, a.x + tok * a.x_words, a.x_words, q.lane);
         i64* meta = row + a.x_words;
-        float* floats = (float*)meta;
-        for (i64 k = q.lane; k < nk; k += 32) {
-          const i64 i = tok * nk + k;
-          meta[k] = a.topk_bytes == 8 ? ((const i64*)a.topk)[i] : (i64)((const int*)a.topk)[i];
-          if (a.w_kind) floats[2 * nk + k] = load_weight(a.w, a.w_kind, i);
-        }
-        if (a.has_s)
-          for (i64 k = q.lane; k < a.num_scales; k += 32)
-            floats[3 * nk + k] = a.s[tok * a.s_token_stride + k * a.s_col_stride];
+        store_meta(a, parts, meta, tok, q.lane);
         if (q.lane == 0) meta[a.meta_words] = ordinal;
       }
       counts += m;
@@ -421,23 +485,24 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
       const i64* meta = row + a.x_words;
       const float* floats = (const float*)meta;
       const i64 ordinal = load_ring(meta + a.meta_words);
+      const MetaRegs parts = load_ring_meta(a, meta, q.lane);  // before the copy (MetaRegs says why)
       const i64 o = lo + ordinal;
       if (ordinal < 0 || o >= hi) {
         if (q.lane == 0) atomicCAS((u64*)sh_bad, 0ull, (u64)(((i64)BAD_ROW << 16) | s));
         continue;
       }
       warp_copy<true>(a.out_x + o * a.x_words, row, a.x_words, q.lane);
-      if (a.out_idx)
-        for (i64 k = q.lane; k < nk; k += 32) {
-          const i64 raw = load_ring(meta + k);
-          const i64 local = raw - base;
-          const bool here = raw >= 0 && local >= 0 && local < a.experts_per_rank;
-          a.out_idx[o * nk + k] = here ? local : -1;
-          if (a.out_w) a.out_w[o * nk + k] = here ? load_ring_f(floats + 2 * nk + k) : 0.0f;
-        }
-      if (a.has_s)
-        for (i64 k = q.lane; k < a.num_scales; k += 32)
+      if (a.out_idx) {
+        if (q.lane < nk) store_local(a, o, q.lane, parts.id, parts.w, base);
+        for (i64 k = q.lane + 32; k < nk; k += 32)
+          store_local(a, o, k, load_ring(meta + k), a.out_w ? load_ring_f(floats + 2 * nk + k) : 0.0f, base);
+      }
+      if (a.has_s) {
+        if (q.lane < a.num_scales) a.out_s[o * a.num_scales + q.lane] = parts.s0;
+        if (q.lane + 32 < a.num_scales) a.out_s[o * a.num_scales + q.lane + 32] = parts.s1;
+        for (i64 k = q.lane + 64; k < a.num_scales; k += 32)
           a.out_s[o * a.num_scales + k] = load_ring_f(floats + 3 * nk + k);
+      }
     }
     have += n;
     group_sync(s, q.threads);  // every row read before its slot goes back to the source
