@@ -203,8 +203,9 @@ class Buffer(LowLatencyCalls, CommCalls):
                 returns at launch, the next call raising its refusal (ep.protocol.normal, Note [Padded
                 dispatch returns at launch]); in several, each round waits for its counts. Round
                 numbers are host ints: not graph-capturable. A streamed Buffer within (deep_ep.inner)
-                keeps its counts on the device; its capture is tested through ``ep.Buffer``, not
-                through this class yet.
+                keeps its counts on the device: its padded fresh dispatch, cached dispatch and
+                combine can be captured in a CUDA graph with ``get_dispatch_layout`` (after an
+                eager call built it).
             config: a ``Config`` or None; accepted and unused.
             previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
             async_finish: as DeepEP's: run on the communication stream (``get_comm_stream()``) after
