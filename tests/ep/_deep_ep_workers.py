@@ -256,7 +256,7 @@ def captured_layer(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
         static = inputs(case["seeds"][0])
         for _ in range(2):
             calls(static)
-        streamed = buffer._inner.send == "stream"
+        streamed = buffer.warmlink_buffer.send == "stream"
         torch.cuda.synchronize(on)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
