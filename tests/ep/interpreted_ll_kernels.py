@@ -152,11 +152,18 @@ def _check_dispatch(group: Group, got: dict, fp8: bool, exact: bool) -> None:
 _CASE = {"tokens": [12, 7, 0], "hidden": 256, "experts": 6, "topk": 3, "masked": 4, "seed": 5}
 
 
-@pytest.mark.parametrize("fp8,round_scale,ue8m0,random_x", [(False, False, False, False), (True, False, False, False),
-                                                             (True, True, True, False), (True, False, False, True)])
-def test_device_path_packs_and_combines_what_the_host_path_does_over_both_parities(kernels, fp8, round_scale, ue8m0,
-                                                                                    random_x):
-    group = Group(dict(_CASE, random_x=random_x), kernels)
+# 40 tokens to one expert per rank: a receive takes each source's rows of an expert in several steps
+# (ROWS in ep.low_latency._triton_dispatch), the last one part-filled
+_CROWDED = {"tokens": [40, 21], "hidden": 128, "experts": 2, "topk": 1, "masked": 3, "seed": 8}
+
+
+@pytest.mark.parametrize("case,fp8,round_scale,ue8m0,random_x", [
+    (_CASE, False, False, False, False), (_CASE, True, False, False, False), (_CASE, True, True, True, False),
+    (_CASE, True, False, False, True), (_CROWDED, False, False, False, False), (_CROWDED, True, True, True, True),
+    (_CROWDED, True, False, False, True)])
+def test_device_path_packs_and_combines_what_the_host_path_does_over_both_parities(kernels, case, fp8, round_scale,
+                                                                                    ue8m0, random_x):
+    group = Group(dict(case, random_x=random_x), kernels)
     for round_ in (1, 2, 3):  # parity 1 twice: its sequence numbers and acks go on
         got = group.dispatch(round_, fp8, round_scale, ue8m0)
         _check_dispatch(group, got, fp8, exact=not random_x)

@@ -120,7 +120,8 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                   signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                   NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
                   W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
-                  S_BLOCK: tl.constexpr, HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+                  S_BLOCK: tl.constexpr, HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr,
+                  ROWS: tl.constexpr):
     # item (e, s) of each program: wait for every source's signal word of local expert e, then pack
     # source s's rows of e after those of the sources below it (DeepEP's layout, in a fixed order);
     # a masked source sends nothing. The last program to finish tells every source that this
@@ -166,33 +167,43 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                     tl.store(range_ptr + e * NUM_RANKS + s, (begin << 32) | mine)
                     words_per_row: tl.constexpr = HIDDEN // 8 if FP8 else HIDDEN // 4
                     w = tl.arange(0, W_BLOCK)
+                    wm = w < words_per_row
                     sc = tl.arange(0, S_BLOCK)
                     num_scales: tl.constexpr = HIDDEN // 128
-                    for i in range(mine):
+                    # ROWS rows a step, every load of them issued before their stores: one memory
+                    # latency a step, not one a row
+                    ri = tl.arange(0, ROWS)
+                    for i0 in range(0, mine, ROWS):
+                        i = i0 + ri
+                        im = i < mine
                         slot = (e * NUM_RANKS + s) * tokens + i
                         at = own + disp_off + slot * (2 * HIDDEN)
                         row = begin + i  # within expert e's block
                         flat = e * per_expert + row
-                        data = tl.load(at.to(tl.pointer_type(tl.int64)) + w, mask=w < words_per_row)
-                        tl.store(x_out_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, data,
-                                 mask=w < words_per_row)
+                        data = tl.load(at.to(tl.pointer_type(tl.int64))[:, None] + w[None, :],
+                                       mask=im[:, None] & wm[None, :])
+                        meta = tl.load((own + meta_off + slot * 8).to(tl.pointer_type(tl.int64)), mask=im)
                         if FP8:
-                            scales = tl.load((at + HIDDEN).to(tl.pointer_type(tl.float32)) + sc, mask=sc < num_scales,
-                                             other=0.0)
+                            scales = tl.load((at + HIDDEN).to(tl.pointer_type(tl.float32))[:, None] + sc[None, :],
+                                             mask=im[:, None] & (sc < num_scales)[None, :], other=0.0)
+                        tl.store(x_out_ptr.to(tl.pointer_type(tl.int64)) + flat[:, None] * words_per_row + w[None, :],
+                                 data, mask=im[:, None] & wm[None, :])
+                        if FP8:
                             if UE8M0:  # four biased exponents per int32, byte j of word c is block 4c + j
                                 ex = (scales.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                                ex = tl.reshape(ex, (S_BLOCK // 4, 4)) << (tl.arange(0, 4) * 8)[None, :]
-                                packed = tl.sum(ex, 1)
+                                ex = tl.reshape(ex, (ROWS, S_BLOCK // 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :]
+                                packed = tl.sum(ex, 2)
                                 pc = tl.arange(0, S_BLOCK // 4)
                                 num_packed: tl.constexpr = (num_scales + 3) // 4
                                 tl.store(scales_out_ptr.to(tl.pointer_type(tl.int32)) + e * num_packed * per_expert
-                                         + pc * per_expert + row, packed, mask=pc < num_packed)
+                                         + pc[None, :] * per_expert + row[:, None], packed,
+                                         mask=im[:, None] & (pc < num_packed)[None, :])
                             else:  # column-major in the last two dimensions, as DeepEP's
                                 tl.store(scales_out_ptr.to(tl.pointer_type(tl.float32)) + e * num_scales * per_expert
-                                         + sc * per_expert + row, scales, mask=sc < num_scales)
-                        meta = tl.load((own + meta_off + slot * 8).to(tl.pointer_type(tl.int64)))
-                        tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32))
-                        tl.store(comb_slot_ptr + flat, meta)
+                                         + sc[None, :] * per_expert + row[:, None], scales,
+                                         mask=im[:, None] & (sc < num_scales)[None, :])
+                        tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32), mask=im)
+                        tl.store(comb_slot_ptr + flat, meta, mask=im)
     if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
@@ -203,7 +214,7 @@ def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tok
               L_BLOCK: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
               S_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
               FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
-              HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+              HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a dispatch; in one launch, the
     # receive's round is the one this launch's send made. What every call of this parity shares
     # comes from its block (ep.low_latency._layout.BLOCK_WORDS).
@@ -231,7 +242,7 @@ def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tok
                       block_pointer(block_ptr, B_RANGE, tl.int64), block_pointer(block_ptr, B_COMB_SLOT, tl.int64),
                       cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me, tokens, disp_off, meta_off,
                       signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, W_BLOCK,
-                      NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK)
+                      NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
 
 
 dispatch = triton.jit(_dispatch, repr=symbol("dispatch"))
