@@ -9,6 +9,10 @@ import triton.language as tl
 
 from warmlink.ep.kernels.call_block import CALL_SLOTS
 
+# a wait reads its abort word (pinned host memory, a PCIe round trip away) once an interval this long: read at
+# every poll it slows the poll, and a slow poll answers a peer late (Wait in ep/kernels/stream.cu)
+ABORT_POLL_NS = tl.constexpr(20_000)
+
 # -- the call block (ep.kernels.call_block; ep.paths.sm_pushes, Note [Fresh send graph]) -----------------------
 # A fresh SM dispatch's kernels read what changes per call (its tensors' addresses, the token count,
 # the round) from a small int64 block in device memory, so that one captured CUDA graph serves every
@@ -292,6 +296,7 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
 
     own = tl.load(boards_ptr + me).to(tl.pointer_type(tl.int64))
     start = device_clock_ns()
+    poll = start + ABORT_POLL_NS
     failed = tl.zeros([], dtype=tl.int32)
     ok = tl.full([], 1, dtype=tl.int64)
     below = tl.zeros([], dtype=tl.int64)
@@ -299,8 +304,13 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
         tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
         while (tag != round_) & (failed == 0):
             tag = tl.atomic_add(own + s * ROW, 0, sem="acquire", scope="sys")
-            late = (device_clock_ns() - start) > timeout_ns
-            stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) >= round_
+            now = device_clock_ns()
+            late = (now - start) > timeout_ns
+            # the abort word lies in pinned host memory: read once an interval, not at every poll
+            stop = tl.zeros([], dtype=tl.int1)
+            if now >= poll:
+                stop = tl.load(abort_ptr.to(tl.pointer_type(tl.int64)), volatile=True) >= round_
+                poll = now + ABORT_POLL_NS
             failed = cta_any(late | stop)  # every warp leaves together (the loop holds barriers)
         word = tl.load(own + s * ROW + 1, volatile=True)
         if (word != config) & (tag == round_):

@@ -7,7 +7,8 @@ are names of this module, so that tests swap the clock and the fence here for th
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import device_clock_ns, fence_by_one, fence_system, meta_parts, store_by_one
+from warmlink.ep.kernels.programs import (ABORT_POLL_NS, device_clock_ns, fence_by_one, fence_system, meta_parts,
+                                         store_by_one)
 
 # The space's words (ep.kernels.stream.StreamSpace): tails, then heads, then rings; a counter has a
 # 128-byte line of its own, so that a poll never shares a line with another pair's writes
@@ -21,7 +22,6 @@ W_ROWS = tl.constexpr(3)  # a receiver: the peer sent no row
 BAD_ROW = tl.constexpr(4)  # a receiver: a row's ordinal fell outside its source's output rows
 ABORTED = tl.constexpr(1 << 24)  # the wait ended by the abort word, not by the deadline
 _BIG = tl.constexpr(1 << 30)
-ABORT_POLL_NS = tl.constexpr(20_000)  # a wait reads the abort word once an interval this long
 ALL_THREADS = tl.constexpr(1024)  # a block at least as wide as a program's threads
 
 
