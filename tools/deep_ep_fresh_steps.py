@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from _spawn import spawn_ranks
+from _timing import timed
 
 
 def _steps():
@@ -58,15 +58,8 @@ def _steps():
 _marks: list[tuple[str, float, float]] = []  # (step, entered, left) of the call in progress
 
 
-def _timed(name: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _marks.append((name, t0, time.perf_counter()))
-    return wrapper
+def _mark(name: str, entered: float, left: float) -> None:
+    _marks.append((name, entered, left))
 
 
 def _rank(rank: int, num_ranks: int, port: int, args) -> None:
@@ -113,8 +106,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
 
     cuda_mover.CudaMover.send_counts, stream_cuda._launch = send_counts_marked, launch_marked
     for owner, attr in _steps():
-        setattr(owner, attr, _timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
-                                    getattr(owner, attr)))
+        setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
+                                   getattr(owner, attr), _mark))
     flag = torch.zeros(1, device="cuda")
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     starts, spent, calls = (collections.defaultdict(list) for _ in range(3))

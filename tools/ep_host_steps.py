@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import statistics
 import time
 
 import torch
 from _one_rank import one_rank
+from _timing import timed
 
 from warmlink import _cuda
 from warmlink.ep.paths import cuda_mover as _cuda_mover
@@ -46,15 +46,8 @@ STEPS = [
 _spent: collections.Counter = collections.Counter()
 
 
-def _timed(name: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _spent[name] += time.perf_counter() - t0
-    return wrapper
+def _spend(name: str, entered: float, left: float) -> None:
+    _spent[name] += left - entered
 
 
 def main() -> None:
@@ -76,7 +69,7 @@ def main() -> None:
     }
     for owner, attr in STEPS:
         name = f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.", "")
-        setattr(owner, attr, _timed(name, getattr(owner, attr)))
+        setattr(owner, attr, timed(name, getattr(owner, attr), _spend))
     for kind, fn in calls.items():
         per_step: dict[str, list[float]] = collections.defaultdict(list)
         wall, first = [], []
