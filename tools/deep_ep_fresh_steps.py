@@ -34,7 +34,8 @@ def _steps():
     from warmlink.ep.api import buffer as api_buffer
     from warmlink.ep.kernels import launch, steps, stream_cuda
     from warmlink.ep.paths import cuda_mover, streamed as paths_streamed
-    from warmlink.ep.protocol import checks, streamed as proto_streamed
+    from warmlink.ep.paths import senders
+    from warmlink.ep.protocol import checks, normal as proto_normal, rounds as proto_rounds, streamed as proto_streamed
 
     return [
         (de_buffer.Buffer, "get_dispatch_layout"), (de_buffer, "dispatch_layout"), (de_buffer.Buffer, "dispatch"),
@@ -52,6 +53,12 @@ def _steps():
         (_nvrtc.Kernel, "__call__"), (launch.FastLaunch, "__call__"), (steps, "layout"),
         (proto_streamed.StreamedMode, "_clear_asked"), (paths_streamed.StreamPath, "failures"),
         (proto_streamed, "recv_starts"), (proto_streamed.StreamedMode, "_fill"), (paths_streamed.StreamPath, "_slot"),
+        # the slot design's (a budget past the streamed one's: e.g. --budget 2e9)
+        (proto_normal.NormalMode, "dispatch"), (proto_normal.NormalMode, "before_call"),
+        (proto_normal.NormalMode, "_fresh_sm"), (proto_normal.NormalMode, "_complete_sm"),
+        (proto_normal.NormalMode, "_arrived"), (senders.SmPath, "launch"), (proto_rounds.Rounds, "meet"),
+        (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
+        (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
     ]
 
 
@@ -95,13 +102,17 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     front_done, before_stream = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     send_counts, launch = cuda_mover.CudaMover.send_counts, stream_cuda._launch
 
+    recorded: set[str] = set()  # the marks of the call in progress (a slot-design call has no streamed kernel)
+
     def send_counts_marked(*a, **kw):
         key = send_counts(*a, **kw)
         front_done.record()
+        recorded.add("front")
         return key
 
     def launch_marked(*a, **kw):
         before_stream.record()
+        recorded.add("stream")
         return launch(*a, **kw)
 
     cuda_mover.CudaMover.send_counts, stream_cuda._launch = send_counts_marked, launch_marked
@@ -116,6 +127,7 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
         dist.all_reduce(flag)
         torch.cuda.synchronize()
         _marks.clear()
+        recorded.clear()
         begin.record()
         t0 = time.perf_counter()
         fresh()
@@ -126,8 +138,10 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
             continue
         wall.append((t1 - t0) * 1e6)
         device.append(begin.elapsed_time(end) * 1e3)
-        to_front.append(begin.elapsed_time(front_done) * 1e3)
-        gap.append(front_done.elapsed_time(before_stream) * 1e3)
+        if "front" in recorded:
+            to_front.append(begin.elapsed_time(front_done) * 1e3)
+        if recorded >= {"front", "stream"}:
+            gap.append(front_done.elapsed_time(before_stream) * 1e3)
         first: dict[str, float] = {}
         total: collections.Counter = collections.Counter()
         count: collections.Counter = collections.Counter()
@@ -141,9 +155,10 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
             calls[name].append(count[name])
     med = statistics.median
     kind = args.budget + (", padded" if args.padded else "") + (", fp8" if args.fp8 else "")
-    lines = [f"=== rank {rank} ({kind}): host wall {med(wall):.0f} us, CUDA events {med(device):.0f} us; device: exchange "
-             f"launches done {med(to_front):.0f} us after the call began, streamed kernel reached "
-             f"{med(gap):.0f} us after that (medians of {args.calls})",
+    front = f"exchange launches done {med(to_front):.0f} us after the call began" if to_front else "no exchange seen"
+    stream = f", streamed kernel reached {med(gap):.0f} us after that" if gap else ", no streamed kernel"
+    lines = [f"=== rank {rank} ({kind}): host wall {med(wall):.0f} us, CUDA events {med(device):.0f} us; device: {front}"
+             f"{stream} (medians of {args.calls})",
              f"  {'step':52s} {'starts':>8s} {'spends':>8s} {'calls':>6s}"]
     for name in sorted(spent, key=lambda n: med(starts[n])):
         lines.append(f"  {name:52s} {med(starts[name]):8.1f} {med(spent[name]):8.1f} {med(calls[name]):6.0f}")
