@@ -83,7 +83,9 @@ def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict
             out["one_bad_rank_padded"] = str(exc)
         out["after_bad_padded"] = _same(many.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst,
                                                       **args)[:4], got["many"]["padded"])
-        inner, meets = many.warmlink_buffer, []  # a padded dispatch never meets the peers' hosts first
+        # a padded dispatch never meets the peers' hosts; an unpadded one only after its one round was
+        # refused (here: rank 0's 23 tokens need rounds), and not at all where every batch fits a round
+        inner, meets = many.warmlink_buffer, []
         gather = inner.all_gather_int
         inner.all_gather_int = lambda *a, **k: meets.append(a) or gather(*a, **k)
         many.dispatch(x, topk_idx=idx, topk_weights=w, num_worst_tokens=worst, **args)
@@ -91,6 +93,13 @@ def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict
         many.dispatch(x, topk_idx=idx, topk_weights=w, **args)
         out["unpadded_meets"] = len(meets) - out["padded_meets"]
         del inner.all_gather_int
+        one_inner, one_meets = one.warmlink_buffer, []
+        one_gather = one_inner.all_gather_int
+        one_inner.all_gather_int = lambda *a, **k: one_meets.append(a) or one_gather(*a, **k)
+        out["one_round_same"] = _same(one.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=4, **args)[:4],
+                                      got["one"]["dispatch"][:4])
+        out["one_round_meets"] = len(one_meets)
+        del one_inner.all_gather_int
         for kind in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine"):
             out[kind] = _same(got["one"][kind], got["many"][kind])
         out["rounds"] = (got["one"]["rounds"], got["many"]["rounds"])
@@ -102,4 +111,47 @@ def rounds_equal_one_round(rank: int, num_ranks: int, store, case: dict) -> dict
         out["received"] = int(got["one"]["dispatch"][0].shape[0])
         many.close()
         one.close()
+    return out
+
+
+def later_batch_in_rounds(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """A slot Buffer (its first batch fits a round) given ``case["batches"]`` in turn (each a token
+    count per rank): per batch, how many host meets it made, its rounds, and whether its dispatch
+    and combine equal the reference (tests/ep/_reference.py)."""
+    from tests.ep._reference import reference_combine, reference_dispatch
+
+    on = torch.device("cpu")
+    if case.get("cuda"):  # ranks may share one GPU
+        on = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(on)
+    out = []
+    with gloo_group(rank, num_ranks, case["dist_port"]) as group:
+        buf = deep_ep.Buffer(group, needed_bytes(case["held"], num_ranks, case["hidden"], case["topk"]))
+        for step, tokens in enumerate(case["batches"]):
+            every = [_inputs(dict(case, tokens=tokens, seed=case["seed"] + step), r) for r in range(num_ranks)]
+            x, idx, w = (t.to(on) for t in every[rank])
+            meets = []
+            inner = buf.warmlink_buffer
+            if inner is not None:  # (built by the first dispatch)
+                gather = inner.all_gather_int
+                inner.all_gather_int = lambda *a, _g=gather, **k: meets.append(a) or _g(*a, **k)
+            lay = buf.get_dispatch_layout(idx, case["experts"])
+            recv_x, recv_idx, recv_w, per_expert, handle, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                num_tokens_per_expert=lay[2])
+            if inner is not None:
+                del inner.all_gather_int
+            ref = reference_dispatch([e[0] for e in every], [e[1].long() for e in every], [e[2] for e in every],
+                                     case["experts"])
+            got = (recv_x.cpu(), recv_idx.cpu(), recv_w.cpu())
+            want = (ref[rank]["recv_x"], ref[rank]["recv_topk_idx"].to(got[1].dtype), ref[rank]["recv_topk_weights"])
+            # every rank's expert outputs, as each rank makes them: its rows times (its rank + 2)
+            ys = [r_["recv_x"].float().mul(r + 2).to(torch.bfloat16) for r, r_ in enumerate(ref)]
+            combined = buf.combine(recv_x.float().mul(rank + 2).to(torch.bfloat16), handle, topk_weights=recv_w)[0]
+            want_combined = reference_combine(ys, [r_["recv_src"] for r_ in ref], tokens,
+                                              [r_["recv_topk_weights"] for r_ in ref])[rank]["out"]
+            out.append({"meets": len(meets), "rounds": None if handle.rounds is None else len(handle.rounds),
+                        "streamed": buf.warmlink_buffer.send == "stream", "dispatch": _same(got, want),
+                        "combine": _same(combined.cpu(), want_combined)})
+        buf.close()
     return out

@@ -266,7 +266,8 @@ def test_a_second_lifecycle_with_late_peers_matches_the_reference():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_a_rank_refusing_its_arguments_makes_every_rank_raise_at_once_and_the_next_call_works(refusal, says, ranks):
     """Rank 0's fresh dispatch fails one of its own checks: it takes part in the round without tokens,
-    refused (ep.protocol.normal, Note [Refused dispatch]), so every peer raises ConfigError naming it at
+    refused (ep.protocol.normal, Note [Refused dispatch]), so every peer raises RefusedRound (a
+    ConfigError) naming it at
     once, instead of waiting out its timeout (600 s here: a wait would fail the test's own limit,
     which leaves a loaded machine minutes to start and run the ranks), and the next dispatch of
     every rank equals the reference."""
@@ -275,7 +276,7 @@ def test_a_rank_refusing_its_arguments_makes_every_rank_raise_at_once_and_the_ne
     results = run_ranks(expect_error, ranks, case=case, timeout_s=240)
     first = [r[0] for r in results]
     assert first[0].startswith("ConfigError") and says.replace("[-1, 4)", f"[-1, {4 * ranks})") in first[0], first[0]
-    assert all(e.startswith("ConfigError") and "ranks [0] refused their dispatch arguments" in e for e in first[1:]), first
+    assert all(e.startswith("RefusedRound") and "ranks [0] refused their dispatch arguments" in e for e in first[1:]), first
     inputs = case_inputs(case)
     ref = reference_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], None, case["experts"])
     for d, (_, recv_x, _) in enumerate(results):

@@ -5,11 +5,12 @@ hold different token counts (one of them none). Spawned ranks over a gloo group 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.ep._deep_ep_rounds import rounds_equal_one_round
+from tests.ep._deep_ep_rounds import later_batch_in_rounds, rounds_equal_one_round
 from tests.ep._deep_ep_workers import free_port
 from tests.ep._group import run_ranks
 from warmlink.ep.deep_ep.rounds import _round_counts
@@ -26,7 +27,8 @@ def test_several_rounds_give_exactly_what_one_round_gives():
         # padded, there is no meeting first: rank 1 refuses in the round itself, and every rank raises at once
         expected = "is_token_in_rank has shape" if rank == 1 else "ranks [1] refused their dispatch arguments"
         assert expected in got["one_bad_rank_padded"] and got["after_bad_padded"], got
-        assert (got["padded_meets"], got["unpadded_meets"]) == (0, 1), got
+        assert (got["padded_meets"], got["unpadded_meets"], got["one_round_meets"]) == (0, 1, 0), got
+        assert got["one_round_same"], got
         assert {k: got[k] for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")} == {
             k: True for k in ("dispatch", "combine", "cached", "fp8", "no_topk", "padded", "padded_combine")}, got
         assert got["rounds"] == (None, 6), got  # ceil(23 / 4): every rank runs the most any rank needs
@@ -76,3 +78,18 @@ def test_a_padded_dispatch_takes_the_fewest_rounds_that_hold_its_share_of_num_wo
     assert (problem is None) == (tokens <= rounds * cap)
     if problem:
         assert f"num_worst_tokens={worst}" in problem and f"x has {tokens} tokens" in problem
+
+
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])], ids=["shm", "gpu"])
+def test_a_batch_that_fits_one_round_meets_nobody_and_a_later_larger_one_goes_in_rounds(cuda):
+    """A slot Buffer built for 4 tokens a round: batches that fit are one round and no host meet;
+    a later batch of 9 tokens on rank 0 is first refused on every rank, then one meet, then 3
+    rounds; every dispatch and combine equals the reference, and the batch after fits again."""
+    case = {"held": 4, "hidden": 256, "experts": 6, "topk": 2, "seed": 31, "dist_port": free_port(), "cuda": cuda,
+            "batches": [[3, 4], [4, 1], [9, 2], [2, 0], [0, 4]]}
+    for rank, steps in enumerate(run_ranks(later_batch_in_rounds, 2, case=case, timeout_s=240)):
+        assert [s["meets"] for s in steps[1:]] == [0, 1, 0, 0], (rank, steps)  # (the first builds the Buffer)
+        assert [s["rounds"] for s in steps] == [None, None, 3, None, None], (rank, steps)
+        assert not any(s["streamed"] for s in steps), (rank, steps)
+        assert all(s["dispatch"] and s["combine"] for s in steps), (rank, steps)

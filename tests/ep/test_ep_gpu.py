@@ -178,7 +178,7 @@ _FAULT = {"hidden": 256, "experts": 8, "topk": 2, "backend": "cuda_ipc", "timeou
 def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says, padded):
     """Rank 0's input fails its plan on the device (bad_expert) or its host checks (the others: it
     then sends a refused round without tokens, ep.protocol.normal, Note [Refused dispatch]): every peer
-    raises ConfigError naming it, a padded peer that returned at launch got padding only and raises
+    raises RefusedRound (a ConfigError) naming it, a padded peer that returned at launch got padding only and raises
     at its next call, no kernel is left waiting, and the next dispatch equals the reference."""
     worst = RANKS * 9 if padded else 0  # every row the receive area holds
     case = dict(_FAULT, tokens=_tokens(6, 9), fault="refused_then_valid", refusal=refusal, worst=worst, seed=12,
@@ -191,9 +191,9 @@ def test_gpu_a_refused_input_stops_every_push_and_spends_the_round(refusal, says
     assert says in first[0] and "drain" not in first[0], first[0]
     for e, (_, _, padded_ids) in zip(first[1:], results[1:]):
         if padded:  # returned at launch with padding only; the next call raised the refusal
-            assert e.startswith("returned, then ConfigError") and bool((padded_ids == -1).all()), (e, padded_ids)
+            assert e.startswith("returned, then RefusedRound") and bool((padded_ids == -1).all()), (e, padded_ids)
         else:
-            assert e.startswith("ConfigError"), e
+            assert e.startswith("RefusedRound"), e
         assert "ranks [0] refused their dispatch" in e and "drain" not in e, e
     ref = reference_dispatch([i["x"] for i in case_inputs(case)], [i["topk_idx"] for i in case_inputs(case)], None,
                              case["experts"])

@@ -48,13 +48,15 @@ def test_gpu_streamed_dispatch_combine_match_the_reference(name):
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_gpu_a_refused_input_spends_the_streamed_round_and_the_next_one_works(padded):
     """Rank 0 dispatches an expert id out of range: the count exchange refuses the round on every
-    rank, every rank's stream sends nothing (their seq counts stay in step), every rank raises
-    ConfigError naming rank 0 (a padded one at its next call), and the next dispatch is right."""
+    rank, every rank's stream sends nothing (their seq counts stay in step), rank 0 raises ConfigError
+    saying what was wrong and every other rank RefusedRound naming it (a padded one at its next call),
+    and the next dispatch is right."""
     case = dict(_STREAM, tokens=_tokens(6, 9), hidden=256, experts=2 * RANKS, topk=2, fault="refused_then_valid",
                 refusal="bad_expert", worst=RANKS * 9 if padded else 0, seed=35)
     results = run_ranks(expect_error, RANKS, case=case, timeout_s=300)
-    for first, _, padded_ids in results:
-        assert "ConfigError" in first and "drain" not in first, first
+    for rank, (first, _, padded_ids) in enumerate(results):
+        assert ("ConfigError" if rank == 0 else "RefusedRound: ep.Buffer.dispatch: ranks [0]") in first, first
+        assert "drain" not in first, first
         assert first.startswith("returned, then ") == padded, first
         if padded:
             assert bool((padded_ids == -1).all()), padded_ids

@@ -49,5 +49,6 @@ from warmlink.ep.low_latency import LowLatencyHandle
 from warmlink.ep.paths.event import EventOverlap
 from warmlink.ep.wire.handle import Handle
 from warmlink.ep.wire.regions import size_hint
+from warmlink.ep.wire.words import RefusedRound
 
-__all__ = ["Buffer", "EventOverlap", "Handle", "LowLatencyHandle", "dispatch_layout", "size_hint"]
+__all__ = ["Buffer", "EventOverlap", "Handle", "LowLatencyHandle", "RefusedRound", "dispatch_layout", "size_hint"]

@@ -13,6 +13,8 @@ from warmlink.ep.deep_ep import rounds
 from warmlink.ep.deep_ep.handle import DispatchHandle
 from warmlink.ep.deep_ep.inner import narrow, widen
 from warmlink.ep.deep_ep.scales import unpack_scales
+from warmlink.ep.wire.words import RefusedRound
+from warmlink.errors import ConfigError
 
 __all__ = ["cached", "combine", "fresh"]
 
@@ -35,8 +37,27 @@ def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_t
         num_rounds, too_many = rounds.padded_rounds(inner, num_worst_tokens, rows.shape[0])
         if problem or too_many:
             inner.refuse_dispatch(problem or too_many)
-    else:
-        num_rounds = rounds.rounds_needed(inner, rows.shape[0], problem)
+    elif problem or rows.shape[0] > inner.layout.max_tokens:  # one round, refused, then the meet (deep_ep.rounds)
+        try:
+            inner.refuse_dispatch(problem or f"deep_ep.Buffer.dispatch: {rows.shape[0]} tokens need rounds")
+        except ConfigError:
+            pass
+        num_rounds = rounds.after_refused_round(inner, rows.shape[0], ConfigError(problem) if problem else None)
+    else:  # one round, no meeting first: a refused one says whether a peer's batch needs more
+        num_rounds = 1
+    if num_rounds == 1:
+        try:
+            recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
+                tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        except ConfigError as exc:
+            if inner.send == "stream" or num_worst_tokens:
+                raise
+            if isinstance(exc, RefusedRound) and inner.rank not in exc.ranks:  # a peer's: its batch may need rounds
+                num_rounds = rounds.after_refused_round(inner, rows.shape[0], refused=exc)
+            else:  # this rank's own arguments, refused in the round: its peers meet to hear it (raises exc)
+                rounds.after_refused_round(inner, rows.shape[0], exc)
     if num_rounds > 1:
         recv_x, recv_idx, recv_w, per_expert, done, matrix = rounds.dispatch_rounds(
             inner, tokens, num_rounds, is_token_in_rank, topk_idx, topk_weights, num_tokens_per_expert,
@@ -44,10 +65,6 @@ def fresh(inner, group_size: int, tokens, packed: int, num_tokens_per_rank, is_t
         out = DispatchHandle.of_rounds(done, matrix, num_worst_tokens, is_token_in_rank, inner, rows.device)
         return (unpack_scales(narrow(recv_x, width)[0], packed, fresh=True), recv_idx if with_topk else None,
                 recv_w if with_topk else None, per_expert, out)
-    recv_x, recv_idx, recv_w, per_expert, inner_handle, _ = inner.dispatch(
-        tokens, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
     out = DispatchHandle.of(inner_handle, is_token_in_rank, inner, rows.device)
     if not with_topk:
         recv_idx = recv_w = None

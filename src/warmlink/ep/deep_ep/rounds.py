@@ -5,9 +5,15 @@ DeepEP streams any batch through rings that fit its byte budget. A warmlink Buff
 row per token instead (ep.wire.regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
 budget (``sizing.tokens_within``: C tokens per rank) and sends a larger batch as several rounds of
 at most C tokens from each rank: round k carries each rank's tokens ``[kC, (k+1)C)``, none for a
-rank that has fewer. Every rank must run the same number of rounds, so a fresh dispatch first
-gathers every rank's token count (``ep.Buffer.all_gather_int``: host mailboxes, no kernel) and
-runs ``ceil(max / C)``; one round is the plain call. A padded one (``num_worst_tokens`` W, which
+rank that has fewer. Every rank must run the same number of rounds, yet a host meet before every
+fresh dispatch cost ~120 us on 2 x H200 for the batches that fit one round, nearly all of them.
+So a fresh dispatch first tries one round without meeting anyone: a rank whose batch fits sends
+it; a rank with more than C tokens, or whose arguments are wrong, takes part refused
+(``ep.Buffer.refuse_dispatch``), which refuses the round on every rank alike (each peer raises
+``RefusedRound``). Only after a refused round do the ranks meet (``after_refused_round``: every
+rank's token count through ``ep.Buffer.all_gather_int``, host mailboxes, no kernel): every rank
+raises when one said its arguments were wrong (or when nobody needed more rounds: the device
+refused an input), else the batch goes in ``ceil(max / C)`` rounds. A padded one (``num_worst_tokens`` W, which
 every rank passes alike) meets nobody first: it runs ``ceil(ceil(W / R) / C)`` rounds, as many
 as ``R`` ranks of ``W / R`` tokens each need (DeepEP's callers pass ``W = R x`` the most tokens
 per rank), so in one round it returns at launch; a rank with more tokens than those rounds hold
@@ -31,10 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from warmlink.ep.wire.handle import check_worst_tokens
-from warmlink.errors import ConfigError
+from warmlink.ep.wire.words import RefusedRound
+from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
-__all__ = ["Round", "argument_problem", "combine_rounds", "dispatch_cached_rounds", "dispatch_rounds", "padded_rounds",
-           "rounds_needed"]
+__all__ = ["Round", "after_refused_round", "argument_problem", "combine_rounds", "dispatch_cached_rounds",
+           "dispatch_rounds", "padded_rounds"]
 
 
 @dataclass
@@ -51,18 +58,29 @@ class Round:
 _REFUSED = 1 << 62  # a rank's meet value when its own arguments are wrong: every rank raises, none sends
 
 
-def rounds_needed(inner, num_tokens: int, problem: str | None = None) -> int:
-    """Rounds of a fresh dispatch: every rank's count gathered, then ``ceil(max / C)``. A rank
-    whose arguments have a ``problem`` says so in the same meet, so that every rank raises
-    ``ConfigError`` before any byte moves instead of its peers waiting out their timeout. Collective."""
-    counts = inner.all_gather_int(_REFUSED if problem else num_tokens)
-    if problem:
-        raise ConfigError(problem)
-    refused = [r for r, n in enumerate(counts) if n >= _REFUSED]
-    if refused:
-        raise ConfigError(f"deep_ep.Buffer.dispatch: ranks {refused} refused their arguments (each raised why); "
+def after_refused_round(inner, num_tokens: int, own: ConfigError | None = None,
+                        refused: RefusedRound | None = None) -> int:
+    """Rounds of a fresh dispatch whose first round was refused on every rank (Note [Rounds beyond
+    the budget]): every rank's token count gathered, then ``ceil(max / C)``, more than one. ``own``:
+    this rank's arguments were wrong (it says so in the meet, then raises ``own``); ``refused``: the
+    peers' refusal this rank heard, raised again when no rank needs more rounds (the device refused
+    an input). Every rank raises alike when one said its arguments were wrong. Collective."""
+    try:
+        counts = inner.all_gather_int(_REFUSED if own is not None else num_tokens)
+    except (TransferTimeout, PeerLostError):
+        if own is not None or refused is not None:  # the error the call made comes first
+            raise (own if own is not None else refused) from None
+        raise
+    if own is not None:
+        raise own
+    wrong = [r for r, n in enumerate(counts) if n >= _REFUSED]
+    if wrong:
+        raise ConfigError(f"deep_ep.Buffer.dispatch: ranks {wrong} refused their arguments (each raised why); "
                           "nothing was sent")
-    return max(1, -(-max(counts) // inner.layout.max_tokens))
+    num_rounds = -(-max(counts) // inner.layout.max_tokens)
+    if num_rounds <= 1 and refused is not None:
+        raise refused
+    return max(1, num_rounds)
 
 
 def padded_rounds(inner, num_worst_tokens: int, num_tokens: int) -> tuple[int, str | None]:

@@ -37,7 +37,7 @@ import numpy as np
 
 from warmlink.ep.wire import mailbox as mb
 from warmlink.ep.wire.handle import Handle, fill_plan
-from warmlink.ep.wire.words import REFUSED, combine_handle_round, describe_call, describe_combine
+from warmlink.ep.wire.words import REFUSED, RefusedRound, combine_handle_round, describe_call, describe_combine
 from warmlink.errors import ConfigError, MetadataError
 
 __all__ = ["Pending", "Rounds"]
@@ -185,8 +185,8 @@ class Rounds:
                 return
             refused = sorted(r for r, theirs in words.items() if r != self.rank and theirs == REFUSED)
             if refused:
-                raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch arguments (each raised "
-                                  "why); nothing was sent, and the round is spent on every rank")
+                raise RefusedRound(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch arguments (each raised "
+                                   "why); nothing was sent, and the round is spent on every rank", refused)
             for r, theirs in words.items():
                 if r != self.rank and theirs != mine:
                     raise ConfigError(f"ep.Buffer.dispatch: rank {r} dispatches with {describe_call(theirs)}, this rank "

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from warmlink.ep.wire.words import RefusedRound
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 __all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board", "recv_starts"]
@@ -122,8 +123,8 @@ def plan_from_board(handle: Handle, board: np.ndarray, round_: int, rank: int, m
     matrix = _board_matrix(board, round_, max_tokens)
     if matrix is None:
         refused = [s for s in range(num_ranks) if not board[s, 1]]
-        raise ConfigError(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
-                          "layout; see their errors); nothing was sent")
+        raise RefusedRound(f"ep.Buffer.dispatch: ranks {refused} refused their dispatch input (bad expert ids or "
+                           "layout; see their errors); nothing was sent", refused)
     fill_plan(handle, matrix, board[:, 2 + num_ranks:2 + num_ranks + epr].sum(0).tolist(), rank)
 
 

@@ -12,7 +12,7 @@ experts, 33-62 ``num_worst_tokens``. Combine bits: 0-1 x's dtype, 2-16 ``topk_we
 
 ``REFUSED`` (-1, a word ``encode_call`` never makes) is the word of a rank that refused its own
 fresh dispatch's arguments and takes part in the round without tokens (``ep.Buffer.refuse_dispatch``;
-ep.protocol.normal, Note [Refused dispatch]): every rank that reads it raises ``ConfigError`` naming that rank.
+ep.protocol.normal, Note [Refused dispatch]): every rank that reads it raises ``RefusedRound`` naming that rank.
 """
 
 from __future__ import annotations
@@ -21,9 +21,20 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["REFUSED", "combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
+__all__ = ["REFUSED", "RefusedRound", "combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
 
 REFUSED = -1  # the config word of a refused fresh dispatch (module docstring)
+
+
+class RefusedRound(ConfigError):
+    """A fresh dispatch round that ``ranks`` refused, raised on every other rank alike (and on every
+    rank when the device refused an input): nothing was sent and the round is spent everywhere."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)  # a dtype's code is its index
 _TOPK_BITS, _EXPERT_BITS = 15, 13
 _WORST_SHIFT = 33
