@@ -328,9 +328,8 @@ class Buffer(LowLatencyMethods, Closing):
             return out
 
     def refuse_dispatch(self, reason: str, return_recv_hook: bool = False):
-        """Take part in the next fresh dispatch round without tokens, then raise ``ConfigError(reason)``;
-        every peer raises ``ep.RefusedRound`` (a ``ConfigError``) naming this rank (ep.protocol.normal,
-        Note [Refused dispatch]).
+        """Take part in the next fresh dispatch round without tokens, then raise ``ConfigError(reason)``; every
+        peer raises ``ep.RefusedRound``, a ``ConfigError`` naming this rank (Note [Refused dispatch]).
         ``return_recv_hook`` must be the peers'. Collective."""
         self._check_open("refuse_dispatch")
         self._normal.refuse_dispatch(reason, return_recv_hook)
