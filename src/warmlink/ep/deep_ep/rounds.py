@@ -1,33 +1,33 @@
 """Batches larger than the warmlink Buffer inside holds, sent in several rounds.
 
 # Note [Rounds beyond the budget]
-DeepEP streams any batch through rings that fit its byte budget. A warmlink Buffer holds a slot
-row per token instead (ep.wire.regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
+DeepEP streams any batch through rings that fit its byte budget. A warmlink Buffer holds a slot row
+per token instead (ep.wire.regions). So ``deep_ep.Buffer`` builds the largest Buffer within the
 budget (``sizing.tokens_within``: C tokens per rank) and sends a larger batch as several rounds of
 at most C tokens from each rank: round k carries each rank's tokens ``[kC, (k+1)C)``, none for a
 rank that has fewer. Every rank must run the same number of rounds, yet a host meet before every
-fresh dispatch cost ~120 us on 2 x H200 for the batches that fit one round, nearly all of them.
-So a fresh dispatch first tries one round without meeting anyone: a rank whose batch fits sends
-it; a rank with more than C tokens, or whose arguments are wrong, takes part refused
+fresh dispatch cost ~140 us on 2 x H200 for the batches that fit one round, nearly all of them. So a
+fresh dispatch first tries one round without meeting anyone: a rank whose batch fits sends it; a
+rank with more than C tokens, or whose arguments are wrong, takes part refused
 (``ep.Buffer.refuse_dispatch``), which refuses the round on every rank alike (each peer raises
 ``RefusedRound``). Only after a refused round do the ranks meet (``after_refused_round``: every
 rank's token count through ``ep.Buffer.all_gather_int``, host mailboxes, no kernel): every rank
-raises when one said its arguments were wrong (or when nobody needed more rounds: the device
-refused an input), else the batch goes in ``ceil(max / C)`` rounds. A padded one (``num_worst_tokens`` W, which
-every rank passes alike) meets nobody first: it runs ``ceil(ceil(W / R) / C)`` rounds, as many
-as ``R`` ranks of ``W / R`` tokens each need (DeepEP's callers pass ``W = R x`` the most tokens
-per rank), so in one round it returns at launch; a rank with more tokens than those rounds hold
-refuses the call, and so do its peers, at once (``ep.Buffer.refuse_dispatch``). The outputs are
-fresh tensors in DeepEP's order (source rank, then source token): round k's rows from source s
-land after that source's rows of the earlier rounds. Each round's rows are copied out of the
-receive area on the caller's stream before the next round starts, then placed; no peer writes
-that area again before this rank's stream has passed the copy (a fresh round's count exchange,
-or a cached round's arrival flags, Note [Arrival flags] in ep.wire.flags). The handle keeps every
-round's warmlink handle and where its rows went: a cached dispatch replays the same rounds, and a
-combine sends each round's rows back with its round's handle, each token summed in the one round
-that carried it. Memory stays within the budget; each extra round costs a round's fixed host
-time and one more copy of its rows. Every round's counts per rank and per expert are made before
-the first round, in one pass (``_round_counts``), not by a layout per round.
+raises when one said its arguments were wrong (or when nobody needed more rounds: the device refused
+an input), else the batch goes in ``ceil(max / C)`` rounds. A padded one (``num_worst_tokens`` W,
+which every rank passes alike) meets nobody first: it runs ``ceil(ceil(W / R) / C)`` rounds, as many
+as ``R`` ranks of ``W / R`` tokens each need (DeepEP's callers pass ``W = R x`` the most tokens per
+rank), so in one round it returns at launch; a rank with more tokens than those rounds hold refuses
+the call, and so do its peers, at once (``ep.Buffer.refuse_dispatch``). The outputs are fresh
+tensors in DeepEP's order (source rank, then source token): round k's rows from source s land after
+that source's rows of the earlier rounds. Each round's rows are copied out of the receive area on
+the caller's stream before the next round starts, then placed; no peer writes that area again before
+this rank's stream has passed the copy (a fresh round's count exchange, or a cached round's arrival
+flags, Note [Arrival flags] in ep.wire.flags). The handle keeps every round's warmlink handle and
+where its rows went: a cached dispatch replays the same rounds, and a combine sends each round's
+rows back with its round's handle, each token summed in the one round that carried it. Memory stays
+within the budget; each extra round costs a round's fixed host time and one more copy of its rows.
+Every round's counts per rank and per expert are made before the first round, in one pass
+(``_round_counts``), not by a layout per round.
 """
 
 from __future__ import annotations

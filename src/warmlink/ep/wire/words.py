@@ -21,7 +21,8 @@ import torch
 
 from warmlink.errors import ConfigError
 
-__all__ = ["REFUSED", "RefusedRound", "combine_handle_round", "describe_call", "describe_combine", "encode_call", "encode_combine"]
+__all__ = ["REFUSED", "RefusedRound", "combine_handle_round", "describe_call", "describe_combine", "encode_call",
+           "encode_combine"]
 
 REFUSED = -1  # the config word of a refused fresh dispatch (module docstring)
 
