@@ -13,7 +13,7 @@
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
-#        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1) deepep-tests (DeepEP's test_intranode.py, unchanged,
+#        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
@@ -31,6 +31,13 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # Byte-compiled once, as an installed package is: first-cycle figures must not count compiling the sources.
 timeout 120 python3 -m compileall -q "${SRC:-$PWD/src}" >/dev/null 2>&1
 wl() { python3 -m warmlink.cli.main "$@"; }
+# DeepEP V1's extension, unpacked from the carried .baseline/deepep-v1 where it is not yet: carrying the folder
+# again replaces an unpacked one, and a bench without it runs without DeepEP beside warmlink, saying so only once
+deepep_ready() {
+  [ -f .baseline/deepep-v1/deep_ep_cpp.so.xz ] || { echo "no .baseline/deepep-v1 carried: DeepEP V1 does not run"; return 1; }
+  [ -f .baseline/deepep-v1/deep_ep_cpp.cpython-312-x86_64-linux-gnu.so ] || ( cd .baseline/deepep-v1 && python3 -c \
+    "import lzma; open('deep_ep_cpp.cpython-312-x86_64-linux-gnu.so','wb').write(lzma.decompress(open('deep_ep_cpp.so.xz','rb').read()))" )
+}
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case "$stage" in
@@ -103,7 +110,8 @@ for d in range(torch.cuda.device_count()):
       timeout 200 python3 -m warmlink.cli.main bench reconfigure --repeats ${REPEATS:-3} --timeout 120 --json "$OUT/reconfigure.json" 2>&1 | tee "$OUT/reconfigure.log" | tail -45 ;;
     tests-ll)
       timeout 400 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_low_latency_gpu.py tests/ep/test_deep_ep_low_latency.py tests/bench/test_bench_ep_low_latency.py 2>&1 | tee "$OUT/gpu_tests_ll.log" | tail -30 ;;
-    bench-ll)  # beside DeepEP V1 when the deepep stage unpacked it (one GPU per rank)
+    bench-ll)  # beside DeepEP V1 where .baseline/deepep-v1 is carried (one GPU per rank)
+      deepep_ready
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         PYTHONPATH="$PWD/src:$PWD/.baseline/deepep-v1" timeout 240 python3 -m warmlink.cli.main bench ep --low-latency \
           --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | grep -v IBGDA \
@@ -118,6 +126,7 @@ for d in range(torch.cuda.device_count()):
       done ;;
     deepep-ll-tests)  # DeepEP's test_low_latency.py, unchanged, against warmlink (one GPU per rank; RANKS); with RANKS >= 6
       # also its --shrink-test, which fails ranks 1, 3 and 5 and cannot pass with fewer (DeepEP's own neither)
+      deepep_ready
       shrink=""; [ "${RANKS:-2}" -ge 6 ] && shrink=--shrink-test
       for extra in "" $shrink; do
         ( cd .baseline/deepep-v1/tests && PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
@@ -215,14 +224,15 @@ for d in range(torch.cuda.device_count()):
           --json "$OUT/lifecycle_nixl_$i.json" 2>&1 | grep -v "UCX  WARN" | tee "$OUT/lifecycle_nixl_$i.log" | tail -30
       done ;;
     deepep)
-      ( cd .baseline/deepep-v1 && python3 -c "import lzma; open('deep_ep_cpp.cpython-312-x86_64-linux-gnu.so','wb').write(lzma.decompress(open('deep_ep_cpp.so.xz','rb').read()))" ) \
-        && PYTHONPATH="$PWD/.baseline/deepep-v1" python3 -c "import deep_ep, deep_ep_cpp; print('DeepEP V1 loads:', deep_ep.__file__)" ;;
+      deepep_ready && PYTHONPATH="$PWD/.baseline/deepep-v1" python3 -c "import deep_ep, deep_ep_cpp; print('DeepEP V1 loads:', deep_ep.__file__)" ;;
     deepep-tests)
+      deepep_ready
       for budget in 2e9 hint; do
         ( cd .baseline/deepep-v1/tests && WARMLINK_DEEP_EP_BUDGET=$budget PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
           timeout ${DEEPEP_TIMEOUT:-240} python3 test_intranode.py --num-processes ${RANKS:-2} ) 2>&1 | tee "$OUT/deepep_intranode_$budget.log" | tail -25
       done ;;
     bench-ep-deepep)
+      deepep_ready
       for i in $(seq 1 ${REPEATS_EP:-3}); do
         PYTHONPATH="$PWD/src:$PWD/.baseline/deepep-v1" timeout 280 python3 -m warmlink.cli.main bench ep --deep-ep \
           --iterations ${ITERATIONS_EP:-20} --gemm 0 ${EP_ARGS:-} --json "$OUT/ep_deepep_${TAG:-}$i.json" 2>&1 \
