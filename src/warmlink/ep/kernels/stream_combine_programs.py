@@ -9,9 +9,9 @@ modules' for the interpreter.
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.stream_programs import (ABORT_POLL_NS, BAD_ROW, COUNT_MASK, COUNTER, FIN, W_CREDIT, W_ROWS,
-                                                 device_clock_ns, ended, fence_system, first, head_state, previous_taken,
-                                                 publish, publish_one, space_of)
+from warmlink.ep.kernels.stream_programs import (
+    ABORT_POLL_NS, BAD_ROW, COUNT_MASK, COUNTER, FIN, W_CREDIT, W_ROWS, device_clock_ns, ended, fence_system, first,
+    head_state, previous_taken, publish, publish_one, space_of)
 
 __all__ = ["stream_combine_kernel", "fence_system"]
 
@@ -161,7 +161,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
                 status = tl.zeros([], dtype=tl.int64) + ((BAD_ROW << 16) | first(over, r))
             else:
                 status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS, first(short, r),
-                               tl.sum(short.to(tl.int32), 0) > 0)
+                                     tl.sum(short.to(tl.int32), 0) > 0)
         if status == 0:
             tl.debug_barrier()  # every thread reads the rows after the acquire
             # 2. token i's copy from rank d is d's row consumed[d] + (copies to d before i in the tile)
@@ -210,7 +210,7 @@ def combine_recv(rows_ptr, bases_ptr, out_ptr, out_w_ptr, abort_ptr, c, me, seq6
             status = tl.zeros([], dtype=tl.int64) + ((BAD_ROW << 16) | first(extra, r))
         else:
             status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS, first(waiting, r),
-                           tl.sum(waiting.to(tl.int32), 0) > 0)
+                                 tl.sum(waiting.to(tl.int32), 0) > 0)
     if status == 0:
         publish(heads, seq64, consumed, FIN, rm, R_BLOCK)
     return status

@@ -144,7 +144,7 @@ def previous_taken(heads, rm, r, seq64, timeout_ns, abort_ptr, R_BLOCK: tl.const
         consumed = tl.where(waiting, took, consumed)
         waiting = waiting & ~ready
         status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_PREVIOUS, first(waiting, r),
-                       tl.sum(waiting.to(tl.int32), 0) > 0)
+                             tl.sum(waiting.to(tl.int32), 0) > 0)
     return consumed, status
 
 
@@ -197,7 +197,7 @@ def send_steps(rows_ptr, x_ptr, topk_ptr, w_ptr, s_ptr, bases_ptr, abort_ptr, c,
                 consumed = tl.where(full, tl.maximum(consumed, took), consumed)
                 full = full & (counts - consumed >= ring_rows)
                 status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_CREDIT, first(full, r),
-                               tl.sum(full.to(tl.int32), 0) > 0)
+                                     tl.sum(full.to(tl.int32), 0) > 0)
         else:
             inn = tok < take
             mine = (goes & inn[:, None]).to(tl.int32)
@@ -292,7 +292,7 @@ def recv_steps(bases_ptr, offsets_ptr, out_x_ptr, out_idx_ptr, out_w_ptr, out_s_
             # the peer named: the first source not heard from this call, else the first not done
             silent = first((left > 0) & (heard == 0), r)
             status, poll = ended(start, poll, timeout_ns, abort_ptr, seq64, W_ROWS,
-                           tl.where(silent < _BIG, silent, first(left > 0, r)), moved == 0)
+                                 tl.where(silent < _BIG, silent, first(left > 0, r)), moved == 0)
     # the rows this channel took from each source: where the streamed combine (ep.kernels.stream_combine)
     # finds the rows it sends each source back on this channel
     tl.store(taken_ptr + r * CHANNELS + c, consumed, mask=r < NUM_RANKS)
