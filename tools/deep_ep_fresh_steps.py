@@ -6,9 +6,10 @@ rank, each step's median start (us after the call began) and median inclusive ti
 the device's view from CUDA events on the caller's stream: when the count exchange's launches ended
 and when the GPU reached the streamed kernel's launch (it idles between the two while the host
 reads the board and prepares the launch). DeepEP's API as the bench calls it (``get_dispatch_layout``
-then ``dispatch``), its hint budget, the bench's inputs (4096 x 7168 BF16, top-8 of 256)::
+then ``dispatch``), its hint budget, the bench's inputs (4096 x 7168 BF16, top-8 of 256); with
+``--call`` a cached dispatch or a combine of the first dispatch's handle instead::
 
-    python tools/deep_ep_fresh_steps.py [--calls 40] [--budget hint|2e9] [--padded] [--fp8]
+    python tools/deep_ep_fresh_steps.py [--calls 40] [--budget hint|2e9] [--padded] [--fp8] [--call cached|combine]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from _timing import timed
 
 
 def _steps():
-    """(owner, attribute) of every step timed; module functions where their caller looks them up."""
+    """(owner, attribute) of every step timed; module functions where their caller looks them up.
+    Steps the code at hand lacks are left out (the tool times the previous code too: SRC)."""
     import warmlink.ep.deep_ep.buffer as de_buffer
     import warmlink.ep.deep_ep.calls as de_calls
     import warmlink.ep.deep_ep.handle as de_handle
@@ -37,7 +39,7 @@ def _steps():
     from warmlink.ep.paths import senders
     from warmlink.ep.protocol import checks, normal as proto_normal, rounds as proto_rounds, streamed as proto_streamed
 
-    return [
+    return [(owner, attr) for owner, attr in [
         (de_buffer.Buffer, "get_dispatch_layout"), (de_buffer, "dispatch_layout"), (de_buffer.Buffer, "dispatch"),
         (de_buffer, "pack_scales"), (de_calls, "fresh"), (de_rounds, "argument_problem"),
         (de_calls, "widen"), (de_calls, "narrow"), (de_calls, "unpack_scales"), (de_handle.DispatchHandle, "of"),
@@ -47,6 +49,11 @@ def _steps():
         (_cuda, "graph_launch"), (_cuda, "memcpy_async"), (_cuda, "event_record"), (proto_streamed.StreamedMode, "_complete"),
         (cuda_mover.CudaMover, "wait_board"), (checks.Checks, "counts"), (proto_streamed, "plan_from_board"),
         (paths_streamed.StreamPath, "valid"), (paths_streamed.StreamPath, "offsets"),
+        (paths_streamed.StreamPath, "prepare_dispatch"), (stream_cuda, "prepare_dispatch"),
+        (de_calls, "cached"), (de_calls, "combine"), (de_buffer.Buffer, "combine"), (api_buffer.Buffer, "combine"),
+        (proto_streamed.StreamedMode, "_cached"), (proto_streamed.StreamedMode, "combine"),
+        (paths_streamed.StreamPath, "combine"), (stream_cuda, "combine"), (de_buffer, "combine_biases"),
+        (getattr(stream_cuda, "PreparedDispatch", None), "launch"),
         (paths_streamed.StreamPath, "padded_offsets"), (proto_streamed, "stream_outputs"),
         (paths_streamed.StreamPath, "dispatch"), (stream_cuda, "dispatch"), (stream_cuda, "_launch"),
         (proto_streamed, "per_expert_list"), (proto_streamed.StreamedMode, "event"),
@@ -59,7 +66,7 @@ def _steps():
         (proto_normal.NormalMode, "_arrived"), (senders.SmPath, "launch"), (proto_rounds.Rounds, "meet"),
         (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
         (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
-    ]
+    ] if owner is not None and hasattr(owner, attr)]
 
 
 _marks: list[tuple[str, float, float]] = []  # (step, entered, left) of the call in progress
@@ -90,17 +97,26 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     buf = deep_ep.Buffer(dist.group.WORLD, budget, explicitly_destroy=True)
     extra = {"num_worst_tokens": num_ranks * 4096} if args.padded else {}
 
-    def fresh():
+    def dispatch():
         lay = buf.get_dispatch_layout(topk_idx, num_experts)
         return buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
                             topk_idx=topk_idx, topk_weights=weights, **extra)
 
+    made = dispatch()
+    handle = made[4]
+    rows = (made[0][0] if isinstance(made[0], tuple) else made[0]).to(torch.bfloat16)
+    fresh = {"fresh": dispatch, "cached": lambda: buf.dispatch(x, handle=handle, **extra),
+             "combine": lambda: buf.combine(rows, handle)}[args.call]
     for _ in range(5):  # compiles, captures the exchange's graphs
         fresh()
     torch.cuda.synchronize()
     # the device's view: events after the exchange's launches and before the streamed kernel's
     front_done, before_stream = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    send_counts, launch = cuda_mover.CudaMover.send_counts, stream_cuda._launch
+    send_counts = cuda_mover.CudaMover.send_counts
+    # the streamed kernel's launch: a prepared one's (PreparedDispatch.launch), else the packed one's
+    prepared = getattr(stream_cuda, "PreparedDispatch", None)
+    launch_owner, launch_attr = (prepared, "launch") if prepared is not None else (stream_cuda, "_launch")
+    launch = getattr(launch_owner, launch_attr)
 
     recorded: set[str] = set()  # the marks of the call in progress (a slot-design call has no streamed kernel)
 
@@ -115,7 +131,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
         recorded.add("stream")
         return launch(*a, **kw)
 
-    cuda_mover.CudaMover.send_counts, stream_cuda._launch = send_counts_marked, launch_marked
+    cuda_mover.CudaMover.send_counts = send_counts_marked
+    setattr(launch_owner, launch_attr, launch_marked)
     for owner, attr in _steps():
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
                                    getattr(owner, attr), _mark))
@@ -154,7 +171,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
             spent[name].append(total[name] * 1e6)
             calls[name].append(count[name])
     med = statistics.median
-    kind = args.budget + (", padded" if args.padded else "") + (", fp8" if args.fp8 else "")
+    kind = args.budget + (", padded" if args.padded else "") + (", fp8" if args.fp8 else "") + (
+        f", {args.call}" if args.call != "fresh" else "")
     front = f"exchange launches done {med(to_front):.0f} us after the call began" if to_front else "no exchange seen"
     stream = f", streamed kernel reached {med(gap):.0f} us after that" if gap else ", no streamed kernel"
     lines = [f"=== rank {rank} ({kind}): host wall {med(wall):.0f} us, CUDA events {med(device):.0f} us; device: {front}"
@@ -179,6 +197,8 @@ def main() -> None:
     p.add_argument("--budget", default="hint", help="'hint' (DeepEP's Config hint, as the bench) or bytes, e.g. 2e9")
     p.add_argument("--padded", action="store_true", help="pass num_worst_tokens (ranks x tokens)")
     p.add_argument("--fp8", action="store_true", help="FP8 tokens with column-major scales, as DeepEP's tests")
+    p.add_argument("--call", choices=("fresh", "cached", "combine"), default="fresh",
+                   help="the call timed: a fresh dispatch, a cached one with its handle, or the combine of its rows")
     args = p.parse_args()
     spawn_ranks(_rank, args.ranks, args)
 

@@ -111,3 +111,49 @@ def test_the_dispatch_kernel_reads_any_float_weights_the_protocol_takes():
         w = torch.tensor([[0.5, 0.25], [1.0, 2.0]]).to(dtype)
         got, k = stream_cuda.weight_kind(w)
         assert k == 1 and got.dtype == torch.float32 and torch.equal(got, w.float())
+
+
+def _unpacked(packed: bytes) -> dict:
+    """``DispatchArgs`` bytes by field (``starts`` as a list)."""
+    words, fields, i = stream_cuda._DISPATCH.unpack(packed), {}, 0
+    for f in DISPATCH_FIELDS:
+        n = stream_cuda.MAX_RANKS if f == "starts" else 1
+        fields[f] = list(words[i:i + n]) if f == "starts" else words[i]
+        i += n
+    return fields
+
+
+def test_a_launch_prepared_before_its_outputs_gets_their_addresses_rows_and_starts(monkeypatch):
+    """A fresh dispatch packs its launch while the GPUs trade the counts (``prepare_dispatch``) and
+    gives the outputs and the starts after (``PreparedDispatch.launch``): the kernel gets the bytes
+    a launch packed at once would give it."""
+    import torch
+
+    from warmlink.ep.kernels.stream import StreamOutputs, StreamSpace
+
+    launched = []
+    monkeypatch.setattr(stream_cuda, "_kernels", lambda device: {
+        "warmlink_stream_dispatch": lambda grid, block, args, stream: launched.append((grid, block, bytes(args)))})
+    monkeypatch.setattr(stream_cuda, "current_stream", lambda device: 0)
+    space = StreamSpace(2, 3, 16, 32)
+    t = {name: torch.zeros(4, 2, dtype=torch.int64) for name in ("rows", "x", "topk", "taken", "bases", "offsets",
+                                                                    "status", "valid", "seq")}
+    weights, scales = torch.zeros(4, 2), torch.zeros(4, 3)
+    call = (t["bases"], t["offsets"])
+    prepared = stream_cuda.prepare_dispatch(space, t["rows"], t["x"], t["topk"], weights, scales, *call, t["status"],
+                                            1234, t["valid"], 1, t["seq"], 4, 3, 5, 10**9, t["taken"], starts_given=True)
+    assert not launched  # nothing is launched before the outputs exist
+    out = StreamOutputs(torch.zeros(7, 2, dtype=torch.int64), torch.zeros(7, 2, dtype=torch.int64), torch.zeros(7, 2),
+                        torch.zeros(7, 3))
+    prepared.launch(out, [0, 5])
+    grid, block, packed = launched[0]
+    assert (grid, block) == (2 * space.channels, stream_cuda.THREADS)
+    got = _unpacked(packed)
+    assert [got[f] for f in ("out_x", "out_idx", "out_w", "out_s")] == [p.data_ptr() for p in out]
+    assert got["out_rows"] == 7 and got["starts"] == [0, 5] + [0] * (stream_cuda.MAX_RANKS - 2)
+    assert got["starts_given"] == 1 and got["abort"] == 1234 and got["me"] == 1 and got["x"] == t["x"].data_ptr()
+    stream_cuda.dispatch(space, t["rows"], t["x"], t["topk"], weights, scales, *call, out, t["status"], 1234, t["valid"],
+                         1, t["seq"], 4, 3, 5, 10**9, t["taken"], starts=[0, 5])
+    assert launched[1][2] == packed  # the launch packed at once: the same bytes
+    with pytest.raises(ValueError, match="starts_given"):
+        prepared.launch(out, None)

@@ -21,6 +21,8 @@ from importlib import resources
 
 import torch
 
+from warmlink.ep.kernels.launch import current_stream
+
 __all__ = ["MAX_TOKENS", "fits", "layout"]
 
 log = logging.getLogger("warmlink.ep")
@@ -57,8 +59,6 @@ def fits(topk: torch.Tensor, num_experts: int, num_ranks: int) -> bool:
 def layout(topk: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, ...]:
     """``ep.kernels.steps.layout``'s outputs from one launch on the current stream; ``topk`` contiguous
     and ``fits``."""
-    from warmlink.ep.kernels.launch import current_stream
-
     num_tokens, num_k = topk.shape
     device = topk.device
     counts = torch.empty(num_ranks + num_experts + 1, dtype=torch.int32, device=device)
@@ -67,4 +67,5 @@ def layout(topk: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.
         topk.data_ptr(), in_rank.data_ptr(), counts.data_ptr(), num_tokens, topk.element_size(), num_k, num_experts,
         num_experts // num_ranks, num_ranks, 0), _ARGS.size)
     _kernel(device.index)(1, THREADS, args, current_stream(device.index))
-    return (counts[:num_ranks], counts[num_ranks:num_ranks + num_experts], in_rank, counts[num_ranks + num_experts:])
+    per_rank, per_expert, bad = counts.split((num_ranks, num_experts, 1))  # (one torch call for the three views)
+    return per_rank, per_expert, in_rank, bad

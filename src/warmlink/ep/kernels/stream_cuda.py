@@ -35,7 +35,9 @@ from importlib import resources
 
 import torch
 
-__all__ = ["MAX_RANKS", "THREADS", "choose", "combine", "dispatch"]
+from warmlink.ep.kernels.launch import current_stream
+
+__all__ = ["MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "dispatch", "prepare_dispatch"]
 
 log = logging.getLogger("warmlink.ep")
 
@@ -48,6 +50,10 @@ STEPS = {"publish": 16, "batch": 32}
 OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
 # the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
 _DISPATCH = struct.Struct(f"<18Q{15 + MAX_RANKS}q12i")
+# where PreparedDispatch.launch patches it: out_x..out_s (pointers 7-10), out_rows (word 10 after
+# the 18 pointers), starts (words 13-20 after them)
+_OUT_AT, _OUT_ROWS_AT, _STARTS_AT = 7 * 8, (18 + 10) * 8, (18 + 13) * 8
+_OUTPUTS, _WORD, _STARTS = struct.Struct("<4Q"), struct.Struct("<q"), struct.Struct(f"<{MAX_RANKS}q")
 _COMBINE = struct.Struct("<12Q7q8i")
 
 
@@ -88,8 +94,6 @@ def choose(device: int, num_ranks: int) -> str:
 
 
 def _launch(name: str, device: int, grid: int, packed: bytes) -> None:
-    from warmlink.ep.kernels.launch import current_stream
-
     args = ctypes.create_string_buffer(packed, len(packed))
     _kernels(device)[name](grid, THREADS, args, current_stream(device))
 
@@ -122,24 +126,56 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
     value, which the launch writes into ``recv_offset``; ``padded``: ``(board copy, num_worst_tokens)``
     of a padded round, from which the launch takes whether the round stands, the offsets (written
     into ``recv_offset``) and the rows to pad, instead of ``padded_plan`` and two fills)."""
+    prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort, valid, me, seq,
+                     max_tokens, meta_words, experts_per_rank, timeout_ns, taken, publish, batch, advance,
+                     starts is not None, padded).launch(out, starts)
+
+
+class PreparedDispatch:
+    """A dispatch's launch packed but for its outputs and its offsets (``dispatch``'s arguments,
+    less ``out`` and ``starts``): a fresh dispatch packs it while the GPUs trade the counts, and
+    ``launch`` then patches what the counts decide (Note [Streamed calls] in ep.protocol.streamed)."""
+
+    __slots__ = ("_args", "_device", "_grid", "_starts_given")
+
+    def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool) -> None:
+        self._args, self._device, self._grid, self._starts_given = args, device, grid, starts_given
+
+    def launch(self, out, starts: list[int] | None = None) -> None:
+        """Write ``out``'s addresses and rows (and ``starts``, as prepared for) in, and launch."""
+        if (starts is not None) != self._starts_given:
+            raise ValueError(f"PreparedDispatch.launch: starts={starts!r}; prepared with starts_given={self._starts_given}")
+        args = self._args
+        _OUTPUTS.pack_into(args, _OUT_AT, out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales))
+        _WORD.pack_into(args, _OUT_ROWS_AT, out.x.shape[0])
+        if starts is not None:
+            _STARTS.pack_into(args, _STARTS_AT, *starts, *(0,) * (MAX_RANKS - len(starts)))
+        _kernels(self._device)["warmlink_stream_dispatch"](self._grid, THREADS, args, current_stream(self._device))
+
+
+def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int,
+                     seq, max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken,
+                     publish: int = 16, batch: int = 16, advance=None, starts_given: bool = False,
+                     padded=None) -> PreparedDispatch:
+    """``dispatch``'s launch, packed without its outputs and offsets (``PreparedDispatch.launch``
+    gives them); ``starts_given``: the launch will get ``starts``."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
     num_scales = scales.shape[1] if scales is not None else 0
     s_token, s_col = scales.stride() if scales is not None else (0, 0)
     weights, w_kind = weight_kind(weights)
-    given = tuple(starts) if starts is not None else ()
     packed = _DISPATCH.pack(
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
-        recv_offset.data_ptr(), out.x.data_ptr(), _ptr(out.idx), _ptr(out.weights), _ptr(out.scales),
+        recv_offset.data_ptr(), 0, 0, 0, 0,
         status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), _ptr(advance), taken.data_ptr(),
         padded[0].data_ptr() if padded is not None else 0,
         num_tokens, max_tokens, x_words, num_k, num_scales, s_token, s_col, meta_words, space.row_words,
-        space.ring_rows, out.x.shape[0], experts_per_rank, timeout_ns, *given, *(0,) * (MAX_RANKS - len(given)),
+        space.ring_rows, 0, experts_per_rank, timeout_ns, *(0,) * MAX_RANKS,
         padded[0].stride(0) if padded is not None else 0, padded[1] if padded is not None else 0,
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
-        (THREADS // 32) // r, int(starts is not None), int(padded is not None), 0)
-    _launch("warmlink_stream_dispatch", x.device.index, 2 * c, packed)
+        (THREADS // 32) // r, int(starts_given), int(padded is not None), 0)
+    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, 2 * c, starts_given)
 
 
 def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,

@@ -133,13 +133,10 @@ class StreamPath:
         return self._exchange_valid
 
     # -- the streamed calls ------------------------------------------------------------------------
-    def offsets(self, starts: list[int]) -> tuple[torch.Tensor, list[int] | None]:
-        """``(recv_offset, starts for dispatch)`` of a fresh dispatch whose host read where each
-        source's rows start: the CUDA kernel takes them by value and fills the returned tensor
-        itself (no copy to the device on the way to the launch); Triton's read a copy."""
-        if self.kernel == "cuda":
-            return torch.empty(len(starts), dtype=torch.int64, device=self.bases.device), starts
-        return torch.tensor(starts, dtype=torch.int64, device=self.bases.device), None
+    def recv_offset(self) -> torch.Tensor:
+        """A fresh dispatch's ``recv_offset`` [R], made before its starts are known: the CUDA kernel
+        takes the starts by value and fills it itself (no copy to the device on the way to the launch)."""
+        return torch.empty(self.num_ranks, dtype=torch.int64, device=self.bases.device)
 
     def padded_offsets(self, board: torch.Tensor, num_worst_tokens: int):
         """``(recv_offset, valid, padded)`` of a padded fresh dispatch whose board copy is ``board``:
@@ -147,34 +144,55 @@ class StreamPath:
         round stands, fills ``recv_offset`` and pads the outputs); for Triton's, ``padded_plan`` does
         the first two now and ``padded`` is None (the caller pads the outputs)."""
         if self.kernel == "cuda":
-            offsets = torch.empty(self.num_ranks, dtype=torch.int64, device=self.bases.device)
-            return offsets, self.valid(), (board, num_worst_tokens)
+            return self.recv_offset(), self.valid(), (board, num_worst_tokens)
         return (*padded_plan(board, self.valid(), self.rank, num_worst_tokens), None)
 
     def dispatch(self, rows: torch.Tensor, src: Sources, out: StreamOutputs, recv_offset: torch.Tensor,
                  taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
-                 fresh: bool = False, starts: list[int] | None = None, padded=None) -> None:
+                 fresh: bool = False, padded=None) -> None:
         """Stream ``src``'s rows (``rows``: the plan's) into every destination's ``out`` on the current
-        stream (``fresh``: right after ``launch_counts``, which advanced the seq already; ``starts``:
-        ``offsets``' second value; ``padded``: ``padded_offsets``' third)."""
+        stream (``fresh``: a padded fresh dispatch's, right after ``launch_counts``, which advanced the
+        seq already; ``padded``: ``padded_offsets``' third value; else a cached dispatch's)."""
+        self.prepare_dispatch(rows, src, recv_offset, taken, experts_per_rank, valid, fresh=fresh,
+                              padded=padded)(out, None)
+
+    def prepare_dispatch(self, rows: torch.Tensor, src: Sources, recv_offset: torch.Tensor | None,
+                         taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
+                         fresh: bool = False, padded=None, starts_given: bool = False):
+        """The launch of ``dispatch``, made ready but for the outputs: ``launch(out, starts)`` then
+        launches it on the current stream. An unpadded fresh dispatch prepares it while the GPUs
+        trade the counts (``fresh``: right after ``launch_counts``, which advanced the seq already;
+        ``starts_given``: ``launch`` gets where each source's rows start, and ``recv_offset`` is
+        ``self.recv_offset()``, or None for the Triton kernels, which read a copy of the starts).
+        ``launch`` returns the ``recv_offset`` the launch fills."""
         step = None if fresh else self._advance()
         slot = self._slot()
         if self.kernel == "cuda":  # checked by the protocol, made by this path: launched without a second check
             num_k = src.topk.shape[1] if src.topk is not None else 0
             num_scales = src.scales.shape[1] if src.scales is not None else 0
             topk, weights = (t.contiguous() if t is not None else None for t in (src.topk, src.weights))
-            stream_cuda.dispatch(
+            prepared = stream_cuda.prepare_dispatch(
                 self.space, rows.contiguous(), src.x.contiguous(), topk, weights, src.scales, self.bases, recv_offset,
-                out, self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
+                self._status_of(slot), self._abort.data_ptr(), valid if valid is not None else self._valid,
                 self.rank, self._seq, self.layout.max_tokens, stream.meta_words(num_k, num_scales),
-                experts_per_rank, self._timeout_ns, taken, advance=step, starts=starts, padded=padded,
+                experts_per_rank, self._timeout_ns, taken, advance=step, starts_given=starts_given, padded=padded,
                 **stream_cuda.STEPS)
+
+            def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
+                prepared.launch(out, starts)
+                self._launched(slot, "dispatch")
+                return recv_offset
         else:
-            stream.stream_dispatch(self.space, rows, src, out, recv_offset, self.bases, self._status_of(slot),
-                                   me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
-                                   experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
-                                   abort=self._abort.data_ptr(), taken=taken, valid=valid)
-        self._launched(slot, "dispatch")
+            def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
+                offsets = recv_offset if starts is None else torch.tensor(starts, dtype=torch.int64,
+                                                                          device=self.bases.device)
+                stream.stream_dispatch(self.space, rows, src, out, offsets, self.bases, self._status_of(slot),
+                                       me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
+                                       experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
+                                       abort=self._abort.data_ptr(), taken=taken, valid=valid)
+                self._launched(slot, "dispatch")
+                return offsets
+        return launch
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
                 recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:

@@ -5,9 +5,10 @@ ep.paths.sm_pushes) and pace the rows (Note [Streamed dispatch] in ep.kernels.st
 
 # Note [Streamed calls]
 A fresh dispatch launches ``plan`` and the count exchange; without ``num_worst_tokens`` the host
-then reads the board once (the received row count sizes the outputs, as DeepEP's host reads its
-counters), places each source's rows (``recv_offset``) and launches the streamed dispatch, and
-only then fills the handle's plan from the same board (the GPUs idle until that launch). With
+then packs the streamed dispatch's launch but for its outputs (while the GPUs trade the counts),
+reads the board once (the received row count sizes the outputs, as DeepEP's host reads its
+counters), places each source's rows (``recv_offset``) and launches, and only then fills the
+handle's plan from the same board (the GPUs idle from the board to that launch). With
 ``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
 copy and decide whether the round stands (the exchange accepted every rank's call, and no rank
 receives more than ``num_worst_tokens`` rows: every rank holds every source's counts, so all
@@ -30,7 +31,8 @@ Buffer's next eager call, which reads every captured call's status words back.
 
 Failures: a call returns at launch; a program that misses its deadline (a dead or stalled peer)
 or is aborted leaves a status word that the Buffer's next call reads and raises as
-``TransferTimeout``. The rings then hold rows of unknown state, so the call after clears the space
+``TransferTimeout`` (a dispatch or a combine once its own launches are out: off the way to them,
+``raise_failures``). The rings then hold rows of unknown state, so the call after clears the space
 with every peer (``_clear``): each rank ends its launches (the abort words), meets the others
 through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``), zeroes its space,
 boards and counts, meets again, and counts from 1. A peer that sees a clear asked for at its next
@@ -62,6 +64,7 @@ from warmlink.errors import ConfigError, TransferTimeout
 __all__ = ["StreamedMode"]
 
 _CLEAR = 1 << 62  # a meet value asking every rank to clear the stream space
+_FAILURES_AFTER_LAUNCH = ("dispatch", "combine", "refuse_dispatch")  # calls that read them late (raise_failures)
 
 
 class StreamedMode:
@@ -84,14 +87,17 @@ class StreamedMode:
         self.recv_failed = False  # no receive stream: close always orders the caller's stream after the calls
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
+        self.in_graph = False  # the current call is captured in a CUDA graph (before_call)
 
     # -- between calls ------------------------------------------------------------------------------
     def before_call(self, func: str) -> None:
         """Clear the space if a failure (here or at a peer) asks for it; raise a finished call's
-        failure; bring a padded dispatch's counts to the host (raising its refusal). Inside a graph
-        capture none of that can run: a clear still due refuses the call."""
+        failure (a dispatch or a combine does once its launch is out: ``raise_failures``); bring a
+        padded dispatch's counts to the host (raising its refusal). Inside a graph capture none of
+        that can run: a clear still due refuses the call."""
         asked = self._clear_asked()
-        if capturing():
+        self.in_graph = capturing()
+        if self.in_graph:
             if self.must_clear or asked:
                 raise ConfigError(f"ep.Buffer.{func}: captured in a CUDA graph while the stream space awaits a clear "
                                   "after a failure; make an eager call first (it clears the space with every peer)")
@@ -103,11 +109,22 @@ class StreamedMode:
                 raise TransferTimeout(f"ep.Buffer.{func}: ranks {asked} failed a streamed call and cleared the stream "
                                       "space with this rank; this call did not run, and the outputs of this rank's "
                                       "calls since that one are void (the next call works)")
+        if func not in _FAILURES_AFTER_LAUNCH:
+            self.raise_failures()
+        self.resolve()
+
+    def raise_failures(self) -> None:
+        """Raise the failure of an earlier call that finished (ep.paths.streamed ``failures``). A
+        dispatch or a combine reads them once its launches are out, off the way to them: it spends
+        the call as a failure found before it would (its launch then joins the clear the next call
+        makes), and a call is never sure to find one anyway (an earlier call may still be waiting
+        out its deadline)."""
+        if self.in_graph:
+            return
         failed = self.path.failures()
         if failed is not None:
             self.must_clear = True
             raise failed
-        self.resolve()
 
     def resolve(self) -> None:
         handle, self.unresolved = self.unresolved, None
@@ -159,13 +176,14 @@ class StreamedMode:
             args = self.checks.dispatch(x, cached, expert_alignment, num_worst_tokens, topk_idx, topk_weights,
                                         num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, True)
         except ConfigError as exc:
-            if cached or capturing():  # no exchange to refuse in (Note [Refused dispatch])
+            if cached or self.in_graph:  # no exchange to refuse in (Note [Refused dispatch])
                 raise
             self.refuse_dispatch(str(exc))
         tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
         marks = self.last_marks = {"start": t0, "checked": time.perf_counter()}
         if cached:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
+            self.raise_failures()
         else:
             src = Sources(as_words(tokens), topk, weights, scales)
             call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
@@ -182,7 +200,7 @@ class StreamedMode:
     def _fresh(self, call: FreshSend, marks: dict):
         """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``."""
         path, src = self.path, call.src
-        in_graph = capturing()
+        in_graph = self.in_graph
         padded = bool(call.num_worst_tokens)
         if in_graph and not padded:
             raise ConfigError("ep.Buffer.dispatch: a fresh dispatch captured in a CUDA graph needs num_worst_tokens "
@@ -191,21 +209,23 @@ class StreamedMode:
         board = path.board_like() if padded else None
         path.launch_counts(call, rows, board)
         marks["launched"] = time.perf_counter()
+        self.raise_failures()  # (while the GPUs trade the counts)
         # (made while the GPUs trade the counts)
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
                         num_worst_tokens=call.num_worst_tokens, board=board,
                         taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
         if padded:
             return self._padded(call, handle, in_graph, marks)
-        valid = path.valid()
+        # the stream's launch packed while the GPUs trade the counts: after the board, only the
+        # outputs and where each source's rows start are left to give it
+        launch = path.prepare_dispatch(rows, src, path.recv_offset() if path.kernel == "cuda" else None, handle.taken,
+                                       call.num_experts // self.num_ranks, path.valid(), fresh=True, starts_given=True)
         words, board, starts = self._wait_board(starts=True)  # starts None: a rank refused its input
-        handle.recv_offset, given = path.offsets(starts[:-1] if starts is not None else [0] * self.num_ranks)
         marks["counts"] = time.perf_counter()
         out = stream_outputs(starts[-1] if starts is not None else 0, src)
         marks["outputs"] = time.perf_counter()
         # the launch first, the handle's plan after: only the launch is on the GPUs' path
-        path.dispatch(rows, src, out, handle.recv_offset, handle.taken, call.num_experts // self.num_ranks, valid,
-                      fresh=True, starts=given)
+        handle.recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
         self._fill(handle, call, words, board)  # raises a refusal
         return out, handle
 
@@ -277,7 +297,7 @@ class StreamedMode:
                               "dispatch of this Buffer")
         if handle.num_tokens != tokens.shape[0]:
             raise ConfigError(f"ep.Buffer.dispatch: handle is for {handle.num_tokens} tokens; x has {tokens.shape[0]}")
-        if not capturing():
+        if not self.in_graph:
             handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
         if num_worst_tokens not in (0, handle.num_worst_tokens):
             raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
@@ -313,6 +333,7 @@ class StreamedMode:
                                                          device=rows.device)
         self.path.combine(handle.combine_rows, rows.contiguous(), out, handle.taken, handle.recv_offset,
                           None if weights is None else weights.contiguous(), out_w)
+        self.raise_failures()
         self.last_phases = {"send": time.perf_counter() - t0}
         return out, out_w, self.event(2 * PARITIES - 1, async_finish)
 

@@ -85,6 +85,8 @@ def per_expert_list(handle: Handle, expert_alignment: int) -> list[int]:
     empty for padded outputs, as DeepEP's (the exact counts stay on the handle)."""
     if handle.num_worst_tokens:
         return []
+    if expert_alignment == 1:  # (a copy: the caller may change it; on a fresh dispatch's host path)
+        return list(handle.num_recv_tokens_per_expert_list)
     return [-(-n // expert_alignment) * expert_alignment for n in handle.num_recv_tokens_per_expert_list]
 
 
