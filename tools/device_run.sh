@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (see the device tool): GPU tests, demo and benchmarks in one call.
 # Usage: tools/device_run.sh STAGE...   stages: env diag probe tests tests-all tests-ep (tests-ep-buffer, tests-ep-stream,
-#        tests-ep-rest)
+#        tests-ep-rest) tests-ep-quick (the layout, stream kernel and deep_ep GPU tests: about 5 minutes)
 #        stream-sweep (the streamed Buffer with the CUDA and the Triton kernels, eager and graph-replayed; CONFIGS)
 #        tests-refit tests-fp8 bench-fp8 (REPEATS_FP8, SCALE_FP8) tests-fanout bench-fanout (REPEATS_FANOUT, CYCLES, INSTALL)
 #        bench-first (REPEATS_FIRST: first cycles against NCCL's group creation) first-profile (where cycle 1 and export go)
@@ -130,6 +130,10 @@ for d in range(torch.cuda.device_count()):
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_ep_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_buffer.log" | tail -40 ;;
     tests-ep-stream)  # the streamed kernels and Buffer: about 4 minutes where two ranks share one GPU
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_stream_gpu.py tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_stream.log" | tail -40 ;;
+    tests-ep-quick)  # what a kernel or host-path change of ep touches first: the layout, the streamed kernels, deep_ep
+      timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep/test_kernels.py \
+        tests/ep/test_stream_gpu.py tests/ep/test_deep_ep.py tests/ep/test_deep_ep_widths.py 2>&1 \
+        | tee "$OUT/gpu_tests_ep_quick.log" | tail -40 ;;
     tests-ep-rest)
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep --ignore=tests/ep/test_ep_gpu.py --ignore=tests/ep/test_stream_gpu.py --ignore=tests/ep/test_streamed_gpu.py 2>&1 | tee "$OUT/gpu_tests_ep_rest.log" | tail -40 ;;
     stream-sweep)
