@@ -116,8 +116,8 @@ __device__ __forceinline__ void warp_copy(i64* dst, const i64* src, i64 words, i
 
 // A bounded wait: its start, and when it next reads the abort word. The word may lie in pinned host
 // memory, a PCIe round trip away; read at every poll it slows the poll, and a slow poll lengthens the
-// peer's waits in turn (once every wait outlasted the first interval, calls ran 4x slower for a whole
-// process), so a wait reads it once an interval.
+// peer's waits in turn, which can hold both ranks' calls several times slower for good. So a wait
+// reads it once an interval.
 struct Wait {
   i64 start, next_abort;
 };
