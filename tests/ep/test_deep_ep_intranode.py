@@ -38,11 +38,11 @@ def test_deep_eps_intranode_checks_pass_on_cpu_in_rounds():
 @pytest.mark.parametrize("num_ranks,hidden,num_topk,num_experts,num_nvl_bytes", [
     (2, 7168, 8, 256, int(2e9)), (4, 7168, 8, 256, int(2e9)),
     (2, 2880, 4, 128, int(2e9)),  # gpt-oss's
-    (2, 7168, 8, 256, None)])  # DeepEP's hint: slots of 576 tokens per rank, so a streamed Buffer
+    (2, 7168, 8, 256, None)])  # DeepEP's hint
 def test_deep_eps_intranode_checks_pass_on_gpu_at_deep_eps_shape(num_ranks, hidden, num_topk, num_experts, num_nvl_bytes):
-    """At 2e9 bytes the slots hold a 4096-token batch; DeepEP's hint holds 576, so the Buffer within
-    it streams (deep_ep.inner, Note [Built on first dispatch])."""
+    """With 2e9 bytes and with DeepEP's hint the Buffer within streams wherever the CUDA streamed
+    kernels run (deep_ep.inner, Note [Built on first dispatch])."""
     case = {"num_tokens": 4096, "hidden": hidden, "num_topk": num_topk, "num_experts": num_experts, "cuda": True,
             "num_nvl_bytes": num_nvl_bytes, "dist_port": free_port(), "report_send": True}
-    want = "stream" if num_nvl_bytes is None else "sm"
+    want = "stream"
     assert run_ranks(intranode_rank, num_ranks, case=case, timeout_s=600) == [(SETTINGS, want)] * num_ranks

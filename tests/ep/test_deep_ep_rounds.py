@@ -82,10 +82,11 @@ def test_a_padded_dispatch_takes_the_fewest_rounds_that_hold_its_share_of_num_wo
 
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])], ids=["shm", "gpu"])
-def test_a_batch_that_fits_one_round_meets_nobody_and_a_later_larger_one_goes_in_rounds(cuda):
+def test_a_batch_that_fits_one_round_meets_nobody_and_a_later_larger_one_goes_in_rounds(cuda, monkeypatch):
     """A slot Buffer built for 4 tokens a round: batches that fit are one round and no host meet;
     a later batch of 9 tokens on rank 0 is first refused on every rank, then one meet, then 3
     rounds; every dispatch and combine equals the reference, and the batch after fits again."""
+    monkeypatch.setenv("WARMLINK_EP_STREAM_KERNEL", "triton")  # slots on GPUs too (the CUDA kernels stream: deep_ep.inner)
     case = {"held": 4, "hidden": 256, "experts": 6, "topk": 2, "seed": 31, "dist_port": free_port(), "cuda": cuda,
             "batches": [[3, 4], [4, 1], [9, 2], [2, 0], [0, 4]]}
     for rank, steps in enumerate(run_ranks(later_batch_in_rounds, 2, case=case, timeout_s=240)):

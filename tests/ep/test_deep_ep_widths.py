@@ -20,7 +20,8 @@ from warmlink.ep.wire.fp8 import num_scales, quantize
 
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])], ids=["shm", "gpu"])
-def test_calls_of_several_widths_share_one_buffer_and_equal_buffers_built_for_each(cuda):
+def test_calls_of_several_widths_share_one_buffer_and_equal_buffers_built_for_each(cuda, monkeypatch):
+    monkeypatch.setenv("WARMLINK_EP_STREAM_KERNEL", "triton")  # slots on GPUs too (the CUDA kernels stream: deep_ep.inner)
     steps = [(256, 2), (128, 2), (130, 2), (384, 2), (256, 2), (201, 3)]  # 130 and 201: not whole 8-byte words
     case = {"tokens": [13, 0, 9], "experts": 6, "seed": 21, "steps": steps, "dist_port": free_port(),
             "budget": needed_bytes(16, 3, 384, 3), "cuda": cuda}

@@ -196,16 +196,15 @@ class Buffer(LowLatencyCalls, CommCalls):
                 (rows go by ``is_token_in_rank``; the per-expert counts still come back).
             topk_weights: ``[T, K]`` float32, with ``topk_idx`` only.
             expert_alignment, num_worst_tokens: as DeepEP's (``num_worst_tokens``: every output
-                padded to that many rows, expert id -1). An unpadded fresh dispatch first agrees
-                with the peers' hosts on its rounds (a host-only meet, deep_ep.rounds); a padded one
-                takes them from ``num_worst_tokens`` (the same on every rank, and at least
-                ``num_ranks`` times the most tokens a rank sends), meets nobody, and in one round
-                returns at launch, the next call raising its refusal (ep.protocol.normal, Note [Padded
-                dispatch returns at launch]); in several, each round waits for its counts. Round
-                numbers are host ints: not graph-capturable. A streamed Buffer within (deep_ep.inner)
-                keeps its counts on the device: its padded fresh dispatch, cached dispatch and
-                combine can be captured in a CUDA graph with ``get_dispatch_layout`` (after an
-                eager call built it).
+                padded to that many rows, expert id -1). A streamed Buffer within (deep_ep.inner:
+                on GPUs) keeps its counts on the device: its padded fresh dispatch returns at
+                launch, and with its cached dispatch and combine can be captured in a CUDA graph
+                with ``get_dispatch_layout`` (after an eager call built it). A slot Buffer sends an
+                unpadded batch in one round, or after a refused one in as many as the largest batch
+                needs (deep_ep.rounds); a padded one in the rounds ``num_worst_tokens`` implies (the
+                same on every rank, and at least ``num_ranks`` times the most tokens a rank sends),
+                in one round returning at launch, the next call raising its refusal
+                (ep.protocol.normal, Note [Padded dispatch returns at launch]).
             config: a ``Config`` or None; accepted and unused.
             previous_event: an ``EventOverlap`` (``capture()``, an earlier call's) the work waits for.
             async_finish: as DeepEP's: run on the communication stream (``get_comm_stream()``) after

@@ -7,12 +7,18 @@ warmlink Buffer is built by the first ``dispatch`` (collective, as the construct
 call's hidden size (rounded up to a multiple of 8: rows move as 8-byte words, so any hidden
 size works), the widest top-k seen so far and the most tokens per rank that fit
 ``num_nvl_bytes`` (``deep_ep.sizing``), on the device of ``x``; every rank computes the same sizes.
-A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). On CUDA,
-when those slots would not hold the largest first batch of any rank in one round (every rank's
-count through the rendezvous store when the Buffer is built, so that every rank decides alike), it
-is a streamed Buffer (``send="stream"``) within the budget instead, which takes any batch in one
-call. The ranks meet over the store ``deep_ep.Buffer``'s constructor made, not in a collective of
-the group: a rank that makes no first dispatch costs the others ``TransferTimeout`` within the
+A larger batch goes in several rounds (deep_ep.rounds, Note [Rounds beyond the budget]). On CUDA
+it is a streamed Buffer (``send="stream"``) within the budget instead, which takes any batch in
+one call, keeps its counts on the device (so a padded fresh dispatch can be captured in a CUDA
+graph, as DeepEP's can) and needs ~71 MiB at 2 ranks whatever the budget: wherever its CUDA C++
+kernels run (ep.kernels.stream_cuda: at most 8 ranks), and with the Triton ones only where the
+slots would not hold the largest first batch of any rank in one round (every rank's count through
+the rendezvous store when the Buffer is built, so that every rank decides alike). Why streamed
+where slots would hold the batch: on 2 x H200 (DeepEP's shape, runs of both in one lease) the
+streamed Buffer's fresh dispatch is 10-30% faster than a slot Buffer's of 2e9 bytes (padded, BF16,
+FP8), its cached FP8 dispatch 1.5x, its cached BF16 dispatch and combine even, in an eighth of the
+memory. The ranks meet over the store ``deep_ep.Buffer``'s constructor made, not in a collective
+of the group: a rank that makes no first dispatch costs the others ``TransferTimeout`` within the
 Buffer's timeout, naming it, where a collective would wait for it without end.
 
 A later call with a wider hidden size or top-k grows it: the ranks first agree on the new sizes
@@ -32,6 +38,7 @@ import torch
 
 from warmlink.ep import Buffer as EPBuffer
 from warmlink.ep.deep_ep import sizing
+from warmlink.ep.kernels import stream_cuda
 from warmlink.ep.kernels.stream import sm_count
 from warmlink.ep.wire.fp8 import num_scales
 from warmlink.errors import ConfigError
@@ -67,7 +74,9 @@ def built(owner, rows: torch.Tensor, num_topk: int) -> EPBuffer:
                               "rank must dispatch the same hidden size and top-k width")
     held = sizing.tokens_within(owner.num_nvl_bytes, owner.group_size, hidden, topk)
     streamed = None
-    if rows.is_cuda and (held == 0 or held < _most_tokens(owner, rows)):  # a slot round would not hold a batch
+    # streamed wherever the CUDA streamed kernels run; with Triton's, where a slot round would not hold a batch
+    if rows.is_cuda and (stream_cuda.choose(rows.device.index, owner.group_size) == "cuda" or held == 0
+                         or held < _most_tokens(owner, rows)):
         streamed = sizing.stream_within(owner.num_nvl_bytes, owner.group_size, hidden, topk,
                                         sm_count(rows.device.index) // 2)
     if held == 0 and streamed is None:

@@ -9,9 +9,10 @@ to a multiple of 8) and top-k of its widest dispatch, and sends a batch of more 
 holds in several rounds
 (deep_ep.rounds), never taking more memory than the budget.
 
-When a slot round of the budget would not hold the first dispatch's batch, ``deep_ep.Buffer``
-builds a streamed Buffer instead (on CUDA: ``send="stream"``, ep.paths.streamed), whose receive
-space is fixed whatever the batch (``stream_within``): one call at any batch, no rounds.
+On CUDA ``deep_ep.Buffer`` builds a streamed Buffer instead (``send="stream"``, ep.paths.streamed),
+whose receive space is fixed whatever the batch (``stream_within``): one call at any batch, no
+rounds; with the Triton streamed kernels only when a slot round of the budget would not hold the
+first dispatch's batch (deep_ep.inner, Note [Built on first dispatch]).
 
 The slots are sized from the budget alone, not from any rank's batch, so every rank of the group
 computes the same sizes (a group's ranks must share them, ep.wire.info).
