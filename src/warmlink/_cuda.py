@@ -457,7 +457,9 @@ def stream_synchronize(stream: int) -> None:
 
 def stream_wait_event(stream: int, event: int) -> None:
     """Make ``stream`` wait (on the GPU) for the work captured by ``event``'s last record."""
-    check((_rt or _load()).cudaStreamWaitEvent(stream, event, 0), f"cudaStreamWaitEvent({stream:#x}, {event:#x})")
+    err = (_rt or _load()).cudaStreamWaitEvent(stream, event, 0)[0]
+    if err:  # (the message is made only then: calls on ep's launch paths)
+        check(err, f"cudaStreamWaitEvent({stream:#x}, {event:#x})")
 
 
 def event_create(device: int, timing: bool = False, interprocess: bool = False) -> int:
@@ -495,7 +497,9 @@ def ipc_open_event_handle(handle: bytes, device: int) -> int:
 
 def event_record(event: int, stream: int) -> None:
     """Record ``event`` on ``stream`` (both on the same device)."""
-    check((_rt or _load()).cudaEventRecord(event, stream), f"cudaEventRecord({event:#x}, {stream:#x})")
+    err = (_rt or _load()).cudaEventRecord(event, stream)[0]
+    if err:
+        check(err, f"cudaEventRecord({event:#x}, {stream:#x})")
 
 
 def event_query(event: int) -> bool:
