@@ -15,6 +15,7 @@
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
+#        compare-deepep (bench ep --deep-ep of PREV and this code interleaved, PAIRS; tools/deep_ep_compare.py)
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
@@ -231,6 +232,23 @@ for d in range(torch.cuda.device_count()):
         ( cd .baseline/deepep-v1/tests && WARMLINK_DEEP_EP_BUDGET=$budget PYTHONPATH="$OLDPWD/tools/as_deep_ep:$OLDPWD/src" \
           timeout ${DEEPEP_TIMEOUT:-240} python3 test_intranode.py --num-processes ${RANKS:-2} ) 2>&1 | tee "$OUT/deepep_intranode_$budget.log" | tail -25
       done ;;
+    compare-deepep)
+      # PAIRS runs of bench ep --deep-ep for the previous code (PREV, default .prev/src: carry it) and
+      # this one, interleaved, rotating which goes first; then tools/deep_ep_compare.py's table and record
+      deepep_ready
+      mkdir -p "$OUT/compare_deepep"
+      for i in $(seq 1 ${PAIRS:-4}); do
+        order="previous this"; [ $((i % 2)) = 0 ] && order="this previous"
+        for code in $order; do
+          src="$PWD/src"; [ $code = previous ] && src="${PREV:-$PWD/.prev/src}"
+          PYTHONPATH="$src:$PWD/.baseline/deepep-v1" timeout 100 python3 -m warmlink.cli.main bench ep --deep-ep \
+            --iterations ${ITERATIONS_EP:-20} --gemm 0 ${EP_ARGS:-} --json "$OUT/compare_deepep/${code}_$i.json" \
+            > "$OUT/compare_deepep/${code}_$i.log" 2>&1
+        done
+      done
+      python3 tools/deep_ep_compare.py --code previous="$OUT/compare_deepep/previous_*.json" \
+        --code this="$OUT/compare_deepep/this_*.json" --json "$OUT/compare_deepep.json" | tee "$OUT/compare_deepep.txt"
+      tar czf "$OUT/compare_deepep.tgz" -C "$OUT" compare_deepep && rm -rf "$OUT/compare_deepep" ;;
     bench-ep-deepep)
       deepep_ready
       for i in $(seq 1 ${REPEATS_EP:-3}); do

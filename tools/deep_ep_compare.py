@@ -1,0 +1,82 @@
+"""Compare ``warmlink bench ep --deep-ep --json`` records of two or more codes run in the same lease.
+
+Usage: python tools/deep_ep_compare.py --code this='out/compare_deepep/this_*.json'
+       --code previous='out/compare_deepep/previous_*.json' [--json record.json]
+
+Each run holds DeepEP V1 and warmlink on the same calls, sampled in turn, so each run's ratio
+(DeepEP / warmlink: above 1, warmlink is faster) compares the codes by what the run measured beside
+itself, whatever the machine's speed did between runs. Prints, per call and budget, each code's
+median DeepEP and warmlink times over its runs (CUDA events, us), the median of its runs' ratios
+with their range, and the host clock's median ratio; ``--json`` writes every run and the medians
+(the shape of the records in benchmarks/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+
+
+def _runs(pattern: str) -> list[dict]:
+    """Per run, ``{"call/budget": {"events": {...}, "host": {...}}}`` from its record's DeepEP table."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise SystemExit(f"deep_ep_compare: no file matches {pattern!r}")
+    runs = []
+    for path in paths:
+        table = json.load(open(path))["summary"].get("deepep_v1")
+        if not isinstance(table, dict) or not table:
+            raise SystemExit(f"deep_ep_compare: {path} holds no DeepEP table (was DeepEP V1 importable in that run?)")
+        runs.append(table)
+    return runs
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per call of every run: median times (us) and ratios on both clocks, and the ratios' range."""
+    out = {}
+    for key in runs[0]:
+        rows = [r[key] for r in runs if key in r]
+        med = {}
+        for clock in ("events", "host"):
+            ratios = [row[clock]["ratio"] for row in rows]
+            med[clock] = {"deepep_us": round(statistics.median(row[clock]["deepep_us"] for row in rows), 1),
+                          "warmlink_us": round(statistics.median(row[clock]["warmlink_us"] for row in rows), 1),
+                          "ratio": round(statistics.median(ratios), 3),
+                          "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+        out[key] = dict(med, runs=len(rows))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
+                   help="a code's name and the glob of its runs' records (repeat per code)")
+    p.add_argument("--json", help="write the runs and medians here")
+    args = p.parse_args()
+    codes = dict(c.split("=", 1) for c in args.code)
+    runs = {name: _runs(pattern) for name, pattern in codes.items()}
+    med = {name: medians(r) for name, r in runs.items()}
+    keys = list(next(iter(med.values())))
+    print("DeepEP / warmlink, events (us, median of runs) and the median of the runs' ratios [range]; host ratio")
+    print(f"{'call/budget':20s} " + "  ".join(f"{name:>40s}" for name in codes))
+    for key in keys:
+        cells = []
+        for name in codes:
+            m = med[name].get(key)
+            if m is None:
+                cells.append(f"{'-':>40s}")
+                continue
+            e = m["events"]
+            lo, hi = e["ratio_range"]
+            cells.append(f"{e['deepep_us']:6.0f} /{e['warmlink_us']:6.0f} {e['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] "
+                         f"h{m['host']['ratio']:4.2f} n{m['runs']}".rjust(40))
+        print(f"{key:20s} " + "  ".join(cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"codes": codes, "medians_of_runs": med, "runs": runs}, f, separators=(",", ":"))
+
+
+if __name__ == "__main__":
+    main()
