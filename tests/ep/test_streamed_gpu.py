@@ -45,6 +45,15 @@ def test_gpu_streamed_dispatch_combine_match_the_reference(name):
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
 
 
+@pytest.mark.parametrize("name", ["bf16 uneven, masked, small rings, cached", "padded outputs, cached, events"])
+def test_gpu_streamed_calls_on_the_triton_kernels_match_the_reference(name, monkeypatch):
+    """The same Buffer on the Triton streamed kernels (``WARMLINK_EP_STREAM_KERNEL=triton``, and past
+    the CUDA kernels' 8 ranks): its fresh dispatch reads a copy of the starts, not the CUDA launch's."""
+    monkeypatch.setenv("WARMLINK_EP_STREAM_KERNEL", "triton")
+    case = dict(CASES[name], **_STREAM)
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_gpu_a_refused_input_spends_the_streamed_round_and_the_next_one_works(padded):
     """Rank 0 dispatches an expert id out of range: the count exchange refuses the round on every
