@@ -21,6 +21,7 @@ import pytest
 
 from warmlink.bench.cluster import DEVICE, Cluster, ClusterUnavailable, parse_rate, reap_stale, unavailable
 from warmlink.errors import ConfigError
+from warmlink.pool.liveness import pid_alive  # (a zombie is dead; a process gone mid-read too)
 
 RATE_BPS = 40_000_000
 NBYTES = 3 << 20  # 0.63 s at 40 Mbit/s: far above the buckets' 32 KiB and the start-up
@@ -38,17 +39,9 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, waiting for its parent
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from warmlink.pool.liveness import pid_alive  # (a zombie has exited)
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "refit_job.py"
 LIMIT_S = 240.0  # for each wait below; generous: ranks import torch on loaded cores
@@ -81,14 +83,6 @@ class _Lines:
         return "".join(self.seen)
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_engine_takes_the_job_down_and_is_named():
     proc = _launch("--steps", "100000", "--device", "cpu", "--timeout", "60", "--job-timeout", "600")
     try:
@@ -105,7 +99,7 @@ def test_a_killed_engine_takes_the_job_down_and_is_named():
     assert re.search(rf"^launcher: job failed: engine 0 \(pid {engine}\) was killed by SIGKILL; "
                      r"stopped trainer 0, trainer 1$", out, flags=re.M), out
     assert "check OK" not in out
-    assert not [pid for pid in trainers if _running(pid)], "a trainer rank outlived its launcher"
+    assert not [pid for pid in trainers if pid_alive(pid)], "a trainer rank outlived its launcher"
 
 
 def test_help_says_how_the_secret_goes_and_in_what_order_ranks_close():
