@@ -30,7 +30,11 @@ class _Failing:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self._owner._comm_failed = True
-        self._call.__exit__(exc_type, exc, tb)
+        try:
+            self._call.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self._owner._comm_failed = True
+            raise
 
 
 class CommCalls:
