@@ -26,7 +26,6 @@ from warmlink.ep.deep_ep.handle import DispatchHandle, combine_biases
 from warmlink.ep.deep_ep.inner import built
 from warmlink.ep.deep_ep.low_latency import LowLatencyCalls
 from warmlink.ep.deep_ep.scales import pack_scales
-from warmlink.ep.paths.comm_stream import INLINE
 from warmlink.ep.paths.setup import group_store
 from warmlink.errors import ConfigError
 
@@ -239,14 +238,13 @@ class Buffer(LowLatencyCalls, CommCalls):
             call.hold(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
             tokens, packed = pack_scales(x, "deep_ep.Buffer.dispatch")
             if handle is not None:
-                if isinstance(handle, DispatchHandle) and call is not INLINE:
-                    call.hold(handle.tensors())
+                if isinstance(handle, DispatchHandle):
+                    call.hold(handle)
                 out = self._cached(tokens, packed, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
             else:
                 out = self._fresh(tokens, packed, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                   topk_weights, expert_alignment, num_worst_tokens)
-                if call is not INLINE:
-                    call.give(out[4].tensors())
+                call.give(out[4])
             call.give(out[:3])
             return (*out, returned_event(async_finish))
 
@@ -300,8 +298,7 @@ class Buffer(LowLatencyCalls, CommCalls):
         biases = combine_biases(bias, handle, x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1, x)
         with self._call(async_finish, previous_event, x) as call:  # ep.paths.comm_stream, Note [Communication stream]
             wait_previous(previous_event, func)
-            if call is not INLINE:  # (on the caller's stream nothing is held: the handle's list not made)
-                call.hold(x, topk_weights, biases, handle.tensors())
+            call.hold(x, topk_weights, biases, handle)
             out, out_w = calls.combine(inner, x, handle, topk_weights, biases)
             call.give(out, out_w)
             return out, out_w, returned_event(async_finish)

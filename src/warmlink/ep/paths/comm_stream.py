@@ -79,7 +79,9 @@ INLINE = _Inline()
 
 def _flat(tensors):
     for t in tensors:
-        if isinstance(t, (tuple, list)):
+        if hasattr(t, "tensors"):  # a handle (deep_ep's): its list is made only here, for a call on the stream
+            yield from _flat(t.tensors())
+        elif isinstance(t, (tuple, list)):
             yield from _flat(t)
         elif isinstance(t, torch.Tensor):
             yield t
@@ -111,7 +113,8 @@ class _OnComm:
             comm.cuda.stream_wait_event(self._caller.cuda_stream, comm.exit_event)
 
     def hold(self, *tensors) -> None:
-        """Mark the caller's ``tensors`` (nested tuples and None allowed) used by the communication stream."""
+        """Mark the caller's ``tensors`` (nested tuples, None and handles with a ``tensors()`` list
+        allowed) used by the communication stream."""
         stream = self._comm.stream
         for t in _flat(tensors):
             t.record_stream(stream)
