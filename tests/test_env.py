@@ -12,7 +12,8 @@ from warmlink.errors import ConfigError
 
 BAD = {"WARMLINK_POOL": "2", "WARMLINK_BACKEND": "bogus", "WARMLINK_TIMEOUT_S": "inf", "WARMLINK_LOG_LEVEL": "LOUD",
        "WARMLINK_NIXL_THREADS": "65", "WARMLINK_EP_COPY_STREAMS": "two", "WARMLINK_EP_SEND": "dma",
-       "WARMLINK_EP_GRAPH": "yes", "WARMLINK_EP_STREAM_KERNEL": "cutlass", "WARMLINK_CACHE_DIR": "relative/dir",
+       "WARMLINK_EP_GRAPH": "yes", "WARMLINK_EP_STREAM_KERNEL": "cutlass",
+       "WARMLINK_EP_HOST": "rust", "WARMLINK_CACHE_DIR": "relative/dir",
        "WARMLINK_SECRET": "short-secret"}
 HIDDEN = {"WARMLINK_SECRET"}  # never shown: the message names the variable, not its value
 

@@ -36,7 +36,7 @@ import os
 from warmlink.errors import ConfigError
 
 __all__ = ["pool_enabled", "default_backend", "default_timeout_s", "log_level", "nixl_threads", "ep_copy_streams",
-           "ep_send", "ep_graph", "ep_stream_kernel", "cache_dir", "secret", "check_secret", "shown", "VARIABLES", "check_all", "clear_cache"]
+           "ep_send", "ep_graph", "ep_stream_kernel", "ep_host", "cache_dir", "secret", "check_secret", "shown", "VARIABLES", "check_all", "clear_cache"]
 
 _BACKENDS = ("auto", "shm", "cuda_ipc", "nixl")
 MIN_SECRET_BYTES = 16  # a guessable secret would be no secret: refuse short ones
@@ -146,6 +146,15 @@ def ep_stream_kernel() -> str:
     return value
 
 
+def ep_host() -> str:
+    """``WARMLINK_EP_HOST``: ``"cpp"`` (default) or ``"python"``, the host steps of ep's fresh dispatch
+    between the GPUs (ep.kernels.host): compiled at first use where a C++ compiler is, else Python's."""
+    value = _raw("WARMLINK_EP_HOST") or "cpp"
+    if value not in ("cpp", "python"):
+        raise ConfigError(f"WARMLINK_EP_HOST={value!r} is unknown; expected 'cpp' or 'python'")
+    return value
+
+
 def cache_dir() -> str:
     """``WARMLINK_CACHE_DIR``: the directory of warmlink's on-disk caches (default ``~/.cache/warmlink``),
     an absolute path (a relative one would move with each process's working directory)."""
@@ -198,7 +207,8 @@ VARIABLES = {
     "WARMLINK_POOL": pool_enabled, "WARMLINK_BACKEND": default_backend, "WARMLINK_TIMEOUT_S": default_timeout_s,
     "WARMLINK_LOG_LEVEL": log_level, "WARMLINK_NIXL_THREADS": nixl_threads,
     "WARMLINK_EP_COPY_STREAMS": ep_copy_streams, "WARMLINK_EP_SEND": ep_send, "WARMLINK_EP_GRAPH": ep_graph,
-    "WARMLINK_EP_STREAM_KERNEL": ep_stream_kernel, "WARMLINK_CACHE_DIR": cache_dir, "WARMLINK_SECRET": secret,
+    "WARMLINK_EP_STREAM_KERNEL": ep_stream_kernel, "WARMLINK_EP_HOST": ep_host, "WARMLINK_CACHE_DIR": cache_dir,
+    "WARMLINK_SECRET": secret,
 }
 
 

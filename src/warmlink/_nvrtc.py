@@ -101,11 +101,12 @@ def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = 
 class Kernel:
     """One ``extern "C" __global__`` function of a loaded module, taking one struct argument."""
 
-    __slots__ = ("name", "_function", "_launch")
+    __slots__ = ("name", "address", "_function", "_launch")
 
     def __init__(self, name: str, function, driver) -> None:
         self.name = name
         self._function = function
+        self.address = int(function)  # the CUfunction, for launches from compiled code (ep.kernels.host)
         self._launch = driver.cuLaunchKernel
 
     def __call__(self, grid: int, block: int, args: ctypes.Array, stream: int) -> None:
@@ -114,7 +115,13 @@ class Kernel:
         params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         err = self._launch(self._function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)[0]
         if err:
-            _cuda.check(err, f"cuLaunchKernel({self.name}, grid {grid}, block {block})")
+            self.failed(err, grid, block)
+
+    def failed(self, err, grid: int, block: int) -> None:
+        """Raise the error of a launch of this kernel that returned ``err`` (a ``CUresult`` or its int)."""
+        if not hasattr(err, "name"):  # a compiled caller's int: named as the driver names it
+            err = _cuda._driver().CUresult(err)
+        _cuda.check(err, f"cuLaunchKernel({self.name}, grid {grid}, block {block})")
 
 
 @functools.cache

@@ -162,6 +162,7 @@ def test_a_bad_variable_ends_the_demo_at_once():
 _BAD_VARIABLES = {"WARMLINK_POOL": "2", "WARMLINK_BACKEND": "bogus", "WARMLINK_TIMEOUT_S": "-1",
                   "WARMLINK_LOG_LEVEL": "LOUD", "WARMLINK_NIXL_THREADS": "999", "WARMLINK_EP_COPY_STREAMS": "two",
                   "WARMLINK_EP_SEND": "dma", "WARMLINK_EP_GRAPH": "yes", "WARMLINK_EP_STREAM_KERNEL": "cutlass",
+                  "WARMLINK_EP_HOST": "rust",
                   "WARMLINK_CACHE_DIR": "relative/dir", "WARMLINK_SECRET": "too-short"}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from warmlink.ep.kernels import launch as _launch
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.paths import cuda_mover as _cuda_mover
 from warmlink.ep.paths import host_mover as _movers
@@ -96,6 +97,7 @@ def _mover(monkeypatch, fake: FakeCuda, alive: bool = True, timeout_s: float = 5
     mover._cuda = fake
     monkeypatch.setattr(_cuda_mover, "current_stream", lambda device: CALLER)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "_set_stream", None)  # (on a CUDA machine on_stream would set the fake streams)
     return mover
 
 
@@ -249,6 +251,25 @@ def test_a_board_that_arrives_is_read_without_aborting(monkeypatch):
     words, board = mover.wait_board(3, 1.0)
     assert words.tolist() == [4, 5, 6] and board.shape == (2, mover._board_row)
     assert mover._abort_word[0] == 0
+
+
+def test_the_board_is_read_in_place_once_the_exchange_ended_and_not_before(monkeypatch):
+    """``board_now`` (a streamed dispatch's way to its launch) waits for nothing: None while the
+    board's event is pending; once it completed, the board where the exchange copies it (the same
+    memory, so the next exchange's copy shows there), where ``wait_board`` hands out copies."""
+    box: list = []
+    stalled = StalledBoard(box, abort_ends_it=False)
+    mover = _mover(monkeypatch, stalled)
+    box.append(mover)
+    assert mover.board_now() is None and stalled.polls == 1
+    mover._cuda = FakeCuda()
+    mover._board_host.copy_(torch.arange(mover._board_host.numel()))
+    board = mover.board_now()
+    assert board.shape == (2, mover._board_row) and board[1, 0] == mover._board_row
+    mover._host_words = 1
+    _, copied = mover.wait_board(3, 1.0)
+    mover._board_host.fill_(-1)  # the next exchange's board
+    assert (board == -1).all() and copied[1, 0] == mover._board_row
 
 
 def test_waiting_for_the_callers_stream_times_out(monkeypatch):

@@ -54,6 +54,15 @@ def test_gpu_streamed_calls_on_the_triton_kernels_match_the_reference(name, monk
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
 
 
+@pytest.mark.parametrize("name", ["bf16 uneven, masked, small rings, cached", "fp8"])
+def test_gpu_streamed_calls_with_the_python_host_steps_match_the_reference(name, monkeypatch):
+    """``WARMLINK_EP_HOST=python`` (as where no C++ compiler is): the layout's launch and the fresh
+    dispatch's steps from the board to its launch run in Python, not ep.kernels.host's compiled ones."""
+    monkeypatch.setenv("WARMLINK_EP_HOST", "python")
+    case = dict(CASES[name], **_STREAM)
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_gpu_a_refused_input_spends_the_streamed_round_and_the_next_one_works(padded):
     """Rank 0 dispatches an expert id out of range: the count exchange refuses the round on every

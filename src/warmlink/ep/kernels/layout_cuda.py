@@ -21,6 +21,7 @@ from importlib import resources
 
 import torch
 
+from warmlink.ep.kernels import host
 from warmlink.ep.kernels.launch import current_stream
 
 __all__ = ["MAX_TOKENS", "fits", "layout"]
@@ -59,8 +60,16 @@ def fits(topk: torch.Tensor, num_experts: int, num_ranks: int) -> bool:
 def layout(topk: torch.Tensor, num_experts: int, num_ranks: int) -> tuple[torch.Tensor, ...]:
     """``ep.kernels.steps.layout``'s outputs from one launch on the current stream; ``topk`` contiguous
     and ``fits``."""
-    num_tokens, num_k = topk.shape
     device = topk.device
+    compiled = host.module()
+    if compiled is not None:  # the same steps compiled (ep.kernels.host)
+        kernel = _kernel(device.index)
+        error, *outputs = compiled.layout(topk, num_experts, num_ranks, device.index, host.launch_address(),
+                                          kernel.address, THREADS, current_stream(device.index))
+        if error:
+            kernel.failed(error, 1, THREADS)
+        return tuple(outputs)
+    num_tokens, num_k = topk.shape
     counts = torch.empty(num_ranks + num_experts + 1, dtype=torch.int32, device=device)
     in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
     args = ctypes.create_string_buffer(_ARGS.pack(

@@ -35,6 +35,7 @@ from importlib import resources
 
 import torch
 
+from warmlink.ep.kernels import host
 from warmlink.ep.kernels.launch import current_stream
 
 __all__ = ["MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "dispatch", "prepare_dispatch"]
@@ -136,13 +137,16 @@ class PreparedDispatch:
     less ``out`` and ``starts``): a fresh dispatch packs it while the GPUs trade the counts, and
     ``launch`` then patches what the counts decide (Note [Streamed calls] in ep.protocol.streamed)."""
 
-    __slots__ = ("_args", "_device", "_grid", "_starts_given")
+    __slots__ = ("_args", "_kernel", "_stream", "_grid", "_starts_given")
 
     def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool) -> None:
-        self._args, self._device, self._grid, self._starts_given = args, device, grid, starts_given
+        self._args, self._grid, self._starts_given = args, grid, starts_given
+        self._kernel = _kernels(device)["warmlink_stream_dispatch"]
+        self._stream = current_stream(device)  # (looked up now: the launch is on the way to the GPUs)
 
     def launch(self, out, starts: list[int] | None = None) -> None:
-        """Write ``out``'s addresses and rows (and ``starts``, as prepared for) in, and launch."""
+        """Write ``out``'s addresses and rows (and ``starts``, as prepared for) in, and launch on the
+        stream that was current when it was prepared."""
         if (starts is not None) != self._starts_given:
             raise ValueError(f"PreparedDispatch.launch: starts={starts!r}; prepared with starts_given={self._starts_given}")
         args = self._args
@@ -150,7 +154,31 @@ class PreparedDispatch:
         _WORD.pack_into(args, _OUT_ROWS_AT, out.x.shape[0])
         if starts is not None:
             _STARTS.pack_into(args, _STARTS_AT, *starts, *(0,) * (MAX_RANKS - len(starts)))
-        _kernels(self._device)["warmlink_stream_dispatch"](self._grid, THREADS, args, current_stream(self._device))
+        self._kernel(self._grid, THREADS, args, self._stream)
+
+    def launch_from_board(self, compiled, board_address: int, num_ranks: int, row_words: int, rank: int,
+                          max_tokens: int, src) -> tuple | None:
+        """``launch`` by the compiled host steps (ep.kernels.host, ``compiled``: its module), straight
+        from the count board in pinned memory at ``board_address`` (``[num_ranks, row_words]``, as
+        ``recv_starts`` reads it): outputs for ``src``'s rows sized from it (as ``stream.outputs``
+        makes them), the starts patched in, launched. ``((x, idx, weights, scales), starts)``; None,
+        with nothing allocated or launched, where the board has a late source or a count out of
+        range (``recv_starts`` raises what is wrong)."""
+        if not self._starts_given:
+            raise ValueError("PreparedDispatch.launch_from_board: prepared with starts_given=False")
+        x = src.x
+        num_k = src.topk.shape[1] if src.topk is not None else -1
+        done = compiled.fresh_launch(
+            board_address, num_ranks, row_words, rank, max_tokens, x.shape[1], num_k, src.weights is not None,
+            src.scales.shape[1] if src.scales is not None else 0, x.device.index if x.is_cuda else -1,
+            ctypes.addressof(self._args), _OUT_AT, _OUT_ROWS_AT, _STARTS_AT, MAX_RANKS, host.launch_address(),
+            self._kernel.address, self._grid, THREADS, self._stream)
+        if done[0] in (host.LATE, host.OUT_OF_RANGE):
+            return None
+        status, starts, *outputs, error = done
+        if status == host.DRIVER_ERROR:
+            self._kernel.failed(error, self._grid, THREADS)
+        return outputs, starts
 
 
 def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int,

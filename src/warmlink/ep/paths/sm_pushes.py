@@ -103,6 +103,9 @@ class SmPushes:
         # then the push's bases, which the exchange writes), made once
         self._board_row = board_words(layout.num_ranks)
         self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self._board_view = self._board_host.numpy().reshape(layout.num_ranks, self._board_row)
+        self.board_address = self._board_host.data_ptr()  # (read there by ep.kernels.host's compiled steps)
+        self._host_view = self._host.numpy()  # the plan's words as they land (wait_board copies them)
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
@@ -283,11 +286,18 @@ class SmPushes:
         for a dispatch nobody waited for: no kernel is left waiting after the Buffer is gone)."""
         self._abort_word[0] = round_
 
+    def board_now(self) -> np.ndarray | None:
+        """The last exchange's board where it landed in pinned memory (not a copy: the next exchange
+        rewrites it) if that exchange has ended, else None: one event query, no wait."""
+        return self._board_view if self._cuda.event_query(self._counted) else None
+
     def wait_board(self, round_: int, timeout_s: float, check=None) -> tuple[np.ndarray, np.ndarray]:
         """``(plan words, board [R, board_words])`` of ``send_sm``'s round, host-polled with a
         deadline; every 5 ms the peers' liveness and ``check()`` (which raises to give up). Giving
         up ends the exchange kernel's wait first, so no kernel is left waiting on a peer."""
         query, counted = self._cuda.event_query, self._counted
+        if query(counted):  # (the common case: the exchange ended while the host did other work)
+            return self._host_view[:self._host_words].copy(), self._board_view.copy()
         try:
             self._poll(lambda: query(counted), timeout_s, lambda: (
                 f"ep: the dispatch's count exchange on cuda:{self.device} did not complete within {timeout_s:.3g} s"),
@@ -296,8 +306,7 @@ class SmPushes:
             self._abort_word[0] = round_
             poll(lambda: query(counted), 5.0, first_s=1e-4, cap_s=1e-4)
             raise
-        board = self._board_host.numpy().reshape(self.layout.num_ranks, self._board_row)
-        return self._host[:self._host_words].numpy().copy(), board.copy()
+        return self._host_view[:self._host_words].copy(), self._board_view.copy()
 
     def _close_pushes(self) -> None:
         graphs, self._graphs = self._graphs, {}  # they write into this Buffer's mappings

@@ -30,16 +30,16 @@ from collections import deque
 
 import torch
 
-from warmlink.ep.kernels import stream, stream_combine, stream_cuda
+from warmlink.ep.kernels import host, stream, stream_combine, stream_cuda
 from warmlink.ep.kernels.stream_counts import advance, padded_plan
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
 from warmlink.ep.paths.senders import FreshSend, fresh_shape
-from warmlink.ep.wire.regions import RegionLayout
+from warmlink.ep.wire.regions import RegionLayout, board_words
 from warmlink.errors import ConfigError, TransferTimeout
 
-__all__ = ["ABORT_ALL", "MAX_CAPTURED", "StreamPath"]
+__all__ = ["ABORT_ALL", "MAX_CAPTURED", "PreparedLaunch", "StreamPath"]
 
 ABORT_ALL = 1 << 40  # an abort word past every seq and round: ends the waits of every launch queued
 _SLOTS = 8  # status words in flight: a caller more than this many calls ahead of its stream waits
@@ -125,6 +125,10 @@ class StreamPath:
         ``CudaMover.wait_board``'s); giving up ends the exchange's wait whatever its round."""
         return self.mover.wait_board(ABORT_ALL, self.timeout_s, check)
 
+    def board_now(self):
+        """The last eager exchange's board in place if it has ended, else None (``CudaMover.board_now``)."""
+        return self.mover.board_now()
+
     def valid(self) -> torch.Tensor:
         """The device word that is 0 when the last count exchange refused its round (one word for
         every round: the exchange runs on one board parity)."""
@@ -160,13 +164,14 @@ class StreamPath:
                          taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
                          fresh: bool = False, padded=None, starts_given: bool = False):
         """The launch of ``dispatch``, made ready but for the outputs: ``launch(out, starts)`` then
-        launches it on the current stream. An unpadded fresh dispatch prepares it while the GPUs
+        launches it on the stream current now (the caller's). An unpadded fresh dispatch prepares it while the GPUs
         trade the counts (``fresh``: right after ``launch_counts``, which advanced the seq already;
         ``starts_given``: ``launch`` gets where each source's rows start, and ``recv_offset`` is
         ``self.recv_offset()``, or None for the Triton kernels, which read a copy of the starts).
-        ``launch`` returns the ``recv_offset`` the launch fills."""
+        ``launch`` returns the ``recv_offset`` the launch fills; it is a ``PreparedLaunch``."""
         step = None if fresh else self._advance()
         slot = self._slot()
+        from_board = None
         if self.kernel == "cuda":  # checked by the protocol, made by this path: launched without a second check
             num_k = src.topk.shape[1] if src.topk is not None else 0
             num_scales = src.scales.shape[1] if src.scales is not None else 0
@@ -182,6 +187,17 @@ class StreamPath:
                 prepared.launch(out, starts)
                 self._launched(slot, "dispatch")
                 return recv_offset
+
+            compiled = host.module() if starts_given else None
+            if compiled is not None:
+                def from_board():
+                    done = prepared.launch_from_board(compiled, self.mover.board_address, self.num_ranks,
+                                                      board_words(self.num_ranks), self.rank, self.layout.max_tokens,
+                                                      src)
+                    if done is None:
+                        return None
+                    self._launched(slot, "dispatch")
+                    return StreamOutputs(*done[0]), recv_offset
         else:
             def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
                 offsets = recv_offset if starts is None else torch.tensor(starts, dtype=torch.int64,
@@ -192,7 +208,7 @@ class StreamPath:
                                        abort=self._abort.data_ptr(), taken=taken, valid=valid)
                 self._launched(slot, "dispatch")
                 return offsets
-        return launch
+        return PreparedLaunch(launch, from_board)
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
                 recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:
@@ -317,6 +333,26 @@ class StreamPath:
         for lease in self._leases:
             lease.release()
         self._leases = []
+
+
+class PreparedLaunch:
+    """A streamed dispatch's launch made ready but for its outputs (``StreamPath.prepare_dispatch``):
+    ``launch(out, starts)`` launches it and returns its ``recv_offset``."""
+
+    __slots__ = ("_launch", "_from_board")
+
+    def __init__(self, launch, from_board=None) -> None:
+        self._launch, self._from_board = launch, from_board
+
+    def __call__(self, out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
+        return self._launch(out, starts)
+
+    def from_board(self) -> tuple[StreamOutputs, torch.Tensor] | None:
+        """``(outputs, recv_offset)`` of the launch made by the compiled host steps (ep.kernels.host)
+        from the last exchange's board where it landed (the caller saw that exchange end); None
+        where they do not run (then nothing was allocated or launched; ``recv_starts`` on the board
+        raises what a late source or a count out of range means)."""
+        return self._from_board() if self._from_board is not None else None
 
 
 def _failed(words: torch.Tensor, what: str, channels: int) -> TransferTimeout | None:

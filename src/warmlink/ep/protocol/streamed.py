@@ -6,9 +6,12 @@ ep.paths.sm_pushes) and pace the rows (Note [Streamed dispatch] in ep.kernels.st
 # Note [Streamed calls]
 A fresh dispatch launches ``plan`` and the count exchange; without ``num_worst_tokens`` the host
 then packs the streamed dispatch's launch but for its outputs (while the GPUs trade the counts),
-reads the board once (the received row count sizes the outputs, as DeepEP's host reads its
-counters), places each source's rows (``recv_offset``) and launches, and only then fills the
-handle's plan from the same board (the GPUs idle from the board to that launch). With
+reads the board where it landed (the received row count sizes the outputs, as DeepEP's host
+reads its counters), places each source's rows (``recv_offset``) and launches (those steps
+compiled where they can be: ep.kernels.host), and only then reads the earlier calls' status
+words (before, only while the board is not in: the host would idle) and fills the handle's plan
+from a copy of the board (the GPUs idle from the board to that launch: nothing else is on the
+way). With
 ``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
 copy and decide whether the round stands (the exchange accepted every rank's call, and no rank
 receives more than ``num_worst_tokens`` rows: every rank holds every source's counts, so all
@@ -31,13 +34,13 @@ Buffer's next eager call, which reads every captured call's status words back.
 
 Failures: a call returns at launch; a program that misses its deadline (a dead or stalled peer)
 or is aborted leaves a status word that the Buffer's next call reads and raises as
-``TransferTimeout`` (a dispatch or a combine once its own launches are out: off the way to them,
-``raise_failures``). The rings then hold rows of unknown state, so the call after clears the space
-with every peer (``_clear``): each rank ends its launches (the abort words), meets the others
-through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``), zeroes its space,
-boards and counts, meets again, and counts from 1. A peer that sees a clear asked for at its next
-call joins it, and raises for that call (its peers left theirs). A count exchange that timed out
-asks for a clear too (a peer may have launched the round's stream).
+``TransferTimeout`` (a dispatch or a combine once its own launches are out, fresh ones too: off
+the way to them, ``raise_failures``). The rings then hold rows of unknown state, so the call after
+clears the space with every peer (``_clear``): each rank ends its launches (the abort words),
+meets the others through the mailboxes (``Rounds.all_gather_int``, a value marked ``_CLEAR``),
+zeroes its space, boards and counts, meets again, and counts from 1. A peer that sees a clear
+asked for at its next call joins it, and raises for that call (its peers left theirs). A count
+exchange that timed out asks for a clear too (a peer may have launched the round's stream).
 """
 
 from __future__ import annotations
@@ -209,7 +212,6 @@ class StreamedMode:
         board = path.board_like() if padded else None
         path.launch_counts(call, rows, board)
         marks["launched"] = time.perf_counter()
-        self.raise_failures()  # (while the GPUs trade the counts)
         # (made while the GPUs trade the counts)
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
                         num_worst_tokens=call.num_worst_tokens, board=board,
@@ -220,13 +222,23 @@ class StreamedMode:
         # outputs and where each source's rows start are left to give it
         launch = path.prepare_dispatch(rows, src, path.recv_offset() if path.kernel == "cuda" else None, handle.taken,
                                        call.num_experts // self.num_ranks, path.valid(), fresh=True, starts_given=True)
-        words, board, starts = self._wait_board(starts=True)  # starts None: a rank refused its input
-        marks["counts"] = time.perf_counter()
-        out = stream_outputs(starts[-1] if starts is not None else 0, src)
-        marks["outputs"] = time.perf_counter()
-        # the launch first, the handle's plan after: only the launch is on the GPUs' path
-        handle.recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
-        self._fill(handle, call, words, board)  # raises a refusal
+        board = path.board_now()  # where it landed (no wait, no copy), or None while the GPUs still trade
+        if board is None:  # the host would idle: read the earlier calls' failures first (a call that
+            self.raise_failures()  # failed at its deadline may mean that a peer stalls this exchange too)
+            board = self._wait_board()[1]
+        done = launch.from_board()  # by the compiled host steps (ep.kernels.host), or None
+        if done is not None:
+            out, handle.recv_offset = done
+            marks["counts"] = marks["outputs"] = time.perf_counter()
+        else:
+            starts = self._starts(board)  # None: a rank refused its input
+            marks["counts"] = time.perf_counter()
+            out = stream_outputs(starts[-1] if starts is not None else 0, src)
+            marks["outputs"] = time.perf_counter()
+            handle.recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
+        # the launch first; the earlier calls' failures and the handle's plan after, off the GPUs' path
+        self.raise_failures()
+        self._fill(handle, call, *self._wait_board())  # raises a refusal
         return out, handle
 
     def _padded(self, call: FreshSend, handle: Handle, in_graph: bool, marks: dict):
@@ -248,17 +260,23 @@ class StreamedMode:
                     t.fill_(fill)
         path.dispatch(handle.combine_rows, call.src, out, handle.recv_offset, handle.taken,
                       call.num_experts // self.num_ranks, valid, fresh=True, padded=padding)
+        self.raise_failures()
         return out, handle
 
-    def _wait_board(self, starts: bool = False):
-        """``(plan words, count board)`` of the last eager exchange, waited for on the host, and with
-        ``starts`` its ``recv_starts``; a timeout, or a board without a source's counts, asks for a
-        clear (a peer may have launched the round's stream)."""
+    def _wait_board(self):
+        """``(plan words, count board)`` of the last eager exchange (copies), waited for on the host;
+        a timeout asks for a clear (a peer may have launched the round's stream)."""
         try:
-            words, board = self.path.wait_board(lambda: None)
-            if not starts:
-                return words, board
-            return words, board, recv_starts(board, self.rank, self.layout.max_tokens)
+            return self.path.wait_board(lambda: None)
+        except TransferTimeout:
+            self.must_clear = True
+            raise
+
+    def _starts(self, board) -> list[int] | None:
+        """``recv_starts`` of the last eager exchange's ``board``; a board without a source's counts
+        asks for a clear as ``_wait_board``'s timeout does."""
+        try:
+            return recv_starts(board, self.rank, self.layout.max_tokens)
         except TransferTimeout:
             self.must_clear = True
             raise

@@ -1,0 +1,101 @@
+"""Host C++ compiled at first use against the PyTorch at hand, and imported as a Python module.
+
+Why: a call that launches a kernel after reading a few words from pinned memory (ep's fresh
+dispatch: the count board, its outputs sized from it, the launch) costs a Python host tens of
+microseconds of interpreter work in which the GPUs idle; the same steps compiled cost a few.
+
+A module is one source file (``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``) built by the system's
+C++ compiler (``$CXX``, default ``c++``) with PyTorch's headers and libraries, once per source,
+PyTorch version and Python, and kept on disk (``$WARMLINK_CACHE_DIR``, default
+``~/.cache/warmlink``, under ``cpp/``): later processes import it in milliseconds. Without a
+compiler, or where the build fails, ``load`` raises ``BackendUnavailable`` and the caller keeps its
+Python path; nothing of warmlink needs a module built here to import or to be right.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+from warmlink import _env
+from warmlink.errors import BackendUnavailable
+
+__all__ = ["cache_dir", "load"]
+
+BUILD_TIMEOUT_S = 600.0
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where built modules are kept: ``$WARMLINK_CACHE_DIR/cpp`` (default ``~/.cache/warmlink``)."""
+    return Path(_env.cache_dir()) / "cpp"
+
+
+def _command(source: Path, target: Path, module: str) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise BackendUnavailable(f"warmlink._cpp: no C++ compiler ({compiler!r} is not on PATH; set CXX)")
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    return [compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DTORCH_EXTENSION_NAME={module}",
+            *(f"-I{d}" for d in includes), str(source), "-o", str(target),
+            *(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+
+
+@functools.cache
+def load(source: str, name: str):
+    """The module built from ``source`` (C++ text defining ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``),
+    imported; built first where no process built it before. Once per process and source.
+
+    Raises:
+        BackendUnavailable: no compiler, the build failed (its output in the message) or timed out,
+            or the module does not import.
+    """
+    import torch
+
+    key = hashlib.sha256("\0".join((source, torch.__version__, sysconfig.get_config_var("SOABI") or "")).encode())
+    module = f"{name}_{key.hexdigest()[:16]}"
+    folder = cache_dir()
+    target = folder / (module + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    with _lock:
+        if not target.exists():
+            _build(source, folder, target, module)
+        spec = importlib.util.spec_from_loader(module, importlib.machinery.ExtensionFileLoader(module, str(target)))
+        try:
+            loaded = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(loaded)
+        except ImportError as exc:
+            raise BackendUnavailable(f"warmlink._cpp: {target} does not import ({exc})") from exc
+    return loaded
+
+
+def _build(source: str, folder: Path, target: Path, module: str) -> None:
+    """Compile into a file of this process's own, then rename it into place (another process may
+    build the same module at once: each renames a whole file)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BackendUnavailable(f"warmlink._cpp: cannot create {folder} ({exc}); set WARMLINK_CACHE_DIR") from exc
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = Path(tmp) / f"{module}.cpp"
+        src.write_text(source)
+        built = Path(tmp) / target.name
+        try:
+            done = subprocess.run(_command(src, built, module), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise BackendUnavailable(f"warmlink._cpp: building {module} took over {BUILD_TIMEOUT_S:.0f} s") from exc
+        if done.returncode != 0:
+            raise BackendUnavailable(f"warmlink._cpp: building {module} failed:\n{done.stderr[-4000:]}")
+        os.replace(built, target)

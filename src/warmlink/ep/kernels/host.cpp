@@ -1,0 +1,134 @@
+// The host steps of a fresh dispatch that stand between the GPUs, compiled (warmlink._cpp builds
+// this file at first use; ep/kernels/host.py says when it runs). Each replaces a few Python lines
+// of torch calls and struct packing whose interpreter time the GPUs would idle through:
+//   layout: get_dispatch_layout's two outputs and the NVRTC layout kernel's launch (layout.cu);
+//   fresh_launch: a streamed dispatch's outputs sized from the count board in pinned memory, where
+//     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent.
+// The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
+// the driver's cuLaunchKernel comes as an address, so nothing here links against CUDA.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace py = pybind11;
+
+namespace {
+
+using i64 = int64_t;
+using LaunchFn = int (*)(void* function, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                         unsigned block_y, unsigned block_z, unsigned shared_bytes, void* stream, void** params,
+                         void** extra);
+
+// fresh_launch's first value: launched, or why not (then nothing is allocated or launched, and the
+// caller reads the board in Python to raise the error: ep.wire.handle._board_matrix)
+constexpr int LAUNCHED = 0, LATE = 1, OUT_OF_RANGE = 2, DRIVER_ERROR = 3;
+constexpr int MAX_RANKS = 64;
+
+at::TensorOptions on(at::ScalarType dtype, i64 device) {
+  auto options = at::TensorOptions().dtype(dtype);
+  return device >= 0 ? options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))) : options;
+}
+
+int launch(i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream, void* args) {
+  void* params[1] = {args};
+  return reinterpret_cast<LaunchFn>(launch_fn)(reinterpret_cast<void*>(function), static_cast<unsigned>(grid), 1, 1,
+                                               static_cast<unsigned>(threads), 1, 1, 0,
+                                               reinterpret_cast<void*>(stream), params, nullptr);
+}
+
+// layout.cu's LayoutArgs: three pointers, the token count, six ints
+struct LayoutArgs {
+  const void* topk;
+  void* in_rank;
+  void* counts;
+  i64 num_tokens;
+  int32_t topk_bytes, num_k, num_experts, experts_per_rank, num_ranks, pad;
+};
+
+// (error, per_rank, per_expert, in_rank, bad_ids): the counts as views of one int32 tensor
+py::tuple layout(const at::Tensor& topk, i64 num_experts, i64 num_ranks, i64 device, i64 launch_fn, i64 function,
+                 i64 threads, i64 stream) {
+  const i64 num_tokens = topk.size(0);
+  at::Tensor counts = at::empty({num_ranks + num_experts + 1}, on(at::kInt, device));
+  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, on(at::kBool, device));
+  LayoutArgs args{topk.data_ptr(),
+                  in_rank.data_ptr(),
+                  counts.data_ptr(),
+                  num_tokens,
+                  static_cast<int32_t>(topk.element_size()),
+                  static_cast<int32_t>(topk.size(1)),
+                  static_cast<int32_t>(num_experts),
+                  static_cast<int32_t>(num_experts / num_ranks),
+                  static_cast<int32_t>(num_ranks),
+                  0};
+  const int error = launch(launch_fn, function, 1, threads, stream, &args);
+  return py::make_tuple(error, counts.narrow(0, 0, num_ranks), counts.narrow(0, num_ranks, num_experts), in_rank,
+                        counts.narrow(0, num_ranks + num_experts, 1));
+}
+
+// (status, starts, x, idx, weights, scales, driver error): board [R, row_words] int64 in pinned
+// memory, row s source s's [round, valid, counts to each rank...]; the outputs of starts[R] rows
+// (idx and weights [rows, num_k], none where num_k is -1 or without weights; scales where
+// num_scales > 0); the launch's struct at args_addr, patched at out_at (4 output pointers),
+// rows_at (the rows) and starts_at (each source's first row, max_ranks words)
+py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 x_words,
+                       i64 num_k, bool weights, i64 num_scales, i64 device, i64 args_addr, i64 out_at, i64 rows_at,
+                       i64 starts_at, i64 max_ranks, i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream) {
+  const volatile i64* board = reinterpret_cast<const volatile i64*>(board_addr);
+  if (num_ranks > MAX_RANKS || num_ranks > max_ranks) return py::make_tuple(OUT_OF_RANGE, py::none());
+  const i64 round = board[rank * row_words];
+  bool valid = true;
+  for (i64 s = 0; s < num_ranks; ++s) {
+    const volatile i64* row = board + s * row_words;
+    if (row[0] != round) return py::make_tuple(LATE, py::none());
+    valid = valid && row[1] != 0;
+  }
+  i64 starts[MAX_RANKS + 1] = {0};
+  if (valid) {  // a refused round sends nothing: no rows, every start 0
+    for (i64 s = 0; s < num_ranks; ++s) {
+      const volatile i64* row = board + s * row_words;
+      for (i64 d = 0; d < num_ranks; ++d)
+        if (row[2 + d] < 0 || row[2 + d] > max_tokens) return py::make_tuple(OUT_OF_RANGE, py::none());
+      starts[s + 1] = starts[s] + row[2 + rank];
+    }
+  }
+  const i64 rows = starts[num_ranks];
+  at::Tensor x = at::empty({rows, x_words}, on(at::kLong, device));
+  py::object idx = py::none(), w = py::none(), scales = py::none();
+  uint64_t out[4] = {reinterpret_cast<uint64_t>(x.data_ptr()), 0, 0, 0};
+  if (num_k >= 0) {
+    at::Tensor t = at::empty({rows, num_k}, on(at::kLong, device));
+    out[1] = reinterpret_cast<uint64_t>(t.data_ptr());
+    idx = py::cast(t);
+  }
+  if (weights) {
+    at::Tensor t = at::empty({rows, num_k}, on(at::kFloat, device));
+    out[2] = reinterpret_cast<uint64_t>(t.data_ptr());
+    w = py::cast(t);
+  }
+  if (num_scales > 0) {
+    at::Tensor t = at::empty({rows, num_scales}, on(at::kFloat, device));
+    out[3] = reinterpret_cast<uint64_t>(t.data_ptr());
+    scales = py::cast(t);
+  }
+  char* args = reinterpret_cast<char*>(args_addr);
+  std::memcpy(args + out_at, out, sizeof(out));
+  std::memcpy(args + rows_at, &rows, sizeof(rows));
+  i64 padded_starts[MAX_RANKS] = {0};
+  std::memcpy(padded_starts, starts, num_ranks * sizeof(i64));
+  std::memcpy(args + starts_at, padded_starts, max_ranks * sizeof(i64));
+  const int error = launch(launch_fn, function, grid, threads, stream, args);
+  py::list given;
+  for (i64 s = 0; s <= num_ranks; ++s) given.append(starts[s]);
+  return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, given, py::cast(x), idx, w, scales, error);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("layout", &layout);
+  m.def("fresh_launch", &fresh_launch);
+}

@@ -1,0 +1,194 @@
+"""The compiled host steps of a fresh dispatch (ep.kernels.host, ``host.cpp``) on CPU tensors, their
+launches caught by a ctypes function standing in for ``cuLaunchKernel``: the starts and outputs
+agree with the Python steps' (``recv_starts``, ``stream.outputs``) on any board, the kernel's
+struct is patched where ``stream_cuda`` packs it, and a board the Python steps would raise on
+launches nothing. Built here by the machine's C++ compiler (skipped only where there is none)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import struct
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from warmlink import _cpp
+from warmlink.ep.kernels import host, layout_cuda, stream_cuda
+from warmlink.ep.kernels.call_block import Sources
+from warmlink.ep.kernels.stream import outputs as stream_outputs
+from warmlink.ep.wire.handle import recv_starts
+from warmlink.errors import MetadataError, TransferTimeout
+
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+ROW = 2 + 8  # a board row: round, valid, counts to each rank (8 ranks at most here)
+FUNCTION, STREAM = 0xF00D, 0x5EA
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), "warmlink_ep_host")
+
+
+class Driver:
+    """A ``cuLaunchKernel`` that records each launch: its function, grid, block, stream and the bytes
+    of its one argument struct; it returns ``error``."""
+
+    def __init__(self, nbytes: int, error: int = 0) -> None:
+        self.launches: list[tuple] = []
+        self.error = error
+
+        def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            self.launches.append((function, (gx, gy, gz), (bx, by, bz), stream, ctypes.string_at(params[0], nbytes)))
+            return self.error
+
+        self._fn = _LAUNCH(launch)  # (kept alive while the module may call it)
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
+
+
+def _board(counts: list[list[int]], round_: int = 7, valid=None) -> np.ndarray:
+    r = len(counts)
+    board = np.zeros((r, ROW), dtype=np.int64)
+    for s, row in enumerate(counts):
+        board[s, :2] = (round_, 1 if valid is None else valid[s])
+        board[s, 2:2 + r] = row
+    return board
+
+
+def _fresh(compiled, board: np.ndarray, rank: int, src: Sources, driver: Driver, max_tokens: int = 64):
+    args = ctypes.create_string_buffer(stream_cuda._DISPATCH.size)
+    k = src.topk.shape[1] if src.topk is not None else -1
+    done = compiled.fresh_launch(
+        board.ctypes.data, board.shape[0], ROW, rank, max_tokens, src.x.shape[1], k, src.weights is not None,
+        src.scales.shape[1] if src.scales is not None else 0, -1, ctypes.addressof(args), stream_cuda._OUT_AT,
+        stream_cuda._OUT_ROWS_AT, stream_cuda._STARTS_AT, stream_cuda.MAX_RANKS, driver.address, FUNCTION, 40, 768,
+        STREAM)
+    return done, args
+
+
+def _src(k: int | None = 3, weights: bool = True, scales: int = 0) -> Sources:
+    return Sources(torch.zeros(5, 4, dtype=torch.int64), torch.zeros(5, k, dtype=torch.int64) if k is not None else None,
+                   torch.zeros(5, k) if weights and k is not None else None,
+                   torch.zeros(5, scales) if scales else None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_starts_and_outputs_agree_with_the_python_steps_and_the_struct_is_patched(compiled, data):
+    r = data.draw(st.integers(1, 8))
+    counts = data.draw(st.lists(st.lists(st.integers(0, 64), min_size=r, max_size=r), min_size=r, max_size=r))
+    rank = data.draw(st.integers(0, r - 1))
+    src = _src(k=data.draw(st.sampled_from([None, 1, 8])), weights=data.draw(st.booleans()),
+               scales=data.draw(st.sampled_from([0, 56])))
+    board = _board(counts)
+    driver = Driver(stream_cuda._DISPATCH.size)
+    done, args = _fresh(compiled, board, rank, src, driver)
+    status, starts, x, idx, weights, scales, error = done
+    assert (status, error) == (host.LAUNCHED, 0)
+    assert starts == recv_starts(board, rank, 64)
+    want = stream_outputs(starts[-1], src, device="cpu")
+    for got, ref in zip((x, idx, weights, scales), want):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            assert (got.shape, got.dtype) == (ref.shape, ref.dtype)
+    (function, grid, block, stream, packed), = driver.launches
+    assert (function, grid, block, stream) == (FUNCTION, (40, 1, 1), (768, 1, 1), STREAM)
+    assert packed == args.raw  # the struct it launched is the buffer it patched
+    fields = stream_cuda._DISPATCH.unpack(packed)
+    assert fields[7:11] == tuple(t.data_ptr() if t is not None else 0 for t in (x, idx, weights, scales))
+    assert fields[18 + 10] == starts[-1]
+    assert list(fields[18 + 13:18 + 13 + stream_cuda.MAX_RANKS]) == starts[:-1] + [0] * (stream_cuda.MAX_RANKS - r)
+
+
+def test_a_refused_round_launches_with_no_rows_and_every_start_zero(compiled):
+    board = _board([[3, 4], [5, 6]], valid=[1, 0])
+    driver = Driver(stream_cuda._DISPATCH.size)
+    status, starts, x, *_ = _fresh(compiled, board, 1, _src(), driver)[0]
+    assert status == host.LAUNCHED and starts == [0, 0, 0] and x.shape == (0, 4)
+    assert recv_starts(board, 1, 64) is None and len(driver.launches) == 1
+
+
+@pytest.mark.parametrize("fault, status, error", [("late", host.LATE, TransferTimeout),
+                                                  ("negative", host.OUT_OF_RANGE, MetadataError),
+                                                  ("too many", host.OUT_OF_RANGE, MetadataError)])
+def test_a_board_the_python_steps_raise_on_launches_nothing(compiled, fault, status, error):
+    board = _board([[3, 4], [5, 6]])
+    if fault == "late":
+        board[0, 0] = 6  # rank 0's counts are of the round before
+    else:
+        board[0, 3] = -1 if fault == "negative" else 65
+    driver = Driver(stream_cuda._DISPATCH.size)
+    assert _fresh(compiled, board, 1, _src(), driver)[0][0] == status
+    assert driver.launches == []
+    with pytest.raises(error):
+        recv_starts(board, 1, 64)
+
+
+def test_a_driver_error_comes_back_with_the_outputs_and_raises_named(compiled):
+    driver = Driver(stream_cuda._DISPATCH.size, error=700)
+    status, *_, error = _fresh(compiled, _board([[1, 2], [3, 4]]), 0, _src(), driver)[0]
+    assert (status, error) == (host.DRIVER_ERROR, 700)
+
+
+def test_the_layout_launch_packs_layout_cus_struct_into_fresh_outputs(compiled):
+    topk = torch.tensor([[0, 5, -1], [3, 2, 7]], dtype=torch.int64)
+    driver = Driver(layout_cuda._ARGS.size)
+    error, per_rank, per_expert, in_rank, bad = compiled.layout(topk, 8, 2, -1, driver.address, FUNCTION, 1024, STREAM)
+    assert error == 0
+    assert (per_rank.shape, per_expert.shape, in_rank.shape, bad.shape) == ((2,), (8,), (2, 2), (1,))
+    assert per_rank.dtype == per_expert.dtype == bad.dtype == torch.int32 and in_rank.dtype == torch.bool
+    assert per_expert.data_ptr() == per_rank.data_ptr() + 2 * 4 and bad.data_ptr() == per_rank.data_ptr() + 10 * 4
+    (function, grid, block, stream, packed), = driver.launches
+    assert (function, grid, block, stream) == (FUNCTION, (1, 1, 1), (1024, 1, 1), STREAM)
+    assert layout_cuda._ARGS.unpack(packed) == (topk.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), 2, 8, 3, 8,
+                                                4, 2, 0)
+
+
+def test_launch_from_board_maps_the_statuses(compiled, monkeypatch):
+    """``PreparedDispatch.launch_from_board``: outputs and starts when launched, None (nothing
+    launched) for a board the Python steps raise on, the kernel's named error for a driver error."""
+    failed = []
+
+    class Kernel:
+        address = FUNCTION
+
+        def failed(self, err, grid, block):
+            failed.append(err)
+            raise RuntimeError(f"launch failed: {err}")
+
+    prepared = object.__new__(stream_cuda.PreparedDispatch)
+    prepared._args = ctypes.create_string_buffer(stream_cuda._DISPATCH.size)
+    prepared._kernel, prepared._stream, prepared._grid, prepared._starts_given = Kernel(), STREAM, 40, True
+    src = Sources(torch.zeros(5, 4, dtype=torch.int64), torch.zeros(5, 2, dtype=torch.int64), None, None)
+    board = _board([[1, 2], [3, 4]])
+    driver = Driver(stream_cuda._DISPATCH.size)
+    monkeypatch.setattr(host, "launch_address", lambda: driver.address)  # (the real one is libcuda's)
+    (x, idx, weights, scales), starts = prepared.launch_from_board(compiled, board.ctypes.data, 2, ROW, 1, 64, src)
+    assert starts == [0, 2, 6] and x.shape == (6, 4) and idx.shape == (6, 2) and weights is None is scales
+    board[0, 0] = 3
+    assert prepared.launch_from_board(compiled, board.ctypes.data, 2, ROW, 1, 64, src) is None
+    board[0, 0] = 7
+    driver.error = 719
+    with pytest.raises(RuntimeError, match="719"):
+        prepared.launch_from_board(compiled, board.ctypes.data, 2, ROW, 1, 64, src)
+    assert failed == [719] and len(driver.launches) == 2
+
+
+def test_the_python_switch_keeps_the_compiled_steps_off(monkeypatch):
+    from warmlink import _env
+
+    monkeypatch.setenv("WARMLINK_EP_HOST", "python")
+    _env.clear_cache()
+    host.module.cache_clear()
+    try:
+        assert host.module() is None
+    finally:
+        host.module.cache_clear()
+        _env.clear_cache()
