@@ -7,15 +7,19 @@ the device's view from CUDA events on the caller's stream: when the count exchan
 and when the GPU reached the streamed kernel's launch (it idles between the two while the host
 reads the board and prepares the launch). DeepEP's API as the bench calls it (``get_dispatch_layout``
 then ``dispatch``), its hint budget, the bench's inputs (4096 x 7168 BF16, top-8 of 256); with
-``--call`` a cached dispatch or a combine of the first dispatch's handle instead::
+``--call`` a cached dispatch or a combine of the first dispatch's handle instead. It counts Python's
+cyclic garbage collections during the timed calls and their time (``--no-gc`` turns the collector
+off after the warm-up, to see what it costs)::
 
     python tools/deep_ep_fresh_steps.py [--calls 40] [--budget hint|2e9] [--padded] [--fp8] [--call cached|combine]
+                                        [--no-gc]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import time
 
@@ -34,7 +38,7 @@ def _steps():
     import warmlink.ep.deep_ep.rounds as de_rounds
     from warmlink import _cuda, _nvrtc
     from warmlink.ep.api import buffer as api_buffer
-    from warmlink.ep.kernels import launch, steps, stream_cuda
+    from warmlink.ep.kernels import launch, layout_cuda, steps, stream_cuda
     from warmlink.ep.paths import cuda_mover, streamed as paths_streamed
     from warmlink.ep.paths import senders
     from warmlink.ep.protocol import checks, normal as proto_normal, rounds as proto_rounds, streamed as proto_streamed
@@ -54,6 +58,7 @@ def _steps():
         (proto_streamed.StreamedMode, "_cached"), (proto_streamed.StreamedMode, "combine"),
         (paths_streamed.StreamPath, "combine"), (stream_cuda, "combine"), (de_buffer, "combine_biases"),
         (getattr(stream_cuda, "PreparedDispatch", None), "launch"),
+        (getattr(stream_cuda, "PreparedDispatch", None), "launch_from_board"), (layout_cuda, "layout"),
         (paths_streamed.StreamPath, "padded_offsets"), (proto_streamed, "stream_outputs"),
         (paths_streamed.StreamPath, "dispatch"), (stream_cuda, "dispatch"), (stream_cuda, "_launch"),
         (proto_streamed, "per_expert_list"), (proto_streamed.StreamedMode, "event"),
@@ -113,10 +118,12 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     # the device's view: events after the exchange's launches and before the streamed kernel's
     front_done, before_stream = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     send_counts = cuda_mover.CudaMover.send_counts
-    # the streamed kernel's launch: a prepared one's (PreparedDispatch.launch), else the packed one's
+    # the streamed kernel's launch: a prepared one's (PreparedDispatch.launch, or launch_from_board by the
+    # compiled host steps), else the packed one's
     prepared = getattr(stream_cuda, "PreparedDispatch", None)
-    launch_owner, launch_attr = (prepared, "launch") if prepared is not None else (stream_cuda, "_launch")
-    launch = getattr(launch_owner, launch_attr)
+    launches = [(prepared, "launch"), (prepared, "launch_from_board")] if prepared is not None else [
+        (stream_cuda, "_launch")]
+    launches = [(owner, attr, getattr(owner, attr)) for owner, attr in launches if hasattr(owner, attr)]
 
     recorded: set[str] = set()  # the marks of the call in progress (a slot-design call has no streamed kernel)
 
@@ -126,16 +133,34 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
         recorded.add("front")
         return key
 
-    def launch_marked(*a, **kw):
-        before_stream.record()
-        recorded.add("stream")
-        return launch(*a, **kw)
+    def marked(launch):
+        def launch_marked(*a, **kw):
+            if "stream" not in recorded:  # (the compiled steps may hand the launch back to Python's)
+                before_stream.record()
+                recorded.add("stream")
+            return launch(*a, **kw)
+        return launch_marked
 
     cuda_mover.CudaMover.send_counts = send_counts_marked
-    setattr(launch_owner, launch_attr, launch_marked)
+    for owner, attr, launch in launches:
+        setattr(owner, attr, marked(launch))
     for owner, attr in _steps():
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
                                    getattr(owner, attr), _mark))
+    gc_spent: list[float] = []  # seconds of each cyclic garbage collection during the timed calls
+    gc_began: list[float] = []
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[:] = [time.perf_counter()]
+        elif gc_began:
+            gc_spent.append(time.perf_counter() - gc_began[0])
+
+    if args.no_gc:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    gc.callbacks.append(gc_timer)
     flag = torch.zeros(1, device="cuda")
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     starts, spent, calls = (collections.defaultdict(list) for _ in range(3))
@@ -152,6 +177,7 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
         end.record()
         torch.cuda.synchronize()
         if i < 5:
+            gc_spent.clear()
             continue
         wall.append((t1 - t0) * 1e6)
         device.append(begin.elapsed_time(end) * 1e3)
@@ -176,7 +202,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     front = f"exchange launches done {med(to_front):.0f} us after the call began" if to_front else "no exchange seen"
     stream = f", streamed kernel reached {med(gap):.0f} us after that" if gap else ", no streamed kernel"
     lines = [f"=== rank {rank} ({kind}): host wall {med(wall):.0f} us, CUDA events {med(device):.0f} us; device: {front}"
-             f"{stream} (medians of {args.calls})",
+             f"{stream} (medians of {args.calls}); {len(gc_spent)} garbage collections in the timed calls, "
+             f"{sum(gc_spent) * 1e6 / args.calls:.1f} us a call" + (" (collector off)" if args.no_gc else ""),
              f"  {'step':52s} {'starts':>8s} {'spends':>8s} {'calls':>6s}"]
     for name in sorted(spent, key=lambda n: med(starts[n])):
         lines.append(f"  {name:52s} {med(starts[name]):8.1f} {med(spent[name]):8.1f} {med(calls[name]):6.0f}")
@@ -196,6 +223,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--budget", default="hint", help="'hint' (DeepEP's Config hint, as the bench) or bytes, e.g. 2e9")
     p.add_argument("--padded", action="store_true", help="pass num_worst_tokens (ranks x tokens)")
+    p.add_argument("--no-gc", action="store_true", help="freeze and disable Python's cyclic garbage collector "
+                   "after the warm-up calls (does the collector cost the calls?)")
     p.add_argument("--fp8", action="store_true", help="FP8 tokens with column-major scales, as DeepEP's tests")
     p.add_argument("--call", choices=("fresh", "cached", "combine"), default="fresh",
                    help="the call timed: a fresh dispatch, a cached one with its handle, or the combine of its rows")
