@@ -192,3 +192,38 @@ def test_the_python_switch_keeps_the_compiled_steps_off(monkeypatch):
     finally:
         host.module.cache_clear()
         _env.clear_cache()
+
+
+_GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("failing", [0, 1, 2, 3])
+def test_the_count_exchange_launch_writes_the_call_block_then_launches_copies_and_records(compiled, copy, failing):
+    """``front_launch``: the call block's words into the pinned block before the graph's launch (its
+    first node copies them), then the board's copy (padded rounds only), then the event; a driver
+    error stops there and names its step."""
+    seen: list[tuple] = []
+    block = (ctypes.c_int64 * 12)()
+    error = 801
+
+    def step(name, number, *args):
+        seen.append((name, list(block)[:4], *args))
+        return error if failing == number else 0
+
+    graph_launch = _GRAPH_LAUNCH(lambda graph, stream: step("graph", 1, graph, stream))
+    memcpy = _MEMCPY(lambda dst, src, nbytes, stream: step("copy", 2, dst, src, nbytes, stream))
+    record = _GRAPH_LAUNCH(lambda event, stream: step("event", 3, event, stream))
+    addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in (graph_launch, memcpy, record)]
+    words = (11, 12, 13, 14, 2 ** 40, -1)
+    got = compiled.front_launch(words, ctypes.addressof(block), 0xAB, *((0xD0, 0x50, 96) if copy else (0, 0, 0)),
+                                0xE7, STREAM, *addresses)
+    assert list(block)[:6] == list(words)
+    want = [("graph", [11, 12, 13, 14], 0xAB, STREAM)] + ([("copy", [11, 12, 13, 14], 0xD0, 0x50, 96, STREAM)] if copy
+                                                         else []) + [("event", [11, 12, 13, 14], 0xE7, STREAM)]
+    if failing == 2 and not copy:
+        failing = 0  # (no copy to fail)
+    stop = {0: len(want), 1: 1, 2: 2, 3: len(want)}[failing]
+    assert seen == want[:stop]
+    assert got == ((error, failing) if failing else (0, 0))

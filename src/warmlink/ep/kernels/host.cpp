@@ -3,9 +3,10 @@
 // of torch calls and struct packing whose interpreter time the GPUs would idle through:
 //   layout: get_dispatch_layout's two outputs and the NVRTC layout kernel's launch (layout.cu);
 //   fresh_launch: a streamed dispatch's outputs sized from the count board in pinned memory, where
-//     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent.
+//     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent;
+//   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
-// the driver's cuLaunchKernel comes as an address, so nothing here links against CUDA.
+// the driver's functions come as addresses, so nothing here links against CUDA.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
@@ -126,9 +127,36 @@ py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
   return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, given, py::cast(x), idx, w, scales, error);
 }
 
+using GraphLaunchFn = int (*)(void* graph_exec, void* stream);
+using MemcpyFn = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
+using EventRecordFn = int (*)(void* event, void* stream);
+
+// (error, failed step): the call block's words written where the count exchange's graph copies
+// them from (pinned memory at call_addr), that graph launched on stream, a padded round's board
+// copied (copy_bytes > 0), the board's event recorded. The failed step: 0 none, 1 the graph's
+// launch, 2 the copy, 3 the event.
+py::tuple front_launch(const py::sequence& words, i64 call_addr, i64 graph, i64 copy_dst, i64 copy_src,
+                       i64 copy_bytes, i64 event, i64 stream, i64 graph_launch_fn, i64 memcpy_fn,
+                       i64 event_record_fn) {
+  i64* call = reinterpret_cast<i64*>(call_addr);
+  const size_t n = words.size();
+  for (size_t i = 0; i < n; ++i) call[i] = words[i].cast<i64>();
+  void* on = reinterpret_cast<void*>(stream);
+  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on);
+  if (error) return py::make_tuple(error, 1);
+  if (copy_bytes > 0) {
+    error = reinterpret_cast<MemcpyFn>(memcpy_fn)(static_cast<uint64_t>(copy_dst), static_cast<uint64_t>(copy_src),
+                                                  static_cast<size_t>(copy_bytes), on);
+    if (error) return py::make_tuple(error, 2);
+  }
+  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on);
+  return py::make_tuple(error, error ? 3 : 0);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout", &layout);
   m.def("fresh_launch", &fresh_launch);
+  m.def("front_launch", &front_launch);
 }

@@ -1,8 +1,9 @@
 """The compiled host steps of a fresh dispatch (``host.cpp`` beside this module, built by
-warmlink._cpp at first use): where they run, ``get_dispatch_layout``'s launch and a streamed
-dispatch's outputs-and-launch after the count board are one call each instead of tens of Python
-lines (ep.kernels.layout_cuda and ep.kernels.stream_cuda use them, with the Python steps kept
-where they do not run: no compiler, ``WARMLINK_EP_HOST=python``).
+warmlink._cpp at first use): where they run, ``get_dispatch_layout``'s launch, the count
+exchange's launch and a streamed dispatch's outputs-and-launch after the count board are one call
+each instead of tens of Python lines (ep.kernels.layout_cuda, ep.paths.sm_pushes and
+ep.kernels.stream_cuda use them, with the Python steps kept where they do not run: no compiler,
+``WARMLINK_EP_HOST=python``).
 
 Why: between the count exchange and the streamed kernel's launch the GPUs idle while the host
 reads the board, allocates the outputs and launches; and with DeepEP's way of calling (a layout,
@@ -20,7 +21,7 @@ from importlib import resources
 
 log = logging.getLogger("warmlink.ep")
 
-__all__ = ["LATE", "LAUNCHED", "OUT_OF_RANGE", "launch_address", "module"]
+__all__ = ["LATE", "LAUNCHED", "OUT_OF_RANGE", "front_addresses", "launch_address", "module"]
 
 # host.cpp's fresh_launch statuses
 LAUNCHED, LATE, OUT_OF_RANGE, DRIVER_ERROR = 0, 1, 2, 3
@@ -42,7 +43,17 @@ def module():
         return None
 
 
+def _driver_address(name: str) -> int:
+    return ctypes.cast(getattr(ctypes.CDLL("libcuda.so.1"), name), ctypes.c_void_p).value
+
+
 @functools.cache
 def launch_address() -> int:
     """The address of the driver's ``cuLaunchKernel`` (the compiled steps launch through it)."""
-    return ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value
+    return _driver_address("cuLaunchKernel")
+
+
+@functools.cache
+def front_addresses() -> tuple[int, int, int]:
+    """The addresses of ``cuGraphLaunch``, ``cuMemcpyAsync`` and ``cuEventRecord`` (``front_launch``'s)."""
+    return tuple(_driver_address(name) for name in ("cuGraphLaunch", "cuMemcpyAsync", "cuEventRecord"))

@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from warmlink._backoff import poll
-from warmlink.ep.kernels import steps
+from warmlink.ep.kernels import host, steps
 from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Sources, scale_words
 from warmlink.ep.wire.regions import PARITIES, RegionLayout, board_words
 
@@ -118,6 +118,8 @@ class SmPushes:
         self._words = torch.zeros(self._host.numel(), dtype=torch.int64, device=own.device)
         self._ran_eagerly: set[tuple] = set()
         self._graphs: dict[tuple, object] = {}  # launch key -> graph executable
+        self._fronts: dict[tuple, int] = {}  # the count exchange's graphs as handles (ep.kernels.host's front_launch)
+        self._call_address = self._call_host.data_ptr()
         # a cached SM dispatch's call block per parity: the CALL_SLOTS words, then its x and meta
         # bases per destination (its graph replays one push; round n + 2 rewrites round n's block
         # once round n's push ran: _push_cached)
@@ -155,14 +157,27 @@ class SmPushes:
         itself, ep.paths.streamed); the key its launches ran under. ``advance``: a step launched
         right after the call block reaches the device (the streamed path writes its round there)."""
         parity = round_ % PARITIES
-        self._call_words[:] = call
         self._abort_word[0] = 0
         self._host_words = steps.words_size(shape.num_ranks, shape.num_experts)
         key = (parity, shape, timeout_s)
         current = self._current()
+        front = self._fronts.get(key) if graphs else None
+        compiled = host.module() if front is not None else None
+        if compiled is not None:  # the same steps compiled (ep.kernels.host): words, graph, copy, event
+            copy = (board_copy.data_ptr(), self._ptrs[self.rank] + self._offsets[f"board.{parity}"],
+                    board_copy.numel() * 8) if board_copy is not None else (0, 0, 0)
+            error, step = compiled.front_launch(call, self._call_address, front, *copy, self._counted, current,
+                                                *host.front_addresses())
+            if error:
+                what = ("cuGraphLaunch of the count exchange", "cuMemcpyAsync of the board", "cuEventRecord")[step - 1]
+                self._cuda.check(self._cuda._driver().CUresult(error), f"{what} on stream {current:#x}")
+            return key
+        self._call_words[:] = call
         # two launches with the board's event between them: an event recorded by a graph node
         # might read as the previous round's on the host
         self._launch(("front", *key), lambda: self._fresh_front(key, advance), graphs)
+        if graphs and ("front", *key) in self._graphs:
+            self._fronts[key] = int(self._graphs[("front", *key)])
         if board_copy is not None:  # before the event: resolving the handle then implies the copy ran
             board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
             self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
@@ -310,6 +325,7 @@ class SmPushes:
 
     def _close_pushes(self) -> None:
         graphs, self._graphs = self._graphs, {}  # they write into this Buffer's mappings
+        self._fronts = {}
         for graph in graphs.values():
             try:
                 self._cuda.graph_destroy(graph)
