@@ -29,7 +29,7 @@ from pathlib import Path
 from warmlink import _env
 from warmlink.errors import BackendUnavailable
 
-__all__ = ["cache_dir", "load"]
+__all__ = ["cache_dir", "compiler", "load", "target"]
 
 BUILD_TIMEOUT_S = 600.0
 _lock = threading.Lock()
@@ -40,15 +40,31 @@ def cache_dir() -> Path:
     return Path(_env.cache_dir()) / "cpp"
 
 
+def compiler() -> str | None:
+    """The C++ compiler a build would run (``$CXX``, default ``c++``), as a path; None where it is not on PATH."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def target(source: str, name: str) -> tuple[str, Path]:
+    """``(module name, file)`` of the module built from ``source``: one per source, PyTorch version
+    and Python ABI."""
+    import torch
+
+    key = hashlib.sha256("\0".join((source, torch.__version__, sysconfig.get_config_var("SOABI") or "")).encode())
+    module = f"{name}_{key.hexdigest()[:16]}"
+    return module, cache_dir() / (module + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+
+
 def _command(source: Path, target: Path, module: str) -> list[str]:
     import torch
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise BackendUnavailable(f"warmlink._cpp: no C++ compiler ({compiler!r} is not on PATH; set CXX)")
+    compiler_path = compiler()
+    if compiler_path is None:
+        raise BackendUnavailable(f"warmlink._cpp: no C++ compiler ({os.environ.get('CXX') or 'c++'!r} is not on PATH; "
+                                 "set CXX)")
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    return [compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w",
+    return [compiler_path, "-O2", "-shared", "-fPIC", "-std=c++20", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DTORCH_EXTENSION_NAME={module}",
             *(f"-I{d}" for d in includes), str(source), "-o", str(target),
             *(f"-L{d}" for d in cpp_extension.library_paths()), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
@@ -63,21 +79,16 @@ def load(source: str, name: str):
         BackendUnavailable: no compiler, the build failed (its output in the message) or timed out,
             or the module does not import.
     """
-    import torch
-
-    key = hashlib.sha256("\0".join((source, torch.__version__, sysconfig.get_config_var("SOABI") or "")).encode())
-    module = f"{name}_{key.hexdigest()[:16]}"
-    folder = cache_dir()
-    target = folder / (module + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    module, built = target(source, name)
     with _lock:
-        if not target.exists():
-            _build(source, folder, target, module)
-        spec = importlib.util.spec_from_loader(module, importlib.machinery.ExtensionFileLoader(module, str(target)))
+        if not built.exists():
+            _build(source, built.parent, built, module)
+        spec = importlib.util.spec_from_loader(module, importlib.machinery.ExtensionFileLoader(module, str(built)))
         try:
             loaded = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded)
         except ImportError as exc:
-            raise BackendUnavailable(f"warmlink._cpp: {target} does not import ({exc})") from exc
+            raise BackendUnavailable(f"warmlink._cpp: {built} does not import ({exc})") from exc
     return loaded
 
 

@@ -95,6 +95,7 @@ def test_doctor_reports_backends(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "backend shm" in out and "backend cuda_ipc" in out
+    assert "ep host steps: " in out  # compiled or Python, and why
 
 
 def test_help_loads_no_heavy_module():

@@ -34,7 +34,7 @@ FUNCTION, STREAM = 0xF00D, 0x5EA
 def compiled():
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine")
-    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), "warmlink_ep_host")
+    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), host.NAME)
 
 
 class Driver:
@@ -227,3 +227,21 @@ def test_the_count_exchange_launch_writes_the_call_block_then_launches_copies_an
     stop = {0: len(want), 1: 1, 2: 2, 3: len(want)}[failing]
     assert seen == want[:stop]
     assert got == ((error, failing) if failing else (0, 0))
+
+
+def test_describe_says_which_steps_run_without_building_them(compiled, monkeypatch, tmp_path):
+    from warmlink import _env
+
+    assert host.describe().startswith("compiled, built in ")  # (the fixture built them)
+    monkeypatch.setenv("WARMLINK_CACHE_DIR", str(tmp_path))
+    _env.clear_cache()
+    try:
+        assert host.describe().startswith("compiled, built at first use by ")
+        assert not any(tmp_path.iterdir())  # nothing built
+        monkeypatch.setenv("CXX", "no-such-compiler")
+        assert host.describe().startswith("Python (no C++ compiler")
+        monkeypatch.setenv("WARMLINK_EP_HOST", "python")
+        _env.clear_cache()
+        assert host.describe() == "Python (WARMLINK_EP_HOST=python)"
+    finally:
+        _env.clear_cache()

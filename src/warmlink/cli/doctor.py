@@ -51,7 +51,10 @@ def collect(measure: bool = True) -> dict:
             info["copy_engine"] = peer_copy_peak(0, min(1, n - 1), nbytes=256 << 20, repeats=5)
     from warmlink.transport._nixl_agent import installed_package
 
+    from warmlink.ep.kernels import host
+
     info["backends"] = _backends()
+    info["ep_host_steps"] = host.describe()
     if measure and installed_package() is not None:
         # A subprocess (UCX prints its protocol choice from C, and a crash there must not end the doctor).
         from warmlink.transport._nixl_probe import probe
@@ -89,6 +92,7 @@ def run_doctor() -> int:
         print("  no CUDA device: refit and the demo run on CPU over shared memory")
     for name, state in info["backends"].items():
         print(f"  backend {name:9s} {state}")
+    print(f"  ep host steps: {info['ep_host_steps']}")
     if "nixl" in info:
         for line in _nixl_lines(info["nixl"]):
             print(line)

@@ -21,10 +21,34 @@ from importlib import resources
 
 log = logging.getLogger("warmlink.ep")
 
-__all__ = ["LATE", "LAUNCHED", "OUT_OF_RANGE", "front_addresses", "launch_address", "module"]
+__all__ = ["LATE", "LAUNCHED", "NAME", "OUT_OF_RANGE", "describe", "front_addresses", "launch_address", "module"]
 
 # host.cpp's fresh_launch statuses
 LAUNCHED, LATE, OUT_OF_RANGE, DRIVER_ERROR = 0, 1, 2, 3
+
+
+NAME = "warmlink_ep_host"
+
+
+def _source() -> str:
+    return resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text()
+
+
+def describe() -> str:
+    """Whether the compiled steps run on this machine, in one line (``warmlink doctor``); builds nothing."""
+    from warmlink import _cpp, _env
+    from warmlink.errors import ConfigError
+
+    try:
+        if _env.ep_host() != "cpp":
+            return "Python (WARMLINK_EP_HOST=python)"
+        compiler = _cpp.compiler()
+        if compiler is None:
+            return "Python (no C++ compiler: set CXX, or install one)"
+        built = _cpp.target(_source(), NAME)[1]
+    except ConfigError as exc:  # a WARMLINK_* variable the doctor names too
+        return f"unknown ({exc})"
+    return f"compiled, built in {built.parent}" if built.exists() else f"compiled, built at first use by {compiler}"
 
 
 @functools.cache
@@ -37,7 +61,7 @@ def module():
     if _env.ep_host() != "cpp":
         return None
     try:
-        return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), "warmlink_ep_host")
+        return _cpp.load(_source(), NAME)
     except BackendUnavailable as exc:
         log.warning("ep: the compiled host steps are unavailable (%s): the Python ones run", exc)
         return None
