@@ -181,6 +181,14 @@ def test_launch_from_board_maps_the_statuses(compiled, monkeypatch):
     assert failed == [719] and len(driver.launches) == 2
 
 
+def test_module_loads_the_same_build_the_steps_use(compiled):
+    host.module.cache_clear()
+    try:
+        assert host.module() is compiled  # (one build per source: _cpp.load's cache)
+    finally:
+        host.module.cache_clear()
+
+
 def test_the_python_switch_keeps_the_compiled_steps_off(monkeypatch):
     from warmlink import _env
 
