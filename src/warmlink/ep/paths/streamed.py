@@ -163,12 +163,13 @@ class StreamPath:
     def prepare_dispatch(self, rows: torch.Tensor, src: Sources, recv_offset: torch.Tensor | None,
                          taken: torch.Tensor, experts_per_rank: int, valid: torch.Tensor | None = None,
                          fresh: bool = False, padded=None, starts_given: bool = False):
-        """The launch of ``dispatch``, made ready but for the outputs: ``launch(out, starts)`` then
-        launches it on the stream current now (the caller's). An unpadded fresh dispatch prepares it while the GPUs
-        trade the counts (``fresh``: right after ``launch_counts``, which advanced the seq already;
-        ``starts_given``: ``launch`` gets where each source's rows start, and ``recv_offset`` is
-        ``self.recv_offset()``, or None for the Triton kernels, which read a copy of the starts).
-        ``launch`` returns the ``recv_offset`` the launch fills; it is a ``PreparedLaunch``."""
+        """The launch of ``dispatch``, made ready but for the outputs, as a ``PreparedLaunch``:
+        ``launch(out, starts)`` then launches it on the stream current now (the caller's) and
+        returns the ``recv_offset`` the launch fills. An unpadded fresh dispatch prepares it while
+        the GPUs trade the counts (``fresh``: right after ``launch_counts``, which advanced the seq
+        already; ``starts_given``: ``launch`` gets where each source's rows start, and
+        ``recv_offset`` is ``self.recv_offset()``, or None for the Triton kernels, which read a copy
+        of the starts)."""
         step = None if fresh else self._advance()
         slot = self._slot()
         from_board = None
