@@ -7,7 +7,6 @@ launches nothing. Built here by the machine's C++ compiler (skipped only where t
 from __future__ import annotations
 
 import ctypes
-import shutil
 import struct
 from importlib import resources
 
@@ -32,8 +31,8 @@ FUNCTION, STREAM = 0xF00D, 0x5EA
 
 @pytest.fixture(scope="module")
 def compiled():
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler on this machine")
+    if _cpp.compiler() is None:
+        pytest.skip("no C++ compiler on this machine ($CXX, or c++)")
     return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), host.NAME)
 
 
