@@ -19,6 +19,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sysconfig
@@ -46,11 +47,14 @@ def compiler() -> str | None:
 
 
 def target(source: str, name: str) -> tuple[str, Path]:
-    """``(module name, file)`` of the module built from ``source``: one per source, PyTorch version
-    and Python ABI."""
+    """``(module name, file)`` of the module built from ``source``: one per source, PyTorch version,
+    Python ABI, C library and compiler (a cache directory shared by machines, e.g. a home on NFS,
+    then holds one build per kind of machine instead of one that does not import on the others)."""
     import torch
 
-    key = hashlib.sha256("\0".join((source, torch.__version__, sysconfig.get_config_var("SOABI") or "")).encode())
+    parts = (source, torch.__version__, sysconfig.get_config_var("SOABI") or "", platform.machine(),
+             "-".join(platform.libc_ver()), compiler() or "")
+    key = hashlib.sha256("\0".join(parts).encode())
     module = f"{name}_{key.hexdigest()[:16]}"
     return module, cache_dir() / (module + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 
