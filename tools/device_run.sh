@@ -31,6 +31,8 @@ export PYTHONPATH="${SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 # Byte-compiled once, as an installed package is: first-cycle figures must not count compiling the sources.
 timeout 120 python3 -m compileall -q "${SRC:-$PWD/src}" >/dev/null 2>&1
+# ep's compiled host steps too (ep.kernels.host: ~20 s the first time on a lease), for the same reason
+timeout 180 python3 -c "from warmlink.ep.kernels import host; host.module()" >/dev/null 2>&1
 wl() { python3 -m warmlink.cli.main "$@"; }
 # DeepEP V1's extension, unpacked from the carried .baseline/deepep-v1 where it is not yet: carrying the folder
 # again replaces an unpacked one, and a bench without it runs without DeepEP beside warmlink, saying so only once
