@@ -69,7 +69,15 @@ def _load():
 
 
 def _error_name(err) -> str:
-    return getattr(err, "name", None) or f"error {int(err)}"
+    """The driver's or runtime's name of ``err``; a plain int (a compiled caller's driver status,
+    ep.kernels.host) is named as a ``CUresult``."""
+    name = getattr(err, "name", None)
+    if name is None and _drv is not None:
+        try:
+            name = _drv.CUresult(int(err)).name
+        except ValueError:  # not a driver status
+            pass
+    return name or f"error {int(err)}"
 
 
 def check(result, what: str, error: type[Exception] = TransferError):

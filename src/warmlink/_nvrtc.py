@@ -119,8 +119,6 @@ class Kernel:
 
     def failed(self, err, grid: int, block: int) -> None:
         """Raise the error of a launch of this kernel that returned ``err`` (a ``CUresult`` or its int)."""
-        if not hasattr(err, "name"):  # a compiled caller's int: named as the driver names it
-            err = _cuda._driver().CUresult(err)
         _cuda.check(err, f"cuLaunchKernel({self.name}, grid {grid}, block {block})")
 
 

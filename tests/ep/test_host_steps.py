@@ -7,7 +7,7 @@ launches nothing. Built here by the machine's C++ compiler (skipped only where t
 from __future__ import annotations
 
 import ctypes
-import struct
+import types
 from importlib import resources
 
 import numpy as np
@@ -252,3 +252,23 @@ def test_describe_says_which_steps_run_without_building_them(compiled, monkeypat
         assert host.describe() == "Python (WARMLINK_EP_HOST=python)"
     finally:
         _env.clear_cache()
+
+
+def test_a_driver_status_from_compiled_code_is_raised_by_its_name(monkeypatch):
+    """The compiled steps hand back the driver's status as a plain int; ``_cuda.check`` names it as
+    the driver does (where the bindings load) and raises, for the kernels' ``failed`` too."""
+    import enum
+
+    from warmlink import _cuda
+    from warmlink.errors import TransferError
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_ILLEGAL_ADDRESS = 700
+
+    monkeypatch.setattr(_cuda, "_drv", types.SimpleNamespace(CUresult=CUresult))
+    with pytest.raises(TransferError, match=r"cuGraphLaunch failed: CUDA_ERROR_ILLEGAL_ADDRESS \(700\)"):
+        _cuda.check(700, "cuGraphLaunch")
+    with pytest.raises(TransferError, match=r"error 123456 \(123456\)"):  # not a driver status
+        _cuda.check(123456, "cuEventRecord")
+    _cuda.check(0, "cuEventRecord")

@@ -170,14 +170,15 @@ class SmPushes:
                                                 *host.front_addresses())
             if error:
                 what = ("cuGraphLaunch of the count exchange", "cuMemcpyAsync of the board", "cuEventRecord")[step - 1]
-                self._cuda.check(self._cuda._driver().CUresult(error), f"{what} on stream {current:#x}")
+                self._cuda.check(error, f"{what} on stream {current:#x}")
             return key
         self._call_words[:] = call
         # two launches with the board's event between them: an event recorded by a graph node
         # might read as the previous round's on the host
-        self._launch(("front", *key), lambda: self._fresh_front(key, advance), graphs)
-        if graphs and ("front", *key) in self._graphs:
-            self._fronts[key] = int(self._graphs[("front", *key)])
+        launch_key = ("front", *key)
+        self._launch(launch_key, lambda: self._fresh_front(key, advance), graphs)
+        if graphs and key not in self._fronts and launch_key in self._graphs:  # (just captured)
+            self._fronts[key] = int(self._graphs[launch_key])
         if board_copy is not None:  # before the event: resolving the handle then implies the copy ran
             board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
             self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
