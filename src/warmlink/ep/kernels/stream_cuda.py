@@ -75,7 +75,8 @@ def choose(device: int, num_ranks: int) -> str:
     """``"cuda"`` or ``"triton"``: the streamed kernels a Buffer on ``device`` with ``num_ranks``
     ranks launches. CUDA where ``WARMLINK_EP_STREAM_KERNEL`` allows it (the default), the group fits
     (at most ``MAX_RANKS``) and NVRTC compiles ``stream.cu`` here; otherwise Triton, and a warning
-    says why when CUDA was asked for."""
+    says why when CUDA was asked for. Choosing CUDA builds ep.kernels.host too (where it can be
+    built): a rank that built it inside its first call could spend its peers' deadline."""
     from warmlink import _env
 
     if _env.ep_stream_kernel() != "cuda":
@@ -91,6 +92,7 @@ def choose(device: int, num_ranks: int) -> str:
     except (ImportError, TransferError) as exc:  # no NVRTC, it refused the source, or the driver the cubin
         log.warning("ep: the CUDA streamed kernels are unavailable on cuda:%d (%s): the Triton ones run", device, exc)
         return "triton"
+    host.module()  # their compiled host steps too: built now, at setup, not inside a call's deadline
     return "cuda"
 
 
