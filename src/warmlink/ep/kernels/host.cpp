@@ -4,11 +4,14 @@
 //   layout: get_dispatch_layout's two outputs and the NVRTC layout kernel's launch (layout.cu);
 //   fresh_launch: a streamed dispatch's outputs sized from the count board in pinned memory, where
 //     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent;
-//   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event.
+//   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event;
+//   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
+//     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // the driver's functions come as addresses, so nothing here links against CUDA.
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
@@ -153,10 +156,63 @@ py::tuple front_launch(const py::sequence& words, i64 call_addr, i64 graph, i64 
   return py::make_tuple(error, error ? 3 : 0);
 }
 
+// The tensor obj holds, or null (None, or anything else: the Python checks name it)
+const at::Tensor* tensor(const py::handle& obj) {
+  return THPVariable_Check(obj.ptr()) ? &THPVariable_Unpack(obj.ptr()) : nullptr;
+}
+
+bool on_device(const at::Tensor& t, i64 device) {
+  return device < 0 ? t.device().is_cpu() : (t.is_cuda() && t.get_device() == device);
+}
+
+bool rows_of(const at::Tensor* t, i64 device, i64 rows) {
+  return t != nullptr && t->dim() == 2 && on_device(*t, device) && t->size(0) == rows;
+}
+
+bool vector_of(const at::Tensor* t, i64 device, i64 length) {
+  const auto dtype = t == nullptr ? at::kBool : t->scalar_type();
+  return t != nullptr && t->dim() == 1 && on_device(*t, device) && t->size(0) == length &&
+         (dtype == at::kInt || dtype == at::kLong);
+}
+
+// num_experts when a fresh dispatch's tensors are the kind ep's checks return unchanged (x and its
+// FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes, dtypes, one device,
+// x, ids and weights contiguous, weights float32), else 0: the Python checks then run, and accept
+// or raise by name. num_experts < 0: the count of num_tokens_per_expert.
+i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle weights, py::handle per_rank,
+                  py::handle in_rank, py::handle per_expert, i64 num_experts, i64 device, i64 hidden, i64 num_scales,
+                  i64 max_tokens, i64 max_topk, i64 num_ranks, i64 max_experts) {
+  const at::Tensor *xt = tensor(x), *st = tensor(scales), *kt = tensor(topk), *wt = tensor(weights);
+  const at::Tensor *rt = tensor(per_rank), *it = tensor(in_rank), *et = tensor(per_expert);
+  if (xt == nullptr || xt->dim() != 2 || !on_device(*xt, device) || !xt->is_contiguous()) return 0;
+  const i64 tokens = xt->size(0);
+  if (tokens > max_tokens || xt->size(1) != hidden) return 0;
+  const auto dtype = xt->scalar_type();
+  if (scales.is_none()) {
+    if (dtype != at::kBFloat16 && dtype != at::kHalf) return 0;
+  } else if (dtype != at::kFloat8_e4m3fn || !rows_of(st, device, tokens) || st->scalar_type() != at::kFloat ||
+             st->size(1) != num_scales) {
+    return 0;
+  }
+  if (!rows_of(kt, device, tokens) || !kt->is_contiguous() || kt->size(1) > max_topk ||
+      (kt->scalar_type() != at::kLong && kt->scalar_type() != at::kInt))
+    return 0;
+  if (!weights.is_none() && (!rows_of(wt, device, tokens) || !wt->is_contiguous() ||
+                             wt->size(1) != kt->size(1) || wt->scalar_type() != at::kFloat))
+    return 0;
+  if (et == nullptr) return 0;
+  const i64 experts = num_experts < 0 ? et->numel() : num_experts;
+  if (experts <= 0 || experts % num_ranks != 0 || experts > max_experts) return 0;
+  if (!vector_of(rt, device, num_ranks) || !vector_of(et, device, experts)) return 0;
+  if (!rows_of(it, device, tokens) || it->size(1) != num_ranks || it->scalar_type() != at::kBool) return 0;
+  return experts;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout", &layout);
   m.def("fresh_launch", &fresh_launch);
   m.def("front_launch", &front_launch);
+  m.def("fresh_accepts", &fresh_accepts);
 }

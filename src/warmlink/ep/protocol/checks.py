@@ -3,15 +3,23 @@
 A bad shape, dtype, device, size or expert id raises ``ConfigError`` naming the argument; expert
 ids are checked on the device by the plan kernel, whose min/max rides on the one copy of the
 counts to the host that dispatch needs anyway (Note [Round protocol] in ep.protocol.rounds).
+
+On GPUs a fresh dispatch's tensors are first offered to the compiled ``fresh_accepts``
+(ep.kernels.host): the common kind (contiguous rows, ids and weights, get_dispatch_layout's
+outputs, one device), which these checks would pass through unchanged, is accepted there in a
+few microseconds, where the checks below cost tens on a GPU machine's host while the GPUs wait
+for the count exchange's launch. Anything else comes here, to be accepted or named.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from warmlink.ep.kernels import host
 from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.kernels.steps import words_layout
 from warmlink.ep.wire import mailbox as mb
@@ -39,6 +47,12 @@ class DispatchArgs(NamedTuple):
 X_DTYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.lru_cache(maxsize=64)
+def _config_word(num_experts: int, num_topk: int, dtype: torch.dtype, by_sm: bool, num_worst_tokens: int,
+                 weights: bool) -> int:
+    return encode_call(num_experts, num_topk, dtype, False, by_sm, num_worst_tokens, weights)
+
+
 class Checks:
     """The checks of one Buffer: its region layout, group size and device (-1 = host)."""
 
@@ -47,6 +61,13 @@ class Checks:
         self._num_ranks = num_ranks
         self._device = device
         self._on = torch.device("cpu") if device < 0 else torch.device("cuda", device)  # (made once: every check reads it)
+        self._worst = num_ranks * layout.max_tokens  # the most rows num_worst_tokens may ask for
+        self._accepts = None  # the compiled fresh_accepts, looked up at the first CUDA dispatch (module docstring)
+
+    def compiled(self, accepts) -> None:
+        """Offer fresh dispatches to ``accepts`` (``host.cpp``'s ``fresh_accepts``, or a stand-in
+        in tests) before the checks; None: the checks alone."""
+        self._accepts = accepts
 
     def experts(self, num_experts) -> None:
         if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % self._num_ranks:
@@ -126,6 +147,11 @@ class Checks:
         """Every argument of ``ep.Buffer.dispatch`` (``by_sm``: whether the device trades the counts,
         part of the config word: a rank that meets in the mailbox while another trades counts on the
         device would read counts that were never published)."""
+        if not cached:
+            accepted = self._fresh_accepted(x, expert_alignment, num_worst_tokens, topk_idx, topk_weights, num_experts,
+                                            per_rank, in_rank, per_expert, by_sm)
+            if accepted is not None:
+                return accepted
         self.padding(expert_alignment, num_worst_tokens)
         tokens, scales = self.x(x)
         if cached:
@@ -134,6 +160,32 @@ class Checks:
         topk, weights, num_experts = routing[:3]
         config = encode_call(num_experts, topk.shape[1], tokens.dtype, False, by_sm, num_worst_tokens, weights is not None)
         return DispatchArgs(tokens, scales, *routing, config)
+
+    def _fresh_accepted(self, x, expert_alignment, num_worst_tokens, topk_idx, topk_weights, num_experts, per_rank,
+                        in_rank, per_expert, by_sm: bool) -> DispatchArgs | None:
+        """``dispatch``'s value when ``fresh_accepts`` takes the tensors as they are (the same value
+        the checks would give), else None."""
+        accepts = self._accepts
+        if accepts is None:
+            if self._device < 0 or host.module() is None:
+                return None
+            accepts = self._accepts = host.module().fresh_accepts
+        if (type(expert_alignment) is not int or expert_alignment < 1 or type(num_worst_tokens) is not int
+                or not 0 <= num_worst_tokens <= self._worst or (num_experts is not None and type(num_experts) is not int)):
+            return None
+        tokens, scales = x, None
+        if isinstance(x, tuple):
+            if len(x) != 2 or x[1] is None:  # not an FP8 pair: the checks name what it is
+                return None
+            tokens, scales = x
+        lay = self._layout
+        experts = accepts(tokens, scales, topk_idx, topk_weights, per_rank, in_rank, per_expert,
+                          -1 if num_experts is None else num_experts, self._device, lay.hidden, num_scales(lay.hidden),
+                          lay.max_tokens, lay.num_topk, self._num_ranks, mb.MAX_EXPERTS)
+        if not experts:
+            return None
+        config = _config_word(experts, topk_idx.shape[1], tokens.dtype, by_sm, num_worst_tokens, topk_weights is not None)
+        return DispatchArgs(tokens, scales, topk_idx, topk_weights, experts, per_rank, in_rank, per_expert, config)
 
     def routing(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
         """Check the routing arguments' shapes and types (host only; the layout is computed here
@@ -150,6 +202,9 @@ class Checks:
         if num_experts is None:
             if per_expert is None:
                 raise ConfigError("ep.Buffer.dispatch: pass num_tokens_per_expert (from get_dispatch_layout) or num_experts")
+            if not isinstance(per_expert, torch.Tensor):
+                raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_expert is a {type(per_expert).__name__}; expected "
+                                  "get_dispatch_layout's [num_experts] tensor")
             num_experts = int(per_expert.numel())
         self.experts(num_experts)
         if per_rank is None or in_rank is None or per_expert is None:
