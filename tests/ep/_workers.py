@@ -163,8 +163,9 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     dtype; ``weights`` False sends none; ``cached`` adds two cached re-dispatches of ``-x``), in
     order, on one Buffer: new tensors at new addresses and new token counts every call, through
     the same kernels (on GPUs, graphs replayed from the second call of a parity and shape,
-    ep.paths.sm_pushes, Note [Fresh send graph]). Returns this rank's outputs per round and the kinds of
-    launch its mover captured as graphs."""
+    ep.paths.sm_pushes, Note [Fresh send graph]); with ``case["layout"]``, get_dispatch_layout's
+    outputs passed. Returns this rank's outputs per round, the kinds of launch its mover captured
+    as graphs and the kinds of fresh dispatch a streamed path planned (ep.paths.planned)."""
     subs = [dict(case, **sub) for sub in case["rounds_cases"]]
     device = rank_device(rank, case)
     results = []
@@ -173,15 +174,21 @@ def changing_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
             mine = case_inputs(sub)[rank]
             x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
             w = mine["topk_weights"].to(device) if sub.get("weights", True) else None
+            routing = {"num_experts": case["experts"]}
+            if case.get("layout"):  # get_dispatch_layout's outputs, as DeepEP's callers pass them
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, case["experts"])
+                routing = {"num_tokens_per_rank": per_rank, "is_token_in_rank": in_rank,
+                           "num_tokens_per_expert": per_expert}
             recv_x, recv_idx, recv_w, per_expert_list, handle = buf.dispatch(x, topk_idx=idx, topk_weights=w,
-                                                                             num_experts=case["experts"])[:5]
+                                                                             **routing)[:5]
             got = {"recv_x": _cpu(recv_x), "recv_topk_idx": _cpu(recv_idx), "recv_topk_weights": _cpu(recv_w),
                    "num_recv_tokens_per_expert_list": per_expert_list}
             # cached re-dispatches of -x (new tensors), one in each parity
             got["cached_x"] = [_cpu(buf.dispatch(-x, handle=handle)[0]) for _ in range(2 if sub.get("cached") else 0)]
             results.append(got)
         kinds = sorted({key[0] for key in getattr(buf._mover, "_graphs", {})})
-    return {"rounds": results, "graph_kinds": kinds}
+        plans = len(getattr(getattr(buf._normal, "path", None), "_plans", {}))  # a streamed path's (ep.paths.planned)
+    return {"rounds": results, "graph_kinds": kinds, "plans": plans}
 
 
 def fp8_inputs(case: dict, rank: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:

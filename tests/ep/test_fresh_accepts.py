@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from warmlink import _cpp
 from warmlink.ep.kernels import host
-from warmlink.ep.protocol.checks import Checks
+from warmlink.ep.protocol.checks import KIND_EXPERTS, Checks
 from warmlink.errors import ConfigError
 
 R, E, K, T, HIDDEN, MAX_TOKENS, MAX_TOPK = 2, 8, 3, 5, 256, 8, 4
@@ -63,9 +63,10 @@ def _equal(u, v) -> bool:
 
 
 def _same(a, b) -> bool:
+    """The same error, or the same checked arguments (but the kind: the Python checks give none)."""
     if isinstance(a, ConfigError) or isinstance(b, ConfigError):
         return type(a) is type(b) and str(a) == str(b)
-    return all(_equal(u, v) for u, v in zip(a, b, strict=True))
+    return all(_equal(u, v) for u, v in zip(a[:-1], b[:-1], strict=True)) and not b.kind
 
 
 def _with(compiled) -> tuple[Checks, list]:
@@ -86,9 +87,27 @@ def test_the_common_calls_are_accepted_by_the_compiled_check_as_the_python_check
     args = _base(fp8=kind.startswith("fp8"), column_major_scales="column" in kind, weights="without" not in kind)
     checks, answers = _with(compiled)
     fast, slow = _dispatch(checks, args), _dispatch(Checks(LAYOUT, R, -1), args)
-    assert answers == [E] and not isinstance(fast, ConfigError)
-    assert _same(fast, slow)
+    assert len(answers) == 1 and answers[0] & KIND_EXPERTS == E and not isinstance(fast, ConfigError)
+    assert _same(fast, slow) and fast.kind == answers[0]
     assert fast.tokens is (args["x"][0] if isinstance(args["x"], tuple) else args["x"]) and fast.num_experts == E
+
+
+def test_calls_of_one_kind_share_it_and_other_kinds_differ(compiled):
+    """The kind names what the launches of a call are packed for (ep.paths.planned): the same for
+    calls that differ in their tensors' values, addresses and scale strides alone."""
+    checks = _with(compiled)[0]
+    kinds = {}
+    for name, args in {"bf16": _base(), "bf16 again": _base(), "fp8": _base(fp8=True),
+                       "fp8 column-major": _base(fp8=True, column_major_scales=True),
+                       "no weights": _base(weights=False),
+                       "int32 ids": {**_base(), "topk_idx": torch.zeros(T, K, dtype=torch.int32)},
+                       "two ids": {**_base(), "topk_idx": torch.zeros(T, 2, dtype=torch.int64),
+                                   "topk_weights": torch.rand(T, 2)},
+                       "int64 counts": {**_base(), "per_rank": torch.zeros(R, dtype=torch.int64)}}.items():
+        kinds[name] = _dispatch(checks, args).kind
+    assert kinds["bf16"] == kinds["bf16 again"] and kinds["fp8"] == kinds["fp8 column-major"]
+    others = [k for name, k in kinds.items() if name not in ("bf16 again", "fp8 column-major")]
+    assert len(set(others)) == len(others) and all(k & KIND_EXPERTS == E for k in others)
 
 
 def _tensor_variants(name: str, t: torch.Tensor | None):

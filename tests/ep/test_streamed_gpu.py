@@ -10,8 +10,8 @@ import torch
 from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
 from tests.ep._streamed_workers import graph_replays, stalled_peer_then_clear
-from tests.ep._workers import case_inputs, dispatch_combine, expect_error
-from tests.ep.test_buffer import check_against_reference
+from tests.ep._workers import case_inputs, changing_rounds, dispatch_combine, expect_error
+from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
 
 pytestmark = [pytest.mark.multigpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -61,6 +61,18 @@ def test_gpu_streamed_calls_with_the_python_host_steps_match_the_reference(name,
     monkeypatch.setenv("WARMLINK_EP_HOST", "python")
     case = dict(CASES[name], **_STREAM)
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
+def test_gpu_planned_fresh_dispatches_read_each_calls_new_inputs():
+    """From the third fresh dispatch of a kind of call on, its steps up to the board run as one
+    compiled call from the kind's plan (ep.paths.planned, Note [Planned fresh dispatch]): BF16,
+    FP8, then BF16 again, with get_dispatch_layout's outputs, new tensors and token counts every
+    call (no call's addresses may come from the plan's first), each equal to the oracle; the two
+    kinds with weights were planned (the last call, without weights, is a third kind, unplanned)."""
+    case = dict(changing_case(RANKS, backend="cuda_ipc"), send="stream", layout=True, timeout_s=60.0)
+    results = run_ranks(changing_rounds, RANKS, case=case, timeout_s=180)
+    check_changing_rounds(case, results)
+    assert [r["plans"] for r in results] == [2] * RANKS
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])

@@ -6,7 +6,9 @@
 //     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent;
 //   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event;
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
-//     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run.
+//     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
+//   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
+//     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // the driver's functions come as addresses, so nothing here links against CUDA.
 
@@ -175,10 +177,12 @@ bool vector_of(const at::Tensor* t, i64 device, i64 length) {
          (dtype == at::kInt || dtype == at::kLong);
 }
 
-// num_experts when a fresh dispatch's tensors are the kind ep's checks return unchanged (x and its
-// FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes, dtypes, one device,
-// x, ids and weights contiguous, weights float32), else 0: the Python checks then run, and accept
-// or raise by name. num_experts < 0: the count of num_tokens_per_expert.
+// The kind of call (never 0) when a fresh dispatch's tensors are the kind ep's checks return
+// unchanged (x and its FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes,
+// dtypes, one device, x, ids and weights contiguous, weights float32), else 0: the Python checks
+// then run, and accept or raise by name. num_experts < 0: the count of num_tokens_per_expert. The
+// kind (ep/protocol/checks.py's KIND_*): num_experts, num_topk, the dtypes and whether weights come;
+// calls of one kind pack the same launches but for their addresses, token count and scale strides.
 i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle weights, py::handle per_rank,
                   py::handle in_rank, py::handle per_expert, i64 num_experts, i64 device, i64 hidden, i64 num_scales,
                   i64 max_tokens, i64 max_topk, i64 num_ranks, i64 max_experts) {
@@ -205,7 +209,68 @@ i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle w
   if (experts <= 0 || experts % num_ranks != 0 || experts > max_experts) return 0;
   if (!vector_of(rt, device, num_ranks) || !vector_of(et, device, experts)) return 0;
   if (!rows_of(it, device, tokens) || it->size(1) != num_ranks || it->scalar_type() != at::kBool) return 0;
-  return experts;
+  const i64 x_code = dtype == at::kBFloat16 ? 1 : dtype == at::kHalf ? 2 : 3;
+  return experts | kt->size(1) << 13 | i64{kt->scalar_type() == at::kLong} << 21 |
+         i64{rt->scalar_type() == at::kLong} << 22 | i64{et->scalar_type() == at::kLong} << 23 |
+         i64{!weights.is_none()} << 24 | x_code << 25;
+}
+
+// stream.cu's DispatchArgs as ep/kernels/stream_cuda.py packs it (_DISPATCH): 18 pointers, then
+// int64 words; the fields a planned call patches into its kind's template
+constexpr size_t ROWS_AT = 0, X_AT = 8, TOPK_AT = 16, WEIGHTS_AT = 24, SCALES_AT = 32, RECV_OFFSET_AT = 48,
+                 STATUS_AT = 88, TAKEN_AT = 128, TOKENS_AT = 144, SCALE_STRIDES_AT = 144 + 5 * 8;
+
+template <typename T>
+void put(char* at, T value) {
+  std::memcpy(at, &value, sizeof(T));
+}
+
+i64 address(const at::Tensor* t) { return t == nullptr ? 0 : reinterpret_cast<i64>(t->data_ptr()); }
+
+// (rows, taken, recv_offset, error, failed step): a fresh dispatch of a planned kind (its tensors
+// accepted by fresh_accepts): rows [T, R], taken [R, channels] and recv_offset [R] int64 made; the
+// call block's words (ep/kernels/call_block.py's CALL_SLOTS) written where the count exchange's
+// graph copies them from, the exchange's abort word lifted, the graph launched and the board's event
+// recorded (front_launch's steps; the failed step as its); then the streamed kernel's struct copied
+// from the kind's template (args_bytes at template_addr) to args_addr with this call's addresses,
+// token count, scale strides and status row (status_addr) in it.
+py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
+                        py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
+                        i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 graph, i64 event,
+                        i64 stream, i64 graph_launch_fn, i64 event_record_fn, i64 template_addr, i64 args_addr,
+                        i64 args_bytes, i64 status_addr) {
+  const at::Tensor *x = tensor(x_h), *scales = tensor(scales_h), *topk = tensor(topk_h), *weights = tensor(weights_h);
+  const at::Tensor *in_rank = tensor(in_rank_h), *per_rank = tensor(per_rank_h), *per_expert = tensor(per_expert_h);
+  if (x == nullptr || topk == nullptr || in_rank == nullptr || per_rank == nullptr || per_expert == nullptr)
+    throw py::type_error("planned_front: a tensor argument is missing");
+  const i64 tokens = x->size(0);
+  at::Tensor rows = at::empty({tokens, num_ranks}, on(at::kLong, device));
+  at::Tensor taken = at::empty({num_ranks, channels}, on(at::kLong, device));
+  at::Tensor recv_offset = at::empty({num_ranks}, on(at::kLong, device));
+  const i64 s_token = scales == nullptr ? 0 : scales->stride(0), s_col = scales == nullptr ? 0 : scales->stride(1);
+  const i64 call[13] = {address(in_rank), address(topk),  address(per_rank), address(per_expert), address(&rows),
+                        address(x),       address(weights), address(scales), s_token, s_col, tokens, 0, config};
+  std::memcpy(reinterpret_cast<void*>(call_addr), call, sizeof(call));
+  *reinterpret_cast<volatile i64*>(abort_addr) = 0;
+  void* on_stream = reinterpret_cast<void*>(stream);
+  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
+  if (error) return py::make_tuple(rows, taken, recv_offset, error, 1);
+  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
+  if (error) return py::make_tuple(rows, taken, recv_offset, error, 3);
+  char* args = reinterpret_cast<char*>(args_addr);  // (while the GPUs trade the counts)
+  std::memcpy(args, reinterpret_cast<const void*>(template_addr), static_cast<size_t>(args_bytes));
+  put(args + ROWS_AT, address(&rows));
+  put(args + X_AT, address(x));
+  put(args + TOPK_AT, address(topk));
+  put(args + WEIGHTS_AT, address(weights));
+  put(args + SCALES_AT, address(scales));
+  put(args + RECV_OFFSET_AT, address(&recv_offset));
+  put(args + STATUS_AT, status_addr);
+  put(args + TAKEN_AT, address(&taken));
+  put(args + TOKENS_AT, tokens);
+  put(args + SCALE_STRIDES_AT, s_token);
+  put(args + SCALE_STRIDES_AT + 8, s_col);
+  return py::make_tuple(rows, taken, recv_offset, 0, 0);
 }
 
 }  // namespace
@@ -215,4 +280,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fresh_launch", &fresh_launch);
   m.def("front_launch", &front_launch);
   m.def("fresh_accepts", &fresh_accepts);
+  m.def("planned_front", &planned_front);
 }

@@ -38,7 +38,8 @@ import torch
 from warmlink.ep.kernels import host
 from warmlink.ep.kernels.launch import current_stream
 
-__all__ = ["MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "dispatch", "prepare_dispatch"]
+__all__ = ["MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "dispatch", "pack_dispatch",
+           "prepare_dispatch"]
 
 log = logging.getLogger("warmlink.ep")
 
@@ -137,14 +138,37 @@ def dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, out, sta
 class PreparedDispatch:
     """A dispatch's launch packed but for its outputs and its offsets (``dispatch``'s arguments,
     less ``out`` and ``starts``): a fresh dispatch packs it while the GPUs trade the counts, and
-    ``launch`` then patches what the counts decide (Note [Streamed calls] in ep.protocol.streamed)."""
+    ``launch`` then patches what the counts decide (Note [Streamed calls] in ep.protocol.streamed).
+    A planned fresh dispatch (ep.paths.planned) has its struct packed by compiled code, from the
+    struct of its kind's first call (``args``)."""
 
     __slots__ = ("_args", "_kernel", "_stream", "_grid", "_starts_given")
 
-    def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool) -> None:
+    def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool, kernel=None) -> None:
         self._args, self._grid, self._starts_given = args, grid, starts_given
-        self._kernel = _kernels(device)["warmlink_stream_dispatch"]
+        self._kernel = kernel or _kernels(device)["warmlink_stream_dispatch"]
         self._stream = current_stream(device)  # (looked up now: the launch is on the way to the GPUs)
+
+    @property
+    def args(self) -> ctypes.Array:
+        """The packed struct (stream.cu's DispatchArgs)."""
+        return self._args
+
+    @property
+    def grid(self) -> int:
+        return self._grid
+
+    @property
+    def kernel_address(self) -> int:
+        return self._kernel.address
+
+    def with_args(self, args: ctypes.Array, device: int) -> "PreparedDispatch":
+        """The same launch over another struct (a planned call's, patched by compiled code)."""
+        return PreparedDispatch(args, device, self._grid, self._starts_given, self._kernel)
+
+    def on(self, stream: int) -> None:
+        """Launch on ``stream`` (a planned call's current stream)."""
+        self._stream = stream
 
     def launch(self, out, starts: list[int] | None = None) -> None:
         """Write ``out``'s addresses and rows (and ``starts``, as prepared for) in, and launch on the
@@ -168,13 +192,21 @@ class PreparedDispatch:
         range (``recv_starts`` raises what is wrong)."""
         if not self._starts_given:
             raise ValueError("PreparedDispatch.launch_from_board: prepared with starts_given=False")
+        return self.launch_planned(compiled, self.board_args(board_address, num_ranks, row_words, rank, max_tokens, src))
+
+    def board_args(self, board_address: int, num_ranks: int, row_words: int, rank: int, max_tokens: int,
+                   src) -> tuple:
+        """``fresh_launch``'s arguments but the stream, for ``launch_planned``."""
         x = src.x
-        num_k = src.topk.shape[1] if src.topk is not None else -1
-        done = compiled.fresh_launch(
-            board_address, num_ranks, row_words, rank, max_tokens, x.shape[1], num_k, src.weights is not None,
-            src.scales.shape[1] if src.scales is not None else 0, x.device.index if x.is_cuda else -1,
-            ctypes.addressof(self._args), _OUT_AT, _OUT_ROWS_AT, _STARTS_AT, MAX_RANKS, host.launch_address(),
-            self._kernel.address, self._grid, THREADS, self._stream)
+        return (board_address, num_ranks, row_words, rank, max_tokens, x.shape[1],
+                src.topk.shape[1] if src.topk is not None else -1, src.weights is not None,
+                src.scales.shape[1] if src.scales is not None else 0, x.device.index if x.is_cuda else -1,
+                ctypes.addressof(self._args), _OUT_AT, _OUT_ROWS_AT, _STARTS_AT, MAX_RANKS, host.launch_address(),
+                self._kernel.address, self._grid, THREADS)
+
+    def launch_planned(self, compiled, board_args: tuple) -> tuple | None:
+        """``launch_from_board`` with its arguments made before (``board_args``: for this struct)."""
+        done = compiled.fresh_launch(*board_args, self._stream)
         if done[0] in (host.LATE, host.OUT_OF_RANGE):
             return None
         status, starts, *outputs, error = done
@@ -189,13 +221,24 @@ def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, 
                      padded=None) -> PreparedDispatch:
     """``dispatch``'s launch, packed without its outputs and offsets (``PreparedDispatch.launch``
     gives them); ``starts_given``: the launch will get ``starts``."""
+    packed = pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort, valid, me, seq,
+                           max_tokens, meta_words, experts_per_rank, timeout_ns, taken, publish, batch, advance,
+                           starts_given, padded)
+    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, 2 * space.channels,
+                            starts_given)
+
+
+def pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int, seq,
+                  max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int = 16,
+                  batch: int = 16, advance=None, starts_given: bool = False, padded=None) -> bytes:
+    """``prepare_dispatch``'s struct (stream.cu's DispatchArgs), its outputs and offsets zero."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
     num_scales = scales.shape[1] if scales is not None else 0
     s_token, s_col = scales.stride() if scales is not None else (0, 0)
     weights, w_kind = weight_kind(weights)
-    packed = _DISPATCH.pack(
+    return _DISPATCH.pack(
         rows.data_ptr(), x.data_ptr(), _ptr(topk), _ptr(weights), _ptr(scales), bases.data_ptr(),
         recv_offset.data_ptr(), 0, 0, 0, 0,
         status.data_ptr(), abort, valid.data_ptr(), seq.data_ptr(), _ptr(advance), taken.data_ptr(),
@@ -205,7 +248,6 @@ def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, 
         padded[0].stride(0) if padded is not None else 0, padded[1] if padded is not None else 0,
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
         (THREADS // 32) // r, int(starts_given), int(padded is not None), 0)
-    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, 2 * c, starts_given)
 
 
 def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,

@@ -50,6 +50,7 @@ class FreshSend(NamedTuple):
     phase: str  # the round's event phase: "dispatch.<parity>"
     parts: tuple[str, str]  # the receive areas of the round's parity: x, meta
     refused: str | None = None  # why this rank refused its arguments: it sends no tokens (Note [Refused dispatch])
+    kind: int = 0  # the compiled argument check's kind of call (ep.protocol.checks), 0 where the Python checks ran
 
 
 def refused_send(reason: str, num_ranks: int, hidden: int, device: torch.device, round_: int = 0,

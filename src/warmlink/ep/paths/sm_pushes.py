@@ -185,6 +185,21 @@ class SmPushes:
         self._cuda.event_record(self._counted, current)
         return key
 
+    def front_graph(self, shape: FreshShape, timeout_s: float) -> tuple | None:
+        """``(graph, call block address, abort word address, board event, plan words)`` of the count
+        exchange of ``shape`` (parity 0, ``timeout_s``) once it runs as a graph, for a planned call
+        that launches it itself (ep.paths.planned, then ``expect_words``); None before."""
+        graph = self._fronts.get((0, shape, timeout_s))
+        if graph is None:
+            return None
+        return (graph, self._call_address, self._abort_ptr, self._counted,
+                steps.words_size(shape.num_ranks, shape.num_experts))
+
+    def expect_words(self, count: int) -> None:
+        """``count`` plan words for ``wait_board`` to copy: a planned call's exchange writes them
+        (``send_counts`` sets them for its own)."""
+        self._host_words = count
+
     def exchange_valid(self, round_: int) -> torch.Tensor:
         """A device word the count exchange of ``round_``'s parity wrote: 0 when it refused the round
         (rank 0's push base, never 0 otherwise: the address of its receive area, Note [SM sends])."""

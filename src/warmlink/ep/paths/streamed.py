@@ -35,11 +35,12 @@ from warmlink.ep.kernels.stream_counts import advance, padded_plan
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
+from warmlink.ep.paths.planned import FreshPlan, PreparedLaunch
 from warmlink.ep.paths.senders import FreshSend, fresh_shape
 from warmlink.ep.wire.regions import RegionLayout, board_words
 from warmlink.errors import ConfigError, TransferTimeout
 
-__all__ = ["ABORT_ALL", "MAX_CAPTURED", "PreparedLaunch", "StreamPath"]
+__all__ = ["ABORT_ALL", "MAX_CAPTURED", "StreamPath"]
 
 ABORT_ALL = 1 << 40  # an abort word past every seq and round: ends the waits of every launch queued
 _SLOTS = 8  # status words in flight: a caller more than this many calls ahead of its stream waits
@@ -93,6 +94,8 @@ class StreamPath:
         self._status_host = torch.zeros(rows, width, dtype=torch.int64, device="cpu", pin_memory=True)
         self._status_words = self._status_host.numpy()
         self._status_rows = list(self._status_host)  # (one view per row, made once)
+        self._status_addresses = [row.data_ptr() for row in self._status_rows]
+        self._plans: dict[int, FreshPlan] = {}  # by kind of call (Note [Planned fresh dispatch] in ep.paths.planned)
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)  # read by the kernels through UVA
         self._leases = [lease_event(device) for _ in range(_SLOTS)]
         self._events = [lease.resource.handle for lease in self._leases]
@@ -113,6 +116,34 @@ class StreamPath:
         else:
             self.mover.send_counts(shape, words, 0, self.timeout_s, self.graphs, board_copy=board,
                                    advance=self._advance_fresh)
+
+    def fresh_front(self, call: FreshSend) -> tuple[torch.Tensor, torch.Tensor, PreparedLaunch]:
+        """An unpadded eager fresh dispatch's ``plan`` and count exchange launched, and its stream's
+        launch packed but for the outputs (``launch_counts``, then ``prepare_dispatch``):
+        ``(rows, taken, launch)``. A kind of call planned before does it in one compiled call, and
+        the first call of a kind whose exchange runs as a graph plans it (Note [Planned fresh dispatch]
+        in ep.paths.planned)."""
+        plan = self._plans.get(call.kind) if call.kind else None
+        if plan is not None:
+            slot = self._slot(in_graph=False)
+            if slot < _SLOTS:
+                self._status_words[slot] = 0  # (as _status_of: the row's last launch was read)
+            rows, taken, recv_offset = plan.front(call, self._status_addresses[slot], self.mover.current_stream())
+            self.mover.expect_words(plan.host_words)
+            return rows, taken, self._launch_of(plan.prepared, slot, recv_offset, plan.launch_from_board)
+        src = call.src
+        rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
+        self.launch_counts(call, rows, None)
+        taken = self.taken()
+        launch = self.prepare_dispatch(rows, src, self.recv_offset() if self.kernel == "cuda" else None, taken,
+                                       call.num_experts // self.num_ranks, self.valid(), fresh=True, starts_given=True)
+        if call.kind and launch.prepared is not None and host.module() is not None:
+            front = self.mover.front_graph(fresh_shape(self.layout, self.num_ranks, call), self.timeout_s)
+            if front is not None:
+                self._plans[call.kind] = FreshPlan(
+                    host.module(), call, launch.prepared, front, self.num_ranks, self.space.channels, self.device,
+                    self.rank, self.layout.max_tokens, self.mover.board_address, board_words(self.num_ranks))
+        return rows, taken, launch
 
     def _advance_fresh(self, block: torch.Tensor) -> None:
         advance(self.counters, block[_ROUND:_ROUND + 1])
@@ -137,6 +168,10 @@ class StreamPath:
         return self._exchange_valid
 
     # -- the streamed calls ------------------------------------------------------------------------
+    def taken(self) -> torch.Tensor:
+        """A dispatch's ``taken`` words ``[R, channels]``: the rows each channel took, for its handle's combine."""
+        return torch.empty(self.num_ranks, self.space.channels, dtype=torch.int64, device=self.bases.device)
+
     def recv_offset(self) -> torch.Tensor:
         """A fresh dispatch's ``recv_offset`` [R], made before its starts are known: the CUDA kernel
         takes the starts by value and fills it itself (no copy to the device on the way to the launch)."""
@@ -172,7 +207,6 @@ class StreamPath:
         of the starts)."""
         step = None if fresh else self._advance()
         slot = self._slot()
-        from_board = None
         if self.kernel == "cuda":  # checked by the protocol, made by this path: launched without a second check
             num_k = src.topk.shape[1] if src.topk is not None else 0
             num_scales = src.scales.shape[1] if src.scales is not None else 0
@@ -183,33 +217,40 @@ class StreamPath:
                 self.rank, self._seq, self.layout.max_tokens, stream.meta_words(num_k, num_scales),
                 experts_per_rank, self._timeout_ns, taken, advance=step, starts_given=starts_given, padded=padded,
                 **stream_cuda.STEPS)
-
-            def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
-                prepared.launch(out, starts)
-                self._launched(slot, "dispatch")
-                return recv_offset
-
             compiled = host.module() if starts_given else None
-            if compiled is not None:
-                def from_board():
-                    done = prepared.launch_from_board(compiled, self.mover.board_address, self.num_ranks,
-                                                      board_words(self.num_ranks), self.rank, self.layout.max_tokens,
-                                                      src)
-                    if done is None:
-                        return None
-                    self._launched(slot, "dispatch")
-                    return StreamOutputs(*done[0]), recv_offset
-        else:
-            def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
-                offsets = recv_offset if starts is None else torch.tensor(starts, dtype=torch.int64,
-                                                                          device=self.bases.device)
-                stream.stream_dispatch(self.space, rows, src, out, offsets, self.bases, self._status_of(slot),
-                                       me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
-                                       experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
-                                       abort=self._abort.data_ptr(), taken=taken, valid=valid)
-                self._launched(slot, "dispatch")
-                return offsets
-        return PreparedLaunch(launch, from_board)
+            if compiled is None:
+                return self._launch_of(prepared, slot, recv_offset, None)
+            board_args = prepared.board_args(self.mover.board_address, self.num_ranks, board_words(self.num_ranks),
+                                             self.rank, self.layout.max_tokens, src)
+            return self._launch_of(prepared, slot, recv_offset, lambda: prepared.launch_planned(compiled, board_args))
+
+        def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
+            offsets = recv_offset if starts is None else torch.tensor(starts, dtype=torch.int64,
+                                                                      device=self.bases.device)
+            stream.stream_dispatch(self.space, rows, src, out, offsets, self.bases, self._status_of(slot),
+                                   me=self.rank, seq=self.counters[1:2], max_tokens=self.layout.max_tokens,
+                                   experts_per_rank=experts_per_rank, timeout_s=self.timeout_s,
+                                   abort=self._abort.data_ptr(), taken=taken, valid=valid)
+            self._launched(slot, "dispatch")
+            return offsets
+        return PreparedLaunch(launch)
+
+    def _launch_of(self, prepared: stream_cuda.PreparedDispatch, slot: int, recv_offset: torch.Tensor,
+                   launch_from_board) -> PreparedLaunch:
+        """The ``PreparedLaunch`` of the CUDA kernel's ``prepared`` launch in status ``slot``
+        (``launch_from_board``: the compiled steps' way from the board, or None)."""
+        def launch(out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
+            prepared.launch(out, starts)
+            self._launched(slot, "dispatch")
+            return recv_offset
+
+        def from_board():
+            done = launch_from_board()
+            if done is None:
+                return None
+            self._launched(slot, "dispatch")
+            return StreamOutputs(*done[0]), recv_offset
+        return PreparedLaunch(launch, from_board if launch_from_board is not None else None, prepared)
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
                 recv_offset: torch.Tensor, weights: torch.Tensor | None, out_weights: torch.Tensor | None) -> None:
@@ -245,10 +286,11 @@ class StreamPath:
             self._status_words[slot] = 0
         return row
 
-    def _slot(self) -> int:
+    def _slot(self, in_graph: bool | None = None) -> int:
         """The status row of the next launch: an eager slot (waiting, with the timeout, for its
-        last reader), or a captured launch's row of its own."""
-        if capturing():
+        last reader), or a captured launch's row of its own (``in_graph``: whether it is captured,
+        where the caller knows)."""
+        if capturing() if in_graph is None else in_graph:
             if self.captured >= MAX_CAPTURED:
                 raise ConfigError(f"ep.Buffer: {MAX_CAPTURED} streamed calls are captured in this Buffer's graphs "
                                   "already, the most it holds status words for")
@@ -331,29 +373,10 @@ class StreamPath:
         self.launched = 0
 
     def close(self) -> None:
+        self._plans = {}
         for lease in self._leases:
             lease.release()
         self._leases = []
-
-
-class PreparedLaunch:
-    """A streamed dispatch's launch made ready but for its outputs (``StreamPath.prepare_dispatch``):
-    ``launch(out, starts)`` launches it and returns its ``recv_offset``."""
-
-    __slots__ = ("_launch", "_from_board")
-
-    def __init__(self, launch, from_board=None) -> None:
-        self._launch, self._from_board = launch, from_board
-
-    def __call__(self, out: StreamOutputs, starts: list[int] | None) -> torch.Tensor:
-        return self._launch(out, starts)
-
-    def from_board(self) -> tuple[StreamOutputs, torch.Tensor] | None:
-        """``(outputs, recv_offset)`` of the launch made by the compiled host steps (ep.kernels.host)
-        from the last exchange's board where it landed (the caller saw that exchange end); None
-        where they do not run (then nothing was allocated or launched; ``recv_starts`` on the board
-        raises what a late source or a count out of range means)."""
-        return self._from_board() if self._from_board is not None else None
 
 
 def _failed(words: torch.Tensor, what: str, channels: int) -> TransferTimeout | None:

@@ -43,8 +43,10 @@ class DispatchArgs(NamedTuple):
     in_rank: torch.Tensor | None = None
     per_expert: torch.Tensor | None = None
     config: int = 0  # a fresh dispatch's word (ep.wire.words), which the ranks compare
+    kind: int = 0  # the compiled check's kind of call (KIND_EXPERTS...), 0 where the Python checks ran
 
 X_DTYPES = (torch.bfloat16, torch.float16)
+KIND_EXPERTS = (1 << 13) - 1  # a kind's num_experts (host.cpp fresh_accepts: the rest names K, dtypes, weights)
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,13 +181,14 @@ class Checks:
                 return None
             tokens, scales = x
         lay = self._layout
-        experts = accepts(tokens, scales, topk_idx, topk_weights, per_rank, in_rank, per_expert,
-                          -1 if num_experts is None else num_experts, self._device, lay.hidden, num_scales(lay.hidden),
-                          lay.max_tokens, lay.num_topk, self._num_ranks, mb.MAX_EXPERTS)
-        if not experts:
+        kind = accepts(tokens, scales, topk_idx, topk_weights, per_rank, in_rank, per_expert,
+                       -1 if num_experts is None else num_experts, self._device, lay.hidden, num_scales(lay.hidden),
+                       lay.max_tokens, lay.num_topk, self._num_ranks, mb.MAX_EXPERTS)
+        if not kind:
             return None
+        experts = kind & KIND_EXPERTS
         config = _config_word(experts, topk_idx.shape[1], tokens.dtype, by_sm, num_worst_tokens, topk_weights is not None)
-        return DispatchArgs(tokens, scales, topk_idx, topk_weights, experts, per_rank, in_rank, per_expert, config)
+        return DispatchArgs(tokens, scales, topk_idx, topk_weights, experts, per_rank, in_rank, per_expert, config, kind)
 
     def routing(self, tokens, topk_idx, topk_weights, num_experts, per_rank, in_rank, per_expert):
         """Check the routing arguments' shapes and types (host only; the layout is computed here

@@ -136,7 +136,7 @@ class NormalMode:
             if cached:  # no meeting to refuse in (Note [Refused dispatch])
                 raise
             self.refuse_dispatch(str(exc), return_recv_hook)
-        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
+        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config, _ = args
         num_tokens = tokens.shape[0]
         rounds, mover = self.rounds, self.mover
         round_ = rounds.next("dispatch")

@@ -182,7 +182,7 @@ class StreamedMode:
             if cached or self.in_graph:  # no exchange to refuse in (Note [Refused dispatch])
                 raise
             self.refuse_dispatch(str(exc))
-        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config = args
+        tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config, kind = args
         marks = self.last_marks = {"start": t0, "checked": time.perf_counter()}
         if cached:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
@@ -190,7 +190,7 @@ class StreamedMode:
         else:
             src = Sources(as_words(tokens), topk, weights, scales)
             call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
-                             config, num_worst_tokens, 0, "dispatch", ("", ""))
+                             config, num_worst_tokens, 0, "dispatch", ("", ""), kind=kind)
             out, handle = self._fresh(call, marks)
         marks["sent"] = time.perf_counter()
         self.last_phases = {"layout": marks.get("counts", marks["sent"]) - t0,
@@ -208,38 +208,41 @@ class StreamedMode:
         if in_graph and not padded:
             raise ConfigError("ep.Buffer.dispatch: a fresh dispatch captured in a CUDA graph needs num_worst_tokens "
                               "(its outputs are sized at capture; without it the host reads the received count)")
-        rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
-        board = path.board_like() if padded else None
-        path.launch_counts(call, rows, board)
-        marks["launched"] = time.perf_counter()
-        # (made while the GPUs trade the counts)
-        handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
-                        num_worst_tokens=call.num_worst_tokens, board=board,
-                        taken=torch.empty(self.num_ranks, path.space.channels, dtype=torch.int64, device=rows.device))
         if padded:
-            return self._padded(call, handle, in_graph, marks)
-        # the stream's launch packed while the GPUs trade the counts: after the board, only the
-        # outputs and where each source's rows start are left to give it
-        launch = path.prepare_dispatch(rows, src, path.recv_offset() if path.kernel == "cuda" else None, handle.taken,
-                                       call.num_experts // self.num_ranks, path.valid(), fresh=True, starts_given=True)
+            rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
+            board = path.board_like()
+            path.launch_counts(call, rows, board)
+            marks["launched"] = time.perf_counter()
+            return self._padded(call, self._handle(call, rows, path.taken(), board), in_graph, marks)
+        # the exchange launched, and the stream's launch packed while the GPUs trade the counts: after
+        # the board, only the outputs and where each source's rows start are left to give it
+        rows, taken, launch = path.fresh_front(call)
+        marks["launched"] = time.perf_counter()
         board = path.board_now()  # where it landed (no wait, no copy), or None while the GPUs still trade
         if board is None:  # the host would idle: read the earlier calls' failures first (a call that
             self.raise_failures()  # failed at its deadline may mean that a peer stalls this exchange too)
             board = self._wait_board()[1]
         done = launch.from_board()  # by the compiled host steps (ep.kernels.host), or None
         if done is not None:
-            out, handle.recv_offset = done
+            out, recv_offset = done
             marks["counts"] = marks["outputs"] = time.perf_counter()
         else:
             starts = self._starts(board)  # None: a rank refused its input
             marks["counts"] = time.perf_counter()
             out = stream_outputs(starts[-1] if starts is not None else 0, src)
             marks["outputs"] = time.perf_counter()
-            handle.recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
-        # the launch first; the earlier calls' failures and the handle's plan after, off the GPUs' path
+            recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
+        # the launch first; the handle, the earlier calls' failures and the plan after, off the GPUs' path
+        handle = self._handle(call, rows, taken, None)
+        handle.recv_offset = recv_offset
         self.raise_failures()
         self._fill(handle, call, *self._wait_board())  # raises a refusal
         return out, handle
+
+    def _handle(self, call: FreshSend, rows: torch.Tensor, taken: torch.Tensor, board) -> Handle:
+        src = call.src
+        return Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
+                      num_worst_tokens=call.num_worst_tokens, board=board, taken=taken)
 
     def _padded(self, call: FreshSend, handle: Handle, in_graph: bool, marks: dict):
         """A padded fresh dispatch after its count exchange: the stream launched at once (its offsets
