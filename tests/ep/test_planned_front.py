@@ -1,10 +1,12 @@
-"""A planned fresh dispatch's compiled front (``host.cpp``'s ``planned_front``, ep.paths.planned) on CPU
-tensors, its driver calls caught by ctypes functions standing in for ``cuGraphLaunch`` and
-``cuEventRecord``: for any call of a kind, the streamed kernel's struct it patches from the struct
-of another call of that kind is the struct the Python steps pack for this call
-(``stream_cuda.pack_dispatch``), its call block holds ``call_words``, the exchange's abort word is
-lifted before the graph's launch, and a driver error stops it at the step that failed. Built here
-by the machine's C++ compiler (skipped only where there is none)."""
+"""A planned fresh dispatch's compiled steps (``host.cpp``'s ``planned_front`` and ``planned_padded``,
+ep.paths.planned) on CPU tensors, their driver calls caught by ctypes functions standing in for
+``cuGraphLaunch``, ``cuMemcpyAsync``, ``cuEventRecord`` and ``cuLaunchKernel``: for any call of a
+kind, the streamed kernel's struct they patch from the struct of another call of that kind is the
+struct the Python steps pack for this call (``stream_cuda.pack_dispatch``), the call block holds
+``call_words``, the exchange's abort word is lifted before the graph's launch, a padded call's
+board is copied before the event and its outputs are the Python steps' shapes, and a driver error
+stops them at the step that failed. Built here by the machine's C++ compiler (skipped only where
+there is none)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from warmlink import _cpp
 from warmlink.ep.kernels import host, stream_cuda
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
+from warmlink.ep.kernels.stream import outputs
 from warmlink.ep.paths.host_mover import as_words
 
 HIDDEN, CHANNELS, TIMEOUT_NS = 256, 3, 7 * 10 ** 9
@@ -126,3 +129,71 @@ def test_a_driver_error_stops_the_front_at_its_step(compiled, failing):
     assert (error, step) == (801, failing)
     assert [seen[0] for seen in driver.seen] == ["graph", "event"][:1 if failing == 1 else 2]
     assert args.raw == bytes(len(template))  # the struct is packed only after both launched
+
+
+_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+BOARD, BOARD_ROW, FUNCTION = 0xB0A4D, 12, 0xF00D
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(compiled, data):
+    """``planned_padded``: the graph, the board's copy into a fresh tensor, the event, then the
+    streamed kernel launched with the struct the Python steps pack for this call (its outputs of
+    num_worst_tokens rows, the board copy as its padded plan's), from another call's struct."""
+    num_ranks = data.draw(st.sampled_from([2, 4]))
+    kind = {"num_k": data.draw(st.integers(1, 8)), "fp8": data.draw(st.booleans()), "weights": data.draw(st.booleans())}
+    first = _call(num_ranks, data.draw(st.integers(0, 9)), column_major=data.draw(st.booleans()), **kind)
+    call = _call(num_ranks, data.draw(st.integers(0, 9)), column_major=data.draw(st.booleans()), **kind)
+    worst = data.draw(st.integers(0, 20))
+    path, status = _Path(num_ranks), torch.zeros(2, 2 * CHANNELS, dtype=torch.int64)
+
+    def pack(c, rows, taken, recv_offset, status_row, board, out) -> bytes:
+        src = c["src"]
+        packed = ctypes.create_string_buffer(stream_cuda.pack_dispatch(
+            path.space, rows, src.x, src.topk, src.weights, src.scales, path.bases, recv_offset, status_row, path.abort,
+            path.valid, 1, path.seq, 64, 9, 4, TIMEOUT_NS, taken, padded=(board, worst), **stream_cuda.STEPS))
+        stream_cuda._OUTPUTS.pack_into(packed, stream_cuda._OUT_AT, *(t.data_ptr() if t is not None else 0 for t in out))
+        stream_cuda._WORD.pack_into(packed, stream_cuda._OUT_ROWS_AT, worst)
+        return packed.raw[:stream_cuda._DISPATCH.size]
+
+    some = torch.empty(3, dtype=torch.int64)
+    template = pack(first, some, some, some, status[0], torch.empty(num_ranks, BOARD_ROW, dtype=torch.int64),
+                    (some, None, None, None))
+    block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
+    driver = Driver(block, abort)
+    seen = driver.seen
+    launches = []
+
+    def copy(dst, source, nbytes, on):
+        seen.append(("copy", dst, source, nbytes, on))
+        return 0
+
+    def launched(function, gx, gy, gz, bx, by, bz, shared, on, params, extra):
+        launches.append((function, gx, bx, on, ctypes.string_at(params[0], len(template))))
+        return 0
+
+    memcpy, launch = _MEMCPY(copy), _LAUNCH(launched)
+    kept, args = ctypes.create_string_buffer(template, len(template)), ctypes.create_string_buffer(len(template))
+    src = call["src"]
+    num_k = src.topk.shape[1]
+    got = compiled.planned_padded(
+        src.x, src.scales, src.topk, src.weights, call["in_rank"], call["per_rank"], call["per_expert"], call["config"],
+        num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort), GRAPH, EVENT, STREAM,
+        *driver.addresses, ctypes.addressof(kept), ctypes.addressof(args), len(template), status[1].data_ptr(), BOARD,
+        BOARD_ROW, ctypes.cast(memcpy, ctypes.c_void_p).value, worst, src.x.shape[1], num_k, src.weights is not None,
+        src.scales.shape[1] if src.scales is not None else 0, ctypes.cast(launch, ctypes.c_void_p).value, FUNCTION, 6,
+        768)
+    rows, taken, recv_offset, board, x, idx, weights, scales, error, step = got
+    assert (error, step) == (0, 0)
+    want = outputs(worst, src, device="cpu")  # (the outputs' shapes: as the Python steps make them)
+    for t, ref in zip((x, idx, weights, scales), want, strict=True):
+        assert (t is None) == (ref is None) and (t is None or (t.shape, t.dtype) == (ref.shape, ref.dtype))
+    assert board.shape == (num_ranks, BOARD_ROW)
+    assert [step[0] for step in seen] == ["graph", "copy", "event"]
+    assert seen[1][1:] == (board.data_ptr(), BOARD, num_ranks * BOARD_ROW * 8, STREAM)
+    (function, grid, threads, stream, packed), = launches
+    assert (function, grid, threads, stream) == (FUNCTION, 6, 768, STREAM)
+    assert packed == args.raw == pack(call, rows, taken, recv_offset, status[1], board, (x, idx, weights, scales))

@@ -75,6 +75,15 @@ def test_gpu_planned_fresh_dispatches_read_each_calls_new_inputs():
     assert [r["plans"] for r in results] == [2] * RANKS
 
 
+@pytest.mark.parametrize("name", ["padded outputs, cached, events", "fp8"])
+def test_gpu_planned_calls_of_four_rounds_match_the_reference(name):
+    """Four rounds of a case: from the third on its fresh dispatches are planned (ep.paths.planned),
+    a padded one whole in one compiled call (on the communication stream: async_finish), an FP8
+    one up to the board."""
+    case = {**CASES[name], **_STREAM, "rounds": 4}
+    check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_gpu_a_refused_input_spends_the_streamed_round_and_the_next_one_works(padded):
     """Rank 0 dispatches an expert id out of range: the count exchange refuses the round on every

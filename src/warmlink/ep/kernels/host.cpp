@@ -8,7 +8,8 @@
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
-//     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call.
+//     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call;
+//   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // the driver's functions come as addresses, so nothing here links against CUDA.
 
@@ -218,7 +219,8 @@ i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle w
 // stream.cu's DispatchArgs as ep/kernels/stream_cuda.py packs it (_DISPATCH): 18 pointers, then
 // int64 words; the fields a planned call patches into its kind's template
 constexpr size_t ROWS_AT = 0, X_AT = 8, TOPK_AT = 16, WEIGHTS_AT = 24, SCALES_AT = 32, RECV_OFFSET_AT = 48,
-                 STATUS_AT = 88, TAKEN_AT = 128, TOKENS_AT = 144, SCALE_STRIDES_AT = 144 + 5 * 8;
+                 OUTPUTS_AT = 56, STATUS_AT = 88, TAKEN_AT = 128, PADDED_AT = 136, TOKENS_AT = 144,
+                 SCALE_STRIDES_AT = 144 + 5 * 8;
 
 template <typename T>
 void put(char* at, T value) {
@@ -227,50 +229,127 @@ void put(char* at, T value) {
 
 i64 address(const at::Tensor* t) { return t == nullptr ? 0 : reinterpret_cast<i64>(t->data_ptr()); }
 
-// (rows, taken, recv_offset, error, failed step): a fresh dispatch of a planned kind (its tensors
-// accepted by fresh_accepts): rows [T, R], taken [R, channels] and recv_offset [R] int64 made; the
-// call block's words (ep/kernels/call_block.py's CALL_SLOTS) written where the count exchange's
-// graph copies them from, the exchange's abort word lifted, the graph launched and the board's event
-// recorded (front_launch's steps; the failed step as its); then the streamed kernel's struct copied
-// from the kind's template (args_bytes at template_addr) to args_addr with this call's addresses,
-// token count, scale strides and status row (status_addr) in it.
+// A planned call's tensors (fresh_accepts took them), and the ones it makes: rows [T, R], taken
+// [R, channels] and recv_offset [R] int64.
+struct Planned {
+  const at::Tensor *x, *scales, *topk, *weights, *in_rank, *per_rank, *per_expert;
+  at::Tensor rows, taken, recv_offset;
+  i64 s_token = 0, s_col = 0;
+
+  Planned(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h, py::handle in_rank_h,
+          py::handle per_rank_h, py::handle per_expert_h, i64 num_ranks, i64 channels, i64 device)
+      : x(tensor(x_h)), scales(tensor(scales_h)), topk(tensor(topk_h)), weights(tensor(weights_h)),
+        in_rank(tensor(in_rank_h)), per_rank(tensor(per_rank_h)), per_expert(tensor(per_expert_h)) {
+    if (x == nullptr || topk == nullptr || in_rank == nullptr || per_rank == nullptr || per_expert == nullptr)
+      throw py::type_error("a planned dispatch's tensor argument is missing");
+    rows = at::empty({x->size(0), num_ranks}, on(at::kLong, device));
+    taken = at::empty({num_ranks, channels}, on(at::kLong, device));
+    recv_offset = at::empty({num_ranks}, on(at::kLong, device));
+    if (scales != nullptr) s_token = scales->stride(0), s_col = scales->stride(1);
+  }
+
+  // the call block's words (ep/kernels/call_block.py's CALL_SLOTS), written at call_addr
+  void write_call(i64 call_addr, i64 config) const {
+    const i64 call[13] = {address(in_rank), address(topk),    address(per_rank), address(per_expert), address(&rows),
+                          address(x),       address(weights), address(scales),   s_token, s_col, x->size(0), 0, config};
+    std::memcpy(reinterpret_cast<void*>(call_addr), call, sizeof(call));
+  }
+
+  // the kind's template (bytes at template_addr) copied to args with this call's fields patched in
+  void pack(char* args, i64 template_addr, i64 nbytes, i64 status_addr) const {
+    std::memcpy(args, reinterpret_cast<const void*>(template_addr), static_cast<size_t>(nbytes));
+    put(args + ROWS_AT, address(&rows));
+    put(args + X_AT, address(x));
+    put(args + TOPK_AT, address(topk));
+    put(args + WEIGHTS_AT, address(weights));
+    put(args + SCALES_AT, address(scales));
+    put(args + RECV_OFFSET_AT, address(&recv_offset));
+    put(args + STATUS_AT, status_addr);
+    put(args + TAKEN_AT, address(&taken));
+    put(args + TOKENS_AT, x->size(0));
+    put(args + SCALE_STRIDES_AT, s_token);
+    put(args + SCALE_STRIDES_AT + 8, s_col);
+  }
+};
+
+// (rows, taken, recv_offset, error, failed step): an unpadded fresh dispatch of a planned kind (its
+// tensors accepted by fresh_accepts; ep/paths/planned.py): Planned's tensors made, the call block
+// written where the count exchange's graph copies it from, the exchange's abort word lifted, the
+// graph launched and the board's event recorded (front_launch's steps; the failed step as its), then
+// the streamed kernel's struct packed at args_addr (Planned::pack) for fresh_launch to finish.
 py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
                         py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
                         i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 graph, i64 event,
                         i64 stream, i64 graph_launch_fn, i64 event_record_fn, i64 template_addr, i64 args_addr,
                         i64 args_bytes, i64 status_addr) {
-  const at::Tensor *x = tensor(x_h), *scales = tensor(scales_h), *topk = tensor(topk_h), *weights = tensor(weights_h);
-  const at::Tensor *in_rank = tensor(in_rank_h), *per_rank = tensor(per_rank_h), *per_expert = tensor(per_expert_h);
-  if (x == nullptr || topk == nullptr || in_rank == nullptr || per_rank == nullptr || per_expert == nullptr)
-    throw py::type_error("planned_front: a tensor argument is missing");
-  const i64 tokens = x->size(0);
-  at::Tensor rows = at::empty({tokens, num_ranks}, on(at::kLong, device));
-  at::Tensor taken = at::empty({num_ranks, channels}, on(at::kLong, device));
-  at::Tensor recv_offset = at::empty({num_ranks}, on(at::kLong, device));
-  const i64 s_token = scales == nullptr ? 0 : scales->stride(0), s_col = scales == nullptr ? 0 : scales->stride(1);
-  const i64 call[13] = {address(in_rank), address(topk),  address(per_rank), address(per_expert), address(&rows),
-                        address(x),       address(weights), address(scales), s_token, s_col, tokens, 0, config};
-  std::memcpy(reinterpret_cast<void*>(call_addr), call, sizeof(call));
+  const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
+                     device);
+  call.write_call(call_addr, config);
   *reinterpret_cast<volatile i64*>(abort_addr) = 0;
   void* on_stream = reinterpret_cast<void*>(stream);
   int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
-  if (error) return py::make_tuple(rows, taken, recv_offset, error, 1);
+  if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, 1);
   error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
-  if (error) return py::make_tuple(rows, taken, recv_offset, error, 3);
-  char* args = reinterpret_cast<char*>(args_addr);  // (while the GPUs trade the counts)
-  std::memcpy(args, reinterpret_cast<const void*>(template_addr), static_cast<size_t>(args_bytes));
-  put(args + ROWS_AT, address(&rows));
-  put(args + X_AT, address(x));
-  put(args + TOPK_AT, address(topk));
-  put(args + WEIGHTS_AT, address(weights));
-  put(args + SCALES_AT, address(scales));
-  put(args + RECV_OFFSET_AT, address(&recv_offset));
-  put(args + STATUS_AT, status_addr);
-  put(args + TAKEN_AT, address(&taken));
-  put(args + TOKENS_AT, tokens);
-  put(args + SCALE_STRIDES_AT, s_token);
-  put(args + SCALE_STRIDES_AT + 8, s_col);
-  return py::make_tuple(rows, taken, recv_offset, 0, 0);
+  if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, 3);
+  call.pack(reinterpret_cast<char*>(args_addr), template_addr, args_bytes, status_addr);  // (while the GPUs trade)
+  return py::make_tuple(call.rows, call.taken, call.recv_offset, 0, 0);
+}
+
+// (rows, taken, recv_offset, board copy, x, idx, weights, scales, error, failed step): a padded fresh
+// dispatch of a planned kind, whole: planned_front's steps with the board copied into a [R,
+// board_row] tensor between the graph and the event (front_launch's padded copy), then outputs of
+// num_worst_tokens rows (x_words int64 words, num_k ids and weights where num_k >= 0 and weights,
+// num_scales scales where > 0), their addresses and the board copy's patched into the struct, and
+// the streamed kernel launched: it takes its offsets and whether the round stands from the copy.
+// The failed step: 1 the graph, 2 the copy, 3 the event, 4 the kernel's launch.
+py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
+                         py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
+                         i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 graph, i64 event,
+                         i64 stream, i64 graph_launch_fn, i64 event_record_fn, i64 template_addr, i64 args_addr,
+                         i64 args_bytes, i64 status_addr, i64 board_addr, i64 board_row, i64 memcpy_fn,
+                         i64 num_worst_tokens, i64 x_words, i64 num_k, bool weights, i64 num_scales, i64 launch_fn,
+                         i64 function, i64 grid, i64 threads) {
+  const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
+                     device);
+  at::Tensor board = at::empty({num_ranks, board_row}, on(at::kLong, device));
+  at::Tensor x = at::empty({num_worst_tokens, x_words}, on(at::kLong, device));
+  py::object idx = py::none(), w = py::none(), scales = py::none();
+  uint64_t out[4] = {reinterpret_cast<uint64_t>(x.data_ptr()), 0, 0, 0};
+  if (num_k >= 0) {
+    at::Tensor t = at::empty({num_worst_tokens, num_k}, on(at::kLong, device));
+    out[1] = reinterpret_cast<uint64_t>(t.data_ptr());
+    idx = py::cast(t);
+  }
+  if (weights && num_k >= 0) {
+    at::Tensor t = at::empty({num_worst_tokens, num_k}, on(at::kFloat, device));
+    out[2] = reinterpret_cast<uint64_t>(t.data_ptr());
+    w = py::cast(t);
+  }
+  if (num_scales > 0) {
+    at::Tensor t = at::empty({num_worst_tokens, num_scales}, on(at::kFloat, device));
+    out[3] = reinterpret_cast<uint64_t>(t.data_ptr());
+    scales = py::cast(t);
+  }
+  auto done = [&](int error, int step) {
+    return py::make_tuple(call.rows, call.taken, call.recv_offset, board, x, idx, w, scales, error, step);
+  };
+  call.write_call(call_addr, config);
+  *reinterpret_cast<volatile i64*>(abort_addr) = 0;
+  void* on_stream = reinterpret_cast<void*>(stream);
+  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
+  if (error) return done(error, 1);
+  error = reinterpret_cast<MemcpyFn>(memcpy_fn)(reinterpret_cast<uint64_t>(board.data_ptr()),
+                                                static_cast<uint64_t>(board_addr),
+                                                static_cast<size_t>(num_ranks * board_row * 8), on_stream);
+  if (error) return done(error, 2);
+  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
+  if (error) return done(error, 3);
+  char* args = reinterpret_cast<char*>(args_addr);
+  call.pack(args, template_addr, args_bytes, status_addr);
+  std::memcpy(args + OUTPUTS_AT, out, sizeof(out));
+  put(args + PADDED_AT, reinterpret_cast<i64>(board.data_ptr()));
+  error = launch(launch_fn, function, grid, threads, stream, args);
+  return done(error, error ? 4 : 0);
 }
 
 }  // namespace
@@ -281,4 +360,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("front_launch", &front_launch);
   m.def("fresh_accepts", &fresh_accepts);
   m.def("planned_front", &planned_front);
+  m.def("planned_padded", &planned_padded);
 }

@@ -15,8 +15,10 @@ ep.paths.sm_pushes) keeps its struct as the kind's template, and every later cal
 makes its rows, ``taken`` and ``recv_offset`` tensors, writes the call block, launches the graph,
 records the board's event and patches a copy of the template in one C++ call; then, once the
 board is in, one more makes the outputs and launches the stream (``fresh_launch``, as for any
-compiled call). What the host keeps (the status slots, the failures, the handle) stays in Python,
-after the launch where it can.
+compiled call). A padded call (``num_worst_tokens``, a plan per kind and value) waits for no board:
+one C++ call does all of it, the board's copy and the outputs included, and launches the stream,
+which takes its offsets from the copy on the device. What the host keeps (the status slots, the
+failures, the handle) stays in Python, after the launch where it can.
 
 A plan holds the exchange's graph handle, which the mover keeps until it closes, and is dropped
 with the path; the template's constant fields (the space's bases, the seq and valid words, the
@@ -31,8 +33,9 @@ import torch
 
 from warmlink.ep.kernels import host
 from warmlink.ep.kernels.stream import StreamOutputs
-from warmlink.ep.kernels.stream_cuda import PreparedDispatch
+from warmlink.ep.kernels.stream_cuda import THREADS, PreparedDispatch
 from warmlink.ep.paths.senders import FreshSend
+from warmlink.ep.wire.regions import board_words
 
 __all__ = ["FreshPlan", "PreparedLaunch"]
 
@@ -59,35 +62,42 @@ class PreparedLaunch:
 
 
 class FreshPlan:
-    """One kind of unpadded fresh dispatch, planned (Note [Planned fresh dispatch]).
+    """One kind of fresh dispatch, planned (Note [Planned fresh dispatch]): unpadded (``front``, then
+    ``launch_from_board``) or padded with ``call.num_worst_tokens`` rows (``padded``: the whole call).
 
     Args:
         compiled: ep.kernels.host's module.
         call: the kind's first planned call; prepared: its ``PreparedDispatch`` (the template).
         front: the mover's ``front_graph`` of the kind's shape.
         num_ranks, channels, device, rank, max_tokens: the path's.
-        board_address, row_words: where the count board lands in pinned memory, and a row's words.
+        board_address: where the count board lands in pinned memory (an unpadded call reads it there).
     """
 
     __slots__ = ("_compiled", "_template", "_args", "_prepared", "_front_args", "_copy_args", "_board_args",
-                 "host_words")
+                 "_padded_args", "host_words")
 
     def __init__(self, compiled, call: FreshSend, prepared: PreparedDispatch, front, num_ranks: int, channels: int,
-                 device: int, rank: int, max_tokens: int, board_address: int, row_words: int) -> None:
+                 device: int, rank: int, max_tokens: int, board_address: int) -> None:
         nbytes = len(prepared.args)
+        row_words = board_words(num_ranks)
         self._compiled = compiled
         self._template = ctypes.create_string_buffer(bytes(prepared.args), nbytes)
         self._args = ctypes.create_string_buffer(nbytes)  # every call's struct (each launched before the next)
         self._prepared = prepared.with_args(self._args, device)
-        graph, call_address, abort_address, event, self.host_words = front
-        graph_launch, _, event_record = host.front_addresses()
+        graph, call_address, abort_address, event, self.host_words, board_on_device = front
+        graph_launch, memcpy, event_record = host.front_addresses()
         self._front_args = (call.config, num_ranks, channels, device, call_address, abort_address, graph, event)
         self._copy_args = (graph_launch, event_record, ctypes.addressof(self._template), ctypes.addressof(self._args),
                            nbytes)
         self._board_args = self._prepared.board_args(board_address, num_ranks, row_words, rank, max_tokens, call.src)
+        src = call.src
+        self._padded_args = (board_on_device, row_words, memcpy, call.num_worst_tokens, src.x.shape[1],
+                             src.topk.shape[1] if src.topk is not None else -1, src.weights is not None,
+                             src.scales.shape[1] if src.scales is not None else 0, host.launch_address(),
+                             prepared.kernel_address, prepared.grid, THREADS)
 
     def front(self, call: FreshSend, status_address: int, stream: int):
-        """The call's count exchange launched on ``stream`` and its stream's launch packed:
+        """An unpadded call's count exchange launched on ``stream`` and its stream's launch packed:
         ``(rows, taken, recv_offset)``; ``launch_from_board`` then launches it. Raises the
         driver's error of a failed launch (TransferError)."""
         src = call.src
@@ -95,12 +105,21 @@ class FreshPlan:
             src.x, src.scales, src.topk, src.weights, call.in_rank, call.per_rank, call.per_expert, *self._front_args,
             stream, *self._copy_args, status_address)
         if error:
-            from warmlink import _cuda
-
-            what = ("cuGraphLaunch of the count exchange", "", "cuEventRecord")[step - 1]
-            _cuda.check(error, f"{what} on stream {stream:#x}")
+            _raise(error, step, stream)
         self._prepared.on(stream)
         return rows, taken, recv_offset
+
+    def padded(self, call: FreshSend, status_address: int, stream: int):
+        """A padded call whole, on ``stream``: its count exchange, the board's copy and its stream
+        launched: ``(rows, taken, recv_offset, board copy, StreamOutputs)``. Raises the driver's
+        error of a failed launch (TransferError)."""
+        src = call.src
+        rows, taken, recv_offset, board, *out, error, step = self._compiled.planned_padded(
+            src.x, src.scales, src.topk, src.weights, call.in_rank, call.per_rank, call.per_expert, *self._front_args,
+            stream, *self._copy_args, status_address, *self._padded_args)
+        if error:
+            _raise(error, step, stream)
+        return rows, taken, recv_offset, board, StreamOutputs(*out)
 
     @property
     def prepared(self) -> PreparedDispatch:
@@ -111,3 +130,11 @@ class FreshPlan:
         """``PreparedDispatch.launch_from_board``'s value for the last ``front``'s call (its
         arguments made once)."""
         return self._prepared.launch_planned(self._compiled, self._board_args)
+
+
+def _raise(error: int, step: int, stream: int) -> None:
+    from warmlink import _cuda
+
+    what = ("cuGraphLaunch of the count exchange", "cuMemcpyAsync of the board", "cuEventRecord",
+            "cuLaunchKernel of the streamed dispatch")[step - 1]
+    _cuda.check(error, f"{what} on stream {stream:#x}")

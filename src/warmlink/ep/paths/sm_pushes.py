@@ -186,14 +186,15 @@ class SmPushes:
         return key
 
     def front_graph(self, shape: FreshShape, timeout_s: float) -> tuple | None:
-        """``(graph, call block address, abort word address, board event, plan words)`` of the count
-        exchange of ``shape`` (parity 0, ``timeout_s``) once it runs as a graph, for a planned call
-        that launches it itself (ep.paths.planned, then ``expect_words``); None before."""
+        """``(graph, call block address, abort word address, board event, plan words, board address)``
+        of the count exchange of ``shape`` (parity 0, ``timeout_s``) once it runs as a graph, for a
+        planned call that launches it itself (ep.paths.planned, then ``expect_words``); the board's
+        is where the exchange writes it on the device (a padded call copies it). None before."""
         graph = self._fronts.get((0, shape, timeout_s))
         if graph is None:
             return None
         return (graph, self._call_address, self._abort_ptr, self._counted,
-                steps.words_size(shape.num_ranks, shape.num_experts))
+                steps.words_size(shape.num_ranks, shape.num_experts), self._ptrs[self.rank] + self._offsets["board.0"])
 
     def expect_words(self, count: int) -> None:
         """``count`` plan words for ``wait_board`` to copy: a planned call's exchange writes them

@@ -208,12 +208,18 @@ class StreamedMode:
         if in_graph and not padded:
             raise ConfigError("ep.Buffer.dispatch: a fresh dispatch captured in a CUDA graph needs num_worst_tokens "
                               "(its outputs are sized at capture; without it the host reads the received count)")
-        if padded:
-            rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
-            board = path.board_like()
-            path.launch_counts(call, rows, board)
-            marks["launched"] = time.perf_counter()
-            return self._padded(call, self._handle(call, rows, path.taken(), board), in_graph, marks)
+        if padded:  # the stream launched at once: its offsets, and whether the round stands, on the device
+            rows, taken, recv_offset, board, out = path.fresh_padded(call, in_graph)
+            marks["launched"] = marks["counts"] = marks["outputs"] = time.perf_counter()
+            handle = self._handle(call, rows, taken, board)
+            handle.recv_offset = recv_offset
+            if in_graph:  # its counts come from its own board copy, when asked for
+                handle.pending = functools.partial(self._complete_from_copy, handle)
+            else:  # the counts read when the handle is resolved (raising a refusal then)
+                handle.pending = functools.partial(self._complete, handle, call)
+                self.unresolved = handle
+            self.raise_failures()
+            return out, handle
         # the exchange launched, and the stream's launch packed while the GPUs trade the counts: after
         # the board, only the outputs and where each source's rows start are left to give it
         rows, taken, launch = path.fresh_front(call)
@@ -243,28 +249,6 @@ class StreamedMode:
         src = call.src
         return Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
                       num_worst_tokens=call.num_worst_tokens, board=board, taken=taken)
-
-    def _padded(self, call: FreshSend, handle: Handle, in_graph: bool, marks: dict):
-        """A padded fresh dispatch after its count exchange: the stream launched at once (its offsets
-        and whether the round stands on the device), the counts read when the handle is resolved."""
-        path = self.path
-        handle.recv_offset, valid, padding = path.padded_offsets(handle.board, call.num_worst_tokens)
-        if in_graph:  # its counts come from its own board copy, when asked for
-            handle.pending = functools.partial(self._complete_from_copy, handle)
-        else:
-            handle.pending = functools.partial(self._complete, handle, call)
-            self.unresolved = handle
-        marks["counts"] = time.perf_counter()
-        out = stream_outputs(call.num_worst_tokens, call.src)
-        marks["outputs"] = time.perf_counter()
-        if padding is None:  # rows past the received ones: no expert, no weight (else the kernel pads them)
-            for t, fill in ((out.idx, -1), (out.weights, 0)):
-                if t is not None:
-                    t.fill_(fill)
-        path.dispatch(handle.combine_rows, call.src, out, handle.recv_offset, handle.taken,
-                      call.num_experts // self.num_ranks, valid, fresh=True, padded=padding)
-        self.raise_failures()
-        return out, handle
 
     def _wait_board(self):
         """``(plan words, count board)`` of the last eager exchange (copies), waited for on the host;
