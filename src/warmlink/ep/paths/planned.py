@@ -10,8 +10,8 @@ the host's caches went cold between calls, as they do between a training step's 
 one kind (the compiled argument check's, ep.protocol.checks: the experts, top-k, dtypes and
 whether weights come) launch the same count exchange graph and pack the same streamed kernel
 struct but for their tensors' addresses, the token count and the scales' strides. So the first
-call of a kind whose exchange runs as a graph (the shape's third call: Note [Fresh send graph] in
-ep.paths.sm_pushes) keeps its struct as the kind's template, and every later call of the kind
+call of a kind whose exchange ran as a graph (the shape's second, which captures it: Note [Fresh
+send graph] in ep.paths.sm_pushes) keeps its struct as the kind's template, and every later call of the kind
 makes its rows, ``taken`` and ``recv_offset`` tensors, writes the call block, launches the graph,
 records the board's event and patches a copy of the template in one C++ call; then, once the
 board is in, one more makes the outputs and launches the stream (``fresh_launch``, as for any
