@@ -11,7 +11,9 @@
 //     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call;
 //   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
-// the driver's functions come as addresses, so nothing here links against CUDA.
+// here they are only patched where a call's values go (the planned calls: into a copy of a struct
+// Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
+// equal). The driver's functions come as addresses, so nothing here links against CUDA.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/python_variable.h>
