@@ -7,27 +7,17 @@ machine's C++ compiler (skipped only where there is none)."""
 from __future__ import annotations
 
 import types
-from importlib import resources
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink import _cpp
-from warmlink.ep.kernels import host
 from warmlink.ep.protocol.checks import KIND_EXPERTS, Checks
 from warmlink.errors import ConfigError
 
 R, E, K, T, HIDDEN, MAX_TOKENS, MAX_TOPK = 2, 8, 3, 5, 256, 8, 4
 LAYOUT = types.SimpleNamespace(hidden=HIDDEN, max_tokens=MAX_TOKENS, num_topk=MAX_TOPK)
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    if _cpp.compiler() is None:
-        pytest.skip("no C++ compiler on this machine ($CXX, or c++)")
-    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), host.NAME)
 
 
 def _base(fp8: bool = False, column_major_scales: bool = False, weights: bool = True) -> dict:

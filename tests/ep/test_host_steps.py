@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import types
-from importlib import resources
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink import _cpp
 from warmlink.ep.kernels import host, layout_cuda, stream_cuda
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.stream import outputs as stream_outputs
@@ -27,13 +25,6 @@ _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, 
                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
 ROW = 2 + 8  # a board row: round, valid, counts to each rank (8 ranks at most here)
 FUNCTION, STREAM = 0xF00D, 0x5EA
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    if _cpp.compiler() is None:
-        pytest.skip("no C++ compiler on this machine ($CXX, or c++)")
-    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), host.NAME)
 
 
 class Driver:

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import types
-from importlib import resources
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmlink import _cpp
-from warmlink.ep.kernels import host, stream_cuda
+from warmlink.ep.kernels import stream_cuda
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.stream import outputs
 from warmlink.ep.paths.host_mover import as_words
@@ -28,13 +26,6 @@ from warmlink.ep.paths.host_mover import as_words
 HIDDEN, CHANNELS, TIMEOUT_NS = 256, 3, 7 * 10 ** 9
 _STEP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)  # cuGraphLaunch's and cuEventRecord's
 GRAPH, EVENT, STREAM = 0xAB, 0xE7, 0x5EA
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    if _cpp.compiler() is None:
-        pytest.skip("no C++ compiler on this machine ($CXX, or c++)")
-    return _cpp.load(resources.files("warmlink.ep.kernels").joinpath("host.cpp").read_text(), host.NAME)
 
 
 class _Path:
