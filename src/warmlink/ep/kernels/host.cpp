@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -47,6 +48,30 @@ int launch(i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream, void*
                                                static_cast<unsigned>(threads), 1, 1, 0,
                                                reinterpret_cast<void*>(stream), params, nullptr);
 }
+
+// A streamed dispatch's outputs of `rows` rows, as ep/kernels/stream.py's outputs makes them: x
+// [rows, x_words] int64 words; ids [rows, num_k] int64 and weights [rows, num_k] float32 where
+// num_k >= 0 (weights only with `weights`); scales [rows, num_scales] float32 where num_scales > 0.
+// `addresses` in the kernel's order (0 for one not made), for its struct's output fields.
+struct Outputs {
+  at::Tensor x;
+  py::object idx = py::none(), weights = py::none(), scales = py::none();
+  uint64_t addresses[4] = {0, 0, 0, 0};
+
+  Outputs(i64 rows, i64 x_words, i64 num_k, bool with_weights, i64 num_scales, i64 device)
+      : x(at::empty({rows, x_words}, on(at::kLong, device))) {
+    addresses[0] = reinterpret_cast<uint64_t>(x.data_ptr());
+    if (num_k >= 0) idx = made(1, at::empty({rows, num_k}, on(at::kLong, device)));
+    if (with_weights && num_k >= 0) weights = made(2, at::empty({rows, num_k}, on(at::kFloat, device)));
+    if (num_scales > 0) scales = made(3, at::empty({rows, num_scales}, on(at::kFloat, device)));
+  }
+
+ private:
+  py::object made(int slot, const at::Tensor& t) {
+    addresses[slot] = reinterpret_cast<uint64_t>(t.data_ptr());
+    return py::cast(t);
+  }
+};
 
 // layout.cu's LayoutArgs: three pointers, the token count, six ints
 struct LayoutArgs {
@@ -105,26 +130,9 @@ py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
     }
   }
   const i64 rows = starts[num_ranks];
-  at::Tensor x = at::empty({rows, x_words}, on(at::kLong, device));
-  py::object idx = py::none(), w = py::none(), scales = py::none();
-  uint64_t out[4] = {reinterpret_cast<uint64_t>(x.data_ptr()), 0, 0, 0};
-  if (num_k >= 0) {
-    at::Tensor t = at::empty({rows, num_k}, on(at::kLong, device));
-    out[1] = reinterpret_cast<uint64_t>(t.data_ptr());
-    idx = py::cast(t);
-  }
-  if (weights) {
-    at::Tensor t = at::empty({rows, num_k}, on(at::kFloat, device));
-    out[2] = reinterpret_cast<uint64_t>(t.data_ptr());
-    w = py::cast(t);
-  }
-  if (num_scales > 0) {
-    at::Tensor t = at::empty({rows, num_scales}, on(at::kFloat, device));
-    out[3] = reinterpret_cast<uint64_t>(t.data_ptr());
-    scales = py::cast(t);
-  }
+  const Outputs out(rows, x_words, num_k, weights, num_scales, device);
   char* args = reinterpret_cast<char*>(args_addr);
-  std::memcpy(args + out_at, out, sizeof(out));
+  std::memcpy(args + out_at, out.addresses, sizeof(out.addresses));
   std::memcpy(args + rows_at, &rows, sizeof(rows));
   i64 padded_starts[MAX_RANKS] = {0};
   std::memcpy(padded_starts, starts, num_ranks * sizeof(i64));
@@ -132,12 +140,30 @@ py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
   const int error = launch(launch_fn, function, grid, threads, stream, args);
   py::list given;
   for (i64 s = 0; s <= num_ranks; ++s) given.append(starts[s]);
-  return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, given, py::cast(x), idx, w, scales, error);
+  return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, given, py::cast(out.x), out.idx, out.weights, out.scales,
+                        error);
 }
 
 using GraphLaunchFn = int (*)(void* graph_exec, void* stream);
 using MemcpyFn = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
 using EventRecordFn = int (*)(void* event, void* stream);
+
+// The count exchange's launches after its call block: its graph on stream, a padded round's board
+// copied (copy_bytes > 0), the board's event recorded. (error, failed step): 0 none, 1 the graph's
+// launch, 2 the copy, 3 the event.
+std::pair<int, int> front_steps(i64 graph, i64 copy_dst, i64 copy_src, i64 copy_bytes, i64 event, i64 stream,
+                                i64 graph_launch_fn, i64 memcpy_fn, i64 event_record_fn) {
+  void* on_stream = reinterpret_cast<void*>(stream);
+  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
+  if (error) return {error, 1};
+  if (copy_bytes > 0) {
+    error = reinterpret_cast<MemcpyFn>(memcpy_fn)(static_cast<uint64_t>(copy_dst), static_cast<uint64_t>(copy_src),
+                                                  static_cast<size_t>(copy_bytes), on_stream);
+    if (error) return {error, 2};
+  }
+  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
+  return {error, error ? 3 : 0};
+}
 
 // (error, failed step): the call block's words written where the count exchange's graph copies
 // them from (pinned memory at call_addr), that graph launched on stream, a padded round's board
@@ -149,16 +175,9 @@ py::tuple front_launch(const py::sequence& words, i64 call_addr, i64 graph, i64 
   i64* call = reinterpret_cast<i64*>(call_addr);
   const size_t n = words.size();
   for (size_t i = 0; i < n; ++i) call[i] = words[i].cast<i64>();
-  void* on = reinterpret_cast<void*>(stream);
-  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on);
-  if (error) return py::make_tuple(error, 1);
-  if (copy_bytes > 0) {
-    error = reinterpret_cast<MemcpyFn>(memcpy_fn)(static_cast<uint64_t>(copy_dst), static_cast<uint64_t>(copy_src),
-                                                  static_cast<size_t>(copy_bytes), on);
-    if (error) return py::make_tuple(error, 2);
-  }
-  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on);
-  return py::make_tuple(error, error ? 3 : 0);
+  const auto [error, step] = front_steps(graph, copy_dst, copy_src, copy_bytes, event, stream, graph_launch_fn,
+                                         memcpy_fn, event_record_fn);
+  return py::make_tuple(error, step);
 }
 
 // The tensor obj holds, or null (None, or anything else: the Python checks name it)
@@ -288,11 +307,8 @@ py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, 
                      device);
   call.write_call(call_addr, config);
   *reinterpret_cast<volatile i64*>(abort_addr) = 0;
-  void* on_stream = reinterpret_cast<void*>(stream);
-  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
-  if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, 1);
-  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
-  if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, 3);
+  const auto [error, step] = front_steps(graph, 0, 0, 0, event, stream, graph_launch_fn, 0, event_record_fn);
+  if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, step);
   call.pack(reinterpret_cast<char*>(args_addr), template_addr, args_bytes, status_addr);  // (while the GPUs trade)
   return py::make_tuple(call.rows, call.taken, call.recv_offset, 0, 0);
 }
@@ -314,44 +330,23 @@ py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h,
   const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
                      device);
   at::Tensor board = at::empty({num_ranks, board_row}, on(at::kLong, device));
-  at::Tensor x = at::empty({num_worst_tokens, x_words}, on(at::kLong, device));
-  py::object idx = py::none(), w = py::none(), scales = py::none();
-  uint64_t out[4] = {reinterpret_cast<uint64_t>(x.data_ptr()), 0, 0, 0};
-  if (num_k >= 0) {
-    at::Tensor t = at::empty({num_worst_tokens, num_k}, on(at::kLong, device));
-    out[1] = reinterpret_cast<uint64_t>(t.data_ptr());
-    idx = py::cast(t);
-  }
-  if (weights && num_k >= 0) {
-    at::Tensor t = at::empty({num_worst_tokens, num_k}, on(at::kFloat, device));
-    out[2] = reinterpret_cast<uint64_t>(t.data_ptr());
-    w = py::cast(t);
-  }
-  if (num_scales > 0) {
-    at::Tensor t = at::empty({num_worst_tokens, num_scales}, on(at::kFloat, device));
-    out[3] = reinterpret_cast<uint64_t>(t.data_ptr());
-    scales = py::cast(t);
-  }
+  const Outputs out(num_worst_tokens, x_words, num_k, weights, num_scales, device);
   auto done = [&](int error, int step) {
-    return py::make_tuple(call.rows, call.taken, call.recv_offset, board, x, idx, w, scales, error, step);
+    return py::make_tuple(call.rows, call.taken, call.recv_offset, board, out.x, out.idx, out.weights, out.scales,
+                          error, step);
   };
   call.write_call(call_addr, config);
   *reinterpret_cast<volatile i64*>(abort_addr) = 0;
-  void* on_stream = reinterpret_cast<void*>(stream);
-  int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
-  if (error) return done(error, 1);
-  error = reinterpret_cast<MemcpyFn>(memcpy_fn)(reinterpret_cast<uint64_t>(board.data_ptr()),
-                                                static_cast<uint64_t>(board_addr),
-                                                static_cast<size_t>(num_ranks * board_row * 8), on_stream);
-  if (error) return done(error, 2);
-  error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
-  if (error) return done(error, 3);
+  const auto [error, step] = front_steps(graph, reinterpret_cast<i64>(board.data_ptr()), board_addr,
+                                         num_ranks * board_row * 8, event, stream, graph_launch_fn, memcpy_fn,
+                                         event_record_fn);
+  if (error) return done(error, step);
   char* args = reinterpret_cast<char*>(args_addr);
   call.pack(args, template_addr, args_bytes, status_addr);
-  std::memcpy(args + OUTPUTS_AT, out, sizeof(out));
+  std::memcpy(args + OUTPUTS_AT, out.addresses, sizeof(out.addresses));
   put(args + PADDED_AT, reinterpret_cast<i64>(board.data_ptr()));
-  error = launch(launch_fn, function, grid, threads, stream, args);
-  return done(error, error ? 4 : 0);
+  const int launched = launch(launch_fn, function, grid, threads, stream, args);
+  return done(launched, launched ? 4 : 0);
 }
 
 }  // namespace

@@ -153,7 +153,7 @@ class StreamPath:
     def _plan(self, call: FreshSend, prepared: stream_cuda.PreparedDispatch | None) -> None:
         """Plan ``call``'s kind from its launch (``prepared``: the CUDA kernel's), where it can be:
         its arguments passed the compiled check, and its count exchange runs as a graph now."""
-        compiled = host.module() if call.kind and prepared is not None else None
+        compiled = host.module() if self.graphs and call.kind and prepared is not None else None
         if compiled is None:
             return
         front = self.mover.front_graph(fresh_shape(self.layout, self.num_ranks, call), self.timeout_s)
