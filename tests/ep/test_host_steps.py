@@ -263,3 +263,27 @@ def test_a_driver_status_from_compiled_code_is_raised_by_its_name(monkeypatch):
     with pytest.raises(TransferError, match=r"error 123456 \(123456\)"):  # not a driver status
         _cuda.check(123456, "cuEventRecord")
     _cuda.check(0, "cuEventRecord")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_padded_board_stands_exactly_where_the_python_steps_raise_nothing(compiled, data):
+    """``padded_stands``: the checks a padded round's board gets at the next call (ep.protocol.streamed),
+    compiled: True exactly where ``plan_from_board``'s checks (a late source, a count out of range,
+    a refused input, a rank over ``num_worst_tokens``) would raise nothing."""
+    from warmlink.ep.wire.handle import _board_matrix, check_worst_tokens
+    from warmlink.errors import ConfigError
+
+    r = data.draw(st.integers(1, 8))
+    counts = data.draw(st.lists(st.lists(st.integers(-1, 65), min_size=r, max_size=r), min_size=r, max_size=r))
+    valid = data.draw(st.lists(st.sampled_from([1, 1, 1, 0]), min_size=r, max_size=r))
+    board = _board(counts, valid=valid)
+    if data.draw(st.booleans()):
+        board[data.draw(st.integers(0, r - 1)), 0] -= 1  # a source's counts of the round before
+    rank, worst = data.draw(st.integers(0, r - 1)), data.draw(st.sampled_from([0, 64, 200, 520]))
+    try:
+        matrix = _board_matrix(board, int(board[rank, 0]), 64)
+        stands = matrix is not None and bool(check_worst_tokens(matrix, worst, "test"))
+    except (TransferTimeout, MetadataError, ConfigError):
+        stands = False
+    assert compiled.padded_stands(board.ctypes.data, r, ROW, rank, 64, worst) == stands

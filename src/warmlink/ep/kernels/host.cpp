@@ -9,7 +9,9 @@
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
 //     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call;
-//   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too.
+//   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too;
+//   padded_stands: whether a padded round's count board, landed, stands (the checks the next call
+//     makes before its own launch; the round's plan is filled later, when its handle is used).
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
@@ -349,6 +351,29 @@ py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h,
   return done(launched, launched ? 4 : 0);
 }
 
+// Whether the count board at board_addr ([R, row_words] int64 in pinned memory, landed) of a padded
+// round stands: every source's row of this round (rank's tag), every input valid, every count in
+// [0, max_tokens] and no rank receiving more than num_worst_tokens rows. Otherwise the Python steps
+// read the board again and raise what is wrong (ep/wire/handle.py's plan_from_board).
+bool padded_stands(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 num_worst_tokens) {
+  const volatile i64* board = reinterpret_cast<const volatile i64*>(board_addr);
+  if (num_ranks <= 0 || num_ranks > MAX_RANKS || rank < 0 || rank >= num_ranks) return false;
+  const i64 round = board[rank * row_words];
+  i64 received[MAX_RANKS] = {0};
+  for (i64 s = 0; s < num_ranks; ++s) {
+    const volatile i64* row = board + s * row_words;
+    if (row[0] != round || row[1] == 0) return false;
+    for (i64 d = 0; d < num_ranks; ++d) {
+      const i64 count = row[2 + d];
+      if (count < 0 || count > max_tokens) return false;
+      received[d] += count;
+    }
+  }
+  for (i64 d = 0; d < num_ranks; ++d)
+    if (num_worst_tokens > 0 && received[d] > num_worst_tokens) return false;
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -358,4 +383,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fresh_accepts", &fresh_accepts);
   m.def("planned_front", &planned_front);
   m.def("planned_padded", &planned_padded);
+  m.def("padded_stands", &padded_stands);
 }

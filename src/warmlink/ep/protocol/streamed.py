@@ -51,6 +51,7 @@ from typing import NoReturn
 
 import torch
 
+from warmlink.ep.kernels import host
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import outputs as stream_outputs
@@ -84,7 +85,7 @@ class StreamedMode:
         self.mover = path.mover
         self.rank, self.num_ranks, self.timeout_s = rounds.rank, rounds.num_ranks, rounds.timeout_s
         self.done_events = done_events
-        self.unresolved: Handle | None = None
+        self.unresolved: tuple[Handle, FreshSend] | None = None  # a padded dispatch's, settled by the next call
         self.must_clear = False
         self._clearing = 0  # a clear whose meet timed out: 1 in its first meet, 2 in its second
         self.recv_failed = False  # no receive stream: close always orders the caller's stream after the calls
@@ -130,9 +131,33 @@ class StreamedMode:
             raise failed
 
     def resolve(self) -> None:
-        handle, self.unresolved = self.unresolved, None
-        if handle is not None:
-            handle.resolve()
+        """Settle the last padded dispatch's round before anything else runs (its refusal raised
+        now, on every rank): where its board landed and stands, the plan is filled only when its
+        handle is used (``_settled``), else here, raising what is wrong."""
+        unresolved, self.unresolved = self.unresolved, None
+        if unresolved is not None:
+            handle, call = unresolved
+            if handle.pending is None or not self._settled(handle, call):
+                handle.resolve()
+
+    def _settled(self, handle: Handle, call: FreshSend) -> bool:
+        """Whether a padded ``handle``'s round stands on its board, landed (one event query and the
+        compiled checks, ep.kernels.host ``padded_stands``); then its pending fill reads a copy of
+        the board. False (nothing changed) where the board is not in, or the checks do not pass."""
+        compiled = host.module()
+        board = self.path.board_now() if compiled is not None else None
+        if board is None or not compiled.padded_stands(self.mover.board_address, self.num_ranks, board.shape[1],
+                                                       self.rank, self.layout.max_tokens, call.num_worst_tokens):
+            return False
+        board = board.copy()  # (the next exchange rewrites it)
+        handle.round = int(board[self.rank, 0])
+        handle.pending = functools.partial(self._fill_stood, handle, board)
+        return True
+
+    def _fill_stood(self, handle: Handle, board) -> None:
+        """``_fill`` of a round that ``_settled`` found standing (nothing left to raise)."""
+        plan_from_board(handle, board, handle.round, self.rank, self.layout.max_tokens)
+        handle.send_counts = board[self.rank, 2:2 + self.num_ranks].tolist()
 
     def abandon(self) -> None:
         """At close, after the Buffer's drain: end every launch still waiting on a peer (one that
@@ -217,7 +242,7 @@ class StreamedMode:
                 handle.pending = functools.partial(self._complete_from_copy, handle)
             else:  # the counts read when the handle is resolved (raising a refusal then)
                 handle.pending = functools.partial(self._complete, handle, call)
-                self.unresolved = handle
+                self.unresolved = handle, call
             self.raise_failures()
             return out, handle
         # the exchange launched, and the stream's launch packed while the GPUs trade the counts: after
