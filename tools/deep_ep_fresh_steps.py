@@ -41,6 +41,10 @@ def _steps():
     from warmlink.ep.kernels import launch, layout_cuda, steps, stream_cuda
     from warmlink.ep.paths import cuda_mover, streamed as paths_streamed
     from warmlink.ep.paths import senders
+    try:  # (the code before planned calls has none)
+        from warmlink.ep.paths import planned
+    except ImportError:
+        planned = None
     from warmlink.ep.protocol import checks, normal as proto_normal, rounds as proto_rounds, streamed as proto_streamed
 
     return [(owner, attr) for owner, attr in [
@@ -71,6 +75,10 @@ def _steps():
         (proto_normal.NormalMode, "_arrived"), (senders.SmPath, "launch"), (proto_rounds.Rounds, "meet"),
         (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
         (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
+        # a kind of call seen before (ep.paths.planned)
+        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "fresh_padded"),
+        (getattr(planned, "FreshPlan", None), "front"), (getattr(planned, "FreshPlan", None), "padded"),
+        (getattr(planned, "FreshPlan", None), "launch_from_board"), (proto_streamed.StreamedMode, "_handle"),
     ] if owner is not None and hasattr(owner, attr)]
 
 
@@ -144,6 +152,21 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     cuda_mover.CudaMover.send_counts = send_counts_marked
     for owner, attr, launch in launches:
         setattr(owner, attr, marked(launch))
+    try:  # a planned call launches its exchange in FreshPlan.front (a padded one its stream too: no gap)
+        from warmlink.ep.paths.planned import FreshPlan
+    except ImportError:
+        FreshPlan = None
+    if FreshPlan is not None:
+        def front_marked(front):
+            def planned_front(*a, **kw):
+                out = front(*a, **kw)
+                front_done.record()
+                recorded.add("front")
+                return out
+            return planned_front
+
+        FreshPlan.front, FreshPlan.padded = front_marked(FreshPlan.front), front_marked(FreshPlan.padded)
+        FreshPlan.launch_from_board = marked(FreshPlan.launch_from_board)
     for owner, attr in _steps():
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
                                    getattr(owner, attr), _mark))
