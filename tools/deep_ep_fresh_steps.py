@@ -12,7 +12,7 @@ cyclic garbage collections during the timed calls and their time (``--no-gc`` tu
 off after the warm-up, to see what it costs)::
 
     python tools/deep_ep_fresh_steps.py [--calls 40] [--budget hint|2e9] [--padded] [--fp8] [--call cached|combine]
-                                        [--no-gc]
+                                        [--no-gc] [--trace PREFIX]
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def _steps():
     from warmlink.ep.kernels import launch, layout_cuda, steps, stream_cuda
     from warmlink.ep.paths import cuda_mover, streamed as paths_streamed
     from warmlink.ep.paths import senders
+    try:  # (the code before planned calls has none)
+        from warmlink.ep.paths import planned
+    except ImportError:
+        planned = None
     from warmlink.ep.protocol import checks, normal as proto_normal, rounds as proto_rounds, streamed as proto_streamed
 
     return [(owner, attr) for owner, attr in [
@@ -71,6 +75,10 @@ def _steps():
         (proto_normal.NormalMode, "_arrived"), (senders.SmPath, "launch"), (proto_rounds.Rounds, "meet"),
         (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
         (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
+        # a kind of call seen before (ep.paths.planned)
+        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "fresh_padded"),
+        (getattr(planned, "FreshPlan", None), "front"), (getattr(planned, "FreshPlan", None), "padded"),
+        (getattr(planned, "FreshPlan", None), "launch_from_board"), (proto_streamed.StreamedMode, "_handle"),
     ] if owner is not None and hasattr(owner, attr)]
 
 
@@ -144,6 +152,21 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     cuda_mover.CudaMover.send_counts = send_counts_marked
     for owner, attr, launch in launches:
         setattr(owner, attr, marked(launch))
+    try:  # a planned call launches its exchange in FreshPlan.front (a padded one its stream too: no gap)
+        from warmlink.ep.paths.planned import FreshPlan
+    except ImportError:
+        FreshPlan = None
+    if FreshPlan is not None:
+        def front_marked(front):
+            def planned_front(*a, **kw):
+                out = front(*a, **kw)
+                front_done.record()
+                recorded.add("front")
+                return out
+            return planned_front
+
+        FreshPlan.front, FreshPlan.padded = front_marked(FreshPlan.front), front_marked(FreshPlan.padded)
+        FreshPlan.launch_from_board = marked(FreshPlan.launch_from_board)
     for owner, attr in _steps():
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
                                    getattr(owner, attr), _mark))
@@ -207,6 +230,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
              f"  {'step':52s} {'starts':>8s} {'spends':>8s} {'calls':>6s}"]
     for name in sorted(spent, key=lambda n: med(starts[n])):
         lines.append(f"  {name:52s} {med(starts[name]):8.1f} {med(spent[name]):8.1f} {med(calls[name]):6.0f}")
+    if args.trace:
+        lines += _device_timeline(fresh, flag, f"{args.trace}.rank{rank}.json")
     report = "\n".join(lines)
     gathered = [None] * num_ranks
     dist.all_gather_object(gathered, report)
@@ -215,6 +240,46 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
     dist.barrier()
     buf.destroy()
     dist.destroy_process_group()
+
+
+def _device_timeline(call, flag, path: str, calls: int = 12) -> list[str]:
+    """``calls`` calls under torch.profiler (CUPTI: kernels, copies and a graph's nodes each), its
+    chrome trace written to ``path``; per GPU step of a call (in order; the all-reduce that starts
+    each call is left out), its median start after the call's first GPU step and its median time:
+    where the GPUs spend a call, and where they wait for the host or a peer."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            dist.all_reduce(flag)
+            torch.cuda.synchronize()
+            call()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = sorted((e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+                         and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: float(e["ts"]))
+    per_call: list[list[dict]] = []
+    for e in events:  # an NCCL kernel (the all-reduce) opens each call
+        if "nccl" in e["name"].lower():
+            per_call.append([])
+        elif per_call:
+            per_call[-1].append(e)
+    shapes = collections.Counter(len(c) for c in per_call if c)
+    if not shapes:
+        return [f"  (no GPU steps traced; trace in {path})"]
+    steps = shapes.most_common(1)[0][0]
+    kept = [c for c in per_call if len(c) == steps]
+    out = [f"  device timeline ({len(kept)} of {len(per_call)} calls with {steps} GPU steps; trace {path}):",
+           f"  {'GPU step':60s} {'starts':>8s} {'takes':>8s}"]
+    for i in range(steps):
+        name = kept[0][i]["name"][:60]
+        start = statistics.median(float(c[i]["ts"]) - float(c[0]["ts"]) for c in kept)
+        took = statistics.median(float(c[i].get("dur", 0)) for c in kept)
+        out.append(f"  {name:60s} {start:8.1f} {took:8.1f}")
+    return out
 
 
 def main() -> None:
@@ -228,6 +293,10 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 tokens with column-major scales, as DeepEP's tests")
     p.add_argument("--call", choices=("fresh", "cached", "combine"), default="fresh",
                    help="the call timed: a fresh dispatch, a cached one with its handle, or the combine of its rows")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="also trace 12 calls with torch.profiler (PREFIX.rankN.json) and print each GPU step of a "
+                   "call (the layout, the count exchange's copies and kernels, the streamed kernel) with its start "
+                   "and time on the device")
     args = p.parse_args()
     spawn_ranks(_rank, args.ranks, args)
 

@@ -7,7 +7,8 @@
 #        bench-first (REPEATS_FIRST: first cycles against NCCL's group creation) first-profile (where cycle 1 and export go)
 #        fanout-profile (INSTALL, CYCLE: where each replica's fan-out cycle goes)
 #        host-profile demo doctor
-#        fresh-steps (tools/deep_ep_fresh_steps.py: a fresh dispatch step by step, BF16, padded, FP8; BUDGET) host-op-cost
+#        fresh-steps (tools/deep_ep_fresh_steps.py: a fresh dispatch step by step, BF16, padded, FP8; BUDGET)
+#        fresh-trace (the same with each GPU step's start and time on the device, from torch.profiler) host-op-cost
 #        widths (the deep_ep widths GPU test REPEATS times: a Buffer closed right after its last call)
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
@@ -159,6 +160,14 @@ for d in range(torch.cuda.device_count()):
         timeout 150 python3 tools/deep_ep_fresh_steps.py --calls 40 --budget ${BUDGET:-hint} $extra 2>&1 | grep -v Warning \
           | tee "$OUT/fresh_steps${extra}.log" | grep "==="
       done ;;
+    fresh-trace)  # the fresh dispatch's GPU steps on the device (torch.profiler), BF16 and FP8; traces tarred
+      mkdir -p "$OUT/traces"
+      for extra in "" --fp8; do
+        timeout 200 python3 tools/deep_ep_fresh_steps.py --calls 20 --budget ${BUDGET:-hint} $extra \
+          --trace "$OUT/traces/fresh${extra}" 2>&1 | grep -v Warning | tee "$OUT/fresh_trace${extra}.log" \
+          | grep -A30 "device timeline"
+      done
+      tar czf "$OUT/fresh_traces.tgz" -C "$OUT" traces && rm -rf "$OUT/traces" ;;
     host-op-cost)
       timeout 150 python3 tools/host_op_cost.py 2>&1 | grep -v Warning | tee "$OUT/host_op_cost.log" ;;
     widths)
