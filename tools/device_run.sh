@@ -160,9 +160,9 @@ for d in range(torch.cuda.device_count()):
         timeout 150 python3 tools/deep_ep_fresh_steps.py --calls 40 --budget ${BUDGET:-hint} $extra 2>&1 | grep -v Warning \
           | tee "$OUT/fresh_steps${extra}.log" | grep "==="
       done ;;
-    fresh-trace)  # the fresh dispatch's GPU steps on the device (torch.profiler), BF16 and FP8; traces tarred
+    fresh-trace)  # the fresh dispatch's GPU steps on the device (torch.profiler), BF16, FP8 and padded; traces tarred
       mkdir -p "$OUT/traces"
-      for extra in "" --fp8; do
+      for extra in "" --fp8 --padded; do
         timeout 200 python3 tools/deep_ep_fresh_steps.py --calls 20 --budget ${BUDGET:-hint} $extra \
           --trace "$OUT/traces/fresh${extra}" 2>&1 | grep -v Warning | tee "$OUT/fresh_trace${extra}.log" \
           | grep -A30 "device timeline"

@@ -317,7 +317,8 @@ CONFIG = 0x5A11  # the config word of the exchange tests' calls (any fresh call'
 def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0, timeout_s: float = 0.05):
     """Rank 2 of 4 runs its exchange for round 7 after ``peers`` (rank -> (tag, word, counts):
     word 1 of its row, its config word or 0 for a refused input) posted their rows in its board.
-    Returns (boards, x bases, meta bases, the expected own row)."""
+    Returns (boards, x bases, meta bases, the expected own row, the areas, (landing, board copy,
+    plan words)): where it landed the round for the host, and the copy its call block named."""
     from warmlink.ep.wire.regions import board_words
 
     num_ranks, me, round_, num_experts, cap, x_row, meta_row = 4, 2, 7, 16, 50, 256, 64
@@ -343,14 +344,37 @@ def _exchange(kernels, peers: dict, own_valid: bool = True, abort_round: int = 0
     call = torch.zeros(len(_kernels.CALL_SLOTS), dtype=torch.int64)
     call[_kernels.CALL_SLOTS.index("round")] = round_
     call[_kernels.CALL_SLOTS.index("config")] = CONFIG
-    _kernels.exchange(shape, call, words, tables, abort.data_ptr(), me, timeout_s, row, kernels=kernels)
+    landing = torch.full((_kernels.landing_size(num_ranks, row, num_experts),), -5, dtype=torch.int64)
+    landing[:num_ranks] = 0  # (the host zeroes the landed words before the launch)
+    board_copy = torch.full((num_ranks, row), -5, dtype=torch.int64)
+    call[_kernels.CALL_SLOTS.index("board_copy")] = board_copy.data_ptr()
+    _kernels.exchange(shape, call, words, tables, abort.data_ptr(), me, timeout_s, row, landing.data_ptr(),
+                      kernels=kernels)
     own_rows = [own + per_expert[d * epr:(d + 1) * epr] for d in range(num_ranks)]
-    return boards, tables[3].tolist(), tables[4].tolist(), own_rows, (recv_x, recv_meta, cap, x_row, meta_row)
+    return (boards, tables[3].tolist(), tables[4].tolist(), own_rows, (recv_x, recv_meta, cap, x_row, meta_row),
+            (landing, board_copy, words))
+
+
+def _assert_landed(boards, landed, me: int = 2, num_ranks: int = 4, num_experts: int = 16) -> None:
+    """The exchange landed its board as its wait left it (each row's used words: tag, word 1, the
+    counts), in pinned memory and in the call's copy, the plan's words, and every landed word."""
+    from warmlink.ep.wire.regions import board_words
+
+    landing, board_copy, words = landed
+    row, used = board_words(num_ranks), 2 + num_ranks + num_experts // num_ranks
+    host_board = landing[num_ranks:num_ranks + num_ranks * row].view(num_ranks, row)
+    assert landing[:num_ranks].tolist() == [1] * num_ranks
+    for got in (host_board, board_copy):
+        assert torch.equal(got[:, :used], boards[me][:, :used])
+        assert (got[:, used:] == -5).all()  # (past the used words: nothing written)
+    assert torch.equal(landing[num_ranks + num_ranks * row:], words)
 
 
 def test_exchange_posts_this_ranks_row_everywhere_and_starts_its_rows_after_the_ranks_below(exchange_kernels):
     peers = {0: (7, CONFIG, [2, 1, 6, 0]), 1: (7, CONFIG, [1, 0, 3, 2]), 3: (7, CONFIG, [4, 4, 4, 4])}
-    boards, x_bases, meta_bases, own_rows, (recv_x, recv_meta, cap, x_row, meta_row) = _exchange(exchange_kernels, peers)
+    boards, x_bases, meta_bases, own_rows, (recv_x, recv_meta, cap, x_row, meta_row), landed = _exchange(
+        exchange_kernels, peers)
+    _assert_landed(boards, landed)
     for d, board in enumerate(boards):  # program d wrote this rank's row into d's board
         assert board[2, :len(own_rows[d])].tolist() == own_rows[d], d
     for d in range(4):  # after the rows of ranks 0 and 1 in d, counted from d's slot (rows[t, d] >= d * cap)
@@ -368,9 +392,11 @@ def test_exchange_sends_nothing_when_any_rank_refused_or_the_wait_ended(exchange
         peers[3] = (5, CONFIG, [9, 9, 9, 9])  # its row of round 5: stale
     aborted = fault == "the host aborted"
     start = CLOCK[0]
-    boards, x_bases, meta_bases, own_rows, _ = _exchange(exchange_kernels, peers, own_valid=fault != "this rank refused",
-                                                         abort_round=7 if aborted else 3, timeout_s=10.0 if aborted else 0.05)
+    boards, x_bases, meta_bases, own_rows, _, landed = _exchange(
+        exchange_kernels, peers, own_valid=fault != "this rank refused", abort_round=7 if aborted else 3,
+        timeout_s=10.0 if aborted else 0.05)
     assert x_bases == [0] * 4 and meta_bases == [0] * 4
+    _assert_landed(boards, landed)  # (a stale tag or a refusal lands too: the host reads what went wrong)
     if aborted:  # the abort word ended every program's wait at once, long before its 10 s deadline
         assert CLOCK[0] - start < 0.1e9, (CLOCK[0] - start) / 1e9
     for d, board in enumerate(boards):  # its own row still went out, flagged as it was
@@ -426,8 +452,10 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
         for area in areas:
             area[0].zero_()
             area[1].zero_()
+        landing = torch.zeros(_kernels.landing_size(num_ranks, row, num_experts), dtype=torch.int64)
         _kernels.fresh_front(shape, call, plan_words, tables, torch.zeros(1, dtype=torch.int64).data_ptr(), me, 5.0, row,
-                             kernels=exchange_kernels)
+                             landing.data_ptr(), kernels=exchange_kernels)
+        assert landing[:num_ranks].tolist() == [1] * num_ranks
         _kernels.fresh_push(shape, call, tables, kernels=exchange_kernels)
 
         want_rows, want_words = _kernels.plan(lay.is_token_in_rank, topk.long(), per_rank, per_expert, max_tokens)
@@ -442,6 +470,22 @@ def test_fresh_send_from_a_call_block_plans_and_pushes_what_the_direct_kernels_d
                             shift=below[call_no][d] - d * max_tokens)
             assert torch.equal(areas[d][0], want_x), (call_no, d)
             assert torch.equal(areas[d][1], want_meta), (call_no, d)
+
+
+@pytest.mark.parametrize("advance", [False, True], ids=["sm", "streamed"])
+def test_take_call_copies_the_block_and_gives_a_streamed_call_its_round(kernels, advance):
+    """``take_call``, a fresh send's first step: the call block as the host wrote it into the device
+    copy the later steps read; the streamed path's also advances the seq and the round on the
+    device and puts the round in the copy (the host's round word is not used)."""
+    host_block = torch.arange(100, 100 + len(_kernels.CALL_SLOTS), dtype=torch.int64)
+    block = torch.full_like(host_block, -1)
+    counters = torch.tensor([6, 40, 0], dtype=torch.int64)
+    _kernels.take_call(host_block.data_ptr(), block, counters if advance else None, kernels=kernels)
+    want = host_block.clone()
+    if advance:
+        want[_kernels.CALL_SLOTS.index("round")] = 7
+    assert block.tolist() == want.tolist()
+    assert counters.tolist() == ([7, 41, 0] if advance else [6, 40, 0])
 
 
 @pytest.mark.parametrize("meta,layout", [("scales", "row"), ("scales", "column"), ("none", "row")])

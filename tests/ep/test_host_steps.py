@@ -7,6 +7,7 @@ launches nothing. Built here by the machine's C++ compiler (skipped only where t
 from __future__ import annotations
 
 import ctypes
+import time
 import types
 
 import numpy as np
@@ -193,38 +194,51 @@ def test_the_python_switch_keeps_the_compiled_steps_off(monkeypatch):
 
 
 _GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
 
 
-@pytest.mark.parametrize("copy", [False, True], ids=["unpadded", "padded"])
-@pytest.mark.parametrize("failing", [0, 1, 2, 3])
-def test_the_count_exchange_launch_writes_the_call_block_then_launches_copies_and_records(compiled, copy, failing):
-    """``front_launch``: the call block's words into the pinned block before the graph's launch (its
-    first node copies them), then the board's copy (padded rounds only), then the event; a driver
-    error stops there and names its step."""
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_the_count_exchange_launch_writes_the_call_block_zeroes_the_landed_words_then_launches_and_records(
+        compiled, failing):
+    """``front_launch``: the call block's words into the pinned block and the landed words zeroed
+    before the graph's launch (its first step reads the block; the exchange sets those words), then
+    the event; a driver error stops there and names its step."""
     seen: list[tuple] = []
-    block = (ctypes.c_int64 * 12)()
+    block, landed = (ctypes.c_int64 * 14)(), (ctypes.c_int64 * 3)(5, 6, 7)
     error = 801
 
     def step(name, number, *args):
-        seen.append((name, list(block)[:4], *args))
+        seen.append((name, list(block)[:4], list(landed), *args))
         return error if failing == number else 0
 
     graph_launch = _GRAPH_LAUNCH(lambda graph, stream: step("graph", 1, graph, stream))
-    memcpy = _MEMCPY(lambda dst, src, nbytes, stream: step("copy", 2, dst, src, nbytes, stream))
-    record = _GRAPH_LAUNCH(lambda event, stream: step("event", 3, event, stream))
-    addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in (graph_launch, memcpy, record)]
+    record = _GRAPH_LAUNCH(lambda event, stream: step("event", 2, event, stream))
+    addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in (graph_launch, record)]
     words = (11, 12, 13, 14, 2 ** 40, -1)
-    got = compiled.front_launch(words, ctypes.addressof(block), 0xAB, *((0xD0, 0x50, 96) if copy else (0, 0, 0)),
-                                0xE7, STREAM, *addresses)
+    got = compiled.front_launch(words, ctypes.addressof(block), 0xAB, ctypes.addressof(landed), 3, 0xE7, STREAM,
+                                *addresses)
     assert list(block)[:6] == list(words)
-    want = [("graph", [11, 12, 13, 14], 0xAB, STREAM)] + ([("copy", [11, 12, 13, 14], 0xD0, 0x50, 96, STREAM)] if copy
-                                                         else []) + [("event", [11, 12, 13, 14], 0xE7, STREAM)]
-    if failing == 2 and not copy:
-        failing = 0  # (no copy to fail)
-    stop = {0: len(want), 1: 1, 2: 2, 3: len(want)}[failing]
-    assert seen == want[:stop]
+    want = [("graph", [11, 12, 13, 14], [0, 0, 0], 0xAB, STREAM), ("event", [11, 12, 13, 14], [0, 0, 0], 0xE7, STREAM)]
+    assert seen == want[:{0: 2, 1: 1, 2: 2}[failing]]
     assert got == ((error, failing) if failing else (0, 0))
+
+
+def test_waiting_for_the_landed_words_returns_once_every_one_is_set_and_gives_up_after_its_spin(compiled):
+    """``wait_landed``: True as soon as every landed word is set (here by another thread, while the
+    spin runs without the GIL), False once its spin passed with one still 0."""
+    import threading
+
+    landed = (ctypes.c_int64 * 3)(1, 0, 1)
+    assert not compiled.wait_landed(ctypes.addressof(landed), 3, 1_000_000)
+
+    def land() -> None:
+        time.sleep(0.05)  # (past the spin's start, most likely: it must let this thread take the GIL)
+        landed[1] = 1
+
+    thread = threading.Thread(target=land)
+    thread.start()
+    assert compiled.wait_landed(ctypes.addressof(landed), 3, 60 * 10 ** 9)
+    thread.join()
+    assert compiled.wait_landed(ctypes.addressof(landed), 3, 0)
 
 
 def test_describe_says_which_steps_run_without_building_them(compiled, monkeypatch, tmp_path):

@@ -1,11 +1,11 @@
 """A planned fresh dispatch's compiled steps (``host.cpp``'s ``planned_front`` and ``planned_padded``,
 ep.paths.planned) on CPU tensors, their driver calls caught by ctypes functions standing in for
-``cuGraphLaunch``, ``cuMemcpyAsync``, ``cuEventRecord`` and ``cuLaunchKernel``: for any call of a
+``cuGraphLaunch``, ``cuEventRecord`` and ``cuLaunchKernel``: for any call of a
 kind, the streamed kernel's struct they patch from the struct of another call of that kind is the
 struct the Python steps pack for this call (``stream_cuda.pack_dispatch``), the call block holds
-``call_words``, the exchange's abort word is lifted before the graph's launch, a padded call's
-board is copied before the event and its outputs are the Python steps' shapes, and a driver error
-stops them at the step that failed. Built here by the machine's C++ compiler (skipped only where
+``call_words``, the exchange's abort word is lifted and its landed words zeroed before the graph's
+launch, a padded call's block names its board copy for the exchange to write and its outputs are
+the Python steps' shapes, and a driver error stops them at the step that failed. Built here by the machine's C++ compiler (skipped only where
 there is none)."""
 
 from __future__ import annotations
@@ -58,16 +58,18 @@ def _call(num_ranks: int, tokens: int, num_k: int, fp8: bool, weights: bool, col
 
 
 class Driver:
-    """The two driver calls, recorded with the call block and abort word as they were then."""
+    """The two driver calls, recorded with the call block, abort word and landed words as they were
+    then (the landed words start set: the last exchange's)."""
 
-    def __init__(self, block, abort, failing: int = 0, error: int = 0) -> None:
+    def __init__(self, block, abort, num_ranks: int, failing: int = 0, error: int = 0) -> None:
         self.seen: list[tuple] = []
+        self.landed = (ctypes.c_int64 * num_ranks)(*[1] * num_ranks)
 
         def step(name, number, handle, stream):
-            self.seen.append((name, handle, stream, list(block), abort.value))
+            self.seen.append((name, handle, stream, list(block), abort.value, list(self.landed)))
             return error if failing == number else 0
 
-        self._fns = (_STEP(lambda g, s: step("graph", 1, g, s)), _STEP(lambda e, s: step("event", 3, e, s)))
+        self._fns = (_STEP(lambda g, s: step("graph", 1, g, s)), _STEP(lambda e, s: step("event", 2, e, s)))
         self.addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
 
 
@@ -77,8 +79,9 @@ def _front(compiled, path: _Path, call: dict, template: bytes, driver: Driver, b
     src = call["src"]
     got = compiled.planned_front(
         src.x, src.scales, src.topk, src.weights, call["in_rank"], call["per_rank"], call["per_expert"], call["config"],
-        path.space.num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort), GRAPH, EVENT, STREAM,
-        *driver.addresses, ctypes.addressof(kept), ctypes.addressof(args), len(template), status.data_ptr())
+        path.space.num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort),
+        ctypes.addressof(driver.landed), GRAPH, EVENT, STREAM, *driver.addresses, ctypes.addressof(kept),
+        ctypes.addressof(args), len(template), status.data_ptr())
     return got, args
 
 
@@ -94,7 +97,7 @@ def test_a_planned_call_packs_what_the_python_steps_pack_for_it_from_another_cal
     template = path.pack(first, torch.empty(9, num_ranks, dtype=torch.int64), torch.empty(num_ranks, CHANNELS,
                          dtype=torch.int64), torch.empty(num_ranks, dtype=torch.int64), status[0])
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
-    driver = Driver(block, abort)
+    driver = Driver(block, abort, num_ranks)
     (rows, taken, recv_offset, error, step), args = _front(compiled, path, call, template, driver, block, abort,
                                                            status[1])
     assert (error, step) == (0, 0)
@@ -105,35 +108,36 @@ def test_a_planned_call_packs_what_the_python_steps_pack_for_it_from_another_cal
     words = call_words(call["in_rank"], call["src"].topk, call["per_rank"], call["per_expert"], rows, call["src"], 0,
                        call["config"])
     assert [seen[:3] for seen in driver.seen] == [("graph", GRAPH, STREAM), ("event", EVENT, STREAM)]
-    assert driver.seen[0][3] == list(words) and driver.seen[0][4] == 0  # written, and the abort lifted, first
+    # written, the abort lifted and the landed words zeroed, first
+    assert driver.seen[0][3:] == (list(words), 0, [0] * num_ranks)
 
 
-@pytest.mark.parametrize("failing", [1, 3], ids=["graph", "event"])
+@pytest.mark.parametrize("failing", [1, 2], ids=["graph", "event"])
 def test_a_driver_error_stops_the_front_at_its_step(compiled, failing):
     path, call = _Path(2), _call(2, 4, 2, fp8=False, weights=True, column_major=False)
     status = torch.zeros(1, 2 * CHANNELS, dtype=torch.int64)
     template = path.pack(call, torch.empty(4, 2, dtype=torch.int64), torch.empty(2, CHANNELS, dtype=torch.int64),
                          torch.empty(2, dtype=torch.int64), status[0])
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
-    driver = Driver(block, abort, failing, error=801)
+    driver = Driver(block, abort, 2, failing, error=801)
     (*_, error, step), args = _front(compiled, path, call, template, driver, block, abort, status[0])
     assert (error, step) == (801, failing)
     assert [seen[0] for seen in driver.seen] == ["graph", "event"][:1 if failing == 1 else 2]
     assert args.raw == bytes(len(template))  # the struct is packed only after both launched
 
 
-_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-BOARD, BOARD_ROW, FUNCTION = 0xB0A4D, 12, 0xF00D
+BOARD_ROW, FUNCTION = 12, 0xF00D
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(compiled, data):
-    """``planned_padded``: the graph, the board's copy into a fresh tensor, the event, then the
-    streamed kernel launched with the struct the Python steps pack for this call (its outputs of
-    num_worst_tokens rows, the board copy as its padded plan's), from another call's struct."""
+    """``planned_padded``: a fresh board copy named in the call block (the exchange writes it), the
+    graph, the event, then the streamed kernel launched with the struct the Python steps pack for
+    this call (its outputs of num_worst_tokens rows, the board copy as its padded plan's), from
+    another call's struct."""
     num_ranks = data.draw(st.sampled_from([2, 4]))
     kind = {"num_k": data.draw(st.integers(1, 8)), "fp8": data.draw(st.booleans()), "weights": data.draw(st.booleans())}
     first = _call(num_ranks, data.draw(st.integers(0, 9)), column_major=data.draw(st.booleans()), **kind)
@@ -154,27 +158,23 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
     template = pack(first, some, some, some, status[0], torch.empty(num_ranks, BOARD_ROW, dtype=torch.int64),
                     (some, None, None, None))
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
-    driver = Driver(block, abort)
+    driver = Driver(block, abort, num_ranks)
     seen = driver.seen
     launches = []
-
-    def copy(dst, source, nbytes, on):
-        seen.append(("copy", dst, source, nbytes, on))
-        return 0
 
     def launched(function, gx, gy, gz, bx, by, bz, shared, on, params, extra):
         launches.append((function, gx, bx, on, ctypes.string_at(params[0], len(template))))
         return 0
 
-    memcpy, launch = _MEMCPY(copy), _LAUNCH(launched)
+    launch = _LAUNCH(launched)
     kept, args = ctypes.create_string_buffer(template, len(template)), ctypes.create_string_buffer(len(template))
     src = call["src"]
     num_k = src.topk.shape[1]
     got = compiled.planned_padded(
         src.x, src.scales, src.topk, src.weights, call["in_rank"], call["per_rank"], call["per_expert"], call["config"],
-        num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort), GRAPH, EVENT, STREAM,
-        *driver.addresses, ctypes.addressof(kept), ctypes.addressof(args), len(template), status[1].data_ptr(), BOARD,
-        BOARD_ROW, ctypes.cast(memcpy, ctypes.c_void_p).value, worst, src.x.shape[1], num_k, src.weights is not None,
+        num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort), ctypes.addressof(driver.landed),
+        GRAPH, EVENT, STREAM, *driver.addresses, ctypes.addressof(kept), ctypes.addressof(args), len(template),
+        status[1].data_ptr(), BOARD_ROW, worst, src.x.shape[1], num_k, src.weights is not None,
         src.scales.shape[1] if src.scales is not None else 0, ctypes.cast(launch, ctypes.c_void_p).value, FUNCTION, 6,
         768)
     rows, taken, recv_offset, board, x, idx, weights, scales, error, step = got
@@ -183,8 +183,10 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
     for t, ref in zip((x, idx, weights, scales), want, strict=True):
         assert (t is None) == (ref is None) and (t is None or (t.shape, t.dtype) == (ref.shape, ref.dtype))
     assert board.shape == (num_ranks, BOARD_ROW)
-    assert [step[0] for step in seen] == ["graph", "copy", "event"]
-    assert seen[1][1:] == (board.data_ptr(), BOARD, num_ranks * BOARD_ROW * 8, STREAM)
+    assert [step[0] for step in seen] == ["graph", "event"]
+    words = call_words(call["in_rank"], src.topk, call["per_rank"], call["per_expert"], rows, src, 0, call["config"],
+                       board)
+    assert seen[0][3:] == (list(words), 0, [0] * num_ranks)
     (function, grid, threads, stream, packed), = launches
     assert (function, grid, threads, stream) == (FUNCTION, 6, 768, STREAM)
     assert packed == args.raw == pack(call, rows, taken, recv_offset, status[1], board, (x, idx, weights, scales))

@@ -247,7 +247,7 @@ def test_a_board_that_arrives_is_read_without_aborting(monkeypatch):
     fake = FakeCuda()  # every event is complete: the board is in
     mover = _mover(monkeypatch, fake)
     mover._host_words = 3
-    mover._host[:3] = torch.tensor([4, 5, 6])
+    mover._host_view[:3] = [4, 5, 6]  # (where the exchange lands the plan's words: Note [Board landing])
     words, board = mover.wait_board(3, 1.0)
     assert words.tolist() == [4, 5, 6] and board.shape == (2, mover._board_row)
     assert mover._abort_word[0] == 0

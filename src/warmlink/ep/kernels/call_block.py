@@ -61,8 +61,10 @@ class Padded(NamedTuple):
 # DeepEP's column-major scales have a column stride of T, which changes with the token count, so a
 # key would capture a graph per count; read per call, one graph serves row-major and column-major
 # calls alike, and no call replays strides captured for another (ep.kernels.steps, Note [Scales in place]).
+# The last word, ``board_copy``, is where the exchange also writes the round's board on the device (a
+# padded dispatch's copy, which its stream and its handle read), or 0 for none.
 CALL_SLOTS = ("in_rank", "topk", "per_rank", "per_expert", "rows", "x", "weights", "scales", "scales_token_stride",
-              "scales_col_stride", "tokens", "round", "config")
+              "scales_col_stride", "tokens", "round", "config", "board_copy")
 
 
 @dataclass(frozen=True)
@@ -84,16 +86,18 @@ class FreshShape:
 
 
 def call_words(in_rank: torch.Tensor, topk: torch.Tensor, per_rank: torch.Tensor, per_expert: torch.Tensor,
-               rows: torch.Tensor, src: Sources, round_: int, config: int) -> tuple[int, ...]:
+               rows: torch.Tensor, src: Sources, round_: int, config: int,
+               board_copy: torch.Tensor | None = None) -> tuple[int, ...]:
     """The call block's words (``CALL_SLOTS``) of one fresh SM send (``config``: its config word,
-    ep.wire.words, which the count exchange compares across ranks); every tensor but the scales
-    must be contiguous (the kernels see only its address; the scales' strides are words too)."""
+    ep.wire.words, which the count exchange compares across ranks; ``board_copy``: a ``[R, board
+    row]`` int64 device tensor the exchange copies the board into, or None); every tensor but the
+    scales must be contiguous (the kernels see only its address; the scales' strides are words too)."""
     tensors = (in_rank, topk, per_rank, per_expert, rows, src.x, *(t for t in (src.weights,) if t is not None))
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("call_words: every tensor but the scales must be contiguous")
     return (in_rank.data_ptr(), topk.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(), rows.data_ptr(),
             src.x.data_ptr(), src.weights.data_ptr() if src.weights is not None else 0, *scale_words(src),
-            rows.shape[0], round_, config)
+            rows.shape[0], round_, config, board_copy.data_ptr() if board_copy is not None else 0)
 
 
 def scale_words(src: Sources) -> tuple[int, int, int]:

@@ -4,14 +4,16 @@
 //   layout: get_dispatch_layout's two outputs and the NVRTC layout kernel's launch (layout.cu);
 //   fresh_launch: a streamed dispatch's outputs sized from the count board in pinned memory, where
 //     each source's rows start, and the prepared launch of stream.cu's dispatch, patched and sent;
-//   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event;
+//   front_launch: a fresh dispatch's call block, its count exchange's graph and the board's event
+//     (the exchange lands the board in pinned memory itself: ep/paths/sm_pushes.py, Note [Board landing]);
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
 //     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call;
 //   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too;
 //   padded_stands: whether a padded round's count board, landed, stands (the checks the next call
-//     makes before its own launch; the round's plan is filled later, when its handle is used).
+//     makes before its own launch; the round's plan is filled later, when its handle is used);
+//   wait_landed: a short spin, without the GIL, until the count exchange landed its board.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
@@ -21,6 +23,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -147,39 +151,51 @@ py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
 }
 
 using GraphLaunchFn = int (*)(void* graph_exec, void* stream);
-using MemcpyFn = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
 using EventRecordFn = int (*)(void* event, void* stream);
 
-// The count exchange's launches after its call block: its graph on stream, a padded round's board
-// copied (copy_bytes > 0), the board's event recorded. (error, failed step): 0 none, 1 the graph's
-// launch, 2 the copy, 3 the event.
-std::pair<int, int> front_steps(i64 graph, i64 copy_dst, i64 copy_src, i64 copy_bytes, i64 event, i64 stream,
-                                i64 graph_launch_fn, i64 memcpy_fn, i64 event_record_fn) {
+// The count exchange's launches after its call block: its landed words zeroed (the exchange sets
+// one per source once it landed that source's board row in pinned memory: ep/paths/sm_pushes.py,
+// Note [Board landing]), its graph launched on stream, the board's event recorded. (error, failed
+// step): 0 none, 1 the graph's launch, 2 the event.
+std::pair<int, int> front_steps(i64 graph, i64 landed_addr, i64 num_ranks, i64 event, i64 stream,
+                                i64 graph_launch_fn, i64 event_record_fn) {
+  std::memset(reinterpret_cast<void*>(landed_addr), 0, static_cast<size_t>(num_ranks) * sizeof(i64));
   void* on_stream = reinterpret_cast<void*>(stream);
   int error = reinterpret_cast<GraphLaunchFn>(graph_launch_fn)(reinterpret_cast<void*>(graph), on_stream);
   if (error) return {error, 1};
-  if (copy_bytes > 0) {
-    error = reinterpret_cast<MemcpyFn>(memcpy_fn)(static_cast<uint64_t>(copy_dst), static_cast<uint64_t>(copy_src),
-                                                  static_cast<size_t>(copy_bytes), on_stream);
-    if (error) return {error, 2};
-  }
   error = reinterpret_cast<EventRecordFn>(event_record_fn)(reinterpret_cast<void*>(event), on_stream);
-  return {error, error ? 3 : 0};
+  return {error, error ? 2 : 0};
 }
 
-// (error, failed step): the call block's words written where the count exchange's graph copies
-// them from (pinned memory at call_addr), that graph launched on stream, a padded round's board
-// copied (copy_bytes > 0), the board's event recorded. The failed step: 0 none, 1 the graph's
-// launch, 2 the copy, 3 the event.
-py::tuple front_launch(const py::sequence& words, i64 call_addr, i64 graph, i64 copy_dst, i64 copy_src,
-                       i64 copy_bytes, i64 event, i64 stream, i64 graph_launch_fn, i64 memcpy_fn,
-                       i64 event_record_fn) {
+// (error, failed step): the call block's words written where the count exchange's graph takes them
+// from (pinned memory at call_addr), then front_steps (the failed step as its).
+py::tuple front_launch(const py::sequence& words, i64 call_addr, i64 graph, i64 landed_addr, i64 num_ranks,
+                       i64 event, i64 stream, i64 graph_launch_fn, i64 event_record_fn) {
   i64* call = reinterpret_cast<i64*>(call_addr);
   const size_t n = words.size();
   for (size_t i = 0; i < n; ++i) call[i] = words[i].cast<i64>();
-  const auto [error, step] = front_steps(graph, copy_dst, copy_src, copy_bytes, event, stream, graph_launch_fn,
-                                         memcpy_fn, event_record_fn);
+  const auto [error, step] = front_steps(graph, landed_addr, num_ranks, event, stream, graph_launch_fn,
+                                         event_record_fn);
   return py::make_tuple(error, step);
+}
+
+// Whether every one of num_ranks landed words at landed_addr (pinned memory) is set, spinning for
+// up to spin_ns without the GIL: the last count exchange landed its board (Note [Board landing]).
+bool wait_landed(i64 landed_addr, i64 num_ranks, i64 spin_ns) {
+  const volatile i64* landed = reinterpret_cast<const volatile i64*>(landed_addr);
+  auto all_set = [&] {
+    for (i64 s = 0; s < num_ranks; ++s)
+      if (landed[s] == 0) return false;
+    return true;
+  };
+  if (all_set()) return true;
+  py::gil_scoped_release unlocked;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  while (!all_set()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // the board's words are read after the landed ones
+  return true;
 }
 
 // The tensor obj holds, or null (None, or anything else: the Python checks name it)
@@ -272,9 +288,10 @@ struct Planned {
   }
 
   // the call block's words (ep/kernels/call_block.py's CALL_SLOTS), written at call_addr
-  void write_call(i64 call_addr, i64 config) const {
-    const i64 call[13] = {address(in_rank), address(topk),    address(per_rank), address(per_expert), address(&rows),
-                          address(x),       address(weights), address(scales),   s_token, s_col, x->size(0), 0, config};
+  void write_call(i64 call_addr, i64 config, i64 board_copy) const {
+    const i64 call[14] = {address(in_rank), address(topk), address(per_rank), address(per_expert), address(&rows),
+                          address(x), address(weights), address(scales), s_token, s_col, x->size(0), 0, config,
+                          board_copy};
     std::memcpy(reinterpret_cast<void*>(call_addr), call, sizeof(call));
   }
 
@@ -297,36 +314,38 @@ struct Planned {
 
 // (rows, taken, recv_offset, error, failed step): an unpadded fresh dispatch of a planned kind (its
 // tensors accepted by fresh_accepts; ep/paths/planned.py): Planned's tensors made, the call block
-// written where the count exchange's graph copies it from, the exchange's abort word lifted, the
-// graph launched and the board's event recorded (front_launch's steps; the failed step as its), then
-// the streamed kernel's struct packed at args_addr (Planned::pack) for fresh_launch to finish.
+// written where the count exchange's graph takes it from, the exchange's abort word lifted, then
+// front_steps (its landed words zeroed, the graph launched, the board's event recorded; the failed
+// step as its), then the streamed kernel's struct packed at args_addr (Planned::pack) for
+// fresh_launch to finish.
 py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
                         py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
-                        i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 graph, i64 event,
-                        i64 stream, i64 graph_launch_fn, i64 event_record_fn, i64 template_addr, i64 args_addr,
-                        i64 args_bytes, i64 status_addr) {
+                        i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 landed_addr,
+                        i64 graph, i64 event, i64 stream, i64 graph_launch_fn, i64 event_record_fn,
+                        i64 template_addr, i64 args_addr, i64 args_bytes, i64 status_addr) {
   const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
                      device);
-  call.write_call(call_addr, config);
+  call.write_call(call_addr, config, 0);
   *reinterpret_cast<volatile i64*>(abort_addr) = 0;
-  const auto [error, step] = front_steps(graph, 0, 0, 0, event, stream, graph_launch_fn, 0, event_record_fn);
+  const auto [error, step] = front_steps(graph, landed_addr, num_ranks, event, stream, graph_launch_fn,
+                                         event_record_fn);
   if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, step);
   call.pack(reinterpret_cast<char*>(args_addr), template_addr, args_bytes, status_addr);  // (while the GPUs trade)
   return py::make_tuple(call.rows, call.taken, call.recv_offset, 0, 0);
 }
 
 // (rows, taken, recv_offset, board copy, x, idx, weights, scales, error, failed step): a padded fresh
-// dispatch of a planned kind, whole: planned_front's steps with the board copied into a [R,
-// board_row] tensor between the graph and the event (front_launch's padded copy), then outputs of
+// dispatch of a planned kind, whole: planned_front's steps with a [R, board_row] board copy made and
+// named in the call block (the exchange writes the board there too), then outputs of
 // num_worst_tokens rows (x_words int64 words, num_k ids and weights where num_k >= 0 and weights,
 // num_scales scales where > 0), their addresses and the board copy's patched into the struct, and
 // the streamed kernel launched: it takes its offsets and whether the round stands from the copy.
-// The failed step: 1 the graph, 2 the copy, 3 the event, 4 the kernel's launch.
+// The failed step: 1 the graph, 2 the event, 3 the kernel's launch.
 py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
                          py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
-                         i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 graph, i64 event,
-                         i64 stream, i64 graph_launch_fn, i64 event_record_fn, i64 template_addr, i64 args_addr,
-                         i64 args_bytes, i64 status_addr, i64 board_addr, i64 board_row, i64 memcpy_fn,
+                         i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 landed_addr,
+                         i64 graph, i64 event, i64 stream, i64 graph_launch_fn, i64 event_record_fn,
+                         i64 template_addr, i64 args_addr, i64 args_bytes, i64 status_addr, i64 board_row,
                          i64 num_worst_tokens, i64 x_words, i64 num_k, bool weights, i64 num_scales, i64 launch_fn,
                          i64 function, i64 grid, i64 threads) {
   const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
@@ -337,10 +356,9 @@ py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h,
     return py::make_tuple(call.rows, call.taken, call.recv_offset, board, out.x, out.idx, out.weights, out.scales,
                           error, step);
   };
-  call.write_call(call_addr, config);
+  call.write_call(call_addr, config, reinterpret_cast<i64>(board.data_ptr()));
   *reinterpret_cast<volatile i64*>(abort_addr) = 0;
-  const auto [error, step] = front_steps(graph, reinterpret_cast<i64>(board.data_ptr()), board_addr,
-                                         num_ranks * board_row * 8, event, stream, graph_launch_fn, memcpy_fn,
+  const auto [error, step] = front_steps(graph, landed_addr, num_ranks, event, stream, graph_launch_fn,
                                          event_record_fn);
   if (error) return done(error, step);
   char* args = reinterpret_cast<char*>(args_addr);
@@ -348,7 +366,7 @@ py::tuple planned_padded(py::handle x_h, py::handle scales_h, py::handle topk_h,
   std::memcpy(args + OUTPUTS_AT, out.addresses, sizeof(out.addresses));
   put(args + PADDED_AT, reinterpret_cast<i64>(board.data_ptr()));
   const int launched = launch(launch_fn, function, grid, threads, stream, args);
-  return done(launched, launched ? 4 : 0);
+  return done(launched, launched ? 3 : 0);
 }
 
 // Whether the count board at board_addr ([R, row_words] int64 in pinned memory, landed) of a padded
@@ -384,4 +402,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("planned_front", &planned_front);
   m.def("planned_padded", &planned_padded);
   m.def("padded_stands", &padded_stands);
+  m.def("wait_landed", &wait_landed);
 }

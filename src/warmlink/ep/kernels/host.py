@@ -78,6 +78,6 @@ def launch_address() -> int:
 
 
 @functools.cache
-def front_addresses() -> tuple[int, int, int]:
-    """The addresses of ``cuGraphLaunch``, ``cuMemcpyAsync`` and ``cuEventRecord`` (``front_launch``'s)."""
-    return tuple(_driver_address(name) for name in ("cuGraphLaunch", "cuMemcpyAsync", "cuEventRecord"))
+def front_addresses() -> tuple[int, int]:
+    """The addresses of ``cuGraphLaunch`` and ``cuEventRecord`` (``front_launch``'s)."""
+    return tuple(_driver_address(name) for name in ("cuGraphLaunch", "cuEventRecord"))

@@ -30,12 +30,29 @@ C_SCALES_COL_STRIDE = tl.constexpr(CALL_SLOTS.index("scales_col_stride"))
 C_TOKENS = tl.constexpr(CALL_SLOTS.index("tokens"))
 C_ROUND = tl.constexpr(CALL_SLOTS.index("round"))
 C_CONFIG = tl.constexpr(CALL_SLOTS.index("config"))
+C_BOARD_COPY = tl.constexpr(CALL_SLOTS.index("board_copy"))
+CALL_WORDS = tl.constexpr(len(CALL_SLOTS))
 
 
 @triton.jit
 def call_pointer(call_ptr, slot, T: tl.constexpr):
     # the address in word ``slot`` of the call block, as a pointer to T
     return tl.load(call_ptr + slot).to(tl.pointer_type(T))
+
+
+@triton.jit
+def take_call_kernel(host_call, call_ptr, counters_ptr, ADVANCE: tl.constexpr):
+    # the call block from pinned host memory (byte address host_call, as the host wrote it before the
+    # launch) into its device copy call_ptr, which the later steps read; with ADVANCE the streamed
+    # path's counters too (ep.kernels.stream_counts.advance's FRESH steps), the round into the copy
+    w = tl.arange(0, 16)
+    words = tl.load(host_call.to(tl.pointer_type(tl.int64)) + w, mask=w < CALL_WORDS, other=0, volatile=True)
+    if ADVANCE:
+        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + 1)
+        round_ = tl.load(counters_ptr) + 1
+        tl.store(counters_ptr, round_)
+        words = tl.where(w == C_ROUND, round_, words)
+    tl.store(call_ptr + w, words, mask=w < CALL_WORDS)
 
 
 @triton.jit
@@ -249,18 +266,18 @@ def store_by_one(addr, value):
 
 
 @triton.jit
-def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, me, num_experts, experts_per_rank, max_tokens,
-                         x_row_bytes, meta_row_bytes, timeout_ns,
+def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, landing, me, num_experts, experts_per_rank,
+                         max_tokens, x_row_bytes, meta_row_bytes, timeout_ns,
                          NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
                          PARTS: tl.constexpr):
-    exchange_steps(words_ptr, tables_ptr, abort_ptr, tl.load(call_ptr + C_ROUND), tl.load(call_ptr + C_CONFIG), me,
-                   num_experts, experts_per_rank, max_tokens, x_row_bytes, meta_row_bytes, timeout_ns, NUM_RANKS, R_BLOCK,
-                   ROW, E_BLOCK, PARTS)
+    exchange_steps(words_ptr, tables_ptr, abort_ptr, landing, tl.load(call_ptr + C_BOARD_COPY),
+                   tl.load(call_ptr + C_ROUND), tl.load(call_ptr + C_CONFIG), me, num_experts, experts_per_rank,
+                   max_tokens, x_row_bytes, meta_row_bytes, timeout_ns, NUM_RANKS, R_BLOCK, ROW, E_BLOCK, PARTS)
 
 
 @triton.jit
-def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_experts, experts_per_rank, max_tokens,
-                   x_row_bytes, meta_row_bytes, timeout_ns,
+def exchange_steps(words_ptr, tables_ptr, abort_ptr, landing, board_copy, round_, config, me, num_experts,
+                   experts_per_rank, max_tokens, x_row_bytes, meta_row_bytes, timeout_ns,
                    NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,
                    PARTS: tl.constexpr):
     # program d: post this rank's counts to d's board, wait for every source's row in this
@@ -324,6 +341,30 @@ def exchange_steps(words_ptr, tables_ptr, abort_ptr, round_, config, me, num_exp
     meta_base = tl.load(recv_meta_ptr + d) + shift * meta_row_bytes
     tl.store(x_bases_ptr + d, tl.where(ok != 0, x_base, 0))
     tl.store(meta_bases_ptr + d, tl.where(ok != 0, meta_base, 0))
+
+    # The round's board lands where the host reads it (``landing``, byte address of [R landed words,
+    # the board [R, ROW], the plan's words]: ep.paths.sm_pushes, Note [Board landing]) and in the
+    # call's device copy (``board_copy``, 0: none): program d lands source d's row as its wait left
+    # it (its tag, and word 1 zeroed above where the source called another kind of call), program
+    # 0 the plan's words; then, every store before it, its landed word.
+    tl.debug_barrier()  # (this program's store of word 1, above, before any thread reads the row)
+    landed_ptr = landing.to(tl.pointer_type(tl.int64))
+    used = 2 + NUM_RANKS + experts_per_rank  # (the rest of a row is never read)
+    for c0 in range(0, used, E_BLOCK):
+        c = c0 + tl.arange(0, E_BLOCK)
+        row = tl.load(own + d * ROW + c, mask=c < used, volatile=True)
+        tl.store(landed_ptr + NUM_RANKS + d * ROW + c, row, mask=c < used)
+        if board_copy != 0:
+            tl.store(board_copy.to(tl.pointer_type(tl.int64)) + d * ROW + c, row, mask=c < used)
+    if d == 0:
+        num_words = 2 * NUM_RANKS + num_experts + 2 * PARTS
+        for w0 in range(0, num_words, E_BLOCK):
+            w = w0 + tl.arange(0, E_BLOCK)
+            tl.store(landed_ptr + NUM_RANKS + NUM_RANKS * ROW + w, tl.load(words_ptr + w, mask=w < num_words),
+                     mask=w < num_words)
+    fence_system()
+    tl.debug_barrier()
+    tl.store(landed_ptr + d, 1)
 
 
 @triton.jit

@@ -44,7 +44,8 @@ from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Padded, Sourc
 from warmlink.ep.kernels.launch import FastLaunch, launch
 
 __all__ = ["CALL_SLOTS", "RANGE_PARTS", "FreshShape", "Kernels", "Padded", "Sources", "call_words", "exchange", "fresh_front",
-           "fresh_push", "gather", "layout", "plan", "push", "push_from_call", "unpack", "words_layout", "words_size"]
+           "fresh_push", "gather", "landing_size", "layout", "plan", "push", "push_from_call", "take_call", "unpack",
+           "words_layout", "words_size"]
 
 _BIG = 1 << 62
 _TOKEN_BLOCK = 1024
@@ -140,6 +141,7 @@ class Kernels(NamedTuple):
     exchange_call: object
     push_call: object
     layout: object
+    take_call: object
 
 
 @functools.cache
@@ -159,7 +161,8 @@ def _build() -> Kernels:
     from warmlink.ep.kernels import programs
 
     return Kernels(triton, programs.plan_kernel, programs.gather_kernel, programs.unpack_kernel, programs.push_kernel,
-                   programs.plan_call_kernel, programs.exchange_call_kernel, programs.push_call_kernel, programs.layout_kernel)
+                   programs.plan_call_kernel, programs.exchange_call_kernel, programs.push_call_kernel, programs.layout_kernel,
+                   programs.take_call_kernel)
 
 
 def _pow2(n: int) -> int:
@@ -333,8 +336,23 @@ def _tl(kernels: Kernels, dtype: torch.dtype):
     return getattr(kernels.triton.language, str(dtype).removeprefix("torch."))
 
 
+def landing_size(num_ranks: int, board_row: int, num_experts: int) -> int:
+    """int64 words where a count exchange lands its round (``exchange``'s ``landing``): a landed
+    word per source, the board ``[R, board_row]``, then the plan's words."""
+    return num_ranks + num_ranks * board_row + words_size(num_ranks, num_experts)
+
+
+def take_call(host_call: int, call: torch.Tensor, counters: torch.Tensor | None = None, kernels=None) -> None:
+    """On the current stream: the call block from pinned host memory (byte address ``host_call``,
+    read when the launch runs) into ``call`` (int64 on the device); with ``counters`` (the streamed
+    path's, ep.kernels.stream_counts) the next seq and the exchange's round too, the round into
+    ``call``. One program: the first step of a fresh send's graph, ahead of ``fresh_front``."""
+    launch((kernels or _kernels()).take_call, (1,), (host_call, call, counters if counters is not None else call),
+           {"ADVANCE": counters is not None})
+
+
 def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
-                timeout_s: float, board_row: int, kernels=None) -> None:
+                timeout_s: float, board_row: int, landing: int, kernels=None) -> None:
     """A fresh SM dispatch's ``plan`` and ``exchange`` on the current stream (Note [SM sends], Note
     [Fresh send graph]); every per-call value comes from ``call`` (``CALL_SLOTS``, int64 on the
     device), so the same launches can be captured once and replayed.
@@ -347,24 +365,28 @@ def fresh_front(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tabl
             input was refused, or the wait ended by ``abort``: the byte address of a host int64
             that the host sets to the round, or by the timeout, twice ``timeout_s`` + 1 s).
         board_row: int64 words of a board row.
+        landing: byte address of ``landing_size`` int64 words where the exchange lands the round
+            (pinned host memory, or device scratch for a launch no host waits for).
     """
     k = kernels or _kernels()
     r = shape.num_ranks
     launch(k.plan_call, (r + 1 + RANGE_PARTS,), (call, words, shape.num_k, shape.num_experts, shape.max_tokens), {
         "NUM_RANKS": r, "BLOCK": _TOKEN_BLOCK, "BIG": _BIG, "PARTS": RANGE_PARTS, "TOPK_T": _tl(k, shape.topk),
         "RANK_T": _tl(k, shape.per_rank), "EXPERT_T": _tl(k, shape.per_expert)})
-    exchange(shape, call, words, tables, abort, me, 2 * timeout_s + 1, board_row, k)
+    exchange(shape, call, words, tables, abort, me, 2 * timeout_s + 1, board_row, landing, k)
 
 
 def exchange(shape: FreshShape, call: torch.Tensor, words: torch.Tensor, tables: torch.Tensor, abort: int, me: int,
-             backstop_s: float, board_row: int, kernels=None) -> None:
+             backstop_s: float, board_row: int, landing: int, kernels=None) -> None:
     """``fresh_front``'s count exchange alone (tests run it in the interpreter, with ep.kernels.programs's
     clock and fence swapped out): ``words`` already hold this rank's plan, ``call`` the round.
     ``backstop_s``: how long the kernel waits for the peers on its own clock."""
     r = shape.num_ranks
-    launch((kernels or _kernels()).exchange_call, (r,), (call, words, tables, abort, me, shape.num_experts, shape.num_experts // r,
-                                 shape.max_tokens, shape.x_words * 8, shape.meta_bytes, int(backstop_s * 1e9)), {
-        "NUM_RANKS": r, "R_BLOCK": _pow2(r), "ROW": board_row, "E_BLOCK": 256, "PARTS": RANGE_PARTS})
+    launch((kernels or _kernels()).exchange_call, (r,), (call, words, tables, abort, landing, me, shape.num_experts,
+                                                         shape.num_experts // r, shape.max_tokens, shape.x_words * 8,
+                                                         shape.meta_bytes, int(backstop_s * 1e9)), {
+        "NUM_RANKS": r, "R_BLOCK": _pow2(r), "ROW": board_row, "E_BLOCK": 256,
+        "PARTS": RANGE_PARTS})
 
 
 def fresh_push(shape: FreshShape, call: torch.Tensor, tables: torch.Tensor, kernels=None) -> None:

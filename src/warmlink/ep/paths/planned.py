@@ -84,14 +84,15 @@ class FreshPlan:
         self._template = ctypes.create_string_buffer(bytes(prepared.args), nbytes)
         self._args = ctypes.create_string_buffer(nbytes)  # every call's struct (each launched before the next)
         self._prepared = prepared.with_args(self._args, device)
-        graph, call_address, abort_address, event, self.host_words, board_on_device = front
-        graph_launch, memcpy, event_record = host.front_addresses()
-        self._front_args = (call.config, num_ranks, channels, device, call_address, abort_address, graph, event)
+        graph, call_address, abort_address, landing_address, event, self.host_words = front
+        graph_launch, event_record = host.front_addresses()
+        self._front_args = (call.config, num_ranks, channels, device, call_address, abort_address, landing_address,
+                            graph, event)
         self._copy_args = (graph_launch, event_record, ctypes.addressof(self._template), ctypes.addressof(self._args),
                            nbytes)
         self._board_args = self._prepared.board_args(board_address, num_ranks, row_words, rank, max_tokens, call.src)
         src = call.src
-        self._padded_args = (board_on_device, row_words, memcpy, call.num_worst_tokens, src.x.shape[1],
+        self._padded_args = (row_words, call.num_worst_tokens, src.x.shape[1],
                              src.topk.shape[1] if src.topk is not None else -1, src.weights is not None,
                              src.scales.shape[1] if src.scales is not None else 0, host.launch_address(),
                              prepared.kernel_address, prepared.grid, THREADS)
@@ -135,6 +136,5 @@ class FreshPlan:
 def _raise(error: int, step: int, stream: int) -> None:
     from warmlink import _cuda
 
-    what = ("cuGraphLaunch of the count exchange", "cuMemcpyAsync of the board", "cuEventRecord",
-            "cuLaunchKernel of the streamed dispatch")[step - 1]
+    what = ("cuGraphLaunch of the count exchange", "cuEventRecord", "cuLaunchKernel of the streamed dispatch")[step - 1]
     _cuda.check(error, f"{what} on stream {stream:#x}")

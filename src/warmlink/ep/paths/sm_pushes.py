@@ -23,7 +23,8 @@ alone"). So without a receive hook (normal mode) kernels do it, as DeepEP's norm
    The base is 0 (nothing is stored) when any rank refused its input, called with another
    config (whose word it then sets to 0, a refusal to every later reader), or the wait ended.
    So ranks that called different kinds of call never store a row, whatever their hosts see.
-2. The board and the plan words are copied to the host, queued before the push.
+2. The exchange lands the board and the plan words in pinned host memory itself (Note [Board
+   landing]), before the push.
 3. ``push``, a persistent kernel, stores every token's row and meta row at those bases: into the
    peers' mapped regions and this rank's own. An arrival flag per destination follows it
    (ep.wire.flags), and the receive side is the copy-engine path's (ep.paths.cuda_mover).
@@ -43,19 +44,32 @@ copy engines keep the send: a push kernel would hold SMs between the send and th
 Launching ``plan``, ``exchange`` and ``push`` from Python costs the host 0.15-0.35 ms (FastLaunch
 included; more at 8 ranks), and the slowest rank's launches are on every rank's critical path:
 the pushes wait in ``exchange`` for its counts. So the fresh send is two CUDA graphs per parity
-and ``FreshShape`` (the dtypes and sizes the kernels are specialized for): one holds the copy of the
-call block to the device, ``plan``, ``exchange`` and the copies of the words and the board to the
-host; the other ``push``. Between the two launches the host records the event it polls for the
+and ``FreshShape`` (the dtypes and sizes the kernels are specialized for): one holds ``take_call``
+(the call block from pinned memory to the device), ``plan`` and ``exchange`` (which lands the
+board on the host); the other ``push``. Between the two launches the host records the event it polls for the
 board: an ordinary record, whose state the host sees change at once (an event recorded by a graph
 node might still read as the previous round's). What changes per call (every input's address, the
 new ``rows`` tensor the handle keeps, the FP8 scales' strides, the token count, the round) is in the call block
 (``CALL_SLOTS``), which the host writes into pinned memory before it launches the graph; the
 kernels' ``*_call_kernel`` forms read it there. One block is enough: the host waits for a
-fresh dispatch's board, which comes after the block's copy, before the next one (a padded one's
+fresh dispatch's board, which comes after ``take_call`` read the block, before the next one (a padded one's
 when it is resolved: ep.protocol.normal). The first call of a parity and shape runs the steps eagerly
 (compiling the kernels: nothing compiles during a capture), the next one captures them. A cached
 dispatch's push is replayed the same way, from a call block per parity that also holds its
 handle's bases (ep.paths.sm_pushes). ``ep.Buffer(graphs=False)`` keeps every call eager.
+
+# Note [Board landing]
+The host waits for the count board on every unpadded fresh dispatch, and everything the GPUs do
+between the exchange's last store and the host seeing it is on the way to the rows: copies queued
+behind the exchange (a graph's copy nodes each start some microseconds after the kernel before
+them ends) and an event the host queries. So the exchange lands the round itself: each program,
+its wait over, stores its source's board row (and program 0 the plan's words) into pinned memory,
+fences them to the system and sets its landed word; the host zeroes the landed words before the
+launch and reads the board once every one is set (``board_landed``: a compiled spin), or, past
+that spin, by the event recorded after the exchange, which follows every store of it. A padded
+call names a device copy of the board in its call block, which the exchange writes as well (no
+copy queued behind it). An exchange captured in a caller's graph lands in device scratch: its
+replays run while the host may wait for an eager call's board.
 """
 
 from __future__ import annotations
@@ -68,15 +82,15 @@ import torch
 from warmlink._backoff import poll
 from warmlink.ep.kernels import host, steps
 from warmlink.ep.kernels.call_block import CALL_SLOTS, FreshShape, Sources, scale_words
-from warmlink.ep.wire.regions import PARITIES, RegionLayout, board_words
+from warmlink.ep.wire.regions import MAX_EXPERTS, PARITIES, RegionLayout, board_words
 
 __all__ = ["SmPushes"]
 
 log = logging.getLogger("warmlink.ep")
 
 # words of a call block (CALL_SLOTS) a cached dispatch fills
-_ROWS, _X, _TOKENS, _SCALES, _S_TOKEN, _S_COL = (CALL_SLOTS.index(name) for name in (
-    "rows", "x", "tokens", "scales", "scales_token_stride", "scales_col_stride"))
+_ROWS, _X, _TOKENS, _SCALES, _S_TOKEN, _S_COL, _BOARD_COPY = (CALL_SLOTS.index(name) for name in (
+    "rows", "x", "tokens", "scales", "scales_token_stride", "scales_col_stride", "board_copy"))
 
 
 class SmPushes:
@@ -101,11 +115,18 @@ class SmPushes:
         # SM sends (ep.paths.sm_pushes, Note [SM sends]): the board's landing place, the host word that ends a wait, and
         # per parity the exchange's address tables (every rank's board, receive x and meta areas;
         # then the push's bases, which the exchange writes), made once
-        self._board_row = board_words(layout.num_ranks)
-        self._board_host = torch.empty(layout.num_ranks * self._board_row, dtype=torch.int64, device="cpu", pin_memory=pinned)
-        self._board_view = self._board_host.numpy().reshape(layout.num_ranks, self._board_row)
+        r, self._board_row = layout.num_ranks, board_words(layout.num_ranks)
+        # where the exchange lands its round (Note [Board landing]): landed words, board, plan words
+        size = steps.landing_size(r, self._board_row, MAX_EXPERTS)
+        self._landing = torch.zeros(size, dtype=torch.int64, device="cpu", pin_memory=pinned)
+        self.landing_address = self._landing.data_ptr()  # (its landed words: ep.kernels.host's compiled steps)
+        self._landed_view = self._landing[:r].numpy()
+        self._board_host = self._landing[r:r + r * self._board_row]
+        self._board_view = self._board_host.numpy().reshape(r, self._board_row)
         self.board_address = self._board_host.data_ptr()  # (read there by ep.kernels.host's compiled steps)
-        self._host_view = self._host.numpy()  # the plan's words as they land (wait_board copies them)
+        self._host_view = self._landing[r + r * self._board_row:].numpy()  # the plan's words (wait_board copies them)
+        # a captured exchange lands in device scratch: a replay must not write where the host waits
+        self._captured_landing = torch.zeros(size, dtype=torch.int64, device=own.device)
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=pinned)
         self._abort_word, self._abort_ptr = self._abort.numpy(), self._abort.data_ptr()
         self._tables: dict[int, torch.Tensor] = {}
@@ -152,49 +173,49 @@ class SmPushes:
         self._pushed(phase)
 
     def send_counts(self, shape: FreshShape, call: tuple[int, ...], round_: int, timeout_s: float,
-                    graphs: bool = True, board_copy: torch.Tensor | None = None, advance=None) -> tuple:
+                    graphs: bool = True, board_copy: torch.Tensor | None = None,
+                    counters: torch.Tensor | None = None) -> tuple:
         """``send_sm``'s steps up to the board, without the push (a streamed dispatch moves its rows
-        itself, ep.paths.streamed); the key its launches ran under. ``advance``: a step launched
-        right after the call block reaches the device (the streamed path writes its round there)."""
+        itself, ep.paths.streamed); the key its launches ran under. ``counters``: the streamed
+        path's (ep.kernels.stream_counts), which the first step advances, the round taken from them."""
         parity = round_ % PARITIES
         self._abort_word[0] = 0
         self._host_words = steps.words_size(shape.num_ranks, shape.num_experts)
+        if board_copy is not None:  # the exchange writes it too (before the event: the handle's reader waits for that)
+            call = (*call[:_BOARD_COPY], board_copy.data_ptr(), *call[_BOARD_COPY + 1:])
         key = (parity, shape, timeout_s)
         current = self._current()
         front = self._fronts.get(key) if graphs else None
         compiled = host.module() if front is not None else None
-        if compiled is not None:  # the same steps compiled (ep.kernels.host): words, graph, copy, event
-            copy = (board_copy.data_ptr(), self._ptrs[self.rank] + self._offsets[f"board.{parity}"],
-                    board_copy.numel() * 8) if board_copy is not None else (0, 0, 0)
-            error, step = compiled.front_launch(call, self._call_address, front, *copy, self._counted, current,
-                                                *host.front_addresses())
+        if compiled is not None:  # the same steps compiled (ep.kernels.host): words, landed words, graph, event
+            graph_launch, event_record = host.front_addresses()
+            error, step = compiled.front_launch(call, self._call_address, front, self.landing_address,
+                                                shape.num_ranks, self._counted, current, graph_launch, event_record)
             if error:
-                what = ("cuGraphLaunch of the count exchange", "cuMemcpyAsync of the board", "cuEventRecord")[step - 1]
+                what = ("cuGraphLaunch of the count exchange", "cuEventRecord")[step - 1]
                 self._cuda.check(error, f"{what} on stream {current:#x}")
             return key
         self._call_words[:] = call
+        self._landed_view[:] = 0  # (the last exchange landed: its host waited, or resolved its handle)
         # two launches with the board's event between them: an event recorded by a graph node
         # might read as the previous round's on the host
         launch_key = ("front", *key)
-        self._launch(launch_key, lambda: self._fresh_front(key, advance), graphs)
+        self._launch(launch_key, lambda: self._fresh_front(key, counters), graphs)
         if graphs and key not in self._fronts and launch_key in self._graphs:  # (just captured)
             self._fronts[key] = int(self._graphs[launch_key])
-        if board_copy is not None:  # before the event: resolving the handle then implies the copy ran
-            board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
-            self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, current)
         self._cuda.event_record(self._counted, current)
         return key
 
     def front_graph(self, shape: FreshShape, timeout_s: float) -> tuple | None:
-        """``(graph, call block address, abort word address, board event, plan words, board address)``
-        of the count exchange of ``shape`` (parity 0, ``timeout_s``) once it runs as a graph, for a
-        planned call that launches it itself (ep.paths.planned, then ``expect_words``); the board's
-        is where the exchange writes it on the device (a padded call copies it). None before."""
+        """``(graph, call block address, abort word address, landing address, board event, plan
+        words)`` of the count exchange of ``shape`` (parity 0, ``timeout_s``) once it runs as a
+        graph, for a planned call that launches it itself (ep.paths.planned, then
+        ``expect_words``). None before."""
         graph = self._fronts.get((0, shape, timeout_s))
         if graph is None:
             return None
-        return (graph, self._call_address, self._abort_ptr, self._counted,
-                steps.words_size(shape.num_ranks, shape.num_experts), self._ptrs[self.rank] + self._offsets["board.0"])
+        return (graph, self._call_address, self._abort_ptr, self.landing_address, self._counted,
+                steps.words_size(shape.num_ranks, shape.num_experts))
 
     def expect_words(self, count: int) -> None:
         """``count`` plan words for ``wait_board`` to copy: a planned call's exchange writes them
@@ -207,35 +228,28 @@ class SmPushes:
         return self._sm_tables(round_ % PARITIES)[3, :1]
 
     def captured_counts(self, shape: FreshShape, call: tuple[int, ...], timeout_s: float, board_copy: torch.Tensor,
-                        advance) -> None:
+                        counters: torch.Tensor) -> None:
         """``send_counts``'s device steps inside a caller's CUDA graph capture (a padded streamed
         dispatch, ep.protocol.streamed): the call block is a device tensor of its own, filled by
         kernels (a copy from the pinned block would replay whatever the host wrote there last),
-        then ``advance(block)`` writes the round; ``plan`` and ``exchange`` of parity 0; the board
-        into ``board_copy``. Nothing reaches the host."""
+        then ``take_call`` advances ``counters`` and writes the round into it; ``plan`` and
+        ``exchange`` of parity 0, which lands the board in ``board_copy`` and in device scratch
+        (a replay must not write where an eager call's host waits). Nothing reaches the host."""
         block = torch.empty(len(CALL_SLOTS), dtype=torch.int64, device=self._own.device)
-        for i, word in enumerate(call):
+        for i, word in enumerate((*call[:_BOARD_COPY], board_copy.data_ptr(), *call[_BOARD_COPY + 1:])):
             block[i].fill_(word)
-        advance(block)
+        steps.take_call(block.data_ptr(), block, counters)
         steps.fresh_front(shape, block, self._words, self._sm_tables(0), self._abort_ptr, self.rank, timeout_s,
-                          self._board_row)
-        board = self._ptrs[self.rank] + self._offsets["board.0"]
-        self._cuda.memcpy_async(board_copy.data_ptr(), board, board_copy.numel() * 8, self._current())
+                          self._board_row, self._captured_landing.data_ptr())
 
-    def _fresh_front(self, key: tuple, advance=None) -> None:
+    def _fresh_front(self, key: tuple, counters: torch.Tensor | None = None) -> None:
         """``send_sm``'s steps up to the board on the host, on the current stream: the call block
-        to the device, ``plan`` and ``exchange``, the plan's words and the board to the host."""
+        to the device (``take_call``, ``counters`` advanced), then ``plan`` and ``exchange``, which
+        lands the board and the plan's words in pinned memory (Note [Board landing])."""
         parity, shape, timeout_s = key
-        cuda, current = self._cuda, self._current()
-        cuda.memcpy_async(self._call.data_ptr(), self._call_host.data_ptr(), self._call_host.numel() * 8, current)
-        if advance is not None:
-            advance(self._call)
-        tables = self._sm_tables(parity)
-        steps.fresh_front(shape, self._call, self._words, tables, self._abort_ptr, self.rank, timeout_s, self._board_row)
-        words = steps.words_size(shape.num_ranks, shape.num_experts)
-        cuda.memcpy_async(self._host.data_ptr(), self._words.data_ptr(), words * 8, current)
-        board = self._ptrs[self.rank] + self._offsets[f"board.{parity}"]
-        cuda.memcpy_async(self._board_host.data_ptr(), board, self._board_host.numel() * 8, current)
+        steps.take_call(self._call_address, self._call, counters)
+        steps.fresh_front(shape, self._call, self._words, self._sm_tables(parity), self._abort_ptr, self.rank,
+                          timeout_s, self._board_row, self.landing_address)
 
     def _capture(self, steps):
         """A CUDA graph of ``steps()``, captured on the receive stream (a capture needs a stream
@@ -317,6 +331,14 @@ class SmPushes:
         """End ``round_``'s count exchange on the device if it still waits for a peer (at close,
         for a dispatch nobody waited for: no kernel is left waiting after the Buffer is gone)."""
         self._abort_word[0] = round_
+
+    def board_landed(self, spin_s: float) -> bool:
+        """Whether the last eager exchange landed its board, spun for up to ``spin_s`` on its landed
+        words by the compiled steps (ep.kernels.host ``wait_landed``, the GIL released): the way to a
+        streamed launch that no Python poll delays. False at once where they do not run."""
+        compiled = host.module()
+        return compiled is not None and compiled.wait_landed(self.landing_address, self.layout.num_ranks,
+                                                             int(spin_s * 1e9))
 
     def board_now(self) -> np.ndarray | None:
         """The last exchange's board where it landed in pinned memory (not a copy: the next exchange

@@ -7,9 +7,9 @@ the host waits for, is the protocol's (ep.protocol.streamed); this path launches
 
 Every launch is a call of the space's seq count (1, 2, 3, ... on every rank: dispatch, cached
 dispatch and combine alike), and every fresh dispatch a round of the count exchange. Both counts
-live on the device (``counters``: the fresh dispatch's exchange advances both, ep.kernels.stream_counts
-``advance``; before a cached dispatch or a combine the same kernel advances the seq for Triton's
-streamed kernels, while the CUDA ones advance it themselves, Note [Warp groups]), so that a CUDA
+live on the device (``counters``: a fresh dispatch's first step advances both, ep.kernels.steps
+``take_call``; before a cached dispatch or a combine ep.kernels.stream_counts ``advance`` moves the
+seq for Triton's streamed kernels, while the CUDA ones advance it themselves, Note [Warp groups]), so that a CUDA
 graph of calls runs calls of their own at every replay; the host holds neither. One board parity
 serves every round: a rank's stream of round n ends only after every peer's stream of round n
 began, which follows that peer's exchange of round n, so no source writes round n + 1 into a
@@ -27,7 +27,7 @@ import torch
 
 from warmlink.ep.kernels import host, stream, stream_combine, stream_cuda
 from warmlink.ep.kernels.stream_counts import advance, padded_plan
-from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
+from warmlink.ep.kernels.call_block import Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
 from warmlink.ep.paths.launch_status import LaunchStatus
@@ -39,7 +39,9 @@ from warmlink.errors import ConfigError, TransferTimeout
 __all__ = ["ABORT_ALL", "StreamPath"]
 
 ABORT_ALL = 1 << 40  # an abort word past every seq and round: ends the waits of every launch queued
-_ROUND = CALL_SLOTS.index("round")
+# how long a fresh dispatch's host spins, without the GIL, for its board before the full wait (which
+# checks the peers and the earlier calls' failures every few ms, spinning too)
+LANDING_SPIN_S = 2e-3
 
 
 class StreamPath:
@@ -92,10 +94,10 @@ class StreamPath:
         shape = fresh_shape(self.layout, self.num_ranks, call)
         words = call_words(call.in_rank, src.topk, call.per_rank, call.per_expert, rows, src, 0, call.config)
         if capturing():
-            self.mover.captured_counts(shape, words, self.timeout_s, board, self._advance_fresh)
+            self.mover.captured_counts(shape, words, self.timeout_s, board, self.counters)
         else:
             self.mover.send_counts(shape, words, 0, self.timeout_s, self.graphs, board_copy=board,
-                                   advance=self._advance_fresh)
+                                   counters=self.counters)
 
     def fresh_front(self, call: FreshSend) -> tuple[torch.Tensor, torch.Tensor, PreparedLaunch]:
         """An unpadded eager fresh dispatch's ``plan`` and count exchange launched, and its stream's
@@ -162,9 +164,6 @@ class StreamPath:
                 compiled, call, prepared, front, self.num_ranks, self.space.channels, self.device, self.rank,
                 self.layout.max_tokens, self.mover.board_address)
 
-    def _advance_fresh(self, block: torch.Tensor) -> None:
-        advance(self.counters, block[_ROUND:_ROUND + 1])
-
     def board_like(self) -> torch.Tensor:
         return self.mover.board_like()
 
@@ -172,6 +171,10 @@ class StreamPath:
         """``(plan words, count board)`` of the last eager exchange on the host (``check`` as
         ``CudaMover.wait_board``'s); giving up ends the exchange's wait whatever its round."""
         return self.mover.wait_board(ABORT_ALL, self.timeout_s, check)
+
+    def board_landed(self) -> bool:
+        """Whether the last eager exchange landed its board, after a short spin (``CudaMover.board_landed``)."""
+        return self.mover.board_landed(LANDING_SPIN_S)
 
     def board_now(self):
         """The last eager exchange's board in place if it has ended, else None (``CudaMover.board_now``)."""

@@ -9,7 +9,8 @@ then packs the streamed dispatch's launch but for its outputs (while the GPUs tr
 reads the board where it landed (the received row count sizes the outputs, as DeepEP's host
 reads its counters), places each source's rows (``recv_offset``) and launches (those steps
 compiled where they can be: ep.kernels.host), and only then reads the earlier calls' status
-words (before, only while the board is not in: the host would idle) and fills the handle's plan
+words (while it waits for the board too, every few milliseconds: not first, since the board
+may land while the host reads them) and fills the handle's plan
 from a copy of the board (the GPUs idle from the board to that launch: nothing else is on the
 way). With
 ``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
@@ -249,16 +250,17 @@ class StreamedMode:
         # the board, only the outputs and where each source's rows start are left to give it
         rows, taken, launch = path.fresh_front(call)
         marks["launched"] = time.perf_counter()
-        board = path.board_now()  # where it landed (no wait, no copy), or None while the GPUs still trade
-        if board is None:  # the host would idle: read the earlier calls' failures first (a call that
-            self.raise_failures()  # failed at its deadline may mean that a peer stalls this exchange too)
-            board = self._wait_board()[1]
+        # the board where it landed: a compiled spin on its landed words (Note [Board landing] in
+        # ep.paths.sm_pushes), else the host's wait, which reads the earlier calls' failures as it
+        # goes (one that failed at its deadline may mean that a peer stalls this exchange too)
+        if not path.board_landed() and path.board_now() is None:
+            self._wait_board()
         done = launch.from_board()  # by the compiled host steps (ep.kernels.host), or None
         if done is not None:
             out, recv_offset = done
             marks["counts"] = marks["outputs"] = time.perf_counter()
         else:
-            starts = self._starts(board)  # None: a rank refused its input
+            starts = self._starts(self._wait_board()[1])  # None: a rank refused its input
             marks["counts"] = time.perf_counter()
             out = stream_outputs(starts[-1] if starts is not None else 0, src)
             marks["outputs"] = time.perf_counter()
@@ -277,9 +279,11 @@ class StreamedMode:
 
     def _wait_board(self):
         """``(plan words, count board)`` of the last eager exchange (copies), waited for on the host;
-        a timeout asks for a clear (a peer may have launched the round's stream)."""
+        a timeout asks for a clear (a peer may have launched the round's stream). Every few
+        milliseconds of the wait the earlier calls' failures are read (``raise_failures``): not
+        before it, where the board may land while the host reads them."""
         try:
-            return self.path.wait_board(lambda: None)
+            return self.path.wait_board(self.raise_failures)
         except TransferTimeout:
             self.must_clear = True
             raise
