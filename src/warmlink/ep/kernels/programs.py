@@ -2,6 +2,10 @@
 
 Imported only where Triton is (ep.kernels.steps._build); kept apart so that a kernel can call a
 ``triton.jit`` helper of this module, which the interpreter resolves through module globals.
+
+Over 400 lines: the kernels and the jit helpers they share stay in one module, because Triton's
+interpreter resolves a helper through the calling kernel's module globals, where the tests swap
+the PTX ones (the clock, the fences, the barrier) for Python (tests/ep/interpreted_kernels.py).
 """
 
 import triton

@@ -1,5 +1,8 @@
 """The dispatch's device steps, each one launch: the send plan, the gathers, the unpack.
 
+Over 400 lines: every step's launch sits beside its torch twin (the host path where there is no
+Triton, and the reference the tests hold each kernel to), for every step of the dispatch's device path.
+
 A fresh dispatch used to spend ~0.6 ms of host time in about twenty small torch launches (5-15 us
 each) before its first copy; the GPU work behind them is ~0.1 ms. Each step here is one Triton
 kernel on CUDA, and the same function in torch ops elsewhere (the shm backend, or no Triton), with
