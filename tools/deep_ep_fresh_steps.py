@@ -76,7 +76,8 @@ def _steps():
         (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
         (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
         # a kind of call seen before (ep.paths.planned)
-        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "fresh_padded"),
+        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "planned_front"),
+        (paths_streamed.StreamPath, "fresh_padded"), (paths_streamed.StreamPath, "board_landed"),
         (getattr(planned, "FreshPlan", None), "front"), (getattr(planned, "FreshPlan", None), "padded"),
         (getattr(planned, "FreshPlan", None), "launch_from_board"), (proto_streamed.StreamedMode, "_handle"),
     ] if owner is not None and hasattr(owner, attr)]

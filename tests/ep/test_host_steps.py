@@ -136,6 +136,7 @@ def test_the_layout_launch_packs_layout_cus_struct_into_fresh_outputs(compiled):
     assert (per_rank.shape, per_expert.shape, in_rank.shape, bad.shape) == ((2,), (8,), (2, 2), (1,))
     assert per_rank.dtype == per_expert.dtype == bad.dtype == torch.int32 and in_rank.dtype == torch.bool
     assert per_expert.data_ptr() == per_rank.data_ptr() + 2 * 4 and bad.data_ptr() == per_rank.data_ptr() + 10 * 4
+    assert in_rank.is_contiguous() and in_rank.data_ptr() >= bad.data_ptr() + 4  # (its own bytes, same allocation)
     (function, grid, block, stream, packed), = driver.launches
     assert (function, grid, block, stream) == (FUNCTION, (1, 1, 1), (1024, 1, 1), STREAM)
     assert layout_cuda._ARGS.unpack(packed) == (topk.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), 2, 8, 3, 8,

@@ -105,11 +105,22 @@ def test_a_planned_call_packs_what_the_python_steps_pack_for_it_from_another_cal
     assert [(t.shape, t.dtype) for t in (rows, taken, recv_offset)] == [
         ((tokens, num_ranks), torch.int64), ((num_ranks, CHANNELS), torch.int64), ((num_ranks,), torch.int64)]
     assert args.raw == path.pack(call, rows, taken, recv_offset, status[1])
+    _assert_apart(rows, taken, recv_offset)
     words = call_words(call["in_rank"], call["src"].topk, call["per_rank"], call["per_expert"], rows, call["src"], 0,
                        call["config"])
     assert [seen[:3] for seen in driver.seen] == [("graph", GRAPH, STREAM), ("event", EVENT, STREAM)]
     # written, the abort lifted and the landed words zeroed, first
     assert driver.seen[0][3:] == (list(words), 0, [0] * num_ranks)
+
+
+def _assert_apart(*parts: torch.Tensor) -> None:
+    """Tensors carved from one allocation (host.cpp's ``Carved``): contiguous, each on its own
+    bytes, so that filling each leaves the others as they were."""
+    for i, t in enumerate(parts):
+        assert t.is_contiguous()
+        t.view(torch.uint8).fill_(i + 1)
+    for i, t in enumerate(parts):
+        assert (t.view(torch.uint8) == i + 1).all()
 
 
 @pytest.mark.parametrize("failing", [1, 2], ids=["graph", "event"])
@@ -183,6 +194,7 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
     for t, ref in zip((x, idx, weights, scales), want, strict=True):
         assert (t is None) == (ref is None) and (t is None or (t.shape, t.dtype) == (ref.shape, ref.dtype))
     assert board.shape == (num_ranks, BOARD_ROW)
+    _assert_apart(*(t for t in (idx, weights, scales) if t is not None))
     assert [step[0] for step in seen] == ["graph", "event"]
     words = call_words(call["in_rank"], src.topk, call["per_rank"], call["per_expert"], rows, src, 0, call["config"],
                        board)

@@ -55,10 +55,39 @@ int launch(i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream, void*
                                                reinterpret_cast<void*>(stream), params, nullptr);
 }
 
+// Small tensors of a call carved from one allocation: each part a contiguous view starting on a
+// 256-byte boundary (as the caching allocator's own blocks do). On the way to the GPUs every call
+// to the allocator costs microseconds, more once the host's caches went cold between calls, and a
+// view a fraction of that; the parts share one storage, which lives while any of them does.
+class Carved {
+ public:
+  // the byte offset of a part of `elements` elements of `dtype` (call for every part, then `make`)
+  i64 add(at::ScalarType dtype, i64 elements) {
+    const i64 at = bytes_;
+    bytes_ += (elements * static_cast<i64>(c10::elementSize(dtype)) + 255) / 256 * 256;
+    return at;
+  }
+
+  void make(i64 device) { buffer_ = at::empty({bytes_}, on(at::kByte, device)); }
+
+  // the part at byte offset `at`: a [rows, cols] tensor of dtype (cols < 0: a vector of rows)
+  at::Tensor part(i64 at, at::ScalarType dtype, i64 rows, i64 cols) const {
+    const i64 size = static_cast<i64>(c10::elementSize(dtype));
+    const at::Tensor typed = buffer_.view(dtype);  // (a view per part: parts are few)
+    if (cols < 0) return typed.as_strided({rows}, {1}, at / size);
+    return typed.as_strided({rows, cols}, {cols, 1}, at / size);
+  }
+
+ private:
+  i64 bytes_ = 0;
+  at::Tensor buffer_;
+};
+
 // A streamed dispatch's outputs of `rows` rows, as ep/kernels/stream.py's outputs makes them: x
 // [rows, x_words] int64 words; ids [rows, num_k] int64 and weights [rows, num_k] float32 where
-// num_k >= 0 (weights only with `weights`); scales [rows, num_scales] float32 where num_scales > 0.
-// `addresses` in the kernel's order (0 for one not made), for its struct's output fields.
+// num_k >= 0 (weights only with `weights`); scales [rows, num_scales] float32 where num_scales > 0
+// (those three Carved from one allocation). `addresses` in the kernel's order (0 for one not
+// made), for its struct's output fields.
 struct Outputs {
   at::Tensor x;
   py::object idx = py::none(), weights = py::none(), scales = py::none();
@@ -67,9 +96,16 @@ struct Outputs {
   Outputs(i64 rows, i64 x_words, i64 num_k, bool with_weights, i64 num_scales, i64 device)
       : x(at::empty({rows, x_words}, on(at::kLong, device))) {
     addresses[0] = reinterpret_cast<uint64_t>(x.data_ptr());
-    if (num_k >= 0) idx = made(1, at::empty({rows, num_k}, on(at::kLong, device)));
-    if (with_weights && num_k >= 0) weights = made(2, at::empty({rows, num_k}, on(at::kFloat, device)));
-    if (num_scales > 0) scales = made(3, at::empty({rows, num_scales}, on(at::kFloat, device)));
+    const bool ids = num_k >= 0, floats = with_weights && num_k >= 0, scaled = num_scales > 0;
+    if (!ids && !floats && !scaled) return;
+    Carved meta;
+    const i64 idx_at = ids ? meta.add(at::kLong, rows * num_k) : 0;
+    const i64 weights_at = floats ? meta.add(at::kFloat, rows * num_k) : 0;
+    const i64 scales_at = scaled ? meta.add(at::kFloat, rows * num_scales) : 0;
+    meta.make(device);
+    if (ids) idx = made(1, meta.part(idx_at, at::kLong, rows, num_k));
+    if (floats) weights = made(2, meta.part(weights_at, at::kFloat, rows, num_k));
+    if (scaled) scales = made(3, meta.part(scales_at, at::kFloat, rows, num_scales));
   }
 
  private:
@@ -92,8 +128,12 @@ struct LayoutArgs {
 py::tuple layout(const at::Tensor& topk, i64 num_experts, i64 num_ranks, i64 device, i64 launch_fn, i64 function,
                  i64 threads, i64 stream) {
   const i64 num_tokens = topk.size(0);
-  at::Tensor counts = at::empty({num_ranks + num_experts + 1}, on(at::kInt, device));
-  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, on(at::kBool, device));
+  Carved parts;  // (one allocation for the two)
+  const i64 counts_at = parts.add(at::kInt, num_ranks + num_experts + 1);
+  const i64 in_rank_at = parts.add(at::kBool, num_tokens * num_ranks);
+  parts.make(device);
+  at::Tensor counts = parts.part(counts_at, at::kInt, num_ranks + num_experts + 1, -1);
+  at::Tensor in_rank = parts.part(in_rank_at, at::kBool, num_tokens, num_ranks);
   LayoutArgs args{topk.data_ptr(),
                   in_rank.data_ptr(),
                   counts.data_ptr(),
@@ -213,13 +253,14 @@ bool rows_of(const at::Tensor* t, i64 device, i64 rows) {
 
 bool vector_of(const at::Tensor* t, i64 device, i64 length) {
   const auto dtype = t == nullptr ? at::kBool : t->scalar_type();
-  return t != nullptr && t->dim() == 1 && on_device(*t, device) && t->size(0) == length &&
+  return t != nullptr && t->dim() == 1 && on_device(*t, device) && t->size(0) == length && t->is_contiguous() &&
          (dtype == at::kInt || dtype == at::kLong);
 }
 
 // The kind of call (never 0) when a fresh dispatch's tensors are the kind ep's checks return
 // unchanged (x and its FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes,
-// dtypes, one device, x, ids and weights contiguous, weights float32), else 0: the Python checks
+// dtypes, one device, every one but the scales contiguous, weights float32: a planned call passes
+// them to the kernels as they are, ep/paths/planned.py), else 0: the Python checks
 // then run, and accept or raise by name. num_experts < 0: the count of num_tokens_per_expert. The
 // kind (ep/protocol/checks.py's KIND_*): num_experts, num_topk, the dtypes and whether weights come;
 // calls of one kind pack the same launches but for their addresses, token count and scale strides.
@@ -248,7 +289,8 @@ i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle w
   const i64 experts = num_experts < 0 ? et->numel() : num_experts;
   if (experts <= 0 || experts % num_ranks != 0 || experts > max_experts) return 0;
   if (!vector_of(rt, device, num_ranks) || !vector_of(et, device, experts)) return 0;
-  if (!rows_of(it, device, tokens) || it->size(1) != num_ranks || it->scalar_type() != at::kBool) return 0;
+  if (!rows_of(it, device, tokens) || !it->is_contiguous() || it->size(1) != num_ranks || it->scalar_type() != at::kBool)
+    return 0;
   const i64 x_code = dtype == at::kBFloat16 ? 1 : dtype == at::kHalf ? 2 : 3;
   return experts | kt->size(1) << 13 | i64{kt->scalar_type() == at::kLong} << 21 |
          i64{rt->scalar_type() == at::kLong} << 22 | i64{et->scalar_type() == at::kLong} << 23 |
@@ -269,7 +311,7 @@ void put(char* at, T value) {
 i64 address(const at::Tensor* t) { return t == nullptr ? 0 : reinterpret_cast<i64>(t->data_ptr()); }
 
 // A planned call's tensors (fresh_accepts took them), and the ones it makes: rows [T, R], taken
-// [R, channels] and recv_offset [R] int64.
+// [R, channels] and recv_offset [R] int64, Carved from one allocation.
 struct Planned {
   const at::Tensor *x, *scales, *topk, *weights, *in_rank, *per_rank, *per_expert;
   at::Tensor rows, taken, recv_offset;
@@ -281,9 +323,13 @@ struct Planned {
         in_rank(tensor(in_rank_h)), per_rank(tensor(per_rank_h)), per_expert(tensor(per_expert_h)) {
     if (x == nullptr || topk == nullptr || in_rank == nullptr || per_rank == nullptr || per_expert == nullptr)
       throw py::type_error("a planned dispatch's tensor argument is missing");
-    rows = at::empty({x->size(0), num_ranks}, on(at::kLong, device));
-    taken = at::empty({num_ranks, channels}, on(at::kLong, device));
-    recv_offset = at::empty({num_ranks}, on(at::kLong, device));
+    Carved words;  // (one allocation for the three)
+    const i64 rows_at = words.add(at::kLong, x->size(0) * num_ranks), taken_at = words.add(at::kLong, num_ranks * channels);
+    const i64 offset_at = words.add(at::kLong, num_ranks);
+    words.make(device);
+    rows = words.part(rows_at, at::kLong, x->size(0), num_ranks);
+    taken = words.part(taken_at, at::kLong, num_ranks, channels);
+    recv_offset = words.part(offset_at, at::kLong, num_ranks, -1);
     if (scales != nullptr) s_token = scales->stride(0), s_col = scales->stride(1);
   }
 

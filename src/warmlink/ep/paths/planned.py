@@ -97,14 +97,14 @@ class FreshPlan:
                              src.scales.shape[1] if src.scales is not None else 0, host.launch_address(),
                              prepared.kernel_address, prepared.grid, THREADS)
 
-    def front(self, call: FreshSend, status_address: int, stream: int):
-        """An unpadded call's count exchange launched on ``stream`` and its stream's launch packed:
+    def front(self, x, scales, topk, weights, in_rank, per_rank, per_expert, status_address: int, stream: int):
+        """An unpadded call's count exchange launched on ``stream`` and its stream's launch packed,
+        from its checked tensors (``x`` of any dtype: its rows and address are what count):
         ``(rows, taken, recv_offset)``; ``launch_from_board`` then launches it. Raises the
         driver's error of a failed launch (TransferError)."""
-        src = call.src
         rows, taken, recv_offset, error, step = self._compiled.planned_front(
-            src.x, src.scales, src.topk, src.weights, call.in_rank, call.per_rank, call.per_expert, *self._front_args,
-            stream, *self._copy_args, status_address)
+            x, scales, topk, weights, in_rank, per_rank, per_expert, *self._front_args, stream, *self._copy_args,
+            status_address)
         if error:
             _raise(error, step, stream)
         self._prepared.on(stream)

@@ -105,13 +105,11 @@ class StreamPath:
         ``(rows, taken, launch)``. A kind of call planned before does it in one compiled call, and
         the first call of a kind whose exchange runs as a graph plans it (Note [Planned fresh dispatch]
         in ep.paths.planned)."""
-        plan = self._plans.get((call.kind, 0)) if call.kind else None
-        if plan is not None:
-            slot = self.status.slot(in_graph=False)
-            rows, taken, recv_offset = plan.front(call, self.status.address(slot), self.mover.current_stream())
-            self.mover.expect_words(plan.host_words)
-            return rows, taken, self._launch_of(plan.prepared, slot, recv_offset, plan.launch_from_board)
         src = call.src
+        planned = self.planned_front(call.kind, src.x, src.scales, src.topk, src.weights, call.in_rank, call.per_rank,
+                                     call.per_expert)
+        if planned is not None:
+            return planned
         rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
         self.launch_counts(call, rows, None)
         taken = self.taken()
@@ -119,6 +117,19 @@ class StreamPath:
                                        call.num_experts // self.num_ranks, self.valid(), fresh=True, starts_given=True)
         self._plan(call, launch.prepared)
         return rows, taken, launch
+
+    def planned_front(self, kind: int, x, scales, topk, weights, in_rank, per_rank, per_expert):
+        """``fresh_front``'s value for a call of ``kind`` (the compiled argument check's, 0: none)
+        planned before, from its checked tensors (contiguous: the check makes sure), in one compiled
+        call; None, with nothing launched, where no plan of that kind is made yet."""
+        plan = self._plans.get((kind, 0)) if kind else None
+        if plan is None:
+            return None
+        slot = self.status.slot(in_graph=False)
+        rows, taken, recv_offset = plan.front(x, scales, topk, weights, in_rank, per_rank, per_expert,
+                                              self.status.address(slot), self.mover.current_stream())
+        self.mover.expect_words(plan.host_words)
+        return rows, taken, self._launch_of(plan.prepared, slot, recv_offset, plan.launch_from_board)
 
     def fresh_padded(self, call: FreshSend, in_graph: bool):
         """A padded fresh dispatch's ``plan``, count exchange (its board copied to a tensor) and stream

@@ -214,10 +214,13 @@ class StreamedMode:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
             self.raise_failures()
         else:
+            # a planned kind's exchange goes first: what the call keeps is made while the GPUs trade
+            front = (self.path.planned_front(kind, tokens, scales, topk, weights, in_rank, per_rank, per_expert)
+                     if kind and not num_worst_tokens and not self.in_graph else None)
             src = Sources(as_words(tokens), topk, weights, scales)
             call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
                              config, num_worst_tokens, 0, "dispatch", ("", ""), kind=kind)
-            out, handle = self._fresh(call, marks)
+            out, handle = self._fresh(call, marks, front)
         marks["sent"] = time.perf_counter()
         self.last_phases = {"layout": marks.get("counts", marks["sent"]) - t0,
                             "send": marks["sent"] - marks.get("counts", t0)}
@@ -226,8 +229,9 @@ class StreamedMode:
         return (recv_x, out.idx, out.weights, per_expert_list(handle, expert_alignment), handle,
                 self.event(PARITIES - 1, async_finish))
 
-    def _fresh(self, call: FreshSend, marks: dict):
-        """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``."""
+    def _fresh(self, call: FreshSend, marks: dict, front=None):
+        """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``
+        (``front``: ``StreamPath.planned_front``'s value where it launched them already)."""
         path, src = self.path, call.src
         in_graph = self.in_graph
         padded = bool(call.num_worst_tokens)
@@ -248,7 +252,7 @@ class StreamedMode:
             return out, handle
         # the exchange launched, and the stream's launch packed while the GPUs trade the counts: after
         # the board, only the outputs and where each source's rows start are left to give it
-        rows, taken, launch = path.fresh_front(call)
+        rows, taken, launch = front if front is not None else path.fresh_front(call)
         marks["launched"] = time.perf_counter()
         # the board where it landed: a compiled spin on its landed words (Note [Board landing] in
         # ep.paths.sm_pushes), else the host's wait, which reads the earlier calls' failures as it
