@@ -81,6 +81,9 @@ def _steps():
         (getattr(planned, "FreshPlan", None), "front"), (getattr(planned, "FreshPlan", None), "padded"),
         (getattr(planned, "FreshPlan", None), "launch_from_board"), (getattr(planned, "FreshPlan", None), "post_outputs"),
         (proto_streamed.StreamedMode, "_handle"),
+        # what a call settles of the padded call before it (StreamedMode.before_call)
+        (proto_streamed.StreamedMode, "resolve"), (proto_streamed.StreamedMode, "_settled"),
+        (paths_streamed.StreamPath, "board_now"),
     ] if owner is not None and hasattr(owner, attr)]
 
 
