@@ -76,9 +76,14 @@ def _steps():
         (proto_rounds.Rounds, "before_receive"), (proto_rounds.Rounds, "wait_readers"),
         (proto_normal, "dispatch_outputs"), (proto_normal, "plan_from_board"), (cuda_mover.CudaMover, "arrived"),
         # a kind of call seen before (ep.paths.planned)
-        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "fresh_padded"),
+        (paths_streamed.StreamPath, "fresh_front"), (paths_streamed.StreamPath, "planned_front"),
+        (paths_streamed.StreamPath, "fresh_padded"), (paths_streamed.StreamPath, "board_landed"),
         (getattr(planned, "FreshPlan", None), "front"), (getattr(planned, "FreshPlan", None), "padded"),
-        (getattr(planned, "FreshPlan", None), "launch_from_board"), (proto_streamed.StreamedMode, "_handle"),
+        (getattr(planned, "FreshPlan", None), "launch_from_board"), (getattr(planned, "FreshPlan", None), "post_outputs"),
+        (proto_streamed.StreamedMode, "_handle"),
+        # what a call settles of the padded call before it (StreamedMode.before_call)
+        (proto_streamed.StreamedMode, "resolve"), (proto_streamed.StreamedMode, "_settled"),
+        (paths_streamed.StreamPath, "board_now"),
     ] if owner is not None and hasattr(owner, attr)]
 
 
@@ -166,7 +171,8 @@ def _rank(rank: int, num_ranks: int, port: int, args) -> None:
             return planned_front
 
         FreshPlan.front, FreshPlan.padded = front_marked(FreshPlan.front), front_marked(FreshPlan.padded)
-        FreshPlan.launch_from_board = marked(FreshPlan.launch_from_board)
+        if hasattr(FreshPlan, "launch_from_board"):  # (with posted outputs the stream goes out in front)
+            FreshPlan.launch_from_board = marked(FreshPlan.launch_from_board)
     for owner, attr in _steps():
         setattr(owner, attr, timed(f"{getattr(owner, '__name__', owner)}.{attr}".replace("warmlink.ep.", ""),
                                    getattr(owner, attr), _mark))

@@ -102,3 +102,63 @@ def graph_replays(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
             results.append({"seed": seed, "received": n, "same": same})
         torch.cuda.synchronize(device)
     return results
+
+
+def unposted_outputs(rank: int, num_ranks: int, store, case: dict) -> dict:
+    """Three fresh dispatches of one kind (the third is planned: its stream is launched with the
+    exchange and waits for the outputs the host posts, Note [Posted outputs]), then one where rank
+    0's host fails before it posts: ``case["unposted"]`` "void", its outputs' allocation fails in
+    the compiled post (which posts void: its stream takes the peers' rows and stores none), or
+    "never", nothing is posted (its receivers wait out the deadline). Then two more calls. Returns
+    what each call raised or whether it equals the first call's outputs."""
+    from warmlink.ep.paths.planned import FreshPlan
+
+    mine = case_inputs(case)[rank]
+    device = rank_device(rank, case)
+    x, idx = _to(mine["x"], device), mine["topk_idx"].to(device)
+    got: dict = {"calls": []}
+    with _buffer(rank, num_ranks, store, case) as buf:
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, case["experts"])
+        kw = {"topk_idx": idx, "topk_weights": mine["topk_weights"].to(device), "num_tokens_per_rank": per_rank,
+              "is_token_in_rank": in_rank, "num_tokens_per_expert": per_expert}  # (a kind the compiled check takes)
+        want = [_cpu(t) for t in buf.dispatch(x, **kw)[:3]]
+        for _ in range(2):
+            buf.dispatch(x, **kw)
+        torch.cuda.synchronize(device)
+        plans = list(buf._normal.path._plans.values())
+        got["plans"] = len(plans)
+        kept = [(plan._post_args, plan._compiled) for plan in plans]
+        if rank == 0:
+            for plan in plans:
+                if case["unposted"] == "void":  # 8 rows of 2^63 bytes: at::empty raises
+                    plan._post_args = (*plan._post_args[:5], 1 << 60, *plan._post_args[6:])
+                else:
+                    plan._compiled = _NoPost(plan._compiled)
+        for call in range(3):
+            try:
+                out = buf.dispatch(x, **kw)
+                torch.cuda.synchronize(device)
+                same = all(torch.equal(_cpu(a), b) for a, b in zip(out[:3], want))
+                got["calls"].append("same" if same else "differs")
+            except Exception as exc:  # noqa: BLE001 - the test compares the type name
+                got["calls"].append(f"{type(exc).__name__}: {exc}")
+            if call == 0:
+                for plan, (args, compiled) in zip(plans, kept):
+                    plan._post_args, plan._compiled = args, compiled
+    return got
+
+
+class _NoPost:
+    """ep.kernels.host's module but for its posts: none goes out, and the call fails."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def post_outputs(self, *args):
+        raise MemoryError("injected: the host failed before its post")
+
+    def post_void(self, *args):
+        pass

@@ -1,8 +1,10 @@
 """The compiled host steps of a fresh dispatch (ep.kernels.host, ``host.cpp``) on CPU tensors, their
 launches caught by a ctypes function standing in for ``cuLaunchKernel``: the starts and outputs
 agree with the Python steps' (``recv_starts``, ``stream.outputs``) on any board, the kernel's
-struct is patched where ``stream_cuda`` packs it, and a board the Python steps would raise on
-launches nothing. Built here by the machine's C++ compiler (skipped only where there is none)."""
+struct is patched where ``stream_cuda`` packs it, a board the Python steps would raise on launches
+nothing; a planned call's posted outputs (``post_outputs``) agree with them too, a bad board or a
+failed allocation posted void; ``status_clean`` reads status words as ep.paths.launch_status does.
+Built here by the machine's C++ compiler (skipped only where there is none)."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from hypothesis import strategies as st
 from warmlink.ep.kernels import host, layout_cuda, stream_cuda
 from warmlink.ep.kernels.call_block import Sources
 from warmlink.ep.kernels.stream import outputs as stream_outputs
-from warmlink.ep.wire.handle import recv_starts
+from warmlink.ep.paths.planned import POSTED_WORDS
+from warmlink.ep.wire.handle import Handle, plan_from_board, recv_starts
 from warmlink.errors import MetadataError, TransferTimeout
 
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-ROW = 2 + 8  # a board row: round, valid, counts to each rank (8 ranks at most here)
+ROW = 2 + 8 + 4  # a board row: round, valid, counts to each rank (8 ranks at most here), then this rank's experts
 FUNCTION, STREAM = 0xF00D, 0x5EA
 
 
@@ -106,15 +109,22 @@ def test_a_refused_round_launches_with_no_rows_and_every_start_zero(compiled):
     assert recv_starts(board, 1, 64) is None and len(driver.launches) == 1
 
 
-@pytest.mark.parametrize("fault, status, error", [("late", host.LATE, TransferTimeout),
-                                                  ("negative", host.OUT_OF_RANGE, MetadataError),
-                                                  ("too many", host.OUT_OF_RANGE, MetadataError)])
-def test_a_board_the_python_steps_raise_on_launches_nothing(compiled, fault, status, error):
+FAULTS = [("late", host.LATE, TransferTimeout), ("negative", host.OUT_OF_RANGE, MetadataError),
+          ("too many", host.OUT_OF_RANGE, MetadataError)]
+
+
+def _faulty_board(fault: str) -> np.ndarray:
     board = _board([[3, 4], [5, 6]])
     if fault == "late":
         board[0, 0] = 6  # rank 0's counts are of the round before
     else:
         board[0, 3] = -1 if fault == "negative" else 65
+    return board
+
+
+@pytest.mark.parametrize("fault, status, error", FAULTS)
+def test_a_board_the_python_steps_raise_on_launches_nothing(compiled, fault, status, error):
+    board = _faulty_board(fault)
     driver = Driver(stream_cuda._DISPATCH.size)
     assert _fresh(compiled, board, 1, _src(), driver)[0][0] == status
     assert driver.launches == []
@@ -136,6 +146,7 @@ def test_the_layout_launch_packs_layout_cus_struct_into_fresh_outputs(compiled):
     assert (per_rank.shape, per_expert.shape, in_rank.shape, bad.shape) == ((2,), (8,), (2, 2), (1,))
     assert per_rank.dtype == per_expert.dtype == bad.dtype == torch.int32 and in_rank.dtype == torch.bool
     assert per_expert.data_ptr() == per_rank.data_ptr() + 2 * 4 and bad.data_ptr() == per_rank.data_ptr() + 10 * 4
+    assert in_rank.is_contiguous() and in_rank.data_ptr() >= bad.data_ptr() + 4  # (its own bytes, same allocation)
     (function, grid, block, stream, packed), = driver.launches
     assert (function, grid, block, stream) == (FUNCTION, (1, 1, 1), (1024, 1, 1), STREAM)
     assert layout_cuda._ARGS.unpack(packed) == (topk.data_ptr(), in_rank.data_ptr(), per_rank.data_ptr(), 2, 8, 3, 8,
@@ -301,3 +312,95 @@ def test_a_padded_board_stands_exactly_where_the_python_steps_raise_nothing(comp
     except (TransferTimeout, MetadataError, ConfigError):
         stands = False
     assert compiled.padded_stands(board.ctypes.data, r, ROW, rank, 64, worst) == stands
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_status_clean_counts_the_launches_that_ended_clean_in_order(compiled, data):
+    """``status_clean`` (ep.paths.launch_status reads finished launches with it): the leading slots
+    whose every program's word is set (a seq in the high bits) with no failure in the low bits, as
+    ``LaunchStatus`` reads them in Python."""
+    rows, width = 8, data.draw(st.integers(1, 12))
+    words = torch.zeros(rows, width + 3, dtype=torch.int64)
+    for r in range(rows):
+        for p in range(width):
+            words[r, p] = data.draw(st.sampled_from([0, 5 << 32, (5 << 32) | (2 << 16) | 1]))
+    slots = data.draw(st.lists(st.integers(0, rows - 1), max_size=8))
+    want = 0
+    for slot in slots:
+        row = words[slot, :width]
+        if not bool(row.all()) or bool((row & 0xFFFFFFFF).any()):
+            break
+        want += 1
+    assert compiled.status_clean(words.data_ptr(), words.shape[1], width, slots) == want
+
+
+def _post(compiled, board: np.ndarray, rank: int, src: Sources, posted: torch.Tensor, x_words: int | None = None):
+    k = src.topk.shape[1] if src.topk is not None else -1
+    return compiled.post_outputs(board.ctypes.data, board.shape[0], ROW, rank, 64,
+                                 src.x.shape[1] if x_words is None else x_words, k, src.weights is not None,
+                                 src.scales.shape[1] if src.scales is not None else 0, -1, posted.data_ptr(),
+                                 _experts(board))
+
+
+def _experts(board: np.ndarray) -> int:
+    return ROW - 2 - board.shape[0]  # (a board row's columns past the counts: this rank's experts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_posted_outputs_and_starts_are_the_python_steps_and_the_tag_comes_last(compiled, data):
+    """``post_outputs`` (Note [Posted outputs] in ep.paths.planned): the outputs the Python steps
+    make for the board (``stream.outputs`` of ``recv_starts``' rows), their addresses and the starts
+    in the block, and the launch's tag (the block's second word) posted, for any board, a refused
+    round too (no rows, every start 0); the handle's plan as ``plan_from_board`` fills it, and the
+    count matrix summed over the sources."""
+    r = data.draw(st.integers(1, 8))
+    counts = data.draw(st.lists(st.lists(st.integers(0, 64), min_size=r, max_size=r), min_size=r, max_size=r))
+    valid = data.draw(st.lists(st.booleans(), min_size=r, max_size=r)) if data.draw(st.booleans()) else None
+    rank = data.draw(st.integers(0, r - 1))
+    src = _src(k=data.draw(st.sampled_from([None, 1, 8])), weights=data.draw(st.booleans()),
+               scales=data.draw(st.sampled_from([0, 56])))
+    board = _board(counts, valid=valid)
+    experts = data.draw(st.lists(st.lists(st.integers(0, 64), min_size=_experts(board), max_size=_experts(board)),
+                                 min_size=r, max_size=r))
+    board[:, 2 + r:] = experts
+    posted = torch.zeros(POSTED_WORDS, dtype=torch.int64)
+    posted[:2] = torch.tensor([41, 42])
+    status, starts, *outs, plan = _post(compiled, board, rank, src, posted)
+    assert status == host.LAUNCHED
+    assert starts == (recv_starts(board, rank, 64) or [0] * (r + 1))
+    for got, ref in zip(outs, stream_outputs(starts[-1], src, device="cpu"), strict=True):
+        assert (got is None) == (ref is None) and (got is None or (got.shape, got.dtype) == (ref.shape, ref.dtype))
+    block = posted.tolist()
+    assert block[:2] == [42, 42]
+    assert block[2:6] == [t.data_ptr() if t is not None else 0 for t in outs]
+    assert block[6:7 + r] == starts
+    if valid is not None and not all(valid):
+        assert plan is None  # (the Python steps raise the refusal)
+        return
+    handle = Handle(_experts(board) * r, 5, None, None, None)
+    plan_from_board(handle, board, 7, rank, 64)
+    round_, matrix, per_expert, prefix = plan
+    assert (round_, matrix, per_expert) == (7, handle.count_matrix, handle.num_recv_tokens_per_expert_list)
+    assert prefix.dtype == torch.int32 and prefix.tolist() == np.cumsum(counts, axis=0).tolist()
+
+
+@pytest.mark.parametrize("fault, status, error", FAULTS)
+def test_a_board_the_python_steps_raise_on_is_posted_void(compiled, fault, status, error):
+    """The launch's receivers then take their rows and store none; the Python steps raise."""
+    board = _faulty_board(fault)
+    posted = torch.full((POSTED_WORDS,), 77, dtype=torch.int64)
+    posted[:2] = torch.tensor([4, 5])
+    assert _post(compiled, board, 1, _src(), posted)[0] == status
+    assert posted[:6].tolist() == [5, 5, 0, 0, 0, 0]
+    with pytest.raises(error):
+        recv_starts(board, 1, 64)
+
+
+def test_an_allocation_that_fails_is_posted_void_and_raises(compiled):
+    posted = torch.full((POSTED_WORDS,), 77, dtype=torch.int64)
+    posted[:2] = torch.tensor([8, 9])
+    with pytest.raises(RuntimeError):
+        _post(compiled, _board([[3, 4], [5, 6]]), 0, _src(), posted, x_words=1 << 60)  # (8 rows of 2^63 bytes)
+    assert posted[:6].tolist() == [9, 9, 0, 0, 0, 0]

@@ -1,12 +1,13 @@
 """A planned fresh dispatch's compiled steps (``host.cpp``'s ``planned_front`` and ``planned_padded``,
-ep.paths.planned) on CPU tensors, their driver calls caught by ctypes functions standing in for
-``cuGraphLaunch``, ``cuEventRecord`` and ``cuLaunchKernel``: for any call of a
-kind, the streamed kernel's struct they patch from the struct of another call of that kind is the
-struct the Python steps pack for this call (``stream_cuda.pack_dispatch``), the call block holds
-``call_words``, the exchange's abort word is lifted and its landed words zeroed before the graph's
-launch, a padded call's block names its board copy for the exchange to write and its outputs are
-the Python steps' shapes, and a driver error stops them at the step that failed. Built here by the machine's C++ compiler (skipped only where
-there is none)."""
+ep.paths.planned) on CPU tensors, their driver calls caught by ctypes functions
+standing in for ``cuGraphLaunch``, ``cuEventRecord`` and ``cuLaunchKernel``: for any call of a
+kind, the streamed kernel's struct they launch, patched from the struct of another call of that
+kind, is the struct the Python steps pack for this call (``stream_cuda.pack_dispatch``; an
+unpadded call's with the next tag of the posted outputs block: its posts, test_host_steps.py), the
+call block holds ``call_words``, the exchange's abort word is lifted and its landed words zeroed
+before the graph's launch, a padded call's block names its board copy for the exchange to write and
+its outputs are the Python steps' shapes, and a driver error stops them at the step that failed.
+Built here by the machine's C++ compiler (skipped only where there is none)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from warmlink.ep.kernels import stream_cuda
 from warmlink.ep.kernels.call_block import CALL_SLOTS, Sources, call_words
 from warmlink.ep.kernels.stream import outputs
 from warmlink.ep.paths.host_mover import as_words
+from warmlink.ep.paths.planned import POSTED_WORDS
 
 HIDDEN, CHANNELS, TIMEOUT_NS = 256, 3, 7 * 10 ** 9
 _STEP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)  # cuGraphLaunch's and cuEventRecord's
@@ -36,11 +38,12 @@ class _Path:
         self.bases = torch.arange(num_ranks, dtype=torch.int64)
         self.seq, self.valid, self.abort = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0xAB0
 
-    def pack(self, call: dict, rows, taken, recv_offset, status) -> bytes:
+    def pack(self, call: dict, rows, taken, recv_offset, status, posted=None) -> bytes:
         src = call["src"]
         return stream_cuda.pack_dispatch(
             self.space, rows, src.x, src.topk, src.weights, src.scales, self.bases, recv_offset, status, self.abort,
-            self.valid, 1, self.seq, 64, 9, 4, TIMEOUT_NS, taken, starts_given=True, **stream_cuda.STEPS)
+            self.valid, 1, self.seq, 64, 9, 4, TIMEOUT_NS, taken, starts_given=True, posted=posted,
+            **stream_cuda.STEPS)
 
 
 def _call(num_ranks: int, tokens: int, num_k: int, fp8: bool, weights: bool, column_major: bool) -> dict:
@@ -73,7 +76,29 @@ class Driver:
         self.addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
 
 
-def _front(compiled, path: _Path, call: dict, template: bytes, driver: Driver, block, abort, status):
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+BOARD_ROW, FUNCTION = 12, 0xF00D
+
+
+class Launcher:
+    """A ``cuLaunchKernel`` that records each launch (function, grid, block, stream, its struct's
+    bytes) and the driver steps recorded before it, returning ``error``."""
+
+    def __init__(self, nbytes: int, driver: "Driver | None" = None, error: int = 0) -> None:
+        self.launches: list[tuple] = []
+
+        def launched(function, gx, gy, gz, bx, by, bz, shared, on, params, extra):
+            steps = [seen[0] for seen in driver.seen] if driver is not None else []
+            self.launches.append((function, gx, bx, on, ctypes.string_at(params[0], nbytes), steps))
+            return error
+
+        self._fn = _LAUNCH(launched)  # (kept alive while the module may call it)
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
+
+
+def _front(compiled, path: _Path, call: dict, template: bytes, driver: Driver, block, abort, status, posted,
+           launcher: Launcher):
     """``planned_front``'s value and the struct it packed, from ``template``."""
     kept, args = ctypes.create_string_buffer(template, len(template)), ctypes.create_string_buffer(len(template))
     src = call["src"]
@@ -81,7 +106,8 @@ def _front(compiled, path: _Path, call: dict, template: bytes, driver: Driver, b
         src.x, src.scales, src.topk, src.weights, call["in_rank"], call["per_rank"], call["per_expert"], call["config"],
         path.space.num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort),
         ctypes.addressof(driver.landed), GRAPH, EVENT, STREAM, *driver.addresses, ctypes.addressof(kept),
-        ctypes.addressof(args), len(template), status.data_ptr())
+        ctypes.addressof(args), len(template), status.data_ptr(), posted.data_ptr(), launcher.address, FUNCTION, 6,
+        768)
     return got, args
 
 
@@ -98,21 +124,40 @@ def test_a_planned_call_packs_what_the_python_steps_pack_for_it_from_another_cal
                          dtype=torch.int64), torch.empty(num_ranks, dtype=torch.int64), status[0])
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
     driver = Driver(block, abort, num_ranks)
+    launcher = Launcher(len(template), driver)
+    posted = torch.zeros(POSTED_WORDS, dtype=torch.int64)
+    posted[:2] = launched = data.draw(st.integers(0, 1 << 40))  # (the tags of the calls before)
     (rows, taken, recv_offset, error, step), args = _front(compiled, path, call, template, driver, block, abort,
-                                                           status[1])
+                                                           status[1], posted, launcher)
     assert (error, step) == (0, 0)
     tokens = call["src"].x.shape[0]
     assert [(t.shape, t.dtype) for t in (rows, taken, recv_offset)] == [
         ((tokens, num_ranks), torch.int64), ((num_ranks, CHANNELS), torch.int64), ((num_ranks,), torch.int64)]
-    assert args.raw == path.pack(call, rows, taken, recv_offset, status[1])
+    want = path.pack(call, rows, taken, recv_offset, status[1], posted=(launched + 1, posted.data_ptr()))
+    assert args.raw == want
+    # the next tag counted, not yet posted: the launch's receivers wait for it
+    assert posted[:2].tolist() == [launched, launched + 1]
+    _assert_apart(rows, taken, recv_offset)
     words = call_words(call["in_rank"], call["src"].topk, call["per_rank"], call["per_expert"], rows, call["src"], 0,
                        call["config"])
     assert [seen[:3] for seen in driver.seen] == [("graph", GRAPH, STREAM), ("event", EVENT, STREAM)]
     # written, the abort lifted and the landed words zeroed, first
     assert driver.seen[0][3:] == (list(words), 0, [0] * num_ranks)
+    # the stream launched behind the exchange, with that struct
+    assert launcher.launches == [(FUNCTION, 6, 768, STREAM, want, ["graph", "event"])]
 
 
-@pytest.mark.parametrize("failing", [1, 2], ids=["graph", "event"])
+def _assert_apart(*parts: torch.Tensor) -> None:
+    """Tensors carved from one allocation (host.cpp's ``Carved``): contiguous, each on its own
+    bytes, so that filling each leaves the others as they were."""
+    for i, t in enumerate(parts):
+        assert t.is_contiguous()
+        t.view(torch.uint8).fill_(i + 1)
+    for i, t in enumerate(parts):
+        assert (t.view(torch.uint8) == i + 1).all()
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3], ids=["graph", "event", "kernel"])
 def test_a_driver_error_stops_the_front_at_its_step(compiled, failing):
     path, call = _Path(2), _call(2, 4, 2, fp8=False, weights=True, column_major=False)
     status = torch.zeros(1, 2 * CHANNELS, dtype=torch.int64)
@@ -120,15 +165,14 @@ def test_a_driver_error_stops_the_front_at_its_step(compiled, failing):
                          torch.empty(2, dtype=torch.int64), status[0])
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
     driver = Driver(block, abort, 2, failing, error=801)
-    (*_, error, step), args = _front(compiled, path, call, template, driver, block, abort, status[0])
+    launcher = Launcher(len(template), driver, error=801 if failing == 3 else 0)
+    posted = torch.zeros(POSTED_WORDS, dtype=torch.int64)
+    (*_, error, step), args = _front(compiled, path, call, template, driver, block, abort, status[0], posted, launcher)
     assert (error, step) == (801, failing)
     assert [seen[0] for seen in driver.seen] == ["graph", "event"][:1 if failing == 1 else 2]
-    assert args.raw == bytes(len(template))  # the struct is packed only after both launched
-
-
-_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-BOARD_ROW, FUNCTION = 12, 0xF00D
+    assert len(launcher.launches) == (failing == 3)
+    if failing < 3:
+        assert args.raw == bytes(len(template))  # the struct is packed only after both launched
 
 
 @settings(max_examples=60, deadline=None)
@@ -160,13 +204,7 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
     block, abort = (ctypes.c_int64 * len(CALL_SLOTS))(), ctypes.c_int64(99)
     driver = Driver(block, abort, num_ranks)
     seen = driver.seen
-    launches = []
-
-    def launched(function, gx, gy, gz, bx, by, bz, shared, on, params, extra):
-        launches.append((function, gx, bx, on, ctypes.string_at(params[0], len(template))))
-        return 0
-
-    launch = _LAUNCH(launched)
+    launcher = Launcher(len(template))
     kept, args = ctypes.create_string_buffer(template, len(template)), ctypes.create_string_buffer(len(template))
     src = call["src"]
     num_k = src.topk.shape[1]
@@ -175,7 +213,7 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
         num_ranks, CHANNELS, -1, ctypes.addressof(block), ctypes.addressof(abort), ctypes.addressof(driver.landed),
         GRAPH, EVENT, STREAM, *driver.addresses, ctypes.addressof(kept), ctypes.addressof(args), len(template),
         status[1].data_ptr(), BOARD_ROW, worst, src.x.shape[1], num_k, src.weights is not None,
-        src.scales.shape[1] if src.scales is not None else 0, ctypes.cast(launch, ctypes.c_void_p).value, FUNCTION, 6,
+        src.scales.shape[1] if src.scales is not None else 0, launcher.address, FUNCTION, 6,
         768)
     rows, taken, recv_offset, board, x, idx, weights, scales, error, step = got
     assert (error, step) == (0, 0)
@@ -183,10 +221,11 @@ def test_a_planned_padded_call_launches_what_the_python_steps_launch_for_it(comp
     for t, ref in zip((x, idx, weights, scales), want, strict=True):
         assert (t is None) == (ref is None) and (t is None or (t.shape, t.dtype) == (ref.shape, ref.dtype))
     assert board.shape == (num_ranks, BOARD_ROW)
+    _assert_apart(*(t for t in (idx, weights, scales) if t is not None))
     assert [step[0] for step in seen] == ["graph", "event"]
     words = call_words(call["in_rank"], src.topk, call["per_rank"], call["per_expert"], rows, src, 0, call["config"],
                        board)
     assert seen[0][3:] == (list(words), 0, [0] * num_ranks)
-    (function, grid, threads, stream, packed), = launches
+    (function, grid, threads, stream, packed, _), = launcher.launches
     assert (function, grid, threads, stream) == (FUNCTION, 6, 768, STREAM)
     assert packed == args.raw == pack(call, rows, taken, recv_offset, status[1], board, (x, idx, weights, scales))

@@ -25,7 +25,7 @@ DISPATCH_FIELDS = ("rows x topk w s bases offsets out_x out_idx out_w out_s stat
                    "num_tokens "
                    "max_tokens x_words num_k num_scales s_token_stride s_col_stride meta_words row_words ring_rows "
                    "out_rows experts_per_rank timeout_ns starts board_row worst me num_ranks channels topk_bytes w_kind has_s "
-                   "publish batch warps_per_peer starts_given padded pad").split()
+                   "publish batch warps_per_peer starts_given padded pad posted_tag posted").split()
 COMBINE_FIELDS = ("rows x w taken offsets bases out out_w status abort seq done num_tokens x_rows x_words num_k row_words "
                   "ring_rows timeout_ns me num_ranks channels half publish batch warps_per_peer pad").split()
 

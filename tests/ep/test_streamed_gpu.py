@@ -9,7 +9,7 @@ import torch
 
 from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
-from tests.ep._streamed_workers import graph_replays, stalled_peer_then_clear
+from tests.ep._streamed_workers import graph_replays, stalled_peer_then_clear, unposted_outputs
 from tests.ep._workers import case_inputs, changing_rounds, dispatch_combine, expect_error
 from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
 
@@ -126,3 +126,29 @@ def test_gpu_a_captured_padded_dispatch_cached_dispatch_and_combine_replay_like_
     for rank, per_seed in enumerate(run_ranks(graph_replays, RANKS, case=case, timeout_s=300)):
         for got in per_seed:
             assert got["received"] > 0 and all(got["same"].values()), (rank, got)
+
+
+@pytest.mark.parametrize("unposted", ["void", "never"])
+def test_gpu_a_planned_call_whose_host_fails_before_posting_its_outputs_fails_alone(unposted):
+    """Note [Posted outputs]: a planned fresh dispatch's stream is launched with its exchange and
+    waits for the outputs its host posts. Rank 0's host fails after that launch ("void": its
+    outputs' allocation fails in the compiled post, which posts void; "never": nothing is posted).
+    Void: rank 0's call raises at once, its stream takes the peers' rows and stores none, so every
+    other rank's call is right and the next calls are right everywhere. Never: rank 0's receivers
+    wait out the deadline, its peers' senders too (their rings to rank 0 stay full), each rank's
+    next call raises TransferTimeout and clears the space, and the call after is right."""
+    timeout_s = 2.0
+    case = dict(_STREAM, tokens=_tokens(512, 300), hidden=1024, experts=16, topk=4, timeout_s=timeout_s,
+                stream_channels=4, ring_rows=8, seed=37, unposted=unposted)
+    results = run_ranks(unposted_outputs, RANKS, case=case, timeout_s=300)
+    for rank, got in enumerate(results):
+        assert got["plans"] == 1, (rank, got)
+        first, second, third = got["calls"]
+        if unposted == "void":
+            assert first.startswith("RuntimeError") if rank == 0 else first == "same", (rank, got)
+            assert (second, third) == ("same", "same"), (rank, got)
+        else:
+            # (a peer's rows all reached it: its senders to rank 0 failed, maybe not its receivers)
+            assert first.startswith("MemoryError: injected") if rank == 0 else first in ("same", "differs"), (rank, got)
+            assert second.startswith("TransferTimeout"), (rank, got)
+            assert third == "same", (rank, got)

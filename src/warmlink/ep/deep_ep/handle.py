@@ -49,7 +49,8 @@ class DispatchHandle(tuple):
         if inner.pending is not None:
             matrix = inner.board[:, 2:2 + inner.board.shape[0]]  # [s][d]: rows s sends d
             return cls(matrix.cumsum(0, dtype=torch.int32), is_token_in_rank, inner, owner)
-        return cls(_prefix(inner.count_matrix, device), is_token_in_rank, inner, owner)
+        prefix = inner.recv_prefix if inner.recv_prefix is not None else _prefix(inner.count_matrix, device)
+        return cls(prefix, is_token_in_rank, inner, owner)
 
     @classmethod
     def of_rounds(cls, rounds: list, matrix: list[list[int]], num_worst_tokens: int, is_token_in_rank: torch.Tensor,

@@ -9,11 +9,15 @@
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
-//     the rows, taken and recv_offset tensors and the streamed kernel's struct made in the same call;
+//     the rows, taken and recv_offset tensors made and the streamed kernel launched behind the
+//     exchange, its receivers waiting for the outputs the host posts (Note [Posted outputs]);
+//   post_outputs: fresh_launch's outputs for a launch of planned_front, posted instead of launched,
+//     with the handle's plan read from the same board (post_void: a post of no outputs);
 //   planned_padded: the same for a padded fresh dispatch, its outputs made and its stream launched too;
 //   padded_stands: whether a padded round's count board, landed, stands (the checks the next call
 //     makes before its own launch; the round's plan is filled later, when its handle is used);
-//   wait_landed: a short spin, without the GIL, until the count exchange landed its board.
+//   wait_landed: a short spin, without the GIL, until the count exchange landed its board;
+//   status_clean: how many finished streamed launches ended clean (ep/paths/launch_status.py).
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
@@ -23,11 +27,13 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -55,10 +61,39 @@ int launch(i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream, void*
                                                reinterpret_cast<void*>(stream), params, nullptr);
 }
 
+// Small tensors of a call carved from one allocation: each part a contiguous view starting on a
+// 256-byte boundary (as the caching allocator's own blocks do). On the way to the GPUs every call
+// to the allocator costs microseconds, more once the host's caches went cold between calls, and a
+// view a fraction of that; the parts share one storage, which lives while any of them does.
+class Carved {
+ public:
+  // the byte offset of a part of `elements` elements of `dtype` (call for every part, then `make`)
+  i64 add(at::ScalarType dtype, i64 elements) {
+    const i64 at = bytes_;
+    bytes_ += (elements * static_cast<i64>(c10::elementSize(dtype)) + 255) / 256 * 256;
+    return at;
+  }
+
+  void make(i64 device) { buffer_ = at::empty({bytes_}, on(at::kByte, device)); }
+
+  // the part at byte offset `at`: a [rows, cols] tensor of dtype (cols < 0: a vector of rows)
+  at::Tensor part(i64 at, at::ScalarType dtype, i64 rows, i64 cols) const {
+    const i64 size = static_cast<i64>(c10::elementSize(dtype));
+    const at::Tensor typed = buffer_.view(dtype);  // (a view per part: parts are few)
+    if (cols < 0) return typed.as_strided({rows}, {1}, at / size);
+    return typed.as_strided({rows, cols}, {cols, 1}, at / size);
+  }
+
+ private:
+  i64 bytes_ = 0;
+  at::Tensor buffer_;
+};
+
 // A streamed dispatch's outputs of `rows` rows, as ep/kernels/stream.py's outputs makes them: x
 // [rows, x_words] int64 words; ids [rows, num_k] int64 and weights [rows, num_k] float32 where
-// num_k >= 0 (weights only with `weights`); scales [rows, num_scales] float32 where num_scales > 0.
-// `addresses` in the kernel's order (0 for one not made), for its struct's output fields.
+// num_k >= 0 (weights only with `weights`); scales [rows, num_scales] float32 where num_scales > 0
+// (those three Carved from one allocation). `addresses` in the kernel's order (0 for one not
+// made), for its struct's output fields.
 struct Outputs {
   at::Tensor x;
   py::object idx = py::none(), weights = py::none(), scales = py::none();
@@ -67,9 +102,16 @@ struct Outputs {
   Outputs(i64 rows, i64 x_words, i64 num_k, bool with_weights, i64 num_scales, i64 device)
       : x(at::empty({rows, x_words}, on(at::kLong, device))) {
     addresses[0] = reinterpret_cast<uint64_t>(x.data_ptr());
-    if (num_k >= 0) idx = made(1, at::empty({rows, num_k}, on(at::kLong, device)));
-    if (with_weights && num_k >= 0) weights = made(2, at::empty({rows, num_k}, on(at::kFloat, device)));
-    if (num_scales > 0) scales = made(3, at::empty({rows, num_scales}, on(at::kFloat, device)));
+    const bool ids = num_k >= 0, floats = with_weights && num_k >= 0, scaled = num_scales > 0;
+    if (!ids && !floats && !scaled) return;
+    Carved meta;
+    const i64 idx_at = ids ? meta.add(at::kLong, rows * num_k) : 0;
+    const i64 weights_at = floats ? meta.add(at::kFloat, rows * num_k) : 0;
+    const i64 scales_at = scaled ? meta.add(at::kFloat, rows * num_scales) : 0;
+    meta.make(device);
+    if (ids) idx = made(1, meta.part(idx_at, at::kLong, rows, num_k));
+    if (floats) weights = made(2, meta.part(weights_at, at::kFloat, rows, num_k));
+    if (scaled) scales = made(3, meta.part(scales_at, at::kFloat, rows, num_scales));
   }
 
  private:
@@ -92,8 +134,12 @@ struct LayoutArgs {
 py::tuple layout(const at::Tensor& topk, i64 num_experts, i64 num_ranks, i64 device, i64 launch_fn, i64 function,
                  i64 threads, i64 stream) {
   const i64 num_tokens = topk.size(0);
-  at::Tensor counts = at::empty({num_ranks + num_experts + 1}, on(at::kInt, device));
-  at::Tensor in_rank = at::empty({num_tokens, num_ranks}, on(at::kBool, device));
+  Carved parts;  // (one allocation for the two)
+  const i64 counts_at = parts.add(at::kInt, num_ranks + num_experts + 1);
+  const i64 in_rank_at = parts.add(at::kBool, num_tokens * num_ranks);
+  parts.make(device);
+  at::Tensor counts = parts.part(counts_at, at::kInt, num_ranks + num_experts + 1, -1);
+  at::Tensor in_rank = parts.part(in_rank_at, at::kBool, num_tokens, num_ranks);
   LayoutArgs args{topk.data_ptr(),
                   in_rank.data_ptr(),
                   counts.data_ptr(),
@@ -114,27 +160,44 @@ py::tuple layout(const at::Tensor& topk, i64 num_experts, i64 num_ranks, i64 dev
 // (idx and weights [rows, num_k], none where num_k is -1 or without weights; scales where
 // num_scales > 0); the launch's struct at args_addr, patched at out_at (4 output pointers),
 // rows_at (the rows) and starts_at (each source's first row, max_ranks words)
-py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 x_words,
-                       i64 num_k, bool weights, i64 num_scales, i64 device, i64 args_addr, i64 out_at, i64 rows_at,
-                       i64 starts_at, i64 max_ranks, i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream) {
+// Where each source's rows start in rank's outputs, read from the count board at board_addr: LAUNCHED
+// (the starts are good), LATE or OUT_OF_RANGE (what fresh_launch returns for it). A refused round
+// sends nothing: no rows, every start 0.
+int board_starts(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 max_ranks,
+                 i64 (&starts)[MAX_RANKS + 1]) {
   const volatile i64* board = reinterpret_cast<const volatile i64*>(board_addr);
-  if (num_ranks > MAX_RANKS || num_ranks > max_ranks) return py::make_tuple(OUT_OF_RANGE, py::none());
+  if (num_ranks > MAX_RANKS || num_ranks > max_ranks) return OUT_OF_RANGE;
   const i64 round = board[rank * row_words];
   bool valid = true;
   for (i64 s = 0; s < num_ranks; ++s) {
     const volatile i64* row = board + s * row_words;
-    if (row[0] != round) return py::make_tuple(LATE, py::none());
+    if (row[0] != round) return LATE;
     valid = valid && row[1] != 0;
   }
-  i64 starts[MAX_RANKS + 1] = {0};
-  if (valid) {  // a refused round sends nothing: no rows, every start 0
+  for (i64 s = 0; s <= num_ranks; ++s) starts[s] = 0;
+  if (valid) {
     for (i64 s = 0; s < num_ranks; ++s) {
       const volatile i64* row = board + s * row_words;
       for (i64 d = 0; d < num_ranks; ++d)
-        if (row[2 + d] < 0 || row[2 + d] > max_tokens) return py::make_tuple(OUT_OF_RANGE, py::none());
+        if (row[2 + d] < 0 || row[2 + d] > max_tokens) return OUT_OF_RANGE;
       starts[s + 1] = starts[s] + row[2 + rank];
     }
   }
+  return LAUNCHED;
+}
+
+py::list starts_list(const i64 (&starts)[MAX_RANKS + 1], i64 num_ranks) {
+  py::list given;
+  for (i64 s = 0; s <= num_ranks; ++s) given.append(starts[s]);
+  return given;
+}
+
+py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 x_words,
+                       i64 num_k, bool weights, i64 num_scales, i64 device, i64 args_addr, i64 out_at, i64 rows_at,
+                       i64 starts_at, i64 max_ranks, i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream) {
+  i64 starts[MAX_RANKS + 1];
+  const int read = board_starts(board_addr, num_ranks, row_words, rank, max_tokens, max_ranks, starts);
+  if (read != LAUNCHED) return py::make_tuple(read, py::none());
   const i64 rows = starts[num_ranks];
   const Outputs out(rows, x_words, num_k, weights, num_scales, device);
   char* args = reinterpret_cast<char*>(args_addr);
@@ -144,10 +207,83 @@ py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
   std::memcpy(padded_starts, starts, num_ranks * sizeof(i64));
   std::memcpy(args + starts_at, padded_starts, max_ranks * sizeof(i64));
   const int error = launch(launch_fn, function, grid, threads, stream, args);
-  py::list given;
-  for (i64 s = 0; s <= num_ranks; ++s) given.append(starts[s]);
-  return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, given, py::cast(out.x), out.idx, out.weights, out.scales,
-                        error);
+  return py::make_tuple(error ? DRIVER_ERROR : LAUNCHED, starts_list(starts, num_ranks), py::cast(out.x), out.idx,
+                        out.weights, out.scales, error);
+}
+
+// stream.cu's posted outputs block (Note [Posted outputs]): [tag, launched tag, x, idx, weights,
+// scales, starts[0..R]] int64 in pinned memory
+constexpr i64 POSTED_TAG = 0, POSTED_LAUNCHED = 1, POSTED_OUT = 2, POSTED_STARTS = 6;
+constexpr i64 POSTED_MAX_RANKS = 8;  // (16 words: ep/paths/planned.py's POSTED_WORDS; stream.cu's MAX_RANKS)
+
+// The outputs of the launch waiting on the block at posted_addr (addresses 0 for a void post, whose
+// receivers then store nothing), its tag stored last: the receivers read the rest once they see it.
+void post(i64 posted_addr, const uint64_t (&addresses)[4], const i64* starts, i64 num_ranks) {
+  volatile i64* block = reinterpret_cast<volatile i64*>(posted_addr);
+  for (int i = 0; i < 4; ++i) block[POSTED_OUT + i] = static_cast<i64>(addresses[i]);
+  for (i64 s = 0; s <= num_ranks; ++s) block[POSTED_STARTS + s] = starts != nullptr ? starts[s] : 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  block[POSTED_TAG] = block[POSTED_LAUNCHED];
+}
+
+// A void post for the launch waiting on the block at posted_addr: its receivers take their rows and
+// store none (the host raises the call's failure itself).
+void post_void(i64 posted_addr, i64 num_ranks) {
+  const uint64_t none[4] = {0, 0, 0, 0};
+  post(posted_addr, none, nullptr, std::min(num_ranks, POSTED_MAX_RANKS));
+}
+
+// The plan a handle keeps, from a count board that board_starts passed (every source's row of this
+// round): (round, count matrix [s][d] as lists, this rank's received rows per local expert summed
+// over the sources, the matrix summed over the sources as an int32 [R, R] tensor on device, copied
+// from pageable memory without waiting: DeepEP's rank_prefix_matrix); None where a source refused
+// its input (the Python steps raise the refusal).
+py::object board_plan(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 experts_per_rank, i64 device) {
+  const volatile i64* board = reinterpret_cast<const volatile i64*>(board_addr);
+  for (i64 s = 0; s < num_ranks; ++s)
+    if (board[s * row_words + 1] == 0) return py::none();
+  py::list matrix;
+  std::vector<i64> per_expert(static_cast<size_t>(experts_per_rank), 0);
+  at::Tensor prefix = at::empty({num_ranks, num_ranks}, at::TensorOptions().dtype(at::kInt));
+  int32_t* sums = prefix.data_ptr<int32_t>();
+  for (i64 s = 0; s < num_ranks; ++s) {
+    const volatile i64* row = board + s * row_words;
+    py::list counts;
+    for (i64 d = 0; d < num_ranks; ++d) {
+      counts.append(row[2 + d]);
+      sums[s * num_ranks + d] = static_cast<int32_t>(row[2 + d] + (s > 0 ? sums[(s - 1) * num_ranks + d] : 0));
+    }
+    matrix.append(counts);
+    for (i64 e = 0; e < experts_per_rank; ++e) per_expert[e] += row[2 + num_ranks + e];
+  }
+  py::list experts;
+  for (const i64 n : per_expert) experts.append(n);
+  at::Tensor on_device = device >= 0 ? prefix.to(on(at::kInt, device), /*non_blocking=*/true) : prefix;
+  return py::make_tuple(board[rank * row_words], matrix, experts, on_device);
+}
+
+// (status, starts, x, idx, weights, scales, plan): fresh_launch for a launch of planned_front, which
+// waits for its outputs at posted_addr: they are made and posted there instead of launched, and the
+// handle's plan read from the board in the same call (board_plan). A board fresh_launch would not
+// launch from (LATE, OUT_OF_RANGE) is posted void and only its status returned, as is an allocation
+// that fails (which then raises).
+py::tuple post_outputs(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 x_words,
+                       i64 num_k, bool weights, i64 num_scales, i64 device, i64 posted_addr, i64 experts_per_rank) {
+  i64 starts[MAX_RANKS + 1];
+  const int read = board_starts(board_addr, num_ranks, row_words, rank, max_tokens, POSTED_MAX_RANKS, starts);
+  if (read != LAUNCHED) {
+    post_void(posted_addr, std::min(num_ranks, POSTED_MAX_RANKS));
+    return py::make_tuple(read, py::none());
+  }
+  try {
+    const Outputs out(starts[num_ranks], x_words, num_k, weights, num_scales, device);
+    post(posted_addr, out.addresses, starts, num_ranks);
+    return py::make_tuple(LAUNCHED, starts_list(starts, num_ranks), py::cast(out.x), out.idx, out.weights,
+                          out.scales, board_plan(board_addr, num_ranks, row_words, rank, experts_per_rank, device));
+  } catch (...) {
+    post_void(posted_addr, num_ranks);
+    throw;
+  }
 }
 
 using GraphLaunchFn = int (*)(void* graph_exec, void* stream);
@@ -213,13 +349,14 @@ bool rows_of(const at::Tensor* t, i64 device, i64 rows) {
 
 bool vector_of(const at::Tensor* t, i64 device, i64 length) {
   const auto dtype = t == nullptr ? at::kBool : t->scalar_type();
-  return t != nullptr && t->dim() == 1 && on_device(*t, device) && t->size(0) == length &&
+  return t != nullptr && t->dim() == 1 && on_device(*t, device) && t->size(0) == length && t->is_contiguous() &&
          (dtype == at::kInt || dtype == at::kLong);
 }
 
 // The kind of call (never 0) when a fresh dispatch's tensors are the kind ep's checks return
 // unchanged (x and its FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes,
-// dtypes, one device, x, ids and weights contiguous, weights float32), else 0: the Python checks
+// dtypes, one device, every one but the scales contiguous, weights float32: a planned call passes
+// them to the kernels as they are, ep/paths/planned.py), else 0: the Python checks
 // then run, and accept or raise by name. num_experts < 0: the count of num_tokens_per_expert. The
 // kind (ep/protocol/checks.py's KIND_*): num_experts, num_topk, the dtypes and whether weights come;
 // calls of one kind pack the same launches but for their addresses, token count and scale strides.
@@ -248,7 +385,8 @@ i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle w
   const i64 experts = num_experts < 0 ? et->numel() : num_experts;
   if (experts <= 0 || experts % num_ranks != 0 || experts > max_experts) return 0;
   if (!vector_of(rt, device, num_ranks) || !vector_of(et, device, experts)) return 0;
-  if (!rows_of(it, device, tokens) || it->size(1) != num_ranks || it->scalar_type() != at::kBool) return 0;
+  if (!rows_of(it, device, tokens) || !it->is_contiguous() || it->size(1) != num_ranks || it->scalar_type() != at::kBool)
+    return 0;
   const i64 x_code = dtype == at::kBFloat16 ? 1 : dtype == at::kHalf ? 2 : 3;
   return experts | kt->size(1) << 13 | i64{kt->scalar_type() == at::kLong} << 21 |
          i64{rt->scalar_type() == at::kLong} << 22 | i64{et->scalar_type() == at::kLong} << 23 |
@@ -259,7 +397,7 @@ i64 fresh_accepts(py::handle x, py::handle scales, py::handle topk, py::handle w
 // int64 words; the fields a planned call patches into its kind's template
 constexpr size_t ROWS_AT = 0, X_AT = 8, TOPK_AT = 16, WEIGHTS_AT = 24, SCALES_AT = 32, RECV_OFFSET_AT = 48,
                  OUTPUTS_AT = 56, STATUS_AT = 88, TAKEN_AT = 128, PADDED_AT = 136, TOKENS_AT = 144,
-                 SCALE_STRIDES_AT = 144 + 5 * 8;
+                 SCALE_STRIDES_AT = 144 + 5 * 8, POSTED_TAG_AT = 376, POSTED_AT = 384;
 
 template <typename T>
 void put(char* at, T value) {
@@ -269,7 +407,7 @@ void put(char* at, T value) {
 i64 address(const at::Tensor* t) { return t == nullptr ? 0 : reinterpret_cast<i64>(t->data_ptr()); }
 
 // A planned call's tensors (fresh_accepts took them), and the ones it makes: rows [T, R], taken
-// [R, channels] and recv_offset [R] int64.
+// [R, channels] and recv_offset [R] int64, Carved from one allocation.
 struct Planned {
   const at::Tensor *x, *scales, *topk, *weights, *in_rank, *per_rank, *per_expert;
   at::Tensor rows, taken, recv_offset;
@@ -281,9 +419,13 @@ struct Planned {
         in_rank(tensor(in_rank_h)), per_rank(tensor(per_rank_h)), per_expert(tensor(per_expert_h)) {
     if (x == nullptr || topk == nullptr || in_rank == nullptr || per_rank == nullptr || per_expert == nullptr)
       throw py::type_error("a planned dispatch's tensor argument is missing");
-    rows = at::empty({x->size(0), num_ranks}, on(at::kLong, device));
-    taken = at::empty({num_ranks, channels}, on(at::kLong, device));
-    recv_offset = at::empty({num_ranks}, on(at::kLong, device));
+    Carved words;  // (one allocation for the three)
+    const i64 rows_at = words.add(at::kLong, x->size(0) * num_ranks), taken_at = words.add(at::kLong, num_ranks * channels);
+    const i64 offset_at = words.add(at::kLong, num_ranks);
+    words.make(device);
+    rows = words.part(rows_at, at::kLong, x->size(0), num_ranks);
+    taken = words.part(taken_at, at::kLong, num_ranks, channels);
+    recv_offset = words.part(offset_at, at::kLong, num_ranks, -1);
     if (scales != nullptr) s_token = scales->stride(0), s_col = scales->stride(1);
   }
 
@@ -316,13 +458,15 @@ struct Planned {
 // tensors accepted by fresh_accepts; ep/paths/planned.py): Planned's tensors made, the call block
 // written where the count exchange's graph takes it from, the exchange's abort word lifted, then
 // front_steps (its landed words zeroed, the graph launched, the board's event recorded; the failed
-// step as its), then the streamed kernel's struct packed at args_addr (Planned::pack) for
-// fresh_launch to finish.
+// step as its), then the streamed kernel's struct packed at args_addr (Planned::pack) with the next
+// tag of the posted block at posted_addr and launched behind the exchange (failed step 3): its
+// receivers wait for post_outputs.
 py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, py::handle weights_h,
                         py::handle in_rank_h, py::handle per_rank_h, py::handle per_expert_h, i64 config,
                         i64 num_ranks, i64 channels, i64 device, i64 call_addr, i64 abort_addr, i64 landed_addr,
                         i64 graph, i64 event, i64 stream, i64 graph_launch_fn, i64 event_record_fn,
-                        i64 template_addr, i64 args_addr, i64 args_bytes, i64 status_addr) {
+                        i64 template_addr, i64 args_addr, i64 args_bytes, i64 status_addr, i64 posted_addr,
+                        i64 launch_fn, i64 function, i64 grid, i64 threads) {
   const Planned call(x_h, scales_h, topk_h, weights_h, in_rank_h, per_rank_h, per_expert_h, num_ranks, channels,
                      device);
   call.write_call(call_addr, config, 0);
@@ -330,8 +474,15 @@ py::tuple planned_front(py::handle x_h, py::handle scales_h, py::handle topk_h, 
   const auto [error, step] = front_steps(graph, landed_addr, num_ranks, event, stream, graph_launch_fn,
                                          event_record_fn);
   if (error) return py::make_tuple(call.rows, call.taken, call.recv_offset, error, step);
-  call.pack(reinterpret_cast<char*>(args_addr), template_addr, args_bytes, status_addr);  // (while the GPUs trade)
-  return py::make_tuple(call.rows, call.taken, call.recv_offset, 0, 0);
+  char* args = reinterpret_cast<char*>(args_addr);
+  call.pack(args, template_addr, args_bytes, status_addr);
+  volatile i64* block = reinterpret_cast<volatile i64*>(posted_addr);
+  const i64 tag = block[POSTED_LAUNCHED] + 1;  // (a launch never posted, after a failure, keeps its tag)
+  block[POSTED_LAUNCHED] = tag;
+  put(args + POSTED_TAG_AT, tag);
+  put(args + POSTED_AT, posted_addr);
+  const int launched = launch(launch_fn, function, grid, threads, stream, args);
+  return py::make_tuple(call.rows, call.taken, call.recv_offset, launched, launched ? 3 : 0);
 }
 
 // (rows, taken, recv_offset, board copy, x, idx, weights, scales, error, failed step): a padded fresh
@@ -392,6 +543,23 @@ bool padded_stands(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 m
   return true;
 }
 
+// How many of the eager status rows `slots` (in order; [row_words] int64 each from words_addr, in
+// pinned memory) ended clean: every program's word set (its seq, high bits) and none with a failure
+// (low bits). The first one that has not ended, or failed, stops the count (ep/paths/launch_status.py
+// reads it in Python).
+i64 status_clean(i64 words_addr, i64 row_words, i64 width, const py::sequence& slots) {
+  const volatile i64* words = reinterpret_cast<const volatile i64*>(words_addr);
+  const size_t n = slots.size();
+  for (size_t i = 0; i < n; ++i) {
+    const volatile i64* row = words + slots[i].cast<i64>() * row_words;
+    for (i64 p = 0; p < width; ++p) {
+      const i64 word = row[p];
+      if (word == 0 || (word & 0xFFFFFFFF) != 0) return static_cast<i64>(i);
+    }
+  }
+  return static_cast<i64>(n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -400,7 +568,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("front_launch", &front_launch);
   m.def("fresh_accepts", &fresh_accepts);
   m.def("planned_front", &planned_front);
+  m.def("post_outputs", &post_outputs);
+  m.def("post_void", &post_void);
   m.def("planned_padded", &planned_padded);
   m.def("padded_stands", &padded_stands);
   m.def("wait_landed", &wait_landed);
+  m.def("status_clean", &status_clean);
 }

@@ -15,6 +15,7 @@ typedef unsigned long long u64;
 #define W_CREDIT 2            // a sender: the peer's ring stayed full
 #define W_ROWS 3              // a receiver: the peer sent no row
 #define BAD_ROW 4             // a receiver: a row outside its source's output rows
+#define W_POSTED 5            // a receiver: the host did not post the outputs (peer: this rank)
 #define ABORTED (1LL << 24)   // the wait ended by the abort word, not by the deadline
 #define ABORT_POLL_NS 20000   // a wait reads the abort word (maybe host memory) once an interval this long
 #define MAX_GROUPS 15         // named barriers 1..15, one per warp group
@@ -220,6 +221,28 @@ struct DispatchArgs {
   i64 starts[MAX_RANKS];  // with starts_given: the offsets, by value (the host knew them: no copy to the device)
   i64 board_row, worst;   // with padded: the board's row stride and num_worst_tokens
   int me, num_ranks, channels, topk_bytes, w_kind, has_s, publish, batch, warps_per_peer, starts_given, padded, pad;
+  i64 posted_tag;         // with posted: the tag the host posts this call's outputs under
+  const i64* posted;      // null, or the posted outputs block in pinned memory (Posted below)
+};
+
+// Posted outputs (Note [Posted outputs] in ep/paths/planned.py): a planned fresh dispatch is
+// launched right behind its count exchange, before the host has read the board and sized its
+// outputs, so its senders stream while the host does; the receivers wait for the host to post the
+// outputs' addresses and where each source's rows start into a block of pinned memory: words
+// [tag, launched tag (the host's), x, idx, weights, scales, starts[0..R]] (starts[R]: the rows in
+// all), the tag stored last. x 0: void (the host found the board bad); the receivers then take
+// the rows and store none, so the senders end and the call fails on the host alone.
+#define POSTED_TAG 0
+#define POSTED_OUT 2
+#define POSTED_STARTS 6
+
+// where a receiver stores: the struct's outputs, or the posted ones
+struct RecvOut {
+  i64* x;
+  i64* idx;
+  float* w;
+  float* s;
+  const i64* starts;  // [R + 1] (a posted block's, copied to shared memory), or null: the struct's
 };
 
 // A padded round read from its board copy, by every thread alike (R x R words): whether it stands
@@ -358,13 +381,14 @@ __device__ __forceinline__ void store_meta(const DispatchArgs& a, const MetaRegs
 }
 
 // a ring row's meta parts, as the receiver's outputs take them
-__device__ __forceinline__ MetaRegs load_ring_meta(const DispatchArgs& a, const i64* meta, int lane) {
+__device__ __forceinline__ MetaRegs load_ring_meta(const DispatchArgs& a, const RecvOut& out, const i64* meta,
+                                                   int lane) {
   MetaRegs m = {0, 0.0f, 0.0f, 0.0f};
   const i64 nk = a.num_k;
   const float* floats = (const float*)meta;
-  if (a.out_idx && lane < nk) {
+  if (out.idx && lane < nk) {
     m.id = load_ring(meta + lane);
-    if (a.out_w) m.w = load_ring_f(floats + 2 * nk + lane);
+    if (out.w) m.w = load_ring_f(floats + 2 * nk + lane);
   }
   if (a.has_s) {
     if (lane < a.num_scales) m.s0 = load_ring_f(floats + 3 * nk + lane);
@@ -374,11 +398,12 @@ __device__ __forceinline__ MetaRegs load_ring_meta(const DispatchArgs& a, const 
 }
 
 // expert id `raw` of output row `o`, column `k`, as a local expert (-1: another rank's), and its weight
-__device__ __forceinline__ void store_local(const DispatchArgs& a, i64 o, i64 k, i64 raw, float w, i64 base) {
+__device__ __forceinline__ void store_local(const DispatchArgs& a, const RecvOut& out, i64 o, i64 k, i64 raw, float w,
+                                            i64 base) {
   const i64 local = raw - base;
   const bool here = raw >= 0 && local >= 0 && local < a.experts_per_rank;
-  a.out_idx[o * a.num_k + k] = here ? local : -1;
-  if (a.out_w) a.out_w[o * a.num_k + k] = here ? w : 0.0f;
+  out.idx[o * a.num_k + k] = here ? local : -1;
+  if (out.w) out.w[o * a.num_k + k] = here ? w : 0.0f;
 }
 
 // Sender program c, group g: the channel's tokens to destination g, in order, into its ring
@@ -437,15 +462,19 @@ __device__ void dispatch_send(const DispatchArgs& a, int c, i64 seq, const Group
 }
 
 // Receiver program c, group g: source g's rows of this channel into the outputs, by their ordinals
-__device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Groups& q, i64* sh_n, i64* sh_code,
-                              i64* sh_bad) {
+__device__ void dispatch_recv(const DispatchArgs& a, const RecvOut& out, int c, i64 seq, const Groups& q, i64* sh_n,
+                              i64* sh_code, i64* sh_bad) {
   const int R = a.num_ranks, C = a.channels, s = q.g;
   i64* own = (i64*)a.bases[a.me];
   const i64* tail = own + (i64)(s * C + c) * COUNTER;
   i64* head = (i64*)a.bases[s] + (i64)(R * C + a.me * C + c) * COUNTER;
   const i64* ring = own + (i64)2 * R * C * COUNTER + (i64)(s * C + c) * a.ring_rows * a.row_words;
   i64 lo, hi;
-  if (a.padded) {
+  const bool store = out.x != nullptr;  // (a void posted block: take the rows, store none)
+  if (out.starts) {
+    lo = store ? out.starts[s] : 0;
+    hi = store ? out.starts[s + 1] : (i64)1 << 62;
+  } else if (a.padded) {
     const PaddedPlan plan = padded_plan(a);
     lo = plan.starts[s];
     hi = s + 1 < R ? plan.starts[s + 1] : a.out_rows;
@@ -454,7 +483,7 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
     lo = offsets[s];
     hi = s + 1 < R ? offsets[s + 1] : a.out_rows;
   }
-  if ((a.starts_given || a.padded) && c == 0 && q.leader) a.offsets[s] = lo;  // the handle's, for its cached calls
+  if ((a.starts_given || a.padded || out.starts) && c == 0 && q.leader) a.offsets[s] = lo;  // the handle's, for its cached calls
   const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
   i64 have = 0, code = 0;
   Wait w = wait_from_now();
@@ -485,23 +514,24 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
       const i64* meta = row + a.x_words;
       const float* floats = (const float*)meta;
       const i64 ordinal = load_ring(meta + a.meta_words);
-      const MetaRegs parts = load_ring_meta(a, meta, q.lane);  // before the copy (MetaRegs says why)
+      const MetaRegs parts = load_ring_meta(a, out, meta, q.lane);  // before the copy (MetaRegs says why)
       const i64 o = lo + ordinal;
       if (ordinal < 0 || o >= hi) {
         if (q.lane == 0) atomicCAS((u64*)sh_bad, 0ull, (u64)(((i64)BAD_ROW << 16) | s));
         continue;
       }
-      warp_copy<true>(a.out_x + o * a.x_words, row, a.x_words, q.lane);
-      if (a.out_idx) {
-        if (q.lane < nk) store_local(a, o, q.lane, parts.id, parts.w, base);
+      if (!store) continue;
+      warp_copy<true>(out.x + o * a.x_words, row, a.x_words, q.lane);
+      if (out.idx) {
+        if (q.lane < nk) store_local(a, out, o, q.lane, parts.id, parts.w, base);
         for (i64 k = q.lane + 32; k < nk; k += 32)
-          store_local(a, o, k, load_ring(meta + k), a.out_w ? load_ring_f(floats + 2 * nk + k) : 0.0f, base);
+          store_local(a, out, o, k, load_ring(meta + k), out.w ? load_ring_f(floats + 2 * nk + k) : 0.0f, base);
       }
       if (a.has_s) {
-        if (q.lane < a.num_scales) a.out_s[o * a.num_scales + q.lane] = parts.s0;
-        if (q.lane + 32 < a.num_scales) a.out_s[o * a.num_scales + q.lane + 32] = parts.s1;
+        if (q.lane < a.num_scales) out.s[o * a.num_scales + q.lane] = parts.s0;
+        if (q.lane + 32 < a.num_scales) out.s[o * a.num_scales + q.lane + 32] = parts.s1;
         for (i64 k = q.lane + 64; k < a.num_scales; k += 32)
-          a.out_s[o * a.num_scales + k] = load_ring_f(floats + 3 * nk + k);
+          out.s[o * a.num_scales + k] = load_ring_f(floats + 3 * nk + k);
       }
     }
     have += n;
@@ -513,13 +543,34 @@ __device__ void dispatch_recv(const DispatchArgs& a, int c, i64 seq, const Group
   if (q.leader) a.taken[s * C + c] = have;
 }
 
+// A receiver program's outputs posted by the host (Posted above): thread 0 waits for the tag (until
+// the deadline or the abort word; its failure then stands for every group) and copies the block
+// into shared memory for the program.
+__device__ void take_posted(const DispatchArgs& a, i64 seq, i64* sh_posted, i64* sh_code) {
+  if (threadIdx.x == 0) {
+    const i64* block = a.posted;
+    Wait w = wait_from_now();
+    i64 code = 0;
+    while (load_acquire(block + POSTED_TAG) != a.posted_tag && !code)
+      code = ended(w, a.timeout_ns, a.abort, seq, W_POSTED, a.me);
+    for (int g = 0; g < a.num_ranks; ++g) sh_code[g] = code;
+    for (int i = 0; i < 4 + a.num_ranks + 1; ++i) sh_posted[i] = load_volatile(block + POSTED_OUT + i);
+  }
+  __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(const __grid_constant__ DispatchArgs a) {
-  __shared__ i64 sh_n[MAX_GROUPS], sh_code[MAX_GROUPS], sh_bad;
+  __shared__ i64 sh_n[MAX_GROUPS], sh_code[MAX_GROUPS], sh_bad, sh_posted[4 + MAX_RANKS + 1];
   const int C = a.channels, p = blockIdx.x;
   const i64 seq = call_seq(a.seq, a.done);
   if (threadIdx.x == 0) sh_bad = 0;
   if (threadIdx.x < MAX_GROUPS) sh_code[threadIdx.x] = 0;
   __syncthreads();
+  RecvOut out = {a.out_x, a.out_idx, a.out_w, a.out_s, nullptr};
+  if (a.posted && p >= C) {
+    take_posted(a, seq, sh_posted, sh_code);
+    out = {(i64*)sh_posted[0], (i64*)sh_posted[1], (float*)sh_posted[2], (float*)sh_posted[3], sh_posted + 4};
+  }
   const Groups q = groups(a.warps_per_peer);
   if (a.padded && p >= C && a.out_idx) {  // padding rows: no expert, no weight (the receivers fill the rest)
     const i64 from = padded_plan(a).starts[a.num_ranks] * a.num_k, to = a.out_rows * a.num_k;
@@ -530,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(768, 1) warmlink_stream_dispatch(co
   }
   if (q.g < a.num_ranks) {
     if (p < C) dispatch_send(a, p, seq, q, sh_n, sh_code);
-    else dispatch_recv(a, p - C, seq, q, sh_n, sh_code, &sh_bad);
+    else if (!sh_code[q.g]) dispatch_recv(a, out, p - C, seq, q, sh_n, sh_code, &sh_bad);
   }
   finish(a.status, p, seq, sh_code, a.num_ranks, sh_bad, a.seq, a.done);
 }

@@ -102,7 +102,7 @@ BATCH_ROWS = 16  # the most rows a receiver takes from one source per visit (one
 TILE_TOKENS = 8  # tokens a sender takes per step, rows a receiver copies per step
 X_BLOCK_WORDS = 1024  # int64 words of a row per step
 NUM_WARPS = 8
-WAITS = {0: "done", 1: "previous call", 2: "credit", 3: "rows", 4: "bad row"}
+WAITS = {0: "done", 1: "previous call", 2: "credit", 3: "rows", 4: "bad row", 5: "posted outputs"}
 
 
 @dataclass(frozen=True)

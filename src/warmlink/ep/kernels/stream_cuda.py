@@ -51,7 +51,7 @@ _KERNELS = ("warmlink_stream_dispatch", "warmlink_stream_combine")
 STEPS = {"publish": 16, "batch": 32}
 OPTIONS: tuple[str, ...] = ()  # NVRTC options of every compile of this process (tools/stream_sweep.py: -DUNROLL=n)
 # the kernels' argument structs (stream.cu's DispatchArgs and CombineArgs), packed field by field
-_DISPATCH = struct.Struct(f"<18Q{15 + MAX_RANKS}q12i")
+_DISPATCH = struct.Struct(f"<18Q{15 + MAX_RANKS}q12iqQ")
 # where PreparedDispatch.launch patches it: out_x..out_s (pointers 7-10), out_rows (word 10 after
 # the 18 pointers), starts (words 13-20 after them)
 _OUT_AT, _OUT_ROWS_AT, _STARTS_AT = 7 * 8, (18 + 10) * 8, (18 + 13) * 8
@@ -230,8 +230,10 @@ def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, 
 
 def pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int, seq,
                   max_tokens: int, meta_words: int, experts_per_rank: int, timeout_ns: int, taken, publish: int = 16,
-                  batch: int = 16, advance=None, starts_given: bool = False, padded=None) -> bytes:
-    """``prepare_dispatch``'s struct (stream.cu's DispatchArgs), its outputs and offsets zero."""
+                  batch: int = 16, advance=None, starts_given: bool = False, padded=None, posted=None) -> bytes:
+    """``prepare_dispatch``'s struct (stream.cu's DispatchArgs), its outputs and offsets zero;
+    ``posted``: ``(tag, address)`` of a posted outputs block (Note [Posted outputs] in
+    ep.paths.planned: compiled code patches them in)."""
     r, c = space.num_ranks, space.channels
     num_tokens, x_words = x.shape
     num_k = topk.shape[1] if topk is not None else 0
@@ -247,7 +249,7 @@ def pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, sta
         space.ring_rows, 0, experts_per_rank, timeout_ns, *(0,) * MAX_RANKS,
         padded[0].stride(0) if padded is not None else 0, padded[1] if padded is not None else 0,
         me, r, c, topk.element_size() if topk is not None else 0, w_kind, int(scales is not None), publish, batch,
-        (THREADS // 32) // r, int(starts_given), int(padded is not None), 0)
+        (THREADS // 32) // r, int(starts_given), int(padded is not None), 0, *(posted or (0, 0)))
 
 
 def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out_weights, status, abort: int, me: int,

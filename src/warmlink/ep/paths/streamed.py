@@ -23,6 +23,8 @@ words.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 from warmlink.ep.kernels import host, stream, stream_combine, stream_cuda
@@ -31,10 +33,10 @@ from warmlink.ep.kernels.call_block import Sources, call_words
 from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.stream import StreamOutputs
 from warmlink.ep.paths.launch_status import LaunchStatus
-from warmlink.ep.paths.planned import FreshPlan, PreparedLaunch
+from warmlink.ep.paths.planned import POSTED_WORDS, FreshPlan, PreparedLaunch
 from warmlink.ep.paths.senders import FreshSend, fresh_shape
 from warmlink.ep.wire.regions import RegionLayout, board_words
-from warmlink.errors import ConfigError, TransferTimeout
+from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
 __all__ = ["ABORT_ALL", "StreamPath"]
 
@@ -84,6 +86,8 @@ class StreamPath:
         # by kind of call and num_worst_tokens (Note [Planned fresh dispatch] in ep.paths.planned)
         self._plans: dict[tuple[int, int], FreshPlan] = {}
         self._abort = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=True)  # read by the kernels through UVA
+        # a planned fresh dispatch's posted outputs block (Note [Posted outputs] in ep.paths.planned)
+        self._posted = torch.zeros(POSTED_WORDS, dtype=torch.int64, device="cpu", pin_memory=True)
 
     # -- a fresh dispatch's counts -----------------------------------------------------------------
     def launch_counts(self, call: FreshSend, rows: torch.Tensor, board: torch.Tensor | None) -> None:
@@ -105,13 +109,11 @@ class StreamPath:
         ``(rows, taken, launch)``. A kind of call planned before does it in one compiled call, and
         the first call of a kind whose exchange runs as a graph plans it (Note [Planned fresh dispatch]
         in ep.paths.planned)."""
-        plan = self._plans.get((call.kind, 0)) if call.kind else None
-        if plan is not None:
-            slot = self.status.slot(in_graph=False)
-            rows, taken, recv_offset = plan.front(call, self.status.address(slot), self.mover.current_stream())
-            self.mover.expect_words(plan.host_words)
-            return rows, taken, self._launch_of(plan.prepared, slot, recv_offset, plan.launch_from_board)
         src = call.src
+        planned = self.planned_front(call.kind, src.x, src.scales, src.topk, src.weights, call.in_rank, call.per_rank,
+                                     call.per_expert)
+        if planned is not None:
+            return planned
         rows = torch.empty(src.x.shape[0], self.num_ranks, dtype=torch.int64, device=src.x.device)
         self.launch_counts(call, rows, None)
         taken = self.taken()
@@ -119,6 +121,21 @@ class StreamPath:
                                        call.num_experts // self.num_ranks, self.valid(), fresh=True, starts_given=True)
         self._plan(call, launch.prepared)
         return rows, taken, launch
+
+    def planned_front(self, kind: int, x, scales, topk, weights, in_rank, per_rank, per_expert):
+        """``fresh_front``'s value for a call of ``kind`` (the compiled argument check's, 0: none)
+        planned before, from its checked tensors (contiguous: the check makes sure), in one compiled
+        call; None, with nothing launched, where no plan of that kind is made yet."""
+        plan = self._plans.get((kind, 0)) if kind else None
+        if plan is None:
+            return None
+        slot = self.status.slot(in_graph=False)
+        rows, taken, recv_offset = plan.front(x, scales, topk, weights, in_rank, per_rank, per_expert,
+                                              self.status.address(slot), self.mover.current_stream())
+        self.status.launched(slot, "dispatch")
+        self.mover.expect_words(plan.host_words)
+        return rows, taken, PreparedLaunch(_posted_only, lambda: _posted(plan.post_outputs(), recv_offset),
+                                           abandon=plan.post_void)
 
     def fresh_padded(self, call: FreshSend, in_graph: bool):
         """A padded fresh dispatch's ``plan``, count exchange (its board copied to a tensor) and stream
@@ -162,7 +179,7 @@ class StreamPath:
         if front is not None:
             self._plans[call.kind, call.num_worst_tokens] = FreshPlan(
                 compiled, call, prepared, front, self.num_ranks, self.space.channels, self.device, self.rank,
-                self.layout.max_tokens, self.mover.board_address)
+                self.layout.max_tokens, self.mover.board_address, self._posted.data_ptr())
 
     def board_like(self) -> torch.Tensor:
         return self.mover.board_like()
@@ -269,7 +286,7 @@ class StreamPath:
             if done is None:
                 return None
             self.status.launched(slot, "dispatch")
-            return StreamOutputs(*done[0]), recv_offset
+            return StreamOutputs(*done[0]), recv_offset, None
         return PreparedLaunch(launch, from_board if launch_from_board is not None else None, prepared)
 
     def combine(self, rows: torch.Tensor, x: torch.Tensor, out: torch.Tensor, taken: torch.Tensor,
@@ -318,3 +335,14 @@ class StreamPath:
     def close(self) -> None:
         self._plans = {}
         self.status.close()
+
+
+def _posted(done, recv_offset: torch.Tensor) -> tuple[StreamOutputs, torch.Tensor, tuple | None] | None:
+    """``PreparedLaunch.from_board``'s value of a posted launch (``FreshPlan.post_outputs``' ``done``)."""
+    return (StreamOutputs(*done[0]), recv_offset, done[2]) if done is not None else None
+
+
+def _posted_only(out: StreamOutputs, starts: list[int] | None) -> NoReturn:
+    raise MetadataError("ep: the count board held what the compiled check refused and the Python check passed; a "
+                        "launch waiting for posted outputs cannot take them from Python (a warmlink bug)")
+

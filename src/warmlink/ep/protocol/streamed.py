@@ -8,7 +8,8 @@ A fresh dispatch launches ``plan`` and the count exchange; without ``num_worst_t
 then packs the streamed dispatch's launch but for its outputs (while the GPUs trade the counts),
 reads the board where it landed (the received row count sizes the outputs, as DeepEP's host
 reads its counters), places each source's rows (``recv_offset``) and launches (those steps
-compiled where they can be: ep.kernels.host), and only then reads the earlier calls' status
+compiled where they can be: ep.kernels.host; a kind planned before launches the stream with the
+exchange and posts it the outputs: Note [Posted outputs] in ep.paths.planned), and only then reads the earlier calls' status
 words (while it waits for the board too, every few milliseconds: not first, since the board
 may land while the host reads them) and fills the handle's plan
 from a copy of the board (the GPUs idle from the board to that launch: nothing else is on the
@@ -62,7 +63,7 @@ from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Rounds
 from warmlink.ep.wire import mailbox as mb
-from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board, recv_starts
+from warmlink.ep.wire.handle import Handle, fill_plan, per_expert_list, plan_from_board, recv_starts
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import ConfigError, TransferTimeout
 
@@ -214,10 +215,13 @@ class StreamedMode:
             out, handle = self._cached(handle, tokens, scales, num_worst_tokens)
             self.raise_failures()
         else:
+            # a planned kind's exchange goes first: what the call keeps is made while the GPUs trade
+            front = (self.path.planned_front(kind, tokens, scales, topk, weights, in_rank, per_rank, per_expert)
+                     if kind and not num_worst_tokens and not self.in_graph else None)
             src = Sources(as_words(tokens), topk, weights, scales)
             call = FreshSend(src, in_rank.contiguous(), per_rank.contiguous(), per_expert.contiguous(), num_experts,
                              config, num_worst_tokens, 0, "dispatch", ("", ""), kind=kind)
-            out, handle = self._fresh(call, marks)
+            out, handle = self._fresh(call, marks, front)
         marks["sent"] = time.perf_counter()
         self.last_phases = {"layout": marks.get("counts", marks["sent"]) - t0,
                             "send": marks["sent"] - marks.get("counts", t0)}
@@ -226,8 +230,9 @@ class StreamedMode:
         return (recv_x, out.idx, out.weights, per_expert_list(handle, expert_alignment), handle,
                 self.event(PARITIES - 1, async_finish))
 
-    def _fresh(self, call: FreshSend, marks: dict):
-        """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``."""
+    def _fresh(self, call: FreshSend, marks: dict, front=None):
+        """Plan + count exchange, then (Note [Streamed calls]) the stream; ``(outputs, handle)``
+        (``front``: ``StreamPath.planned_front``'s value where it launched them already)."""
         path, src = self.path, call.src
         in_graph = self.in_graph
         padded = bool(call.num_worst_tokens)
@@ -248,28 +253,38 @@ class StreamedMode:
             return out, handle
         # the exchange launched, and the stream's launch packed while the GPUs trade the counts: after
         # the board, only the outputs and where each source's rows start are left to give it
-        rows, taken, launch = path.fresh_front(call)
+        rows, taken, launch = front if front is not None else path.fresh_front(call)
         marks["launched"] = time.perf_counter()
         # the board where it landed: a compiled spin on its landed words (Note [Board landing] in
         # ep.paths.sm_pushes), else the host's wait, which reads the earlier calls' failures as it
         # goes (one that failed at its deadline may mean that a peer stalls this exchange too)
-        if not path.board_landed() and path.board_now() is None:
-            self._wait_board()
-        done = launch.from_board()  # by the compiled host steps (ep.kernels.host), or None
-        if done is not None:
-            out, recv_offset = done
-            marks["counts"] = marks["outputs"] = time.perf_counter()
-        else:
-            starts = self._starts(self._wait_board()[1])  # None: a rank refused its input
-            marks["counts"] = time.perf_counter()
-            out = stream_outputs(starts[-1] if starts is not None else 0, src)
-            marks["outputs"] = time.perf_counter()
-            recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
+        try:
+            if not path.board_landed() and path.board_now() is None:
+                self._wait_board()
+            done = launch.from_board()  # by the compiled host steps (ep.kernels.host), or None
+            plan = None
+            if done is not None:
+                out, recv_offset, plan = done
+                marks["counts"] = marks["outputs"] = time.perf_counter()
+            else:
+                starts = self._starts(self._wait_board()[1])  # None: a rank refused its input
+                marks["counts"] = time.perf_counter()
+                out = stream_outputs(starts[-1] if starts is not None else 0, src)
+                marks["outputs"] = time.perf_counter()
+                recv_offset = launch(out, starts[:-1] if starts is not None else [0] * self.num_ranks)
+        except BaseException:
+            launch.abandon()  # a stream launched already (Note [Posted outputs]) stores none of its rows
+            raise
         # the launch first; the handle, the earlier calls' failures and the plan after, off the GPUs' path
         handle = self._handle(call, rows, taken, None)
         handle.recv_offset = recv_offset
         self.raise_failures()
-        self._fill(handle, call, *self._wait_board())  # raises a refusal
+        if plan is not None:  # read with the post (ep.paths.planned): a round that stands
+            handle.round, matrix, per_expert, handle.recv_prefix = plan
+            fill_plan(handle, matrix, per_expert, self.rank)
+            handle.send_counts = matrix[self.rank]
+        else:
+            self._fill(handle, call, *self._wait_board())  # raises a refusal
         return out, handle
 
     def _handle(self, call: FreshSend, rows: torch.Tensor, taken: torch.Tensor, board) -> Handle:

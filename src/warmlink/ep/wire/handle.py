@@ -54,6 +54,9 @@ class Handle:
     # the outputs [R], and the rows each receiver channel took from each source [R, C]
     recv_offset: torch.Tensor | None = field(default=None, repr=False)
     taken: torch.Tensor | None = field(default=None, repr=False)
+    # the count matrix summed over the sources, int32 [R, R] on the device, where the compiled host
+    # steps made it with the outputs (ep.paths.planned, Note [Posted outputs])
+    recv_prefix: torch.Tensor | None = field(default=None, repr=False)
 
     def resolve(self) -> None:
         """Bring a padded SM dispatch's counts to the host; raise what that round ended with (a
