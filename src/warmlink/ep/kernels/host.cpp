@@ -155,11 +155,6 @@ py::tuple layout(const at::Tensor& topk, i64 num_experts, i64 num_ranks, i64 dev
                         counts.narrow(0, num_ranks + num_experts, 1));
 }
 
-// (status, starts, x, idx, weights, scales, driver error): board [R, row_words] int64 in pinned
-// memory, row s source s's [round, valid, counts to each rank...]; the outputs of starts[R] rows
-// (idx and weights [rows, num_k], none where num_k is -1 or without weights; scales where
-// num_scales > 0); the launch's struct at args_addr, patched at out_at (4 output pointers),
-// rows_at (the rows) and starts_at (each source's first row, max_ranks words)
 // Where each source's rows start in rank's outputs, read from the count board at board_addr: LAUNCHED
 // (the starts are good), LATE or OUT_OF_RANGE (what fresh_launch returns for it). A refused round
 // sends nothing: no rows, every start 0.
@@ -192,6 +187,11 @@ py::list starts_list(const i64 (&starts)[MAX_RANKS + 1], i64 num_ranks) {
   return given;
 }
 
+// (status, starts, x, idx, weights, scales, driver error): board [R, row_words] int64 in pinned
+// memory, row s source s's [round, valid, counts to each rank...]; the outputs of starts[R] rows
+// (idx and weights [rows, num_k], none where num_k is -1 or without weights; scales where
+// num_scales > 0); the launch's struct at args_addr, patched at out_at (4 output pointers),
+// rows_at (the rows) and starts_at (each source's first row, max_ranks words)
 py::tuple fresh_launch(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i64 max_tokens, i64 x_words,
                        i64 num_k, bool weights, i64 num_scales, i64 device, i64 args_addr, i64 out_at, i64 rows_at,
                        i64 starts_at, i64 max_ranks, i64 launch_fn, i64 function, i64 grid, i64 threads, i64 stream) {
@@ -272,7 +272,7 @@ py::tuple post_outputs(i64 board_addr, i64 num_ranks, i64 row_words, i64 rank, i
   i64 starts[MAX_RANKS + 1];
   const int read = board_starts(board_addr, num_ranks, row_words, rank, max_tokens, POSTED_MAX_RANKS, starts);
   if (read != LAUNCHED) {
-    post_void(posted_addr, std::min(num_ranks, POSTED_MAX_RANKS));
+    post_void(posted_addr, num_ranks);
     return py::make_tuple(read, py::none());
   }
   try {

@@ -483,7 +483,8 @@ __device__ void dispatch_recv(const DispatchArgs& a, const RecvOut& out, int c, 
     lo = offsets[s];
     hi = s + 1 < R ? offsets[s + 1] : a.out_rows;
   }
-  if ((a.starts_given || a.padded || out.starts) && c == 0 && q.leader) a.offsets[s] = lo;  // the handle's, for its cached calls
+  if ((a.starts_given || a.padded || out.starts) && c == 0 && q.leader)
+    a.offsets[s] = lo;  // the handle's, for its cached calls
   const i64 base = (i64)a.me * a.experts_per_rank, nk = a.num_k;
   i64 have = 0, code = 0;
   Wait w = wait_from_now();

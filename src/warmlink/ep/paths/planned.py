@@ -15,9 +15,9 @@ send graph] in ep.paths.sm_pushes) keeps its struct as the kind's template, and 
 makes its rows, ``taken`` and ``recv_offset`` tensors, writes the call block, launches the graph,
 records the board's event, patches a copy of the template and launches the stream behind the
 exchange in one C++ call; then, once the board is in, one more makes the outputs and posts them
-to the stream (Note [Posted outputs]). A padded call (``num_worst_tokens``, a plan per kind and value) waits for no board:
-one C++ call does all of it, the board's copy and the outputs included, and launches the stream,
-which takes its offsets from the copy on the device. What the host keeps (the status slots, the
+to the stream (Note [Posted outputs]). A padded call (``num_worst_tokens``, a plan per kind and
+value) waits for no board: one C++ call does all of it, the board's copy and the outputs
+included, and launches the stream, which takes its offsets from the copy on the device. What the host keeps (the status slots, the
 failures, the handle) stays in Python, after the launch where it can.
 
 A plan holds the exchange's graph handle, which the mover keeps until it closes, and is dropped
@@ -81,9 +81,8 @@ class PreparedLaunch:
         """``(outputs, recv_offset, plan)`` of the launch made (or posted) by the compiled host steps
         (ep.kernels.host) from the last exchange's board where it landed (the caller saw that
         exchange end; ``plan``: ``FreshPlan.post_outputs``' where it read it, else None); None
-        where they do not run (then nothing was allocated or launched, or a
-        void post went out; ``recv_starts`` on the board raises what a late source or a count out
-        of range means)."""
+        where they do not run (then nothing was allocated or launched, or a void post went out;
+        ``recv_starts`` on the board raises what a late source or a count out of range means)."""
         return self._from_board() if self._from_board is not None else None
 
     def abandon(self) -> None:

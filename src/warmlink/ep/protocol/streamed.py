@@ -9,11 +9,11 @@ then packs the streamed dispatch's launch but for its outputs (while the GPUs tr
 reads the board where it landed (the received row count sizes the outputs, as DeepEP's host
 reads its counters), places each source's rows (``recv_offset``) and launches (those steps
 compiled where they can be: ep.kernels.host; a kind planned before launches the stream with the
-exchange and posts it the outputs: Note [Posted outputs] in ep.paths.planned), and only then reads the earlier calls' status
-words (while it waits for the board too, every few milliseconds: not first, since the board
-may land while the host reads them) and fills the handle's plan
-from a copy of the board (the GPUs idle from the board to that launch: nothing else is on the
-way). With
+exchange and posts it the outputs: Note [Posted outputs] in ep.paths.planned), and only then
+reads the earlier calls' status words (while it waits for the board too, every few
+milliseconds: not first, since the board may land while the host reads them) and fills the
+handle's plan from a copy of the board (the GPUs idle from the board to that launch: nothing
+else is on the way). With
 ``num_worst_tokens`` the host reads nothing: a few device steps take the offsets from the board's
 copy and decide whether the round stands (the exchange accepted every rank's call, and no rank
 receives more than ``num_worst_tokens`` rows: every rank holds every source's counts, so all
