@@ -97,7 +97,7 @@ def test_a_source_that_does_not_compile_raises_with_the_compilers_log(fake, tmp_
 def test_a_buffer_falls_back_to_triton_when_the_cuda_kernels_do_not_load(monkeypatch, caplog, error):
     from warmlink.ep.kernels import stream_cuda
 
-    def refuse(device):
+    def refuse(device, num_ranks):
         raise error
 
     monkeypatch.delenv("WARMLINK_EP_STREAM_KERNEL", raising=False)

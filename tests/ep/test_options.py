@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from warmlink.ep.api.options import RING_ROWS, SENDS, STREAM_CHANNELS, Options, resolve_options, resolve_stream
+from warmlink.ep.api.options import SENDS, Options, resolve_options, resolve_stream, stream_defaults
 from warmlink.ep.paths.senders import PATHS, CopyEnginePath, HostPath, SmPath
 from warmlink.ep.paths.streamed import StreamPath
 from warmlink.errors import ConfigError
@@ -80,14 +80,17 @@ def test_every_choice_has_its_path():
 
 
 def test_a_streamed_buffer_sizes_its_space_from_its_two_arguments_or_their_defaults():
-    assert resolve_stream("sm", None, None) == (0, 0)
-    assert resolve_stream("stream", None, None) == (STREAM_CHANNELS, RING_ROWS)
-    assert resolve_stream("stream", 4, 8) == (4, 8)
+    assert resolve_stream("sm", 2, None, None) == (0, 0)
+    assert resolve_stream("stream", 2, None, None) == stream_defaults(2) == (20, 128)
+    for ranks in (3, 4, 8):  # fewer channels of longer rings from 3 ranks on, the same rows a source
+        assert resolve_stream("stream", ranks, None, None) == stream_defaults(ranks) == (10, 256)
+    assert resolve_stream("stream", 4, 4, None) == (4, 256)
+    assert resolve_stream("stream", 2, 4, 8) == (4, 8)
     with pytest.raises(ConfigError, match=r"stream_channels=4, ring_rows=None with send='sm'; they size"):
-        resolve_stream("sm", 4, None)
+        resolve_stream("sm", 2, 4, None)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ConfigError, match=rf"ring_rows={bad!r}; expected an int >= 1"):
-            resolve_stream("stream", 4, bad)
+            resolve_stream("stream", 2, 4, bad)
 
 
 def test_a_buffer_refuses_a_bad_choice_before_it_leases_anything():

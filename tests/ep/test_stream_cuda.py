@@ -48,9 +48,11 @@ def _offsets(fmt, fields: list[str]) -> list[int]:
 
 
 @needs_nvcc
-def test_stream_cu_compiles_for_hopper_with_both_kernels(tmp_path):
-    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "stream.cubin"),
-                           str(SOURCE)], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("ranks", sorted({stream_cuda.sum_ranks(r) for r in range(1, stream_cuda.MAX_RANKS + 1)}))
+def test_stream_cu_compiles_for_hopper_with_both_kernels(tmp_path, ranks):
+    """Each rank bound's module (``sum_ranks``: the combine's sum is compiled for it)."""
+    done = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", f"-DSUM_RANKS={ranks}",
+                           "-o", str(tmp_path / "stream.cubin"), str(SOURCE)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     for kernel in ("warmlink_stream_dispatch", "warmlink_stream_combine"):
         assert f"Compiling entry function '{kernel}' for 'sm_90'" in done.stderr, done.stderr[-4000:]
@@ -132,7 +134,7 @@ def test_a_launch_prepared_before_its_outputs_gets_their_addresses_rows_and_star
     from warmlink.ep.kernels.stream import StreamOutputs, StreamSpace
 
     launched = []
-    monkeypatch.setattr(stream_cuda, "_kernels", lambda device: {
+    monkeypatch.setattr(stream_cuda, "_kernels", lambda device, num_ranks: {
         "warmlink_stream_dispatch": lambda grid, block, args, stream: launched.append((grid, block, bytes(args)))})
     monkeypatch.setattr(stream_cuda, "current_stream", lambda device: 0)
     space = StreamSpace(2, 3, 16, 32)

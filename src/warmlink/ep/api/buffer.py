@@ -71,7 +71,8 @@ class Buffer(LowLatencyMethods, Closing):
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
         stream_channels, ring_rows: a streamed Buffer's channels (two programs each, at most half
-            the SMs) and rows per ring (None: 20 and 128). Every rank passes the same.
+            the SMs) and rows per ring (None: 20 and 128 at two ranks, 10 and 256 at more). Every rank
+            passes the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
             experts, ``max_tokens_per_rank`` tokens (ep.low_latency: host copies on shm, kernels on cuda_ipc).
         enable_shrink: with ``low_latency_mode``, a peer that stalls or dies is masked and the
@@ -108,7 +109,7 @@ class Buffer(LowLatencyMethods, Closing):
         self.send, self.graphs, self.copy_streams, self.combine_parts = resolve_options(
             num_ranks, self.backend, send, graphs, copy_streams, combine_parts)
         self.layout = RegionLayout(num_ranks, max_tokens_per_rank, hidden, num_topk,
-                                   *resolve_stream(self.send, stream_channels, ring_rows))
+                                   *resolve_stream(self.send, num_ranks, stream_channels, ring_rows))
         self._checks = Checks(self.layout, num_ranks, self.device)
         self._check_low_latency(low_latency_mode, num_experts, enable_shrink)
         self._normal: NormalMode | None = None

@@ -13,12 +13,9 @@ from warmlink import _env
 from warmlink.ep.kernels.reduce import PARTS
 from warmlink.errors import ConfigError
 
-__all__ = ["COPY_STREAMS", "RING_ROWS", "SENDS", "STREAM_CHANNELS", "Options", "resolve_device", "resolve_options",
-           "resolve_stream"]
+__all__ = ["COPY_STREAMS", "SENDS", "Options", "resolve_device", "resolve_options", "resolve_stream", "stream_defaults"]
 
 SENDS = ("sm", "copy", "host", "stream")  # ep.paths.senders.PATHS's keys, and ep.paths.streamed's
-STREAM_CHANNELS = 20  # a streamed Buffer's default channels: 40 programs, as DeepEP's 20 SMs of 2 blocks
-RING_ROWS = 128  # rows of one ring: 2 ranks x 20 channels at 7168 BF16 take 71 MiB
 COPY_STREAMS = ("one", "per-peer")
 
 
@@ -69,9 +66,18 @@ def resolve_options(num_ranks: int, backend: str, send: str | None = None, graph
     )
 
 
-def resolve_stream(send: str, channels: int | None, ring_rows: int | None) -> tuple[int, int]:
-    """``(stream_channels, ring_rows)`` of a Buffer: ``(0, 0)`` unless ``send == "stream"``, else each
-    argument, or its default."""
+def stream_defaults(num_ranks: int) -> tuple[int, int]:
+    """A streamed Buffer's default ``(stream_channels, ring_rows)`` for ``num_ranks``: 2560 rows a
+    source either way (71 MiB a rank at 2 ranks x 7168 BF16). On 2 x H200 20 channels (40 programs,
+    as DeepEP's 20 SMs of 2 blocks) of 128 rows ran fastest; on 4 x H200 10 of 256, and 20 channels
+    were 10-25% slower in every call, more so the combine (tools/stream_sweep.py): more programs
+    storing across NVLink at once there slow each other more than they add."""
+    return (20, 128) if num_ranks <= 2 else (10, 256)
+
+
+def resolve_stream(send: str, num_ranks: int, channels: int | None, ring_rows: int | None) -> tuple[int, int]:
+    """``(stream_channels, ring_rows)`` of a Buffer of ``num_ranks``: ``(0, 0)`` unless
+    ``send == "stream"``, else each argument, or its default (``stream_defaults``)."""
     if send != "stream":
         if channels is not None or ring_rows is not None:
             raise ConfigError(f"ep.Buffer: stream_channels={channels!r}, ring_rows={ring_rows!r} with send={send!r}; "
@@ -80,4 +86,5 @@ def resolve_stream(send: str, channels: int | None, ring_rows: int | None) -> tu
     for name, value in (("stream_channels", channels), ("ring_rows", ring_rows)):
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"ep.Buffer: {name}={value!r}; expected an int >= 1 (or None: the default)")
-    return (channels if channels is not None else STREAM_CHANNELS), (ring_rows if ring_rows is not None else RING_ROWS)
+    default_channels, default_rows = stream_defaults(num_ranks)
+    return (channels if channels is not None else default_channels), (ring_rows if ring_rows is not None else default_rows)

@@ -26,7 +26,7 @@ holds for the same sizes (``ep.size_hint``), and ``num_rdma_bytes`` must hold th
 from __future__ import annotations
 
 from warmlink.ep import Buffer, size_hint
-from warmlink.ep.api.options import RING_ROWS, STREAM_CHANNELS
+from warmlink.ep.api.options import stream_defaults
 from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import ConfigError
 
@@ -73,9 +73,10 @@ def stream_within(budget_bytes: int, num_ranks: int, hidden: int, num_topk: int,
     the default channels (at most ``max_channels``) with the most ring rows up to the default, a power of 2
     (at least 8, a stream kernel's tile); half the channels when not even that fits; None when one
     channel of 8 rows does not fit."""
-    channels = min(STREAM_CHANNELS, max_channels)
+    default_channels, default_rows = stream_defaults(num_ranks)
+    channels = min(default_channels, max_channels)
     while channels >= 1:
-        ring_rows = RING_ROWS
+        ring_rows = default_rows
         while ring_rows >= 8:
             layout = RegionLayout(num_ranks, MAX_TOKENS, built_hidden(hidden), num_topk, channels, ring_rows)
             if layout.nbytes <= budget_bytes:

@@ -653,6 +653,49 @@ __device__ void combine_send(const CombineArgs& a, int c, i64 seq, const Groups&
   if (!code && q.leader) publish(tail, (seq << 32) | FIN | sent);
 }
 
+// A warp sums one token's copies (rows[d]: rank d's, or null), 8 elements a lane a step, in rank
+// order so that the sum is the same bits every run. A step's loads are one per copy; a lane keeps
+// SUM_PAIRS 16-byte loads in flight across steps (2 ranks: 4 steps, 4 ranks: 2), since each step's
+// loads wait a full memory round trip and a warp has ~28 steps a 7168-wide token.
+#ifndef SUM_PAIRS
+#define SUM_PAIRS 8
+#endif
+#ifndef SUM_RANKS
+#define SUM_RANKS MAX_RANKS  // the most ranks a launch has: ep/kernels/stream_cuda.py compiles one module for 2, 4, 8
+#endif
+template <int RANKS>
+__device__ __forceinline__ void sum_token(const unsigned short* const* rows, unsigned short* out, i64 hidden, int lane,
+                                          int half) {
+  constexpr int STEPS = SUM_PAIRS / RANKS > 0 ? SUM_PAIRS / RANKS : 1;
+  for (i64 base = lane * 8; base < hidden; base += 32 * 8 * STEPS) {
+    Pair v[STEPS][RANKS];
+#pragma unroll
+    for (int u = 0; u < STEPS; ++u)
+#pragma unroll
+      for (int d = 0; d < RANKS; ++d)
+        if (rows[d] && base + u * 256 < hidden) v[u][d] = load_ring2((const Pair*)(rows[d] + base + u * 256));
+#pragma unroll
+    for (int u = 0; u < STEPS; ++u) {
+      const i64 e = base + u * 256;
+      if (e < hidden) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int d = 0; d < RANKS; ++d)
+          if (rows[d]) {
+            const unsigned short* h = (const unsigned short*)&v[u][d];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += to_float(h[i], half);
+          }
+        Pair o;
+        unsigned short* h = (unsigned short*)&o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = from_float(acc[i], half);
+        store_pair((Pair*)(out + e), o);
+      }
+    }
+  }
+}
+
 // Receiver program c at a source: its tokens of channel c in tiles of at most one token a warp
 // (and a ring of rows from any rank); each token's copies summed in float32 in rank order
 __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i64* sh_code, int* sh_goes,
@@ -715,27 +758,8 @@ __device__ void combine_recv(const CombineArgs& a, int c, i64 seq, int warps, i6
         }
       }
       unsigned short* out = (unsigned short*)a.out + t * hidden;
-      const bool wide = ((hidden & 7) | ((u64)out & 15)) == 0;
-      if (wide) {  // 8 elements a lane a step, every rank's copy of them in flight at once
-        for (i64 e = lane * 8; e < hidden; e += 32 * 8) {
-          Pair v[MAX_RANKS];
-#pragma unroll
-          for (int d = 0; d < MAX_RANKS; ++d)
-            if (rows[d]) v[d] = load_ring2((const Pair*)(rows[d] + e));
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int d = 0; d < MAX_RANKS; ++d)  // rank order: the sum is the same bits every run
-            if (rows[d]) {
-              const unsigned short* h = (const unsigned short*)&v[d];
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[i] += to_float(h[i], a.half);
-            }
-          Pair o;
-          unsigned short* h = (unsigned short*)&o;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) h[i] = from_float(acc[i], a.half);
-          store_pair((Pair*)(out + e), o);
-        }
+      if (((hidden & 7) | ((u64)out & 15)) == 0) {  // 8 elements a lane a step
+        sum_token<SUM_RANKS>(rows, out, hidden, lane, a.half);
       } else {
         for (i64 e = lane; e < hidden; e += 32) {
           float acc = 0;

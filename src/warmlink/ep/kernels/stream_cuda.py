@@ -64,11 +64,17 @@ def _source() -> str:
     return resources.files("warmlink.ep.kernels").joinpath("stream.cu").read_text()
 
 
+def sum_ranks(num_ranks: int) -> int:
+    """The ranks the combine's sum is compiled for (stream.cu's SUM_RANKS: it keeps a lane's loads of
+    2 ranks' copies 4 steps deep, of 4 ranks' 2, of up to 8 ranks' 1, in the same registers)."""
+    return 2 if num_ranks <= 2 else 4 if num_ranks <= 4 else MAX_RANKS
+
+
 @functools.cache
-def _kernels(device: int) -> dict:
+def _kernels(device: int, num_ranks: int) -> dict:
     from warmlink import _nvrtc
 
-    return _nvrtc.load(_source(), "warmlink_stream", device, _KERNELS, OPTIONS)
+    return _nvrtc.load(_source(), "warmlink_stream", device, _KERNELS, (*OPTIONS, f"-DSUM_RANKS={sum_ranks(num_ranks)}"))
 
 
 @functools.cache
@@ -89,7 +95,7 @@ def choose(device: int, num_ranks: int) -> str:
     from warmlink.errors import TransferError
 
     try:
-        _kernels(device)
+        _kernels(device, num_ranks)
     except (ImportError, TransferError) as exc:  # no NVRTC, it refused the source, or the driver the cubin
         log.warning("ep: the CUDA streamed kernels are unavailable on cuda:%d (%s): the Triton ones run", device, exc)
         return "triton"
@@ -97,9 +103,9 @@ def choose(device: int, num_ranks: int) -> str:
     return "cuda"
 
 
-def _launch(name: str, device: int, grid: int, packed: bytes) -> None:
+def _launch(name: str, device: int, num_ranks: int, grid: int, packed: bytes) -> None:
     args = ctypes.create_string_buffer(packed, len(packed))
-    _kernels(device)[name](grid, THREADS, args, current_stream(device))
+    _kernels(device, num_ranks)[name](grid, THREADS, args, current_stream(device))
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -144,9 +150,10 @@ class PreparedDispatch:
 
     __slots__ = ("_args", "_kernel", "_stream", "_grid", "_starts_given")
 
-    def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool, kernel=None) -> None:
+    def __init__(self, args: ctypes.Array, device: int, num_ranks: int, grid: int, starts_given: bool,
+                 kernel=None) -> None:
         self._args, self._grid, self._starts_given = args, grid, starts_given
-        self._kernel = kernel or _kernels(device)["warmlink_stream_dispatch"]
+        self._kernel = kernel or _kernels(device, num_ranks)["warmlink_stream_dispatch"]
         self._stream = current_stream(device)  # (looked up now: the launch is on the way to the GPUs)
 
     @property
@@ -164,7 +171,7 @@ class PreparedDispatch:
 
     def with_args(self, args: ctypes.Array, device: int) -> "PreparedDispatch":
         """The same launch over another struct (a planned call's, patched by compiled code)."""
-        return PreparedDispatch(args, device, self._grid, self._starts_given, self._kernel)
+        return PreparedDispatch(args, device, 0, self._grid, self._starts_given, self._kernel)
 
     def on(self, stream: int) -> None:
         """Launch on ``stream`` (a planned call's current stream)."""
@@ -224,8 +231,8 @@ def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, 
     packed = pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort, valid, me, seq,
                            max_tokens, meta_words, experts_per_rank, timeout_ns, taken, publish, batch, advance,
                            starts_given, padded)
-    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, 2 * space.channels,
-                            starts_given)
+    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, space.num_ranks,
+                            2 * space.channels, starts_given)
 
 
 def pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int, seq,
@@ -263,4 +270,4 @@ def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out
         bases.data_ptr(), out.data_ptr(), _ptr(out_weights), status.data_ptr(), abort, seq.data_ptr(), _ptr(advance),
         rows.shape[0], n, x_words, weights.shape[1] if weights is not None else 0, space.row_words, space.ring_rows,
         timeout_ns, me, r, c, int(out.dtype == torch.float16), publish, batch, (THREADS // 32) // r, 0)
-    _launch("warmlink_stream_combine", x_words_t.device.index, 2 * c, packed)
+    _launch("warmlink_stream_combine", x_words_t.device.index, r, 2 * c, packed)
