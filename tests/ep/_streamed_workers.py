@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tests.ep._workers import _buffer, _cpu, _to, case_inputs, rank_device
+from tests.ep._workers import _buffer, _cpu, _to, case_inputs, dispatch_combine, rank_device
 
 
 def stalled_peer_then_clear(rank: int, num_ranks: int, store, case: dict) -> dict:
@@ -162,3 +162,12 @@ class _NoPost:
 
     def post_void(self, *args):
         pass
+
+
+def merged_combine(rank: int, num_ranks: int, store, case: dict) -> list[dict]:
+    """``dispatch_combine`` with the CUDA combine's programs each taking ``case["merge"]`` adjacent
+    dispatch channels (stream.cu's Merged channels), whatever the rank count."""
+    from warmlink.ep.kernels import stream_cuda
+
+    stream_cuda.combine_merge = lambda num_ranks, channels: case["merge"]
+    return dispatch_combine(rank, num_ranks, store, case)

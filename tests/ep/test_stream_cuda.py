@@ -27,7 +27,7 @@ DISPATCH_FIELDS = ("rows x topk w s bases offsets out_x out_idx out_w out_s stat
                    "out_rows experts_per_rank timeout_ns starts board_row worst me num_ranks channels topk_bytes w_kind has_s "
                    "publish batch warps_per_peer starts_given padded pad posted_tag posted").split()
 COMBINE_FIELDS = ("rows x w taken offsets bases out out_w status abort seq done num_tokens x_rows x_words num_k row_words "
-                  "ring_rows timeout_ns me num_ranks channels half publish batch warps_per_peer pad").split()
+                  "ring_rows timeout_ns me num_ranks channels half publish batch warps_per_peer merge").split()
 
 
 def _offsets(fmt, fields: list[str]) -> list[int]:
@@ -159,3 +159,15 @@ def test_a_launch_prepared_before_its_outputs_gets_their_addresses_rows_and_star
     assert launched[1][2] == packed  # the launch packed at once: the same bytes
     with pytest.raises(ValueError, match="starts_given"):
         prepared.launch(out, None)
+
+
+def test_the_combine_merges_channels_only_past_its_program_cap_from_three_ranks_on():
+    """``combine_merge``: two ranks never merge; from three on, a program takes enough adjacent
+    dispatch channels for at most ``COMBINE_PROGRAMS`` a side (the last may take fewer)."""
+    cap = stream_cuda.COMBINE_PROGRAMS
+    assert [stream_cuda.combine_merge(2, c) for c in (1, cap, 2 * cap, 64)] == [1, 1, 1, 1]
+    for ranks in (3, 4, 8):
+        for channels in (1, cap - 1, cap, cap + 1, 2 * cap, 2 * cap + 1, 64):
+            merge = stream_cuda.combine_merge(ranks, channels)
+            programs = -(-channels // merge)
+            assert programs <= cap and (merge == 1 or -(-channels // (merge - 1)) > cap), (ranks, channels, merge)

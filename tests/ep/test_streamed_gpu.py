@@ -9,7 +9,7 @@ import torch
 
 from tests.ep._group import run_ranks
 from tests.ep._reference import reference_dispatch
-from tests.ep._streamed_workers import graph_replays, stalled_peer_then_clear, unposted_outputs
+from tests.ep._streamed_workers import graph_replays, merged_combine, stalled_peer_then_clear, unposted_outputs
 from tests.ep._workers import case_inputs, changing_rounds, dispatch_combine, expect_error
 from tests.ep.test_buffer import changing_case, check_against_reference, check_changing_rounds
 
@@ -43,6 +43,17 @@ CASES = {
 def test_gpu_streamed_dispatch_combine_match_the_reference(name):
     case = dict(CASES[name], **_STREAM)
     check_against_reference(case, run_ranks(dispatch_combine, RANKS, case=case, timeout_s=300))
+
+
+@pytest.mark.parametrize("name,merge", [("bf16 uneven, masked, small rings, cached", 3), ("deepseek hidden, cached", 2),
+                                        ("padded outputs, cached, events", 2)])
+def test_gpu_a_combine_whose_programs_take_merged_channels_matches_the_reference(name, merge):
+    """The CUDA combine's programs each taking ``merge`` adjacent dispatch channels (stream.cu's Merged
+    channels, from three ranks on at 20 channels; here forced): spans of uneven width (4 channels by
+    3), merged rings wrapping, and the next round's dispatch on channels whose heads only the
+    combine's FIN freed."""
+    case = dict(CASES[name], **_STREAM, merge=merge)
+    check_against_reference(case, run_ranks(merged_combine, RANKS, case=case, timeout_s=300))
 
 
 @pytest.mark.parametrize("name", ["bf16 uneven, masked, small rings, cached", "padded outputs, cached, events"])

@@ -38,8 +38,8 @@ import torch
 from warmlink.ep.kernels import host
 from warmlink.ep.kernels.launch import current_stream
 
-__all__ = ["MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "dispatch", "pack_dispatch",
-           "prepare_dispatch"]
+__all__ = ["COMBINE_PROGRAMS", "MAX_RANKS", "THREADS", "PreparedDispatch", "choose", "combine", "combine_merge",
+           "dispatch", "pack_dispatch", "prepare_dispatch", "sum_ranks"]
 
 log = logging.getLogger("warmlink.ep")
 
@@ -62,6 +62,18 @@ _COMBINE = struct.Struct("<12Q7q8i")
 @functools.cache
 def _source() -> str:
     return resources.files("warmlink.ep.kernels").joinpath("stream.cu").read_text()
+
+
+COMBINE_PROGRAMS = 10  # from 3 ranks on, the most programs a side of a combine (combine_merge)
+
+
+def combine_merge(num_ranks: int, channels: int) -> int:
+    """The dispatch channels one program of the combine takes (stream.cu's Merged channels): 1 at
+    two ranks; from three on, enough for at most ``COMBINE_PROGRAMS`` a side, since on 4 x H200 a
+    combine of 10 programs a side ran 10-25% faster than one of 20 (tools/stream_sweep.py, the
+    dispatch on as many channels). The default shape from three ranks on has 10 channels
+    (ep.api.options.stream_defaults), so only a Buffer built with more merges them."""
+    return 1 if num_ranks <= 2 else -(-channels // COMBINE_PROGRAMS)
 
 
 def sum_ranks(num_ranks: int) -> int:
@@ -269,5 +281,6 @@ def combine(space, rows, x_words_t, weights, taken, recv_offset, bases, out, out
         rows.data_ptr(), x_words_t.data_ptr(), _ptr(weights), taken.data_ptr(), recv_offset.data_ptr(),
         bases.data_ptr(), out.data_ptr(), _ptr(out_weights), status.data_ptr(), abort, seq.data_ptr(), _ptr(advance),
         rows.shape[0], n, x_words, weights.shape[1] if weights is not None else 0, space.row_words, space.ring_rows,
-        timeout_ns, me, r, c, int(out.dtype == torch.float16), publish, batch, (THREADS // 32) // r, 0)
+        timeout_ns, me, r, c, int(out.dtype == torch.float16), publish, batch, (THREADS // 32) // r,
+        combine_merge(r, c))
     _launch("warmlink_stream_combine", x_words_t.device.index, r, 2 * c, packed)
