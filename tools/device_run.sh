@@ -17,6 +17,7 @@
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
 #        compare-deepep (bench ep --deep-ep of PREV and this code interleaved, PAIRS; tools/deep_ep_compare.py)
+#        compare-shape (compare-deepep beside this code with the streamed default shape SHAPE, e.g. 20x128)
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
@@ -260,6 +261,20 @@ for d in range(torch.cuda.device_count()):
       python3 tools/deep_ep_compare.py --code previous="$OUT/compare_deepep/previous_*.json" \
         --code this="$OUT/compare_deepep/this_*.json" --json "$OUT/compare_deepep.json" | tee "$OUT/compare_deepep.txt"
       tar czf "$OUT/compare_deepep.tgz" -C "$OUT" compare_deepep && rm -rf "$OUT/compare_deepep" ;;
+    compare-shape)
+      # compare-deepep of this code beside itself with every streamed Buffer's default shape SHAPE
+      # (CHANNELSxRING_ROWS, e.g. 20x128: ep.api.options.stream_defaults patched in a copy of src)
+      rm -rf /tmp/shape && mkdir -p /tmp/shape && cp -r src /tmp/shape/
+      python3 - "${SHAPE:-20x128}" <<'PY' || { echo "compare-shape: stream_defaults not as expected"; continue; }
+import pathlib, sys
+channels, rows = (int(v) for v in sys.argv[1].split("x"))
+p = pathlib.Path("/tmp/shape/src/warmlink/ep/api/options.py")
+s = p.read_text()
+old = "    return (20, 128) if num_ranks <= 2 else (10, 256)"
+assert old in s
+p.write_text(s.replace(old, f"    return ({channels}, {rows})"))
+PY
+      PREV=/tmp/shape/src "$0" compare-deepep ;;
     bench-ep-deepep)
       deepep_ready
       for i in $(seq 1 ${REPEATS_EP:-3}); do

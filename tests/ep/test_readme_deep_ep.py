@@ -28,6 +28,7 @@ def test_the_deep_ep_snippet_runs_as_written():
 
 
 def test_the_memory_figures_are_what_sizing_computes():
+    from warmlink.ep.api.options import stream_defaults
     from warmlink.ep.wire.regions import RegionLayout
 
     text = " ".join(README.read_text().split())
@@ -40,11 +41,12 @@ def test_the_memory_figures_are_what_sizing_computes():
         assert f"{need / hint:.1f} times DeepEP's hint" in text, (num_ranks, need / hint)
         assert deep_ep.sizing.tokens_within(hint, num_ranks, 7168, 8) < 4096  # so the hint streams
         channels, ring_rows = deep_ep.sizing.stream_within(hint, num_ranks, 7168, 8, max_channels=66)
-        assert (channels, ring_rows) == (20, 128), num_ranks
+        assert (channels, ring_rows) == stream_defaults(num_ranks) == ((20, 128) if num_ranks == 2 else (10, 256))
         nbytes = RegionLayout(num_ranks, deep_ep.sizing.MAX_TOKENS, 7168, 8, channels, ring_rows).nbytes
         assert nbytes <= hint, (num_ranks, nbytes, hint)
         streamed.append(f"{nbytes / 2**20:.3g}")
     assert f"one slot round needs {' / '.join(figures)} GiB per rank" in text, figures
-    assert f"20 channels of up to 128 rows a ring, {' / '.join(streamed)} MiB at 2 / 4 / 8 ranks" in text, streamed
+    assert (f"20 channels of up to 128 rows a ring at 2 ranks, 10 of up to 256 at more, {' / '.join(streamed)} MiB "
+            "at 2 / 4 / 8 ranks") in text, streamed
     in_2e9 = [-(-4096 // deep_ep.sizing.tokens_within(int(2e9), num_ranks, 7168, 8)) for num_ranks in (2, 4, 8)]
     assert in_2e9 == [1, 1, 2] and "2e9 bytes: slots, one round at 2 and 4 ranks, two at 8" in text

@@ -70,9 +70,8 @@ class Buffer(LowLatencyMethods, Closing):
         combine_parts: the parts a combine's rows are sent and summed in, 1 to 4 (ep.kernels.reduce,
             Note [Pipelined combine]). None: 4 for three ranks and more, else 1. Every rank passes
             the same.
-        stream_channels, ring_rows: a streamed Buffer's channels (two programs each, at most half
-            the SMs) and rows per ring (None: 20 and 128 at two ranks, 10 and 256 at more). Every rank
-            passes the same.
+        stream_channels, ring_rows: a streamed Buffer's channels (two programs each, at most half the
+            SMs) and rows per ring (None: ep.api.options.stream_defaults). Every rank passes the same.
         low_latency_mode, num_experts: also set up DeepEP's low-latency calls for ``num_experts``
             experts, ``max_tokens_per_rank`` tokens (ep.low_latency: host copies on shm, kernels on cuda_ipc).
         enable_shrink: with ``low_latency_mode``, a peer that stalls or dies is masked and the

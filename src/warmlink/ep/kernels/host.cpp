@@ -22,6 +22,9 @@
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
 // equal). The driver's functions come as addresses, so nothing here links against CUDA.
+// Over 400 lines: one source is one compile at first use and one cached module; the steps share
+// the board's readers, the outputs' allocation and the struct patching, which a split would
+// repeat in each module.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/python_variable.h>
