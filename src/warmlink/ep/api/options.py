@@ -69,9 +69,11 @@ def resolve_options(num_ranks: int, backend: str, send: str | None = None, graph
 def stream_defaults(num_ranks: int) -> tuple[int, int]:
     """A streamed Buffer's default ``(stream_channels, ring_rows)`` for ``num_ranks``: 2560 rows a
     source either way (71 MiB a rank at 2 ranks x 7168 BF16). On 2 x H200 20 channels (40 programs,
-    as DeepEP's 20 SMs of 2 blocks) of 128 rows ran fastest; on 4 x H200 10 of 256, and 20 channels
-    were 10-25% slower in every call, more so the combine (tools/stream_sweep.py): more programs
-    storing across NVLink at once there slow each other more than they add."""
+    as DeepEP's 20 SMs of 2 blocks) of 128 rows ran fastest. On 4 x H200, beside DeepEP in
+    ``bench ep --deep-ep`` (BENCHMARKS.md), 20 channels suited the dispatches (fresh FP8 ~1.0x DeepEP
+    against 0.82x) and 10 of 256 the combine (0.81x against 0.67-0.70x); a layer's fresh dispatch
+    and combine together took about as long on 10 with FP8 tokens and less with BF16, so 10 x 256
+    is the default from three ranks on."""
     return (20, 128) if num_ranks <= 2 else (10, 256)
 
 

@@ -162,10 +162,8 @@ class PreparedDispatch:
 
     __slots__ = ("_args", "_kernel", "_stream", "_grid", "_starts_given")
 
-    def __init__(self, args: ctypes.Array, device: int, num_ranks: int, grid: int, starts_given: bool,
-                 kernel=None) -> None:
-        self._args, self._grid, self._starts_given = args, grid, starts_given
-        self._kernel = kernel or _kernels(device, num_ranks)["warmlink_stream_dispatch"]
+    def __init__(self, args: ctypes.Array, device: int, grid: int, starts_given: bool, kernel) -> None:
+        self._args, self._grid, self._starts_given, self._kernel = args, grid, starts_given, kernel
         self._stream = current_stream(device)  # (looked up now: the launch is on the way to the GPUs)
 
     @property
@@ -183,7 +181,7 @@ class PreparedDispatch:
 
     def with_args(self, args: ctypes.Array, device: int) -> "PreparedDispatch":
         """The same launch over another struct (a planned call's, patched by compiled code)."""
-        return PreparedDispatch(args, device, 0, self._grid, self._starts_given, self._kernel)
+        return PreparedDispatch(args, device, self._grid, self._starts_given, self._kernel)
 
     def on(self, stream: int) -> None:
         """Launch on ``stream`` (a planned call's current stream)."""
@@ -243,8 +241,9 @@ def prepare_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, 
     packed = pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort, valid, me, seq,
                            max_tokens, meta_words, experts_per_rank, timeout_ns, taken, publish, batch, advance,
                            starts_given, padded)
-    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), x.device.index, space.num_ranks,
-                            2 * space.channels, starts_given)
+    device = x.device.index
+    return PreparedDispatch(ctypes.create_string_buffer(packed, len(packed)), device, 2 * space.channels, starts_given,
+                            _kernels(device, space.num_ranks)["warmlink_stream_dispatch"])
 
 
 def pack_dispatch(space, rows, x, topk, weights, scales, bases, recv_offset, status, abort: int, valid, me: int, seq,

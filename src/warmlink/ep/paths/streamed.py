@@ -345,4 +345,3 @@ def _posted(done, recv_offset: torch.Tensor) -> tuple[StreamOutputs, torch.Tenso
 def _posted_only(out: StreamOutputs, starts: list[int] | None) -> NoReturn:
     raise MetadataError("ep: the count board held what the compiled check refused and the Python check passed; a "
                         "launch waiting for posted outputs cannot take them from Python (a warmlink bug)")
-
