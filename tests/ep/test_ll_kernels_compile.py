@@ -31,13 +31,15 @@ class _Recorder:
 
 
 def _signature(jit, args: tuple, constexprs: dict) -> tuple[dict, dict]:
-    """Triton's view of a launch: pointers by dtype, an int of 1 as the constant Triton makes it."""
+    """Triton's view of a launch: pointers by dtype, an int of 1 as the constant Triton makes it
+    (unless the kernel names it in ``do_not_specialize``)."""
     names = jit.arg_names
+    general = {names[i] if isinstance(i, int) else i for i in jit.do_not_specialize}
     sig, consts = {}, dict(constexprs)
     for name, value in zip(names, args, strict=False):
         if isinstance(value, torch.Tensor):
             sig[name] = _TYPES[value.dtype]
-        elif isinstance(value, bool) or value == 1:
+        elif isinstance(value, bool) or (value == 1 and name not in general):
             sig[name], consts[name] = "constexpr", value
         else:
             sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"

@@ -17,7 +17,9 @@
 //   padded_stands: whether a padded round's count board, landed, stands (the checks the next call
 //     makes before its own launch; the round's plan is filled later, when its handle is used);
 //   wait_landed: a short spin, without the GIL, until the count exchange landed its board;
-//   status_clean: how many finished streamed launches ended clean (ep/paths/launch_status.py).
+//   status_clean: how many finished streamed launches ended clean (ep/paths/launch_status.py);
+//   launch_prepared: a Triton kernel's launch whose parameters Python packed once
+//     (ep/kernels/launch.py, PreparedLaunch), patched with a call's values: the low-latency calls'.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
@@ -565,6 +567,47 @@ i64 status_clean(i64 words_addr, i64 row_words, i64 width, const py::sequence& s
 
 }  // namespace
 
+// A PreparedLaunch's plan (ep/kernels/launch.py: the same constants): header words (cuLaunchKernel,
+// the function, threads, shared bytes, parameters, varying ones), each parameter's offset, each
+// varying one's (parameter | size << 8 | check << 16 | argument << 24), then the packed parameters.
+constexpr i64 PLAN_MAX_PARAMS = 32, PLAN_MAX_BYTES = 512;
+constexpr i64 PLAN_OFFSETS = 8, PLAN_VARY = PLAN_OFFSETS + PLAN_MAX_PARAMS, PLAN_BUFFER = PLAN_VARY + PLAN_MAX_PARAMS;
+constexpr i64 CHECK_ALIGNED = 1, CHECK_INT32 = 2;
+
+// The varying parameters' values from `args`, the launch's arguments as Python passes them (a
+// tensor gives its address); -1 where a value breaks what the kernel was compiled for (an address
+// it assumed 16-byte aligned, an int it took as 32 bits), launching nothing; else cuLaunchKernel's
+// result
+int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args) {
+  const i64* plan = reinterpret_cast<const i64*>(plan_addr);
+  const i64 num_params = plan[4], num_varying = plan[5];
+  if (grid < 1 || grid > INT32_MAX) return -1;
+  alignas(16) char buffer[PLAN_MAX_BYTES];
+  std::memcpy(buffer, plan + PLAN_BUFFER, PLAN_MAX_BYTES);
+  for (i64 j = 0; j < num_varying; ++j) {
+    const i64 entry = plan[PLAN_VARY + j];
+    const i64 param = entry & 0xFF, size = (entry >> 8) & 0xFF, check = (entry >> 16) & 0xFF, arg = entry >> 24;
+    if (arg >= static_cast<i64>(args.size())) return -1;
+    const py::handle obj = args[arg];
+    const at::Tensor* t = tensor(obj);
+    const i64 value = t != nullptr ? reinterpret_cast<i64>(t->data_ptr()) : obj.cast<i64>();
+    if (check == CHECK_ALIGNED && value % 16 != 0) return -1;
+    if (check == CHECK_INT32 && (value < INT32_MIN || value > INT32_MAX)) return -1;
+    char* at = buffer + plan[PLAN_OFFSETS + param];
+    if (size == 4) {
+      const int32_t narrow = static_cast<int32_t>(value);
+      std::memcpy(at, &narrow, 4);
+    } else {
+      std::memcpy(at, &value, 8);
+    }
+  }
+  void* params[PLAN_MAX_PARAMS];
+  for (i64 i = 0; i < num_params; ++i) params[i] = buffer + plan[PLAN_OFFSETS + i];
+  return reinterpret_cast<LaunchFn>(plan[0])(reinterpret_cast<void*>(plan[1]), static_cast<unsigned>(grid), 1, 1,
+                                             static_cast<unsigned>(plan[2]), 1, 1, static_cast<unsigned>(plan[3]),
+                                             reinterpret_cast<void*>(stream), params, nullptr);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout", &layout);
   m.def("fresh_launch", &fresh_launch);
@@ -577,4 +620,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_stands", &padded_stands);
   m.def("wait_landed", &wait_landed);
   m.def("status_clean", &status_clean);
+  m.def("launch_prepared", &launch_prepared);
 }

@@ -7,13 +7,23 @@ the path to the first copy. ``FastLaunch`` keys the compiled kernel by the same 
 Triton computes (its native ``specialize_impl`` on every runtime argument), the constexprs and the
 device; the first call of a key compiles and launches through Triton, later ones launch that
 compiled kernel directly, as ``JITFunction.run`` itself does once it has found it.
+
+That still costs Triton's launcher (it reads each argument from Python) and a specialization per
+argument: 15-25 us of an eager low-latency call's host time. ``FastLaunch.prepare`` packs a
+compiled kernel's parameters once into a ``PreparedLaunch``, which ``host.cpp``'s
+``launch_prepared`` patches with a call's varying values (addresses, sizes) and hands to
+``cuLaunchKernel``: one compiled call. It checks what the compiled kernel assumed of those values
+(a pointer 16-byte aligned, an int within 32 bits) and declines a call that breaks it, which then
+launches through ``FastLaunch``.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-__all__ = ["FastLaunch", "capturing", "current_stream", "launch", "on_stream"]
+__all__ = ["FastLaunch", "PreparedLaunch", "capturing", "current_stream", "launch", "on_stream"]
 
 # The handle of the current stream: the call Triton's own launcher makes (its torch driver's
 # get_current_stream), 1-2 us of host time where ``torch.cuda.current_stream(d).cuda_stream``
@@ -80,11 +90,15 @@ class FastLaunch:
         self._specialize = native_specialize_impl
         self._cache: dict[tuple, object] = {}
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
+    def _key(self, args: tuple, constexprs: dict, num_warps: int) -> tuple:
         device = _get_device() if _get_device is not None else torch.cuda.current_device()  # 0.3 us, not 2-4
         backend = self.jit.device_caches[device][3]
         spec = self._specialize
-        key = (device, num_warps, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))
+        return (device, num_warps, tuple(constexprs.values()), tuple(spec(backend, a, False, True, True) for a in args))
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
+        key = self._key(args, constexprs, num_warps)
+        device = key[0]
         compiled = self._cache.get(key)
         if compiled is None:
             names = self.jit.arg_names[len(args):]
@@ -99,6 +113,124 @@ class FastLaunch:
         enter, exit_ = self._knobs.runtime.launch_enter_hook, self._knobs.runtime.launch_exit_hook
         meta = compiled.launch_metadata(g[:3], stream, *values) if enter is not None else None
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *values)
+
+    def prepare(self, args: tuple, constexprs: dict, num_warps: int, varying: frozenset[int]) -> "PreparedLaunch | None":
+        """The launch of the kernel this ``FastLaunch`` compiled for ``args`` (called once with them
+        already), its parameters packed; the args whose indices are in ``varying`` are given per
+        call (``PreparedLaunch.__call__``), the others are fixed. None where it cannot be prepared:
+        no compiled host steps, a kernel that needs what Triton's launcher adds (scratch memory,
+        a cooperative or clustered launch), or a varying int that Triton specializes on its value
+        (name it in ``triton.jit``'s ``do_not_specialize``). Tensors of a varying arg must keep the
+        dtype they had here: the caller keys its prepared launches by it."""
+        from warmlink.ep.kernels import host
+
+        key = self._key(args, constexprs, num_warps)
+        compiled = self._cache.get(key)
+        module = host.module()
+        if compiled is None or module is None or getattr(compiled, "function", None) is None:
+            return None
+        meta = compiled.metadata
+        if (getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0)
+                or getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False)
+                or getattr(meta, "num_ctas", 1) != 1):
+            return None
+        types = list(compiled.src.signature.values())[:len(args)]
+        general_ints = {i if isinstance(i, int) else self.jit.arg_names.index(i) for i in self.jit.do_not_specialize}
+        params = []  # (value, size, check, argument or -1) of each parameter the compiled kernel takes
+        for i, (arg, kind) in enumerate(zip(args, types, strict=True)):
+            if kind == "constexpr":
+                if i in varying:
+                    return None
+                continue
+            if kind.startswith("*"):
+                aligned = key[3][i][1] == "D"  # the kernel was compiled assuming a 16-byte aligned address
+                params.append((arg.data_ptr() if isinstance(arg, torch.Tensor) else int(arg), 8,
+                               CHECK_ALIGNED if aligned else CHECK_NONE, i if i in varying else -1))
+            elif kind in ("i32", "i64", "u64"):
+                if i in varying and i not in general_ints:
+                    return None
+                params.append((int(arg), 4 if kind == "i32" else 8, CHECK_INT32 if kind == "i32" else CHECK_NONE,
+                               i if i in varying else -1))
+            else:
+                return None
+        layout = param_layout(compiled.function)
+        if layout is None or len(layout) < len(params) or any(size != 8 for _, size in layout[len(params):]):
+            return None  # the trailing ones: the scratch pointers Triton adds, null where no scratch is used
+        if any(size != want[1] for (_, size), want in zip(layout, params)):
+            return None
+        params += [(0, 8, CHECK_NONE, -1)] * (len(layout) - len(params))
+        return PreparedLaunch(host.launch_address(), compiled.function, 32 * meta.num_warps, meta.shared,
+                              [offset for offset, _ in layout], params, module.launch_prepared,
+                              getattr(self.jit, "__name__", "kernel"))
+
+
+def param_layout(function: int) -> list[tuple[int, int]] | None:
+    """``(offset, size)`` of each parameter of a loaded kernel (``cuFuncGetParamInfo``, CUDA 12.4),
+    or None where the driver cannot say."""
+    try:
+        info = ctypes.CDLL("libcuda.so.1").cuFuncGetParamInfo
+    except (OSError, AttributeError):
+        return None
+    info.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    layout = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    while len(layout) <= PLAN_MAX_PARAMS and info(function, len(layout), ctypes.byref(offset), ctypes.byref(size)) == 0:
+        layout.append((offset.value, size.value))
+    return layout if len(layout) <= PLAN_MAX_PARAMS else None
+
+
+# A PreparedLaunch's plan, int64 words read by host.cpp's launch_prepared (the same constants there)
+PLAN_MAX_PARAMS, PLAN_MAX_BYTES = 32, 512
+_HEADER, _OFFSETS, _VARY, _BUFFER = 0, 8, 8 + PLAN_MAX_PARAMS, 8 + 2 * PLAN_MAX_PARAMS
+PLAN_WORDS = _BUFFER + PLAN_MAX_BYTES // 8
+CHECK_NONE, CHECK_ALIGNED, CHECK_INT32 = 0, 1, 2  # what launch_prepared checks of a varying value
+
+
+class PreparedLaunch:
+    """A kernel's launch with its parameters packed once; a call gives its arguments, from which
+    the varying parameters are read, and the grid.
+
+    Args:
+        launch_fn: the address of ``cuLaunchKernel``. function: the ``CUfunction``.
+        threads, shared_bytes: the block's threads and dynamic shared memory.
+        offsets: each parameter's byte offset in the kernel's parameter buffer.
+        params: ``(value, size, check, argument)`` per parameter: its value now (the fixed ones'
+            for good), 4 or 8 bytes, ``CHECK_*``, and the index of the call's argument it is read
+            from (a tensor's address, or an int), -1 for a fixed one.
+        launcher: ``host.cpp``'s ``launch_prepared`` (a stand-in in tests).
+        name: the kernel's, for errors.
+    """
+
+    __slots__ = ("_plan", "_addr", "_launcher", "name", "num_varying")
+
+    def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
+                 params: list[tuple[int, int, int, int]], launcher, name: str) -> None:
+        if len(params) > PLAN_MAX_PARAMS or max((o + 8 for o in offsets), default=0) > PLAN_MAX_BYTES:
+            raise ValueError(f"PreparedLaunch({name}): {len(params)} parameters over {PLAN_MAX_PARAMS}, or over "
+                             f"{PLAN_MAX_BYTES} bytes")
+        plan = (ctypes.c_int64 * PLAN_WORDS)()
+        varying = [(i, size, check, arg) for i, (_, size, check, arg) in enumerate(params) if arg >= 0]
+        plan[_HEADER:_HEADER + 6] = [launch_fn, function, threads, shared_bytes, len(params), len(varying)]
+        for i, offset in enumerate(offsets):
+            plan[_OFFSETS + i] = offset
+        for j, (i, size, check, arg) in enumerate(varying):
+            plan[_VARY + j] = i | size << 8 | check << 16 | arg << 24
+        buffer = (ctypes.c_char * PLAN_MAX_BYTES).from_address(ctypes.addressof(plan) + 8 * _BUFFER)
+        for offset, (value, size, _, _) in zip(offsets, params, strict=True):
+            buffer[offset:offset + size] = int(value).to_bytes(size, "little", signed=value < 0)
+        self._plan, self._addr, self._launcher, self.name = plan, ctypes.addressof(plan), launcher, name
+        self.num_varying = len(varying)
+
+    def __call__(self, grid: int, stream: int, args: tuple) -> bool:
+        """Launch on ``stream`` with the varying parameters read from ``args`` (the kernel's
+        arguments, as ``FastLaunch`` takes them); False, launching nothing, where one breaks what
+        the kernel was compiled for. Raises ``RuntimeError`` where the driver refuses the launch."""
+        status = self._launcher(self._addr, grid, stream, args)
+        if status == 0:
+            return True
+        if status < 0:
+            return False
+        raise RuntimeError(f"cuLaunchKernel({self.name}, grid {grid}): CUDA error {status}")
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:

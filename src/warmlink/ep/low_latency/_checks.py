@@ -47,6 +47,50 @@ class LowLatencyChecks:
         self.layout = layout
         self.read_values = read_values
         self.device = torch.device("cpu") if device < 0 else torch.device("cuda", device)
+        self._index = device if device >= 0 else -1  # what Tensor.get_device() says of this device
+
+    # -- what every check passes unchanged, asked first (an eager call's host time is its latency) --
+    def _plain(self, t, dtype, dims: int) -> bool:
+        """Whether ``t`` is a contiguous ``torch.Tensor`` (not a subclass) of ``dtype`` with ``dims``
+        dimensions on this Buffer's device."""
+        return (type(t) is torch.Tensor and t.dtype is dtype and t.get_device() == self._index and t.dim() == dims
+                and t.is_contiguous())
+
+    def _plain_topk(self, t) -> bool:
+        return (type(t) is torch.Tensor and (t.dtype is torch.int64 or t.dtype is torch.int32)
+                and self._plain(t, t.dtype, 2))
+
+    def accepts_dispatch(self, x, topk_idx, tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                         return_recv_hook, cumulative_stats, wait_stats) -> bool:
+        """Whether ``dispatch`` would pass these arguments through unchanged: the common call (no
+        stats, the device path's checks) in a few comparisons, the full checks run otherwise."""
+        lay = self.layout
+        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                and type(async_finish) is bool and type(return_recv_hook) is bool
+                and (use_fp8 or not round_scale) and (round_scale or not use_ue8m0)
+                and type(num_experts) is int and num_experts == lay.num_experts
+                and type(tokens) is int and 1 <= tokens <= lay.max_tokens
+                and cumulative_stats is None and wait_stats is None and not self.read_values
+                and self._plain(x, torch.bfloat16, 2) and self._plain_topk(topk_idx)):
+            return False
+        n, hidden = x.shape
+        rows, cols = topk_idx.shape
+        return hidden == lay.hidden and n <= tokens and rows == n and 1 <= cols <= lay.num_topk
+
+    def accepts_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt, zero_copy,
+                        async_finish, return_recv_hook, out, wait_stats) -> bool:
+        """Whether ``combine`` would pass these arguments through unchanged (as ``accepts_dispatch``)."""
+        lay = self.layout
+        if not (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
+                and type(return_recv_hook) is bool and wait_stats is None and not self.read_values
+                and self._plain(x, torch.bfloat16, 3) and self._plain_topk(topk_idx)
+                and self._plain(topk_weights, torch.float32, 2)
+                and (out is None or self._plain(out, torch.bfloat16, 2))):
+            return False
+        shape = (handle.num_tokens, handle.num_topk)
+        return (x.shape == (lay.local_experts, lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, lay.hidden)
+                and topk_idx.shape == shape and topk_weights.shape == shape
+                and (out is None or out.shape == (handle.num_tokens, lay.hidden)))
 
     def tensor(self, func: str, name: str, t, dtypes: tuple, shape: tuple | None = None, dims: int | None = None):
         if not isinstance(t, torch.Tensor):
@@ -91,6 +135,9 @@ class LowLatencyChecks:
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                  async_finish, return_recv_hook, cumulative_stats, wait_stats):
         """``(x, topk_idx)`` contiguous, once every argument of ``low_latency_dispatch`` is checked."""
+        if self.accepts_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                 use_ue8m0, async_finish, return_recv_hook, cumulative_stats, wait_stats):
+            return x, topk_idx
         func, lay = "low_latency_dispatch", self.layout
         for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
                             ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
@@ -116,6 +163,9 @@ class LowLatencyChecks:
                 return_recv_hook, out, wait_stats):
         """``(x, topk_idx, topk_weights)`` contiguous, once every argument of ``low_latency_combine``
         is checked (``handle`` is one of this Buffer's current ones: the runtime checked it first)."""
+        if self.accepts_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                return_recv_hook, out, wait_stats):
+            return x, topk_idx, topk_weights
         func, lay = "low_latency_combine", self.layout
         for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy), ("async_finish", async_finish),
                             ("return_recv_hook", return_recv_hook)):

@@ -3,9 +3,15 @@ regions and poll signal words, with no host synchronisation inside a call.
 
 # Note [Low-latency device path]
 A call launches its kernels on the caller's stream and returns: nothing waits on the host, so a
-dispatch + hook + combine + hook can be captured in a CUDA graph and replayed
-(ep.low_latency._triton_dispatch and _triton_combine hold the kernels). Two kernels, ``dispatch`` and ``combine``, each a send
-phase and a receive phase: a call without a hook launches one kernel running both (at most a
+dispatch + hook + combine + hook can be captured in a CUDA graph and replayed. An eager call's
+latency is its host time plus its kernel's, so each kind of call (phase, flags, parity, id dtype)
+launches through a ``PreparedLaunch`` made after its first launch (ep.kernels.launch): its
+parameters packed once, a call's addresses and sizes patched in by compiled code (no Triton
+launcher, no per-argument specialization), the kernels' ints left unspecialized so that one
+compiled kernel serves every call of the kind.
+
+Two kernels (ep.low_latency._triton_dispatch and _triton_combine), ``dispatch`` and ``combine``,
+each a send phase and a receive phase: a call without a hook launches one kernel running both (at most a
 program per SM, so that every program that waits in the receive lets the others send), a call
 with one launches the send and leaves the receive to the hook.
 
@@ -52,7 +58,7 @@ from types import SimpleNamespace
 
 import torch
 
-from warmlink.ep.kernels.launch import FastLaunch, launch
+from warmlink.ep.kernels.launch import FastLaunch, current_stream, launch
 from warmlink.ep.low_latency._layout import BLOCK_WORDS, LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
@@ -65,6 +71,15 @@ SEND, RECV, BOTH = 1, 2, 3  # a kernel's PHASE: a call without a hook launches b
 _SCAN_BLOCK = 256  # topk_idx entries a dispatch program compares at a time
 _WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
           ("combine", SEND): 4, ("combine", RECV): 8, ("combine", BOTH): 8}
+
+
+# The launch arguments that change from call to call (the others are the parity's block, or the
+# mask standing in for absent stats), by (cumulative stats given, wait stats given) for the
+# dispatch and by wait stats given for the combine; the kernels leave their ints unspecialized
+# (do_not_specialize), so one compiled kernel serves every value.
+_DISPATCH_VARYING = {(cum, wait): frozenset({0, 1, 5, 6, 7, 8} | ({2} if cum else set()) | ({3} if wait else set()))
+                     for cum in (False, True) for wait in (False, True)}
+_COMBINE_VARYING = {wait: frozenset(set(range(7)) | {9, 10, 11, 12} | ({7} if wait else set())) for wait in (False, True)}
 
 
 def _recv_rows(w_block: int) -> int:
@@ -148,6 +163,8 @@ class DevicePath:
             "HAS_WAIT": waits, "SHRINK": shrink} for phase in (SEND, RECV, BOTH) for waits in (False, True)}
         self._consts: dict[tuple, dict] = {}  # the dispatch's, by kind of call
         self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
+        # by kind of call, parity and topk_idx's dtype: its PreparedLaunch, or False where it has none
+        self._prepared: dict[tuple, object] = {}
 
     def _block(self, p: int, outputs: Outputs) -> torch.Tensor:
         lay = self.layout
@@ -188,10 +205,10 @@ class DevicePath:
                 "HAS_CUM": key[4], "HAS_WAIT": key[5], "SHRINK": self.shrink,
                 "ROWS": _recv_rows(self._dispatch_consts[fp8]["W_BLOCK"])}
         block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
-        launch(self.kernels.dispatch, self._grid(phase, n, self._items),
-               (x, topk_idx, cumulative_stats if cumulative_stats is not None else self.mask,
-                wait_stats if wait_stats is not None else block, block, n, num_cols, tokens, tag),
-               consts, num_warps=_WARPS["dispatch", phase])
+        args = (x, topk_idx, cumulative_stats if cumulative_stats is not None else self.mask,
+                wait_stats if wait_stats is not None else block, block, n, num_cols, tokens, tag)
+        self._launch(self.kernels.dispatch, ("dispatch", *key, p, topk_idx.dtype), self._grid(phase, n, self._items), args, consts,
+                     _WARPS["dispatch", phase], _DISPATCH_VARYING[key[4], key[5]])
 
     # -- combine ----------------------------------------------------------------------------------
     def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -202,11 +219,23 @@ class DevicePath:
         kernel its strides)."""
         n, num_cols = topk_idx.shape
         block = self.blocks[p]
-        launch(self.kernels.combine, self._grid(phase, self._items, n),
-               (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
-                wait_stats if wait_stats is not None else block, block,
-                self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n, num_cols, tag),
-               self._combine_consts[phase, wait_stats is not None], num_warps=_WARPS["combine", phase])
+        waits = wait_stats is not None
+        args = (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
+                wait_stats if waits else block, block, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,
+                num_cols, tag)
+        self._launch(self.kernels.combine, ("combine", phase, waits, p, topk_idx.dtype), self._grid(phase, self._items, n),
+                     args, self._combine_consts[phase, waits], _WARPS["combine", phase], _COMBINE_VARYING[waits])
+
+    def _launch(self, kernel, kind: tuple, grid: tuple[int], args: tuple, consts: dict, num_warps: int,
+                varying: frozenset[int]) -> None:
+        """Launch through the kind's ``PreparedLaunch`` (ep.kernels.launch), made after its first
+        launch; else, and where it declines the call, through ``launch``."""
+        prepared = self._prepared.get(kind)
+        if prepared and prepared(grid[0], current_stream(self.device.index), args):
+            return
+        launch(kernel, grid, args, consts, num_warps=num_warps)
+        if prepared is None and isinstance(kernel, FastLaunch):
+            self._prepared[kind] = kernel.prepare(args, consts, num_warps, varying) or False
 
     # -- the mask buffer (DeepEP's calls, on the current stream) ----------------------------------
     def query_mask(self, out: torch.Tensor) -> None:
@@ -225,6 +254,10 @@ class DevicePath:
                {"NUM_RANKS": lay.num_ranks, "R_BLOCK": _pow2(lay.num_ranks, 2), "OP": op})
 
     # -- failures and lifecycle -------------------------------------------------------------------
+    def failed(self) -> bool:
+        """Whether a kernel reported a failure (``failure`` says which); read on every call."""
+        return bool(self._fail_words[0])
+
     def failure(self) -> tuple[int, str, int, int] | None:
         """``(code, phase, seq, rank)`` a kernel reported, or None; a code other than
         ``F_TIMEOUT`` is cleared (it is raised once). Reads pinned memory: no synchronisation."""

@@ -27,7 +27,7 @@ class LowLatencyHandle:
     __slots__ = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts",
                  "num_tokens", "num_topk", "round", "owner", "comb_slot", "rows_by_source", "dispatched")
 
-    def __init__(self, *, src_info: torch.Tensor, layout_range: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+    def __init__(self, src_info: torch.Tensor, layout_range: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                  hidden: int, num_experts: int, num_tokens: int, num_topk: int, round: int, owner: int,
                  comb_slot: torch.Tensor, dispatched: torch.Tensor) -> None:
         self.src_info = src_info

@@ -52,6 +52,7 @@ class Outputs:
         self._layout_range = each(layout.num_experts, torch.int64)
         self._dispatched = each(layout.max_tokens * layout.num_topk, torch.bool)
         self._views: dict[tuple, ParityViews] = {}
+        self._dispatched_views: dict[tuple, torch.Tensor] = {}
         self._device = on
         self._combine: list[torch.Tensor | None] = [None] * LL_PARITIES  # zero-copy combine buffers, made on first use
 
@@ -61,6 +62,16 @@ class Outputs:
         got = self._views.get(key)
         if got is None:
             got = self._views[key] = self._make_views(p, tokens, fp8, ue8m0)
+        return got
+
+    def dispatched(self, p: int, tokens: int, num_topk: int) -> torch.Tensor:
+        """Parity ``p``'s top-k mask of a dispatch of ``tokens`` tokens and ``num_topk`` columns, a
+        ``[tokens, num_topk]`` view of its ``[T, K]`` (made once per shape)."""
+        key = (p, tokens, num_topk)
+        got = self._dispatched_views.get(key)
+        if got is None:
+            got = self._dispatched_views[key] = self._dispatched[p].view(self.layout.max_tokens,
+                                                                          self.layout.num_topk)[:tokens, :num_topk]
         return got
 
     def _make_views(self, p: int, tokens: int, fp8: bool, ue8m0: bool) -> ParityViews:

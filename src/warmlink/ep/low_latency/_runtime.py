@@ -94,6 +94,7 @@ class LowLatencyRuntime:
         self._done: dict[str, set[int]] = {"dispatch": set(), "combine": set()}  # received past a gap
         self._clean_round = 0
         self._broken: BaseException | None = None
+        self._no_event = EventOverlap(None, device)
         try:
             link_lease, mail_lease = lease_link(backend, device, timeout_s), lease_link("shm", -1, timeout_s)
             self._leases = [link_lease, mail_lease]
@@ -129,6 +130,8 @@ class LowLatencyRuntime:
 
     # -- checks ----------------------------------------------------------------------------------
     def _check_usable(self, func: str) -> None:
+        if not (self._closed or self._broken is not None or (self._on_device and self._path.failed())):
+            return  # (every call asks: the common answer first)
         if self._closed:
             raise ConfigError(f"ep.Buffer.{func}: the buffer is closed")
         if self._broken is not None:
@@ -165,11 +168,7 @@ class LowLatencyRuntime:
         On a GPU with ``async_finish`` the event marks the call's last kernel on the current stream."""
         if not return_recv_hook:
             self._receive(receive, phase, round_)
-        event = EventOverlap(None, self.device)
-        if self._on_device and async_finish:
-            handle = self._events[phase, round_ % LL_PARITIES].resource.handle
-            _cuda.event_record(handle, current_stream(self.device))
-            event = EventOverlap(handle, self.device)
+        event = self._event(phase, round_, async_finish)
         if not return_recv_hook:
             return (*result, event, None)
         called = []
@@ -180,6 +179,14 @@ class LowLatencyRuntime:
                 self._receive(receive, phase, round_)
 
         return (*result, event, hook)
+
+    def _event(self, phase: str, round_: int, async_finish: bool) -> EventOverlap:
+        """The call's event: recorded after its last kernel with ``async_finish`` on a GPU, else none."""
+        if self._on_device and async_finish:
+            handle = self._events[phase, round_ % LL_PARITIES].resource.handle
+            _cuda.event_record(handle, current_stream(self.device))
+            return EventOverlap(handle, self.device)
+        return self._no_event
 
     def _receive(self, receive, phase: str | None = None, round_: int = 0) -> None:
         """Run ``receive``; then mark ``round_`` of ``phase`` received (a round refused on every
@@ -199,7 +206,8 @@ class LowLatencyRuntime:
         while self._received[phase] + 1 in done:
             self._received[phase] += 1
             done.discard(self._received[phase])
-        self.mailbox.publish(_RECEIVED[phase], self._received[phase])
+        if not self._on_device:  # (the kernels' acks tell the peers on a GPU)
+            self.mailbox.publish(_RECEIVED[phase], self._received[phase])
 
     def _same_dispatch(self, round_: int, word: int) -> None:
         live = self._mask.live()
@@ -220,28 +228,33 @@ class LowLatencyRuntime:
         lay, tokens = self.layout, num_max_dispatch_tokens_per_rank
         round_ = self._next_round("dispatch", "low_latency_dispatch")
         p = round_ % LL_PARITIES
-        word = _call_word(tokens, topk_idx.shape[1], use_fp8, round_scale, use_ue8m0)
-        tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
-        dispatched = out.dispatched[:n, :num_cols]
-        args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
+        dispatched = self._outputs.dispatched(p, n, num_cols)
         if self._on_device:  # without a hook, one launch sends and receives
+            tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
+            args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
             self._path.dispatch(SEND if return_recv_hook else BOTH, *args)
         else:
             self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale, self._mask.masked())
+            word = _call_word(tokens, num_cols, use_fp8, round_scale, use_ue8m0)
             self.mailbox.publish_dispatch(round_, word)
             dispatched.copy_(topk_idx >= 0)
         self._round["dispatch"] = round_
-        handle = LowLatencyHandle(src_info=out.src_info, layout_range=out.layout_range,
-                                  num_max_dispatch_tokens_per_rank=tokens, hidden=lay.hidden, num_experts=lay.num_experts,
-                                  num_tokens=n, num_topk=num_cols, round=round_, owner=self.serial,
-                                  comb_slot=out.comb_slot, dispatched=dispatched)
+        handle = LowLatencyHandle(out.src_info, out.layout_range, tokens, lay.hidden, lay.num_experts, n, num_cols,
+                                  round_, self.serial, out.comb_slot, dispatched)
+        result = ((out.x, out.scales) if use_fp8 else out.x, out.count, handle)
+        if self._on_device:
+            if not return_recv_hook:  # the one launch received too: the kernels' combine reads the handle's tensors
+                handle.rows_by_source = ()
+                self._mark_received("dispatch", round_)
+                return (*result, self._event("dispatch", round_, async_finish), None)
 
-        def receive_on_device() -> None:
-            if return_recv_hook:
+            def receive_on_device() -> None:
                 self._path.dispatch(RECV, *args)
-            handle.rows_by_source = ()  # the kernels' combine reads the handle's tensors instead
+                handle.rows_by_source = ()
+
+            return self._finish("dispatch", round_, receive_on_device, return_recv_hook, async_finish, result)
 
         def receive() -> None:
             self._mask.wait(self.mailbox, mb.DISPATCH, round_, self.timeout_s, wait_stats)
@@ -255,9 +268,7 @@ class LowLatencyRuntime:
             if cumulative_stats is not None:
                 cumulative_stats.add_(out.count)
 
-        recv_x = (out.x, out.scales) if use_fp8 else out.x
-        return self._finish("dispatch", round_, receive_on_device if self._on_device else receive, return_recv_hook,
-                            async_finish, (recv_x, out.count, handle))
+        return self._finish("dispatch", round_, receive, return_recv_hook, async_finish, result)
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 wait_stats) -> tuple:
@@ -283,8 +294,11 @@ class LowLatencyRuntime:
             self.mailbox.publish_combine(round_, handle.round)
         self._round["combine"] = round_
         if self._on_device:
-            receive = (lambda: self._path.combine(RECV, *args)) if return_recv_hook else (lambda: None)
-            return self._finish("combine", round_, receive, return_recv_hook, async_finish, (combined,))
+            if not return_recv_hook:  # the one launch received too
+                self._mark_received("combine", round_)
+                return combined, self._event("combine", round_, async_finish), None
+            return self._finish("combine", round_, lambda: self._path.combine(RECV, *args), return_recv_hook,
+                                async_finish, (combined,))
 
         def receive() -> None:
             self._mask.wait(self.mailbox, mb.COMBINE, round_, self.timeout_s, wait_stats)

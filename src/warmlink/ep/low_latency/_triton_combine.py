@@ -135,4 +135,5 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
                      NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, H_BLOCK, NUM_TOPK, HAS_WAIT, SHRINK)
 
 
-combine = triton.jit(_combine, repr=symbol("combine"))
+# as the dispatch's: the ints a call passes are not specialized on their values
+combine = triton.jit(_combine, repr=symbol("combine"), do_not_specialize=["per_expert", "num_tokens", "num_cols", "tag"])

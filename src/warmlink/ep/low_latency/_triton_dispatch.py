@@ -245,4 +245,6 @@ def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tok
                       NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
 
 
-dispatch = triton.jit(_dispatch, repr=symbol("dispatch"))
+# the ints a call passes are not specialized on their values: one compiled kernel (and one prepared
+# launch: ep.low_latency._device) serves every token count, width and tag
+dispatch = triton.jit(_dispatch, repr=symbol("dispatch"), do_not_specialize=["num_tokens", "num_cols", "tokens", "tag"])

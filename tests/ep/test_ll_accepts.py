@@ -1,0 +1,121 @@
+"""The quick acceptance of a low-latency call's arguments (``LowLatencyChecks.accepts_dispatch`` and
+``accepts_combine``, ep.low_latency._checks) on CPU tensors: whatever the arguments, the checks
+with it give what the full checks give alone (the same tensors, or the same ConfigError), and the
+common call of the device path is accepted by it, so that the full checks' Python does not run
+for it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from warmlink.ep.low_latency._checks import LowLatencyChecks
+from warmlink.ep.low_latency._layout import LowLatencyLayout
+from warmlink.errors import ConfigError
+
+R, T, HIDDEN, E, K = 2, 8, 256, 8, 4
+LAYOUT = LowLatencyLayout(R, T, HIDDEN, E, K)
+
+
+def _answer(checks: LowLatencyChecks, call: str, *args):
+    """The checks' answer: the tensors they return, or the ConfigError they raise."""
+    try:
+        return getattr(checks, call)(*args)
+    except ConfigError as exc:
+        return exc
+
+
+def _same(u, v) -> bool:
+    if isinstance(u, ConfigError) or isinstance(v, ConfigError):
+        return type(u) is type(v) and str(u) == str(v)
+    # the same tensors, or copies of one (the full checks copy a tensor that is not contiguous)
+    return all(a is b or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+               for a, b in zip(u, v, strict=True))
+
+
+def _tensor(draw, shape: tuple, dtype) -> torch.Tensor:
+    """A tensor of ``shape``, maybe of another dtype, shape or layout than asked."""
+    fault = draw(st.sampled_from(["none"] * 6 + ["dtype", "shape", "dims", "strided", "subclass"]))
+    if fault == "dtype":
+        dtype = draw(st.sampled_from([torch.float16, torch.int64, torch.int32, torch.float32, torch.bfloat16]))
+    if fault == "shape":
+        shape = tuple(max(0, d + draw(st.integers(-1, 1))) for d in shape)
+    if fault == "dims":
+        shape = (*shape, 1) if draw(st.booleans()) else shape[1:]
+    t = torch.zeros(shape, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+    if fault == "strided" and t.dim() >= 2 and t.shape[-1] > 1:
+        t = torch.zeros((*shape[:-1], shape[-1] * 2), dtype=dtype)[..., ::2]
+    if fault == "subclass":
+        t = torch.nn.Parameter(t, requires_grad=False)
+    return t
+
+
+_flag = st.sampled_from([True, False, True, False, 1, 0, None])
+
+
+@st.composite
+def _dispatch_args(draw):
+    n = draw(st.integers(0, T + 1))
+    cols = draw(st.integers(0, K + 1))
+    tokens = draw(st.sampled_from([T, T - 1, n, 0, T + 1, True, float(T)]))
+    return (_tensor(draw, (n, HIDDEN), torch.bfloat16),
+            _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
+            tokens, draw(st.sampled_from([E, E - R, E + 0.0])), draw(_flag), draw(_flag), draw(_flag), draw(_flag),
+            draw(_flag), draw(st.sampled_from([None, None, torch.zeros(E // R, dtype=torch.int32)])),
+            draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=_dispatch_args())
+def test_a_dispatch_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args):
+    checks, full_only = (LowLatencyChecks(LAYOUT, -1, read_values=False) for _ in range(2))
+    full_only.accepts_dispatch = lambda *a: False
+    quick = _answer(checks, "dispatch", *args)
+    assert _same(quick, _answer(full_only, "dispatch", *args))
+    if checks.accepts_dispatch(*args):
+        assert quick[0] is args[0] and quick[1] is args[1]
+
+
+@st.composite
+def _combine_args(draw):
+    tokens = draw(st.integers(1, T))
+    n = draw(st.integers(0, tokens))
+    cols = draw(st.integers(1, K))
+    handle = types.SimpleNamespace(num_tokens=n, num_topk=cols, num_max_dispatch_tokens_per_rank=tokens,
+                                   dispatched=torch.ones(n, cols, dtype=torch.bool))
+    out = draw(st.sampled_from([None, "tensor"]))
+    return (_tensor(draw, (E // R, R * tokens, HIDDEN), torch.bfloat16),
+            _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
+            _tensor(draw, (n, cols), torch.float32), handle, draw(st.sampled_from([False, False, True, 0])),
+            draw(_flag), draw(_flag), draw(_flag),
+            None if out is None else _tensor(draw, (n, HIDDEN), torch.bfloat16),
+            draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=_combine_args())
+def test_a_combine_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args):
+    checks, full_only = (LowLatencyChecks(LAYOUT, -1, read_values=False) for _ in range(2))
+    full_only.accepts_combine = lambda *a: False
+    assert _same(_answer(checks, "combine", *args), _answer(full_only, "combine", *args))
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dtype):
+    """What DeepEP's callers pass (hook or not, FP8 or not, async or not) skips the full checks;
+    the host path, which reads expert ids, never does."""
+    checks = LowLatencyChecks(LAYOUT, -1, read_values=False)
+    x, idx = torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=idx_dtype)
+    for fp8, hook, finish in ((True, False, False), (True, True, False), (False, False, True)):
+        assert checks.accepts_dispatch(x, idx, T, E, fp8, fp8, False, finish, hook, None, None)
+    handle = types.SimpleNamespace(num_tokens=T, num_topk=K, num_max_dispatch_tokens_per_rank=T)
+    y, w = torch.zeros(E // R, R * T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K)
+    out = torch.zeros(T, HIDDEN, dtype=torch.bfloat16)
+    for zero_copy, hook, given_out in ((False, False, None), (True, True, out)):
+        assert checks.accepts_combine(y, idx, w, handle, False, zero_copy, False, hook, given_out, None)
+    host = LowLatencyChecks(LAYOUT, -1, read_values=True)
+    assert not host.accepts_dispatch(x, idx, T, E, True, False, False, False, False, None, None)

@@ -1,0 +1,79 @@
+"""Device time of low-latency calls replayed from CUDA graphs, one rank to itself on GPU 0.
+
+A one-rank group runs the same kernels as a larger one with every row staying on the GPU: what
+a kernel change costs or saves in its own work (casts, scans, copies, waits), without a link and
+without the host. Captures a dispatch (send and receive in one kernel), a dispatch's send and its
+hook, and a combine; prints each one's median over ``--iterations`` replays (CUDA events)::
+
+    python tools/ll_replay_time.py [--iterations 200] [--tokens 128] [--hidden 7168] [--experts 256]
+
+Run two codes in one lease with ``PYTHONPATH`` naming each one's ``src`` in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from warmlink.ep import Buffer
+from warmlink.rendezvous import Store
+
+
+def _replays(graph: torch.cuda.CUDAGraph, iterations: int) -> float:
+    """Median microseconds of one replay."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iterations):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iterations", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    args = p.parse_args()
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(args.tokens, args.experts, generator=gen).topk(args.topk, 1).indices.cuda()
+    w = torch.rand(args.tokens, args.topk, generator=gen).cuda()
+    x = torch.randn(args.tokens, args.hidden, generator=gen).bfloat16().cuda()
+    with Store(is_server=True, prefix="ll-replay-time", timeout_s=30) as store:
+        buf = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=args.topk,
+                     timeout_s=30, low_latency_mode=True, num_experts=args.experts)
+        try:
+            for _ in range(4):  # both parities of each kind of call compiled and launched before capture
+                recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)
+                buf.low_latency_dispatch(x, idx, args.tokens, args.experts, return_recv_hook=True)[4]()
+            y = torch.randn(*recv[0].shape, generator=gen).bfloat16().cuda()
+            out = torch.empty_like(x)
+            for _ in range(2):
+                handle = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[2]
+                buf.low_latency_combine(y, idx, w, handle, out=out)
+            torch.cuda.synchronize()
+            graphs = {name: torch.cuda.CUDAGraph() for name in ("dispatch", "dispatch send + hook", "combine")}
+            with torch.cuda.graph(graphs["dispatch"]):
+                handle = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[2]
+            with torch.cuda.graph(graphs["dispatch send + hook"]):
+                buf.low_latency_dispatch(x, idx, args.tokens, args.experts, return_recv_hook=True)[4]()
+            with torch.cuda.graph(graphs["combine"]):
+                buf.low_latency_combine(y, idx, w, handle, out=out)
+            print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch: "
+                  "median us of a replay")
+            for name, graph in graphs.items():
+                print(f"  {name:24s} {_replays(graph, args.iterations):7.1f}")
+        finally:
+            buf.close()
+
+
+if __name__ == "__main__":
+    main()
