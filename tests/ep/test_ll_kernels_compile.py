@@ -111,3 +111,56 @@ def test_the_dispatch_unpack_compiles_for_sm90_padded_or_not(padded):
     (jit, args, constexprs), = calls
     sig, consts = _signature(jit, args, constexprs)
     triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_what_changes_between_two_calls_of_a_kind_is_what_their_prepared_launch_reads_per_call(stats):
+    """A prepared launch (ep.kernels.launch) keeps every other parameter as its kind's first launch
+    passed it: two calls of one kind (phase, flags, parity, id dtype) with other tensors, sizes and
+    tags differ only in the parameters named varying, those are the kernels' own names, and the
+    ints among them are ones Triton does not specialize on."""
+    from warmlink.ep.low_latency import _device
+    from warmlink.ep.low_latency._device import BOTH, RECV, SEND, build_kernels
+
+    calls: list = []
+    jits = build_kernels(interpreted=True)
+    kernels = SimpleNamespace(**{name: _Recorder(calls, jit) for name, jit in vars(jits).items()})
+    lay = LowLatencyLayout(2, 128, 7168, 256, 8)
+    outputs = Outputs(lay, -1)
+    path = DevicePath(lay, 0, {0: 1 << 40, 1: 1 << 41}, torch.device("cpu"), 30.0, outputs, kernels)
+
+    def inputs(n: int, k: int, tokens: int):
+        out = outputs.views(1, tokens, True, False)
+        handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
+                                 num_max_dispatch_tokens_per_rank=tokens, dispatched=outputs.dispatched(1, n, k))
+        return (torch.zeros(n, 7168, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int64), handle,
+                torch.zeros(lay.local_experts, 2 * tokens, 7168, dtype=torch.bfloat16), torch.zeros(n, k),
+                torch.zeros(n, 7168, dtype=torch.bfloat16),
+                torch.zeros(lay.local_experts, dtype=torch.int32) if stats else None,
+                torch.zeros(2, dtype=torch.int64) if stats else None)
+
+    for phase in (SEND, RECV, BOTH):
+        calls.clear()
+        for n, k, tokens, tag in ((32, 8, 64, 3), (17, 5, 128, 9)):
+            x, idx, handle, y, w, out, counts, waits = inputs(n, k, tokens)
+            path.dispatch(phase, 1, x, idx, tokens, True, False, False, tag, counts, waits)
+            path.combine(phase, 1, y, handle, idx, w, out, tag + 1, waits)
+        (d1, c1, d2, c2) = calls
+        for (jit, first, _), (_, second, _), varying in ((d1, d2, _device._DISPATCH_VARYING[stats, stats]),
+                                                          (c1, c2, _device._COMBINE_VARYING[stats])):
+            names = jit.arg_names
+            assert varying <= set(names[:len(first)])
+            changed = {names[i] for i, (a, b) in enumerate(zip(first, second, strict=True))
+                       if ((a is not b) if isinstance(a, torch.Tensor) else a != b)}
+            assert changed <= varying, f"{changed - varying} change between calls of a kind but are packed once"
+            ints = {names[i] for i, a in enumerate(first) if not isinstance(a, torch.Tensor) and names[i] in varying}
+            assert ints <= set(jit.do_not_specialize)
+
+
+def test_a_prepared_launch_refuses_a_varying_name_that_is_not_a_parameter():
+    from warmlink.ep.kernels.launch import FastLaunch
+    from warmlink.ep.low_latency._device import build_kernels
+
+    launch = FastLaunch(build_kernels(interpreted=True).dispatch)
+    with pytest.raises(ValueError, match="not among its runtime parameters"):
+        launch.prepare((0,) * 9, {}, 8, frozenset({"x_ptr", "no_such_arg"}))

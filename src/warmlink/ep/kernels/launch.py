@@ -114,16 +114,22 @@ class FastLaunch:
         meta = compiled.launch_metadata(g[:3], stream, *values) if enter is not None else None
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *values)
 
-    def prepare(self, args: tuple, constexprs: dict, num_warps: int, varying: frozenset[int]) -> "PreparedLaunch | None":
+    def prepare(self, args: tuple, constexprs: dict, num_warps: int, varying: frozenset[str]) -> "PreparedLaunch | None":
         """The launch of the kernel this ``FastLaunch`` compiled for ``args`` (called once with them
-        already), its parameters packed; the args whose indices are in ``varying`` are given per
-        call (``PreparedLaunch.__call__``), the others are fixed. None where it cannot be prepared:
+        already), its parameters packed; the parameters named in ``varying`` are read from each
+        call's args (``PreparedLaunch.__call__``), the others are fixed. None where it cannot be prepared:
         no compiled host steps, a kernel that needs what Triton's launcher adds (scratch memory,
         a cooperative or clustered launch), or a varying int that Triton specializes on its value
         (name it in ``triton.jit``'s ``do_not_specialize``). Tensors of a varying arg must keep the
         dtype they had here: the caller keys its prepared launches by it."""
         from warmlink.ep.kernels import host
 
+        names = self.jit.arg_names
+        unknown = varying - set(names[:len(args)])
+        if unknown:
+            raise ValueError(f"FastLaunch.prepare({getattr(self.jit, '__name__', 'kernel')}): {sorted(unknown)} are not "
+                             "among its runtime parameters")
+        varying = {names.index(name) for name in varying}
         key = self._key(args, constexprs, num_warps)
         compiled = self._cache.get(key)
         module = host.module()
@@ -135,7 +141,7 @@ class FastLaunch:
                 or getattr(meta, "num_ctas", 1) != 1):
             return None
         types = list(compiled.src.signature.values())[:len(args)]
-        general_ints = {i if isinstance(i, int) else self.jit.arg_names.index(i) for i in self.jit.do_not_specialize}
+        general_ints = {i if isinstance(i, int) else names.index(i) for i in self.jit.do_not_specialize}
         params = []  # (value, size, check, argument or -1) of each parameter the compiled kernel takes
         for i, (arg, kind) in enumerate(zip(args, types, strict=True)):
             if kind == "constexpr":

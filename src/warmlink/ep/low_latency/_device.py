@@ -73,13 +73,17 @@ _WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
           ("combine", SEND): 4, ("combine", RECV): 8, ("combine", BOTH): 8}
 
 
-# The launch arguments that change from call to call (the others are the parity's block, or the
-# mask standing in for absent stats), by (cumulative stats given, wait stats given) for the
+# The launch arguments that change from call to call, by name (the others are the parity's block,
+# or the mask standing in for absent stats), by (cumulative stats given, wait stats given) for the
 # dispatch and by wait stats given for the combine; the kernels leave their ints unspecialized
 # (do_not_specialize), so one compiled kernel serves every value.
-_DISPATCH_VARYING = {(cum, wait): frozenset({0, 1, 5, 6, 7, 8} | ({2} if cum else set()) | ({3} if wait else set()))
+_DISPATCH_CALL = {"x_ptr", "topk_ptr", "num_tokens", "num_cols", "tokens", "tag"}
+_DISPATCH_VARYING = {(cum, wait): frozenset(_DISPATCH_CALL | ({"cum_stats_ptr"} if cum else set())
+                                            | ({"wait_stats_ptr"} if wait else set()))
                      for cum in (False, True) for wait in (False, True)}
-_COMBINE_VARYING = {wait: frozenset(set(range(7)) | {9, 10, 11, 12} | ({7} if wait else set())) for wait in (False, True)}
+_COMBINE_CALL = {"x_ptr", "range_ptr", "comb_slot_ptr", "topk_ptr", "w_ptr", "dispatched_ptr", "out_ptr", "per_expert",
+                 "num_tokens", "num_cols", "tag"}
+_COMBINE_VARYING = {wait: frozenset(_COMBINE_CALL | ({"wait_stats_ptr"} if wait else set())) for wait in (False, True)}
 
 
 def _recv_rows(w_block: int) -> int:
@@ -227,7 +231,7 @@ class DevicePath:
                      args, self._combine_consts[phase, waits], _WARPS["combine", phase], _COMBINE_VARYING[waits])
 
     def _launch(self, kernel, kind: tuple, grid: tuple[int], args: tuple, consts: dict, num_warps: int,
-                varying: frozenset[int]) -> None:
+                varying: frozenset[str]) -> None:
         """Launch through the kind's ``PreparedLaunch`` (ep.kernels.launch), made after its first
         launch; else, and where it declines the call, through ``launch``."""
         prepared = self._prepared.get(kind)
