@@ -1,6 +1,7 @@
 """A one-rank ep Buffer on GPU 0 with random top-8 of 256 routing: the setup of the host-time
-tools (``ep_host_profile.py``, ``ep_host_steps.py``). A one-rank group runs the same host path as
-a larger one up to the peer loops."""
+tools (``ep_host_profile.py``, ``ep_host_steps.py``; ``one_rank_low_latency`` for
+``ll_host_profile.py`` and ``ll_replay_time.py``). A one-rank group runs the same host path as a
+larger one up to the peer loops."""
 
 from __future__ import annotations
 
@@ -12,18 +13,42 @@ from warmlink.rendezvous import Store
 EXPERTS, TOPK = 256, 8
 
 
+def _inputs(tokens: int, hidden: int, experts: int, topk: int):
+    """``(x, idx, w)`` on GPU 0 (made current), seeded: the same every run."""
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, 1).indices.cuda()
+    w = torch.rand(tokens, topk, generator=gen).cuda()
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().cuda()
+    return x, idx, w
+
+
 def one_rank(tokens: int, hidden: int, prefix: str, **options):
     """``(buf, store, x, kw)``: the Buffer (built with ``options``, e.g. ``send="copy"``) and its
     store (the caller closes both), BF16 ``x`` and the dispatch's routing keywords
     (get_dispatch_layout's outputs, ids and weights)."""
-    torch.cuda.set_device(0)
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.rand(tokens, EXPERTS, generator=gen).topk(TOPK, 1).indices.cuda()
-    w = torch.rand(tokens, TOPK).cuda()
-    x = torch.randn(tokens, hidden).bfloat16().cuda()
+    x, idx, w = _inputs(tokens, hidden, EXPERTS, TOPK)
     store = Store(is_server=True, prefix=prefix, timeout_s=30)
     buf = Buffer(store, 0, 1, max_tokens_per_rank=tokens, hidden=hidden, num_topk=TOPK, timeout_s=30, **options)
     lay = buf.get_dispatch_layout(idx, EXPERTS)
     kw = {"num_tokens_per_rank": lay[0], "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2], "topk_idx": idx,
           "topk_weights": w}
     return buf, store, x, kw
+
+
+def add_shape_args(parser) -> None:
+    """The low-latency tools' shape arguments: DeepEP's decode shape by default."""
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+
+
+def one_rank_low_latency(args, prefix: str):
+    """``(buf, store, x, idx, w)``: a one-rank low-latency Buffer of ``args``' shape (the caller
+    closes both), BF16 ``x``, top-k ids and weights."""
+    x, idx, w = _inputs(args.tokens, args.hidden, args.experts, args.topk)
+    store = Store(is_server=True, prefix=prefix, timeout_s=30)
+    buf = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=args.topk, timeout_s=30,
+                 low_latency_mode=True, num_experts=args.experts)
+    return buf, store, x, idx, w

@@ -18,32 +18,21 @@ import statistics
 import time
 
 import torch
-
-from warmlink.ep import Buffer
-from warmlink.rendezvous import Store
+from _one_rank import add_shape_args, one_rank_low_latency
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=500)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    add_shape_args(p)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.rand(args.tokens, args.experts, generator=gen).topk(args.topk, 1).indices.cuda()
-    w = torch.rand(args.tokens, args.topk, generator=gen).cuda()
-    x = torch.randn(args.tokens, args.hidden, generator=gen).bfloat16().cuda()
-    with Store(is_server=True, prefix="ll-host-profile", timeout_s=30) as store:
-        buf = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=args.topk,
-                     timeout_s=30, low_latency_mode=True, num_experts=args.experts)
+    buf, store, x, idx, w = one_rank_low_latency(args, "ll-host-profile")
+    with store:
         try:
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)
-            y = torch.randn(*recv[0].shape, generator=gen).bfloat16().cuda()
+            y = torch.randn(*recv[0].shape).bfloat16().cuda()
             hooks: list = []
             calls = {
                 "dispatch (fp8)": lambda: buf.low_latency_dispatch(x, idx, args.tokens, args.experts),

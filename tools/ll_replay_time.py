@@ -16,9 +16,7 @@ import argparse
 import statistics
 
 import torch
-
-from warmlink.ep import Buffer
-from warmlink.rendezvous import Store
+from _one_rank import add_shape_args, one_rank_low_latency
 
 
 def _replays(graph: torch.cuda.CUDAGraph, iterations: int) -> float:
@@ -37,24 +35,15 @@ def _replays(graph: torch.cuda.CUDAGraph, iterations: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iterations", type=int, default=200)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
+    add_shape_args(p)
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.rand(args.tokens, args.experts, generator=gen).topk(args.topk, 1).indices.cuda()
-    w = torch.rand(args.tokens, args.topk, generator=gen).cuda()
-    x = torch.randn(args.tokens, args.hidden, generator=gen).bfloat16().cuda()
-    with Store(is_server=True, prefix="ll-replay-time", timeout_s=30) as store:
-        buf = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=args.topk,
-                     timeout_s=30, low_latency_mode=True, num_experts=args.experts)
+    buf, store, x, idx, w = one_rank_low_latency(args, "ll-replay-time")
+    with store:
         try:
             for _ in range(4):  # both parities of each kind of call compiled and launched before capture
                 recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)
                 buf.low_latency_dispatch(x, idx, args.tokens, args.experts, return_recv_hook=True)[4]()
-            y = torch.randn(*recv[0].shape, generator=gen).bfloat16().cuda()
+            y = torch.randn(*recv[0].shape).bfloat16().cuda()
             out = torch.empty_like(x)
             for _ in range(2):
                 handle = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[2]

@@ -207,7 +207,7 @@ class PreparedLaunch:
         name: the kernel's, for errors.
     """
 
-    __slots__ = ("_plan", "_addr", "_launcher", "name", "num_varying")
+    __slots__ = ("_plan", "_addr", "_launcher", "name")
 
     def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
                  params: list[tuple[int, int, int, int]], launcher, name: str) -> None:
@@ -225,7 +225,6 @@ class PreparedLaunch:
         for offset, (value, size, _, _) in zip(offsets, params, strict=True):
             buffer[offset:offset + size] = int(value).to_bytes(size, "little", signed=value < 0)
         self._plan, self._addr, self._launcher, self.name = plan, ctypes.addressof(plan), launcher, name
-        self.num_varying = len(varying)
 
     def __call__(self, grid: int, stream: int, args: tuple) -> bool:
         """Launch on ``stream`` with the varying parameters read from ``args`` (the kernel's
