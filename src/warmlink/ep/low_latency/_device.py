@@ -28,7 +28,8 @@ with one launches the send and leaves the receive to the hook.
   timeout as a ``%globaltimer`` deadline, then packs the rows into the outputs, whose addresses
   are fixed per parity; the last program writes "received seq" into every source's ack word;
 - combine: the same two phases, rows stored at ``t * K + k`` in their source, one signal word per
-  expert rank, and the weighted sum in the receive.
+  expert rank, and the weighted sum in the receive (a token's rows read all at once, a block of
+  columns a step: one memory latency a step, not one a row).
 
 A parity's sequence numbers live in device memory (the state words) and only the kernels advance
 them, so a graph replay is a new round. Before a send stores into a rank it waits for that
@@ -70,7 +71,7 @@ F_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED = 1, 2, 3, 4
 SEND, RECV, BOTH = 1, 2, 3  # a kernel's PHASE: a call without a hook launches both phases at once
 _SCAN_BLOCK = 256  # topk_idx entries a dispatch program compares at a time
 _WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
-          ("combine", SEND): 4, ("combine", RECV): 8, ("combine", BOTH): 8}
+          ("combine", SEND): 4, ("combine", RECV): 4, ("combine", BOTH): 8}
 
 
 # The launch arguments that change from call to call, by name (the others are the parity's block,
@@ -87,9 +88,9 @@ _COMBINE_VARYING = {wait: frozenset(_COMBINE_CALL | ({"wait_stats_ptr"} if wait 
 
 
 def _recv_rows(w_block: int) -> int:
-    """Rows a dispatch's receive moves a step: about 4096 int64 words in flight a program (4 FP8 rows
-    of 7168, 2 BF16 ones), at most 8."""
-    return max(1, min(8, 4096 // w_block))
+    """Rows a dispatch's receive moves a step: about 8192 int64 words in flight a program (8 FP8 rows
+    of 7168, 4 BF16 ones), at most 8."""
+    return max(1, min(8, 8192 // w_block))
 
 
 def call_tag(tokens: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
@@ -161,10 +162,13 @@ class DevicePath:
                                        "S_BLOCK": _pow2(lay.num_scales, 4), "NUM_TOPK": lay.num_topk,
                                        "K_BLOCK": _pow2(lay.num_topk, 2), "BLOCK": _SCAN_BLOCK}
                                  for fp8 in (False, True)}
+        # the combine's sum: eight BF16 values (16 bytes) of each row per thread a step
         self._combine_consts = {(phase, waits): {
             "PHASE": phase, "NUM_RANKS": lay.num_ranks, "R_BLOCK": ranks, "LOCAL": lay.local_experts,
-            "HIDDEN": lay.hidden, "H_BLOCK": h_block, "W_BLOCK": _pow2(lay.hidden // 4, 16), "NUM_TOPK": lay.num_topk,
-            "HAS_WAIT": waits, "SHRINK": shrink} for phase in (SEND, RECV, BOTH) for waits in (False, True)}
+            "HIDDEN": lay.hidden, "C_BLOCK": min(h_block, 8 * 32 * _WARPS["combine", phase]),
+            "W_BLOCK": _pow2(lay.hidden // 4, 16), "NUM_TOPK": lay.num_topk,
+            "K_BLOCK": _pow2(lay.num_topk, 2), "HAS_WAIT": waits, "SHRINK": shrink}
+            for phase in (SEND, RECV, BOTH) for waits in (False, True)}
         self._consts: dict[tuple, dict] = {}  # the dispatch's, by kind of call
         self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
         # by kind of call, parity and topk_idx's dtype: its PreparedLaunch, or False where it has none

@@ -44,8 +44,9 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
                 flat = e * per_expert + begin + i
                 slot = tl.load(comb_slot_ptr + flat)
                 data = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, mask=w < words_per_row)
-                tl.store((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)) + w, data,
-                         mask=w < words_per_row)
+                # rows start 16-byte aligned (the hint goes on the pointer): 16-byte stores
+                dst = tl.multiple_of((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)), 16)
+                tl.store(dst + w, data, mask=w < words_per_row)
     if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
             live = live_ranks(mask_ptr, r, rm)
@@ -59,11 +60,11 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
 def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me,
                  num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
-                 H_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+                 C_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
+                 SHRINK: tl.constexpr):
     # wait for every live expert rank's signal word, then for each program's tokens t: out[t] =
-    # sum_k w[t, k] * row(t, k) over the columns with an expert on a live rank, in column order
-    # (float32, then BF16); the last program to finish tells every expert rank that this parity's
-    # round was read
+    # sum_k w[t, k] * row(t, k) over the columns with an expert on a live rank (float32, then
+    # BF16); the last program to finish tells every expert rank that this parity's round was read
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     own = tl.load(bases_ptr + me)
@@ -82,26 +83,28 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
         if (failed == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
             report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, NO_RANK), 0))
         elif failed == 0:
-            cols = tl.arange(0, H_BLOCK)
-            in_row = cols < HIDDEN
-            w4 = tl.arange(0, H_BLOCK // 4)
-            shifts = (tl.arange(0, 4) * 16).to(tl.int64)
+            kk = tl.arange(0, K_BLOCK)
+            km = kk < num_cols
+            cols = tl.arange(0, C_BLOCK)
             for tok in range(pid, num_tokens, grid):
                 t = tok + tl.zeros([], dtype=tl.int64)  # (a plain int in the interpreter)
-                acc = tl.zeros([H_BLOCK], dtype=tl.float32)
-                for k in range(num_cols):
-                    e = tl.load(topk_ptr + t * num_cols + k)
-                    if (e >= 0) & (tl.sum((live & (r == e // LOCAL)).to(tl.int32), 0) > 0):
-                        if tl.load(dispatched_ptr + t * NUM_TOPK + k) != 0:
-                            # the row as 8-byte words (wide loads), then its four BF16 values each
-                            row = (own + comb_off + (t * NUM_TOPK + k) * (2 * HIDDEN)).to(tl.pointer_type(tl.int64))
-                            data = tl.load(row + w4, mask=w4 < HIDDEN // 4, other=0)
-                            halves = ((data[:, None] >> shifts[None, :]) & 0xFFFF).to(tl.uint16)
-                            values = tl.reshape(halves.to(tl.bfloat16, bitcast=True), (H_BLOCK,)).to(tl.float32)
-                            acc += values * tl.load(w_ptr + t * num_cols + k)
-                        else:  # a row no rank sent: refuse rather than sum stale bytes
-                            report(fail_ptr, F_UNMASKED, seq_slot, q, me)
-                tl.store(out_ptr + t * HIDDEN + cols, acc.to(tl.bfloat16), mask=in_row)
+                e = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
+                owner = tl.where(e >= 0, e // LOCAL, -1)  # (// truncates: -1 // LOCAL would be rank 0)
+                on = km & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
+                sent = tl.load(dispatched_ptr + t * NUM_TOPK + kk, mask=on, other=0) != 0
+                if tl.sum((on & ~sent).to(tl.int32), 0) > 0:  # a row no rank sent: refuse rather than sum stale bytes
+                    report(fail_ptr, F_UNMASKED, seq_slot, q, me)
+                use = on & sent
+                weight = tl.load(w_ptr + t * num_cols + kk, mask=use, other=0.0)
+                # rows start 16-byte aligned (the hint crosses no int-to-pointer cast, so it goes on the
+                # pointers): every column's row is read at once, C_BLOCK values at a time, in 16-byte loads
+                rows = tl.multiple_of((own + comb_off + (t * NUM_TOPK + kk) * (2 * HIDDEN)).to(
+                    tl.pointer_type(tl.bfloat16)), 16)
+                for c0 in range(0, HIDDEN, C_BLOCK):
+                    c = c0 + cols
+                    values = tl.load(rows[:, None] + c[None, :], mask=use[:, None] & (c < HIDDEN)[None, :], other=0.0)
+                    acc = tl.sum(values.to(tl.float32) * weight[:, None], 0)
+                    tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
     if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
@@ -110,8 +113,8 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
 def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, block_ptr,
              per_expert, num_tokens, num_cols, tag,
              PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
-             HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr,
-             HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+             HIDDEN: tl.constexpr, C_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr,
+             K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's; the
     # handle's tensors (range, comb_slot, dispatched) are its dispatch's parity's, maybe not this one's
     bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
@@ -132,7 +135,7 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
     if PHASE // 2 == 1:  # RECV or BOTH
         combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr,
                      me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
-                     NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, H_BLOCK, NUM_TOPK, HAS_WAIT, SHRINK)
+                     NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, C_BLOCK, NUM_TOPK, K_BLOCK, HAS_WAIT, SHRINK)
 
 
 # as the dispatch's: the ints a call passes are not specialized on their values

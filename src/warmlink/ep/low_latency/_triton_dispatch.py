@@ -180,14 +180,16 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                         at = own + disp_off + slot * (2 * HIDDEN)
                         row = begin + i  # within expert e's block
                         flat = e * per_expert + row
-                        data = tl.load(at.to(tl.pointer_type(tl.int64))[:, None] + w[None, :],
-                                       mask=im[:, None] & wm[None, :])
+                        # rows start 16-byte aligned (the hint goes on the pointers: it crosses no
+                        # int-to-pointer cast): 16-byte loads and stores
+                        src = tl.multiple_of(at.to(tl.pointer_type(tl.int64)), 16)
+                        data = tl.load(src[:, None] + w[None, :], mask=im[:, None] & wm[None, :])
                         meta = tl.load((own + meta_off + slot * 8).to(tl.pointer_type(tl.int64)), mask=im)
                         if FP8:
                             scales = tl.load((at + HIDDEN).to(tl.pointer_type(tl.float32))[:, None] + sc[None, :],
                                              mask=im[:, None] & (sc < num_scales)[None, :], other=0.0)
-                        tl.store(x_out_ptr.to(tl.pointer_type(tl.int64)) + flat[:, None] * words_per_row + w[None, :],
-                                 data, mask=im[:, None] & wm[None, :])
+                        dst = tl.multiple_of(x_out_ptr.to(tl.pointer_type(tl.int64)), 16)
+                        tl.store(dst + flat[:, None] * words_per_row + w[None, :], data, mask=im[:, None] & wm[None, :])
                         if FP8:
                             if UE8M0:  # four biased exponents per int32, byte j of word c is block 4c + j
                                 ex = (scales.to(tl.int32, bitcast=True) >> 23) & 0xFF
