@@ -118,9 +118,9 @@ for d in range(torch.cuda.device_count()):
     bench-ll)  # beside DeepEP V1 where .baseline/deepep-v1 is carried (one GPU per rank)
       deepep_ready
       for i in $(seq 1 ${REPEATS_EP:-3}); do
-        PYTHONPATH="$PWD/src:$PWD/.baseline/deepep-v1" timeout 240 python3 -m warmlink.cli.main bench ep --low-latency \
+        PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 -m warmlink.cli.main bench ep --low-latency \
           --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | grep -v IBGDA \
-          | tee "$OUT/ll_${TAG:-}$i.log" | head -16
+          | tee "$OUT/ll_${TAG:-}$i.log" | head -20
       done ;;
     ll-host)  # host time of eager low-latency calls, one rank (tools/ll_host_profile.py)
       timeout 150 python3 tools/ll_host_profile.py --calls 600 2>&1 | tee "$OUT/ll_host.log" | head -30 ;;

@@ -66,6 +66,39 @@ def test_the_output_check_catches_a_wrong_count_and_a_wrong_combine(fault):
     assert checked == {"recv_count": fault != "count", "combine": fault != "combine"}
 
 
+def test_the_phase_barrier_returns_on_no_rank_before_every_rank_called_it():
+    import threading
+    import time
+
+    from warmlink.bench.ep_low_latency import _Barrier
+    from warmlink.rendezvous import Store
+
+    with Store(is_server=True, prefix="barrier-test", timeout_s=30) as server:
+        clients = [Store.connect(server.address, prefix="barrier-test", timeout_s=30, secret=server.secret)
+                   for _ in range(2)]
+        barriers = [_Barrier(c, "warmlink", 2) for c in clients]
+        called, passed = [[], []], [[], []]
+
+        def rank(r: int) -> None:
+            for i in range(3):
+                if r == 1:
+                    time.sleep(0.05)  # the late rank: the other waits for it every time
+                called[r].append(time.monotonic())
+                barriers[r]()
+                passed[r].append(time.monotonic())
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for c in clients:
+            c.close()
+    assert len(passed[0]) == len(passed[1]) == 3
+    for i in range(3):  # no rank left barrier i before both had called it
+        assert min(passed[0][i], passed[1][i]) >= max(called[0][i], called[1][i])
+
+
 def test_bench_ep_low_latency_refuses_experts_that_do_not_divide(capsys):
     assert main(["bench", "ep", "--low-latency", "--ranks", "3", "--experts", "8"]) != 0
     assert "--experts=8 is not a multiple of --ranks=3" in capsys.readouterr().err
@@ -81,5 +114,7 @@ def test_gpu_bench_ep_low_latency_times_the_device_path(tmp_path, capsys):
     assert "cuda_ipc, CUDA events" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["config"]["device"] == "cuda"
+    assert {"dispatch_graph", "dispatch_send_graph", "dispatch_hook_graph", "combine_send_graph",
+            "combine_hook_graph"} <= set(record["summary"])
     for op, row in record["summary"].items():
         assert 0 < row["median_us"] <= row["p90_us"], (op, row)

@@ -6,7 +6,9 @@ Every rank draws a routing as DeepEP's test does (top-K of random scores, 10 ent
 -1), builds one ``ep.Buffer`` with ``low_latency_mode=True`` and times each of ``--iterations``
 calls after ``--warmup``: a dispatch, a combine, and in hook mode the send phase and the hook of
 each, called right after the send. Every call waits for its peers' rows, so the ranks stay in
-step without a barrier. The row per operation is the slowest rank's median and p90.
+step without a barrier. The row per operation is the slowest rank's median and p90. On GPUs the
+calls are then captured in CUDA graphs and replayed: a dispatch + hook and a combine + hook, and
+each phase alone after a host barrier (``... alone, replay``: its own device time, no peer behind).
 
 With CUDA: one rank per GPU (cuda_ipc, the device path), DeepEP's shape by default (128 tokens x
 7168, top-8 of 256), timed by CUDA events around each call's kernels; with one GPU two ranks
@@ -41,6 +43,9 @@ _DEEPEP_SOURCE = ("DeepEP docs/legacy.md @dd758ca (linked from its README): H800
                   "128 tokens, 7168 hidden, top-8, FP8 dispatch, BF16 combine")
 _OPS = ("dispatch", "combine", "dispatch_send", "dispatch_hook", "combine_send", "combine_hook")
 _GRAPH_OPS = ("dispatch_graph", "combine_graph")  # GPUs only: replays of captured calls, no host launches
+# GPUs only: each phase's graph replayed alone, every rank's previous phase done (a host barrier
+# between replays), so that a row is the phase's own device time, not a wait for a slower peer
+_PHASE_OPS = ("dispatch_send_graph", "dispatch_hook_graph", "combine_send_graph", "combine_hook_graph")
 _PAIRS = {"pair": ("dispatch", "combine"), "pair_graph": ("dispatch_graph", "combine_graph")}  # per iteration
 _MASKED = 10  # entries set to -1, as DeepEP's test does
 
@@ -71,16 +76,32 @@ def _rank_main(control, results, rank: int, num_ranks: int, store_address: str, 
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     x, idx, w = (t.to(dev) for t in _routing(rank, tokens, experts, cfg["topk"], hidden))
     y = torch.zeros(experts // num_ranks, num_ranks * tokens, hidden, dtype=torch.bfloat16, device=dev)
-    with Store.connect(store_address, prefix="bench-ep-ll", timeout_s=cfg["timeout"], secret=secret) as store, \
-            Buffer(store, rank, num_ranks, max_tokens_per_rank=tokens, hidden=hidden, num_topk=cfg["topk"],
-                   backend="cuda_ipc" if gpu else "shm", timeout_s=cfg["timeout"], low_latency_mode=True,
-                   num_experts=experts) as buf:
-        times = _time_calls(buf, x, idx, w, y, cfg)
-        checks = {"warmlink": check_outputs(buf, x, idx, w, rank, num_ranks, cfg)}
-    value = {"rank": rank, "times_s": times, "checks": checks}
-    if cfg["deepep"] == "ran":
-        value["deepep_times_s"], checks["deepep_v1"] = _time_deepep(rank, num_ranks, x, idx, w, y, cfg)
+    with Store.connect(store_address, prefix="bench-ep-ll", timeout_s=cfg["timeout"], secret=secret) as store:
+        with Buffer(store, rank, num_ranks, max_tokens_per_rank=tokens, hidden=hidden, num_topk=cfg["topk"],
+                    backend="cuda_ipc" if gpu else "shm", timeout_s=cfg["timeout"], low_latency_mode=True,
+                    num_experts=experts) as buf:
+            times = _time_calls(buf, x, idx, w, y, cfg, _Barrier(store, "warmlink", num_ranks))
+            checks = {"warmlink": check_outputs(buf, x, idx, w, rank, num_ranks, cfg)}
+        value = {"rank": rank, "times_s": times, "checks": checks}
+        if cfg["deepep"] == "ran":
+            value["deepep_times_s"], checks["deepep_v1"] = _time_deepep(rank, num_ranks, x, idx, w, y, cfg,
+                                                                        _Barrier(store, "deepep", num_ranks))
     results.put({"event": "result", "value": value})
+
+
+class _Barrier:
+    """Every rank's host reached the same call: a counter in the store (no GPU collective, which
+    would sit on the streams being timed)."""
+
+    def __init__(self, store, side: str, num_ranks: int) -> None:
+        self._store, self._key, self._ranks, self._calls = store, f"phase-barrier/{side}", num_ranks, 0
+
+    def __call__(self) -> None:
+        self._calls += 1
+        want = self._calls * self._ranks
+        if self._store.add(self._key, 1, checked=False) < want:
+            self._store.wait_until(lambda: self._store.add(self._key, 0, checked=False) >= want,
+                                   what=f"{self._key} {self._calls}")
 
 
 def check_outputs(buf, x, idx, w, rank: int, num_ranks: int, cfg: dict) -> dict[str, bool]:
@@ -107,7 +128,7 @@ def check_outputs(buf, x, idx, w, rank: int, num_ranks: int, cfg: dict) -> dict[
     return {"recv_count": torch.equal(count.cpu().to(torch.int64), want), "combine": bool(diff.item() < 1e-3)}
 
 
-def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> tuple[dict[str, list[float]], dict]:
+def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict, barrier) -> tuple[dict[str, list[float]], dict]:
     """The same loop through DeepEP V1's ``Buffer`` over a ``torch.distributed`` group of the ranks,
     and the same output check."""
     import torch.distributed as dist
@@ -125,16 +146,17 @@ def _time_deepep(rank: int, num_ranks: int, x, idx, w, y, cfg: dict) -> tuple[di
                              explicitly_destroy=True)
         try:
             idx = idx.to(deep_ep.topk_idx_t)
-            return _time_calls(buf, x, idx, w, y, cfg), check_outputs(buf, x, idx, w, rank, num_ranks, cfg)
+            return _time_calls(buf, x, idx, w, y, cfg, barrier), check_outputs(buf, x, idx, w, rank, num_ranks, cfg)
         finally:
             buf.destroy()
     finally:
         dist.destroy_process_group()
 
 
-def _time_calls(buf, x, idx, w, y, cfg: dict) -> dict[str, list[float]]:
+def _time_calls(buf, x, idx, w, y, cfg: dict, barrier) -> dict[str, list[float]]:
     """Per iteration a dispatch and a combine, then the same in hook mode; on GPUs then replays of
-    both captured in CUDA graphs. ``buf`` is warmlink's ``ep.Buffer`` or DeepEP's (one API)."""
+    both captured in CUDA graphs, and of each phase alone. ``buf`` is warmlink's ``ep.Buffer`` or
+    DeepEP's (one API); ``barrier()`` returns once every rank called it."""
     tokens, experts = cfg["tokens"], cfg["experts"]
     gpu = cfg["device"] == "cuda"
     times: dict[str, list[float]] = {op: [] for op in _OPS}
@@ -159,6 +181,7 @@ def _time_calls(buf, x, idx, w, y, cfg: dict) -> dict[str, list[float]]:
                 times[op].append(t)
     if gpu:
         times.update(_graph_times(buf, x, idx, w, y, tokens, experts, cfg, marks))
+        times.update(_phase_times(buf, x, idx, w, y, tokens, experts, cfg, barrier))
     for pair, (dispatch, combine) in _PAIRS.items():
         if dispatch in times:
             times[pair] = [a + b for a, b in zip(times[dispatch], times[combine], strict=True)]
@@ -189,6 +212,36 @@ def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks)
         if i >= cfg["warmup"]:
             for op, t in zip(_GRAPH_OPS, spans, strict=True):
                 times[op].append(t)
+    return times
+
+
+def _phase_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, barrier) -> dict[str, list[float]]:
+    """Each phase (a dispatch's send, its hook, a combine's send, its hook) captured in a graph of
+    its own and replayed once every rank finished the phase before: what the phase costs on the
+    device when its peers are not behind (a hook then finds every row arrived)."""
+    import torch
+
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    graphs = {op: torch.cuda.CUDAGraph() for op in _PHASE_OPS}
+    with torch.cuda.graph(graphs["dispatch_send_graph"]):
+        sent = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=True)
+    with torch.cuda.graph(graphs["dispatch_hook_graph"]):
+        sent[4]()
+    with torch.cuda.graph(graphs["combine_send_graph"]):
+        hook = buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True, out=out)[2]
+    with torch.cuda.graph(graphs["combine_hook_graph"]):
+        hook()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {op: [] for op in _PHASE_OPS}
+    for i in range(cfg["warmup"] + cfg["iterations"]):
+        for op, graph in graphs.items():
+            barrier()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= cfg["warmup"]:
+                times[op].append(start.elapsed_time(end) / 1e3)
     return times
 
 
@@ -239,7 +292,7 @@ def _defaults(args) -> dict:
 
 def _summary(ranks: list[dict], key: str) -> dict:
     """Per operation the slowest rank's median and p90, in us."""
-    ops = [op for op in (*_OPS, *_GRAPH_OPS, *_PAIRS) if op in ranks[0][key]]
+    ops = [op for op in (*_OPS, *_GRAPH_OPS, *_PAIRS, *_PHASE_OPS) if op in ranks[0][key]]
     return {op: {"median_us": max(statistics.median(r[key][op]) for r in ranks) * 1e6,
                  "p90_us": max(_p90(r[key][op]) for r in ranks) * 1e6} for op in ops}
 
@@ -261,7 +314,9 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
              "dispatch_hook": "dispatch, hook mode: hook", "combine_send": "combine, hook mode: send",
              "combine_hook": "combine, hook mode: hook", "dispatch_graph": "dispatch + hook, CUDA graph replay",
              "combine_graph": "combine + hook, CUDA graph replay", "pair": "dispatch + combine, eager",
-             "pair_graph": "dispatch + combine, graph replays"}
+             "pair_graph": "dispatch + combine, graph replays", "dispatch_send_graph": "dispatch send alone, replay",
+             "dispatch_hook_graph": "dispatch hook alone, replay", "combine_send_graph": "combine send alone, replay",
+             "combine_hook_graph": "combine hook alone, replay"}
     for op in ops:
         theirs = f"{deepep[op]['median_us']:>16.1f}{deepep[op]['median_us'] / summary[op]['median_us']:>18.2f}x" \
             if deepep else ""
