@@ -118,6 +118,29 @@ def test_a_driver_error_is_raised_by_its_code_and_a_zero_grid_launches_nothing(c
     assert len(driver.launches) == 1
 
 
+def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launcher_calls_it(compiled):
+    from triton import knobs
+
+    driver = Driver([8])
+    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled.launch_prepared,
+                            "k", hooks=knobs.runtime)
+    assert launch(1, STREAM, ())  # no hook set
+    for which in ("launch_enter_hook", "launch_exit_hook"):
+        saved = getattr(knobs.runtime, which)
+        hook = type(saved)() if hasattr(saved, "calls") else None  # a HookChain of its own (Triton >= 3.5)
+        if hook is None:
+            setattr(knobs.runtime, which, lambda *args: None)
+        else:
+            hook.add(lambda *args: None)
+            setattr(knobs.runtime, which, hook)
+        try:
+            assert not launch(1, STREAM, ()), which
+        finally:
+            setattr(knobs.runtime, which, saved)
+    assert launch(1, STREAM, ())
+    assert len(driver.launches) == 2
+
+
 def test_too_many_parameters_are_refused_when_prepared(compiled):
     with pytest.raises(ValueError, match="parameters"):
         PreparedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * 33, 8)), [(0, 8, CHECK_NONE, -1)] * 33,

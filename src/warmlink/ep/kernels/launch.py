@@ -167,7 +167,7 @@ class FastLaunch:
         params += [(0, 8, CHECK_NONE, -1)] * (len(layout) - len(params))
         return PreparedLaunch(host.launch_address(), compiled.function, 32 * meta.num_warps, meta.shared,
                               [offset for offset, _ in layout], params, module.launch_prepared,
-                              getattr(self.jit, "__name__", "kernel"))
+                              getattr(self.jit, "__name__", "kernel"), hooks=self._knobs.runtime)
 
 
 def param_layout(function: int) -> list[tuple[int, int]] | None:
@@ -205,12 +205,14 @@ class PreparedLaunch:
             from (a tensor's address, or an int), -1 for a fixed one.
         launcher: ``host.cpp``'s ``launch_prepared`` (a stand-in in tests).
         name: the kernel's, for errors.
+        hooks: Triton's ``knobs.runtime``: while a launch hook is set there (proton and other
+            Triton-level profilers), every call declines, so that Triton's launcher calls the hook.
     """
 
-    __slots__ = ("_plan", "_addr", "_launcher", "name")
+    __slots__ = ("_plan", "_addr", "_launcher", "name", "_hooks")
 
     def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
-                 params: list[tuple[int, int, int, int]], launcher, name: str) -> None:
+                 params: list[tuple[int, int, int, int]], launcher, name: str, hooks=None) -> None:
         if len(params) > PLAN_MAX_PARAMS or max((o + 8 for o in offsets), default=0) > PLAN_MAX_BYTES:
             raise ValueError(f"PreparedLaunch({name}): {len(params)} parameters over {PLAN_MAX_PARAMS}, or over "
                              f"{PLAN_MAX_BYTES} bytes")
@@ -225,17 +227,27 @@ class PreparedLaunch:
         for offset, (value, size, _, _) in zip(offsets, params, strict=True):
             buffer[offset:offset + size] = int(value).to_bytes(size, "little", signed=value < 0)
         self._plan, self._addr, self._launcher, self.name = plan, ctypes.addressof(plan), launcher, name
+        self._hooks = hooks
 
     def __call__(self, grid: int, stream: int, args: tuple) -> bool:
         """Launch on ``stream`` with the varying parameters read from ``args`` (the kernel's
         arguments, as ``FastLaunch`` takes them); False, launching nothing, where one breaks what
-        the kernel was compiled for. Raises ``RuntimeError`` where the driver refuses the launch."""
+        the kernel was compiled for or a Triton launch hook is set. Raises ``RuntimeError`` where
+        the driver refuses the launch."""
+        if self._hooks is not None and (_hook_set(self._hooks.launch_enter_hook)
+                                        or _hook_set(self._hooks.launch_exit_hook)):
+            return False
         status = self._launcher(self._addr, grid, stream, args)
         if status == 0:
             return True
         if status < 0:
             return False
         raise RuntimeError(f"cuLaunchKernel({self.name}, grid {grid}): CUDA error {status}")
+
+
+def _hook_set(hook) -> bool:
+    # None, or Triton's HookChain (always there since Triton 3.5: set when it holds calls), or a callable
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
