@@ -39,10 +39,13 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
     live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
     num_entries = num_tokens * num_cols
     offs = tl.arange(0, BLOCK)
-    bad = tl.zeros([], dtype=tl.int32)  # every program reads every id: one out of range refuses the round
+    # every program reads every id: one out of range refuses the round. Counted per lane, summed
+    # once: a sum across the program is a barrier
+    out_of_range = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, num_entries, BLOCK):
         v = tl.load(topk_ptr + start + offs, mask=start + offs < num_entries, other=-1).to(tl.int64)
-        bad += tl.sum(((v < -1) | (v >= num_experts)).to(tl.int32), 0)
+        out_of_range += ((v < -1) | (v >= num_experts)).to(tl.int32)
+    bad = tl.sum(out_of_range, 0)
     go = healthy(state_ptr) & (bad == 0)
     kk = tl.arange(0, K_BLOCK)
     km = kk < num_cols
@@ -51,13 +54,13 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
         ek = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
         tl.store(dispatched_ptr + t * NUM_TOPK + kk, (ek >= 0).to(tl.int8), mask=km)
         if go:
-            before = tl.zeros([K_BLOCK], dtype=tl.int32)  # entries before (t, k) that go to ek[k]
+            hits = tl.zeros([K_BLOCK, BLOCK], dtype=tl.int32)  # entries before (t, k) that go to ek[k]
             pos = t * num_cols + kk
             for start in range(0, (tok + 1) * num_cols, BLOCK):
                 i = start + offs
                 v = tl.load(topk_ptr + i, mask=i < num_entries, other=-1).to(tl.int64)
-                hit = (v[None, :] == ek[:, None]) & (i[None, :] < pos[:, None])
-                before += tl.sum(hit.to(tl.int32), 1)
+                hits += ((v[None, :] == ek[:, None]) & (i[None, :] < pos[:, None])).to(tl.int32)
+            slot = tl.sum(hits, 1).to(tl.int64)
             tl.atomic_add(count_ptr + ek, tl.zeros_like(kk) + 1, mask=km & (ek >= 0), sem="relaxed", scope="gpu")
             nb = tl.arange(0, H_BLOCK // 128)
             w = tl.arange(0, H_BLOCK // 8) if FP8 else tl.arange(0, H_BLOCK // 4)
@@ -77,20 +80,20 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 row_words = tl.sum(qx.to(tl.uint8, bitcast=True).to(tl.int64) << shifts[None, :], 1)
             else:
                 row_words = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + t * (HIDDEN // 4) + w, mask=w < HIDDEN // 4)
-            for k in range(num_cols):
-                e = tl.load(topk_ptr + t * num_cols + k).to(tl.int64)
-                d = e // LOCAL
-                if (e >= 0) & (tl.sum((live & (r == d)).to(tl.int32), 0) > 0):
-                    slot = tl.sum(tl.where(kk == k, before, 0), 0).to(tl.int64)
-                    row = ((e % LOCAL) * NUM_RANKS + me) * tokens + slot
-                    base = tl.load(bases_ptr + d)
-                    at = base + disp_off + row * (2 * HIDDEN)
-                    if FP8:
-                        tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 8)
-                        tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32)) + nb, scale, mask=nb < HIDDEN // 128)
-                    else:
-                        tl.store(at.to(tl.pointer_type(tl.int64)) + w, row_words, mask=w < HIDDEN // 4)
-                    tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + k)
+            # every column's row at once (no loop over the columns: each would wait for its own
+            # address): slot (e, me) of each entry's expert, on a live rank
+            owner = tl.where(ek >= 0, ek // LOCAL, 0)  # (// truncates: -1 // LOCAL would be rank 0 anyway)
+            send = km & (ek >= 0) & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
+            row = ((ek % LOCAL) * NUM_RANKS + me) * tokens + slot
+            base = tl.load(bases_ptr + owner, mask=send, other=0)
+            at = base + disp_off + row * (2 * HIDDEN)
+            words: tl.constexpr = HIDDEN // 8 if FP8 else HIDDEN // 4
+            tl.store(at.to(tl.pointer_type(tl.int64))[:, None] + w[None, :], row_words[None, :],
+                     mask=send[:, None] & (w < words)[None, :])
+            if FP8:
+                tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32))[:, None] + nb[None, :], scale[None, :],
+                         mask=send[:, None] & (nb < HIDDEN // 128)[None, :])
+            tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + kk, mask=send)
     if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
             el = tl.arange(0, L_BLOCK)
