@@ -140,10 +140,14 @@ def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_
 
 
 @triton.jit
-def last_program(state_ptr, slot, total):
-    # every thread's earlier stores reach the system, then count this program done; 1 in the
-    # program that finished last (it resets the count for the next call)
-    fence_system()
+def last_program(state_ptr, slot, total, TO_PEERS: tl.constexpr):
+    # count this program done; 1 in the program that finished last (it resets the count for the
+    # next call), whose system-scope release (the signal, the ack) then follows every program's
+    # earlier memory operations: the barrier and the count's GPU-scope release order them. A
+    # program that stored into peers (TO_PEERS) fences those stores at system scope first; a
+    # receive, which only read and wrote this GPU's memory, needs no more
+    if TO_PEERS:
+        fence_system()
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + slot, 1, sem="acq_rel", scope="gpu")
     last = done == total - 1

@@ -47,7 +47,7 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
                 # rows start 16-byte aligned (the hint goes on the pointer): 16-byte stores
                 dst = tl.multiple_of((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)), 16)
                 tl.store(dst + w, data, mask=w < words_per_row)
-    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid, True):
         if healthy(state_ptr):
             live = live_ranks(mask_ptr, r, rm)
             at = (tl.load(bases_ptr + r, mask=live, other=0) + comb_signal_off + me * 8).to(tl.pointer_type(tl.int64))
@@ -105,7 +105,7 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                     values = tl.load(rows[:, None] + c[None, :], mask=use[:, None] & (c < HIDDEN)[None, :], other=0.0)
                     acc = tl.sum(values.to(tl.float32) * weight[:, None], 0)
                     tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
 

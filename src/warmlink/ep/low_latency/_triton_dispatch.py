@@ -94,7 +94,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32))[:, None] + nb[None, :], scale[None, :],
                          mask=send[:, None] & (nb < HIDDEN // 128)[None, :])
             tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + kk, mask=send)
-    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid, True):
         if healthy(state_ptr):
             el = tl.arange(0, L_BLOCK)
             m = el < LOCAL
@@ -209,7 +209,7 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                                          mask=im[:, None] & (sc < num_scales)[None, :])
                         tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32), mask=im)
                         tl.store(comb_slot_ptr + flat, meta, mask=im)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
 
