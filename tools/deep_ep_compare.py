@@ -19,14 +19,36 @@ import json
 import statistics
 
 
-def _runs(pattern: str) -> list[dict]:
-    """Per run, ``{"call/budget": {"events": {...}, "host": {...}}}`` from its record's DeepEP table."""
+def records(pattern: str, tool: str) -> list[tuple[str, dict]]:
+    """``(path, record)`` of each file ``pattern`` matches, in path order (the compare tools' input)."""
     paths = sorted(glob.glob(pattern))
     if not paths:
-        raise SystemExit(f"deep_ep_compare: no file matches {pattern!r}")
+        raise SystemExit(f"{tool}: no file matches {pattern!r}")
+    return [(path, json.load(open(path))) for path in paths]
+
+
+def compare_main(doc: str, runs, medians, lines) -> None:
+    """A compare tool's command line: ``--code NAME=GLOB`` per code and ``--json``; ``runs(glob)``
+    reads a code's runs, ``medians(runs)`` summarizes them, ``lines({code: medians})`` is the table."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
+                   help="a code's name and the glob of its runs' records (repeat per code)")
+    p.add_argument("--json", help="write the runs and medians here")
+    args = p.parse_args()
+    codes = dict(c.split("=", 1) for c in args.code)
+    found = {name: runs(pattern) for name, pattern in codes.items()}
+    med = {name: medians(r) for name, r in found.items()}
+    print("\n".join(lines(med)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"codes": codes, "medians_of_runs": med, "runs": found}, f, separators=(",", ":"))
+
+
+def _runs(pattern: str) -> list[dict]:
+    """Per run, ``{"call/budget": {"events": {...}, "host": {...}}}`` from its record's DeepEP table."""
     runs = []
-    for path in paths:
-        table = json.load(open(path))["summary"].get("deepep_v1")
+    for path, record in records(pattern, "deep_ep_compare"):
+        table = record["summary"].get("deepep_v1")
         if not isinstance(table, dict) or not table:
             raise SystemExit(f"deep_ep_compare: {path} holds no DeepEP table (was DeepEP V1 importable in that run?)")
         runs.append(table)
@@ -49,21 +71,13 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
-                   help="a code's name and the glob of its runs' records (repeat per code)")
-    p.add_argument("--json", help="write the runs and medians here")
-    args = p.parse_args()
-    codes = dict(c.split("=", 1) for c in args.code)
-    runs = {name: _runs(pattern) for name, pattern in codes.items()}
-    med = {name: medians(r) for name, r in runs.items()}
+def _lines(med: dict) -> list[str]:
     keys = list(next(iter(med.values())))
-    print("DeepEP / warmlink, events (us, median of runs) and the median of the runs' ratios [range]; host ratio")
-    print(f"{'call/budget':20s} " + "  ".join(f"{name:>40s}" for name in codes))
+    lines = ["DeepEP / warmlink, events (us, median of runs) and the median of the runs' ratios [range]; host ratio",
+             f"{'call/budget':20s} " + "  ".join(f"{name:>40s}" for name in med)]
     for key in keys:
         cells = []
-        for name in codes:
+        for name in med:
             m = med[name].get(key)
             if m is None:
                 cells.append(f"{'-':>40s}")
@@ -72,10 +86,12 @@ def main() -> None:
             lo, hi = e["ratio_range"]
             cells.append(f"{e['deepep_us']:6.0f} /{e['warmlink_us']:6.0f} {e['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] "
                          f"h{m['host']['ratio']:4.2f} n{m['runs']}".rjust(40))
-        print(f"{key:20s} " + "  ".join(cells))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"codes": codes, "medians_of_runs": med, "runs": runs}, f, separators=(",", ":"))
+        lines.append(f"{key:20s} " + "  ".join(cells))
+    return lines
+
+
+def main() -> None:
+    compare_main(__doc__, _runs, medians, _lines)
 
 
 if __name__ == "__main__":

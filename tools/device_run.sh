@@ -18,6 +18,7 @@
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
 #        compare-deepep (bench ep --deep-ep of PREV and this code interleaved, PAIRS; tools/deep_ep_compare.py)
 #        compare-shape (compare-deepep beside this code with the streamed default shape SHAPE, e.g. 20x128)
+#        compare-ll (bench ep --low-latency of PREV and this code interleaved beside DeepEP, PAIRS; tools/ll_compare.py)
 #        (env: LIFECYCLES, CYCLES, ITERATIONS, REPEATS, REPEATS_EP, ITERATIONS_EP, SWEEP, SORT;
 #         SRC=other/src runs another checkout's package, e.g. the previous code beside this one;
 #         TAG prefixes the bench-ep, bench-full and bench-colocated record names; EP_ARGS adds bench ep flags, e.g. --deep-ep;
@@ -261,6 +262,24 @@ for d in range(torch.cuda.device_count()):
       python3 tools/deep_ep_compare.py --code previous="$OUT/compare_deepep/previous_*.json" \
         --code this="$OUT/compare_deepep/this_*.json" --json "$OUT/compare_deepep.json" | tee "$OUT/compare_deepep.txt"
       tar czf "$OUT/compare_deepep.tgz" -C "$OUT" compare_deepep && rm -rf "$OUT/compare_deepep" ;;
+    compare-ll)
+      # PAIRS runs of bench ep --low-latency for the previous code (PREV, default .prev/src: carry it) and
+      # this one, interleaved, rotating which goes first, DeepEP V1 beside each; then tools/ll_compare.py's
+      # table; the records tarred (the device tool returns 8 files)
+      deepep_ready
+      rm -rf "$OUT/compare_ll" && mkdir -p "$OUT/compare_ll"
+      for i in $(seq 1 ${PAIRS:-3}); do
+        order="previous this"; [ $((i % 2)) = 0 ] && order="this previous"
+        for code in $order; do
+          src="$PWD/src"; [ $code = previous ] && src="${PREV:-$PWD/.prev/src}"
+          PYTHONPATH="$src:$PWD/.baseline/deepep-v1" timeout 120 python3 -m warmlink.cli.main bench ep --low-latency \
+            --iterations ${ITERATIONS_EP:-100} ${EP_ARGS:-} --json "$OUT/compare_ll/${code}_$i.json" \
+            > "$OUT/compare_ll/${code}_$i.log" 2>&1 || echo "compare-ll: $code run $i failed (its log is in the tar)"
+        done
+      done
+      python3 tools/ll_compare.py --code previous="$OUT/compare_ll/previous_*.json" \
+        --code this="$OUT/compare_ll/this_*.json" --json "$OUT/compare_ll/medians.json" | tee "$OUT/compare_ll.txt"
+      tar czf "$OUT/compare_ll.tgz" -C "$OUT" compare_ll && rm -rf "$OUT/compare_ll" ;;
     compare-shape)
       # compare-deepep of this code beside itself with every streamed Buffer's default shape SHAPE
       # (CHANNELSxRING_ROWS, e.g. 20x128: ep.api.options.stream_defaults patched in a copy of src)

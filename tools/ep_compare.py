@@ -14,21 +14,18 @@ into a fast and a slow mode, the lower statistics compare the fast runs.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import statistics
+
+from deep_ep_compare import records
 
 
 def _records(pattern: str) -> list[dict]:
     """Per run, ``{operation: ms}``: the timed operations, then the host time until each call
     returns (idle, behind queued device work, with late peers) and the async_finish overlap rows,
     where the record has them."""
-    paths = sorted(glob.glob(pattern))
-    if not paths:
-        raise SystemExit(f"ep_compare: no file matches {pattern!r}")
     runs = []
-    for path in paths:
-        summary = json.load(open(path))["summary"]
+    for _, record in records(pattern, "ep_compare"):
+        summary = record["summary"]
         run = {k: v["ms"] for k, v in summary.items() if isinstance(v, dict) and "ms" in v}
         for key, when in (("returns_ms", "idle"), ("returns_busy_ms", "behind work"), ("returns_late_ms", "peers late")):
             run.update({f"returns, {when}: {call.replace('_', ' ')}": ms for call, ms in summary.get(key, {}).items()})
