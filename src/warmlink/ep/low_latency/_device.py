@@ -19,11 +19,11 @@ with one launches the send and leaves the receive to the hook.
   refuses the round on all of them alike, and each (token, column) gets its slot, its rank among
   this rank's entries to the same expert in token order, without a count exchange or a kernel
   before; each token is cast (FP8 on request) and stored into slot ``(e, this rank)`` of each of
-  its experts' ranks (ep.low_latency._layout), all its rows at once. The last program to finish (a per-phase counter in
-  the device state, after a system fence in every program) writes the signal word of every
-  (rank, local expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is this parity's dispatch
-  sequence number and ``tag`` the call's arguments (``call_tag``); a refused input sends the
-  count ``0xFFFFFF`` instead of rows;
+  its experts' ranks (ep.low_latency._layout), all its rows at once. The last program to finish
+  (a per-phase counter in the device state, after a system fence in every program) writes the
+  signal word of every (rank, local expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is
+  this parity's dispatch sequence number and ``tag`` the call's arguments (``call_tag``); a
+  refused input sends the count ``0xFFFFFF`` instead of rows;
 - dispatch, receive: each (local expert, source) spins on the signal words with the Buffer's
   timeout as a ``%globaltimer`` deadline, then packs the rows into the outputs, whose addresses
   are fixed per parity; the last program writes "received seq" into every source's ack word;
@@ -215,8 +215,8 @@ class DevicePath:
         block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
         args = (x, topk_idx, cumulative_stats if cumulative_stats is not None else self.mask,
                 wait_stats if wait_stats is not None else block, block, n, num_cols, tokens, tag)
-        self._launch(self.kernels.dispatch, ("dispatch", *key, p, topk_idx.dtype), self._grid(phase, n, self._items), args, consts,
-                     _WARPS["dispatch", phase], _DISPATCH_VARYING[key[4], key[5]])
+        self._launch(self.kernels.dispatch, ("dispatch", *key, p, topk_idx.dtype), self._grid(phase, n, self._items),
+                     args, consts, _WARPS["dispatch", phase], _DISPATCH_VARYING[key[4], key[5]])
 
     # -- combine ----------------------------------------------------------------------------------
     def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
