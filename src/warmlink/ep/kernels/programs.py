@@ -270,6 +270,17 @@ def store_by_one(addr, value):
 
 
 @triton.jit
+def store_release_system(addrs, values, mask):
+    # each int64 ``values[i]`` at byte address ``addrs[i]`` where ``mask[i]``, a system-scope release
+    # store (a word another GPU acquires: what this thread wrote or acquired before comes first):
+    # Triton's release is an atomic exchange, whose result the thread then waits for (tests swap
+    # this helper out)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,l,r", [addrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, landing, me, num_experts, experts_per_rank,
                          max_tokens, x_row_bytes, meta_row_bytes, timeout_ns,
                          NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,

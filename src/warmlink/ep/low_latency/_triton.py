@@ -1,7 +1,7 @@
 """The Triton kernels of low-latency mode on a GPU (ep.low_latency._device launches them).
 
 See Note [Low-latency device path] in ep.low_latency._device. Imported only where Triton is; tests
-run every kernel through Triton's interpreter on host memory, with the clock and the fence
+run every kernel through Triton's interpreter on host memory, with the clock and ``cta_any``
 swapped for Python ones.
 
 This module holds what both kernels share (the state words, the waits, the mask) and the mask
@@ -16,7 +16,7 @@ find each under one name whatever its phase.
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import cta_any, device_clock_ns, fence_system
+from warmlink.ep.kernels.programs import cta_any, device_clock_ns, store_release_system
 from warmlink.ep.low_latency._layout import BLOCK_WORDS
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
@@ -140,14 +140,13 @@ def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_
 
 
 @triton.jit
-def last_program(state_ptr, slot, total, TO_PEERS: tl.constexpr):
+def last_program(state_ptr, slot, total):
     # count this program done; 1 in the program that finished last (it resets the count for the
-    # next call), whose system-scope release (the signal, the ack) then follows every program's
-    # earlier memory operations: the barrier and the count's GPU-scope release order them. A
-    # program that stored into peers (TO_PEERS) fences those stores at system scope first; a
-    # receive, which only read and wrote this GPU's memory, needs no more
-    if TO_PEERS:
-        fence_system()
+    # next call). Its system-scope release (the signal, the ack) then follows every program's
+    # earlier stores, into peers too: the barrier and the count's GPU-scope release put them
+    # before the last program's acquire, and a release carries what its thread has acquired (the
+    # chain DeepEP's low-latency send relies on over NVLink). No system fence a thread: on one
+    # H200 it cost the dispatch's send 1 us of its 12
     tl.debug_barrier()
     done = tl.atomic_add(state_ptr + slot, 1, sem="acq_rel", scope="gpu")
     last = done == total - 1
@@ -166,8 +165,8 @@ def healthy(state_ptr):
 def acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm):
     # tell every live rank that this rank read its rows of round q (its ack word of this rank there)
     live = live_ranks(mask_ptr, r, rm)
-    acks = (tl.load(bases_ptr + r, mask=live, other=0) + ack_off + me * 8).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(acks, q + tl.zeros_like(r).to(tl.int64), mask=live, sem="release", scope="sys")
+    acks = tl.load(bases_ptr + r, mask=live, other=0) + ack_off + me * 8
+    store_release_system(acks, q + tl.zeros_like(r).to(tl.int64), live)
 
 
 def symbol(name: str):

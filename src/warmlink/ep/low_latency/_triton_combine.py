@@ -5,7 +5,7 @@ ep.low_latency._triton)."""
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import device_clock_ns
+from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
 from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
                                              B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
                                              REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
@@ -47,12 +47,11 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
                 # rows start 16-byte aligned (the hint goes on the pointer): 16-byte stores
                 dst = tl.multiple_of((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)), 16)
                 tl.store(dst + w, data, mask=w < words_per_row)
-    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid, True):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
             live = live_ranks(mask_ptr, r, rm)
-            at = (tl.load(bases_ptr + r, mask=live, other=0) + comb_signal_off + me * 8).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(at, (q << 32) | (tag + tl.zeros([R_BLOCK], dtype=tl.int64)), mask=live, sem="release",
-                           scope="sys")
+            at = tl.load(bases_ptr + r, mask=live, other=0) + comb_signal_off + me * 8
+            store_release_system(at, (q << 32) | (tag + tl.zeros([R_BLOCK], dtype=tl.int64)), live)
         tl.store(state_ptr + seq_slot, q)
 
 
@@ -105,7 +104,7 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                     values = tl.load(rows[:, None] + c[None, :], mask=use[:, None] & (c < HIDDEN)[None, :], other=0.0)
                     acc = tl.sum(values.to(tl.float32) * weight[:, None], 0)
                     tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
 

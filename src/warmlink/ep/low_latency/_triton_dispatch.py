@@ -5,7 +5,7 @@ ep.low_latency._triton)."""
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import device_clock_ns
+from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
 from warmlink.ep.low_latency._triton import (B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP, B_DISPATCHED,
                                              B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK, B_PACKED_OUT,
                                              B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL, B_SRC_INFO, B_STATE,
@@ -94,7 +94,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 tl.store((at + HIDDEN).to(tl.pointer_type(tl.float32))[:, None] + nb[None, :], scale[None, :],
                          mask=send[:, None] & (nb < HIDDEN // 128)[None, :])
             tl.store((base + meta_off + row * 8).to(tl.pointer_type(tl.int64)), t * NUM_TOPK + kk, mask=send)
-    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid, True):
+    if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
             el = tl.arange(0, L_BLOCK)
             m = el < LOCAL
@@ -106,9 +106,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                     at = tl.load(bases_ptr + d) + signal_off + (el * NUM_RANKS + me) * 8
                     # tag widened first (an int32 argument, or a constexpr when 1): shifted into bit 31 it would
                     # sign-extend over the seq
-                    tl.atomic_xchg(at.to(tl.pointer_type(tl.int64)),
-                                   (q << 32) | ((tag + tl.zeros([], dtype=tl.int64)) << 24) | c, mask=m,
-                                   sem="release", scope="sys")
+                    store_release_system(at, (q << 32) | ((tag + tl.zeros([], dtype=tl.int64)) << 24) | c, m)
         # every thread has read its counts before any thread zeroes them: the reads and the zeroing
         # below split the counts among the threads differently
         tl.debug_barrier()
@@ -140,12 +138,17 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
         if healthy(state_ptr):
             signals = (own + signal_off + (e * NUM_RANKS + r) * 8).to(tl.pointer_type(tl.int64))
             start = device_clock_ns()
-            # source s first (the wait its stats count), then every source (the counts below it)
-            words, failed = wait_words(signals, r == s, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
-                                       timeout_ns, 32, False, SHRINK)
-            if HAS_WAIT & (e == 0):
-                tl.atomic_add(wait_stats_ptr + s, device_clock_ns() - start)
-            if failed == 0:
+            # every source's count (the rows below source s's come first); with wait stats, source
+            # s's alone first, the wait its stats count
+            if HAS_WAIT:
+                words, failed = wait_words(signals, r == s, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
+                                           timeout_ns, 32, False, SHRINK)
+                if e == 0:
+                    tl.atomic_add(wait_stats_ptr + s, device_clock_ns() - start)
+                if failed == 0:
+                    words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
+                                               timeout_ns, 32, False, SHRINK)
+            else:
                 words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
                                            timeout_ns, 32, False, SHRINK)
             if failed == 0:
@@ -209,7 +212,7 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                                          mask=im[:, None] & (sc < num_scales)[None, :])
                         tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32), mask=im)
                         tl.store(comb_slot_ptr + flat, meta, mask=im)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
 
