@@ -13,6 +13,7 @@
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
+#        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
@@ -123,6 +124,10 @@ for d in range(torch.cuda.device_count()):
           --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | grep -v IBGDA \
           | tee "$OUT/ll_${TAG:-}$i.log" | head -20
       done ;;
+    ll-kernels)  # kernel times of graph replays, one rank to itself, beside DeepEP V1 where .baseline/deepep-v1 is carried
+      deepep_ready
+      PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 tools/ll_kernel_time.py --rounds ${ROUNDS:-3} \
+        2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20 ;;
     ll-host)  # host time of eager low-latency calls, one rank (tools/ll_host_profile.py)
       timeout 150 python3 tools/ll_host_profile.py --calls 600 2>&1 | tee "$OUT/ll_host.log" | head -30 ;;
     tests-ll-shrink)  # the enable_shrink GPU test, REPEATS times
