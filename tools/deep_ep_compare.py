@@ -13,35 +13,9 @@ with their range, and the host clock's median ratio; ``--json`` writes every run
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import statistics
 
-
-def records(pattern: str, tool: str) -> list[tuple[str, dict]]:
-    """``(path, record)`` of each file ``pattern`` matches, in path order (the compare tools' input)."""
-    paths = sorted(glob.glob(pattern))
-    if not paths:
-        raise SystemExit(f"{tool}: no file matches {pattern!r}")
-    return [(path, json.load(open(path))) for path in paths]
-
-
-def compare_main(doc: str, runs, medians, lines) -> None:
-    """A compare tool's command line: ``--code NAME=GLOB`` per code and ``--json``; ``runs(glob)``
-    reads a code's runs, ``medians(runs)`` summarizes them, ``lines({code: medians})`` is the table."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--code", action="append", required=True, metavar="NAME=GLOB",
-                   help="a code's name and the glob of its runs' records (repeat per code)")
-    p.add_argument("--json", help="write the runs and medians here")
-    args = p.parse_args()
-    codes = dict(c.split("=", 1) for c in args.code)
-    found = {name: runs(pattern) for name, pattern in codes.items()}
-    med = {name: medians(r) for name, r in found.items()}
-    print("\n".join(lines(med)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"codes": codes, "medians_of_runs": med, "runs": found}, f, separators=(",", ":"))
+from _compare import compare_main, records
 
 
 def _runs(pattern: str) -> list[dict]:

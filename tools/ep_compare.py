@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from deep_ep_compare import records
+from _compare import records
 
 
 def _records(pattern: str) -> list[dict]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from deep_ep_compare import compare_main, records
+from _compare import compare_main, records
 
 
 def _runs(pattern: str) -> list[dict]:
