@@ -1,6 +1,6 @@
 """A one-rank ep Buffer on GPU 0 with random top-8 of 256 routing: the setup of the host-time
 tools (``ep_host_profile.py``, ``ep_host_steps.py``; ``one_rank_low_latency`` for
-``ll_host_profile.py`` and ``ll_replay_time.py``). A one-rank group runs the same host path as a
+``ll_host_profile.py`` and ``ll_kernel_time.py``). A one-rank group runs the same host path as a
 larger one up to the peer loops."""
 
 from __future__ import annotations
