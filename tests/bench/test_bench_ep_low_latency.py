@@ -34,6 +34,20 @@ def test_bench_ep_low_latency_prints_each_call_beside_deepeps_figures(tmp_path, 
         assert 0 < row["median_us"] <= row["p90_us"], (op, row)
 
 
+@pytest.mark.parametrize(("ranks", "gpus", "says"), [
+    (1, 1, "1 rank (1 GPU(s), cuda_ipc, CUDA events; one rank to itself: the kernels' own work, no link)"),
+    (2, 1, "2 ranks (1 GPU(s), cuda_ipc, CUDA events; ranks share GPUs: kernels and protocol, not a link)"),
+    (2, 2, "2 ranks (2 GPU(s), cuda_ipc, CUDA events),")])
+def test_the_header_says_what_the_placement_of_the_ranks_measures(ranks, gpus, says):
+    from warmlink.bench.ep_low_latency import _table
+
+    cfg = {"device": "cuda", "gpus": gpus, "ranks": ranks, "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
+           "iterations": 2, "warmup": 1, "deepep": "not importable"}
+    lines, summary = _table(cfg, [{"times_s": {"dispatch": [1e-5, 3e-5], "combine": [4e-5, 4e-5]}}] * ranks)
+    assert says in lines[0]
+    assert summary["dispatch"]["median_us"] == pytest.approx(20.0) and summary["combine"]["median_us"] == pytest.approx(40.0)
+
+
 class _Miscounting:
     """A low-latency Buffer's two calls over one rank, with one expert's count one short (and its
     rows zeroed) or every combined row scaled: what the bench's check must catch."""

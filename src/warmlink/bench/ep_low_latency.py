@@ -302,11 +302,15 @@ def _table(cfg: dict, ranks: list[dict]) -> tuple[list[str], dict]:
     ops = list(summary)
     deepep = _summary(ranks, "deepep_times_s") if cfg["deepep"] == "ran" else None
     if cfg["device"] == "cuda":
-        where = f"{cfg['gpus']} GPU(s), cuda_ipc, CUDA events" + (
-            "; ranks share GPUs: kernels and protocol, not a link" if cfg["ranks"] > cfg["gpus"] else "")
+        where = f"{cfg['gpus']} GPU(s), cuda_ipc, CUDA events"
+        if cfg["ranks"] == 1:
+            where += "; one rank to itself: the kernels' own work, no link"
+        elif cfg["ranks"] > cfg["gpus"]:
+            where += "; ranks share GPUs: kernels and protocol, not a link"
     else:
         where = "CPU, shm, host clock"
-    lines = [f"ep low-latency bench: {cfg['ranks']} ranks ({where}), {cfg['tokens']} tokens x "
+    ranks = f"{cfg['ranks']} rank" + ("s" if cfg["ranks"] > 1 else "")
+    lines = [f"ep low-latency bench: {ranks} ({where}), {cfg['tokens']} tokens x "
              f"{cfg['hidden']}, top-{cfg['topk']} of {cfg['experts']} experts, FP8 dispatch, BF16 combine; "
              f"{cfg['iterations']} calls after {cfg['warmup']} warmup, slowest rank",
              "", f"{'operation':<34}{'median (us)':>13}{'p90 (us)':>11}{'DeepEP V1 (us)':>16}{'DeepEP / warmlink':>19}"]

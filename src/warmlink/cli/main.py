@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(bytes that cross to other ranks; a second column in DeepEP's count, every received row) and checks "
         "that warmlink's outputs equal the NCCL path's. With --low-latency instead: DeepEP's low-latency dispatch "
         "(FP8) and combine (BF16), median and p90 per call, beside DeepEP V1 in the same run where it is "
-        "importable (one GPU per rank) and DeepEP's published figures.",
+        "importable (one GPU per rank; --ranks 1 puts both on one GPU, the kernels' own work without a link) and "
+        "DeepEP's published figures.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
     sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")
