@@ -1,11 +1,13 @@
 """What the compare tools (``ep_compare.py``, ``deep_ep_compare.py``, ``ll_compare.py``) share:
-reading a code's records and the command line of a code-by-code comparison."""
+reading a code's records, the command line of a code-by-code comparison, the ratios' summary and
+the table with a column per code."""
 
 from __future__ import annotations
 
 import argparse
 import glob
 import json
+import statistics
 
 
 def records(pattern: str, tool: str) -> list[tuple[str, dict]]:
@@ -31,3 +33,18 @@ def compare_main(doc: str, runs, medians, lines) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"codes": codes, "medians_of_runs": med, "runs": found}, f, separators=(",", ":"))
+
+
+def ratio_summary(ratios: list[float]) -> dict:
+    """The median of the runs' ratios and their range."""
+    return {"ratio": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+
+
+def code_table(title: str, label: str, label_width: int, cell_width: int, codes: dict[str, dict], cell) -> list[str]:
+    """A row per key of the first code's medians, a column per code: ``cell(medians[key])``, or "-"
+    where that code lacks the key."""
+    lines = [title, f"{label:{label_width}s} " + "  ".join(f"{name:>{cell_width}s}" for name in codes)]
+    for key in next(iter(codes.values())):
+        cells = [cell(med[key]).rjust(cell_width) if key in med else f"{'-':>{cell_width}s}" for med in codes.values()]
+        lines.append(f"{key:{label_width}s} " + "  ".join(cells))
+    return lines

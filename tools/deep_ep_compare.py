@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 
-from _compare import compare_main, records
+from _compare import code_table, compare_main, ratio_summary, records
 
 
 def _runs(pattern: str) -> list[dict]:
@@ -34,34 +34,24 @@ def medians(runs: list[dict]) -> dict:
     out = {}
     for key in runs[0]:
         rows = [r[key] for r in runs if key in r]
-        med = {}
-        for clock in ("events", "host"):
-            ratios = [row[clock]["ratio"] for row in rows]
-            med[clock] = {"deepep_us": round(statistics.median(row[clock]["deepep_us"] for row in rows), 1),
-                          "warmlink_us": round(statistics.median(row[clock]["warmlink_us"] for row in rows), 1),
-                          "ratio": round(statistics.median(ratios), 3),
-                          "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+        med = {clock: {"deepep_us": round(statistics.median(row[clock]["deepep_us"] for row in rows), 1),
+                       "warmlink_us": round(statistics.median(row[clock]["warmlink_us"] for row in rows), 1),
+                       **ratio_summary([row[clock]["ratio"] for row in rows])}
+               for clock in ("events", "host")}
         out[key] = dict(med, runs=len(rows))
     return out
 
 
+def _cell(m: dict) -> str:
+    e = m["events"]
+    lo, hi = e["ratio_range"]
+    return (f"{e['deepep_us']:6.0f} /{e['warmlink_us']:6.0f} {e['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] "
+            f"h{m['host']['ratio']:4.2f} n{m['runs']}")
+
+
 def _lines(med: dict) -> list[str]:
-    keys = list(next(iter(med.values())))
-    lines = ["DeepEP / warmlink, events (us, median of runs) and the median of the runs' ratios [range]; host ratio",
-             f"{'call/budget':20s} " + "  ".join(f"{name:>40s}" for name in med)]
-    for key in keys:
-        cells = []
-        for name in med:
-            m = med[name].get(key)
-            if m is None:
-                cells.append(f"{'-':>40s}")
-                continue
-            e = m["events"]
-            lo, hi = e["ratio_range"]
-            cells.append(f"{e['deepep_us']:6.0f} /{e['warmlink_us']:6.0f} {e['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] "
-                         f"h{m['host']['ratio']:4.2f} n{m['runs']}".rjust(40))
-        lines.append(f"{key:20s} " + "  ".join(cells))
-    return lines
+    return code_table("DeepEP / warmlink, events (us, median of runs) and the median of the runs' ratios [range]; "
+                      "host ratio", "call/budget", 20, 40, med, _cell)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 
-from _compare import compare_main, records
+from _compare import code_table, compare_main, ratio_summary, records
 
 
 def _runs(pattern: str) -> list[dict]:
@@ -35,32 +35,23 @@ def medians(runs: list[dict]) -> dict:
         rows = [r[op] for r in runs if op in r]
         row = {"warmlink_us": round(statistics.median(w for w, _ in rows), 1), "runs": len(rows)}
         if all(d is not None for _, d in rows):
-            ratios = [d / w for w, d in rows]
-            row.update(deepep_us=round(statistics.median(d for _, d in rows), 1), ratio=round(statistics.median(ratios), 3),
-                       ratio_range=[round(min(ratios), 3), round(max(ratios), 3)])
+            row.update(deepep_us=round(statistics.median(d for _, d in rows), 1),
+                       **ratio_summary([d / w for w, d in rows]))
         out[op] = row
     return out
 
 
+def _cell(m: dict) -> str:
+    if "ratio" not in m:
+        return f"{m['warmlink_us']:7.1f} n{m['runs']}"
+    lo, hi = m["ratio_range"]
+    return f"{m['warmlink_us']:7.1f} /{m['deepep_us']:7.1f} {m['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] n{m['runs']}"
+
+
 def table(codes: dict[str, dict]) -> list[str]:
     """The printed table of ``{code: medians(...)}``."""
-    ops = list(next(iter(codes.values())))
-    lines = ["warmlink / DeepEP V1 (us, median of runs), DeepEP / warmlink median of the runs' ratios [range]",
-             f"{'operation':24s} " + "  ".join(f"{name:>36s}" for name in codes)]
-    for op in ops:
-        cells = []
-        for med in codes.values():
-            m = med.get(op)
-            if m is None:
-                cells.append(f"{'-':>36s}")
-            elif "ratio" in m:
-                lo, hi = m["ratio_range"]
-                cells.append(f"{m['warmlink_us']:7.1f} /{m['deepep_us']:7.1f} {m['ratio']:5.2f} [{lo:4.2f}-{hi:4.2f}] "
-                             f"n{m['runs']}".rjust(36))
-            else:
-                cells.append(f"{m['warmlink_us']:7.1f} n{m['runs']}".rjust(36))
-        lines.append(f"{op:24s} " + "  ".join(cells))
-    return lines
+    return code_table("warmlink / DeepEP V1 (us, median of runs), DeepEP / warmlink median of the runs' ratios [range]",
+                      "operation", 24, 36, codes, _cell)
 
 
 def main() -> None:
