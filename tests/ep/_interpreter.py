@@ -86,7 +86,7 @@ def swap_ptx_helpers(monkeypatch, module) -> None:
 
     for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence), ("fence_by_one", _no_fence),
                        ("store_by_one", _store), ("store_release_system", _store_release),
-                       ("cta_any", _one_thread_any)):
+                       ("store_relaxed_system", _store_release), ("cta_any", _one_thread_any)):
         if hasattr(module, name):  # the helpers the module's kernels call
             monkeypatch.setattr(module, name, triton.jit(fake))
 

@@ -379,8 +379,9 @@ def test_two_dispatches_may_await_their_hooks_a_third_is_refused_and_no_mode_no_
 def test_size_hint_counts_the_region_outputs_and_combine_buffers_and_refuses_bad_sizes():
     from warmlink.ep import Buffer
 
-    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H + 256)
-    region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168 + 256)
+    # 128 tokens x 7168, top-8 of 256 experts on 8 ranks: region 2 x (E*T*(2H + 8) + 8E + T*K*2H +
+    # 8(2R + E)), each area a multiple of 256 bytes (the last, 2176 bytes, takes 2304)
+    region = 2 * (256 * 128 * (2 * 7168 + 8) + 8 * 256 + 128 * 8 * 2 * 7168 + 2304)
     outputs = 2 * (256 * 128 * (2 * 7168 + 4 * 56 + 4 * 14 + 12) + 256 * 8 + 32 * 4 + 128 * 8)
     combine_buffers = 2 * 256 * 128 * 2 * 7168  # the zero-copy combine's, 2 x E*T*2H
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == region + outputs + combine_buffers

@@ -281,6 +281,15 @@ def store_release_system(addrs, values, mask):
 
 
 @triton.jit
+def store_relaxed_system(addrs, values, mask):
+    # store_release_system without the release, for a word whose writer needs no earlier store of
+    # its own seen first (tests swap this helper out)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,l,r", [addrs, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def exchange_call_kernel(call_ptr, words_ptr, tables_ptr, abort_ptr, landing, me, num_experts, experts_per_rank,
                          max_tokens, x_row_bytes, meta_row_bytes, timeout_ns,
                          NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, ROW: tl.constexpr, E_BLOCK: tl.constexpr,

@@ -19,22 +19,24 @@ with one launches the send and leaves the receive to the hook.
   refuses the round on all of them alike, and each (token, column) gets its slot, its rank among
   this rank's entries to the same expert in token order, without a count exchange or a kernel
   before; each token is cast (FP8 on request) and stored into slot ``(e, this rank)`` of each of
-  its experts' ranks (ep.low_latency._layout), all its rows at once. The last program to finish
+  its experts' ranks (ep.low_latency._layout), all its rows at once, once those slots' acks came. The last program to finish
   (a per-phase counter in the device state) writes the signal word of every (rank, local
   expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is this parity's dispatch sequence
   number and ``tag`` the call's arguments (``call_tag``); a refused input sends the count
   ``0xFFFFFF`` instead of rows;
 - dispatch, receive: each (local expert, source) spins on the signal words with the Buffer's
   timeout as a ``%globaltimer`` deadline, then packs the rows into the outputs, whose addresses
-  are fixed per parity; the last program writes "received seq" into every source's ack word;
+  are fixed per parity, and writes "received seq" into its ack word at the source (one per
+  receiving rank and local expert: a program acks its own slot, no count of the programs first);
 - combine: the same two phases, rows stored at ``t * K + k`` in their source, one signal word per
   expert rank, and the weighted sum in the receive (a token's rows read all at once, a block of
-  columns a step: one memory latency a step, not one a row).
+  columns a step: one memory latency a step, not one a row); its last program acks each rank.
 
 A parity's sequence numbers live in device memory (the state words) and only the kernels advance
 them, so a graph replay is a new round. Before a send stores into a rank it waits for that
-rank's ack of this parity's previous round (the same two-rounds-in-flight rule as the host path,
+rank's acks of this parity's previous round (the same two-rounds-in-flight rule as the host path,
 Note [Low-latency rounds]), so a rank running ahead never overwrites what a peer has not read.
+The acks are relaxed stores (``acknowledge`` says why): acknowledging a read orders no data.
 
 Failures cannot raise inside a call. A kernel whose wait times out marks the device state failed
 (every later kernel then does nothing) and writes a code, the round and the rank it waited for
@@ -188,7 +190,7 @@ class DevicePath:
         for area in ("disp", "disp_meta", "signal", "comb"):
             words[area] = lay.offset(f"{area}.{p}")
         # the parts of each parity's words area (ep.low_latency._layout): combine signals, then acks
-        for part, at in (("comb_signal", 0), ("dispatch_ack", lay.num_ranks), ("combine_ack", 2 * lay.num_ranks)):
+        for part, at in (("comb_signal", 0), ("combine_ack", lay.num_ranks), ("dispatch_ack", 2 * lay.num_ranks)):
             words[part] = lay.offset(f"words.{p}") + 8 * at
         return torch.tensor([words[w] for w in BLOCK_WORDS], dtype=torch.int64, device=self.device)
 

@@ -26,8 +26,9 @@ then source token) where DeepEP's depends on which warp came first.
 Combine. Source ``s`` holds, per parity, one row per (token, top-k column):
 
     comb.p       [T, K] rows of 2H bytes (BF16), written by the rank of expert ``topk_idx[t, k]``
-    words.p      [3, R] int64: the device path's combine signal word of each expert rank, and its
-                 "received" (ack) words of dispatch and combine (Note [Low-latency device path])
+    words.p      [2R + E] int64: the device path's combine signal word of each expert rank, its
+                 "received" (ack) word of each rank's combine, and of each (rank, local expert)'s
+                 dispatch (Note [Low-latency device path])
 
 Each (t, k) has one writer, so nothing is summed on the wire; ``s`` sums the rows of its valid
 (t, k) with its weights once every rank published the round. DeepEP reserves a row per (expert,
@@ -119,7 +120,7 @@ class LowLatencyLayout:
 
     def area_bytes(self, kind: str) -> int:
         return {"disp": self.slots * self.row_bytes, "disp_meta": self.slots * 8, "signal": self.num_experts * 8,
-                "comb": self.max_tokens * self.num_topk * self.row_bytes, "words": 3 * self.num_ranks * 8}[kind]
+                "comb": self.max_tokens * self.num_topk * self.row_bytes, "words": (2 * self.num_ranks + self.num_experts) * 8}[kind]
 
     @functools.cached_property
     def _offsets(self) -> dict[str, int]:

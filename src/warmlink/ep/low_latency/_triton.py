@@ -16,7 +16,7 @@ find each under one name whatever its phase.
 import triton
 import triton.language as tl
 
-from warmlink.ep.kernels.programs import cta_any, device_clock_ns, store_release_system
+from warmlink.ep.kernels.programs import cta_any, device_clock_ns, store_relaxed_system
 from warmlink.ep.low_latency._layout import BLOCK_WORDS
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
@@ -57,6 +57,7 @@ F_MISMATCH = tl.constexpr(2)
 F_REFUSED = tl.constexpr(3)
 F_UNMASKED = tl.constexpr(4)
 REFUSED_COUNT = tl.constexpr(0xFFFFFF)  # the count of a signal word whose sender refused its input
+ACK_BLOCK = tl.constexpr(32)  # ack words a send program waits for at a time
 NO_RANK = tl.constexpr(1 << 30)  # above every rank: tl.min over ranks that are not flagged
 
 
@@ -110,21 +111,32 @@ def behind(words, want, wanted, SHIFT: tl.constexpr, AT_LEAST: tl.constexpr):
 
 
 @triton.jit
+def poll(ptrs, wanted, want, mask_ptr, r, SHIFT: tl.constexpr, AT_LEAST: tl.constexpr, ACQUIRE: tl.constexpr):
+    # the words, and which wanted, unmasked ones are behind (``r``: each word's rank). Without
+    # ACQUIRE, plain loads: for acks, which order no data (the stores they guard issue after the
+    # wait), and which many programs read at once (atomics on a word queue up)
+    if ACQUIRE:
+        words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
+    else:
+        words = tl.load(ptrs, mask=wanted, other=0, volatile=True)
+    return words, behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
+
+
+@triton.jit
 def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns,
-               SHIFT: tl.constexpr, AT_LEAST: tl.constexpr, SHRINK: tl.constexpr):
-    # bounded spin until every wanted, unmasked rank's ``word >> SHIFT`` equals (AT_LEAST: reaches)
-    # ``want``; a rank masked meanwhile is not waited for. Past the deadline: with SHRINK the late
-    # ranks are masked (DeepEP's enable_shrink); else a late rank is reported and the device state
-    # marked failed (every later kernel does nothing). Returns (the words, 1 if that failure
-    # happened); the ranks to read are then live_snapshot(wanted), read after this returns.
-    # Every exit and branch is decided for the whole program (cta_any): each warp reads the mask and
-    # the clock itself, and near the deadline they disagree
-    words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
-    late = behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
+               SHIFT: tl.constexpr, AT_LEAST: tl.constexpr, SHRINK: tl.constexpr, ACQUIRE: tl.constexpr = True):
+    # bounded spin until every wanted word of an unmasked rank (``r``: each word's rank), shifted
+    # right by SHIFT, equals (AT_LEAST: reaches) ``want``; a rank masked meanwhile is not waited
+    # for. Past the deadline: with SHRINK the late ranks are masked (DeepEP's enable_shrink); else a
+    # late rank is reported and the device state marked failed (every later kernel does nothing).
+    # Returns (the words, 1 if that failure happened); the ranks to read are then
+    # live_snapshot(wanted), read after this returns. Every exit and branch is decided for the
+    # whole program (cta_any): each warp reads the mask and the clock itself, and near the deadline
+    # they disagree
+    words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE)
     waiting = cta_any(tl.sum(late.to(tl.int32), 0))
     while waiting != 0:
-        words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
-        late = behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
+        words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE)
         on_time = (device_clock_ns() - start) <= timeout_ns
         waiting = cta_any((tl.sum(late.to(tl.int32), 0) > 0) & on_time)
     failed = tl.zeros([], dtype=tl.int32)
@@ -140,15 +152,19 @@ def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_
 
 
 @triton.jit
-def last_program(state_ptr, slot, total):
+def last_program(state_ptr, slot, total, PUBLISHES: tl.constexpr = True):
     # count this program done; 1 in the program that finished last (it resets the count for the
-    # next call). Its system-scope release (the signal, the ack) then follows every program's
-    # earlier stores, into peers too: the barrier and the count's GPU-scope release put them
-    # before the last program's acquire, and a release carries what its thread has acquired (the
-    # chain DeepEP's low-latency send relies on over NVLink). No system fence a thread: on one
-    # H200 it cost the dispatch's send 1 us of its 12
+    # next call). With PUBLISHES (a send) its system-scope release (the signal) then follows every
+    # program's earlier stores, into peers too: the barrier and the count's GPU-scope release put
+    # them before the last program's acquire, and a release carries what its thread has acquired
+    # (the chain DeepEP's low-latency send relies on over NVLink). No system fence a thread: on one
+    # H200 it cost the dispatch's send 1 us of its 12. A receive's count orders nothing (its ack
+    # carries no data: ``acknowledge``), so it is relaxed
     tl.debug_barrier()
-    done = tl.atomic_add(state_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    if PUBLISHES:
+        done = tl.atomic_add(state_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    else:
+        done = tl.atomic_add(state_ptr + slot, 1, sem="relaxed", scope="gpu")
     last = done == total - 1
     if last:
         tl.store(state_ptr + slot, 0)
@@ -162,11 +178,15 @@ def healthy(state_ptr):
 
 
 @triton.jit
-def acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm):
-    # tell every live rank that this rank read its rows of round q (its ack word of this rank there)
-    live = live_ranks(mask_ptr, r, rm)
-    acks = tl.load(bases_ptr + r, mask=live, other=0) + ack_off + me * 8
-    store_release_system(acks, q + tl.zeros_like(r).to(tl.int64), live)
+def acknowledge(bases_ptr, mask_ptr, ack_off, at, q, r, to):
+    # tell the live ranks of ``to`` that this rank read what they sent it in round q (their ack word
+    # ``at`` of this rank). A relaxed store: the loads it acknowledges have returned before it
+    # issues (their values were stored before a barrier, and a GPU issues in order; a last
+    # program's count issues after its barrier), so a rank that sees it overwrites nothing unread
+    tl.debug_barrier()
+    live = live_ranks(mask_ptr, r, to)
+    acks = tl.load(bases_ptr + r, mask=live, other=0) + ack_off + at * 8
+    store_relaxed_system(acks, q + tl.zeros_like(acks), live)
 
 
 def symbol(name: str):

@@ -104,7 +104,7 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                     values = tl.load(rows[:, None] + c[None, :], mask=use[:, None] & (c < HIDDEN)[None, :], other=0.0)
                     acc = tl.sum(values.to(tl.float32) * weight[:, None], 0)
                     tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
+    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
 

@@ -6,12 +6,13 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
-from warmlink.ep.low_latency._triton import (B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP, B_DISPATCHED,
-                                             B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK, B_PACKED_OUT,
-                                             B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL, B_SRC_INFO, B_STATE,
-                                             B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
-                                             REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_snapshot, report, symbol, wait_words)
+from warmlink.ep.low_latency._triton import (ACK_BLOCK, B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP,
+                                             B_DISPATCHED, B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK,
+                                             B_PACKED_OUT, B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL,
+                                             B_SRC_INFO, B_STATE, B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED,
+                                             F_UNMASKED, NO_RANK, REFUSED_COUNT, S_DONE_SEND, acknowledge,
+                                             block_pointer, healthy, last_program, live_snapshot, report, symbol,
+                                             wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -31,12 +32,15 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
     own = tl.load(bases_ptr + me)
-    # every destination received this parity's previous round (its ack word here), so nothing it
-    # has not read yet is overwritten (Note [Low-latency device path])
-    acks = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
-    wait_words(acks, rm, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0, True,
-               SHRINK)
-    live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+    # nothing a destination has not read yet is overwritten (Note [Low-latency device path]): a
+    # token's rows wait for the acks of its own slots, and each program waits for its share of
+    # every (destination, local expert)'s ack word here, as the last program writes every slot's
+    # signal word, empty slots' too. Not every word in every program: the send then took 1.2 us more
+    acks = (own + ack_off).to(tl.pointer_type(tl.int64))
+    for a0 in range(pid * ACK_BLOCK, NUM_RANKS * LOCAL, grid * ACK_BLOCK):
+        i = a0 + tl.arange(0, ACK_BLOCK)
+        wait_words(acks + i, i < NUM_RANKS * LOCAL, q - 1, device_clock_ns(), i // LOCAL, state_ptr, fail_ptr, mask_ptr,
+                   seq_slot, q, timeout_ns, 0, True, SHRINK, False)
     num_entries = num_tokens * num_cols
     offs = tl.arange(0, BLOCK)
     # every program reads every id: one out of range refuses the round. Counted per lane, summed
@@ -54,6 +58,13 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
         ek = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
         tl.store(dispatched_ptr + t * NUM_TOPK + kk, (ek >= 0).to(tl.int8), mask=km)
         if go:
+            owner = tl.where(ek >= 0, ek // LOCAL, 0)  # (// truncates: -1 // LOCAL would be rank 0 anyway)
+            # this parity's previous round of the token's slots (e, me) was read
+            _, failed = wait_words(acks + owner * LOCAL + ek % LOCAL, km & (ek >= 0), q - 1, device_clock_ns(), owner,
+                                   state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0, True, SHRINK, False)
+            live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+            # the entries to count and send ([K]: the interpreter refuses a mask and-ed with a scalar)
+            ok = km & (ek >= 0) & ((failed + tl.zeros_like(kk)) == 0)
             hits = tl.zeros([K_BLOCK, BLOCK], dtype=tl.int32)  # entries before (t, k) that go to ek[k]
             pos = t * num_cols + kk
             for start in range(0, (tok + 1) * num_cols, BLOCK):
@@ -61,7 +72,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 v = tl.load(topk_ptr + i, mask=i < num_entries, other=-1).to(tl.int64)
                 hits += ((v[None, :] == ek[:, None]) & (i[None, :] < pos[:, None])).to(tl.int32)
             slot = tl.sum(hits, 1).to(tl.int64)
-            tl.atomic_add(count_ptr + ek, tl.zeros_like(kk) + 1, mask=km & (ek >= 0), sem="relaxed", scope="gpu")
+            tl.atomic_add(count_ptr + ek, tl.zeros_like(kk) + 1, mask=ok, sem="relaxed", scope="gpu")
             nb = tl.arange(0, H_BLOCK // 128)
             w = tl.arange(0, H_BLOCK // 8) if FP8 else tl.arange(0, H_BLOCK // 4)
             if FP8:  # as ep.low_latency._cast.cast_fp8
@@ -82,8 +93,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 row_words = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + t * (HIDDEN // 4) + w, mask=w < HIDDEN // 4)
             # every column's row at once (no loop over the columns: each would wait for its own
             # address): slot (e, me) of each entry's expert, on a live rank
-            owner = tl.where(ek >= 0, ek // LOCAL, 0)  # (// truncates: -1 // LOCAL would be rank 0 anyway)
-            send = km & (ek >= 0) & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
+            send = ok & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
             row = ((ek % LOCAL) * NUM_RANKS + me) * tokens + slot
             base = tl.load(bases_ptr + owner, mask=send, other=0)
             at = base + disp_off + row * (2 * HIDDEN)
@@ -124,9 +134,10 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                   S_BLOCK: tl.constexpr, HAS_CUM: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr,
                   ROWS: tl.constexpr):
     # item (e, s) of each program: wait for every source's signal word of local expert e, then pack
-    # source s's rows of e after those of the sources below it (DeepEP's layout, in a fixed order);
-    # a masked source sends nothing. The last program to finish tells every source that this
-    # parity's round was read (its ack word there).
+    # source s's rows of e after those of the sources below it (DeepEP's layout, in a fixed order)
+    # and tell s that its slot of e was read (its ack word of (this rank, e) there); a masked source
+    # sends nothing. An ack a slot, not one a round after a count of the programs: the count and a
+    # system-scope release after it were a fifth of this phase on one H200
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     own = tl.load(bases_ptr + me)
@@ -212,9 +223,7 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                                          mask=im[:, None] & (sc < num_scales)[None, :])
                         tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32), mask=im)
                         tl.store(comb_slot_ptr + flat, meta, mask=im)
-    if last_program(state_ptr, S_DONE_RECV + seq_slot, grid):
-        if healthy(state_ptr):
-            acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
+                acknowledge(bases_ptr, mask_ptr, ack_off, me * LOCAL + e, q, r, rm & (r == s))
 
 
 def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tokens, num_cols, tokens, tag,
