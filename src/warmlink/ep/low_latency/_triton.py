@@ -98,6 +98,12 @@ def live_snapshot(mask_ptr, r, rm, R_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def on_live_rank(owner, live, r):
+    # for each column, whether its rank ``owner`` is live (``live``: a live_snapshot over ``r``)
+    return tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0
+
+
+@triton.jit
 def rank_live(mask_ptr, rank):
     # one rank of live_snapshot (one barrier)
     return cta_any(tl.load(mask_ptr + rank, volatile=True)) == 0

@@ -9,8 +9,8 @@ from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
 from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
                                              B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
                                              REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_ranks, live_snapshot, rank_live, report, symbol,
-                                             wait_words)
+                                             healthy, last_program, live_ranks, live_snapshot, on_live_rank,
+                                             rank_live, report, symbol, wait_words)
 
 
 # -- combine ----------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                 t = tok + tl.zeros([], dtype=tl.int64)  # (a plain int in the interpreter)
                 e = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
                 owner = tl.where(e >= 0, e // LOCAL, -1)  # (// truncates: -1 // LOCAL would be rank 0)
-                on = km & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
+                on = km & on_live_rank(owner, live, r)
                 sent = tl.load(dispatched_ptr + t * NUM_TOPK + kk, mask=on, other=0) != 0
                 if tl.sum((on & ~sent).to(tl.int32), 0) > 0:  # a row no rank sent: refuse rather than sum stale bytes
                     report(fail_ptr, F_UNMASKED, seq_slot, q, me)

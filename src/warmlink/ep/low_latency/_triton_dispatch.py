@@ -11,8 +11,8 @@ from warmlink.ep.low_latency._triton import (ACK_BLOCK, B_BASES, B_COMB_SLOT, B_
                                              B_PACKED_OUT, B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL,
                                              B_SRC_INFO, B_STATE, B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED,
                                              F_UNMASKED, NO_RANK, REFUSED_COUNT, S_DONE_SEND, acknowledge,
-                                             block_pointer, healthy, last_program, live_snapshot, report, symbol,
-                                             wait_words)
+                                             block_pointer, healthy, last_program, live_snapshot, on_live_rank, report,
+                                             symbol, wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
                 row_words = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + t * (HIDDEN // 4) + w, mask=w < HIDDEN // 4)
             # every column's row at once (no loop over the columns: each would wait for its own
             # address): slot (e, me) of each entry's expert, on a live rank
-            send = ok & (tl.sum((live[None, :] & (r[None, :] == owner[:, None])).to(tl.int32), 1) > 0)
+            send = ok & on_live_rank(owner, live, r)
             row = ((ek % LOCAL) * NUM_RANKS + me) * tokens + slot
             base = tl.load(bases_ptr + owner, mask=send, other=0)
             at = base + disp_off + row * (2 * HIDDEN)
