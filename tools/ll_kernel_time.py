@@ -27,22 +27,17 @@ import torch
 import torch.distributed as dist
 from _one_rank import add_shape_args, one_rank_low_latency
 
+from warmlink.bench.ep_low_latency import capture_decode_step
+
 
 def _capture(buf, x, idx, w, y, args) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
-    """A dispatch + hook and a combine + hook, each in a graph (both parities launched eagerly first)."""
-    out = torch.empty_like(x)
+    """A decode step's graphs, both parities launched eagerly first."""
     for _ in range(4):
         sent = buf.low_latency_dispatch(x, idx, args.tokens, args.experts, use_fp8=True, return_recv_hook=True)
         sent[4]()
-        buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True, out=out)[2]()
+        buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True)[2]()
     torch.cuda.synchronize()
-    dispatch, combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(dispatch):
-        sent = buf.low_latency_dispatch(x, idx, args.tokens, args.experts, use_fp8=True, return_recv_hook=True)
-        sent[4]()
-    with torch.cuda.graph(combine):
-        buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True, out=out)[2]()
-    return dispatch, combine
+    return capture_decode_step(buf, x, idx, w, y, args.tokens, args.experts)
 
 
 def _calls(graphs: dict[str, torch.cuda.CUDAGraph], replays: int) -> dict[str, list[list[dict]]]:

@@ -188,9 +188,10 @@ def _time_calls(buf, x, idx, w, y, cfg: dict, barrier) -> dict[str, list[float]]
     return times
 
 
-def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks) -> dict[str, list[float]]:
-    """A dispatch + hook and a combine + hook captured in CUDA graphs, as a decode step runs them,
-    each replay timed: the device's own latency, without the host's launches."""
+def capture_decode_step(buf, x, idx, w, y, tokens: int, experts: int):
+    """``(dispatch, combine)``: an FP8 dispatch + hook and a BF16 combine + hook of ``y`` with its
+    handle, each captured in a CUDA graph, as a decode step runs them (DeepEP's calls: ``buf`` is
+    warmlink's Buffer or DeepEP's)."""
     import torch
 
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
@@ -201,6 +202,13 @@ def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks)
     with torch.cuda.graph(combine):
         hook = buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True, out=out)[2]
         hook()
+    return dispatch, combine
+
+
+def _graph_times(buf, x, idx, w, y, tokens: int, experts: int, cfg: dict, marks) -> dict[str, list[float]]:
+    """A decode step's graphs (``capture_decode_step``), each replay timed: the device's own
+    latency, without the host's launches."""
+    dispatch, combine = capture_decode_step(buf, x, idx, w, y, tokens, experts)
     times: dict[str, list[float]] = {op: [] for op in _GRAPH_OPS}
     for i in range(cfg["warmup"] + cfg["iterations"]):
         marks.mark()
