@@ -92,8 +92,8 @@ class LowLatencyMethods:
                 no such argument because it reserves a combine row per expert and token).
 
         Returns:
-            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H + 256*ceil(24R/256))``
-            (the last term: the device path's signal and ack words), plus the outputs
+            Bytes: the region peers write into, ``2 x (E*T*(2H + 8) + 8E + T*K*2H + 256*ceil(8(2R + E)/256))``
+            (the last term: the device path's combine signal and ack words), plus the outputs
             this rank fills, ``2 x E*T*(2H + H/32 + 4*ceil(H/512) + 12)`` and a few counts, and the
             zero-copy combine buffers, ``2 x E*T*2H`` (both parities of each). Unlike DeepEP's, no
             send buffer otherwise: rows go straight from ``x`` to the peers.

@@ -19,11 +19,11 @@ with one launches the send and leaves the receive to the hook.
   refuses the round on all of them alike, and each (token, column) gets its slot, its rank among
   this rank's entries to the same expert in token order, without a count exchange or a kernel
   before; each token is cast (FP8 on request) and stored into slot ``(e, this rank)`` of each of
-  its experts' ranks (ep.low_latency._layout), all its rows at once, once those slots' acks came. The last program to finish
-  (a per-phase counter in the device state) writes the signal word of every (rank, local
-  expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is this parity's dispatch sequence
-  number and ``tag`` the call's arguments (``call_tag``); a refused input sends the count
-  ``0xFFFFFF`` instead of rows;
+  its experts' ranks (ep.low_latency._layout), all its rows at once, once those slots' acks came.
+  The last program to finish (a per-phase counter in the device state) writes the signal word of
+  every (rank, local expert): ``seq << 32 | tag << 24 | count``, where ``seq`` is this parity's
+  dispatch sequence number and ``tag`` the call's arguments (``call_tag``); a refused input sends
+  the count ``0xFFFFFF`` instead of rows;
 - dispatch, receive: each (local expert, source) spins on the signal words with the Buffer's
   timeout as a ``%globaltimer`` deadline, then packs the rows into the outputs, whose addresses
   are fixed per parity, and writes "received seq" into its ack word at the source (one per
