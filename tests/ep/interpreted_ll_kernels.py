@@ -223,6 +223,31 @@ def test_a_sender_waits_for_the_ack_of_its_parity_before_it_overwrites(kernels):
     assert (code, phase, seq) == (F_TIMEOUT, "dispatch", 2) and rank in (0, 1, 2)
 
 
+@pytest.mark.parametrize("slot", ["a token's", "an empty"])
+def test_one_unread_slot_stops_its_sender_whether_a_token_goes_there_or_not(kernels, slot):
+    """The acks are per (rank, local expert): rank 1 not having read rank 0's slot of its expert 2
+    in round 1 stops rank 0's round 3 (parity 1 again), before any row lands in that slot, though
+    every other slot was read; an empty slot too (the last program rewrites every slot's signal
+    word). Here the programs run in turn and program 0's share of the acks holds every word, so
+    this cannot tell a token's own wait (which matters when programs run at once) from the share's."""
+    group = Group(_CASE, kernels)
+    lay, tokens = group.lay, group.lay.max_tokens
+    for round_ in (1, 2):
+        group.dispatch(round_, False)
+    idx, x = group.inputs[0]["topk_idx"], group.inputs[0]["x"]
+    if slot == "an empty":
+        idx[idx == 2] = -1
+    assert bool((idx == 2).any()) == (slot == "a token's")
+    x += 1  # other rows this time: a row stored into the slot would show
+    ack = lay.offset("words.1") + 8 * (2 * lay.num_ranks + 1 * lay.local_experts + 0)  # of (rank 1, expert 2)
+    group.regions[0][ack:ack + 8].zero_()
+    rows = lay.offset("disp.1") + 0 * tokens * lay.row_bytes  # slot (local expert 0, source 0) at rank 1
+    before = group.regions[1][rows:rows + tokens * lay.row_bytes].clone()
+    group.dispatch(3, False, senders=[0], receivers=[])
+    assert group.dev[0].failure() == (F_TIMEOUT, "dispatch", 2, 1)
+    assert torch.equal(group.regions[1][rows:rows + tokens * lay.row_bytes], before)
+
+
 def test_ranks_with_other_arguments_are_refused_once_and_the_next_round_goes_on(kernels):
     group = Group(_CASE, kernels)
     group.dispatch(1, True, tags=[1, 2, 1])
