@@ -2,7 +2,7 @@
 
 See Note [Low-latency device path] in ep.low_latency._device. Imported only where Triton is; tests
 run every kernel through Triton's interpreter on host memory, with the clock, ``cta_any`` and the
-release store swapped for Python ones.
+system-scope stores (inline PTX) swapped for Python ones.
 
 This module holds what both kernels share (the state words, the waits, the mask) and the mask
 buffer's kernel; ep.low_latency._triton_dispatch and ep.low_latency._triton_combine hold the two
