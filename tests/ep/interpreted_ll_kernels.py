@@ -224,12 +224,15 @@ def test_a_sender_waits_for_the_ack_of_its_parity_before_it_overwrites(kernels):
 
 
 @pytest.mark.parametrize("slot", ["a token's", "an empty"])
-def test_one_unread_slot_stops_its_sender_whether_a_token_goes_there_or_not(kernels, slot):
+def test_one_unread_slot_stops_its_sender_whether_a_token_goes_there_or_not(kernels, slot, monkeypatch):
     """The acks are per (rank, local expert): rank 1 not having read rank 0's slot of its expert 2
     in round 1 stops rank 0's round 3 (parity 1 again), before any row lands in that slot, though
     every other slot was read; an empty slot too (the last program rewrites every slot's signal
-    word). Here the programs run in turn and program 0's share of the acks holds every word, so
-    this cannot tell a token's own wait (which matters when programs run at once) from the share's."""
+    word). The programs run in turn here, so each waits for a share of one ack word: the slot's is
+    program 2's, and token 1's own wait (program 1) must catch it first."""
+    from warmlink.ep.low_latency import _triton_dispatch
+
+    monkeypatch.setattr(_triton_dispatch, "ACK_BLOCK", triton.language.constexpr(1))
     group = Group(_CASE, kernels)
     lay, tokens = group.lay, group.lay.max_tokens
     for round_ in (1, 2):
@@ -237,7 +240,9 @@ def test_one_unread_slot_stops_its_sender_whether_a_token_goes_there_or_not(kern
     idx, x = group.inputs[0]["topk_idx"], group.inputs[0]["x"]
     if slot == "an empty":
         idx[idx == 2] = -1
-    assert bool((idx == 2).any()) == (slot == "a token's")
+    else:
+        idx[idx == 2] = -1
+        idx[1, 0] = 2  # token 1's (program 1's) first column
     x += 1  # other rows this time: a row stored into the slot would show
     ack = lay.offset("words.1") + 8 * (2 * lay.num_ranks + 1 * lay.local_experts + 0)  # of (rank 1, expert 2)
     group.regions[0][ack:ack + 8].zero_()
