@@ -85,8 +85,8 @@ def swap_ptx_helpers(monkeypatch, module) -> None:
     import triton
 
     for name, fake in (("device_clock_ns", _fake_clock), ("fence_system", _no_fence), ("fence_by_one", _no_fence),
-                       ("store_by_one", _store), ("store_release_system", _store_release),
-                       ("store_relaxed_system", _store_release), ("cta_any", _one_thread_any)):
+                       ("store_by_one", _store), ("store_release_system", _store_masked),
+                       ("store_relaxed_system", _store_masked), ("cta_any", _one_thread_any)):
         if hasattr(module, name):  # the helpers the module's kernels call
             monkeypatch.setattr(module, name, triton.jit(fake))
 
@@ -103,7 +103,7 @@ def _store(addr, value):
     tl.store(addr.to(tl.pointer_type(tl.int64)), value)
 
 
-def _store_release(addrs, values, mask):
+def _store_masked(addrs, values, mask):  # (both system-scope stores: one thread orders nothing)
     tl.store(addrs.to(tl.pointer_type(tl.int64)), values, mask=mask)
 
 

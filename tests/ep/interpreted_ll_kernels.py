@@ -238,15 +238,13 @@ def test_one_unread_slot_stops_its_sender_whether_a_token_goes_there_or_not(kern
     for round_ in (1, 2):
         group.dispatch(round_, False)
     idx, x = group.inputs[0]["topk_idx"], group.inputs[0]["x"]
-    if slot == "an empty":
-        idx[idx == 2] = -1
-    else:
-        idx[idx == 2] = -1
+    idx[idx == 2] = -1
+    if slot == "a token's":
         idx[1, 0] = 2  # token 1's (program 1's) first column
     x += 1  # other rows this time: a row stored into the slot would show
     ack = lay.offset("words.1") + 8 * (2 * lay.num_ranks + 1 * lay.local_experts + 0)  # of (rank 1, expert 2)
     group.regions[0][ack:ack + 8].zero_()
-    rows = lay.offset("disp.1") + 0 * tokens * lay.row_bytes  # slot (local expert 0, source 0) at rank 1
+    rows = lay.offset("disp.1")  # slot (local expert 0, source 0) at rank 1: the area's first T rows
     before = group.regions[1][rows:rows + tokens * lay.row_bytes].clone()
     group.dispatch(3, False, senders=[0], receivers=[])
     assert group.dev[0].failure() == (F_TIMEOUT, "dispatch", 2, 1)

@@ -120,7 +120,8 @@ class LowLatencyLayout:
 
     def area_bytes(self, kind: str) -> int:
         return {"disp": self.slots * self.row_bytes, "disp_meta": self.slots * 8, "signal": self.num_experts * 8,
-                "comb": self.max_tokens * self.num_topk * self.row_bytes, "words": (2 * self.num_ranks + self.num_experts) * 8}[kind]
+                "comb": self.max_tokens * self.num_topk * self.row_bytes,
+                "words": (2 * self.num_ranks + self.num_experts) * 8}[kind]
 
     @functools.cached_property
     def _offsets(self) -> dict[str, int]:
