@@ -1,8 +1,10 @@
 """The streamed Buffer (``send="stream"``) at several channel counts and ring sizes, one rank per
-GPU: per configuration the median of each call (fresh dispatch, cached dispatch, combine; CUDA
-events on the caller's stream) on the slowest rank, and the space each rank holds.
+GPU (``--ranks 1``: one rank sending to itself): per configuration the median of each call (fresh
+dispatch, cached dispatch, combine; CUDA events on the caller's stream) on the slowest rank, and
+the space each rank holds.
 
-    python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168] [--graph] [--fp8]
+    python tools/stream_sweep.py [--configs 20x128 32x64 20x128/p64/b32] [--tokens 4096] [--hidden 7168] [--graph]
+                                 [--fp8] [--ranks N]
 
 A config is CHANNELSxRING_ROWS, optionally with /pN (a sender's tail every N rows, PUBLISH_ROWS),
 /bN (the most rows a receiver takes from a source per visit, BATCH_ROWS) and /wN (warps a program),
@@ -56,7 +58,7 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
     from warmlink.rendezvous import Store
 
     stream_cuda.OPTIONS = tuple(f"-D{d}" for d in args.define)
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())  # (--ranks past the GPUs: they share them)
     t, h, k, experts = args.tokens, args.hidden, 8, 256
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     scores = torch.rand(t, experts, device="cuda", generator=gen)
@@ -73,8 +75,9 @@ def _rank(rank: int, world: int, address: str, secret: str, args, queue) -> None
         for config in args.configs:
             channels, ring, kwargs = _parse(config)
             restore = _knobs(kwargs)
-            with Buffer(store, rank, world, max_tokens_per_rank=t, hidden=h, num_topk=k, device=rank, send="stream",
-                        stream_channels=channels, ring_rows=ring, timeout_s=60) as buf:
+            with Buffer(store, rank, world, max_tokens_per_rank=t, hidden=h, num_topk=k,
+                        device=torch.cuda.current_device(), send="stream", stream_channels=channels, ring_rows=ring,
+                        timeout_s=60) as buf:
                 lay = buf.get_dispatch_layout(topk, experts)
                 kwargs = {"topk_idx": topk, "topk_weights": w, "num_tokens_per_rank": lay[0],
                           "is_token_in_rank": lay[3], "num_tokens_per_expert": lay[2]}
@@ -127,12 +130,17 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="also time cached dispatch and combine replayed from CUDA graphs")
     ap.add_argument("--fp8", action="store_true", help="dispatch FP8 tokens (column-major scales)")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="ranks (default: one per visible GPU). 1 times the kernels of a rank sending to itself, "
+                         "with no link; ranks sharing a GPU take turns on it (processes without MPS), so their "
+                         "times are not the kernels'")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="a macro for the CUDA kernels' compile, e.g. UNROLL=4 (repeatable)")
     args = ap.parse_args()
     from warmlink.rendezvous import Store
 
-    world = torch.cuda.device_count()
+    gpus = torch.cuda.device_count()
+    world = args.ranks or gpus
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with Store(is_server=True, prefix="stream-sweep", timeout_s=60) as server:
@@ -143,7 +151,8 @@ def main() -> None:
         results = dict(queue.get(timeout=540) for _ in procs)
         for p in procs:
             p.join(timeout=60)
-    print(f"streamed Buffer, {world} ranks (one per GPU), {args.tokens} tokens x {args.hidden} "
+    where = "one per GPU" if world <= gpus else f"sharing {gpus} GPU(s), taking turns"
+    print(f"streamed Buffer, {world} ranks ({where}), {args.tokens} tokens x {args.hidden} "
           f"{'FP8 (BF16 combine)' if args.fp8 else 'BF16'}, top-8 of 256; "
           "slowest rank's median, us")
     kinds = ("fresh", "cached", "combine") + (("cached graph", "combine graph") if args.graph else ())
