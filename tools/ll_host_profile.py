@@ -9,7 +9,7 @@ starts every call from an idle GPU: a dispatch's send with a hook, the hook, a c
 a hook, its hook, then a dispatch and a combine without hooks (FP8 dispatch, BF16 combine). Per
 side and call the median (min) host time over ``--calls`` is printed; ``--rounds`` alternates the
 sides (a host's speed drifts within a lease). Then the top functions, by own time, of warmlink's
-``--profile`` call in the last round::
+``--profile`` call, profiled in a pass of its own after the timed rounds::
 
     PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_host_profile.py [--calls 400] [--rounds 2] [--profile hook]
 """
@@ -83,16 +83,17 @@ def main() -> None:
             print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch, "
                   f"BF16 combine; host time per call, median (min) of {args.calls}, us")
             print(f"  {'':9s} " + "".join(f"{name:>22s}" for name in CALLS))
-            profiler = cProfile.Profile()
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 for side, (b, ids) in sides.items():
-                    last = r == args.rounds - 1 and side == "warmlink"
-                    times = _time(b, x, ids, w, y, args, profiler if last else None)
+                    times = _time(b, x, ids, w, y, args, None)
                     print(f"  {side:9s} " + "".join(
                         f"{statistics.median(t) * 1e6:13.1f} ({min(t) * 1e6:5.1f})" for t in times.values()))
+            # A pass of its own: a profiled call runs several times slower and would skew a round's figures
+            profiler = cProfile.Profile()
+            _time(buf, x, idx, w, y, args, profiler)
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
-            print(f"warmlink's {args.profile}, last round:\n{out.getvalue()}")
+            print(f"warmlink's {args.profile}, profiled in a pass after the timed rounds:\n{out.getvalue()}")
             if deep_buf is not None:
                 deep_buf.destroy()
                 dist.destroy_process_group()
