@@ -1,11 +1,14 @@
 """A one-rank ep Buffer on GPU 0 with random top-8 of 256 routing: the setup of the host-time
-tools (``ep_host_profile.py``, ``ep_host_steps.py``; ``one_rank_low_latency`` for
-``ll_host_profile.py`` and ``ll_kernel_time.py``). A one-rank group runs the same host path as a
-larger one up to the peer loops."""
+tools (``ep_host_profile.py``, ``ep_host_steps.py``; ``one_rank_low_latency`` and, beside it,
+``one_rank_deep_ep`` for ``ll_host_profile.py`` and ``ll_kernel_time.py``). A one-rank group runs
+the same host path as a larger one up to the peer loops."""
 
 from __future__ import annotations
 
+import socket
+
 import torch
+import torch.distributed as dist
 
 from warmlink.ep import Buffer
 from warmlink.rendezvous import Store
@@ -52,3 +55,22 @@ def one_rank_low_latency(args, prefix: str):
     buf = Buffer(store, 0, 1, max_tokens_per_rank=args.tokens, hidden=args.hidden, num_topk=args.topk, timeout_s=30,
                  low_latency_mode=True, num_experts=args.experts)
     return buf, store, x, idx, w
+
+
+def one_rank_deep_ep(x, args):
+    """``(buffer, id dtype)``: DeepEP V1's low-latency Buffer over a one-rank group (NVSHMEM with one
+    PE) of ``args``' shape and the dtype its ``topk_idx`` takes; ``(None, None)`` where DeepEP is
+    not importable or ``args.no_deepep``. The caller destroys the buffer and the process group."""
+    from warmlink.bench.ep_deep_ep import real_deep_ep
+
+    deep_ep = None if args.no_deepep else real_deep_ep()
+    if deep_ep is None:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=x.device)
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts)
+    buf = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, num_qps_per_rank=args.experts,
+                         explicitly_destroy=True)
+    return buf, deep_ep.topk_idx_t

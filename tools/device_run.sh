@@ -12,7 +12,7 @@
 #        widths (the deep_ep widths GPU test REPEATS times: a Buffer closed right after its last call)
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
-#        ll-host tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
+#        ll-host (tools/ll_host_profile.py: host time of eager calls, one rank, beside DeepEP V1; ROUNDS) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
@@ -128,8 +128,10 @@ for d in range(torch.cuda.device_count()):
       deepep_ready
       PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 tools/ll_kernel_time.py --rounds ${ROUNDS:-3} \
         2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20 ;;
-    ll-host)  # host time of eager low-latency calls, one rank (tools/ll_host_profile.py)
-      timeout 150 python3 tools/ll_host_profile.py --calls 600 2>&1 | tee "$OUT/ll_host.log" | head -30 ;;
+    ll-host)  # host time of eager low-latency calls, one rank, beside DeepEP V1 where .baseline/deepep-v1 is carried
+      deepep_ready
+      PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 200 python3 tools/ll_host_profile.py \
+        --rounds ${ROUNDS:-3} 2>&1 | grep -v IBGDA | tee "$OUT/ll_host.log" | head -40 ;;
     tests-ll-shrink)  # the enable_shrink GPU test, REPEATS times
       for i in $(seq 1 ${REPEATS:-5}); do
         timeout 110 python3 -m pytest -q -p no:cacheprovider tests/ep/test_low_latency_gpu.py -k shrink 2>&1 \

@@ -1,11 +1,17 @@
-"""Where the host time of an eager low-latency call goes: a one-rank low-latency Buffer on GPU 0.
+"""Host time of eager low-latency calls, one rank to itself on GPU 0, for warmlink and, where
+DeepEP V1 is importable, for DeepEP on the same inputs in the same process; then where warmlink's
+time goes.
 
 A one-rank group runs the same host path and the same kernels as a larger one (its rows go to
-itself), so the host cost of each call shows without peers. Prints, per call (FP8 dispatch
-without a hook, the hook's send and receive, BF16 combine), the median host time over ``--calls``
-and the median of a synchronised call (host + device), then the top functions by own time::
+itself), so the host cost of each call shows without peers, and DeepEP's low-latency Buffer runs
+with one rank too (NVSHMEM with one PE): a same-run baseline for the host paths. Each iteration
+starts every call from an idle GPU: a dispatch's send with a hook, the hook, a combine's send with
+a hook, its hook, then a dispatch and a combine without hooks (FP8 dispatch, BF16 combine). Per
+side and call the median (min) host time over ``--calls`` is printed; ``--rounds`` alternates the
+sides (a host's speed drifts within a lease). Then the top functions, by own time, of warmlink's
+``--profile`` call, profiled in a pass of its own after the timed rounds::
 
-    python tools/ll_host_profile.py [--calls 500] [--tokens 128] [--hidden 7168] [--experts 256]
+    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_host_profile.py [--calls 400] [--rounds 2] [--profile hook]
 """
 
 from __future__ import annotations
@@ -18,65 +24,79 @@ import statistics
 import time
 
 import torch
-from _one_rank import add_shape_args, one_rank_low_latency
+import torch.distributed as dist
+from _one_rank import add_shape_args, one_rank_deep_ep, one_rank_low_latency
+
+CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combine hook", "dispatch", "combine")
+
+
+def _time(buf, x, idx, w, y, args, profiler: cProfile.Profile | None) -> dict[str, list[float]]:
+    """Per call of ``CALLS``, the host seconds of each of ``args.calls`` iterations; ``profiler``
+    records ``args.profile``'s calls."""
+    times: dict[str, list[float]] = {name: [] for name in CALLS}
+
+    def timed(name: str, fn, *call_args, **kwargs):
+        profiling = profiler is not None and name == args.profile
+        if profiling:
+            profiler.enable()
+        start = time.perf_counter()
+        result = fn(*call_args, **kwargs)
+        times[name].append(time.perf_counter() - start)
+        if profiling:
+            profiler.disable()
+        return result
+
+    for _ in range(args.calls):
+        torch.cuda.synchronize()
+        sent = timed("dispatch send (hook)", buf.low_latency_dispatch, x, idx, args.tokens, args.experts,
+                     return_recv_hook=True)
+        timed("dispatch hook", sent[4])
+        torch.cuda.synchronize()
+        timed("combine hook", timed("combine send (hook)", buf.low_latency_combine, y, idx, w, sent[2],
+                                    return_recv_hook=True)[2])
+        torch.cuda.synchronize()
+        handle = timed("dispatch", buf.low_latency_dispatch, x, idx, args.tokens, args.experts)[2]
+        torch.cuda.synchronize()
+        timed("combine", buf.low_latency_combine, y, idx, w, handle)
+    torch.cuda.synchronize()
+    return times
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--calls", type=int, default=400)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile", default="dispatch", choices=CALLS, help="the call whose cProfile is printed")
+    p.add_argument("--no-deepep", action="store_true", help="warmlink alone, even where DeepEP is importable")
     add_shape_args(p)
     p.add_argument("--top", type=int, default=20)
-    p.add_argument("--sort", default="tottime", help="pstats order: tottime (own time) or cumulative")
     args = p.parse_args()
     buf, store, x, idx, w = one_rank_low_latency(args, "ll-host-profile")
     with store:
         try:
-            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)
-            y = torch.randn(*recv[0].shape).bfloat16().cuda()
-            hooks: list = []
-            calls = {
-                "dispatch (fp8)": lambda: buf.low_latency_dispatch(x, idx, args.tokens, args.experts),
-                "dispatch send (hook)": lambda: hooks.append(buf.low_latency_dispatch(
-                    x, idx, args.tokens, args.experts, return_recv_hook=True)[4]),
-                "dispatch hook": lambda: hooks.pop()(),
-                "combine (bf16)": lambda: buf.low_latency_combine(y, idx, w, handle),  # handle: set below
-            }
-            print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}: median us")
+            recv = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[0][0]
+            y = torch.randn(*recv.shape, device=x.device).bfloat16()
+            sides = {"warmlink": (buf, idx)}
+            deep_buf, id_dtype = one_rank_deep_ep(x, args)
+            if deep_buf is not None:
+                sides["DeepEP V1"] = (deep_buf, idx.to(id_dtype))
+            print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch, "
+                  f"BF16 combine; host time per call, median (min) of {args.calls}, us")
+            print(f"  {'':9s} " + "".join(f"{name:>22s}" for name in CALLS))
+            for _ in range(args.rounds):
+                for side, (b, ids) in sides.items():
+                    times = _time(b, x, ids, w, y, args, None)
+                    print(f"  {side:9s} " + "".join(
+                        f"{statistics.median(t) * 1e6:13.1f} ({min(t) * 1e6:5.1f})" for t in times.values()))
+            # A pass of its own: a profiled call runs several times slower and would skew a round's figures
             profiler = cProfile.Profile()
-            for name, call in calls.items():
-                if name == "dispatch hook":
-                    continue
-                if name.startswith("combine"):  # a handle of the last dispatch: the combines reuse it
-                    handle = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[2]
-                host, synced = [], []
-                for i in range(args.calls):
-                    if name == "dispatch send (hook)":
-                        torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    if i >= args.calls // 2:
-                        profiler.enable()
-                    call()
-                    profiler.disable()
-                    host.append(time.perf_counter() - start)
-                    if name == "dispatch send (hook)":
-                        start = time.perf_counter()
-                        if i >= args.calls // 2:
-                            profiler.enable()
-                        calls["dispatch hook"]()
-                        profiler.disable()
-                        host[-1] = (host[-1], time.perf_counter() - start)
-                    torch.cuda.synchronize()
-                    synced.append(time.perf_counter() - start)
-                if name == "dispatch send (hook)":
-                    sends, recvs = zip(*host)
-                    for label, times in (("dispatch send", sends), ("dispatch hook", recvs)):
-                        print(f"  {label:24s} host {statistics.median(times) * 1e6:7.1f} (min {min(times) * 1e6:6.1f})")
-                else:
-                    print(f"  {name:24s} host {statistics.median(host) * 1e6:7.1f} (min {min(host) * 1e6:6.1f})   "
-                          f"host + device {statistics.median(synced) * 1e6:7.1f}")
+            _time(buf, x, idx, w, y, args, profiler)
             out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats(args.sort).print_stats(args.top)
-            print(out.getvalue())
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(f"warmlink's {args.profile}, profiled in a pass after the timed rounds:\n{out.getvalue()}")
+            if deep_buf is not None:
+                deep_buf.destroy()
+                dist.destroy_process_group()
         finally:
             buf.close()
 

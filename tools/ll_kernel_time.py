@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 
 import torch
 import torch.distributed as dist
-from _one_rank import add_shape_args, one_rank_low_latency
+from _one_rank import add_shape_args, one_rank_deep_ep, one_rank_low_latency
 
 from warmlink.bench.ep_low_latency import capture_decode_step
 
@@ -80,24 +79,6 @@ def _report(side: str, name: str, calls: list[list[dict]]) -> None:
     print(f"  {side:9s} {name:17s} {span:6.1f}   {'; '.join(parts)}")
 
 
-def _deep_ep_buffer(x, args):
-    """``(buffer, id dtype)``: DeepEP V1's low-latency Buffer over a one-rank group and the dtype its
-    ``topk_idx`` takes; ``(None, None)`` where DeepEP is not importable."""
-    from warmlink.bench.ep_deep_ep import real_deep_ep
-
-    deep_ep = None if args.no_deepep else real_deep_ep()
-    if deep_ep is None:
-        return None, None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=x.device)
-    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts)
-    buf = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, num_qps_per_rank=args.experts,
-                         explicitly_destroy=True)
-    return buf, deep_ep.topk_idx_t
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replays", type=int, default=200)
@@ -110,7 +91,7 @@ def main() -> None:
     with store:
         try:
             sides = {"warmlink": _capture(buf, x, idx, w, y, args)}
-            deep_buf, id_dtype = _deep_ep_buffer(x, args)
+            deep_buf, id_dtype = one_rank_deep_ep(x, args)
             if deep_buf is not None:
                 sides["DeepEP V1"] = _capture(deep_buf, x, idx.to(id_dtype), w, y, args)
             print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch, "

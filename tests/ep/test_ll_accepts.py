@@ -1,5 +1,6 @@
 """The quick acceptance of a low-latency call's arguments (``LowLatencyChecks.accepts_dispatch`` and
-``accepts_combine``, ep.low_latency._checks) on CPU tensors: whatever the arguments, the checks
+``accepts_combine``, ep.low_latency._checks; its tensors checked by ep.kernels.host's compiled
+``ll_*_accepts``, or in Python without them) on CPU tensors: whatever the arguments, the checks
 with it give what the full checks give alone (the same tensors, or the same ConfigError), and the
 common call of the device path is accepted by it, so that the full checks' Python does not run
 for it."""
@@ -69,21 +70,37 @@ def _dispatch_args(draw):
             draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
 
 
-def _quick_agrees_with_full(call: str, args: tuple) -> None:
+def _checks(quick: str, read_values: bool = False) -> LowLatencyChecks:
+    """Checks whose quick acceptance of tensors is ``quick``: "compiled" (ep.kernels.host's
+    ``ll_*_accepts``, what a built host module gives) or "python" (without one)."""
+    checks = LowLatencyChecks(LAYOUT, -1, read_values=read_values)
+    if quick == "python":
+        checks._compiled = False
+    elif checks._host_steps() is None:
+        pytest.skip("ep.kernels.host did not build here")
+    return checks
+
+
+QUICK = pytest.mark.parametrize("quick", ["compiled", "python"])
+
+
+def _quick_agrees_with_full(call: str, args: tuple, quick: str) -> None:
     """The checks give what the full checks alone give; what the quick acceptance takes comes back
-    as the very tensors passed."""
-    checks, full_only = (LowLatencyChecks(LAYOUT, -1, read_values=False) for _ in range(2))
+    as the very tensors passed, from both."""
+    checks, full_only = _checks(quick), _checks(quick)
     setattr(full_only, f"accepts_{call}", lambda *a: False)
-    quick = _answer(checks, call, *args)
-    assert _same(quick, _answer(full_only, call, *args))
-    if getattr(checks, f"accepts_{call}")(*args):
+    quick, full = _answer(checks, call, *args), _answer(full_only, call, *args)
+    assert _same(quick, full)
+    if getattr(checks, f"accepts_{call}")(*args):  # taken as they are: the full checks copy nothing either
         assert all(got is given for got, given in zip(quick, args))
+        assert all(got is given for got, given in zip(full, args))
 
 
+@QUICK
 @settings(max_examples=300, deadline=None)
 @given(args=_dispatch_args())
-def test_a_dispatch_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args):
-    _quick_agrees_with_full("dispatch", args)
+def test_a_dispatch_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args, quick):
+    _quick_agrees_with_full("dispatch", args, quick)
 
 
 @st.composite
@@ -102,17 +119,19 @@ def _combine_args(draw):
             draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
 
 
+@QUICK
 @settings(max_examples=300, deadline=None)
 @given(args=_combine_args())
-def test_a_combine_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args):
-    _quick_agrees_with_full("combine", args)
+def test_a_combine_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args, quick):
+    _quick_agrees_with_full("combine", args, quick)
 
 
+@QUICK
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dtype):
+def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dtype, quick):
     """What DeepEP's callers pass (hook or not, FP8 or not, async or not) skips the full checks;
     the host path, which reads expert ids, never does."""
-    checks = LowLatencyChecks(LAYOUT, -1, read_values=False)
+    checks = _checks(quick)
     x, idx = torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=idx_dtype)
     for fp8, hook, finish in ((True, False, False), (True, True, False), (False, False, True)):
         assert checks.accepts_dispatch(x, idx, T, E, fp8, fp8, False, finish, hook, None, None)
@@ -121,5 +140,30 @@ def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dty
     out = torch.zeros(T, HIDDEN, dtype=torch.bfloat16)
     for zero_copy, hook, given_out in ((False, False, None), (True, True, out)):
         assert checks.accepts_combine(y, idx, w, handle, False, zero_copy, False, hook, given_out, None)
-    host = LowLatencyChecks(LAYOUT, -1, read_values=True)
+    host = _checks(quick, read_values=True)
     assert not host.accepts_dispatch(x, idx, T, E, True, False, False, False, False, None, None)
+
+
+@QUICK
+def test_a_tensor_the_full_checks_would_copy_is_not_taken_as_it_is(quick):
+    """A strided tensor in the common call (each argument in turn) goes to the full checks, which
+    copy it: the kernels read rows at their natural strides."""
+    checks = _checks(quick)
+
+    def strided(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)[..., ::2]
+
+    dispatch = [torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64)]
+    assert checks.accepts_dispatch(*dispatch, T, E, True, False, False, False, False, None, None)
+    for i in range(2):
+        args = list(dispatch)
+        args[i] = strided(args[i])
+        assert not checks.accepts_dispatch(*args, T, E, True, False, False, False, False, None, None), i
+    handle = types.SimpleNamespace(num_tokens=T, num_topk=K, num_max_dispatch_tokens_per_rank=T)
+    combine = [torch.zeros(E // R, R * T, HIDDEN, dtype=torch.bfloat16), dispatch[1], torch.zeros(T, K),
+               torch.zeros(T, HIDDEN, dtype=torch.bfloat16)]
+    assert checks.accepts_combine(*combine[:3], handle, False, False, False, False, combine[3], None)
+    for i in range(4):
+        args = list(combine)
+        args[i] = strided(args[i])
+        assert not checks.accepts_combine(*args[:3], handle, False, False, False, False, args[3], None), i

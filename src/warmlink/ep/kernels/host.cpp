@@ -8,6 +8,7 @@
 //     (the exchange lands the board in pinned memory itself: ep/paths/sm_pushes.py, Note [Board landing]);
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
+//     ll_dispatch_accepts, ll_combine_accepts: the same for the low-latency calls' tensors;
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
 //     the rows, taken and recv_offset tensors made and the streamed kernel launched behind the
 //     exchange, its receivers waiting for the outputs the host posts (Note [Posted outputs]);
@@ -358,6 +359,44 @@ bool vector_of(const at::Tensor* t, i64 device, i64 length) {
          (dtype == at::kInt || dtype == at::kLong);
 }
 
+// A plain tensor (torch.Tensor itself or a Parameter, not a subclass) of `dims` dimensions on
+// `device`, contiguous: else null
+const at::Tensor* plain(const py::handle& obj, i64 dims, i64 device) {
+  if (!THPVariable_CheckExact(obj.ptr())) return nullptr;
+  const at::Tensor* t = &THPVariable_Unpack(obj.ptr());
+  return t->dim() == dims && on_device(*t, device) && t->is_contiguous() ? t : nullptr;
+}
+
+bool ids_of(const at::Tensor* t, i64 rows, i64 max_cols) {
+  return t != nullptr && (t->scalar_type() == at::kLong || t->scalar_type() == at::kInt) && t->size(0) == rows &&
+         t->size(1) >= 1 && t->size(1) <= max_cols;
+}
+
+// Whether a low-latency call's tensors are of the kind ep/low_latency/_checks.py passes through
+// unchanged (its accepts_dispatch and accepts_combine; the flags and ints are checked there):
+// dispatch x BF16 [n <= max_tokens, hidden] and topk int64 or int32 [n, 1..max_topk], all plain.
+bool ll_dispatch_accepts(py::handle x, py::handle topk, i64 device, i64 hidden, i64 max_tokens, i64 max_topk) {
+  const at::Tensor* xt = plain(x, 2, device);
+  if (xt == nullptr || xt->scalar_type() != at::kBFloat16 || xt->size(1) != hidden || xt->size(0) > max_tokens)
+    return false;
+  return ids_of(plain(topk, 2, device), xt->size(0), max_topk);
+}
+
+// combine: x BF16 [local, rows, hidden], topk [tokens, cols] as the handle's and float32 weights
+// alike, out None or BF16 [tokens, hidden], all plain
+bool ll_combine_accepts(py::handle x, py::handle topk, py::handle weights, py::handle out, i64 device, i64 local,
+                        i64 rows, i64 hidden, i64 tokens, i64 cols) {
+  const at::Tensor *xt = plain(x, 3, device), *kt = plain(topk, 2, device), *wt = plain(weights, 2, device);
+  if (xt == nullptr || xt->scalar_type() != at::kBFloat16 || xt->size(0) != local || xt->size(1) != rows ||
+      xt->size(2) != hidden)
+    return false;
+  if (!ids_of(kt, tokens, cols) || kt->size(1) != cols) return false;
+  if (wt == nullptr || wt->scalar_type() != at::kFloat || wt->size(0) != tokens || wt->size(1) != cols) return false;
+  if (out.is_none()) return true;
+  const at::Tensor* ot = plain(out, 2, device);
+  return ot != nullptr && ot->scalar_type() == at::kBFloat16 && ot->size(0) == tokens && ot->size(1) == hidden;
+}
+
 // The kind of call (never 0) when a fresh dispatch's tensors are the kind ep's checks return
 // unchanged (x and its FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes,
 // dtypes, one device, every one but the scales contiguous, weights float32: a planned call passes
@@ -613,6 +652,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fresh_launch", &fresh_launch);
   m.def("front_launch", &front_launch);
   m.def("fresh_accepts", &fresh_accepts);
+  m.def("ll_dispatch_accepts", &ll_dispatch_accepts);
+  m.def("ll_combine_accepts", &ll_combine_accepts);
   m.def("planned_front", &planned_front);
   m.def("post_outputs", &post_outputs);
   m.def("post_void", &post_void);

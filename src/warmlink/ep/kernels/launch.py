@@ -234,8 +234,8 @@ class PreparedLaunch:
         arguments, as ``FastLaunch`` takes them); False, launching nothing, where one breaks what
         the kernel was compiled for or a Triton launch hook is set. Raises ``RuntimeError`` where
         the driver refuses the launch."""
-        if self._hooks is not None and (_hook_set(self._hooks.launch_enter_hook)
-                                        or _hook_set(self._hooks.launch_exit_hook)):
+        hooks = self._hooks
+        if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
             return False
         status = self._launcher(self._addr, grid, stream, args)
         if status == 0:

@@ -48,6 +48,7 @@ class LowLatencyChecks:
         self.read_values = read_values
         self.device = torch.device("cpu") if device < 0 else torch.device("cuda", device)
         self._index = device if device >= 0 else -1  # what Tensor.get_device() says of this device
+        self._compiled = None  # ep.kernels.host's module (False: none), at the first call offered to it
 
     # -- what every check passes unchanged, asked first (an eager call's host time is its latency) --
     def _plain(self, t, dtype, dims: int) -> bool:
@@ -60,6 +61,15 @@ class LowLatencyChecks:
         return (type(t) is torch.Tensor and (t.dtype is torch.int64 or t.dtype is torch.int32)
                 and self._plain(t, t.dtype, 2))
 
+    def _host_steps(self):
+        """``ep.kernels.host``'s module, whose ``ll_*_accepts`` check the tensors in one call, or
+        None (the checks below then run in Python)."""
+        if self._compiled is None:
+            from warmlink.ep.kernels import host
+
+            self._compiled = host.module() or False
+        return self._compiled or None
+
     def accepts_dispatch(self, x, topk_idx, tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                          return_recv_hook, cumulative_stats, wait_stats) -> bool:
         """Whether ``dispatch`` would pass these arguments through unchanged: the common call (no
@@ -70,8 +80,12 @@ class LowLatencyChecks:
                 and (use_fp8 or not round_scale) and (round_scale or not use_ue8m0)
                 and type(num_experts) is int and num_experts == lay.num_experts
                 and type(tokens) is int and 1 <= tokens <= lay.max_tokens
-                and cumulative_stats is None and wait_stats is None and not self.read_values
-                and self._plain(x, torch.bfloat16, 2) and self._plain_topk(topk_idx)):
+                and cumulative_stats is None and wait_stats is None and not self.read_values):
+            return False
+        compiled = self._compiled if self._compiled is not None else self._host_steps()
+        if compiled:
+            return compiled.ll_dispatch_accepts(x, topk_idx, self._index, lay.hidden, tokens, lay.num_topk)
+        if not (self._plain(x, torch.bfloat16, 2) and self._plain_topk(topk_idx)):
             return False
         n, hidden = x.shape
         rows, cols = topk_idx.shape
@@ -82,8 +96,14 @@ class LowLatencyChecks:
         """Whether ``combine`` would pass these arguments through unchanged (as ``accepts_dispatch``)."""
         lay = self.layout
         if not (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
-                and type(return_recv_hook) is bool and wait_stats is None and not self.read_values
-                and self._plain(x, torch.bfloat16, 3) and self._plain_topk(topk_idx)
+                and type(return_recv_hook) is bool and wait_stats is None and not self.read_values):
+            return False
+        compiled = self._compiled if self._compiled is not None else self._host_steps()
+        if compiled:
+            return compiled.ll_combine_accepts(x, topk_idx, topk_weights, out, self._index, lay.local_experts,
+                                               lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, lay.hidden,
+                                               handle.num_tokens, handle.num_topk)
+        if not (self._plain(x, torch.bfloat16, 3) and self._plain_topk(topk_idx)
                 and self._plain(topk_weights, torch.float32, 2)
                 and (out is None or self._plain(out, torch.bfloat16, 2))):
             return False

@@ -140,6 +140,7 @@ class DevicePath:
                  timeout_s: float, outputs: Outputs, kernels: SimpleNamespace | None = None,
                  shrink: bool = False) -> None:
         self.layout, self.rank, self.device, self.shrink = layout, rank, device, shrink
+        self._index = device.index  # (looked up by every launch)
         self.timeout_ns = int(timeout_s * 1e9)
         self.kernels = kernels or _gpu_kernels()
         lay = layout
@@ -207,18 +208,24 @@ class DevicePath:
         the parity's ``dispatched``'s top-left ``[N, K]`` with the handle's mask of the entries sent
         (``topk_idx >= 0``), the receive the rest of its outputs."""
         n, num_cols = topk_idx.shape
-        key = (phase, fp8, round_scale, ue8m0, cumulative_stats is not None, wait_stats is not None)
+        block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
+        cum, waits = cumulative_stats is not None, wait_stats is not None
+        args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else block, block, n, num_cols,
+                tokens, tag)
+        kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, topk_idx.dtype)
+        grid = self._grid(phase, n, self._items)
+        prepared = self._prepared.get(kind)
+        if prepared and prepared(grid[0], current_stream(self._index), args):
+            return
+        key = kind[1:7]
         consts = self._consts.get(key)
         if consts is None:  # made once per kind of call
             consts = self._consts[key] = {
                 "PHASE": phase, **self._dispatch_consts[fp8], "FP8": fp8, "ROUND_SCALE": round_scale, "UE8M0": ue8m0,
-                "HAS_CUM": key[4], "HAS_WAIT": key[5], "SHRINK": self.shrink,
+                "HAS_CUM": cum, "HAS_WAIT": waits, "SHRINK": self.shrink,
                 "ROWS": _recv_rows(self._dispatch_consts[fp8]["W_BLOCK"])}
-        block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
-        args = (x, topk_idx, cumulative_stats if cumulative_stats is not None else self.mask,
-                wait_stats if wait_stats is not None else block, block, n, num_cols, tokens, tag)
-        self._launch(self.kernels.dispatch, ("dispatch", *key, p, topk_idx.dtype), self._grid(phase, n, self._items),
-                     args, consts, _WARPS["dispatch", phase], _DISPATCH_VARYING[key[4], key[5]])
+        self._launch(self.kernels.dispatch, kind, grid, args, consts, _WARPS["dispatch", phase],
+                     _DISPATCH_VARYING[cum, waits], prepared)
 
     # -- combine ----------------------------------------------------------------------------------
     def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -233,16 +240,20 @@ class DevicePath:
         args = (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
                 wait_stats if waits else block, block, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,
                 num_cols, tag)
-        self._launch(self.kernels.combine, ("combine", phase, waits, p, topk_idx.dtype), self._grid(phase, self._items, n),
-                     args, self._combine_consts[phase, waits], _WARPS["combine", phase], _COMBINE_VARYING[waits])
+        kind = ("combine", phase, waits, p, topk_idx.dtype)
+        grid = self._grid(phase, self._items, n)
+        prepared = self._prepared.get(kind)
+        if prepared and prepared(grid[0], current_stream(self._index), args):
+            return
+        self._launch(self.kernels.combine, kind, grid, args, self._combine_consts[phase, waits], _WARPS["combine", phase],
+                     _COMBINE_VARYING[waits], prepared)
 
     def _launch(self, kernel, kind: tuple, grid: tuple[int], args: tuple, consts: dict, num_warps: int,
-                varying: frozenset[str]) -> None:
-        """Launch through the kind's ``PreparedLaunch`` (ep.kernels.launch), made after its first
-        launch; else, and where it declines the call, through ``launch``."""
-        prepared = self._prepared.get(kind)
-        if prepared and prepared(grid[0], current_stream(self.device.index), args):
-            return
+                varying: frozenset[str], prepared) -> None:
+        """A launch of ``kind`` that its ``PreparedLaunch`` (ep.kernels.launch; ``prepared``, the
+        caller's lookup: made after the kind's first launch) did not make: through ``launch``.
+        The callers try the prepared one first, themselves: an eager call's host time is its
+        latency."""
         launch(kernel, grid, args, consts, num_warps=num_warps)
         if prepared is None and isinstance(kernel, FastLaunch):
             self._prepared[kind] = kernel.prepare(args, consts, num_warps, varying) or False

@@ -1,5 +1,8 @@
 """The low-latency runtime of one Buffer: its region, mailbox and outputs, and the rounds of its calls.
 
+Over 400 lines: one object owns the rounds (Note [Low-latency rounds]) of both paths, host and
+device; their calls, hooks, clean and mask calls read and advance the same round state.
+
 # Note [Low-latency rounds]
 Dispatch round ``n`` (and likewise combine round ``m``) of every rank:
 
@@ -202,10 +205,13 @@ class LowLatencyRuntime:
 
     def _mark_received(self, phase: str, round_: int) -> None:
         done = self._done[phase]
-        done.add(round_)
-        while self._received[phase] + 1 in done:
-            self._received[phase] += 1
-            done.discard(self._received[phase])
+        if done or round_ != self._received[phase] + 1:  # past a gap (a hook called out of order)
+            done.add(round_)
+            while self._received[phase] + 1 in done:
+                self._received[phase] += 1
+                done.discard(self._received[phase])
+        else:
+            self._received[phase] = round_
         if not self._on_device:  # (the kernels' acks tell the peers on a GPU)
             self.mailbox.publish(_RECEIVED[phase], self._received[phase])
 
