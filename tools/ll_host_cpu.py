@@ -4,11 +4,13 @@ into a C stand-in for ``cuLaunchKernel`` (``sched_yield``), so every host step o
 runs but the driver's. For changes to the host path between GPU sessions: the same code timed on
 the GPU hosts measured (``ll_host_profile.py``) took 2-3x as long, plus the driver's launch.
 
-    PYTHONPATH=src python tools/ll_host_cpu.py [--calls 4000] [--profile "dispatch hook"]
+    PYTHONPATH=src python tools/ll_host_cpu.py [--calls 4000] [--facade deep_ep] [--profile "dispatch hook"]
 
 Prints the median (min) us of each call of an iteration (a dispatch's send with a hook, the hook,
 a combine's send with a hook, its hook, a dispatch and a combine without hooks; FP8 dispatch,
 128 tokens x 7168, top-8 of 256), then, with ``--profile``, that call's top functions by own time.
+``--facade`` says what is called: the runtime itself, ``ep.Buffer`` or ``deep_ep.Buffer`` (what
+DeepEP's callers and ``bench ep --low-latency`` call), each over the same stand-in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from types import SimpleNamespace
 
 import torch
 
+from warmlink import ep
+from warmlink.ep import deep_ep
 from warmlink.ep.kernels import host
 from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PreparedLaunch
 from warmlink.ep.low_latency import _device
@@ -31,6 +35,7 @@ from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 from warmlink.rendezvous import Store
 
+FACADES = ("runtime", "ep", "deep_ep")
 CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combine hook", "dispatch", "combine")
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
@@ -45,19 +50,27 @@ def _prepared(compiled, num_args: int, ints: set[int]) -> PreparedLaunch:
         at += size
         params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i))
     driver = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
-    return PreparedLaunch(driver, 0xF00D, 128, 0, offsets, params, compiled.launch_prepared, "stand-in")
+    return PreparedLaunch(driver, 0xF00D, 128, 0, offsets, params, compiled, "stand-in")
 
 
 class _Prepared(dict):
-    """Every kind of call has its prepared launch: the dispatch's or the combine's stand-in."""
+    """Every kind of call has its prepared launch: the dispatch's or the combine's stand-in, one for
+    the receive phase and one for the others; ``receives`` keys the receives' by their sends' kinds."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, receives: bool = False) -> None:
         super().__init__()
-        self._by_kernel = {"dispatch": _prepared(compiled, 9, {5, 6, 7, 8}),
-                           "combine": _prepared(compiled, 13, {9, 10, 11, 12})}
+        self._receives = receives
+        self._by_kernel = {(name, recv): _prepared(compiled, num_args, ints)
+                           for name, num_args, ints in (("dispatch", 9, {5, 6, 7, 8}), ("combine", 13, {9, 10, 11, 12}))
+                           for recv in (False, True)}
 
     def get(self, kind, default=None):
-        return self._by_kernel[kind[0]]
+        return self._by_kernel[kind[0], self._receives or kind[1] == _device.RECV]
+
+    def receives(self) -> "_Prepared":
+        view = _Prepared.__new__(_Prepared)
+        view._receives, view._by_kernel = True, self._by_kernel
+        return view
 
 
 def main() -> None:
@@ -65,25 +78,26 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=4000)
     p.add_argument("--profile", default=None, choices=CALLS, help="the call whose cProfile is printed")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--facade", default="runtime", choices=FACADES, help="what is called (default: the runtime)")
     args = p.parse_args()
     compiled = host.module()
     if compiled is None:
         raise SystemExit("ep.kernels.host did not build here (a warning said why): nothing to time")
     _device.current_stream = lambda device: 0  # (no CUDA: stream 0 for the stand-in)
     store = Store(is_server=True, prefix="ll-host-cpu", timeout_s=30)
-    rt = LowLatencyRuntime(store, 0, 1, max_tokens=TOKENS, hidden=HIDDEN, num_experts=EXPERTS, num_topk=TOPK,
-                           device=-1, backend="shm", timeout_s=30)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
+    idx = torch.rand(TOKENS, EXPERTS, generator=gen).topk(TOPK, 1).indices
+    w = torch.rand(TOKENS, TOPK, generator=gen)
+    rt, dispatch, combine, close = _facade(args.facade, store, x, idx, w)
     try:
         # the device path in place of the host path, its launches into the stand-in
         path = _device.DevicePath(rt.layout, 0, {0: rt._region.ptr}, torch.device("cpu"), 30, rt._outputs,
                                   SimpleNamespace(dispatch=None, combine=None, mask_kernel=None))
         path._prepared = _Prepared(compiled)
+        path._receives = path._prepared.receives()
         rt._path, rt._on_device = path, True
         rt._checks = LowLatencyChecks(rt.layout, -1, read_values=False)
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(TOKENS, HIDDEN, generator=gen).bfloat16()
-        idx = torch.rand(TOKENS, EXPERTS, generator=gen).topk(TOPK, 1).indices
-        w = torch.rand(TOKENS, TOPK, generator=gen)
         y = torch.randn(rt.layout.local_experts, TOKENS, HIDDEN).bfloat16()
         times: dict[str, list[float]] = {name: [] for name in CALLS}
         profiler = cProfile.Profile()
@@ -99,19 +113,13 @@ def main() -> None:
                 profiler.disable()
             return result
 
-        def dispatch(hook: bool):
-            return rt.dispatch(x, idx, TOKENS, EXPERTS, None, None, True, False, False, False, hook)
-
-        def combine(handle, hook: bool):
-            return rt.combine(y, idx, w, handle, False, False, False, hook, None, None)
-
         for _ in range(args.calls):
             sent = timed("dispatch send (hook)", dispatch, True)
             timed("dispatch hook", sent[4])
-            timed("combine hook", timed("combine send (hook)", combine, sent[2], True)[2])
-            timed("combine", combine, timed("dispatch", dispatch, False)[2], False)
-        print(f"one rank, {TOKENS} tokens x {HIDDEN}, top-{TOPK} of {EXPERTS}, FP8 dispatch; the device path's host "
-              f"steps with a stand-in driver, median (min) of {args.calls}, us")
+            timed("combine hook", timed("combine send (hook)", combine, y, sent[2], True)[-1])
+            timed("combine", combine, y, timed("dispatch", dispatch, False)[2], False)
+        print(f"one rank, {TOKENS} tokens x {HIDDEN}, top-{TOPK} of {EXPERTS}, FP8 dispatch, through {args.facade}; "
+              f"the device path's host steps with a stand-in driver, median (min) of {args.calls}, us")
         for name, t in times.items():
             print(f"  {name:22s} {statistics.median(t) * 1e6:6.2f} ({min(t) * 1e6:5.2f})")
         if args.profile:
@@ -119,8 +127,34 @@ def main() -> None:
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
             print(out.getvalue())
     finally:
-        rt.close()
+        close()
         store.close()
+
+
+def _facade(name: str, store: Store, x, idx, w):
+    """``(runtime, dispatch(hook), combine(y, handle, hook), close)``: the calls through facade
+    ``name`` over a one-rank runtime on the host path, built here (its path is replaced after)."""
+    sizes = {"hidden": HIDDEN, "num_topk": TOPK, "device": -1, "backend": "shm", "timeout_s": 30}
+    if name == "runtime":
+        rt = LowLatencyRuntime(store, 0, 1, max_tokens=TOKENS, num_experts=EXPERTS, **sizes)
+        return (rt, lambda hook: rt.dispatch(x, idx, TOKENS, EXPERTS, None, None, True, False, False, False, hook),
+                lambda y, handle, hook: rt.combine(y, idx, w, handle, False, False, False, hook, None, None), rt.close)
+    if name == "ep":
+        buf = ep.Buffer(store, 0, 1, max_tokens_per_rank=TOKENS, low_latency_mode=True, num_experts=EXPERTS, **sizes)
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        size = deep_ep.Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, 1, EXPERTS, TOPK)
+        buf = deep_ep.Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, explicitly_destroy=True)
+        buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS)  # (builds its ep.Buffer: Note [Low-latency built on first call])
+
+    def close() -> None:
+        buf.destroy() if name == "deep_ep" else buf.close()
+
+    rt = (buf._ll if name == "deep_ep" else buf)._low_latency
+    return (rt, lambda hook: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, return_recv_hook=hook),
+            lambda y, handle, hook: buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook), close)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ time goes.
 
 A one-rank group runs the same host path and the same kernels as a larger one (its rows go to
 itself), so the host cost of each call shows without peers, and DeepEP's low-latency Buffer runs
-with one rank too (NVSHMEM with one PE): a same-run baseline for the host paths. Each iteration
+with one rank too (NVSHMEM with one PE): a same-run baseline for the host paths. Beside DeepEP,
+warmlink is timed twice: its ``ep.Buffer``, and ``warmlink.ep.deep_ep.Buffer`` (what DeepEP's
+callers call, and ``bench ep --low-latency``). Each iteration
 starts every call from an idle GPU: a dispatch's send with a hook, the hook, a combine's send with
 a hook, its hook, then a dispatch and a combine without hooks (FP8 dispatch, BF16 combine). Per
 side and call the median (min) host time over ``--calls`` is printed; ``--rounds`` alternates the
@@ -26,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 from _one_rank import add_shape_args, one_rank_deep_ep, one_rank_low_latency
+
+from warmlink.ep import deep_ep
 
 CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combine hook", "dispatch", "combine")
 
@@ -78,15 +82,21 @@ def main() -> None:
             y = torch.randn(*recv.shape, device=x.device).bfloat16()
             sides = {"warmlink": (buf, idx)}
             deep_buf, id_dtype = one_rank_deep_ep(x, args)
+            facade = None
             if deep_buf is not None:
+                # warmlink under DeepEP's API (what DeepEP's callers and the 2-rank bench call), beside DeepEP
+                size = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts, args.topk)
+                facade = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, explicitly_destroy=True)
+                facade.low_latency_dispatch(x, idx, args.tokens, args.experts)  # (builds it)
+                sides["warmlink deep_ep"] = (facade, idx)
                 sides["DeepEP V1"] = (deep_buf, idx.to(id_dtype))
             print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch, "
                   f"BF16 combine; host time per call, median (min) of {args.calls}, us")
-            print(f"  {'':9s} " + "".join(f"{name:>22s}" for name in CALLS))
+            print(f"  {'':16s} " + "".join(f"{name:>22s}" for name in CALLS))
             for _ in range(args.rounds):
                 for side, (b, ids) in sides.items():
                     times = _time(b, x, ids, w, y, args, None)
-                    print(f"  {side:9s} " + "".join(
+                    print(f"  {side:16s} " + "".join(
                         f"{statistics.median(t) * 1e6:13.1f} ({min(t) * 1e6:5.1f})" for t in times.values()))
             # A pass of its own: a profiled call runs several times slower and would skew a round's figures
             profiler = cProfile.Profile()
@@ -95,6 +105,7 @@ def main() -> None:
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
             print(f"warmlink's {args.profile}, profiled in a pass after the timed rounds:\n{out.getvalue()}")
             if deep_buf is not None:
+                facade.destroy()
                 deep_buf.destroy()
                 dist.destroy_process_group()
         finally:

@@ -3,39 +3,20 @@ caught by a ctypes function standing in for ``cuLaunchKernel``: every parameter 
 at its offset, the fixed ones as packed and the varying ones read from the call's arguments (a
 tensor's address, an int), with the grid, block, shared bytes and stream; a value that breaks what
 the kernel was compiled for (an address it assumed 16-byte aligned, an int it took as 32 bits)
-launches nothing; a driver error is raised by its code. Built here by the machine's C++ compiler."""
+launches nothing; a driver error is raised by its code. A launch packed by another's call (``then``:
+a low-latency send packs its receive hook's) is made once by ``launch_pending``, with the call's
+values and its own fixed parameters, grid and function, and only where that call launched. Built
+here by the machine's C++ compiler."""
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.ep._launch_driver import FUNCTION, STREAM, Driver
 from warmlink.ep.kernels.launch import CHECK_ALIGNED, CHECK_INT32, CHECK_NONE, PreparedLaunch
-
-_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-FUNCTION, STREAM = 0xF00D, 0x5EA
-
-
-class Driver:
-    """A ``cuLaunchKernel`` that records each launch: function, grid, block, shared bytes, stream and
-    each parameter's bytes (``sizes`` of them); it returns ``error``."""
-
-    def __init__(self, sizes: list[int], error: int = 0) -> None:
-        self.launches: list[tuple] = []
-        self.error = error
-
-        def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-            values = [ctypes.string_at(params[i], size) for i, size in enumerate(sizes)]
-            self.launches.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
-            return self.error
-
-        self._fn = _LAUNCH(launch)
-        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -76,7 +57,7 @@ def test_each_parameter_reaches_the_driver_fixed_as_packed_or_read_from_the_call
             fixed = value
         packed.append((fixed, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if varying else -1))
     driver = Driver(sizes)
-    launch = PreparedLaunch(driver.address, FUNCTION, threads, shared, offsets, packed, compiled.launch_prepared, "k")
+    launch = PreparedLaunch(driver.address, FUNCTION, threads, shared, offsets, packed, compiled, "k")
     assert launch(grid, STREAM, tuple(args))
     (function, grid_xyz, block, shared_bytes, stream, values, extra), = driver.launches
     assert (function, grid_xyz, block, shared_bytes, stream, extra) == (FUNCTION, (grid, 1, 1), (threads, 1, 1), shared,
@@ -93,14 +74,14 @@ def test_a_value_that_breaks_what_the_kernel_was_compiled_for_launches_nothing(c
     size = 4 if check == CHECK_INT32 else 8
     driver = Driver([8, size])
     launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0, 8], [(7, 8, CHECK_NONE, -1), (0, size, check, 1)],
-                            compiled.launch_prepared, "k")
+                            compiled, "k")
     assert launch(4, STREAM, ("ignored", value)) is launched
     assert len(driver.launches) == int(launched)
 
 
 def test_a_misaligned_tensor_is_declined_where_the_kernel_assumed_alignment(compiled):
     driver = Driver([8])
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(0, 8, CHECK_ALIGNED, 0)], compiled.launch_prepared,
+    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(0, 8, CHECK_ALIGNED, 0)], compiled,
                             "k")
     base = torch.zeros(64, dtype=torch.bfloat16)
     assert launch(1, STREAM, (base,))
@@ -110,7 +91,7 @@ def test_a_misaligned_tensor_is_declined_where_the_kernel_assumed_alignment(comp
 
 def test_a_driver_error_is_raised_by_its_code_and_a_zero_grid_launches_nothing(compiled):
     driver = Driver([8], error=701)
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled.launch_prepared,
+    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
                             "my_kernel")
     with pytest.raises(RuntimeError, match=r"cuLaunchKernel\(my_kernel, grid 3\): CUDA error 701"):
         launch(3, STREAM, ())
@@ -122,7 +103,7 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
     from triton import knobs
 
     driver = Driver([8])
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled.launch_prepared,
+    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
                             "k", hooks=knobs.runtime)
     assert launch(1, STREAM, ())  # no hook set
     for which in ("launch_enter_hook", "launch_exit_hook"):
@@ -144,4 +125,57 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
 def test_too_many_parameters_are_refused_when_prepared(compiled):
     with pytest.raises(ValueError, match="parameters"):
         PreparedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * 33, 8)), [(0, 8, CHECK_NONE, -1)] * 33,
-                       compiled.launch_prepared, "k")
+                       compiled, "k")
+
+
+def _plan(driver: Driver, function: int, fixed: int, check: int = CHECK_NONE, compiled=None) -> PreparedLaunch:
+    """Three 8-byte parameters: ``fixed``, argument 0 (a tensor's address) and argument 1 (an int)."""
+    return PreparedLaunch(driver.address, function, 64, 16, [0, 8, 16],
+                          [(fixed, 8, CHECK_NONE, -1), (0, 8, check, 0), (0, 8, CHECK_NONE, 1)], compiled, "k")
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=st.integers(-2**62, 2**62), grid=st.integers(1, 4096), then_grid=st.integers(1, 4096),
+       offset=st.sampled_from([0, 0, 1]))
+def test_a_launch_packed_by_anothers_call_is_made_once_with_that_calls_values(compiled, value, grid, then_grid, offset):
+    driver = Driver([8, 8, 8])
+    send, receive = _plan(driver, FUNCTION, 11, compiled=compiled), _plan(driver, FUNCTION + 1, 22, compiled=compiled)
+    base = torch.zeros(64, dtype=torch.int64)
+    x = base[offset:]  # a misaligned one breaks neither plan: they assume nothing of it
+    assert not receive.launch_pending(STREAM)  # nothing packed yet
+    assert send(grid, STREAM, (x, value), receive, then_grid)
+    assert receive.launch_pending(STREAM + 1)
+    assert not receive.launch_pending(STREAM + 1)  # made once
+    values = [_bytes(11, 8), _bytes(x.data_ptr(), 8), _bytes(value, 8)]
+    assert driver.launches == [(FUNCTION, (grid, 1, 1), (64, 1, 1), 16, STREAM, values, None),
+                               (FUNCTION + 1, (then_grid, 1, 1), (64, 1, 1), 16, STREAM + 1,
+                                [_bytes(22, 8), *values[1:]], None)]
+
+
+def test_nothing_is_packed_where_the_call_did_not_launch_or_its_values_break_the_packed_plan(compiled):
+    driver = Driver([8, 8, 8])
+    aligned = _plan(driver, FUNCTION, 1, CHECK_ALIGNED, compiled)
+    receive = _plan(driver, FUNCTION + 1, 2, compiled=compiled)
+    strict_receive = _plan(driver, FUNCTION + 2, 3, CHECK_ALIGNED, compiled)
+    loose = _plan(driver, FUNCTION + 3, 4, compiled=compiled)
+    base = torch.zeros(64, dtype=torch.int64)
+    assert not aligned(1, STREAM, (base[1:], 5), receive, 1)  # the call declined: nothing packed
+    assert not receive.launch_pending(STREAM)
+    assert loose(1, STREAM, (base[1:], 5), strict_receive, 1)  # launched, but the receive assumes alignment
+    assert not strict_receive.launch_pending(STREAM)
+    assert loose(1, STREAM, (base, 5), receive, 0)  # no grid: nothing packed
+    assert not receive.launch_pending(STREAM)
+    assert [launch[0] for launch in driver.launches] == [FUNCTION + 3, FUNCTION + 3]
+
+
+def test_a_driver_error_packs_nothing_and_a_pending_launchs_error_is_raised(compiled):
+    driver = Driver([8, 8, 8], error=700)
+    send, receive = _plan(driver, FUNCTION, 1, compiled=compiled), _plan(driver, FUNCTION + 1, 2, compiled=compiled)
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        send(1, STREAM, (torch.zeros(2), 5), receive, 1)
+    assert not receive.launch_pending(STREAM)
+    driver.error = 0
+    assert send(1, STREAM, (torch.zeros(2), 5), receive, 1)
+    driver.error = 719
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernel\(k, pending\): CUDA error 719"):
+        receive.launch_pending(STREAM)

@@ -29,7 +29,7 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep.deep_ep import sizing
-from warmlink.ep.deep_ep.events import returned_event
+from warmlink.ep.deep_ep.events import EventOverlap, returned_event
 from warmlink.errors import ConfigError
 
 __all__ = ["LowLatencyCalls"]
@@ -88,6 +88,16 @@ class LowLatencyCalls:
                 built one, or what ``ep.Buffer`` refuses, before any byte moves.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
+        inner = self._ll
+        if (inner is not None and async_finish is False and self._comm is None and not self._destroyed
+                and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.dim() == 2 and topk_idx.dim() == 2
+                and self._ll_shape[:3] == (num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+                and topk_idx.shape[1] <= self._ll_shape[3]):
+            # the common call, which the steps below would pass straight through: a decode step's host time
+            recv_x, count, handle, _, hook = inner.low_latency_dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, False, return_recv_hook)
+            return recv_x, count, handle, EventOverlap(), hook
         func = "low_latency_dispatch"
         self._check_low_latency(func)
         _check_async(func, async_finish)
@@ -132,6 +142,12 @@ class LowLatencyCalls:
                 (a handle of another Buffer, bad shapes), before any byte moves.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
+        inner = self._ll
+        if inner is not None and async_finish is False and self._comm is None and not self._destroyed:
+            # the common call, as the dispatch's
+            combined, _, hook = inner.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+                                                          False, return_recv_hook, out, combine_wait_recv_cost_stats)
+            return combined, EventOverlap(), hook
         func = "low_latency_combine"
         self._check_low_latency(func)
         _check_async(func, async_finish)

@@ -20,7 +20,8 @@
 //   wait_landed: a short spin, without the GIL, until the count exchange landed its board;
 //   status_clean: how many finished streamed launches ended clean (ep/paths/launch_status.py);
 //   launch_prepared: a Triton kernel's launch whose parameters Python packed once
-//     (ep/kernels/launch.py, PreparedLaunch), patched with a call's values: the low-latency calls'.
+//     (ep/kernels/launch.py, PreparedLaunch), patched with a call's values: the low-latency calls';
+//     it may pack another such launch with the same values, which launch_pending makes later.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
 // Python packed for an earlier call of the kind; tests/ep/test_planned_front.py holds the two
@@ -607,31 +608,56 @@ i64 status_clean(i64 words_addr, i64 row_words, i64 width, const py::sequence& s
 }  // namespace
 
 // A PreparedLaunch's plan (ep/kernels/launch.py: the same constants): header words (cuLaunchKernel,
-// the function, threads, shared bytes, parameters, varying ones), each parameter's offset, each
-// varying one's (parameter | size << 8 | check << 16 | argument << 24), then the packed parameters.
-constexpr i64 PLAN_MAX_PARAMS = 32, PLAN_MAX_BYTES = 512;
+// the function, threads, shared bytes, parameters, varying ones, the pending launch's grid), each
+// parameter's offset, each varying one's (parameter | size << 8 | check << 16 | argument << 24),
+// the packed parameters, then the pending launch's parameters (launch_prepared's `then`).
+constexpr i64 PLAN_MAX_PARAMS = 32, PLAN_MAX_BYTES = 512, PLAN_PENDING_GRID = 6;
 constexpr i64 PLAN_OFFSETS = 8, PLAN_VARY = PLAN_OFFSETS + PLAN_MAX_PARAMS, PLAN_BUFFER = PLAN_VARY + PLAN_MAX_PARAMS;
+constexpr i64 PLAN_PENDING = PLAN_BUFFER + PLAN_MAX_BYTES / 8;
 constexpr i64 CHECK_ALIGNED = 1, CHECK_INT32 = 2;
 
-// The varying parameters' values from `args`, the launch's arguments as Python passes them (a
-// tensor gives its address); -1 where a value breaks what the kernel was compiled for (an address
-// it assumed 16-byte aligned, an int it took as 32 bits), launching nothing; else cuLaunchKernel's
-// result
-int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args) {
-  const i64* plan = reinterpret_cast<const i64*>(plan_addr);
-  const i64 num_params = plan[4], num_varying = plan[5];
-  if (grid < 1 || grid > INT32_MAX) return -1;
-  alignas(16) char buffer[PLAN_MAX_BYTES];
+// A launch's arguments as Python passes them (a tensor gives its address, an int itself), each read
+// from Python once however many plans take it
+class ArgValues {
+ public:
+  explicit ArgValues(const py::tuple& args) : args_(args), size_(static_cast<i64>(args.size())) {}
+
+  // false where there is no such argument
+  bool get(i64 arg, i64* value) {
+    if (arg >= size_) return false;
+    if (arg < 64 && (known_ >> arg & 1)) {
+      *value = values_[arg];
+      return true;
+    }
+    const py::handle obj = args_[arg];
+    const at::Tensor* t = tensor(obj);
+    *value = t != nullptr ? reinterpret_cast<i64>(t->data_ptr()) : obj.cast<i64>();
+    if (arg < 64) {
+      values_[arg] = *value;
+      known_ |= uint64_t{1} << arg;
+    }
+    return true;
+  }
+
+ private:
+  const py::tuple& args_;
+  i64 size_;
+  uint64_t known_ = 0;
+  i64 values_[64];
+};
+
+// The plan's parameters, with the varying ones' values from `args`, into `buffer`; false where a
+// value breaks what the kernel was compiled for (an address it assumed 16-byte aligned, an int it
+// took as 32 bits)
+bool pack_params(const i64* plan, ArgValues& args, char* buffer) {
   std::memcpy(buffer, plan + PLAN_BUFFER, PLAN_MAX_BYTES);
-  for (i64 j = 0; j < num_varying; ++j) {
+  for (i64 j = 0; j < plan[5]; ++j) {
     const i64 entry = plan[PLAN_VARY + j];
     const i64 param = entry & 0xFF, size = (entry >> 8) & 0xFF, check = (entry >> 16) & 0xFF, arg = entry >> 24;
-    if (arg >= static_cast<i64>(args.size())) return -1;
-    const py::handle obj = args[arg];
-    const at::Tensor* t = tensor(obj);
-    const i64 value = t != nullptr ? reinterpret_cast<i64>(t->data_ptr()) : obj.cast<i64>();
-    if (check == CHECK_ALIGNED && value % 16 != 0) return -1;
-    if (check == CHECK_INT32 && (value < INT32_MIN || value > INT32_MAX)) return -1;
+    i64 value;
+    if (!args.get(arg, &value)) return false;
+    if (check == CHECK_ALIGNED && value % 16 != 0) return false;
+    if (check == CHECK_INT32 && (value < INT32_MIN || value > INT32_MAX)) return false;
     char* at = buffer + plan[PLAN_OFFSETS + param];
     if (size == 4) {
       const int32_t narrow = static_cast<int32_t>(value);
@@ -640,11 +666,44 @@ int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args) 
       std::memcpy(at, &value, 8);
     }
   }
+  return true;
+}
+
+int launch_packed(const i64* plan, const char* buffer, i64 grid, i64 stream) {
   void* params[PLAN_MAX_PARAMS];
-  for (i64 i = 0; i < num_params; ++i) params[i] = buffer + plan[PLAN_OFFSETS + i];
+  for (i64 i = 0; i < plan[4]; ++i) params[i] = const_cast<char*>(buffer) + plan[PLAN_OFFSETS + i];
   return reinterpret_cast<LaunchFn>(plan[0])(reinterpret_cast<void*>(plan[1]), static_cast<unsigned>(grid), 1, 1,
                                              static_cast<unsigned>(plan[2]), 1, 1, static_cast<unsigned>(plan[3]),
                                              reinterpret_cast<void*>(stream), params, nullptr);
+}
+
+// -1 where a value of `args` breaks the plan, launching nothing; else cuLaunchKernel's result. Once
+// launched, the plan at `then` (0: none) gets a launch of its own with the same `args` and grid
+// `then_grid` packed, which launch_pending makes later: a send packs its receive hook's launch,
+// whose kernel takes the same arguments, so the hook is the driver's launch alone.
+int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, i64 then_addr, i64 then_grid) {
+  const i64* plan = reinterpret_cast<const i64*>(plan_addr);
+  if (grid < 1 || grid > INT32_MAX) return -1;
+  alignas(16) char buffer[PLAN_MAX_BYTES];
+  ArgValues values(args);
+  if (!pack_params(plan, values, buffer)) return -1;
+  const int status = launch_packed(plan, buffer, grid, stream);
+  if (then_addr != 0) {
+    i64* then = reinterpret_cast<i64*>(then_addr);
+    const bool packed = status == 0 && then_grid >= 1 && then_grid <= INT32_MAX &&
+                        pack_params(then, values, reinterpret_cast<char*>(then + PLAN_PENDING));
+    then[PLAN_PENDING_GRID] = packed ? then_grid : 0;
+  }
+  return status;
+}
+
+// The launch launch_prepared packed in this plan, made once on `stream`: -1 where none is pending
+int launch_pending(i64 plan_addr, i64 stream) {
+  i64* plan = reinterpret_cast<i64*>(plan_addr);
+  const i64 grid = plan[PLAN_PENDING_GRID];
+  if (grid == 0) return -1;
+  plan[PLAN_PENDING_GRID] = 0;
+  return launch_packed(plan, reinterpret_cast<const char*>(plan + PLAN_PENDING), grid, stream);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -661,5 +720,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_stands", &padded_stands);
   m.def("wait_landed", &wait_landed);
   m.def("status_clean", &status_clean);
-  m.def("launch_prepared", &launch_prepared);
+  m.def("launch_prepared", &launch_prepared, py::arg("plan"), py::arg("grid"), py::arg("stream"), py::arg("args"),
+        py::arg("then") = 0, py::arg("then_grid") = 0);
+  m.def("launch_pending", &launch_pending);
 }

@@ -14,7 +14,8 @@ compiled kernel's parameters once into a ``PreparedLaunch``, which ``host.cpp``'
 ``launch_prepared`` patches with a call's varying values (addresses, sizes) and hands to
 ``cuLaunchKernel``: one compiled call. It checks what the compiled kernel assumed of those values
 (a pointer 16-byte aligned, an int within 32 bits) and declines a call that breaks it, which then
-launches through ``FastLaunch``.
+launches through ``FastLaunch``. A call may also pack a second kernel's launch with the same
+arguments, made later by ``launch_pending``: a low-latency send packs its receive hook's.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class FastLaunch:
             return None
         params += [(0, 8, CHECK_NONE, -1)] * (len(layout) - len(params))
         return PreparedLaunch(host.launch_address(), compiled.function, 32 * meta.num_warps, meta.shared,
-                              [offset for offset, _ in layout], params, module.launch_prepared,
+                              [offset for offset, _ in layout], params, module,
                               getattr(self.jit, "__name__", "kernel"), hooks=self._knobs.runtime)
 
 
@@ -188,7 +189,7 @@ def param_layout(function: int) -> list[tuple[int, int]] | None:
 # A PreparedLaunch's plan, int64 words read by host.cpp's launch_prepared (the same constants there)
 PLAN_MAX_PARAMS, PLAN_MAX_BYTES = 32, 512
 _HEADER, _OFFSETS, _VARY, _BUFFER = 0, 8, 8 + PLAN_MAX_PARAMS, 8 + 2 * PLAN_MAX_PARAMS
-PLAN_WORDS = _BUFFER + PLAN_MAX_BYTES // 8
+PLAN_WORDS = _BUFFER + 2 * PLAN_MAX_BYTES // 8  # the packed parameters, then a pending launch's
 CHECK_NONE, CHECK_ALIGNED, CHECK_INT32 = 0, 1, 2  # what launch_prepared checks of a varying value
 
 
@@ -203,16 +204,17 @@ class PreparedLaunch:
         params: ``(value, size, check, argument)`` per parameter: its value now (the fixed ones'
             for good), 4 or 8 bytes, ``CHECK_*``, and the index of the call's argument it is read
             from (a tensor's address, or an int), -1 for a fixed one.
-        launcher: ``host.cpp``'s ``launch_prepared`` (a stand-in in tests).
+        compiled: ``host.cpp``'s module (``ep.kernels.host.module()``), whose ``launch_prepared``
+            and ``launch_pending`` make the launches.
         name: the kernel's, for errors.
         hooks: Triton's ``knobs.runtime``: while a launch hook is set there (proton and other
             Triton-level profilers), every call declines, so that Triton's launcher calls the hook.
     """
 
-    __slots__ = ("_plan", "_addr", "_launcher", "name", "_hooks")
+    __slots__ = ("_plan", "_addr", "_launcher", "_pending", "name", "_hooks")
 
     def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
-                 params: list[tuple[int, int, int, int]], launcher, name: str, hooks=None) -> None:
+                 params: list[tuple[int, int, int, int]], compiled, name: str, hooks=None) -> None:
         if len(params) > PLAN_MAX_PARAMS or max((o + 8 for o in offsets), default=0) > PLAN_MAX_BYTES:
             raise ValueError(f"PreparedLaunch({name}): {len(params)} parameters over {PLAN_MAX_PARAMS}, or over "
                              f"{PLAN_MAX_BYTES} bytes")
@@ -226,23 +228,41 @@ class PreparedLaunch:
         buffer = (ctypes.c_char * PLAN_MAX_BYTES).from_address(ctypes.addressof(plan) + 8 * _BUFFER)
         for offset, (value, size, _, _) in zip(offsets, params, strict=True):
             buffer[offset:offset + size] = int(value).to_bytes(size, "little", signed=value < 0)
-        self._plan, self._addr, self._launcher, self.name = plan, ctypes.addressof(plan), launcher, name
-        self._hooks = hooks
+        self._plan, self._addr = plan, ctypes.addressof(plan)
+        self._launcher, self._pending = compiled.launch_prepared, compiled.launch_pending
+        self.name, self._hooks = name, hooks
 
-    def __call__(self, grid: int, stream: int, args: tuple) -> bool:
+    def __call__(self, grid: int, stream: int, args: tuple, then: "PreparedLaunch | None" = None,
+                 then_grid: int = 0) -> bool:
         """Launch on ``stream`` with the varying parameters read from ``args`` (the kernel's
         arguments, as ``FastLaunch`` takes them); False, launching nothing, where one breaks what
-        the kernel was compiled for or a Triton launch hook is set. Raises ``RuntimeError`` where
-        the driver refuses the launch."""
+        the kernel was compiled for or a Triton launch hook is set. Once launched, ``then`` (a
+        launch of a kernel with the same arguments) gets its launch with ``args`` and
+        ``then_grid`` packed, which its ``launch_pending`` makes later. Raises ``RuntimeError``
+        where the driver refuses the launch."""
         hooks = self._hooks
         if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
             return False
-        status = self._launcher(self._addr, grid, stream, args)
+        status = self._launcher(self._addr, grid, stream, args, then._addr if then is not None else 0, then_grid)
         if status == 0:
             return True
         if status < 0:
             return False
         raise RuntimeError(f"cuLaunchKernel({self.name}, grid {grid}): CUDA error {status}")
+
+    def launch_pending(self, stream: int) -> bool:
+        """Make the launch another's call packed in this one (``__call__``'s ``then``), once, on
+        ``stream``; False, launching nothing, where none is pending or a Triton launch hook is set.
+        Raises ``RuntimeError`` where the driver refuses the launch."""
+        hooks = self._hooks
+        if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
+            return False
+        status = self._pending(self._addr, stream)
+        if status == 0:
+            return True
+        if status < 0:
+            return False
+        raise RuntimeError(f"cuLaunchKernel({self.name}, pending): CUDA error {status}")
 
 
 def _hook_set(hook) -> bool:

@@ -8,7 +8,11 @@ latency is its host time plus its kernel's, so each kind of call (phase, flags, 
 launches through a ``PreparedLaunch`` made after its first launch (ep.kernels.launch): its
 parameters packed once, a call's addresses and sizes patched in by compiled code (no Triton
 launcher, no per-argument specialization), the kernels' ints left unspecialized so that one
-compiled kernel serves every call of the kind.
+compiled kernel serves every call of the kind. A send made so also packs its receive's launch
+(the same kernel arguments, the receive's kind and grid) into the receive's ``PreparedLaunch``,
+so that its hook, the latency of a decode step's receive, is the driver's launch and no more:
+that packed launch waits there until the hook, and the rounds rule (Note [Low-latency rounds])
+keeps another send of the kind from packing over it first.
 
 Two kernels (ep.low_latency._triton_dispatch and _triton_combine), ``dispatch`` and ``combine``,
 each a send phase and a receive phase: a call without a hook launches one kernel running both (at most a
@@ -176,6 +180,7 @@ class DevicePath:
         self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
         # by kind of call, parity and topk_idx's dtype: its PreparedLaunch, or False where it has none
         self._prepared: dict[tuple, object] = {}
+        self._receives: dict[tuple, object] = {}  # a send's kind: its receive's PreparedLaunch, once there is one
 
     def _block(self, p: int, outputs: Outputs) -> torch.Tensor:
         lay = self.layout
@@ -203,10 +208,11 @@ class DevicePath:
     # -- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, phase: int, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
                  round_scale: bool, ue8m0: bool, tag: int, cumulative_stats: torch.Tensor | None,
-                 wait_stats: torch.Tensor | None) -> None:
+                 wait_stats: torch.Tensor | None):
         """Launch the dispatch's ``phase`` (SEND, RECV or BOTH) of parity ``p``; the send fills
         the parity's ``dispatched``'s top-left ``[N, K]`` with the handle's mask of the entries sent
-        (``topk_idx >= 0``), the receive the rest of its outputs."""
+        (``topk_idx >= 0``), the receive the rest of its outputs. Returns, for a send, the receive's
+        launch packed (for ``receive``), or None."""
         n, num_cols = topk_idx.shape
         block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
         cum, waits = cumulative_stats is not None, wait_stats is not None
@@ -215,8 +221,10 @@ class DevicePath:
         kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, topk_idx.dtype)
         grid = self._grid(phase, n, self._items)
         prepared = self._prepared.get(kind)
-        if prepared and prepared(grid[0], current_stream(self._index), args):
-            return
+        if prepared:
+            then = self._receives.get(kind) if phase == SEND else None
+            if prepared(grid[0], current_stream(self._index), args, then, max(1, self._items)):
+                return then
         key = kind[1:7]
         consts = self._consts.get(key)
         if consts is None:  # made once per kind of call
@@ -226,14 +234,15 @@ class DevicePath:
                 "ROWS": _recv_rows(self._dispatch_consts[fp8]["W_BLOCK"])}
         self._launch(self.kernels.dispatch, kind, grid, args, consts, _WARPS["dispatch", phase],
                      _DISPATCH_VARYING[cum, waits], prepared)
+        return None
 
     # -- combine ----------------------------------------------------------------------------------
     def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                out: torch.Tensor, tag: int, wait_stats: torch.Tensor | None) -> None:
+                out: torch.Tensor, tag: int, wait_stats: torch.Tensor | None):
         """Launch the combine's ``phase`` of parity ``p``: ``x``'s rows (the dispatch's layout,
         ``handle``'s ranges) back to their sources, then ``out``, each token's weighted sum (the
         dispatch's mask ``handle.dispatched``, a ``[N, K]`` view of ``[T, num_topk]``, gives the
-        kernel its strides)."""
+        kernel its strides). Returns what ``dispatch`` does."""
         n, num_cols = topk_idx.shape
         block = self.blocks[p]
         waits = wait_stats is not None
@@ -243,10 +252,19 @@ class DevicePath:
         kind = ("combine", phase, waits, p, topk_idx.dtype)
         grid = self._grid(phase, self._items, n)
         prepared = self._prepared.get(kind)
-        if prepared and prepared(grid[0], current_stream(self._index), args):
-            return
+        if prepared:
+            then = self._receives.get(kind) if phase == SEND else None
+            if prepared(grid[0], current_stream(self._index), args, then, max(1, n)):
+                return then
         self._launch(self.kernels.combine, kind, grid, args, self._combine_consts[phase, waits], _WARPS["combine", phase],
                      _COMBINE_VARYING[waits], prepared)
+        return None
+
+    def receive(self, phase: str, packed, args: tuple) -> None:
+        """A hook's receive of ``phase`` ("dispatch" or "combine"): the launch its send packed
+        (``packed``, what the send returned), else launched as the send's ``args`` say."""
+        if packed is None or not packed.launch_pending(current_stream(self._index)):
+            (self.dispatch if phase == "dispatch" else self.combine)(RECV, *args)
 
     def _launch(self, kernel, kind: tuple, grid: tuple[int], args: tuple, consts: dict, num_warps: int,
                 varying: frozenset[str], prepared) -> None:
@@ -256,7 +274,9 @@ class DevicePath:
         latency."""
         launch(kernel, grid, args, consts, num_warps=num_warps)
         if prepared is None and isinstance(kernel, FastLaunch):
-            self._prepared[kind] = kernel.prepare(args, consts, num_warps, varying) or False
+            made = self._prepared[kind] = kernel.prepare(args, consts, num_warps, varying) or False
+            if made and kind[1] == RECV:  # (kind[1]: the phase, as both kinds put it)
+                self._receives[(kind[0], SEND, *kind[2:])] = made
 
     # -- the mask buffer (DeepEP's calls, on the current stream) ----------------------------------
     def query_mask(self, out: torch.Tensor) -> None:

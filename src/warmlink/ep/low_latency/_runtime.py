@@ -40,7 +40,7 @@ from warmlink import _cuda
 from warmlink.ep.kernels.launch import current_stream
 from warmlink.ep.low_latency._checks import LowLatencyChecks, check_handle, refuse_backend
 from warmlink.ep.low_latency._connect import Peers, connect
-from warmlink.ep.low_latency._device import BOTH, RECV, SEND, DevicePath, call_tag
+from warmlink.ep.low_latency._device import BOTH, SEND, DevicePath, call_tag
 from warmlink.ep.low_latency._handle import LowLatencyHandle
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LL_PARITIES, LowLatencyLayout
@@ -183,6 +183,29 @@ class LowLatencyRuntime:
 
         return (*result, event, hook)
 
+    def _device_hook(self, phase: str, round_: int, packed, args: tuple, handle: LowLatencyHandle | None = None):
+        """A device-path call's receive hook: the receive's launch (``packed``: the one its send
+        packed, or None), then ``handle``'s receive complete and the round received. Nothing
+        else: its host time is a decode step's (the kernels wait for the peers and report
+        failures to the next call)."""
+        called = []
+
+        def hook() -> None:
+            if called:
+                return
+            called.append(True)
+            try:  # a launch that raises spends the round: the next call may go on
+                if self._closed:
+                    raise ConfigError(f"ep.Buffer: the receive hook of low-latency {phase} round {round_} was called "
+                                      "after the Buffer was closed")
+                self._path.receive(phase, packed, args)
+                if handle is not None:
+                    handle.rows_by_source = ()
+            finally:
+                self._mark_received(phase, round_)
+
+        return hook
+
     def _event(self, phase: str, round_: int, async_finish: bool) -> EventOverlap:
         """The call's event: recorded after its last kernel with ``async_finish`` on a GPU, else none."""
         if self._on_device and async_finish:
@@ -240,7 +263,7 @@ class LowLatencyRuntime:
         if self._on_device:  # without a hook, one launch sends and receives
             tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
             args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
-            self._path.dispatch(SEND if return_recv_hook else BOTH, *args)
+            packed = self._path.dispatch(SEND if return_recv_hook else BOTH, *args)
         else:
             self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale, self._mask.masked())
             word = _call_word(tokens, num_cols, use_fp8, round_scale, use_ue8m0)
@@ -255,12 +278,8 @@ class LowLatencyRuntime:
                 handle.rows_by_source = ()
                 self._mark_received("dispatch", round_)
                 return (*result, self._event("dispatch", round_, async_finish), None)
-
-            def receive_on_device() -> None:
-                self._path.dispatch(RECV, *args)
-                handle.rows_by_source = ()
-
-            return self._finish("dispatch", round_, receive_on_device, return_recv_hook, async_finish, result)
+            hook = self._device_hook("dispatch", round_, packed, args, handle)
+            return (*result, self._event("dispatch", round_, async_finish), hook)
 
         def receive() -> None:
             self._mask.wait(self.mailbox, mb.DISPATCH, round_, self.timeout_s, wait_stats)
@@ -294,7 +313,7 @@ class LowLatencyRuntime:
                                                             device=x.device)
         args = (p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats)
         if self._on_device:  # without a hook, one launch sends and receives
-            self._path.combine(SEND if return_recv_hook else BOTH, *args)
+            packed = self._path.combine(SEND if return_recv_hook else BOTH, *args)
         else:
             self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot, self._mask.masked())
             self.mailbox.publish_combine(round_, handle.round)
@@ -303,8 +322,8 @@ class LowLatencyRuntime:
             if not return_recv_hook:  # the one launch received too
                 self._mark_received("combine", round_)
                 return combined, self._event("combine", round_, async_finish), None
-            return self._finish("combine", round_, lambda: self._path.combine(RECV, *args), return_recv_hook,
-                                async_finish, (combined,))
+            hook = self._device_hook("combine", round_, packed, args)
+            return combined, self._event("combine", round_, async_finish), hook
 
         def receive() -> None:
             self._mask.wait(self.mailbox, mb.COMBINE, round_, self.timeout_s, wait_stats)

@@ -1,0 +1,148 @@
+"""A low-latency call's receive hook on the device path, on CPU: a one-rank runtime whose
+``DevicePath`` launches through ``PreparedLaunch``es into a ctypes stand-in for ``cuLaunchKernel``
+(the kernels do not run; their launches are recorded). A send packs its receive's launch, and its
+hook makes that launch once: the receive's function and grid with the send's values. Before the
+kind's receive has a prepared launch, the hook launches through the kernel's own launcher instead.
+A hook called after its Buffer closed raises ``ConfigError``; either way its round is received."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.ep._launch_driver import Driver
+from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PreparedLaunch
+from warmlink.ep.low_latency import _device
+from warmlink.ep.low_latency._checks import LowLatencyChecks
+from warmlink.ep.low_latency._device import BOTH, RECV, SEND
+from warmlink.ep.low_latency._runtime import LowLatencyRuntime
+from warmlink.errors import ConfigError
+from warmlink.rendezvous import Store
+
+T, HIDDEN, E, K = 8, 256, 8, 4
+# the kernels' runtime arguments (DevicePath.dispatch / combine): how many, and which are int32
+ARGS = {"dispatch": (9, {5, 6, 7, 8}), "combine": (13, {9, 10, 11, 12})}
+FUNCTIONS = {(name, phase): 0x100 * (i + 1) + phase for i, name in enumerate(ARGS) for phase in (SEND, RECV, BOTH)}
+
+
+class Kernel:
+    """A kernel's launcher for the launches no ``PreparedLaunch`` makes: ``kernel[grid](*args, **consts)``."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.launches = name, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: self.launches.append((grid, args, consts))
+
+
+def _sizes(name: str) -> list[int]:
+    """Each argument's bytes: a tensor's address, or an int32."""
+    num_args, ints = ARGS[name]
+    return [4 if i in ints else 8 for i in range(num_args)]
+
+
+def _plan(driver: Driver, compiled, name: str, phase: int) -> PreparedLaunch:
+    """Every argument read from the call."""
+    offsets, params, at = [], [], 0
+    for i, size in enumerate(_sizes(name)):
+        at = -(-at // size) * size
+        offsets.append(at)
+        at += size
+        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i))
+    return PreparedLaunch(driver.address, FUNCTIONS[name, phase], 128, 0, offsets, params, compiled, name)
+
+
+@pytest.fixture
+def runtime(compiled, monkeypatch):
+    """``(runtime, drivers, kernels)``: the device path's launches, prepared ones into
+    ``drivers[kernel]``, the others into ``kernels``; ``runtime.prepare(receives)`` gives every kind of call its prepared
+    launch, the receives' too when ``receives``."""
+    monkeypatch.setattr(_device, "current_stream", lambda device: 0x5EA)
+    store = Store(is_server=True, prefix="ll-hooks", timeout_s=30)
+    rt = LowLatencyRuntime(store, 0, 1, max_tokens=T, hidden=HIDDEN, num_experts=E, num_topk=K, device=-1,
+                           backend="shm", timeout_s=30)
+    kernels = SimpleNamespace(dispatch=Kernel("dispatch"), combine=Kernel("combine"), mask_kernel=None)
+    path = _device.DevicePath(rt.layout, 0, {0: rt._region.ptr}, torch.device("cpu"), 30, rt._outputs, kernels)
+    rt._path, rt._on_device = path, True
+    rt._checks = LowLatencyChecks(rt.layout, -1, read_values=False)
+    drivers = {name: Driver(_sizes(name)) for name in ARGS}
+
+    def prepare(receives: bool) -> None:
+        for p in (0, 1):
+            for phase in (SEND, BOTH) + ((RECV,) if receives else ()):
+                path._prepared[("dispatch", phase, True, False, False, False, False, p, torch.int64)] = \
+                    _plan(drivers["dispatch"], compiled, "dispatch", phase)
+                path._prepared[("combine", phase, False, p, torch.int64)] = \
+                    _plan(drivers["combine"], compiled, "combine", phase)
+            if receives:
+                path._receives[("dispatch", SEND, True, False, False, False, False, p, torch.int64)] = \
+                    path._prepared[("dispatch", RECV, True, False, False, False, False, p, torch.int64)]
+                path._receives[("combine", SEND, False, p, torch.int64)] = \
+                    path._prepared[("combine", RECV, False, p, torch.int64)]
+
+    rt.prepare = prepare
+    yield rt, drivers, kernels
+    rt.close()
+    store.close()
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, HIDDEN, generator=gen).bfloat16()
+    idx = torch.rand(T, E, generator=gen).topk(K, 1).indices
+    return x, idx, torch.rand(T, K, generator=gen), torch.randn(E, T, HIDDEN).bfloat16()
+
+
+def test_a_hook_makes_the_receive_its_send_packed_once_with_the_sends_values(runtime):
+    rt, drivers, kernels = runtime
+    rt.prepare(receives=True)
+    x, idx, w, y = _inputs()
+    for _ in range(3):  # both parities, then the first again
+        for driver in drivers.values():
+            driver.launches.clear()
+        _, _, handle, _, hook = rt.dispatch(x, idx, T, E, None, None, True, False, False, False, True)
+        assert [launch[0] for launch in drivers["dispatch"].launches] == [FUNCTIONS["dispatch", SEND]]
+        hook()
+        hook()  # a hook runs once
+        send, receive = drivers["dispatch"].launches
+        assert not any(plan.launch_pending(0) for plan in rt._path._receives.values())  # the one packed: made
+        assert receive[:2] == (FUNCTIONS["dispatch", RECV], (E, 1, 1))  # a program per (local expert, rank)
+        assert receive[5] == send[5] and send[5][0] == x.data_ptr().to_bytes(8, "little")
+        assert handle.rows_by_source == ()
+        combined, _, hook = rt.combine(y, idx, w, handle, False, False, False, True, None, None)
+        hook()
+        hook()
+        send, receive = drivers["combine"].launches
+        assert not any(plan.launch_pending(0) for plan in rt._path._receives.values())
+        assert (send[0], receive[0], receive[1]) == (FUNCTIONS["combine", SEND], FUNCTIONS["combine", RECV], (T, 1, 1))
+        assert receive[5] == send[5] and combined.data_ptr().to_bytes(8, "little") in send[5]
+    assert kernels.dispatch.launches == kernels.combine.launches == []
+    assert rt._received == {"dispatch": 3, "combine": 3}
+
+
+def test_before_the_receive_has_a_prepared_launch_the_hook_launches_through_the_kernel(runtime):
+    rt, drivers, kernels = runtime
+    rt.prepare(receives=False)
+    x, idx, w, y = _inputs()
+    _, _, handle, _, hook = rt.dispatch(x, idx, T, E, None, None, True, False, False, False, True)
+    hook()
+    (grid, args, consts), = kernels.dispatch.launches
+    assert consts["PHASE"] == RECV and grid == (E,) and args[0] is x
+    assert [launch[0] for launch in drivers["dispatch"].launches] == [FUNCTIONS["dispatch", SEND]]
+
+
+def test_a_hook_called_after_close_raises_and_its_round_is_received(runtime):
+    rt, drivers, kernels = runtime
+    rt.prepare(receives=True)
+    x, idx, _, _ = _inputs()
+    hook = rt.dispatch(x, idx, T, E, None, None, True, False, False, False, True)[4]
+    rt.close()
+    with pytest.raises(ConfigError, match="called after the Buffer was closed"):
+        hook()
+    hook()  # spent: nothing more
+    assert rt._received["dispatch"] == 1
+    assert [launch[0] for launch in drivers["dispatch"].launches] == [FUNCTIONS["dispatch", SEND]]
+    assert kernels.dispatch.launches == []
+
