@@ -48,7 +48,7 @@ def _tensor(draw, shape: tuple, dtype) -> torch.Tensor:
     if fault == "dims":
         shape = (*shape, 1) if draw(st.booleans()) else shape[1:]
     t = torch.zeros(shape, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
-    if fault == "strided" and t.dim() >= 2 and t.shape[-1] > 1:
+    if fault == "strided" and t.dim() >= 1 and t.shape[-1] > 1:
         t = torch.zeros((*shape[:-1], shape[-1] * 2), dtype=dtype)[..., ::2]
     if fault == "subclass":
         t = torch.nn.Parameter(t, requires_grad=False)
@@ -56,6 +56,11 @@ def _tensor(draw, shape: tuple, dtype) -> torch.Tensor:
 
 
 _flag = st.sampled_from([True, False, True, False, 1, 0, None])
+
+
+def _stats(draw, shape: tuple, dtype) -> torch.Tensor | None:
+    """A statistics argument: None (most calls) or a tensor, maybe of another kind than asked."""
+    return None if draw(st.booleans()) else _tensor(draw, shape, dtype)
 
 
 @st.composite
@@ -66,8 +71,7 @@ def _dispatch_args(draw):
     return (_tensor(draw, (n, HIDDEN), torch.bfloat16),
             _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
             tokens, draw(st.sampled_from([E, E - R, E + 0.0])), draw(_flag), draw(_flag), draw(_flag), draw(_flag),
-            draw(_flag), draw(st.sampled_from([None, None, torch.zeros(E // R, dtype=torch.int32)])),
-            draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
+            draw(_flag), _stats(draw, (E // R,), torch.int32), _stats(draw, (R,), torch.int64))
 
 
 def _checks(quick: str, read_values: bool = False) -> LowLatencyChecks:
@@ -115,8 +119,7 @@ def _combine_args(draw):
             _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
             _tensor(draw, (n, cols), torch.float32), handle, draw(st.sampled_from([False, False, True, 0])),
             draw(_flag), draw(_flag), draw(_flag),
-            None if out is None else _tensor(draw, (n, HIDDEN), torch.bfloat16),
-            draw(st.sampled_from([None, None, torch.zeros(R, dtype=torch.int64)])))
+            None if out is None else _tensor(draw, (n, HIDDEN), torch.bfloat16), _stats(draw, (R,), torch.int64))
 
 
 @QUICK
@@ -133,13 +136,23 @@ def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dty
     the host path, which reads expert ids, never does."""
     checks = _checks(quick)
     x, idx = torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=idx_dtype)
+    cumulative, waits = torch.zeros(E // R, dtype=torch.int32), torch.zeros(R, dtype=torch.int64)
     for fp8, hook, finish in ((True, False, False), (True, True, False), (False, False, True)):
         assert checks.accepts_dispatch(x, idx, T, E, fp8, fp8, False, finish, hook, None, None)
+        assert checks.accepts_dispatch(x, idx, T, E, fp8, fp8, False, finish, hook, cumulative, None)  # DeepEP's tests'
+        assert checks.accepts_dispatch(x, idx, T, E, fp8, fp8, False, finish, hook, cumulative, waits)
     handle = types.SimpleNamespace(num_tokens=T, num_topk=K, num_max_dispatch_tokens_per_rank=T)
     y, w = torch.zeros(E // R, R * T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K)
     out = torch.zeros(T, HIDDEN, dtype=torch.bfloat16)
-    for zero_copy, hook, given_out in ((False, False, None), (True, True, out)):
-        assert checks.accepts_combine(y, idx, w, handle, False, zero_copy, False, hook, given_out, None)
+    for zero_copy, hook, given_out, stats in ((False, False, None, None), (True, True, out, waits)):
+        assert checks.accepts_combine(y, idx, w, handle, False, zero_copy, False, hook, given_out, stats)
+    for bad in (torch.zeros(E // R + 1, dtype=torch.int32), torch.zeros(E // R, dtype=torch.int64)):  # length, dtype
+        assert not checks.accepts_dispatch(x, idx, T, E, True, False, False, False, False, bad, None)
+        with pytest.raises(ConfigError, match="cumulative_local_expert_recv_stats"):
+            checks.dispatch(x, idx, T, E, True, False, False, False, False, bad, None)
+    for bad in (torch.zeros(R + 1, dtype=torch.int64), torch.zeros(R, dtype=torch.int32)):
+        assert not checks.accepts_dispatch(x, idx, T, E, True, False, False, False, False, None, bad)
+        assert not checks.accepts_combine(y, idx, w, handle, False, False, False, False, None, bad)
     host = _checks(quick, read_values=True)
     assert not host.accepts_dispatch(x, idx, T, E, True, False, False, False, False, None, None)
 
@@ -147,23 +160,27 @@ def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dty
 @QUICK
 def test_a_tensor_the_full_checks_would_copy_is_not_taken_as_it_is(quick):
     """A strided tensor in the common call (each argument in turn) goes to the full checks, which
-    copy it: the kernels read rows at their natural strides."""
+    copy it (the kernels read rows at their natural strides), or refuse a statistics tensor (the
+    kernels add into it)."""
     checks = _checks(quick)
 
     def strided(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)[..., ::2]
 
-    dispatch = [torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64)]
-    assert checks.accepts_dispatch(*dispatch, T, E, True, False, False, False, False, None, None)
-    for i in range(2):
+    dispatch = [torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(T, K, dtype=torch.int64),
+                torch.zeros(E // R, dtype=torch.int32), torch.zeros(R, dtype=torch.int64)]
+    assert checks.accepts_dispatch(*dispatch[:2], T, E, True, False, False, False, False, *dispatch[2:])
+    for i in range(4):
         args = list(dispatch)
         args[i] = strided(args[i])
-        assert not checks.accepts_dispatch(*args, T, E, True, False, False, False, False, None, None), i
+        assert not checks.accepts_dispatch(*args[:2], T, E, True, False, False, False, False, *args[2:]), i
+    with pytest.raises(ConfigError, match="cumulative_local_expert_recv_stats must be contiguous"):
+        checks.dispatch(*dispatch[:2], T, E, True, False, False, False, False, strided(dispatch[2]), None)
     handle = types.SimpleNamespace(num_tokens=T, num_topk=K, num_max_dispatch_tokens_per_rank=T)
     combine = [torch.zeros(E // R, R * T, HIDDEN, dtype=torch.bfloat16), dispatch[1], torch.zeros(T, K),
-               torch.zeros(T, HIDDEN, dtype=torch.bfloat16)]
-    assert checks.accepts_combine(*combine[:3], handle, False, False, False, False, combine[3], None)
-    for i in range(4):
+               torch.zeros(T, HIDDEN, dtype=torch.bfloat16), torch.zeros(R, dtype=torch.int64)]
+    assert checks.accepts_combine(*combine[:3], handle, False, False, False, False, *combine[3:])
+    for i in range(5):
         args = list(combine)
         args[i] = strided(args[i])
-        assert not checks.accepts_combine(*args[:3], handle, False, False, False, False, args[3], None), i
+        assert not checks.accepts_combine(*args[:3], handle, False, False, False, False, *args[3:]), i

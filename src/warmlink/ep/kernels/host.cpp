@@ -373,25 +373,35 @@ bool ids_of(const at::Tensor* t, i64 rows, i64 max_cols) {
          t->size(1) >= 1 && t->size(1) <= max_cols;
 }
 
+// A low-latency call's statistics tensor: None, or plain [length] of `dtype`
+bool stats_of(py::handle obj, at::ScalarType dtype, i64 length, i64 device) {
+  if (obj.is_none()) return true;
+  const at::Tensor* t = plain(obj, 1, device);
+  return t != nullptr && t->scalar_type() == dtype && t->size(0) == length;
+}
+
 // Whether a low-latency call's tensors are of the kind ep/low_latency/_checks.py passes through
 // unchanged (its accepts_dispatch and accepts_combine; the flags and ints are checked there):
-// dispatch x BF16 [n <= max_tokens, hidden] and topk int64 or int32 [n, 1..max_topk], all plain.
-bool ll_dispatch_accepts(py::handle x, py::handle topk, i64 device, i64 hidden, i64 max_tokens, i64 max_topk) {
+// dispatch x BF16 [n <= max_tokens, hidden] and topk int64 or int32 [n, 1..max_topk], all plain;
+// its statistics, where given, int32 [local] and int64 [ranks].
+bool ll_dispatch_accepts(py::handle x, py::handle topk, py::handle cumulative, py::handle waits, i64 device,
+                         i64 hidden, i64 max_tokens, i64 max_topk, i64 local, i64 ranks) {
   const at::Tensor* xt = plain(x, 2, device);
   if (xt == nullptr || xt->scalar_type() != at::kBFloat16 || xt->size(1) != hidden || xt->size(0) > max_tokens)
     return false;
-  return ids_of(plain(topk, 2, device), xt->size(0), max_topk);
+  return ids_of(plain(topk, 2, device), xt->size(0), max_topk) && stats_of(cumulative, at::kInt, local, device) &&
+         stats_of(waits, at::kLong, ranks, device);
 }
 
 // combine: x BF16 [local, rows, hidden], topk [tokens, cols] as the handle's and float32 weights
-// alike, out None or BF16 [tokens, hidden], all plain
-bool ll_combine_accepts(py::handle x, py::handle topk, py::handle weights, py::handle out, i64 device, i64 local,
-                        i64 rows, i64 hidden, i64 tokens, i64 cols) {
+// alike, out None or BF16 [tokens, hidden], all plain; its statistics, where given, int64 [ranks]
+bool ll_combine_accepts(py::handle x, py::handle topk, py::handle weights, py::handle out, py::handle waits,
+                        i64 device, i64 local, i64 rows, i64 hidden, i64 tokens, i64 cols, i64 ranks) {
   const at::Tensor *xt = plain(x, 3, device), *kt = plain(topk, 2, device), *wt = plain(weights, 2, device);
   if (xt == nullptr || xt->scalar_type() != at::kBFloat16 || xt->size(0) != local || xt->size(1) != rows ||
       xt->size(2) != hidden)
     return false;
-  if (!ids_of(kt, tokens, cols) || kt->size(1) != cols) return false;
+  if (!ids_of(kt, tokens, cols) || kt->size(1) != cols || !stats_of(waits, at::kLong, ranks, device)) return false;
   if (wt == nullptr || wt->scalar_type() != at::kFloat || wt->size(0) != tokens || wt->size(1) != cols) return false;
   if (out.is_none()) return true;
   const at::Tensor* ot = plain(out, 2, device);

@@ -57,6 +57,9 @@ class LowLatencyChecks:
         return (type(t) is torch.Tensor and t.dtype is dtype and t.get_device() == self._index and t.dim() == dims
                 and t.is_contiguous())
 
+    def _stats(self, t, dtype, length: int) -> bool:
+        return t is None or (self._plain(t, dtype, 1) and t.shape[0] == length)
+
     def _plain_topk(self, t) -> bool:
         return (type(t) is torch.Tensor and (t.dtype is torch.int64 or t.dtype is torch.int32)
                 and self._plain(t, t.dtype, 2))
@@ -72,20 +75,23 @@ class LowLatencyChecks:
 
     def accepts_dispatch(self, x, topk_idx, tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                          return_recv_hook, cumulative_stats, wait_stats) -> bool:
-        """Whether ``dispatch`` would pass these arguments through unchanged: the common call (no
-        stats, the device path's checks) in a few comparisons, the full checks run otherwise."""
+        """Whether ``dispatch`` would pass these arguments through unchanged: the common call (the
+        device path's checks; statistics or not, as DeepEP's own tests pass them) in a few
+        comparisons, the full checks run otherwise."""
         lay = self.layout
         if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
                 and type(async_finish) is bool and type(return_recv_hook) is bool
                 and (use_fp8 or not round_scale) and (round_scale or not use_ue8m0)
                 and type(num_experts) is int and num_experts == lay.num_experts
-                and type(tokens) is int and 1 <= tokens <= lay.max_tokens
-                and cumulative_stats is None and wait_stats is None and not self.read_values):
+                and type(tokens) is int and 1 <= tokens <= lay.max_tokens and not self.read_values):
             return False
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:
-            return compiled.ll_dispatch_accepts(x, topk_idx, self._index, lay.hidden, tokens, lay.num_topk)
-        if not (self._plain(x, torch.bfloat16, 2) and self._plain_topk(topk_idx)):
+            return compiled.ll_dispatch_accepts(x, topk_idx, cumulative_stats, wait_stats, self._index, lay.hidden, tokens,
+                                                lay.num_topk, lay.local_experts, lay.num_ranks)
+        if not (self._plain(x, torch.bfloat16, 2) and self._plain_topk(topk_idx)
+                and self._stats(cumulative_stats, torch.int32, lay.local_experts)
+                and self._stats(wait_stats, torch.int64, lay.num_ranks)):
             return False
         n, hidden = x.shape
         rows, cols = topk_idx.shape
@@ -96,16 +102,17 @@ class LowLatencyChecks:
         """Whether ``combine`` would pass these arguments through unchanged (as ``accepts_dispatch``)."""
         lay = self.layout
         if not (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
-                and type(return_recv_hook) is bool and wait_stats is None and not self.read_values):
+                and type(return_recv_hook) is bool and not self.read_values):
             return False
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:
-            return compiled.ll_combine_accepts(x, topk_idx, topk_weights, out, self._index, lay.local_experts,
+            return compiled.ll_combine_accepts(x, topk_idx, topk_weights, out, wait_stats, self._index, lay.local_experts,
                                                lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, lay.hidden,
-                                               handle.num_tokens, handle.num_topk)
+                                               handle.num_tokens, handle.num_topk, lay.num_ranks)
         if not (self._plain(x, torch.bfloat16, 3) and self._plain_topk(topk_idx)
                 and self._plain(topk_weights, torch.float32, 2)
-                and (out is None or self._plain(out, torch.bfloat16, 2))):
+                and (out is None or self._plain(out, torch.bfloat16, 2))
+                and self._stats(wait_stats, torch.int64, lay.num_ranks)):
             return False
         shape = (handle.num_tokens, handle.num_topk)
         return (x.shape == (lay.local_experts, lay.num_ranks * handle.num_max_dispatch_tokens_per_rank, lay.hidden)
@@ -151,6 +158,8 @@ class LowLatencyChecks:
     def stats(self, func: str, name: str, t, dtype, length: int) -> None:
         if t is not None:
             self.tensor(func, name, t, (dtype,), shape=(length,))
+            if not t.is_contiguous():  # the kernels add into it element by element
+                raise ConfigError(f"ep.Buffer.{func}: {name} must be contiguous")
 
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
                  async_finish, return_recv_hook, cumulative_stats, wait_stats):
