@@ -93,9 +93,9 @@ _COMBINE_CALL = {"x_ptr", "range_ptr", "comb_slot_ptr", "topk_ptr", "w_ptr", "di
 _COMBINE_VARYING = {wait: frozenset(_COMBINE_CALL | ({"wait_stats_ptr"} if wait else set())) for wait in (False, True)}
 
 
-def _recv_rows(w_block: int) -> int:
-    """Rows a dispatch's receive moves a step: about 8192 int64 words in flight a program (8 FP8 rows
-    of 7168, 4 BF16 ones), at most 8."""
+def _rows_a_step(w_block: int) -> int:
+    """Rows a dispatch's receive or a combine's send moves a step: about 8192 int64 words in flight
+    a program (8 FP8 rows of 7168, 4 BF16 ones), at most 8."""
     return max(1, min(8, 8192 // w_block))
 
 
@@ -174,7 +174,8 @@ class DevicePath:
             "PHASE": phase, "NUM_RANKS": lay.num_ranks, "R_BLOCK": ranks, "LOCAL": lay.local_experts,
             "HIDDEN": lay.hidden, "C_BLOCK": min(h_block, 8 * 32 * _WARPS["combine", phase]),
             "W_BLOCK": _pow2(lay.hidden // 4, 16), "NUM_TOPK": lay.num_topk,
-            "K_BLOCK": _pow2(lay.num_topk, 2), "HAS_WAIT": waits, "SHRINK": shrink}
+            "K_BLOCK": _pow2(lay.num_topk, 2), "HAS_WAIT": waits, "SHRINK": shrink,
+            "ROWS": _rows_a_step(_pow2(lay.hidden // 4, 16))}
             for phase in (SEND, RECV, BOTH) for waits in (False, True)}
         self._consts: dict[tuple, dict] = {}  # the dispatch's, by kind of call
         self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
@@ -231,7 +232,7 @@ class DevicePath:
             consts = self._consts[key] = {
                 "PHASE": phase, **self._dispatch_consts[fp8], "FP8": fp8, "ROUND_SCALE": round_scale, "UE8M0": ue8m0,
                 "HAS_CUM": cum, "HAS_WAIT": waits, "SHRINK": self.shrink,
-                "ROWS": _recv_rows(self._dispatch_consts[fp8]["W_BLOCK"])}
+                "ROWS": _rows_a_step(self._dispatch_consts[fp8]["W_BLOCK"])}
         self._launch(self.kernels.dispatch, kind, grid, args, consts, _WARPS["dispatch", phase],
                      _DISPATCH_VARYING[cum, waits], prepared)
         return None

@@ -18,10 +18,11 @@ from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_C
 def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert, comb_off,
                  comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
-                 W_BLOCK: tl.constexpr, SHRINK: tl.constexpr):
+                 W_BLOCK: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
     # item (e, s) of each program: the rows local expert e received from source s back to s, each
-    # at its row t * K + k there; the last program to finish writes this rank's signal word in
-    # every live source
+    # at its row t * K + k there, ROWS rows a step (their loads before their stores: one memory
+    # latency a step, not one a row); the last program to finish writes this rank's signal word
+    # in every live source
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     r = tl.arange(0, R_BLOCK)
@@ -30,6 +31,8 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
     ack = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, W_BLOCK)
     words_per_row: tl.constexpr = HIDDEN // 4
+    wm = w < words_per_row
+    ri = tl.arange(0, ROWS)
     for item in range(pid, LOCAL * NUM_RANKS, grid):
         e = item // NUM_RANKS + tl.zeros([], dtype=tl.int64)
         s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
@@ -40,13 +43,16 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
             begin = packed >> 32
             count = packed & 0xFFFFFFFF
             base = tl.load(bases_ptr + s)
-            for i in range(count):
+            for i0 in range(0, count, ROWS):
+                i = i0 + ri
+                im = i < count
                 flat = e * per_expert + begin + i
-                slot = tl.load(comb_slot_ptr + flat)
-                data = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + flat * words_per_row + w, mask=w < words_per_row)
-                # rows start 16-byte aligned (the hint goes on the pointer): 16-byte stores
+                slot = tl.load(comb_slot_ptr + flat, mask=im, other=0)
+                data = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + flat[:, None] * words_per_row + w[None, :],
+                               mask=im[:, None] & wm[None, :])
+                # rows start 16-byte aligned (the hint goes on the pointers): 16-byte stores
                 dst = tl.multiple_of((base + comb_off + slot * (2 * HIDDEN)).to(tl.pointer_type(tl.int64)), 16)
-                tl.store(dst + w, data, mask=w < words_per_row)
+                tl.store(dst[:, None] + w[None, :], data, mask=im[:, None] & wm[None, :])
     if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
             live = live_ranks(mask_ptr, r, rm)
@@ -113,7 +119,7 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
              per_expert, num_tokens, num_cols, tag,
              PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
              HIDDEN: tl.constexpr, C_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr,
-             K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr):
+             K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's; the
     # handle's tensors (range, comb_slot, dispatched) are its dispatch's parity's, maybe not this one's
     bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
@@ -130,7 +136,7 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
         q += 1
         combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert,
                      comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL,
-                     HIDDEN, W_BLOCK, SHRINK)
+                     HIDDEN, W_BLOCK, SHRINK, ROWS)
     if PHASE // 2 == 1:  # RECV or BOTH
         combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr,
                      me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
