@@ -13,6 +13,7 @@
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host (tools/ll_host_profile.py: host time of eager calls, one rank, beside DeepEP V1; ROUNDS) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
+#        deepep-ll-beside (the same test run by DeepEP V1 and by warmlink in turn; RANKS=1 on one GPU; PREV, ROUNDS)
 #        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
@@ -146,6 +147,21 @@ for d in range(torch.cuda.device_count()):
           timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py --num-processes ${RANKS:-2} $extra ) 2>&1 \
           | tee "$OUT/deepep_low_latency${extra:+_shrink}.log" | grep -v IBGDA | tail -${TAIL:-25}; echo "rc ${PIPESTATUS[0]}"
       done ;;
+    deepep-ll-beside)  # DeepEP's test_low_latency.py, unchanged, run by DeepEP V1 itself, then against warmlink (and
+      # against PREV's code where PREV names a carried src), RANKS (default 1: one GPU suffices), ROUNDS times
+      deepep_ready
+      for i in $(seq 1 ${ROUNDS:-1}); do
+        for side in "DeepEP V1" warmlink ${PREV:+previous}; do
+          case "$side" in
+            "DeepEP V1") path="$PWD/.baseline/deepep-v1" ;;
+            warmlink) path="$PWD/tools/as_deep_ep:${SRC:-$PWD/src}" ;;
+            previous) path="$PWD/tools/as_deep_ep:$PWD/$PREV" ;;
+          esac
+          echo "== $side"
+          ( cd .baseline/deepep-v1/tests && PYTHONPATH="$path" timeout ${DEEPEP_TIMEOUT:-300} python3 test_low_latency.py \
+            --num-processes ${RANKS:-1} ) 2>&1 | grep -v IBGDA | tail -3
+        done
+      done 2>&1 | tee "$OUT/deepep_ll_beside.log" ;;
     tests-ep)  # over 560 s where ranks share one GPU: there, run tests-ep-buffer, tests-ep-stream and tests-ep-rest apart
       timeout 560 python3 -m pytest -m "gpu or multigpu" -q -rA -p no:cacheprovider tests/ep 2>&1 | tee "$OUT/gpu_tests_ep.log" | tail -40 ;;
     tests-ep-buffer)
