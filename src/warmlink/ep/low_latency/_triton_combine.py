@@ -7,10 +7,10 @@ import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
 from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
-                                             B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED, NO_RANK,
-                                             REFUSED_COUNT, S_DONE_RECV, S_DONE_SEND, acknowledge, block_pointer,
-                                             healthy, last_program, live_ranks, live_snapshot, on_live_rank,
-                                             rank_live, report, symbol, wait_words)
+                                             B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_UNMASKED, NO_RANK, S_DONE_RECV,
+                                             S_DONE_SEND, acknowledge, block_pointer, healthy, last_program,
+                                             live_ranks, live_snapshot, on_live_rank, rank_live, report, symbol,
+                                             wait_words)
 
 
 # -- combine ----------------------------------------------------------------------------------------

@@ -9,10 +9,9 @@ from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
 from warmlink.ep.low_latency._triton import (ACK_BLOCK, B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP,
                                              B_DISPATCHED, B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK,
                                              B_PACKED_OUT, B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL,
-                                             B_SRC_INFO, B_STATE, B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED,
-                                             F_UNMASKED, NO_RANK, REFUSED_COUNT, S_DONE_SEND, acknowledge,
-                                             block_pointer, healthy, last_program, live_snapshot, on_live_rank, report,
-                                             symbol, wait_words)
+                                             B_SRC_INFO, B_STATE, B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED, NO_RANK,
+                                             REFUSED_COUNT, S_DONE_SEND, acknowledge, block_pointer, healthy,
+                                             last_program, live_snapshot, on_live_rank, report, symbol, wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
