@@ -730,7 +730,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("padded_stands", &padded_stands);
   m.def("wait_landed", &wait_landed);
   m.def("status_clean", &status_clean);
-  m.def("launch_prepared", &launch_prepared, py::arg("plan"), py::arg("grid"), py::arg("stream"), py::arg("args"),
-        py::arg("then") = 0, py::arg("then_grid") = 0);
+  m.def("launch_prepared", &launch_prepared);
   m.def("launch_pending", &launch_pending);
 }

@@ -224,7 +224,8 @@ class DevicePath:
         prepared = self._prepared.get(kind)
         if prepared:
             then = self._receives.get(kind) if phase == SEND else None
-            if prepared(grid[0], current_stream(self._index), args, then, max(1, self._items)):
+            then_grid = self._grid(RECV, n, self._items)[0] if then else 0
+            if prepared(grid[0], current_stream(self._index), args, then, then_grid):
                 return then
         key = kind[1:7]
         consts = self._consts.get(key)
@@ -255,7 +256,8 @@ class DevicePath:
         prepared = self._prepared.get(kind)
         if prepared:
             then = self._receives.get(kind) if phase == SEND else None
-            if prepared(grid[0], current_stream(self._index), args, then, max(1, n)):
+            then_grid = self._grid(RECV, self._items, n)[0] if then else 0
+            if prepared(grid[0], current_stream(self._index), args, then, then_grid):
                 return then
         self._launch(self.kernels.combine, kind, grid, args, self._combine_consts[phase, waits], _WARPS["combine", phase],
                      _COMBINE_VARYING[waits], prepared)
