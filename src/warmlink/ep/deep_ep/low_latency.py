@@ -89,7 +89,8 @@ class LowLatencyCalls:
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         inner = self._ll
-        if (inner is not None and async_finish is False and self._comm is None and not self._destroyed
+        if (inner is not None and async_finish is False and (self._comm is None or self._comm.joined)
+                and not self._destroyed
                 and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.dim() == 2 and topk_idx.dim() == 2
                 and self._ll_shape[:3] == (num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
                 and topk_idx.shape[1] <= self._ll_shape[3]):
@@ -143,7 +144,8 @@ class LowLatencyCalls:
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         inner = self._ll
-        if inner is not None and async_finish is False and self._comm is None and not self._destroyed:
+        if (inner is not None and async_finish is False and (self._comm is None or self._comm.joined)
+                and not self._destroyed):
             # the common call, as the dispatch's
             combined, _, hook = inner.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
                                                           False, return_recv_hook, out, combine_wait_recv_cost_stats)

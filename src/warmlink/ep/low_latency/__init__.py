@@ -221,8 +221,8 @@ class LowLatencyMethods:
         index tensors (on a GPU: nothing).
         """
         runtime = self._low_latency
-        if runtime is not None and async_finish is False and self._res.comm is None:
-            # on the caller's stream, nothing queued on the communication stream: what _call would pass through
+        if runtime is not None and async_finish is False and (self._res.comm is None or self._res.comm.joined):
+            # on the caller's stream, ordered after the communication stream: what _call would pass through
             return runtime.dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
@@ -267,7 +267,8 @@ class LowLatencyMethods:
         Collective? Yes. Blocking? As ``low_latency_dispatch``.
         """
         runtime = self._low_latency
-        if runtime is not None and async_finish is False and self._res.comm is None:  # as the dispatch's
+        if runtime is not None and async_finish is False and (self._res.comm is None or self._res.comm.joined):
+            # as the dispatch's
             return runtime.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                    return_recv_hook, out, combine_wait_recv_cost_stats)
         runtime = self._runtime("low_latency_combine")

@@ -162,6 +162,12 @@ class CommStream:
                 lease.release()
             raise
 
+    @property
+    def joined(self) -> bool:
+        """Whether the caller's stream is ordered after everything queued here so far (no call ran
+        here since the last ``join_caller``): a call on the caller's stream then needs no join."""
+        return self._joined
+
     def join_caller(self) -> None:
         """Order the caller's current stream after everything queued on this stream so far, when a
         call ran here since the last join (a call on the caller's stream makes it first: Note
