@@ -40,15 +40,17 @@ CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combin
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
 
-def _prepared(compiled, num_args: int, ints: set[int]) -> PreparedLaunch:
-    """A prepared launch reading every argument (a tensor's address, or an int32 at ``ints``)."""
+def _prepared(compiled, num_args: int, ints: set[int], reads: int) -> PreparedLaunch:
+    """A prepared launch of ``num_args`` parameters (a tensor's address, or an int32 at ``ints``)
+    reading the first ``reads`` from each call (a call passes those alone: the real ones read the
+    call's own arguments and keep the parity's)."""
     offsets, params, at = [], [], 0
     for i in range(num_args):
         size = 4 if i in ints else 8
         at = -(-at // size) * size
         offsets.append(at)
         at += size
-        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i))
+        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < reads else -1))
     driver = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
     return PreparedLaunch(driver, 0xF00D, 128, 0, offsets, params, compiled, "stand-in")
 
@@ -60,8 +62,10 @@ class _Prepared(dict):
     def __init__(self, compiled, receives: bool = False) -> None:
         super().__init__()
         self._receives = receives
-        self._by_kernel = {(name, recv): _prepared(compiled, num_args, ints)
-                           for name, num_args, ints in (("dispatch", 9, {5, 6, 7, 8}), ("combine", 13, {9, 10, 11, 12}))
+        self._by_kernel = {(name, recv): _prepared(compiled, num_args, ints, reads)
+                           for name, num_args, ints, reads in (
+                               ("dispatch", 30, {4, 5, 6, 7, 22, 23, 24, 25, 26, 28, 29}, 8),
+                               ("combine", 23, {8, 9, 10, 11, 17, 18, 19, 20, 22}, 12))
                            for recv in (False, True)}
 
     def get(self, kind, default=None):

@@ -22,8 +22,10 @@ from warmlink.errors import ConfigError
 from warmlink.rendezvous import Store
 
 T, HIDDEN, E, K = 8, 256, 8, 4
-# the kernels' runtime arguments (DevicePath.dispatch / combine): how many, and which are int32
-ARGS = {"dispatch": (9, {5, 6, 7, 8}), "combine": (13, {9, 10, 11, 12})}
+# the kernels' runtime arguments (DevicePath.dispatch / combine, the call's then the parity's): how
+# many, and which are int32 (the timeout, 30 s in ns, is not)
+ARGS = {"dispatch": (30, {4, 5, 6, 7, 22, 23, 24, 25, 26, 28, 29}), "combine": (23, {8, 9, 10, 11, 17, 18, 19, 20, 22})}
+CALL_ARGS = {"dispatch": 8, "combine": 12}  # the first ones, which a call passes (the parity's are fixed)
 FUNCTIONS = {(name, phase): 0x100 * (i + 1) + phase for i, name in enumerate(ARGS) for phase in (SEND, RECV, BOTH)}
 
 
@@ -44,13 +46,13 @@ def _sizes(name: str) -> list[int]:
 
 
 def _plan(driver: Driver, compiled, name: str, phase: int) -> PreparedLaunch:
-    """Every argument read from the call."""
+    """The call's arguments read from it, the parity's fixed (zero here)."""
     offsets, params, at = [], [], 0
     for i, size in enumerate(_sizes(name)):
         at = -(-at // size) * size
         offsets.append(at)
         at += size
-        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i))
+        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < CALL_ARGS[name] else -1))
     return PreparedLaunch(driver.address, FUNCTIONS[name, phase], 128, 0, offsets, params, compiled, name)
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._launch_driver import FUNCTION, STREAM, Driver
-from warmlink.ep.kernels.launch import CHECK_ALIGNED, CHECK_INT32, CHECK_NONE, PreparedLaunch
+from warmlink.ep.kernels.launch import CHECK_ALIGNED, CHECK_INT32, CHECK_NONE, PLAN_MAX_PARAMS, PreparedLaunch
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -123,8 +123,9 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
 
 
 def test_too_many_parameters_are_refused_when_prepared(compiled):
+    too_many = PLAN_MAX_PARAMS + 1  # (in bytes within the plan's buffer: the count alone is refused)
     with pytest.raises(ValueError, match="parameters"):
-        PreparedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * 33, 8)), [(0, 8, CHECK_NONE, -1)] * 33,
+        PreparedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * too_many, 8)), [(0, 8, CHECK_NONE, -1)] * too_many,
                        compiled, "k")
 
 

@@ -621,7 +621,7 @@ i64 status_clean(i64 words_addr, i64 row_words, i64 width, const py::sequence& s
 // the function, threads, shared bytes, parameters, varying ones, the pending launch's grid), each
 // parameter's offset, each varying one's (parameter | size << 8 | check << 16 | argument << 24),
 // the packed parameters, then the pending launch's parameters (launch_prepared's `then`).
-constexpr i64 PLAN_MAX_PARAMS = 32, PLAN_MAX_BYTES = 512, PLAN_PENDING_GRID = 6;
+constexpr i64 PLAN_MAX_PARAMS = 48, PLAN_MAX_BYTES = 512, PLAN_PENDING_GRID = 6;
 constexpr i64 PLAN_OFFSETS = 8, PLAN_VARY = PLAN_OFFSETS + PLAN_MAX_PARAMS, PLAN_BUFFER = PLAN_VARY + PLAN_MAX_PARAMS;
 constexpr i64 PLAN_PENDING = PLAN_BUFFER + PLAN_MAX_BYTES / 8;
 constexpr i64 CHECK_ALIGNED = 1, CHECK_INT32 = 2;

@@ -187,7 +187,7 @@ def param_layout(function: int) -> list[tuple[int, int]] | None:
 
 
 # A PreparedLaunch's plan, int64 words read by host.cpp's launch_prepared (the same constants there)
-PLAN_MAX_PARAMS, PLAN_MAX_BYTES = 32, 512
+PLAN_MAX_PARAMS, PLAN_MAX_BYTES = 48, 512
 _HEADER, _OFFSETS, _VARY, _BUFFER = 0, 8, 8 + PLAN_MAX_PARAMS, 8 + 2 * PLAN_MAX_PARAMS
 PLAN_WORDS = _BUFFER + 2 * PLAN_MAX_BYTES // 8  # the packed parameters, then a pending launch's
 CHECK_NONE, CHECK_ALIGNED, CHECK_INT32 = 0, 1, 2  # what launch_prepared checks of a varying value

@@ -66,7 +66,7 @@ from types import SimpleNamespace
 import torch
 
 from warmlink.ep.kernels.launch import FastLaunch, current_stream, launch
-from warmlink.ep.low_latency._layout import BLOCK_WORDS, LowLatencyLayout
+from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs
 from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
@@ -80,8 +80,8 @@ _WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
           ("combine", SEND): 4, ("combine", RECV): 4, ("combine", BOTH): 8}
 
 
-# The launch arguments that change from call to call, by name (the others are the parity's block,
-# or the mask standing in for absent stats), by (cumulative stats given, wait stats given) for the
+# The launch arguments that change from call to call, by name (the others are the parity's, ``_fixed``,
+# or a tensor standing in for absent stats), by (cumulative stats given, wait stats given) for the
 # dispatch and by wait stats given for the combine; the kernels leave their ints unspecialized
 # (do_not_specialize), so one compiled kernel serves every value.
 _DISPATCH_CALL = {"x_ptr", "topk_ptr", "num_tokens", "num_cols", "tokens", "tag"}
@@ -157,7 +157,7 @@ class DevicePath:
         # read by the next call on the host, written by any kernel that fails (mapped: UVA)
         self.fail = torch.zeros(4, dtype=torch.int64, device="cpu", pin_memory=device.type == "cuda")
         self._fail_words = self.fail.numpy()  # read on every call
-        self.blocks = [self._block(p, outputs) for p in range(2)]
+        self._fixed = [self._fixed_args(p, outputs) for p in range(2)]  # by parity: (dispatch's, combine's)
         # a launch of both phases waits in its receive for what its own programs send: all of them
         # must be resident at once, so it has at most one program per SM
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -183,23 +183,27 @@ class DevicePath:
         self._prepared: dict[tuple, object] = {}
         self._receives: dict[tuple, object] = {}  # a send's kind: its receive's PreparedLaunch, once there is one
 
-    def _block(self, p: int, outputs: Outputs) -> torch.Tensor:
+    def _fixed_args(self, p: int, outputs: Outputs) -> tuple[tuple, tuple]:
+        """The kernels' arguments that every call of parity ``p`` passes alike (after the call's own):
+        the dispatch's, the combine's. Parameters rather than words in device memory, so that a
+        program's first load is its state word, not the address of it; they cost an eager call
+        nothing, as a prepared launch packs them once and reads only the call's own arguments."""
         lay = self.layout
         views = outputs.views(p, lay.max_tokens, True, False)
-        words = {"bases": self.bases.data_ptr(), "state": self.state.data_ptr(), "fail": self.fail.data_ptr(),
-                 "mask": self.mask.data_ptr(), "counts": self.counts[p].data_ptr(),
-                 "dispatched": views.dispatched.data_ptr(), "x_out": views.x.data_ptr(),
-                 "scales_out": views.scales.data_ptr(),
-                 "packed_out": outputs.views(p, lay.max_tokens, True, True).scales.data_ptr(),
-                 "count_out": views.count.data_ptr(), "src_info": views.src_info.data_ptr(),
-                 "range": views.layout_range.data_ptr(), "comb_slot": views.comb_slot.data_ptr(), "rank": self.rank,
-                 "timeout_ns": self.timeout_ns, "num_experts": lay.num_experts, "parity": p}
-        for area in ("disp", "disp_meta", "signal", "comb"):
-            words[area] = lay.offset(f"{area}.{p}")
-        # the parts of each parity's words area (ep.low_latency._layout): combine signals, then acks
-        for part, at in (("comb_signal", 0), ("combine_ack", lay.num_ranks), ("dispatch_ack", 2 * lay.num_ranks)):
-            words[part] = lay.offset(f"words.{p}") + 8 * at
-        return torch.tensor([words[w] for w in BLOCK_WORDS], dtype=torch.int64, device=self.device)
+        packed = outputs.views(p, lay.max_tokens, True, True).scales
+        own = int(self.bases[self.rank])
+        # the words area of each parity (ep.low_latency._layout): combine signals, then acks
+        words = lay.offset(f"words.{p}")
+        combine_signal, combine_ack, dispatch_ack = (words + 8 * at for at in (0, lay.num_ranks, 2 * lay.num_ranks))
+        shared = (self.bases, self.state, self.mask)
+        dispatch = (*shared, self.counts[p], views.dispatched.data_ptr(), views.x.data_ptr(), views.scales.data_ptr(),
+                    packed.data_ptr(), views.count.data_ptr(), views.src_info.data_ptr(),
+                    views.layout_range.data_ptr(), views.comb_slot.data_ptr(), self.fail.data_ptr(), own, self.rank,
+                    lay.offset(f"disp.{p}"), lay.offset(f"disp_meta.{p}"), lay.offset(f"signal.{p}"), dispatch_ack,
+                    self.timeout_ns, lay.num_experts, p)
+        combine = (*shared, self.fail.data_ptr(), own, self.rank, lay.offset(f"comb.{p}"), combine_signal, combine_ack,
+                   self.timeout_ns, 2 + p)
+        return dispatch, combine
 
     def _grid(self, phase: int, sends: int, receives: int) -> tuple[int]:
         if phase == BOTH:
@@ -215,9 +219,10 @@ class DevicePath:
         (``topk_idx >= 0``), the receive the rest of its outputs. Returns, for a send, the receive's
         launch packed (for ``receive``), or None."""
         n, num_cols = topk_idx.shape
-        block = self.blocks[p]  # any tensor stands in for an absent one: the constexprs say it is not read
+        # any tensor of the dtype stands in for an absent one: the constexprs say it is not read
         cum, waits = cumulative_stats is not None, wait_stats is not None
-        args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else block, block, n, num_cols,
+        # the call's own arguments: a prepared launch reads those alone and keeps the parity's
+        args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else self.state, n, num_cols,
                 tokens, tag)
         kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, topk_idx.dtype)
         grid = self._grid(phase, n, self._items)
@@ -234,7 +239,7 @@ class DevicePath:
                 "PHASE": phase, **self._dispatch_consts[fp8], "FP8": fp8, "ROUND_SCALE": round_scale, "UE8M0": ue8m0,
                 "HAS_CUM": cum, "HAS_WAIT": waits, "SHRINK": self.shrink,
                 "ROWS": _rows_a_step(self._dispatch_consts[fp8]["W_BLOCK"])}
-        self._launch(self.kernels.dispatch, kind, grid, args, consts, _WARPS["dispatch", phase],
+        self._launch(self.kernels.dispatch, kind, grid, args + self._fixed[p][0], consts, _WARPS["dispatch", phase],
                      _DISPATCH_VARYING[cum, waits], prepared)
         return None
 
@@ -246,10 +251,9 @@ class DevicePath:
         dispatch's mask ``handle.dispatched``, a ``[N, K]`` view of ``[T, num_topk]``, gives the
         kernel its strides). Returns what ``dispatch`` does."""
         n, num_cols = topk_idx.shape
-        block = self.blocks[p]
         waits = wait_stats is not None
         args = (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
-                wait_stats if waits else block, block, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,
+                wait_stats if waits else self.state, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,
                 num_cols, tag)
         kind = ("combine", phase, waits, p, topk_idx.dtype)
         grid = self._grid(phase, self._items, n)
@@ -259,8 +263,8 @@ class DevicePath:
             then_grid = self._grid(RECV, self._items, n)[0] if then else 0
             if prepared(grid[0], current_stream(self._index), args, then, then_grid):
                 return then
-        self._launch(self.kernels.combine, kind, grid, args, self._combine_consts[phase, waits], _WARPS["combine", phase],
-                     _COMBINE_VARYING[waits], prepared)
+        self._launch(self.kernels.combine, kind, grid, args + self._fixed[p][1], self._combine_consts[phase, waits],
+                     _WARPS["combine", phase], _COMBINE_VARYING[waits], prepared)
         return None
 
     def receive(self, phase: str, packed, args: tuple) -> None:

@@ -48,21 +48,13 @@ from warmlink.ep.wire.fp8 import FP8_BLOCK
 from warmlink.ep.wire.regions import MAX_EXPERTS, check_positive
 from warmlink.errors import ConfigError
 
-__all__ = ["BLOCK_WORDS", "LL_PARITIES", "LowLatencyLayout"]
+__all__ = ["LL_PARITIES", "LowLatencyLayout"]
 
 LL_PARITIES = 2
 _ALIGN = 256
 _AREAS = ("disp", "disp_meta", "signal", "comb", "words")
 _UE8M0_PACK = 4  # UE8M0 exponents per int32, as DeepEP packs them
 
-
-# The parity block of the device path (ep.low_latency._device): what the kernels of one parity read
-# from device memory rather than take as arguments, being the same for every call of it
-# (addresses, offsets, this rank). A launch's host cost grows with its arguments (Triton
-# specializes and packs each one, ep.kernels.launch), and these were two thirds of them.
-BLOCK_WORDS = ("bases", "state", "fail", "mask", "counts", "dispatched", "x_out", "scales_out", "packed_out",
-               "count_out", "src_info", "range", "comb_slot", "rank", "disp", "disp_meta", "signal", "dispatch_ack",
-               "comb", "comb_signal", "combine_ack", "timeout_ns", "num_experts", "parity")
 
 @dataclass(frozen=True)
 class LowLatencyLayout:

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import cta_any, device_clock_ns, store_relaxed_system
-from warmlink.ep.low_latency._layout import BLOCK_WORDS
 
 # The device state words (ep.low_latency._device.STATE_WORDS, in this order)
 # (words 0-3: the sequence numbers of dispatch and combine, by parity: a kernel's ``seq_slot``)
@@ -26,31 +25,6 @@ S_FAILED = tl.constexpr(4)  # a wait timed out: every later kernel does nothing
 # that calls of the two parities may run on two streams at once
 S_DONE_SEND = tl.constexpr(8)
 S_DONE_RECV = tl.constexpr(12)
-# The words of a parity block (ep.low_latency._layout.BLOCK_WORDS)
-B_BASES = tl.constexpr(BLOCK_WORDS.index("bases"))
-B_STATE = tl.constexpr(BLOCK_WORDS.index("state"))
-B_FAIL = tl.constexpr(BLOCK_WORDS.index("fail"))
-B_MASK = tl.constexpr(BLOCK_WORDS.index("mask"))
-B_COUNTS = tl.constexpr(BLOCK_WORDS.index("counts"))
-B_DISPATCHED = tl.constexpr(BLOCK_WORDS.index("dispatched"))
-B_X_OUT = tl.constexpr(BLOCK_WORDS.index("x_out"))
-B_SCALES_OUT = tl.constexpr(BLOCK_WORDS.index("scales_out"))
-B_PACKED_OUT = tl.constexpr(BLOCK_WORDS.index("packed_out"))
-B_COUNT_OUT = tl.constexpr(BLOCK_WORDS.index("count_out"))
-B_SRC_INFO = tl.constexpr(BLOCK_WORDS.index("src_info"))
-B_RANGE = tl.constexpr(BLOCK_WORDS.index("range"))
-B_COMB_SLOT = tl.constexpr(BLOCK_WORDS.index("comb_slot"))
-B_RANK = tl.constexpr(BLOCK_WORDS.index("rank"))
-B_DISP = tl.constexpr(BLOCK_WORDS.index("disp"))
-B_DISP_META = tl.constexpr(BLOCK_WORDS.index("disp_meta"))
-B_SIGNAL = tl.constexpr(BLOCK_WORDS.index("signal"))
-B_DISPATCH_ACK = tl.constexpr(BLOCK_WORDS.index("dispatch_ack"))
-B_COMB = tl.constexpr(BLOCK_WORDS.index("comb"))
-B_COMB_SIGNAL = tl.constexpr(BLOCK_WORDS.index("comb_signal"))
-B_COMBINE_ACK = tl.constexpr(BLOCK_WORDS.index("combine_ack"))
-B_TIMEOUT = tl.constexpr(BLOCK_WORDS.index("timeout_ns"))
-B_EXPERTS = tl.constexpr(BLOCK_WORDS.index("num_experts"))
-B_PARITY = tl.constexpr(BLOCK_WORDS.index("parity"))
 # Failure codes, in the pinned host word the next call reads
 F_TIMEOUT = tl.constexpr(1)
 F_MISMATCH = tl.constexpr(2)
@@ -59,12 +33,6 @@ F_UNMASKED = tl.constexpr(4)
 REFUSED_COUNT = tl.constexpr(0xFFFFFF)  # the count of a signal word whose sender refused its input
 ACK_BLOCK = tl.constexpr(32)  # ack words a send program waits for at a time
 NO_RANK = tl.constexpr(1 << 30)  # above every rank: tl.min over ranks that are not flagged
-
-
-@triton.jit
-def block_pointer(block_ptr, word, T: tl.constexpr):
-    # the address in a parity block's word, as a pointer to T
-    return tl.load(block_ptr + word).to(tl.pointer_type(T))
 
 
 @triton.jit
@@ -79,16 +47,21 @@ def report(fail_ptr, code, slot, seq, rank):
 
 
 @triton.jit
-def live_ranks(mask_ptr, r, rm):
+def live_ranks(mask_ptr, r, rm, SHRINK: tl.constexpr):
     # the ranks of ``rm`` not masked (DeepEP's mask buffer: 1 = masked), as this warp reads them:
-    # for masks of stores and atomics; a branch takes live_snapshot
+    # for masks of stores and atomics; a branch takes live_snapshot. Without SHRINK no rank is ever
+    # masked (the mask calls are refused), and the mask is not read: a load on every wait's path
+    if not SHRINK:
+        return rm
     return rm & (tl.load(mask_ptr + r, mask=rm, other=1, volatile=True) == 0)
 
 
 @triton.jit
-def live_snapshot(mask_ptr, r, rm, R_BLOCK: tl.constexpr):
+def live_snapshot(mask_ptr, r, rm, R_BLOCK: tl.constexpr, SHRINK: tl.constexpr):
     # live_ranks, one answer for the whole program (a rank any warp saw masked is masked; a barrier
     # per rank), so that every warp of it sums and sends the same rows (cta_any)
+    if not SHRINK:
+        return rm
     masked = tl.load(mask_ptr + r, mask=rm, other=1, volatile=True) != 0
     live = rm
     for i in tl.static_range(R_BLOCK):
@@ -104,8 +77,10 @@ def on_live_rank(owner, live, r):
 
 
 @triton.jit
-def rank_live(mask_ptr, rank):
+def rank_live(mask_ptr, rank, SHRINK: tl.constexpr):
     # one rank of live_snapshot (one barrier)
+    if not SHRINK:
+        return True
     return cta_any(tl.load(mask_ptr + rank, volatile=True)) == 0
 
 
@@ -117,7 +92,8 @@ def behind(words, want, wanted, SHIFT: tl.constexpr, AT_LEAST: tl.constexpr):
 
 
 @triton.jit
-def poll(ptrs, wanted, want, mask_ptr, r, SHIFT: tl.constexpr, AT_LEAST: tl.constexpr, ACQUIRE: tl.constexpr):
+def poll(ptrs, wanted, want, mask_ptr, r, SHIFT: tl.constexpr, AT_LEAST: tl.constexpr, ACQUIRE: tl.constexpr,
+         SHRINK: tl.constexpr):
     # the words, and which wanted, unmasked ones are behind (``r``: each word's rank). Without
     # ACQUIRE, plain loads: for acks, which order no data (the stores they guard issue after the
     # wait), and which many programs read at once (atomics on a word queue up)
@@ -125,7 +101,7 @@ def poll(ptrs, wanted, want, mask_ptr, r, SHIFT: tl.constexpr, AT_LEAST: tl.cons
         words = tl.atomic_add(ptrs, 0, mask=wanted, sem="acquire", scope="sys")
     else:
         words = tl.load(ptrs, mask=wanted, other=0, volatile=True)
-    return words, behind(words, want, live_ranks(mask_ptr, r, wanted), SHIFT, AT_LEAST)
+    return words, behind(words, want, live_ranks(mask_ptr, r, wanted, SHRINK), SHIFT, AT_LEAST)
 
 
 @triton.jit
@@ -139,10 +115,10 @@ def wait_words(ptrs, wanted, want, start, r, state_ptr, fail_ptr, mask_ptr, seq_
     # live_snapshot(wanted), read after this returns. Every exit and branch is decided for the
     # whole program (cta_any): each warp reads the mask and the clock itself, and near the deadline
     # they disagree
-    words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE)
+    words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE, SHRINK)
     waiting = cta_any(tl.sum(late.to(tl.int32), 0))
     while waiting != 0:
-        words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE)
+        words, late = poll(ptrs, wanted, want, mask_ptr, r, SHIFT, AT_LEAST, ACQUIRE, SHRINK)
         on_time = (device_clock_ns() - start) <= timeout_ns
         waiting = cta_any((tl.sum(late.to(tl.int32), 0) > 0) & on_time)
     failed = tl.zeros([], dtype=tl.int32)
@@ -184,13 +160,13 @@ def healthy(state_ptr):
 
 
 @triton.jit
-def acknowledge(bases_ptr, mask_ptr, ack_off, at, q, r, to):
+def acknowledge(bases_ptr, mask_ptr, ack_off, at, q, r, to, SHRINK: tl.constexpr):
     # tell the live ranks of ``to`` that this rank read what they sent it in round q (their ack word
     # ``at`` of this rank). A relaxed store: the loads it acknowledges have returned before it
     # issues (their values were stored before a barrier, and a GPU issues in order; a last
     # program's count issues after its barrier), so a rank that sees it overwrites nothing unread
     tl.debug_barrier()
-    live = live_ranks(mask_ptr, r, to)
+    live = live_ranks(mask_ptr, r, to, SHRINK)
     acks = tl.load(bases_ptr + r, mask=live, other=0) + ack_off + at * 8
     store_relaxed_system(acks, q + tl.zeros_like(acks), live)
 

@@ -6,17 +6,15 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
-from warmlink.ep.low_latency._triton import (B_BASES, B_COMB, B_COMBINE_ACK, B_COMB_SIGNAL, B_FAIL, B_MASK, B_PARITY,
-                                             B_RANK, B_STATE, B_TIMEOUT, F_MISMATCH, F_UNMASKED, NO_RANK, S_DONE_RECV,
-                                             S_DONE_SEND, acknowledge, block_pointer, healthy, last_program,
-                                             live_ranks, live_snapshot, on_live_rank, rank_live, report, symbol,
-                                             wait_words)
+from warmlink.ep.low_latency._triton import (F_MISMATCH, F_UNMASKED, NO_RANK, S_DONE_RECV, S_DONE_SEND, acknowledge,
+                                             healthy, last_program, live_ranks, live_snapshot, on_live_rank, rank_live,
+                                             report, symbol, wait_words)
 
 
 # -- combine ----------------------------------------------------------------------------------------
 @triton.jit
-def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert, comb_off,
-                 comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, own, me, per_expert,
+                 comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
                  W_BLOCK: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
     # item (e, s) of each program: the rows local expert e received from source s back to s, each
@@ -27,7 +25,6 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
     grid = tl.num_programs(0)
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
-    own = tl.load(bases_ptr + me)
     ack = (own + ack_off + r * 8).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, W_BLOCK)
     words_per_row: tl.constexpr = HIDDEN // 4
@@ -38,7 +35,7 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
         s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
         wait_words(ack, r == s, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0,
                    True, SHRINK)
-        if healthy(state_ptr) & rank_live(mask_ptr, s):
+        if healthy(state_ptr) & rank_live(mask_ptr, s, SHRINK):
             packed = tl.load(range_ptr + e * NUM_RANKS + s)
             begin = packed >> 32
             count = packed & 0xFFFFFFFF
@@ -55,15 +52,15 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
                 tl.store(dst[:, None] + w[None, :], data, mask=im[:, None] & wm[None, :])
     if last_program(state_ptr, S_DONE_SEND + seq_slot, grid):
         if healthy(state_ptr):
-            live = live_ranks(mask_ptr, r, rm)
+            live = live_ranks(mask_ptr, r, rm, SHRINK)
             at = tl.load(bases_ptr + r, mask=live, other=0) + comb_signal_off + me * 8
             store_release_system(at, (q << 32) | (tag + tl.zeros([R_BLOCK], dtype=tl.int64)), live)
         tl.store(state_ptr + seq_slot, q)
 
 
 @triton.jit
-def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me,
-                 num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own,
+                 me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
                  C_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
                  SHRINK: tl.constexpr):
@@ -72,7 +69,6 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
     # BF16); the last program to finish tells every expert rank that this parity's round was read
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    own = tl.load(bases_ptr + me)
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
     if healthy(state_ptr):
@@ -83,7 +79,10 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
         if HAS_WAIT & (pid == 0):
             tl.atomic_add(wait_stats_ptr + r, tl.zeros([R_BLOCK], dtype=tl.int64) + (device_clock_ns() - start),
                           mask=rm)
-        live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+        # the mask read even without SHRINK (where it is all zeros): known at compile time, it let
+        # ptxas give the sum below 78 registers and half its loads in flight, 1.8 us slower on one
+        # H200 (kernel durations of graph replays, one rank to itself)
+        live = live_snapshot(mask_ptr, r, rm, R_BLOCK, True)
         other = live & ((words & 0xFFFFFF) != tag)  # expert ranks that combined another dispatch
         if (failed == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
             report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, NO_RANK), 0))
@@ -112,36 +111,31 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                     tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
     if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
         if healthy(state_ptr):
-            acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm)
+            acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm, SHRINK)
 
 
-def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, block_ptr,
-             per_expert, num_tokens, num_cols, tag,
+def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, per_expert,
+             num_tokens, num_cols, tag, bases_ptr, state_ptr, mask_ptr, fail_ptr, own, me, comb_off, comb_signal_off,
+             ack_off, timeout_ns, seq_slot,
              PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
              HIDDEN: tl.constexpr, C_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr,
              K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
-    # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's; the
-    # handle's tensors (range, comb_slot, dispatched) are its dispatch's parity's, maybe not this one's
-    bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
-    state_ptr = block_pointer(block_ptr, B_STATE, tl.int64)
-    fail_ptr = tl.load(block_ptr + B_FAIL)
-    mask_ptr = block_pointer(block_ptr, B_MASK, tl.int32)
-    me = tl.load(block_ptr + B_RANK)
-    timeout_ns = tl.load(block_ptr + B_TIMEOUT)
-    seq_slot = 2 + tl.load(block_ptr + B_PARITY)
-    comb_off, comb_signal_off = tl.load(block_ptr + B_COMB), tl.load(block_ptr + B_COMB_SIGNAL)
-    ack_off = tl.load(block_ptr + B_COMBINE_ACK)
+    # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a combine, as _dispatch's (the
+    # arguments after ``tag`` the parity's); the handle's tensors (range, comb_slot, dispatched) are
+    # its dispatch's parity's, maybe not this one's
     q = tl.load(state_ptr + seq_slot)
     if PHASE % 2 == 1:  # SEND or BOTH
         q += 1
-        combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, me, per_expert,
+        combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, own, me, per_expert,
                      comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL,
                      HIDDEN, W_BLOCK, SHRINK, ROWS)
     if PHASE // 2 == 1:  # RECV or BOTH
         combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr,
-                     me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+                     own, me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                      NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, C_BLOCK, NUM_TOPK, K_BLOCK, HAS_WAIT, SHRINK)
 
 
-# as the dispatch's: the ints a call passes are not specialized on their values
-combine = triton.jit(_combine, repr=symbol("combine"), do_not_specialize=["per_expert", "num_tokens", "num_cols", "tag"])
+# as the dispatch's: neither the ints a call passes nor the small ints of a parity are specialized
+combine = triton.jit(_combine, repr=symbol("combine"),
+                     do_not_specialize=["per_expert", "num_tokens", "num_cols", "tag", "me", "comb_off",
+                                        "comb_signal_off", "ack_off", "timeout_ns", "seq_slot"])

@@ -6,18 +6,16 @@ import triton
 import triton.language as tl
 
 from warmlink.ep.kernels.programs import device_clock_ns, store_release_system
-from warmlink.ep.low_latency._triton import (ACK_BLOCK, B_BASES, B_COMB_SLOT, B_COUNTS, B_COUNT_OUT, B_DISP,
-                                             B_DISPATCHED, B_DISPATCH_ACK, B_DISP_META, B_EXPERTS, B_FAIL, B_MASK,
-                                             B_PACKED_OUT, B_PARITY, B_RANGE, B_RANK, B_SCALES_OUT, B_SIGNAL,
-                                             B_SRC_INFO, B_STATE, B_TIMEOUT, B_X_OUT, F_MISMATCH, F_REFUSED, NO_RANK,
-                                             REFUSED_COUNT, S_DONE_SEND, acknowledge, block_pointer, healthy,
-                                             last_program, live_snapshot, on_live_rank, report, symbol, wait_words)
+from warmlink.ep.low_latency._triton import (ACK_BLOCK, F_MISMATCH, F_REFUSED, NO_RANK, REFUSED_COUNT, S_DONE_SEND,
+                                             acknowledge, healthy, last_program, live_snapshot, on_live_rank, report,
+                                             symbol, wait_words)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
 @triton.jit
-def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, dispatched_ptr, me, num_tokens,
-                  num_cols, num_experts, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag, timeout_ns, q,
+def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr, dispatched_ptr, own, me,
+                  num_tokens, num_cols, num_experts, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag,
+                  timeout_ns, q,
                   NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, L_BLOCK: tl.constexpr,
                   HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
                   BLOCK: tl.constexpr, FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, SHRINK: tl.constexpr):
@@ -30,7 +28,6 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
     grid = tl.num_programs(0)
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
-    own = tl.load(bases_ptr + me)
     # nothing a destination has not read yet is overwritten (Note [Low-latency device path]): a
     # token's rows wait for the acks of its own slots, and each program waits for its share of
     # every (destination, local expert)'s ack word here, as the last program writes every slot's
@@ -61,7 +58,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
             # this parity's previous round of the token's slots (e, me) was read
             _, failed = wait_words(acks + owner * LOCAL + ek % LOCAL, km & (ek >= 0), q - 1, device_clock_ns(), owner,
                                    state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0, True, SHRINK, False)
-            live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+            live = live_snapshot(mask_ptr, r, rm, R_BLOCK, SHRINK)
             # the entries to count and send ([K]: the interpreter refuses a mask and-ed with a scalar)
             ok = km & (ek >= 0) & ((failed + tl.zeros_like(kk)) == 0)
             hits = tl.zeros([K_BLOCK, BLOCK], dtype=tl.int32)  # entries before (t, k) that go to ek[k]
@@ -107,7 +104,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
         if healthy(state_ptr):
             el = tl.arange(0, L_BLOCK)
             m = el < LOCAL
-            live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+            live = live_snapshot(mask_ptr, r, rm, R_BLOCK, SHRINK)
             for d in range(NUM_RANKS):
                 if tl.sum((live & (r == d)).to(tl.int32), 0) > 0:
                     c = tl.load(count_ptr + d * LOCAL + el, mask=m, other=0, volatile=True).to(tl.int64)
@@ -126,7 +123,7 @@ def dispatch_send(x_ptr, topk_ptr, count_ptr, bases_ptr, state_ptr, fail_ptr, ma
 
 @triton.jit
 def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_ptr, range_ptr, comb_slot_ptr,
-                  cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me, tokens, disp_off, meta_off,
+                  cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own, me, tokens, disp_off, meta_off,
                   signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                   NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
                   W_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr,
@@ -139,7 +136,6 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
     # system-scope release after it were a fifth of this phase on one H200
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    own = tl.load(bases_ptr + me)
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
     for item in range(pid, LOCAL * NUM_RANKS, grid):
@@ -162,7 +158,7 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                 words, failed = wait_words(signals, rm, q, start, r, state_ptr, fail_ptr, mask_ptr, seq_slot, q,
                                            timeout_ns, 32, False, SHRINK)
             if failed == 0:
-                live = live_snapshot(mask_ptr, r, rm, R_BLOCK)
+                live = live_snapshot(mask_ptr, r, rm, R_BLOCK, SHRINK)
                 counts = words & 0xFFFFFF
                 tags = (words >> 24) & 0xFF
                 if tl.sum((live & (tags != tag)).to(tl.int32), 0) > 0:
@@ -222,45 +218,42 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                                          mask=im[:, None] & (sc < num_scales)[None, :])
                         tl.store(src_info_ptr + flat, (meta // NUM_TOPK).to(tl.int32), mask=im)
                         tl.store(comb_slot_ptr + flat, meta, mask=im)
-                acknowledge(bases_ptr, mask_ptr, ack_off, me * LOCAL + e, q, r, rm & (r == s))
+                acknowledge(bases_ptr, mask_ptr, ack_off, me * LOCAL + e, q, r, rm & (r == s), SHRINK)
 
 
-def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, block_ptr, num_tokens, num_cols, tokens, tag,
+def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, num_tokens, num_cols, tokens, tag,
+              bases_ptr, state_ptr, mask_ptr, counts_ptr, dispatched_ptr, x_out_ptr, scales_out_ptr, packed_out_ptr,
+              count_out_ptr, src_info_ptr, range_ptr, comb_slot_ptr, fail_ptr, own, me, disp_off, meta_off, signal_off,
+              ack_off, timeout_ns, num_experts, seq_slot,
               PHASE: tl.constexpr, NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
               L_BLOCK: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, W_BLOCK: tl.constexpr,
               S_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
               FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, UE8M0: tl.constexpr, HAS_CUM: tl.constexpr,
               HAS_WAIT: tl.constexpr, SHRINK: tl.constexpr, ROWS: tl.constexpr):
     # the send (PHASE 1 or 3), then the receive (PHASE 2 or 3) of a dispatch; in one launch, the
-    # receive's round is the one this launch's send made. What every call of this parity shares
-    # comes from its block (ep.low_latency._layout.BLOCK_WORDS).
-    bases_ptr = block_pointer(block_ptr, B_BASES, tl.int64)
-    state_ptr = block_pointer(block_ptr, B_STATE, tl.int64)
-    fail_ptr = tl.load(block_ptr + B_FAIL)
-    mask_ptr = block_pointer(block_ptr, B_MASK, tl.int32)
-    me = tl.load(block_ptr + B_RANK)
-    timeout_ns = tl.load(block_ptr + B_TIMEOUT)
-    seq_slot = tl.load(block_ptr + B_PARITY)
-    signal_off, ack_off = tl.load(block_ptr + B_SIGNAL), tl.load(block_ptr + B_DISPATCH_ACK)
-    disp_off, meta_off = tl.load(block_ptr + B_DISP), tl.load(block_ptr + B_DISP_META)
+    # receive's round is the one this launch's send made. The arguments after ``tag`` are the same
+    # for every call of a parity (ep.low_latency._device's ``_fixed``): parameters, not words in
+    # memory, so that a program's first load is its state word, not an address to load it from.
+    # bases, state, mask and counts come as tensors, the other addresses as ints, cast here
     q = tl.load(state_ptr + seq_slot)  # advanced by the send, this launch's or an earlier one's
     if PHASE % 2 == 1:  # SEND or BOTH
         q += 1
-        dispatch_send(x_ptr, topk_ptr, block_pointer(block_ptr, B_COUNTS, tl.int32), bases_ptr, state_ptr, fail_ptr,
-                      mask_ptr, block_pointer(block_ptr, B_DISPATCHED, tl.int8), me, num_tokens, num_cols,
-                      tl.load(block_ptr + B_EXPERTS), tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag,
+        dispatch_send(x_ptr, topk_ptr, counts_ptr, bases_ptr, state_ptr, fail_ptr, mask_ptr,
+                      dispatched_ptr.to(tl.pointer_type(tl.int8)), own, me,
+                      num_tokens, num_cols, num_experts, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag,
                       timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, L_BLOCK, HIDDEN, H_BLOCK, NUM_TOPK, K_BLOCK, BLOCK, FP8,
                       ROUND_SCALE, SHRINK)
     if PHASE // 2 == 1:  # RECV or BOTH
-        scales_word: tl.constexpr = B_PACKED_OUT if UE8M0 else B_SCALES_OUT
-        dispatch_recv(bases_ptr, tl.load(block_ptr + B_X_OUT), tl.load(block_ptr + scales_word),
-                      block_pointer(block_ptr, B_COUNT_OUT, tl.int32), block_pointer(block_ptr, B_SRC_INFO, tl.int32),
-                      block_pointer(block_ptr, B_RANGE, tl.int64), block_pointer(block_ptr, B_COMB_SLOT, tl.int64),
-                      cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, me, tokens, disp_off, meta_off,
-                      signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, W_BLOCK,
-                      NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
+        dispatch_recv(bases_ptr, x_out_ptr, packed_out_ptr if UE8M0 else scales_out_ptr,
+                      count_out_ptr.to(tl.pointer_type(tl.int32)), src_info_ptr.to(tl.pointer_type(tl.int32)),
+                      range_ptr.to(tl.pointer_type(tl.int64)), comb_slot_ptr.to(tl.pointer_type(tl.int64)), cum_stats_ptr,
+                      wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own, me, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK,
+                      LOCAL, HIDDEN, W_BLOCK, NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
 
 
 # the ints a call passes are not specialized on their values: one compiled kernel (and one prepared
-# launch: ep.low_latency._device) serves every token count, width and tag
-dispatch = triton.jit(_dispatch, repr=symbol("dispatch"), do_not_specialize=["num_tokens", "num_cols", "tokens", "tag"])
+# launch: ep.low_latency._device) serves every token count, width and tag; nor are the small ints
+# of a parity (this rank, the parity, offsets that may be 1)
+dispatch = triton.jit(_dispatch, repr=symbol("dispatch"),
+                      do_not_specialize=["num_tokens", "num_cols", "tokens", "tag", "me", "disp_off", "meta_off",
+                                         "signal_off", "ack_off", "timeout_ns", "num_experts", "seq_slot"])
