@@ -3,7 +3,8 @@
 (the kernels do not run; their launches are recorded). A send packs its receive's launch, and its
 hook makes that launch once: the receive's function and grid with the send's values. Before the
 kind's receive has a prepared launch, the hook launches through the kernel's own launcher instead.
-A hook called after its Buffer closed raises ``ConfigError``; either way its round is received."""
+A hook called after its Buffer closed raises ``ConfigError``; either way its round is received. A
+device path built without shrink refuses to mask a rank (its kernels do not read the mask then)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,12 @@ def test_a_hook_called_after_close_raises_and_its_round_is_received(runtime):
     assert [launch[0] for launch in drivers["dispatch"].launches] == [FUNCTIONS["dispatch", SEND]]
     assert kernels.dispatch.launches == []
 
+
+
+def test_a_device_path_without_shrink_refuses_to_mask_a_rank(runtime):
+    """Its kernels do not read the mask without shrink (it stays zero): masking a rank there would
+    be ignored, so it is refused (the Buffer refuses the mask calls before they get here)."""
+    rt, drivers, kernels = runtime
+    with pytest.raises(ConfigError, match="rank 0 cannot be masked on a device path built without shrink"):
+        rt._path.update_mask(0, True)
+    assert rt._path.mask.tolist() == [0]

@@ -77,7 +77,7 @@ def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path
         path.combine(phase, 1, y, handle, idx, torch.zeros(32, 8), torch.zeros(32, 7168, dtype=torch.bfloat16), 1,
                      waits)
     path.query_mask(torch.zeros(2, dtype=torch.int32))
-    path.update_mask(1, True)
+    path.update_mask(1, shrink)  # (masking a rank takes shrink)
     path.clean_mask()
     assert len(calls) == 9
     for jit, args, constexprs in calls:

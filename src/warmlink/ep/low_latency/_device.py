@@ -291,6 +291,8 @@ class DevicePath:
         self._mask_op(0, out, 0, 0)
 
     def update_mask(self, rank: int, masked: bool) -> None:
+        if masked and not self.shrink:  # the kernels read the mask only with shrink (SHRINK)
+            raise ConfigError(f"ep low-latency: rank {rank} cannot be masked on a device path built without shrink")
         self._mask_op(1, self.mask, rank, int(masked))
 
     def clean_mask(self) -> None:
