@@ -14,7 +14,8 @@
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host (tools/ll_host_profile.py: host time of eager calls, one rank, beside DeepEP V1; ROUNDS) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        deepep-ll-beside (the same test run by DeepEP V1 and by warmlink in turn; RANKS=1 on one GPU; PREV, ROUNDS)
-#        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS)
+#        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS;
+#        PREV: a carried previous src timed in turn with this one)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
@@ -125,10 +126,22 @@ for d in range(torch.cuda.device_count()):
           --iterations ${ITERATIONS_EP:-50} ${EP_ARGS:-} --json "$OUT/ll_${TAG:-}$i.json" 2>&1 | grep -v IBGDA \
           | tee "$OUT/ll_${TAG:-}$i.log" | head -20
       done ;;
-    ll-kernels)  # kernel times of graph replays, one rank to itself, beside DeepEP V1 where .baseline/deepep-v1 is carried
+    ll-kernels)  # kernel times of graph replays, one rank to itself, beside DeepEP V1 where .baseline/deepep-v1 is carried;
+      # with PREV (a carried src), this code and that one in turn, a round a process, ROUNDS times
       deepep_ready
-      PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 tools/ll_kernel_time.py --rounds ${ROUNDS:-3} \
-        2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20 ;;
+      if [ -z "${PREV:-}" ]; then
+        PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 tools/ll_kernel_time.py \
+          --rounds ${ROUNDS:-3} 2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20
+      else
+        for i in $(seq 1 ${ROUNDS:-3}); do
+          for side in this previous; do
+            [ "$side" = this ] && path="${SRC:-$PWD/src}" || path="$PWD/$PREV"
+            echo "== $side, round $i"
+            PYTHONPATH="$path:$PWD/.baseline/deepep-v1" timeout 120 python3 tools/ll_kernel_time.py --rounds 1 2>&1 \
+              | grep -E "warmlink |DeepEP V1 "
+          done
+        done 2>&1 | tee "$OUT/ll_kernels.log"
+      fi ;;
     ll-host)  # host time of eager low-latency calls, one rank, beside DeepEP V1 where .baseline/deepep-v1 is carried
       deepep_ready
       PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 200 python3 tools/ll_host_profile.py \
