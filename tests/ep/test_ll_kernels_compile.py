@@ -117,8 +117,9 @@ def test_the_dispatch_unpack_compiles_for_sm90_padded_or_not(padded):
 def test_what_changes_between_two_calls_of_a_kind_is_what_their_prepared_launch_reads_per_call(stats):
     """A prepared launch (ep.kernels.launch) keeps every other parameter as its kind's first launch
     passed it: two calls of one kind (phase, flags, parity, id dtype) with other tensors, sizes and
-    tags differ only in the parameters named varying, those are the kernels' own names, and the
-    ints among them are ones Triton does not specialize on."""
+    tags differ only in the parameters named varying, those are the kernels' own names among the
+    call's own arguments (before the parity's), and the ints among them are ones Triton does not
+    specialize on."""
     from warmlink.ep.low_latency import _device
     from warmlink.ep.low_latency._device import BOTH, RECV, SEND, build_kernels
 
@@ -146,10 +147,14 @@ def test_what_changes_between_two_calls_of_a_kind_is_what_their_prepared_launch_
             path.dispatch(phase, 1, x, idx, tokens, True, False, False, tag, counts, waits)
             path.combine(phase, 1, y, handle, idx, w, out, tag + 1, waits)
         (d1, c1, d2, c2) = calls
-        for (jit, first, _), (_, second, _), varying in ((d1, d2, _device._DISPATCH_VARYING[stats, stats]),
-                                                          (c1, c2, _device._COMBINE_VARYING[stats])):
+        for (jit, first, _), (_, second, _), varying, fixed in (
+                (d1, d2, _device._DISPATCH_VARYING[stats, stats], path._fixed[1][0]),
+                (c1, c2, _device._COMBINE_VARYING[stats], path._fixed[1][1])):
             names = jit.arg_names
-            assert varying <= set(names[:len(first)])
+            # a call hands its prepared launch its own arguments alone (the parity's follow them): the
+            # varying ones must be among those
+            assert all(a is b for a, b in zip(first[len(first) - len(fixed):], fixed, strict=True))
+            assert varying <= set(names[:len(first) - len(fixed)])
             changed = {names[i] for i, (a, b) in enumerate(zip(first, second, strict=True))
                        if ((a is not b) if isinstance(a, torch.Tensor) else a != b)}
             assert changed <= varying, f"{changed - varying} change between calls of a kind but are packed once"
