@@ -15,7 +15,7 @@
 #        ll-host (tools/ll_host_profile.py: host time of eager calls, one rank, beside DeepEP V1; ROUNDS) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        deepep-ll-beside (the same test run by DeepEP V1 and by warmlink in turn; RANKS=1 on one GPU; PREV, ROUNDS)
 #        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS;
-#        PREV: a carried previous src timed in turn with this one)
+#        PREV: a carried previous src timed in turn with this one; LL_ARGS: its flags, e.g. --one-launch)
 #        nixl (install the carried .whl/nixl wheel first: tools/nixl_wheel.sh makes it) tests-nixl bench-nixl bench-nixl-threads bench-lifecycle-nixl
 #        deepep (unpack DeepEP V1 from the carried .baseline/deepep-v1; the DeepEP stages do it too) deepep-tests (DeepEP's test_intranode.py, unchanged,
 #        against warmlink: 2e9 bytes, then DeepEP's hint; RANKS) bench-ep-deepep (bench ep --deep-ep beside DeepEP, REPEATS_EP)
@@ -131,13 +131,13 @@ for d in range(torch.cuda.device_count()):
       deepep_ready
       if [ -z "${PREV:-}" ]; then
         PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 240 python3 tools/ll_kernel_time.py \
-          --rounds ${ROUNDS:-3} 2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20
+          --rounds ${ROUNDS:-3} ${LL_ARGS:-} 2>&1 | grep -v IBGDA | tee "$OUT/ll_kernels.log" | tail -20
       else
         for i in $(seq 1 ${ROUNDS:-3}); do
           for side in this previous; do
             [ "$side" = this ] && path="${SRC:-$PWD/src}" || path="$PWD/$PREV"
             echo "== $side, round $i"
-            PYTHONPATH="$path:$PWD/.baseline/deepep-v1" timeout 120 python3 tools/ll_kernel_time.py --rounds 1 2>&1 \
+            PYTHONPATH="$path:$PWD/.baseline/deepep-v1" timeout 120 python3 tools/ll_kernel_time.py --rounds 1 ${LL_ARGS:-} 2>&1 \
               | grep -E "warmlink |DeepEP V1 "
           done
         done 2>&1 | tee "$OUT/ll_kernels.log"

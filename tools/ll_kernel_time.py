@@ -3,12 +3,12 @@ warmlink and, where DeepEP V1 is importable, for DeepEP on the same inputs in th
 
 DeepEP's low-latency kernels run with one rank (NVSHMEM with one PE), so one GPU gives a
 same-run baseline for the kernels' own work: what a send or a receive costs without a link. Each
-side captures a dispatch + hook and a combine + hook in graphs, replays them in turn under the torch
-profiler (CUPTI sees each kernel of a replay) and prints, per graph, the median span from the
+side captures a dispatch + hook and a combine + hook in graphs (with ``--one-launch``, a dispatch and
+a combine without hooks too), replays them in turn under the torch profiler (CUPTI sees each kernel of a replay) and prints, per graph, the median span from the
 first kernel's start to the last one's end and each kernel's median duration and the gap before
 it::
 
-    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_kernel_time.py [--replays 200] [--rounds 2]
+    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_kernel_time.py [--replays 200] [--rounds 2] [--one-launch]
 
 ``--rounds`` alternates the two sides that many times (the GPU's clocks drift between leases,
 not within one). Without DeepEP (or with ``--no-deepep``) only warmlink's rows are printed.
@@ -29,14 +29,24 @@ from _one_rank import add_shape_args, one_rank_deep_ep, one_rank_low_latency
 from warmlink.bench.ep_low_latency import capture_decode_step
 
 
-def _capture(buf, x, idx, w, y, args) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
-    """A decode step's graphs, both parities launched eagerly first."""
+def _capture(buf, x, idx, w, y, args) -> dict[str, torch.cuda.CUDAGraph]:
+    """A decode step's graphs by name, both parities launched eagerly first: with hooks, and with
+    ``--one-launch`` without (a kernel a call) too."""
     for _ in range(4):
         sent = buf.low_latency_dispatch(x, idx, args.tokens, args.experts, use_fp8=True, return_recv_hook=True)
         sent[4]()
         buf.low_latency_combine(y, idx, w, sent[2], return_recv_hook=True)[2]()
     torch.cuda.synchronize()
-    return capture_decode_step(buf, x, idx, w, y, args.tokens, args.experts)
+    graphs = dict(zip(("dispatch + hook", "combine + hook"),
+                      capture_decode_step(buf, x, idx, w, y, args.tokens, args.experts), strict=True))
+    if args.one_launch:
+        out = torch.empty_like(x)
+        graphs["dispatch"], graphs["combine"] = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs["dispatch"]):
+            handle = buf.low_latency_dispatch(x, idx, args.tokens, args.experts, use_fp8=True)[2]
+        with torch.cuda.graph(graphs["combine"]):
+            buf.low_latency_combine(y, idx, w, handle, out=out)
+    return graphs
 
 
 def _calls(graphs: dict[str, torch.cuda.CUDAGraph], replays: int) -> dict[str, list[list[dict]]]:
@@ -84,6 +94,8 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-deepep", action="store_true", help="warmlink alone, even where DeepEP is importable")
+    p.add_argument("--one-launch", action="store_true",
+                   help="also the calls without a hook (a kernel each: sends and receives in one launch)")
     add_shape_args(p)
     args = p.parse_args()
     buf, store, x, idx, w = one_rank_low_latency(args, "ll-kernel-time")
@@ -98,11 +110,13 @@ def main() -> None:
                   f"BF16 combine; medians of {args.replays} graph replays, us")
             print(f"  {'':9s} {'graph':17s} {'span':>6s}   kernels (duration, gap before)")
             for _ in range(args.rounds):
-                for side, (dispatch, combine) in sides.items():
-                    graphs = {"dispatch + hook": dispatch, "combine + hook": combine}
-                    _calls(graphs, 5)  # warm
-                    for name, calls in _calls(graphs, args.replays).items():
-                        _report(side, name, calls)
+                for side, graphs in sides.items():
+                    # the hook graphs, then the one-launch ones, each pair profiled alone: a replay's
+                    # kernels are told apart by their names
+                    for pair in (list(graphs.items())[i:i + 2] for i in range(0, len(graphs), 2)):
+                        _calls(dict(pair), 5)  # warm
+                        for name, calls in _calls(dict(pair), args.replays).items():
+                            _report(side, name, calls)
             if deep_buf is not None:
                 deep_buf.destroy()
                 dist.destroy_process_group()

@@ -61,12 +61,15 @@ class Group:
         self.host_out = [Outputs(lay, -1) for _ in range(num_ranks)]
         self.ranks = range(num_ranks)
         self.dispatched = {}  # each sender's mask of its last dispatch, [T, K] as a handle's
+        # DeepEP's cumulative_local_expert_recv_stats and dispatch_wait_recv_cost_stats, by rank
+        self.stats = [(torch.zeros(lay.local_experts, dtype=torch.int32), torch.zeros(num_ranks, dtype=torch.int64))
+                      for _ in range(num_ranks)]
 
     def dispatch(self, round_: int, fp8: bool, round_scale: bool = False, ue8m0: bool = False, tags=None,
-                 receivers=None, senders=None, live=None):
+                 receivers=None, senders=None, live=None, stats: bool = False):
         """Round ``round_`` on both paths (the device path alone when ``senders`` leaves ranks out,
-        unless ``live`` names the ranks the host path's receivers read); returns each receiver's
-        device-path and host-path views."""
+        unless ``live`` names the ranks the host path's receivers read; with ``stats``, each rank's
+        ``self.stats`` passed); returns each receiver's device-path and host-path views."""
         lay, tokens, p = self.lay, self.lay.max_tokens, round_ % 2
         oracle = senders is None or live is not None
         live = np.array([r in (live if live is not None else self.ranks) for r in self.ranks])
@@ -76,7 +79,7 @@ class Group:
             out.dispatched.fill_(True)  # the send writes its [N, K] corner
             # a tag with its high bit set: an int32 argument that a kernel shifts must not sign-extend
             self.dev[s].dispatch(SEND, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, ue8m0,
-                                 tags[s] if tags else 201, None, None)
+                                 tags[s] if tags else 201, *(self.stats[s] if stats else (None, None)))
             n, num_cols = mine["topk_idx"].shape
             mask = out.dispatched.clone()
             assert torch.equal(mask[:n, :num_cols], mine["topk_idx"] >= 0)
@@ -88,7 +91,7 @@ class Group:
             out = self.out[d].views(p, tokens, fp8, ue8m0)
             mine = self.inputs[d]
             self.dev[d].dispatch(RECV, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, ue8m0,
-                                 tags[d] if tags else 201, None, None)
+                                 tags[d] if tags else 201, *(self.stats[d] if stats else (None, None)))
             want = self.host_out[d].views(p, tokens, fp8, ue8m0)
             if oracle:
                 rows = self.host[d].receive_dispatch(p, self.host[d].arrived_counts(round_, live), tokens, fp8, ue8m0,
@@ -173,6 +176,22 @@ def test_device_path_packs_and_combines_what_the_host_path_does_over_both_pariti
     for path in group.dev:
         assert path.failure() is None
         assert path.state[:4].tolist() == [1, 2, 1, 2]  # dispatch, then combine sequence, by parity
+
+
+def test_the_receive_counts_each_local_experts_rows_and_its_waits_for_each_source(kernels):
+    """DeepEP's cumulative_local_expert_recv_stats (each local expert's rows, summed over calls) and
+    dispatch_wait_recv_cost_stats (the time each source was waited for: a clock reading per source)."""
+    group = Group(_CASE, kernels)
+    totals = [torch.zeros(group.lay.local_experts, dtype=torch.int32) for _ in group.ranks]
+    for round_ in (1, 2, 3):
+        got = group.dispatch(round_, True, stats=True)
+        _check_dispatch(group, got, True, exact=True)
+        for d, (_, want, _) in got.items():
+            totals[d] += want.count
+    for d in group.ranks:
+        cumulative, waits = group.stats[d]
+        assert torch.equal(cumulative, totals[d]), d
+        assert (waits > 0).all(), d
 
 
 def test_a_missing_sender_times_the_receive_out_and_stops_every_later_kernel(kernels):
