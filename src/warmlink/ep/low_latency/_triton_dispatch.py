@@ -174,8 +174,9 @@ def dispatch_recv(bases_ptr, x_out_ptr, scales_out_ptr, count_out_ptr, src_info_
                     if s == 0:
                         total = tl.sum(counts, 0)
                         tl.store(count_out_ptr + e, total.to(tl.int32))
-                        if HAS_CUM:
-                            tl.store(cum_stats_ptr + e, tl.load(cum_stats_ptr + e) + total.to(tl.int32))
+                        if HAS_CUM:  # an atomic whose result nothing waits for: a load, then a store, would
+                            # hold the program a memory latency (the stats are cold in a decode step)
+                            tl.atomic_add(cum_stats_ptr + e, total.to(tl.int32), sem="relaxed", scope="gpu")
                     tl.store(range_ptr + e * NUM_RANKS + s, (begin << 32) | mine)
                     words_per_row: tl.constexpr = HIDDEN // 8 if FP8 else HIDDEN // 4
                     w = tl.arange(0, W_BLOCK)
