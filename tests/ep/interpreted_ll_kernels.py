@@ -178,6 +178,21 @@ def test_device_path_packs_and_combines_what_the_host_path_does_over_both_pariti
         assert path.state[:4].tolist() == [1, 2, 1, 2]  # dispatch, then combine sequence, by parity
 
 
+@pytest.mark.parametrize("programs", [1, 2])
+def test_fewer_programs_than_tokens_and_items_each_take_their_share_in_turn(kernels, programs, monkeypatch):
+    """A launch of both phases has at most a program an SM, fewer than a prefill's tokens or a
+    layout's (local expert, rank) items: every phase's program then takes several, one after
+    another."""
+    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: (programs,))
+    group = Group(_CASE, kernels)
+    for round_ in (1, 2, 3):
+        got = group.dispatch(round_, True)
+        _check_dispatch(group, got, True, exact=True)
+        for s, (a, b) in group.combine(round_, got).items():
+            assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6), s
+    assert all(path.failure() is None for path in group.dev)
+
+
 def test_the_receive_counts_each_local_experts_rows_and_its_waits_for_each_source(kernels):
     """DeepEP's cumulative_local_expert_recv_stats (each local expert's rows, summed over calls) and
     dispatch_wait_recv_cost_stats (the time each source was waited for: a clock reading per source)."""

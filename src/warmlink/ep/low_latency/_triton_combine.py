@@ -33,13 +33,15 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
     for item in range(pid, LOCAL * NUM_RANKS, grid):
         e = item // NUM_RANKS + tl.zeros([], dtype=tl.int64)
         s = item % NUM_RANKS + tl.zeros([], dtype=tl.int64)
+        # the item's rows (this rank's own, from its dispatch) are found before the wait for s's ack,
+        # which guards only the stores into s: the two latencies overlap
+        packed = tl.load(range_ptr + e * NUM_RANKS + s)
+        base = tl.load(bases_ptr + s)
         wait_words(ack, r == s, q - 1, device_clock_ns(), r, state_ptr, fail_ptr, mask_ptr, seq_slot, q, timeout_ns, 0,
                    True, SHRINK)
         if healthy(state_ptr) & rank_live(mask_ptr, s, SHRINK):
-            packed = tl.load(range_ptr + e * NUM_RANKS + s)
             begin = packed >> 32
             count = packed & 0xFFFFFFFF
-            base = tl.load(bases_ptr + s)
             for i0 in range(0, count, ROWS):
                 i = i0 + ri
                 im = i < count
