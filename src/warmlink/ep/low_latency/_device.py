@@ -17,7 +17,10 @@ keeps another send of the kind from packing over it first.
 Two kernels (ep.low_latency._triton_dispatch and _triton_combine), ``dispatch`` and ``combine``,
 each a send phase and a receive phase: a call without a hook launches one kernel running both (at most a
 program per SM, so that every program that waits in the receive lets the others send), a call
-with one launches the send and leaves the receive to the hook.
+with one launches the send and leaves the receive to the hook. A one-launch dispatch's program
+fills its SM, so two calls without hooks on two streams at once run one after the other on each
+GPU; ranks that start them in opposite orders wait for each other until the timeout (DeepEP's
+cooperative launches share this). Overlapped micro-batches take hooks, whose sends never wait.
 
 - dispatch, send: every program reads all of ``topk_idx`` (a few KB): an expert id out of range
   refuses the round on all of them alike, and each (token, column) gets its slot, its rank among
