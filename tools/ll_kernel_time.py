@@ -3,12 +3,14 @@ warmlink and, where DeepEP V1 is importable, for DeepEP on the same inputs in th
 
 DeepEP's low-latency kernels run with one rank (NVSHMEM with one PE), so one GPU gives a
 same-run baseline for the kernels' own work: what a send or a receive costs without a link. Each
-side captures a dispatch + hook and a combine + hook in graphs (with ``--one-launch``, a dispatch and
-a combine without hooks too), replays them in turn under the torch profiler (CUPTI sees each kernel of a replay) and prints, per graph, the median span from the
-first kernel's start to the last one's end and each kernel's median duration and the gap before
-it::
+side captures a dispatch + hook and a combine + hook in graphs (with ``--one-launch``, a dispatch
+and a combine without hooks too), replays them in turn under the torch profiler (CUPTI sees each
+kernel of a replay; with ``--flush-l2``, after zeroing 256 MB, as DeepEP's tests time kernels)
+and prints, per graph, the median span from the first kernel's start to the last one's end and
+each kernel's median duration and the gap before it::
 
-    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_kernel_time.py [--replays 200] [--rounds 2] [--one-launch] [--flush-l2]
+    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_kernel_time.py [--replays 200] [--rounds 2] \
+        [--one-launch] [--flush-l2]
 
 ``--rounds`` alternates the two sides that many times (the GPU's clocks drift between leases,
 not within one). Without DeepEP (or with ``--no-deepep``) only warmlink's rows are printed.
