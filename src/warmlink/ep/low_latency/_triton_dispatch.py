@@ -247,9 +247,10 @@ def _dispatch(x_ptr, topk_ptr, cum_stats_ptr, wait_stats_ptr, num_tokens, num_co
     if PHASE // 2 == 1:  # RECV or BOTH
         dispatch_recv(bases_ptr, x_out_ptr, packed_out_ptr if UE8M0 else scales_out_ptr,
                       count_out_ptr.to(tl.pointer_type(tl.int32)), src_info_ptr.to(tl.pointer_type(tl.int32)),
-                      range_ptr.to(tl.pointer_type(tl.int64)), comb_slot_ptr.to(tl.pointer_type(tl.int64)), cum_stats_ptr,
-                      wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own, me, tokens, disp_off, meta_off, signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK,
-                      LOCAL, HIDDEN, W_BLOCK, NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
+                      range_ptr.to(tl.pointer_type(tl.int64)), comb_slot_ptr.to(tl.pointer_type(tl.int64)),
+                      cum_stats_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own, me, tokens, disp_off, meta_off,
+                      signal_off, ack_off, seq_slot, tag, timeout_ns, q, NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, W_BLOCK,
+                      NUM_TOPK, FP8, UE8M0, S_BLOCK, HAS_CUM, HAS_WAIT, SHRINK, ROWS)
 
 
 # the ints a call passes are not specialized on their values: one compiled kernel (and one prepared
