@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from tests.ep._interpreter import numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from tests.ep._ll_workers import dequantized, expert_output, ll_inputs
-from warmlink.ep.low_latency._device import (F_MISMATCH, F_REFUSED, F_TIMEOUT, F_UNMASKED, RECV, SEND, DevicePath,
-                                              build_kernels)
+from warmlink.ep.low_latency._device import (BOTH, F_MISMATCH, F_REFUSED, F_TIMEOUT, F_UNMASKED, RECV, SEND,
+                                              DevicePath, build_kernels)
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs
@@ -66,10 +66,11 @@ class Group:
                       for _ in range(num_ranks)]
 
     def dispatch(self, round_: int, fp8: bool, round_scale: bool = False, ue8m0: bool = False, tags=None,
-                 receivers=None, senders=None, live=None, stats: bool = False):
+                 receivers=None, senders=None, live=None, stats: bool = False, both: bool = False):
         """Round ``round_`` on both paths (the device path alone when ``senders`` leaves ranks out,
         unless ``live`` names the ranks the host path's receivers read; with ``stats``, each rank's
-        ``self.stats`` passed); returns each receiver's device-path and host-path views."""
+        ``self.stats`` passed; with ``both``, each rank's send launches its receive too, as a call
+        without a hook does); returns each receiver's device-path and host-path views."""
         lay, tokens, p = self.lay, self.lay.max_tokens, round_ % 2
         oracle = senders is None or live is not None
         live = np.array([r in (live if live is not None else self.ranks) for r in self.ranks])
@@ -78,8 +79,8 @@ class Group:
             out = self.out[s].views(p, tokens, fp8, ue8m0)
             out.dispatched.fill_(True)  # the send writes its [N, K] corner
             # a tag with its high bit set: an int32 argument that a kernel shifts must not sign-extend
-            self.dev[s].dispatch(SEND, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, ue8m0,
-                                 tags[s] if tags else 201, *(self.stats[s] if stats else (None, None)))
+            self.dev[s].dispatch(BOTH if both else SEND, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale,
+                                 ue8m0, tags[s] if tags else 201, *(self.stats[s] if stats else (None, None)))
             n, num_cols = mine["topk_idx"].shape
             mask = out.dispatched.clone()
             assert torch.equal(mask[:n, :num_cols], mine["topk_idx"] >= 0)
@@ -90,8 +91,9 @@ class Group:
         for d in receivers if receivers is not None else self.ranks:
             out = self.out[d].views(p, tokens, fp8, ue8m0)
             mine = self.inputs[d]
-            self.dev[d].dispatch(RECV, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, ue8m0,
-                                 tags[d] if tags else 201, *(self.stats[d] if stats else (None, None)))
+            if not both:
+                self.dev[d].dispatch(RECV, p, mine["x"], mine["topk_idx"], tokens, fp8, round_scale, ue8m0,
+                                     tags[d] if tags else 201, *(self.stats[d] if stats else (None, None)))
             want = self.host_out[d].views(p, tokens, fp8, ue8m0)
             if oracle:
                 rows = self.host[d].receive_dispatch(p, self.host[d].arrived_counts(round_, live), tokens, fp8, ue8m0,
@@ -99,32 +101,35 @@ class Group:
                 got[d] = (out, want, rows)
         return got
 
-    def combine(self, round_: int, got: dict, tags=(7, 7, 7), live=None):
-        """Each rank (of ``live``) sends back expert_output of what it received; returns (device,
-        host) combined rows."""
+    def combine(self, round_: int, got: dict, tags=(7, 7, 7), live=None, both: bool = False):
+        """Each rank (of ``live``) sends back expert_output of what it received (with ``both``, in a
+        launch that then receives, as ``dispatch``'s); returns (device, host) combined rows."""
         lay, p = self.lay, round_ % 2
         ranks = live if live is not None else self.ranks
         alive = np.array([r in ranks for r in self.ranks])
+        combined = {s: tuple(torch.full((len(self.inputs[s]["x"]), lay.hidden), 9.0, dtype=torch.bfloat16)
+                             for _ in range(2)) for s in ranks}
         for d in ranks:
             out, want, rows = got[d]
             y = expert_output(dequantized((out.x, out.scales) if out.scales is not None else out.x, lay.hidden), d,
                               lay.local_experts).contiguous()
-            handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
-                                     num_max_dispatch_tokens_per_rank=lay.max_tokens, dispatched=out.dispatched)
             mine = self.inputs[d]
-            self.dev[d].combine(SEND, p, y, handle, mine["topk_idx"], mine["topk_weights"], y, tags[d], None)
+            n, num_cols = mine["topk_idx"].shape
+            handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
+                                     num_max_dispatch_tokens_per_rank=lay.max_tokens,
+                                     dispatched=self.dispatched[d][:n, :num_cols] if both else out.dispatched)
+            self.dev[d].combine(BOTH if both else SEND, p, y, handle, mine["topk_idx"], mine["topk_weights"],
+                                combined[d][0] if both else y, tags[d], None)
             self.host[d].send_combine(p, y, rows, want.comb_slot)
-        combined = {}
         for s in ranks:
             mine = self.inputs[s]
-            n = len(mine["x"])
-            a, b = (torch.full((n, lay.hidden), 9.0, dtype=torch.bfloat16) for _ in range(2))
+            a, b = combined[s]
             n, num_cols = mine["topk_idx"].shape
             handle = SimpleNamespace(layout_range=None, comb_slot=None, num_max_dispatch_tokens_per_rank=lay.max_tokens,
                                      dispatched=self.dispatched[s][:n, :num_cols])
-            self.dev[s].combine(RECV, p, a, handle, mine["topk_idx"], mine["topk_weights"], a, tags[s], None)
+            if not both:
+                self.dev[s].combine(RECV, p, a, handle, mine["topk_idx"], mine["topk_weights"], a, tags[s], None)
             self.host[s].receive_combine(p, mine["topk_idx"], mine["topk_weights"], b, alive)
-            combined[s] = (a, b)
         return combined
 
 
@@ -191,6 +196,24 @@ def test_fewer_programs_than_tokens_and_items_each_take_their_share_in_turn(kern
         for s, (a, b) in group.combine(round_, got).items():
             assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6), s
     assert all(path.failure() is None for path in group.dev)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_launch_of_both_phases_sends_and_receives_what_the_host_path_does(kernels, fp8, monkeypatch):
+    """A call without a hook launches the send and the receive at once (PHASE 3); in the
+    interpreter, whose programs run in turn, one rank to itself with one program can: it takes
+    every token and item (a combine's receive then loads each next token's routing before it sums
+    this one's rows)."""
+    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: (1,))
+    group = Group({"tokens": [9], "hidden": 256, "experts": 4, "topk": 3, "masked": 3, "seed": 11}, kernels)
+    for round_ in (1, 2, 3):
+        got = group.dispatch(round_, fp8, both=True)
+        _check_dispatch(group, got, fp8, exact=True)
+        for s, (a, b) in group.combine(round_, got, both=True).items():
+            assert torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6), s
+            assert (a[group.inputs[s]["topk_idx"].lt(0).all(1)] == 0).all()
+    assert group.dev[0].failure() is None
+    assert group.dev[0].state[:4].tolist() == [1, 2, 1, 2]
 
 
 def test_the_receive_counts_each_local_experts_rows_and_its_waits_for_each_source(kernels):

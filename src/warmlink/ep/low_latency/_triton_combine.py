@@ -61,11 +61,22 @@ def combine_send(x_ptr, range_ptr, comb_slot_ptr, bases_ptr, state_ptr, fail_ptr
 
 
 @triton.jit
+def _token_inputs(topk_ptr, w_ptr, dispatched_ptr, tok, num_tokens, num_cols, kk, km, NUM_TOPK: tl.constexpr):
+    # token tok's expert ids, weights and sent mask (the dispatch's), or none past the last token
+    t = tok + tl.zeros([], dtype=tl.int64)
+    m = km & ((t + tl.zeros_like(kk)) < num_tokens)  # ([K]: the interpreter refuses a mask and-ed with a scalar)
+    e = tl.load(topk_ptr + t * num_cols + kk, mask=m, other=-1).to(tl.int64)
+    weight = tl.load(w_ptr + t * num_cols + kk, mask=m, other=0.0)
+    sent = tl.load(dispatched_ptr + t * NUM_TOPK + kk, mask=m, other=0) != 0
+    return e, weight, sent
+
+
+@triton.jit
 def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr, own,
                  me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
                  NUM_RANKS: tl.constexpr, R_BLOCK: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr,
                  C_BLOCK: tl.constexpr, NUM_TOPK: tl.constexpr, K_BLOCK: tl.constexpr, HAS_WAIT: tl.constexpr,
-                 SHRINK: tl.constexpr):
+                 SHRINK: tl.constexpr, PREFETCH: tl.constexpr):
     # wait for every live expert rank's signal word, then for each program's tokens t: out[t] =
     # sum_k w[t, k] * row(t, k) over the columns with an expert on a live rank (float32, then
     # BF16); the last program to finish tells every expert rank that this parity's round was read
@@ -73,6 +84,14 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
     grid = tl.num_programs(0)
     r = tl.arange(0, R_BLOCK)
     rm = r < NUM_RANKS
+    kk = tl.arange(0, K_BLOCK)
+    km = kk < num_cols
+    # PREFETCH (a launch of both phases): the first token's routing is loaded before the wait and
+    # each next one's before this one's sum, which hides a cold load a token (one-launch combine
+    # 1 us faster on one H200); a hook's receive alone would go from 86 to 128 registers with it,
+    # 1.4 us slower, so it loads each token's routing when it gets to it
+    if PREFETCH:
+        e, weight, sent = _token_inputs(topk_ptr, w_ptr, dispatched_ptr, pid, num_tokens, num_cols, kk, km, NUM_TOPK)
     if healthy(state_ptr):
         signals = (own + comb_signal_off + r * 8).to(tl.pointer_type(tl.int64))
         start = device_clock_ns()
@@ -89,19 +108,24 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
         if (failed == 0) & (tl.sum(other.to(tl.int32), 0) > 0):
             report(fail_ptr, F_MISMATCH, seq_slot, q, tl.min(tl.where(other, r, NO_RANK), 0))
         elif failed == 0:
-            kk = tl.arange(0, K_BLOCK)
-            km = kk < num_cols
             cols = tl.arange(0, C_BLOCK)
             for tok in range(pid, num_tokens, grid):
                 t = tok + tl.zeros([], dtype=tl.int64)  # (a plain int in the interpreter)
-                e = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
+                if not PREFETCH:
+                    e = tl.load(topk_ptr + t * num_cols + kk, mask=km, other=-1).to(tl.int64)
                 owner = tl.where(e >= 0, e // LOCAL, -1)  # (// truncates: -1 // LOCAL would be rank 0)
                 on = km & on_live_rank(owner, live, r)
-                sent = tl.load(dispatched_ptr + t * NUM_TOPK + kk, mask=on, other=0) != 0
+                if not PREFETCH:
+                    sent = tl.load(dispatched_ptr + t * NUM_TOPK + kk, mask=on, other=0) != 0
                 if tl.sum((on & ~sent).to(tl.int32), 0) > 0:  # a row no rank sent: refuse rather than sum stale bytes
                     report(fail_ptr, F_UNMASKED, seq_slot, q, me)
                 use = on & sent
-                weight = tl.load(w_ptr + t * num_cols + kk, mask=use, other=0.0)
+                if PREFETCH:
+                    weight = tl.where(use, weight, 0.0)
+                    e, next_weight, sent = _token_inputs(topk_ptr, w_ptr, dispatched_ptr, tok + grid, num_tokens,
+                                                         num_cols, kk, km, NUM_TOPK)
+                else:
+                    weight = tl.load(w_ptr + t * num_cols + kk, mask=use, other=0.0)
                 # rows start 16-byte aligned (the hint crosses no int-to-pointer cast, so it goes on the
                 # pointers): every column's row is read at once, C_BLOCK values at a time, in 16-byte loads
                 rows = tl.multiple_of((own + comb_off + (t * NUM_TOPK + kk) * (2 * HIDDEN)).to(
@@ -111,6 +135,8 @@ def combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats
                     values = tl.load(rows[:, None] + c[None, :], mask=use[:, None] & (c < HIDDEN)[None, :], other=0.0)
                     acc = tl.sum(values.to(tl.float32) * weight[:, None], 0)
                     tl.store(out_ptr + t * HIDDEN + c, acc.to(tl.bfloat16), mask=c < HIDDEN)
+                if PREFETCH:
+                    weight = next_weight
     if last_program(state_ptr, S_DONE_RECV + seq_slot, grid, False):
         if healthy(state_ptr):
             acknowledge(bases_ptr, mask_ptr, ack_off, me, q, r, rm, SHRINK)
@@ -134,7 +160,7 @@ def _combine(x_ptr, range_ptr, comb_slot_ptr, topk_ptr, w_ptr, dispatched_ptr, o
     if PHASE // 2 == 1:  # RECV or BOTH
         combine_recv(bases_ptr, topk_ptr, w_ptr, dispatched_ptr, out_ptr, wait_stats_ptr, state_ptr, fail_ptr, mask_ptr,
                      own, me, num_tokens, num_cols, comb_off, comb_signal_off, ack_off, seq_slot, tag, timeout_ns, q,
-                     NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, C_BLOCK, NUM_TOPK, K_BLOCK, HAS_WAIT, SHRINK)
+                     NUM_RANKS, R_BLOCK, LOCAL, HIDDEN, C_BLOCK, NUM_TOPK, K_BLOCK, HAS_WAIT, SHRINK, PHASE == 3)
 
 
 # as the dispatch's: neither the ints a call passes nor the small ints of a parity are specialized
