@@ -188,7 +188,7 @@ def test_fewer_programs_than_tokens_and_items_each_take_their_share_in_turn(kern
     """A launch of both phases has at most a program an SM, fewer than a prefill's tokens or a
     layout's (local expert, rank) items: every phase's program then takes several, one after
     another."""
-    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: (programs,))
+    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: programs)
     group = Group(_CASE, kernels)
     for round_ in (1, 2, 3):
         got = group.dispatch(round_, True)
@@ -204,7 +204,7 @@ def test_a_launch_of_both_phases_sends_and_receives_what_the_host_path_does(kern
     interpreter, whose programs run in turn, one rank to itself with one program can: it takes
     every token and item (a combine's receive then loads each next token's routing before it sums
     this one's rows)."""
-    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: (1,))
+    monkeypatch.setattr(DevicePath, "_grid", lambda self, phase, sends, receives: 1)
     group = Group({"tokens": [9], "hidden": 256, "experts": 4, "topk": 3, "masked": 3, "seed": 11}, kernels)
     for round_ in (1, 2, 3):
         got = group.dispatch(round_, fp8, both=True)

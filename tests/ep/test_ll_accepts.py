@@ -93,7 +93,15 @@ def _quick_agrees_with_full(call: str, args: tuple, quick: str) -> None:
     as the very tensors passed, from both."""
     checks, full_only = _checks(quick), _checks(quick)
     setattr(full_only, f"accepts_{call}", lambda *a: False)
+    if call == "combine":  # (which also makes the output, with the compiled acceptance)
+        full_only.combine_output = lambda *a: None
     quick, full = _answer(checks, call, *args), _answer(full_only, call, *args)
+    if call == "combine" and not isinstance(quick, ConfigError):  # the output: ``out``, or a new [N, H]
+        out, handle = args[8], args[3]
+        for combined in (quick[3], full[3]):
+            assert combined is out if out is not None else (
+                combined.dtype == torch.bfloat16 and combined.shape == (handle.num_tokens, HIDDEN))
+        quick, full = quick[:3], full[:3]
     assert _same(quick, full)
     if getattr(checks, f"accepts_{call}")(*args):  # taken as they are: the full checks copy nothing either
         assert all(got is given for got, given in zip(quick, args))
@@ -146,6 +154,8 @@ def test_the_device_paths_common_calls_are_taken_by_the_quick_acceptance(idx_dty
     out = torch.zeros(T, HIDDEN, dtype=torch.bfloat16)
     for zero_copy, hook, given_out, stats in ((False, False, None, None), (True, True, out, waits)):
         assert checks.accepts_combine(y, idx, w, handle, False, zero_copy, False, hook, given_out, stats)
+        combined = checks.combine_output(y, idx, w, handle, False, zero_copy, False, hook, given_out, stats)
+        assert combined is given_out if given_out is not None else combined.shape == (T, HIDDEN)
     for bad in (torch.zeros(E // R + 1, dtype=torch.int32), torch.zeros(E // R, dtype=torch.int64)):  # length, dtype
         assert not checks.accepts_dispatch(x, idx, T, E, True, False, False, False, False, bad, None)
         with pytest.raises(ConfigError, match="cumulative_local_expert_recv_stats"):

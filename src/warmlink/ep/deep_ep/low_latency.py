@@ -47,6 +47,7 @@ class LowLatencyCalls:
 
     _ll: _EPBuffer | None = None
     _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
+    _ll_tokens = _ll_hidden = _ll_experts = _ll_topk = None  # the same, each read by every call
     _call: Callable  # deep_ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
     _rendezvous: Callable  # deep_ep.Buffer's: the store its warmlink Buffers meet over
 
@@ -91,9 +92,9 @@ class LowLatencyCalls:
         inner = self._ll
         if (inner is not None and async_finish is False and (self._comm is None or self._comm.joined)
                 and not self._destroyed
+                and num_max_dispatch_tokens_per_rank == self._ll_tokens and num_experts == self._ll_experts
                 and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and x.dim() == 2 and topk_idx.dim() == 2
-                and self._ll_shape[:3] == (num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
-                and topk_idx.shape[1] <= self._ll_shape[3]):
+                and x.shape[1] == self._ll_hidden and topk_idx.shape[1] <= self._ll_topk):
             # the common call, which the steps below would pass straight through: a decode step's host time
             recv_x, count, handle, _, hook = inner.low_latency_dispatch(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
@@ -248,6 +249,7 @@ class LowLatencyCalls:
                              num_topk=num_topk, device=dev, backend=backend, timeout_s=self._timeout_s,
                              low_latency_mode=True, num_experts=num_experts, enable_shrink=self.enable_shrink)
         self._ll_shape = (tokens, hidden, num_experts, num_topk)
+        self._ll_tokens, self._ll_hidden, self._ll_experts, self._ll_topk = self._ll_shape
         for rank, masked in self._mask_before_build.items():  # updates made before there was a mask
             self._ll.low_latency_update_mask_buffer(rank, masked)
         self._mask_before_build = {}

@@ -8,7 +8,8 @@
 //     (the exchange lands the board in pinned memory itself: ep/paths/sm_pushes.py, Note [Board landing]);
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
-//     ll_dispatch_accepts, ll_combine_accepts: the same for the low-latency calls' tensors;
+//     ll_dispatch_accepts, ll_combine_accepts: the same for the low-latency calls' tensors
+//     (ll_combine_output: the combine's output too, made here where the call has none);
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
 //     the rows, taken and recv_offset tensors made and the streamed kernel launched behind the
 //     exchange, its receivers waiting for the outputs the host posts (Note [Posted outputs]);
@@ -408,6 +409,17 @@ bool ll_combine_accepts(py::handle x, py::handle topk, py::handle weights, py::h
   return ot != nullptr && ot->scalar_type() == at::kBFloat16 && ot->size(0) == tokens && ot->size(1) == hidden;
 }
 
+// ll_combine_accepts, then the combine's output: `out` itself, or a new BF16 [tokens, hidden] on
+// the device (the caching allocator from here costs a fraction of a torch.empty from Python); None
+// where the tensors are not accepted
+py::object ll_combine_output(py::handle x, py::handle topk, py::handle weights, py::handle out, py::handle waits,
+                             i64 device, i64 local, i64 rows, i64 hidden, i64 tokens, i64 cols, i64 ranks) {
+  if (!ll_combine_accepts(x, topk, weights, out, waits, device, local, rows, hidden, tokens, cols, ranks))
+    return py::none();
+  if (!out.is_none()) return py::reinterpret_borrow<py::object>(out);
+  return py::cast(at::empty({tokens, hidden}, on(at::kBFloat16, device)));
+}
+
 // The kind of call (never 0) when a fresh dispatch's tensors are the kind ep's checks return
 // unchanged (x and its FP8 scales, topk_idx, topk_weights, get_dispatch_layout's outputs: shapes,
 // dtypes, one device, every one but the scales contiguous, weights float32: a planned call passes
@@ -723,6 +735,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fresh_accepts", &fresh_accepts);
   m.def("ll_dispatch_accepts", &ll_dispatch_accepts);
   m.def("ll_combine_accepts", &ll_combine_accepts);
+  m.def("ll_combine_output", &ll_combine_output);
   m.def("planned_front", &planned_front);
   m.def("post_outputs", &post_outputs);
   m.def("post_void", &post_void);

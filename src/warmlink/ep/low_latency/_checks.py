@@ -97,12 +97,15 @@ class LowLatencyChecks:
         rows, cols = topk_idx.shape
         return hidden == lay.hidden and n <= tokens and rows == n and 1 <= cols <= lay.num_topk
 
+    def _plain_combine_flags(self, use_logfmt, zero_copy, async_finish, return_recv_hook) -> bool:
+        return (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
+                and type(return_recv_hook) is bool and not self.read_values)
+
     def accepts_combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt, zero_copy,
                         async_finish, return_recv_hook, out, wait_stats) -> bool:
         """Whether ``combine`` would pass these arguments through unchanged (as ``accepts_dispatch``)."""
         lay = self.layout
-        if not (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
-                and type(return_recv_hook) is bool and not self.read_values):
+        if not self._plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
             return False
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:
@@ -188,13 +191,36 @@ class LowLatencyChecks:
         self.stats(func, "dispatch_wait_recv_cost_stats", wait_stats, torch.int64, lay.num_ranks)
         return x.contiguous(), idx
 
+    def combine_output(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt, zero_copy,
+                       async_finish, return_recv_hook, out, wait_stats) -> torch.Tensor | None:
+        """For a call ``accepts_combine`` takes, its output (``out``, or a new BF16 ``[N, H]``), made
+        in the same compiled call as the acceptance where there is one; else None."""
+        if not self._plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
+            return None
+        compiled = self._compiled if self._compiled is not None else self._host_steps()
+        if compiled:
+            lay = self.layout
+            rows = lay.num_ranks * handle.num_max_dispatch_tokens_per_rank
+            return compiled.ll_combine_output(x, topk_idx, topk_weights, out, wait_stats, self._index,
+                                              lay.local_experts, rows, lay.hidden, handle.num_tokens, handle.num_topk,
+                                              lay.num_ranks)
+        if not self.accepts_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                    return_recv_hook, out, wait_stats):
+            return None
+        return out if out is not None else self._new_output(handle)
+
+    def _new_output(self, handle: LowLatencyHandle) -> torch.Tensor:
+        return torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16, device=self.device)
+
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, use_logfmt, zero_copy, async_finish,
                 return_recv_hook, out, wait_stats):
-        """``(x, topk_idx, topk_weights)`` contiguous, once every argument of ``low_latency_combine``
-        is checked (``handle`` is one of this Buffer's current ones: the runtime checked it first)."""
-        if self.accepts_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                return_recv_hook, out, wait_stats):
-            return x, topk_idx, topk_weights
+        """``(x, topk_idx, topk_weights, combined)``, the first three contiguous, once every argument
+        of ``low_latency_combine`` is checked (``handle`` is one of this Buffer's current ones: the
+        runtime checked it first); ``combined``, what the call writes: ``out``, or a new BF16 ``[N, H]``."""
+        combined = self.combine_output(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                       return_recv_hook, out, wait_stats)
+        if combined is not None:
+            return x, topk_idx, topk_weights, combined
         func, lay = "low_latency_combine", self.layout
         for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy), ("async_finish", async_finish),
                             ("return_recv_hook", return_recv_hook)):
@@ -215,7 +241,7 @@ class LowLatencyChecks:
             if not out.is_contiguous():
                 raise ConfigError(f"ep.Buffer.{func}: out must be contiguous")
         self.stats(func, "combine_wait_recv_cost_stats", wait_stats, torch.int64, lay.num_ranks)
-        return x.contiguous(), idx, weights.contiguous()
+        return x.contiguous(), idx, weights.contiguous(), out if out is not None else self._new_output(handle)
 
 
 def check_handle(handle, func: str, owner: int, latest: int, clean_round: int) -> None:

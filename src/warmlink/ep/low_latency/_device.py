@@ -106,7 +106,7 @@ def call_tag(tokens: int, fp8: bool, round_scale: bool, ue8m0: bool) -> int:
     """The 8 bits of a dispatch's arguments its signal words carry: ranks whose ``use_fp8``,
     ``round_scale`` or ``use_ue8m0`` differ, or whose ``num_max_dispatch_tokens_per_rank`` differs
     by other than a multiple of 32, are told apart."""
-    return int(fp8) | int(round_scale) << 1 | int(ue8m0) << 2 | (tokens % 32) << 3
+    return fp8 | round_scale << 1 | ue8m0 << 2 | (tokens % 32) << 3  # (bools: the checks passed them)
 
 
 def build_kernels(interpreted: bool = False) -> SimpleNamespace:
@@ -182,6 +182,12 @@ class DevicePath:
             for phase in (SEND, RECV, BOTH) for waits in (False, True)}
         self._consts: dict[tuple, dict] = {}  # the dispatch's, by kind of call
         self._items = lay.local_experts * lay.num_ranks  # (local expert, rank) pairs
+        # each kernel's phase's grid by the call's token count, looked up by every call (``_grid``: the rule)
+        tokens = range(lay.max_tokens + 1)
+        self._grids = {}
+        for ph in (SEND, RECV, BOTH):
+            self._grids["dispatch", ph] = [self._grid(ph, n, self._items) for n in tokens]
+            self._grids["combine", ph] = [self._grid(ph, self._items, n) for n in tokens]
         # by kind of call, parity and topk_idx's dtype: its PreparedLaunch, or False where it has none
         self._prepared: dict[tuple, object] = {}
         self._receives: dict[tuple, object] = {}  # a send's kind: its receive's PreparedLaunch, once there is one
@@ -208,10 +214,10 @@ class DevicePath:
                    self.timeout_ns, 2 + p)
         return dispatch, combine
 
-    def _grid(self, phase: int, sends: int, receives: int) -> tuple[int]:
+    def _grid(self, phase: int, sends: int, receives: int) -> int:
         if phase == BOTH:
-            return (max(1, min(self._sms, max(sends, receives))),)
-        return (max(1, sends if phase == SEND else receives),)
+            return max(1, min(self._sms, max(sends, receives)))
+        return max(1, sends if phase == SEND else receives)
 
     # -- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, phase: int, p: int, x: torch.Tensor, topk_idx: torch.Tensor, tokens: int, fp8: bool,
@@ -228,12 +234,12 @@ class DevicePath:
         args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else self.state, n, num_cols,
                 tokens, tag)
         kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, topk_idx.dtype)
-        grid = self._grid(phase, n, self._items)
+        grid = self._grids["dispatch", phase][n]
         prepared = self._prepared.get(kind)
         if prepared:
             then = self._receives.get(kind) if phase == SEND else None
-            then_grid = self._grid(RECV, n, self._items)[0] if then else 0
-            if prepared(grid[0], current_stream(self._index), args, then, then_grid):
+            then_grid = self._grids["dispatch", RECV][n] if then else 0
+            if prepared(grid, current_stream(self._index), args, then, then_grid):
                 return then
         key = kind[1:7]
         consts = self._consts.get(key)
@@ -242,7 +248,7 @@ class DevicePath:
                 "PHASE": phase, **self._dispatch_consts[fp8], "FP8": fp8, "ROUND_SCALE": round_scale, "UE8M0": ue8m0,
                 "HAS_CUM": cum, "HAS_WAIT": waits, "SHRINK": self.shrink,
                 "ROWS": _rows_a_step(self._dispatch_consts[fp8]["W_BLOCK"])}
-        self._launch(self.kernels.dispatch, kind, grid, args + self._fixed[p][0], consts, _WARPS["dispatch", phase],
+        self._launch(self.kernels.dispatch, kind, (grid,), args + self._fixed[p][0], consts, _WARPS["dispatch", phase],
                      _DISPATCH_VARYING[cum, waits], prepared)
         return None
 
@@ -259,14 +265,14 @@ class DevicePath:
                 wait_stats if waits else self.state, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,
                 num_cols, tag)
         kind = ("combine", phase, waits, p, topk_idx.dtype)
-        grid = self._grid(phase, self._items, n)
+        grid = self._grids["combine", phase][n]
         prepared = self._prepared.get(kind)
         if prepared:
             then = self._receives.get(kind) if phase == SEND else None
-            then_grid = self._grid(RECV, self._items, n)[0] if then else 0
-            if prepared(grid[0], current_stream(self._index), args, then, then_grid):
+            then_grid = self._grids["combine", RECV][n] if then else 0
+            if prepared(grid, current_stream(self._index), args, then, then_grid):
                 return then
-        self._launch(self.kernels.combine, kind, grid, args + self._fixed[p][1], self._combine_consts[phase, waits],
+        self._launch(self.kernels.combine, kind, (grid,), args + self._fixed[p][1], self._combine_consts[phase, waits],
                      _WARPS["combine", phase], _COMBINE_VARYING[waits], prepared)
         return None
 

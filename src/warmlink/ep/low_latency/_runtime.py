@@ -250,7 +250,8 @@ class LowLatencyRuntime:
     # -- calls -------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
                  use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) -> tuple:
-        self._check_usable("low_latency_dispatch")
+        if self._closed or self._broken is not None or (self._on_device and self._path.failed()):
+            self._check_usable("low_latency_dispatch")  # (as the combine's)
         x, topk_idx = self._checks.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                             round_scale, use_ue8m0, async_finish, return_recv_hook, cumulative_stats,
                                             wait_stats)
@@ -277,7 +278,8 @@ class LowLatencyRuntime:
             if not return_recv_hook:  # the one launch received too: the kernels' combine reads the handle's tensors
                 handle.rows_by_source = ()
                 self._mark_received("dispatch", round_)
-                return (*result, self._event("dispatch", round_, async_finish), None)
+                event = self._event("dispatch", round_, async_finish) if async_finish else self._no_event
+                return (*result, event, None)
             hook = self._device_hook("dispatch", round_, packed, args, handle)
             return (*result, self._event("dispatch", round_, async_finish), hook)
 
@@ -297,10 +299,14 @@ class LowLatencyRuntime:
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
                 wait_stats) -> tuple:
-        self._check_usable("low_latency_combine")
-        check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
-        x, topk_idx, topk_weights = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
-                                                         async_finish, return_recv_hook, out, wait_stats)
+        if self._closed or self._broken is not None or (self._on_device and self._path.failed()):
+            self._check_usable("low_latency_combine")  # (every call asks: the common answer inline)
+        if not (type(handle) is LowLatencyHandle and handle.owner == self.serial and handle.rows_by_source is not None
+                and handle.round > self._clean_round and handle.round >= self._round["dispatch"] - 1):
+            check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
+        x, topk_idx, topk_weights, combined = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                                                   zero_copy, async_finish, return_recv_hook, out,
+                                                                   wait_stats)
         p = (self._round["combine"] + 1) % LL_PARITIES
         if zero_copy:  # the rows were written into this combine's buffer (next_combine_buffer): x is not read
             x = self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=False)
@@ -309,8 +315,6 @@ class LowLatencyRuntime:
                                   "was never called: write the rows into the buffer it returns first")
         round_ = self._next_round("combine", "low_latency_combine")
         tag = handle.round & 0xFFFFFF  # every rank must combine the same dispatch
-        combined = out if out is not None else torch.empty(handle.num_tokens, self.layout.hidden, dtype=torch.bfloat16,
-                                                            device=x.device)
         args = (p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats)
         if self._on_device:  # without a hook, one launch sends and receives
             packed = self._path.combine(SEND if return_recv_hook else BOTH, *args)
@@ -321,7 +325,7 @@ class LowLatencyRuntime:
         if self._on_device:
             if not return_recv_hook:  # the one launch received too
                 self._mark_received("combine", round_)
-                return combined, self._event("combine", round_, async_finish), None
+                return combined, self._event("combine", round_, async_finish) if async_finish else self._no_event, None
             hook = self._device_hook("combine", round_, packed, args)
             return combined, self._event("combine", round_, async_finish), hook
 
