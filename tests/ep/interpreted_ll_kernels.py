@@ -116,7 +116,7 @@ class Group:
             mine = self.inputs[d]
             n, num_cols = mine["topk_idx"].shape
             handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
-                                     num_max_dispatch_tokens_per_rank=lay.max_tokens,
+                                     num_max_dispatch_tokens_per_rank=lay.max_tokens, num_tokens=n, num_topk=num_cols,
                                      dispatched=self.dispatched[d][:n, :num_cols] if both else out.dispatched)
             self.dev[d].combine(BOTH if both else SEND, p, y, handle, mine["topk_idx"], mine["topk_weights"],
                                 combined[d][0] if both else y, tags[d], None)
@@ -126,7 +126,7 @@ class Group:
             a, b = combined[s]
             n, num_cols = mine["topk_idx"].shape
             handle = SimpleNamespace(layout_range=None, comb_slot=None, num_max_dispatch_tokens_per_rank=lay.max_tokens,
-                                     dispatched=self.dispatched[s][:n, :num_cols])
+                                     num_tokens=n, num_topk=num_cols, dispatched=self.dispatched[s][:n, :num_cols])
             if not both:
                 self.dev[s].combine(RECV, p, a, handle, mine["topk_idx"], mine["topk_weights"], a, tags[s], None)
             self.host[s].receive_combine(p, mine["topk_idx"], mine["topk_weights"], b, alive)

@@ -70,7 +70,7 @@ def test_low_latency_kernels_compile_for_sm90_with_the_arguments_the_device_path
     counts = torch.zeros(lay.local_experts, dtype=torch.int32) if stats else None
     waits = torch.zeros(2, dtype=torch.int64) if stats else None
     handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot, num_max_dispatch_tokens_per_rank=32,
-                             dispatched=out.dispatched[:32])
+                             num_tokens=32, num_topk=8, dispatched=out.dispatched[:32])
     y = torch.zeros(lay.local_experts, 64, 7168, dtype=torch.bfloat16)
     for phase in (SEND, RECV, BOTH):
         path.dispatch(phase, 1, x, idx, 32, fp8, round_scale, ue8m0, 1 if fp8 else 0, counts, waits)
@@ -133,7 +133,8 @@ def test_what_changes_between_two_calls_of_a_kind_is_what_their_prepared_launch_
     def inputs(n: int, k: int, tokens: int):
         out = outputs.views(1, tokens, True, False)
         handle = SimpleNamespace(layout_range=out.layout_range, comb_slot=out.comb_slot,
-                                 num_max_dispatch_tokens_per_rank=tokens, dispatched=outputs.dispatched(1, n, k))
+                                 num_max_dispatch_tokens_per_rank=tokens, num_tokens=n, num_topk=k,
+                                 dispatched=outputs.dispatched(1, n, k))
         return (torch.zeros(n, 7168, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int64), handle,
                 torch.zeros(lay.local_experts, 2 * tokens, 7168, dtype=torch.bfloat16), torch.zeros(n, k),
                 torch.zeros(n, 7168, dtype=torch.bfloat16),

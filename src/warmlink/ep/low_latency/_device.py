@@ -259,7 +259,7 @@ class DevicePath:
         ``handle``'s ranges) back to their sources, then ``out``, each token's weighted sum (the
         dispatch's mask ``handle.dispatched``, a ``[N, K]`` view of ``[T, num_topk]``, gives the
         kernel its strides). Returns what ``dispatch`` does."""
-        n, num_cols = topk_idx.shape
+        n, num_cols = handle.num_tokens, handle.num_topk  # (topk_idx's shape: the checks held them equal)
         waits = wait_stats is not None
         args = (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
                 wait_stats if waits else self.state, self.layout.num_ranks * handle.num_max_dispatch_tokens_per_rank, n,

@@ -304,9 +304,12 @@ class LowLatencyRuntime:
         if not (type(handle) is LowLatencyHandle and handle.owner == self.serial and handle.rows_by_source is not None
                 and handle.round > self._clean_round and handle.round >= self._round["dispatch"] - 1):
             check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
-        x, topk_idx, topk_weights, combined = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt,
-                                                                   zero_copy, async_finish, return_recv_hook, out,
-                                                                   wait_stats)
+        combined = self._checks.combine_output(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                               return_recv_hook, out, wait_stats)
+        if combined is None:  # not the common call: every check, naming what is wrong
+            x, topk_idx, topk_weights, combined = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                                                       zero_copy, async_finish, return_recv_hook, out,
+                                                                       wait_stats)
         p = (self._round["combine"] + 1) % LL_PARITIES
         if zero_copy:  # the rows were written into this combine's buffer (next_combine_buffer): x is not read
             x = self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=False)
