@@ -243,7 +243,8 @@ class PreparedLaunch:
         hooks = self._hooks
         if hooks is not None:  # (_hook_set, inline: every eager low-latency call asks)
             enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)):
+            if ((enter is not None and getattr(enter, "calls", True))
+                    or (leave is not None and getattr(leave, "calls", True))):
                 return False
         status = self._launcher(self._addr, grid, stream, args, then._addr if then is not None else 0, then_grid)
         if status == 0:
