@@ -46,8 +46,8 @@ class LowLatencyCalls:
     Buffer (or builds it) and calls that Buffer's method of the same name once."""
 
     _ll: _EPBuffer | None = None
-    _ll_shape: tuple = ()  # (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk) it was built for
-    _ll_tokens = _ll_hidden = _ll_experts = _ll_topk = None  # the same, each read by every call
+    # num_max_dispatch_tokens_per_rank, hidden, num_experts and num_topk it was built for (every call reads them)
+    _ll_tokens = _ll_hidden = _ll_experts = _ll_topk = None
     _call: Callable  # deep_ep.Buffer's: where a call runs (ep.paths.comm_stream, Note [Communication stream])
     _rendezvous: Callable  # deep_ep.Buffer's: the store its warmlink Buffers meet over
 
@@ -248,15 +248,14 @@ class LowLatencyCalls:
         self._ll = _EPBuffer(self._rendezvous(), self.rank, self.group_size, max_tokens_per_rank=tokens, hidden=hidden,
                              num_topk=num_topk, device=dev, backend=backend, timeout_s=self._timeout_s,
                              low_latency_mode=True, num_experts=num_experts, enable_shrink=self.enable_shrink)
-        self._ll_shape = (tokens, hidden, num_experts, num_topk)
-        self._ll_tokens, self._ll_hidden, self._ll_experts, self._ll_topk = self._ll_shape
+        self._ll_tokens, self._ll_hidden, self._ll_experts, self._ll_topk = tokens, hidden, num_experts, num_topk
         for rank, masked in self._mask_before_build.items():  # updates made before there was a mask
             self._ll.low_latency_update_mask_buffer(rank, masked)
         self._mask_before_build = {}
         return self._ll
 
     def _check_shape(self, func: str, tokens, hidden, num_experts, num_topk: int | None) -> None:
-        built = self._ll_shape
+        built = (self._ll_tokens, self._ll_hidden, self._ll_experts, self._ll_topk)
         if (tokens, hidden, num_experts) != built[:3] or (num_topk is not None and num_topk > built[3]):
             topk = "" if num_topk is None else f" and {num_topk} top-k columns"
             raise ConfigError(

@@ -301,9 +301,7 @@ class LowLatencyRuntime:
                 wait_stats) -> tuple:
         if self._closed or self._broken is not None or (self._on_device and self._path.failed()):
             self._check_usable("low_latency_combine")  # (every call asks: the common answer inline)
-        if not (type(handle) is LowLatencyHandle and handle.owner == self.serial and handle.rows_by_source is not None
-                and handle.round > self._clean_round and handle.round >= self._round["dispatch"] - 1):
-            check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
+        check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
         combined = self._checks.combine_output(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                                return_recv_hook, out, wait_stats)
         if combined is None:  # not the common call: every check, naming what is wrong
