@@ -1,10 +1,12 @@
 """A one-rank ep Buffer on GPU 0 with random top-8 of 256 routing: the setup of the host-time
 tools (``ep_host_profile.py``, ``ep_host_steps.py``; ``one_rank_low_latency`` and, beside it,
-``one_rank_deep_ep`` for ``ll_host_profile.py`` and ``ll_kernel_time.py``). A one-rank group runs
+``one_rank_deep_ep`` for ``ll_kernel_time.py``, ``deep_ep_sides`` for ``ll_host_profile.py`` and
+``ll_eager_loop.py``). A one-rank group runs
 the same host path as a larger one up to the peer loops."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import torch
@@ -74,3 +76,25 @@ def one_rank_deep_ep(x, args):
     buf = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, num_qps_per_rank=args.experts,
                          explicitly_destroy=True)
     return buf, deep_ep.topk_idx_t
+
+
+@contextlib.contextmanager
+def deep_ep_sides(x, idx, args):
+    """Yields ``{"warmlink deep_ep": (buffer, ids), "DeepEP V1": (buffer, ids)}``: warmlink under
+    DeepEP's API (``warmlink.ep.deep_ep.Buffer``, what DeepEP's callers call) and DeepEP V1 itself,
+    both one-rank low-latency Buffers of ``args``' shape, each with ``idx`` in the dtype it takes;
+    empty where DeepEP is not importable or ``args.no_deepep``. Destroys both on leaving."""
+    from warmlink.ep import deep_ep
+
+    deep_buf, id_dtype = one_rank_deep_ep(x, args)
+    if deep_buf is None:
+        yield {}
+        return
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts, args.topk)
+    facade = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, explicitly_destroy=True)
+    try:
+        yield {"warmlink deep_ep": (facade, idx), "DeepEP V1": (deep_buf, idx.to(id_dtype))}
+    finally:
+        facade.destroy()
+        deep_buf.destroy()
+        dist.destroy_process_group()

@@ -26,10 +26,7 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
-from _one_rank import add_shape_args, one_rank_deep_ep, one_rank_low_latency
-
-from warmlink.ep import deep_ep
+from _one_rank import add_shape_args, deep_ep_sides, one_rank_low_latency
 
 CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combine hook", "dispatch", "combine")
 
@@ -80,34 +77,25 @@ def main() -> None:
         try:
             recv = buf.low_latency_dispatch(x, idx, args.tokens, args.experts)[0][0]
             y = torch.randn(*recv.shape, device=x.device).bfloat16()
-            sides = {"warmlink": (buf, idx)}
-            deep_buf, id_dtype = one_rank_deep_ep(x, args)
-            facade = None
-            if deep_buf is not None:
-                # warmlink under DeepEP's API (what DeepEP's callers and the 2-rank bench call), beside DeepEP
-                size = deep_ep.Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, 1, args.experts, args.topk)
-                facade = deep_ep.Buffer(dist.new_group([0]), 0, size, low_latency_mode=True, explicitly_destroy=True)
-                facade.low_latency_dispatch(x, idx, args.tokens, args.experts)  # (builds it)
-                sides["warmlink deep_ep"] = (facade, idx)
-                sides["DeepEP V1"] = (deep_buf, idx.to(id_dtype))
-            print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 dispatch, "
-                  f"BF16 combine; host time per call, median (min) of {args.calls}, us")
-            print(f"  {'':16s} " + "".join(f"{name:>22s}" for name in CALLS))
-            for _ in range(args.rounds):
-                for side, (b, ids) in sides.items():
-                    times = _time(b, x, ids, w, y, args, None)
-                    print(f"  {side:16s} " + "".join(
-                        f"{statistics.median(t) * 1e6:13.1f} ({min(t) * 1e6:5.1f})" for t in times.values()))
-            # A pass of its own: a profiled call runs several times slower and would skew a round's figures
-            profiler = cProfile.Profile()
-            _time(buf, x, idx, w, y, args, profiler)
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
-            print(f"warmlink's {args.profile}, profiled in a pass after the timed rounds:\n{out.getvalue()}")
-            if deep_buf is not None:
-                facade.destroy()
-                deep_buf.destroy()
-                dist.destroy_process_group()
+            with deep_ep_sides(x, idx, args) as deep_sides:
+                sides = {"warmlink": (buf, idx), **deep_sides}
+                if deep_sides:
+                    facade = deep_sides["warmlink deep_ep"][0]
+                    facade.low_latency_dispatch(x, idx, args.tokens, args.experts)  # (builds it)
+                print(f"one rank, {args.tokens} tokens x {args.hidden}, top-{args.topk} of {args.experts}, FP8 "
+                      f"dispatch, BF16 combine; host time per call, median (min) of {args.calls}, us")
+                print(f"  {'':16s} " + "".join(f"{name:>22s}" for name in CALLS))
+                for _ in range(args.rounds):
+                    for side, (b, ids) in sides.items():
+                        times = _time(b, x, ids, w, y, args, None)
+                        print(f"  {side:16s} " + "".join(
+                            f"{statistics.median(t) * 1e6:13.1f} ({min(t) * 1e6:5.1f})" for t in times.values()))
+                # A pass of its own: a profiled call runs several times slower and would skew a round's figures
+                profiler = cProfile.Profile()
+                _time(buf, x, idx, w, y, args, profiler)
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.top)
+                print(f"warmlink's {args.profile}, profiled in a pass after the timed rounds:\n{out.getvalue()}")
         finally:
             buf.close()
 
