@@ -1,8 +1,9 @@
 """The Python of low-latency device-path calls, timed on any machine (no GPU): a one-rank runtime
-whose ``DevicePath`` launches through ``PreparedLaunch`` and ``host.cpp``'s ``launch_prepared``
-into a C stand-in for ``cuLaunchKernel`` (``sched_yield``), so every host step of an eager call
-runs but the driver's. For changes to the host path between GPU sessions: the same code timed on
-the GPU hosts measured (``ll_host_profile.py``) took 2-3x as long, plus the driver's launch.
+whose ``DevicePath`` launches its ``PreparedLaunch`` plans through ``host.cpp`` (``launch_prepared``;
+the common calls' ``ll_dispatch_launch`` and ``ll_combine_launch``) into a C stand-in for
+``cuLaunchKernel`` (``sched_yield``), so every host step of an eager call runs but the driver's.
+For changes to the host path between GPU sessions: the same code timed on the GPU hosts measured
+(``ll_host_profile.py``) took 2-3x as long, plus the driver's launch.
 
     PYTHONPATH=src python tools/ll_host_cpu.py [--calls 4000] [--facade deep_ep] [--profile "dispatch hook"]
 

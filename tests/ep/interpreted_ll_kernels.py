@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from tests.ep._interpreter import numpy_scalars_in_the_interpreter, swap_ptx_helpers
 from tests.ep._ll_workers import dequantized, expert_output, ll_inputs
-from warmlink.ep.low_latency._device import (BOTH, F_MISMATCH, F_REFUSED, F_TIMEOUT, F_UNMASKED, RECV, SEND,
-                                              DevicePath, build_kernels)
+from warmlink.ep.low_latency._device import BOTH, RECV, SEND, DevicePath, build_kernels
+from warmlink.ep.low_latency._failures import F_MISMATCH, F_REFUSED, F_TIMEOUT, F_UNMASKED
 from warmlink.ep.low_latency._host import HostPath
 from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs

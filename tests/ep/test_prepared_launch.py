@@ -116,9 +116,11 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
             setattr(knobs.runtime, which, hook)
         try:
             assert not launch(1, STREAM, ()), which
+            assert launch.plan() == 0, which  # (a compiled call launching the plan itself declines alike)
         finally:
             setattr(knobs.runtime, which, saved)
     assert launch(1, STREAM, ())
+    assert launch.plan() != 0
     assert len(driver.launches) == 2
 
 

@@ -9,7 +9,9 @@
 //   fresh_accepts: whether a fresh dispatch's tensors are of the common kind that ep's argument
 //     checks (ep/protocol/checks.py) pass through unchanged, so that they need not run;
 //     ll_dispatch_accepts, ll_combine_accepts: the same for the low-latency calls' tensors
-//     (ll_combine_output: the combine's output too, made here where the call has none);
+//     (ll_combine_output: the combine's output too, made here where the call has none;
+//     ll_combine_launch: that, then the combine's prepared launch, the common eager combine;
+//     ll_dispatch_launch: the dispatch's acceptance and prepared launch alike);
 //   planned_front: front_launch for a kind of fresh dispatch seen before (ep/paths/planned.py), with
 //     the rows, taken and recv_offset tensors made and the streamed kernel launched behind the
 //     exchange, its receivers waiting for the outputs the host posts (Note [Posted outputs]);
@@ -40,6 +42,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -644,6 +648,12 @@ class ArgValues {
  public:
   explicit ArgValues(const py::tuple& args) : args_(args), size_(static_cast<i64>(args.size())) {}
 
+  // the value of argument `arg` (< 64) is `value`, whatever the tuple holds there
+  void set(i64 arg, i64 value) {
+    values_[arg] = value;
+    known_ |= uint64_t{1} << arg;
+  }
+
   // false where there is no such argument
   bool get(i64 arg, i64* value) {
     if (arg >= size_) return false;
@@ -703,11 +713,10 @@ int launch_packed(const i64* plan, const char* buffer, i64 grid, i64 stream) {
 // launched, the plan at `then` (0: none) gets a launch of its own with the same `args` and grid
 // `then_grid` packed, which launch_pending makes later: a send packs its receive hook's launch,
 // whose kernel takes the same arguments, so the hook is the driver's launch alone.
-int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, i64 then_addr, i64 then_grid) {
+int launch_with(i64 plan_addr, i64 grid, i64 stream, ArgValues& values, i64 then_addr, i64 then_grid) {
   const i64* plan = reinterpret_cast<const i64*>(plan_addr);
   if (grid < 1 || grid > INT32_MAX) return -1;
   alignas(16) char buffer[PLAN_MAX_BYTES];
-  ArgValues values(args);
   if (!pack_params(plan, values, buffer)) return -1;
   const int status = launch_packed(plan, buffer, grid, stream);
   if (then_addr != 0) {
@@ -717,6 +726,46 @@ int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, 
     then[PLAN_PENDING_GRID] = packed ? then_grid : 0;
   }
   return status;
+}
+
+int launch_prepared(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, i64 then_addr, i64 then_grid) {
+  ArgValues values(args);
+  return launch_with(plan_addr, grid, stream, values, then_addr, then_grid);
+}
+
+// The common eager combine in one call: ll_combine_output's acceptance and output, then
+// launch_prepared's launch of the kernel's arguments `args`, the output's address as argument
+// `out_arg` (where the call passed no `out`, the tuple holds None there). None, launching nothing,
+// where the tensors are not accepted (the caller's checks then name what is wrong) or a value
+// breaks the plan (its launcher takes the call); raises where the driver refuses the launch.
+py::object ll_combine_launch(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, i64 then_addr,
+                             i64 then_grid, i64 out_arg, py::handle x, py::handle topk, py::handle weights,
+                             py::handle out, py::handle waits, i64 device, i64 local, i64 rows, i64 hidden,
+                             i64 tokens, i64 cols, i64 ranks) {
+  py::object output = ll_combine_output(x, topk, weights, out, waits, device, local, rows, hidden, tokens, cols, ranks);
+  if (output.is_none() || out_arg < 0 || out_arg >= 64) return py::none();
+  ArgValues values(args);
+  values.set(out_arg, reinterpret_cast<i64>(THPVariable_Unpack(output.ptr()).data_ptr()));
+  const int status = launch_with(plan_addr, grid, stream, values, then_addr, then_grid);
+  if (status < 0) return py::none();
+  if (status > 0)
+    throw std::runtime_error("ep low-latency combine: cuLaunchKernel failed with CUDA error " + std::to_string(status));
+  return output;
+}
+
+// The common eager dispatch in one call: ll_dispatch_accepts, then launch_prepared. False, launching
+// nothing, where the tensors are not accepted or a value breaks the plan (as ll_combine_launch).
+bool ll_dispatch_launch(i64 plan_addr, i64 grid, i64 stream, const py::tuple& args, i64 then_addr, i64 then_grid,
+                        py::handle x, py::handle topk, py::handle cumulative, py::handle waits, i64 device,
+                        i64 hidden, i64 max_tokens, i64 max_topk, i64 local, i64 ranks) {
+  if (!ll_dispatch_accepts(x, topk, cumulative, waits, device, hidden, max_tokens, max_topk, local, ranks))
+    return false;
+  ArgValues values(args);
+  const int status = launch_with(plan_addr, grid, stream, values, then_addr, then_grid);
+  if (status > 0)
+    throw std::runtime_error("ep low-latency dispatch: cuLaunchKernel failed with CUDA error " +
+                             std::to_string(status));
+  return status == 0;
 }
 
 // The launch launch_prepared packed in this plan, made once on `stream`: -1 where none is pending
@@ -744,5 +793,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wait_landed", &wait_landed);
   m.def("status_clean", &status_clean);
   m.def("launch_prepared", &launch_prepared);
+  m.def("ll_combine_launch", &ll_combine_launch);
+  m.def("ll_dispatch_launch", &ll_dispatch_launch);
   m.def("launch_pending", &launch_pending);
 }

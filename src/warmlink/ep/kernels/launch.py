@@ -205,13 +205,14 @@ class PreparedLaunch:
             for good), 4 or 8 bytes, ``CHECK_*``, and the index of the call's argument it is read
             from (a tensor's address, or an int), -1 for a fixed one.
         compiled: ``host.cpp``'s module (``ep.kernels.host.module()``), whose ``launch_prepared``
-            and ``launch_pending`` make the launches.
+            and ``launch_pending`` make the launches (kept as ``compiled``: a caller may launch
+            ``plan()`` through another of its calls).
         name: the kernel's, for errors.
         hooks: Triton's ``knobs.runtime``: while a launch hook is set there (proton and other
             Triton-level profilers), every call declines, so that Triton's launcher calls the hook.
     """
 
-    __slots__ = ("_plan", "_addr", "_launcher", "_pending", "name", "_hooks")
+    __slots__ = ("_plan", "_addr", "_launcher", "_pending", "compiled", "name", "_hooks")
 
     def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
                  params: list[tuple[int, int, int, int]], compiled, name: str, hooks=None) -> None:
@@ -229,7 +230,7 @@ class PreparedLaunch:
         for offset, (value, size, _, _) in zip(offsets, params, strict=True):
             buffer[offset:offset + size] = int(value).to_bytes(size, "little", signed=value < 0)
         self._plan, self._addr = plan, ctypes.addressof(plan)
-        self._launcher, self._pending = compiled.launch_prepared, compiled.launch_pending
+        self._launcher, self._pending, self.compiled = compiled.launch_prepared, compiled.launch_pending, compiled
         self.name, self._hooks = name, hooks
 
     def __call__(self, grid: int, stream: int, args: tuple, then: "PreparedLaunch | None" = None,
@@ -252,6 +253,15 @@ class PreparedLaunch:
         if status < 0:
             return False
         raise RuntimeError(f"cuLaunchKernel({self.name}, grid {grid}): CUDA error {status}")
+
+    def plan(self) -> int:
+        """The packed plan's address, for a compiled call that checks its own tensors and launches
+        the plan itself (``host.cpp``'s ``ll_combine_launch``: what ``__call__`` then does); 0 while
+        a Triton launch hook is set, when every call declines as ``__call__`` does."""
+        hooks = self._hooks
+        if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
+            return 0
+        return self._addr
 
     def launch_pending(self, stream: int) -> bool:
         """Make the launch another's call packed in this one (``__call__``'s ``then``), once, on

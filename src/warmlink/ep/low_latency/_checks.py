@@ -73,18 +73,26 @@ class LowLatencyChecks:
             self._compiled = host.module() or False
         return self._compiled or None
 
+    def plain_dispatch_flags(self, tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                             return_recv_hook) -> bool:
+        """Whether the dispatch's flags and ints are the common call's (the first test of
+        ``accepts_dispatch``)."""
+        lay = self.layout
+        return (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                and type(async_finish) is bool and type(return_recv_hook) is bool
+                and (use_fp8 or not round_scale) and (round_scale or not use_ue8m0)
+                and type(num_experts) is int and num_experts == lay.num_experts
+                and type(tokens) is int and 1 <= tokens <= lay.max_tokens and not self.read_values)
+
     def accepts_dispatch(self, x, topk_idx, tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
                          return_recv_hook, cumulative_stats, wait_stats) -> bool:
         """Whether ``dispatch`` would pass these arguments through unchanged: the common call (the
         device path's checks; statistics or not, as DeepEP's own tests pass them) in a few
         comparisons, the full checks run otherwise."""
-        lay = self.layout
-        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
-                and type(async_finish) is bool and type(return_recv_hook) is bool
-                and (use_fp8 or not round_scale) and (round_scale or not use_ue8m0)
-                and type(num_experts) is int and num_experts == lay.num_experts
-                and type(tokens) is int and 1 <= tokens <= lay.max_tokens and not self.read_values):
+        if not self.plain_dispatch_flags(tokens, num_experts, use_fp8, round_scale, use_ue8m0, async_finish,
+                                         return_recv_hook):
             return False
+        lay = self.layout
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:
             return compiled.ll_dispatch_accepts(x, topk_idx, cumulative_stats, wait_stats, self._index, lay.hidden, tokens,
@@ -97,7 +105,8 @@ class LowLatencyChecks:
         rows, cols = topk_idx.shape
         return hidden == lay.hidden and n <= tokens and rows == n and 1 <= cols <= lay.num_topk
 
-    def _plain_combine_flags(self, use_logfmt, zero_copy, async_finish, return_recv_hook) -> bool:
+    def plain_combine_flags(self, use_logfmt, zero_copy, async_finish, return_recv_hook) -> bool:
+        """Whether the combine's flags are the common call's (the first test of ``accepts_combine``)."""
         return (use_logfmt is False and type(zero_copy) is bool and type(async_finish) is bool
                 and type(return_recv_hook) is bool and not self.read_values)
 
@@ -105,7 +114,7 @@ class LowLatencyChecks:
                         async_finish, return_recv_hook, out, wait_stats) -> bool:
         """Whether ``combine`` would pass these arguments through unchanged (as ``accepts_dispatch``)."""
         lay = self.layout
-        if not self._plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
+        if not self.plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
             return False
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:
@@ -195,7 +204,7 @@ class LowLatencyChecks:
                        async_finish, return_recv_hook, out, wait_stats) -> torch.Tensor | None:
         """For a call ``accepts_combine`` takes, its output (``out``, or a new BF16 ``[N, H]``), made
         in the same compiled call as the acceptance where there is one; else None."""
-        if not self._plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
+        if not self.plain_combine_flags(use_logfmt, zero_copy, async_finish, return_recv_hook):
             return None
         compiled = self._compiled if self._compiled is not None else self._host_steps()
         if compiled:

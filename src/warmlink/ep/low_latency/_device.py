@@ -12,7 +12,10 @@ compiled kernel serves every call of the kind. A send made so also packs its rec
 (the same kernel arguments, the receive's kind and grid) into the receive's ``PreparedLaunch``,
 so that its hook, the latency of a decode step's receive, is the driver's launch and no more:
 that packed launch waits there until the hook, and the rounds rule (Note [Low-latency rounds])
-keeps another send of the kind from packing over it first.
+keeps another send of the kind from packing over it first. The common eager call (the flags
+DeepEP's callers pass, tensors as the kernels read them) is one compiled call from there
+(``dispatch_made``, ``combine_made``): the tensors' acceptance, the combine's output and the
+launch; anything else declines to the runtime's full checks, which name what is wrong.
 
 Two kernels (ep.low_latency._triton_dispatch and _triton_combine), ``dispatch`` and ``combine``,
 each a send phase and a receive phase: a call without a hook launches one kernel running both (at most a
@@ -49,9 +52,9 @@ Failures cannot raise inside a call. A kernel whose wait times out marks the dev
 (every later kernel then does nothing) and writes a code, the round and the rank it waited for
 into a pinned host word; an argument mismatch between ranks, a refused input or a combine that
 unmasks an entry writes its code there too but keeps the group going. The next call reads that
-word on the host and raises (``failure``): ``TransferTimeout`` or ``PeerLostError`` (after a
-liveness check) for good, ``ConfigError`` once. Synchronising the stream before the next call
-makes that call the one that raises.
+word on the host and raises (``failure``; ep.low_latency._failures): ``TransferTimeout`` or
+``PeerLostError`` (after a liveness check) for good, ``ConfigError`` once. Synchronising the
+stream before the next call makes that call the one that raises.
 
 With ``shrink`` (DeepEP's ``enable_shrink``) a wait past its deadline instead masks the ranks it
 waited for in a device word per rank (DeepEP's mask buffer): no kernel waits for, sends to or
@@ -69,14 +72,14 @@ from types import SimpleNamespace
 import torch
 
 from warmlink.ep.kernels.launch import FastLaunch, current_stream, launch
+from warmlink.ep.low_latency import _failures
 from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.ep.low_latency._outputs import Outputs
-from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
+from warmlink.errors import ConfigError
 
 __all__ = ["BOTH", "RECV", "SEND", "DevicePath", "build_kernels", "call_tag"]
 
 STATE_WORDS = 16  # seq of (dispatch, combine) x parity, failed, spare, done counters (_triton)
-F_TIMEOUT, F_MISMATCH, F_REFUSED, F_UNMASKED = 1, 2, 3, 4
 SEND, RECV, BOTH = 1, 2, 3  # a kernel's PHASE: a call without a hook launches both phases at once
 _SCAN_BLOCK = 256  # topk_idx entries a dispatch program compares at a time
 _WARPS = {("dispatch", SEND): 8, ("dispatch", RECV): 4, ("dispatch", BOTH): 8,
@@ -148,6 +151,9 @@ class DevicePath:
                  shrink: bool = False) -> None:
         self.layout, self.rank, self.device, self.shrink = layout, rank, device, shrink
         self._index = device.index  # (looked up by every launch)
+        # what host.cpp's acceptance of a call's tensors is told of them: device (-1: CPU), L, H, R
+        self._accept = (device.index if device.type == "cuda" else -1, layout.local_experts, layout.hidden,
+                        layout.num_ranks)
         self.timeout_ns = int(timeout_s * 1e9)
         self.kernels = kernels or _gpu_kernels()
         lay = layout
@@ -252,6 +258,31 @@ class DevicePath:
                      _DISPATCH_VARYING[cum, waits], prepared)
         return None
 
+    def dispatch_made(self, phase: int, p: int, x, topk_idx, tokens: int, fp8: bool, round_scale: bool, ue8m0: bool,
+                      tag: int, cumulative_stats, wait_stats):
+        """``dispatch`` of a call whose flags and ints ``LowLatencyChecks`` took, in one compiled
+        call (``host.cpp``'s ``ll_dispatch_launch``) with the tensors' acceptance
+        (``accepts_dispatch``'s): ``(what dispatch returns,)``; None, launching nothing, where the
+        tensors are not taken as they are or the kind of call has no prepared launch yet (as
+        ``combine_made``)."""
+        cum, waits = cumulative_stats is not None, wait_stats is not None
+        kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, getattr(topk_idx, "dtype", None))
+        prepared = self._prepared.get(kind)
+        plan = prepared.plan() if prepared else 0
+        if not plan or topk_idx.dim() != 2 or topk_idx.shape[0] > tokens:  # (the grid's lookup needs its rows)
+            return None
+        n, num_cols = topk_idx.shape
+        then = self._receives.get(kind) if phase == SEND else None
+        args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else self.state, n, num_cols,
+                tokens, tag)  # (dispatch's own)
+        device, local, hidden, ranks = self._accept
+        if not prepared.compiled.ll_dispatch_launch(
+                plan, self._grids["dispatch", phase][n], current_stream(self._index), args, then.plan() if then else 0,
+                self._grids["dispatch", RECV][n] if then else 0, x, topk_idx, cumulative_stats, wait_stats, device,
+                hidden, tokens, self.layout.num_topk, local, ranks):
+            return None
+        return (then,)
+
     # -- combine ----------------------------------------------------------------------------------
     def combine(self, phase: int, p: int, x: torch.Tensor, handle, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: torch.Tensor, tag: int, wait_stats: torch.Tensor | None):
@@ -275,6 +306,29 @@ class DevicePath:
         self._launch(self.kernels.combine, kind, (grid,), args + self._fixed[p][1], self._combine_consts[phase, waits],
                      _WARPS["combine", phase], _COMBINE_VARYING[waits], prepared)
         return None
+
+    def combine_made(self, phase: int, p: int, x, handle, topk_idx, topk_weights, out, tag: int, wait_stats):
+        """``combine`` of a call whose flags ``LowLatencyChecks`` took, in one compiled call
+        (``host.cpp``'s ``ll_combine_launch``) with the tensors' acceptance (``accepts_combine``'s)
+        and the output (``out``, or a new BF16 ``[N, H]``): ``(output, what combine returns)``;
+        None, launching nothing, where the tensors are not taken as they are or the kind of call
+        has no prepared launch yet (the caller then checks them by name and calls ``combine``)."""
+        waits = wait_stats is not None
+        kind = ("combine", phase, waits, p, getattr(topk_idx, "dtype", None))
+        prepared = self._prepared.get(kind)
+        plan = prepared.plan() if prepared else 0
+        if not plan:
+            return None
+        then = self._receives.get(kind) if phase == SEND else None
+        device, local, hidden, ranks = self._accept
+        n, num_cols, rows = handle.num_tokens, handle.num_topk, ranks * handle.num_max_dispatch_tokens_per_rank
+        args = (x, handle.layout_range, handle.comb_slot, topk_idx, topk_weights, handle.dispatched, out,
+                wait_stats if waits else self.state, rows, n, num_cols, tag)  # (combine's, the output at 6)
+        made = prepared.compiled.ll_combine_launch(
+            plan, self._grids["combine", phase][n], current_stream(self._index), args, then.plan() if then else 0,
+            self._grids["combine", RECV][n] if then else 0, 6, x, topk_idx, topk_weights, out, wait_stats, device,
+            local, rows, hidden, n, num_cols, ranks)
+        return None if made is None else (made, then)
 
     def receive(self, phase: str, packed, args: tuple) -> None:
         """A hook's receive of ``phase`` ("dispatch" or "combine"): the launch its send packed
@@ -318,41 +372,9 @@ class DevicePath:
         return bool(self._fail_words[0])
 
     def failure(self) -> tuple[int, str, int, int] | None:
-        """``(code, phase, seq, rank)`` a kernel reported, or None; a code other than
-        ``F_TIMEOUT`` is cleared (it is raised once). Reads pinned memory: no synchronisation."""
-        words = self._fail_words
-        code = int(words[0])
-        if not code:
-            return None
-        slot, seq, rank = (int(v) for v in words[1:])
-        if code != F_TIMEOUT:
-            words[0] = 0
-        return code, "dispatch" if slot < 2 else "combine", seq, rank
-
-    def failure_error(self, func: str, device: int, refs: dict) -> Exception | None:
-        """The exception of ``failure()``, or None: ``TransferTimeout`` / ``PeerLostError`` (the rank
-        waited for is dead: ``refs[rank].alive()``) for a timeout, else ``ConfigError``."""
-        failure = self.failure()
-        if failure is None:
-            return None
-        code, phase, seq, r = failure
-        what = f"{func}: an earlier low-latency {phase} on cuda:{device} (sequence {seq} of its parity)"
-        if code == F_TIMEOUT:
-            ref = refs.get(r)
-            if ref is not None and not ref.alive():
-                return PeerLostError(f"{what} waited for rank {r} (pid {ref.pid}), which died")
-            return TransferTimeout(f"{what} waited {self.timeout_ns / 1e9:.3g} s for rank {r}; a peer is stalled, or "
-                                   "the ranks made different low-latency calls")
-        if code == F_MISMATCH:
-            return ConfigError(f"{what}: rank {r} called with other arguments (num_max_dispatch_tokens_per_rank, "
-                               "use_fp8, round_scale, use_ue8m0) or combined another dispatch's handle; every rank must "
-                               "make the same call; that call's outputs are not valid (the next call goes on)")
-        if code == F_REFUSED:
-            return ConfigError(f"{what}: rank {r}'s topk_idx held an expert id outside [-1, "
-                               f"{self.layout.num_experts}); that round moved no rows and its outputs are not valid "
-                               "(the next call goes on)")
-        return ConfigError(f"{what}: topk_idx of the combine selected experts where the dispatch's topk_idx held -1 "
-                           "(entries may only be masked to -1); those rows were not summed")
+        """``(code, phase, seq, rank)`` a kernel reported, or None (``_failures.read``). Reads pinned
+        memory: no synchronisation."""
+        return _failures.read(self._fail_words)
 
     def close(self) -> None:
         self.bases = self.state = None

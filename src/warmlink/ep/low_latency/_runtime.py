@@ -38,6 +38,7 @@ import torch
 
 from warmlink import _cuda
 from warmlink.ep.kernels.launch import current_stream
+from warmlink.ep.low_latency import _failures
 from warmlink.ep.low_latency._checks import LowLatencyChecks, check_handle, refuse_backend
 from warmlink.ep.low_latency._connect import Peers, connect
 from warmlink.ep.low_latency._device import BOTH, SEND, DevicePath, call_tag
@@ -146,7 +147,8 @@ class LowLatencyRuntime:
     def _raise_device_failure(self, func: str) -> None:
         """Raise what a kernel of an earlier call reported (Note [Low-latency device path]); a
         timeout or a lost peer breaks the Buffer for good."""
-        exc = self._path.failure_error(f"ep.Buffer.{func}", self.device, self._peers.refs)
+        exc = _failures.error(self._path.failure(), f"ep.Buffer.{func}", self.device, self._path.timeout_ns / 1e9,
+                              self.layout.num_experts, self._peers.refs)
         if isinstance(exc, (TransferTimeout, PeerLostError)):
             self._broken = exc
         if exc is not None:
@@ -252,19 +254,30 @@ class LowLatencyRuntime:
                  use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) -> tuple:
         if self._closed or self._broken is not None or (self._on_device and self._path.failed()):
             self._check_usable("low_latency_dispatch")  # (as the combine's)
-        x, topk_idx = self._checks.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                            round_scale, use_ue8m0, async_finish, return_recv_hook, cumulative_stats,
-                                            wait_stats)
         lay, tokens = self.layout, num_max_dispatch_tokens_per_rank
-        round_ = self._next_round("dispatch", "low_latency_dispatch")
+        phase = SEND if return_recv_hook else BOTH  # (without a hook, one launch sends and receives)
+        made = None
+        if self._on_device and self._checks.plain_dispatch_flags(tokens, num_experts, use_fp8, round_scale, use_ue8m0,
+                                                                 async_finish, return_recv_hook):
+            # the common call: its tensors' checks and its launch in one compiled call
+            round_ = self._next_round("dispatch", "low_latency_dispatch")
+            tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
+            made = self._path.dispatch_made(phase, round_ % LL_PARITIES, x, topk_idx, tokens, use_fp8, round_scale,
+                                            use_ue8m0, tag, cumulative_stats, wait_stats)
+        if made is None:  # every check, naming what is wrong
+            x, topk_idx = self._checks.dispatch(x, topk_idx, tokens, num_experts, use_fp8, round_scale, use_ue8m0,
+                                                async_finish, return_recv_hook, cumulative_stats, wait_stats)
+            round_ = self._next_round("dispatch", "low_latency_dispatch")
         p = round_ % LL_PARITIES
         out = self._outputs.views(p, tokens, use_fp8, use_ue8m0)
         n, num_cols = topk_idx.shape
         dispatched = self._outputs.dispatched(p, n, num_cols)
-        if self._on_device:  # without a hook, one launch sends and receives
+        if made is not None:
+            packed = made[0]
+        elif self._on_device:
             tag = call_tag(tokens, use_fp8, round_scale, use_ue8m0)
-            args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
-            packed = self._path.dispatch(SEND if return_recv_hook else BOTH, *args)
+            packed = self._path.dispatch(phase, p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag,
+                                         cumulative_stats, wait_stats)
         else:
             self._path.send_dispatch(round_, x, topk_idx, tokens, use_fp8, round_scale, self._mask.masked())
             word = _call_word(tokens, num_cols, use_fp8, round_scale, use_ue8m0)
@@ -280,6 +293,7 @@ class LowLatencyRuntime:
                 self._mark_received("dispatch", round_)
                 event = self._event("dispatch", round_, async_finish) if async_finish else self._no_event
                 return (*result, event, None)
+            args = (p, x, topk_idx, tokens, use_fp8, round_scale, use_ue8m0, tag, cumulative_stats, wait_stats)
             hook = self._device_hook("dispatch", round_, packed, args, handle)
             return (*result, self._event("dispatch", round_, async_finish), hook)
 
@@ -302,32 +316,40 @@ class LowLatencyRuntime:
         if self._closed or self._broken is not None or (self._on_device and self._path.failed()):
             self._check_usable("low_latency_combine")  # (every call asks: the common answer inline)
         check_handle(handle, "low_latency_combine", self.serial, self._round["dispatch"], self._clean_round)
-        combined = self._checks.combine_output(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                               return_recv_hook, out, wait_stats)
-        if combined is None:  # not the common call: every check, naming what is wrong
+        phase, tag = SEND if return_recv_hook else BOTH, handle.round & 0xFFFFFF  # (every rank combines one dispatch)
+        made = None
+        if self._on_device and zero_copy is False and self._checks.plain_combine_flags(use_logfmt, zero_copy,
+                                                                                      async_finish, return_recv_hook):
+            # the common call: its tensors' checks, its output and its launch in one compiled call
+            round_ = self._next_round("combine", "low_latency_combine")
+            p = round_ % LL_PARITIES
+            made = self._path.combine_made(phase, p, x, handle, topk_idx, topk_weights, out, tag, wait_stats)
+        if made is not None:
+            combined, packed = made
+        else:  # every check, naming what is wrong
             x, topk_idx, topk_weights, combined = self._checks.combine(x, topk_idx, topk_weights, handle, use_logfmt,
                                                                        zero_copy, async_finish, return_recv_hook, out,
                                                                        wait_stats)
-        p = (self._round["combine"] + 1) % LL_PARITIES
-        if zero_copy:  # the rows were written into this combine's buffer (next_combine_buffer): x is not read
-            x = self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=False)
-            if x is None:
-                raise ConfigError("ep.Buffer.low_latency_combine: zero_copy=True, but get_next_low_latency_combine_buffer "
-                                  "was never called: write the rows into the buffer it returns first")
-        round_ = self._next_round("combine", "low_latency_combine")
-        tag = handle.round & 0xFFFFFF  # every rank must combine the same dispatch
-        args = (p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats)
-        if self._on_device:  # without a hook, one launch sends and receives
-            packed = self._path.combine(SEND if return_recv_hook else BOTH, *args)
-        else:
-            self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot, self._mask.masked())
-            self.mailbox.publish_combine(round_, handle.round)
+            p = (self._round["combine"] + 1) % LL_PARITIES
+            if zero_copy:  # the rows were written into this combine's buffer (next_combine_buffer): x is not read
+                x = self._outputs.combine_buffer(p, handle.num_max_dispatch_tokens_per_rank, make=False)
+                if x is None:
+                    raise ConfigError("ep.Buffer.low_latency_combine: zero_copy=True, but "
+                                      "get_next_low_latency_combine_buffer was never called: write the rows into the "
+                                      "buffer it returns first")
+            round_ = self._next_round("combine", "low_latency_combine")
+            if self._on_device:  # without a hook, one launch sends and receives
+                packed = self._path.combine(phase, p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats)
+            else:
+                self._path.send_combine(p, x, handle.rows_by_source, handle.comb_slot, self._mask.masked())
+                self.mailbox.publish_combine(round_, handle.round)
         self._round["combine"] = round_
         if self._on_device:
             if not return_recv_hook:  # the one launch received too
                 self._mark_received("combine", round_)
                 return combined, self._event("combine", round_, async_finish) if async_finish else self._no_event, None
-            hook = self._device_hook("combine", round_, packed, args)
+            hook = self._device_hook("combine", round_, packed,
+                                     (p, x, handle, topk_idx, topk_weights, combined, tag, wait_stats))
             return combined, self._event("combine", round_, async_finish), hook
 
         def receive() -> None:
