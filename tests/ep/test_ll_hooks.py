@@ -46,15 +46,16 @@ def _sizes(name: str) -> list[int]:
     return [4 if i in ints else 8 for i in range(num_args)]
 
 
-def _plan(driver: Driver, compiled, name: str, phase: int) -> PreparedLaunch:
-    """The call's arguments read from it, the parity's fixed (zero here)."""
+def _plan(driver: Driver, compiled, name: str, phase: int, offset: int = 0) -> PreparedLaunch:
+    """The call's arguments read from it, the parity's fixed (zero here); its function
+    ``FUNCTIONS[name, phase] + offset``."""
     offsets, params, at = [], [], 0
     for i, size in enumerate(_sizes(name)):
         at = -(-at // size) * size
         offsets.append(at)
         at += size
         params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < CALL_ARGS[name] else -1))
-    return PreparedLaunch(driver.address, FUNCTIONS[name, phase], 128, 0, offsets, params, compiled, name)
+    return PreparedLaunch(driver.address, FUNCTIONS[name, phase] + offset, 128, 0, offsets, params, compiled, name)
 
 
 @pytest.fixture
