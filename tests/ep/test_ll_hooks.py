@@ -8,54 +8,15 @@ device path built without shrink refuses to mask a rank (its kernels do not read
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from tests.ep._launch_driver import Driver
-from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PreparedLaunch
+from tests.ep._ll_stand_in import ARGS, FUNCTIONS, HIDDEN, E, K, T, device_runtime, plan, sizes
 from warmlink.ep.low_latency import _device
-from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._device import BOTH, RECV, SEND
-from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 from warmlink.errors import ConfigError
 from warmlink.rendezvous import Store
-
-T, HIDDEN, E, K = 8, 256, 8, 4
-# the kernels' runtime arguments (DevicePath.dispatch / combine, the call's then the parity's): how
-# many, and which are int32 (the timeout, 30 s in ns, is not)
-ARGS = {"dispatch": (30, {4, 5, 6, 7, 22, 23, 24, 25, 26, 28, 29}), "combine": (23, {8, 9, 10, 11, 17, 18, 19, 20, 22})}
-CALL_ARGS = {"dispatch": 8, "combine": 12}  # the first ones, which a call passes (the parity's are fixed)
-FUNCTIONS = {(name, phase): 0x100 * (i + 1) + phase for i, name in enumerate(ARGS) for phase in (SEND, RECV, BOTH)}
-
-
-class Kernel:
-    """A kernel's launcher for the launches no ``PreparedLaunch`` makes: ``kernel[grid](*args, **consts)``."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.launches = name, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **consts: self.launches.append((grid, args, consts))
-
-
-def _sizes(name: str) -> list[int]:
-    """Each argument's bytes: a tensor's address, or an int32."""
-    num_args, ints = ARGS[name]
-    return [4 if i in ints else 8 for i in range(num_args)]
-
-
-def _plan(driver: Driver, compiled, name: str, phase: int, offset: int = 0) -> PreparedLaunch:
-    """The call's arguments read from it, the parity's fixed (zero here); its function
-    ``FUNCTIONS[name, phase] + offset``."""
-    offsets, params, at = [], [], 0
-    for i, size in enumerate(_sizes(name)):
-        at = -(-at // size) * size
-        offsets.append(at)
-        at += size
-        params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < CALL_ARGS[name] else -1))
-    return PreparedLaunch(driver.address, FUNCTIONS[name, phase] + offset, 128, 0, offsets, params, compiled, name)
 
 
 @pytest.fixture
@@ -65,21 +26,17 @@ def runtime(compiled, monkeypatch):
     launch, the receives' too when ``receives``."""
     monkeypatch.setattr(_device, "current_stream", lambda device: 0x5EA)
     store = Store(is_server=True, prefix="ll-hooks", timeout_s=30)
-    rt = LowLatencyRuntime(store, 0, 1, max_tokens=T, hidden=HIDDEN, num_experts=E, num_topk=K, device=-1,
-                           backend="shm", timeout_s=30)
-    kernels = SimpleNamespace(dispatch=Kernel("dispatch"), combine=Kernel("combine"), mask_kernel=None)
-    path = _device.DevicePath(rt.layout, 0, {0: rt._region.ptr}, torch.device("cpu"), 30, rt._outputs, kernels)
-    rt._path, rt._on_device = path, True
-    rt._checks = LowLatencyChecks(rt.layout, -1, read_values=False)
-    drivers = {name: Driver(_sizes(name)) for name in ARGS}
+    rt, kernels = device_runtime(store)
+    path = rt._path
+    drivers = {name: Driver(sizes(name)) for name in ARGS}
 
     def prepare(receives: bool) -> None:
         for p in (0, 1):
             for phase in (SEND, BOTH) + ((RECV,) if receives else ()):
                 path._prepared[("dispatch", phase, True, False, False, False, False, p, torch.int64)] = \
-                    _plan(drivers["dispatch"], compiled, "dispatch", phase)
+                    plan(drivers["dispatch"], compiled, "dispatch", phase)
                 path._prepared[("combine", phase, False, p, torch.int64)] = \
-                    _plan(drivers["combine"], compiled, "combine", phase)
+                    plan(drivers["combine"], compiled, "combine", phase)
             if receives:
                 path._receives[("dispatch", SEND, True, False, False, False, False, p, torch.int64)] = \
                     path._prepared[("dispatch", RECV, True, False, False, False, False, p, torch.int64)]

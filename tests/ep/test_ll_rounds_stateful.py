@@ -4,7 +4,7 @@ parity; at most two rounds of a phase await their hooks; hooks may come in any o
 a combine takes only a received handle of one of the last two dispatches; a call with a tensor of
 the wrong dtype is refused by name; a refused call spends no round. Two paths of a one-rank
 runtime: the shm host path itself, and the device path launching into ctypes stand-ins for
-``cuLaunchKernel`` (test_ll_hooks' harness: the kernels do not run, their launches are recorded),
+``cuLaunchKernel`` (``_ll_stand_in``: the kernels do not run, their launches are recorded),
 where a refused call launches nothing, an accepted one its send (or both phases at once) with its
 parity's plan and its own tensors, and its hook the receive its send packed, once."""
 
@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from tests.ep._launch_driver import Driver
-from tests.ep.test_ll_hooks import ARGS, FUNCTIONS, HIDDEN, E, K, Kernel, T, _plan, _sizes  # (its harness)
+from tests.ep._ll_stand_in import ARGS, FUNCTIONS, HIDDEN, E, K, Kernel, T, device_runtime, plan, sizes
 from warmlink.ep.low_latency import _device
-from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._device import BOTH, RECV, SEND
 from warmlink.ep.low_latency._runtime import LowLatencyRuntime
 from warmlink.errors import ConfigError
@@ -52,21 +51,19 @@ def test_the_rounds_hold_under_any_sequence_of_calls_hooks_and_refusals(compiled
             self.pending: list[tuple[str, int, object]] = []
             self.handles: list = []
             self.store = Store(is_server=True, prefix="ll-rounds", timeout_s=30)
-            self.rt = LowLatencyRuntime(self.store, 0, 1, max_tokens=T, hidden=HIDDEN, num_experts=E, num_topk=K,
-                                        device=-1, backend="shm", timeout_s=30)
-            self.kernels = SimpleNamespace(dispatch=Kernel("dispatch"), combine=Kernel("combine"), mask_kernel=None)
-            self.drivers = {name: Driver(_sizes(name)) for name in ARGS}
+            self.drivers = {name: Driver(sizes(name)) for name in ARGS}
             if not on_device:  # the shm host path itself: its rows move, and its refusals are the model's
+                self.rt = LowLatencyRuntime(self.store, 0, 1, max_tokens=T, hidden=HIDDEN, num_experts=E, num_topk=K,
+                                            device=-1, backend="shm", timeout_s=30)
+                self.kernels = SimpleNamespace(dispatch=Kernel("dispatch"), combine=Kernel("combine"))
                 return
-            path = _device.DevicePath(self.rt.layout, 0, {0: self.rt._region.ptr}, torch.device("cpu"), 30,
-                                      self.rt._outputs, self.kernels)
-            self.rt._path, self.rt._on_device = path, True
-            self.rt._checks = LowLatencyChecks(self.rt.layout, -1, read_values=False)
+            self.rt, self.kernels = device_runtime(self.store)
+            path = self.rt._path
             for p in (0, 1):
                 for name, kind in (("dispatch", DISPATCH_KIND), ("combine", COMBINE_KIND)):
                     for phase in (SEND, RECV, BOTH):
-                        path._prepared[(name, phase, *kind, p, torch.int64)] = _plan(self.drivers[name], compiled,
-                                                                                     name, phase, PARITY * p)
+                        path._prepared[(name, phase, *kind, p, torch.int64)] = plan(self.drivers[name], compiled,
+                                                                                    name, phase, PARITY * p)
                     path._receives[(name, SEND, *kind, p, torch.int64)] = path._prepared[(name, RECV, *kind, p,
                                                                                           torch.int64)]
 
