@@ -13,7 +13,7 @@
 #        bench-small bench-colocated contention
 #        bench-full bench-lifecycle bench-reconfigure bench-ep bench-ep-pin bench-ep-life compare-ep tests-ll bench-ll
 #        ll-host (tools/ll_host_profile.py: host time of eager calls, one rank, beside DeepEP V1; ROUNDS)
-#        ll-eager (tools/ll_eager_loop.py: DeepEP's eager timing loop, host clock beside events; ROUNDS, TRACE) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
+#        ll-eager (tools/ll_eager_loop.py: DeepEP's eager timing loop, host clock beside events; ROUNDS) tests-ll-shrink deepep-ll-tests (DeepEP's test_low_latency.py, unchanged, against warmlink)
 #        deepep-ll-beside (the same test run by DeepEP V1 and by warmlink in turn; RANKS=1 on one GPU; PREV, ROUNDS)
 #        ll-kernels (tools/ll_kernel_time.py: kernel times, one rank to itself, beside DeepEP V1 on the same GPU; ROUNDS;
 #        PREV: a carried previous src timed in turn with this one; LL_ARGS: its flags, e.g. --one-launch)
@@ -147,12 +147,10 @@ for d in range(torch.cuda.device_count()):
       deepep_ready
       PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 200 python3 tools/ll_host_profile.py \
         --rounds ${ROUNDS:-3} 2>&1 | grep -v IBGDA | tee "$OUT/ll_host.log" | head -40 ;;
-    ll-eager)  # DeepEP's eager "Dispatch + combine" loop, host clock beside its events, one rank, beside DeepEP V1; ROUNDS;
-      # TRACE=1: each side's loop traced by torch.profiler too (xz-compressed chrome traces under $OUT)
+    ll-eager)  # DeepEP's eager "Dispatch + combine" loop, host clock beside its events, one rank, beside DeepEP V1; ROUNDS
       deepep_ready
       PYTHONPATH="${SRC:-$PWD/src}:$PWD/.baseline/deepep-v1" timeout 200 python3 tools/ll_eager_loop.py \
-        --rounds ${ROUNDS:-3} ${TRACE:+--trace "$OUT/traces"} 2>&1 | grep -v IBGDA | tee "$OUT/ll_eager.log" | tail -20
-      [ -d "$OUT/traces" ] && xz -9 "$OUT"/traces/*.json ;;
+        --rounds ${ROUNDS:-3} 2>&1 | grep -v IBGDA | tee "$OUT/ll_eager.log" | tail -20 ;;
     tests-ll-shrink)  # the enable_shrink GPU test, REPEATS times
       for i in $(seq 1 ${REPEATS:-5}); do
         timeout 110 python3 -m pytest -q -p no:cacheprovider tests/ep/test_low_latency_gpu.py -k shrink 2>&1 \

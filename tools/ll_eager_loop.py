@@ -6,16 +6,14 @@ the caller's stream), one rank to itself on GPU 0, run by DeepEP V1 and by warml
 The events time the GPU from one iteration's start to its end, so a loop whose host keeps ahead
 of the GPU measures the kernels, and one whose GPU drains waits for the host inside the timed
 span. The host columns say which: ``iteration`` is the host's time from one start event to the
-next, ``dispatch`` and ``combine`` each call's. ``--trace DIR`` then runs each side once more
-under torch.profiler (host and device) and writes its trace there, for a timeline::
+next, ``dispatch`` and ``combine`` each call's::
 
-    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_eager_loop.py [--rounds 3] [--trace out/]
+    PYTHONPATH=src:.baseline/deepep-v1 python tools/ll_eager_loop.py [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -25,7 +23,7 @@ from _one_rank import add_shape_args, deep_ep_sides, one_rank_low_latency
 WARMUPS, TESTS = 50, 50
 
 
-def _loop(buf, x, ids, w, y, stats, args, trace: str | None) -> dict[str, list[float]]:
+def _loop(buf, x, ids, w, y, stats, args) -> dict[str, list[float]]:
     """One run of DeepEP's ``bench`` over its ``test_func`` (no hooks): the event times and the
     host's per-iteration and per-call seconds of the timed iterations but the first (as DeepEP
     drops it)."""
@@ -45,11 +43,6 @@ def _loop(buf, x, ids, w, y, stats, args, trace: str | None) -> dict[str, list[f
     cache.zero_()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(TESTS)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(TESTS)]
-    profiler = None
-    if trace:
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
-        profiler.start()
     stamps.clear()
     begins = []
     for i in range(TESTS):
@@ -59,9 +52,6 @@ def _loop(buf, x, ids, w, y, stats, args, trace: str | None) -> dict[str, list[f
         ends[i].record()
     begins.append(time.perf_counter())
     torch.cuda.synchronize()
-    if profiler is not None:
-        profiler.stop()
-        profiler.export_chrome_trace(trace)
     calls = stamps[0::2], stamps[1::2]
     return {
         "events": [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)][1:],
@@ -82,7 +72,6 @@ def _row(name: str, t: dict[str, list[float]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, alternating")
-    p.add_argument("--trace", metavar="DIR", help="write each side's last timed loop as a chrome trace there")
     p.add_argument("--no-deepep", action="store_true", help="warmlink alone, even where DeepEP is importable")
     add_shape_args(p)
     args = p.parse_args()
@@ -102,12 +91,7 @@ def main() -> None:
                       f"   host: iteration (max)  dispatch (max)  combine (max)")
                 for _ in range(args.rounds):
                     for side, (b, ids) in sides.items():
-                        print(_row(side, _loop(b, x, ids, w, y, stats, args, None)), flush=True)
-                # A run of its own: the profiler's host hooks slow every call
-                for side, (b, ids) in sides.items() if args.trace else ():
-                    os.makedirs(args.trace, exist_ok=True)
-                    trace = os.path.join(args.trace, f"ll_eager_{side.replace(' ', '_')}.json")
-                    print(_row(f"{side} (traced)", _loop(b, x, ids, w, y, stats, args, trace)), flush=True)
+                        print(_row(side, _loop(b, x, ids, w, y, stats, args)), flush=True)
         finally:
             buf.close()
 
