@@ -1,5 +1,5 @@
 """The Python of low-latency device-path calls, timed on any machine (no GPU): a one-rank runtime
-whose ``DevicePath`` launches its ``PreparedLaunch`` plans through ``host.cpp`` (``launch_prepared``;
+whose ``DevicePath`` launches its ``PackedLaunch`` plans through ``host.cpp`` (``launch_prepared``;
 the common calls' ``ll_dispatch_launch`` and ``ll_combine_launch``) into a C stand-in for
 ``cuLaunchKernel`` (``sched_yield``), so every host step of an eager call runs but the driver's.
 For changes to the host path between GPU sessions: the same code timed on the GPU hosts measured
@@ -30,7 +30,7 @@ import torch
 from warmlink import ep
 from warmlink.ep import deep_ep
 from warmlink.ep.kernels import host
-from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PreparedLaunch
+from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PackedLaunch
 from warmlink.ep.low_latency import _device
 from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._runtime import LowLatencyRuntime
@@ -41,7 +41,7 @@ CALLS = ("dispatch send (hook)", "dispatch hook", "combine send (hook)", "combin
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
 
-def _prepared(compiled, num_args: int, ints: set[int], reads: int) -> PreparedLaunch:
+def _prepared(compiled, num_args: int, ints: set[int], reads: int) -> PackedLaunch:
     """A prepared launch of ``num_args`` parameters (a tensor's address, or an int32 at ``ints``)
     reading the first ``reads`` from each call (a call passes those alone: the real ones read the
     call's own arguments and keep the parity's)."""
@@ -53,7 +53,7 @@ def _prepared(compiled, num_args: int, ints: set[int], reads: int) -> PreparedLa
         at += size
         params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < reads else -1))
     driver = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
-    return PreparedLaunch(driver, 0xF00D, 128, 0, offsets, params, compiled, "stand-in")
+    return PackedLaunch(driver, 0xF00D, 128, 0, offsets, params, compiled, "stand-in")
 
 
 class _Prepared(dict):

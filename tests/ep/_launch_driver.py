@@ -1,4 +1,4 @@
-"""A ctypes function standing in for ``cuLaunchKernel``, for ``PreparedLaunch``'s launches on CPU."""
+"""A ctypes function standing in for ``cuLaunchKernel``, for ``PackedLaunch``'s launches on CPU."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.ep._launch_driver import Driver
-from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PreparedLaunch
+from warmlink.ep.kernels.launch import CHECK_INT32, CHECK_NONE, PackedLaunch
 from warmlink.ep.low_latency import _device
 from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._device import BOTH, RECV, SEND
@@ -24,7 +24,7 @@ FUNCTIONS = {(name, phase): 0x100 * (i + 1) + phase for i, name in enumerate(ARG
 
 
 class Kernel:
-    """A kernel's launcher for the launches no ``PreparedLaunch`` makes: ``kernel[grid](*args, **consts)``."""
+    """A kernel's launcher for the launches no ``PackedLaunch`` makes: ``kernel[grid](*args, **consts)``."""
 
     def __init__(self, name: str) -> None:
         self.name, self.launches = name, []
@@ -39,7 +39,7 @@ def sizes(name: str) -> list[int]:
     return [4 if i in ints else 8 for i in range(num_args)]
 
 
-def plan(driver: Driver, compiled, name: str, phase: int, offset: int = 0) -> PreparedLaunch:
+def plan(driver: Driver, compiled, name: str, phase: int, offset: int = 0) -> PackedLaunch:
     """The call's arguments read from it, the parity's fixed (zero here); its function
     ``FUNCTIONS[name, phase] + offset``."""
     offsets, params, at = [], [], 0
@@ -48,7 +48,7 @@ def plan(driver: Driver, compiled, name: str, phase: int, offset: int = 0) -> Pr
         offsets.append(at)
         at += size
         params.append((0, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if i < CALL_ARGS[name] else -1))
-    return PreparedLaunch(driver.address, FUNCTIONS[name, phase] + offset, 128, 0, offsets, params, compiled, name)
+    return PackedLaunch(driver.address, FUNCTIONS[name, phase] + offset, 128, 0, offsets, params, compiled, name)
 
 
 def device_runtime(store) -> tuple[LowLatencyRuntime, SimpleNamespace]:

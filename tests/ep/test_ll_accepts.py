@@ -12,14 +12,10 @@ import types
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from tests.ep._ll_call_args import HIDDEN, LAYOUT, E, K, R, T, combine_args, dispatch_args
 from warmlink.ep.low_latency._checks import LowLatencyChecks
-from warmlink.ep.low_latency._layout import LowLatencyLayout
 from warmlink.errors import ConfigError
-
-R, T, HIDDEN, E, K = 2, 8, 256, 8, 4
-LAYOUT = LowLatencyLayout(R, T, HIDDEN, E, K)
 
 
 def _answer(checks: LowLatencyChecks, call: str, *args):
@@ -36,42 +32,6 @@ def _same(u, v) -> bool:
     # the same tensors, or copies of one (the full checks copy a tensor that is not contiguous)
     return all(a is b or (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
                for a, b in zip(u, v, strict=True))
-
-
-def _tensor(draw, shape: tuple, dtype) -> torch.Tensor:
-    """A tensor of ``shape``, maybe of another dtype, shape or layout than asked."""
-    fault = draw(st.sampled_from(["none"] * 6 + ["dtype", "shape", "dims", "strided", "subclass"]))
-    if fault == "dtype":
-        dtype = draw(st.sampled_from([torch.float16, torch.int64, torch.int32, torch.float32, torch.bfloat16]))
-    if fault == "shape":
-        shape = tuple(max(0, d + draw(st.integers(-1, 1))) for d in shape)
-    if fault == "dims":
-        shape = (*shape, 1) if draw(st.booleans()) else shape[1:]
-    t = torch.zeros(shape, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
-    if fault == "strided" and t.dim() >= 1 and t.shape[-1] > 1:
-        t = torch.zeros((*shape[:-1], shape[-1] * 2), dtype=dtype)[..., ::2]
-    if fault == "subclass":
-        t = torch.nn.Parameter(t, requires_grad=False)
-    return t
-
-
-_flag = st.sampled_from([True, False, True, False, 1, 0, None])
-
-
-def _stats(draw, shape: tuple, dtype) -> torch.Tensor | None:
-    """A statistics argument: None (most calls) or a tensor, maybe of another kind than asked."""
-    return None if draw(st.booleans()) else _tensor(draw, shape, dtype)
-
-
-@st.composite
-def _dispatch_args(draw):
-    n = draw(st.integers(0, T + 1))
-    cols = draw(st.integers(0, K + 1))
-    tokens = draw(st.sampled_from([T, T - 1, n, 0, T + 1, True, float(T)]))
-    return (_tensor(draw, (n, HIDDEN), torch.bfloat16),
-            _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
-            tokens, draw(st.sampled_from([E, E - R, E + 0.0])), draw(_flag), draw(_flag), draw(_flag), draw(_flag),
-            draw(_flag), _stats(draw, (E // R,), torch.int32), _stats(draw, (R,), torch.int64))
 
 
 def _checks(quick: str, read_values: bool = False) -> LowLatencyChecks:
@@ -110,29 +70,14 @@ def _quick_agrees_with_full(call: str, args: tuple, quick: str) -> None:
 
 @QUICK
 @settings(max_examples=300, deadline=None)
-@given(args=_dispatch_args())
+@given(args=dispatch_args())
 def test_a_dispatch_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args, quick):
     _quick_agrees_with_full("dispatch", args, quick)
 
 
-@st.composite
-def _combine_args(draw):
-    tokens = draw(st.integers(1, T))
-    n = draw(st.integers(0, tokens))
-    cols = draw(st.integers(1, K))
-    handle = types.SimpleNamespace(num_tokens=n, num_topk=cols, num_max_dispatch_tokens_per_rank=tokens,
-                                   dispatched=torch.ones(n, cols, dtype=torch.bool))
-    out = draw(st.sampled_from([None, "tensor"]))
-    return (_tensor(draw, (E // R, R * tokens, HIDDEN), torch.bfloat16),
-            _tensor(draw, (n, cols), draw(st.sampled_from([torch.int64, torch.int32]))),
-            _tensor(draw, (n, cols), torch.float32), handle, draw(st.sampled_from([False, False, True, 0])),
-            draw(_flag), draw(_flag), draw(_flag),
-            None if out is None else _tensor(draw, (n, HIDDEN), torch.bfloat16), _stats(draw, (R,), torch.int64))
-
-
 @QUICK
 @settings(max_examples=300, deadline=None)
-@given(args=_combine_args())
+@given(args=combine_args())
 def test_a_combine_the_quick_acceptance_takes_is_one_the_full_checks_pass_unchanged(args, quick):
     _quick_agrees_with_full("combine", args, quick)
 

@@ -1,5 +1,5 @@
 """A low-latency call's receive hook on the device path, on CPU: a one-rank runtime whose
-``DevicePath`` launches through ``PreparedLaunch``es into a ctypes stand-in for ``cuLaunchKernel``
+``DevicePath`` launches through ``PackedLaunch``es into a ctypes stand-in for ``cuLaunchKernel``
 (the kernels do not run; their launches are recorded). A send packs its receive's launch, and its
 hook makes that launch once: the receive's function and grid with the send's values. Before the
 kind's receive has a prepared launch, the hook launches through the kernel's own launcher instead.

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._launch_driver import FUNCTION, STREAM, Driver
-from tests.ep.test_ll_accepts import HIDDEN, LAYOUT, _combine_args, _dispatch_args
-from warmlink.ep.kernels.launch import CHECK_NONE, PreparedLaunch
+from tests.ep._ll_call_args import HIDDEN, LAYOUT, combine_args, dispatch_args
+from warmlink.ep.kernels.launch import CHECK_NONE, PackedLaunch
 from warmlink.ep.low_latency import _device
 from warmlink.ep.low_latency._checks import LowLatencyChecks
 from warmlink.ep.low_latency._device import BOTH, RECV, SEND, DevicePath
@@ -26,11 +26,11 @@ from warmlink.ep.low_latency._outputs import Outputs
 ARGS = {"dispatch": 8, "combine": 12}  # the call's own arguments, which a prepared launch reads
 
 
-def _plan(driver: Driver, kernel: str, compiled, receive: bool = False) -> PreparedLaunch:
+def _plan(driver: Driver, kernel: str, compiled, receive: bool = False) -> PackedLaunch:
     """A launch of 8-byte parameters, each read from the call's argument of its index."""
     n = ARGS[kernel]
-    return PreparedLaunch(driver.address, FUNCTION + receive, 128, 0, list(range(0, 8 * n, 8)),
-                          [(0, 8, CHECK_NONE, i) for i in range(n)], compiled, kernel)
+    return PackedLaunch(driver.address, FUNCTION + receive, 128, 0, list(range(0, 8 * n, 8)),
+                        [(0, 8, CHECK_NONE, i) for i in range(n)], compiled, kernel)
 
 
 def _path(compiled, monkeypatch, error: int = 0) -> tuple[DevicePath, Driver]:
@@ -65,7 +65,7 @@ def _handle(handle):
 
 
 @settings(max_examples=200, deadline=None)
-@given(args=_combine_args(), hook=st.booleans())
+@given(args=combine_args(), hook=st.booleans())
 def test_a_combine_launches_in_one_call_exactly_when_its_tensors_are_taken_as_the_combine_would_launch(
         compiled, args, hook):
     x, idx, w, handle, _, _, _, _, out, waits = args
@@ -94,7 +94,7 @@ def test_a_combine_launches_in_one_call_exactly_when_its_tensors_are_taken_as_th
 
 
 @settings(max_examples=200, deadline=None)
-@given(args=_dispatch_args(), hook=st.booleans())
+@given(args=dispatch_args(), hook=st.booleans())
 def test_a_dispatch_launches_in_one_call_exactly_when_its_tensors_are_taken_as_the_dispatch_would_launch(
         compiled, args, hook):
     x, idx, tokens, experts, fp8, scale, ue8m0, finish, _, cumulative, waits = args

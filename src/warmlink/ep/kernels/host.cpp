@@ -23,7 +23,7 @@
 //   wait_landed: a short spin, without the GIL, until the count exchange landed its board;
 //   status_clean: how many finished streamed launches ended clean (ep/paths/launch_status.py);
 //   launch_prepared: a Triton kernel's launch whose parameters Python packed once
-//     (ep/kernels/launch.py, PreparedLaunch), patched with a call's values: the low-latency calls';
+//     (ep/kernels/launch.py, PackedLaunch), patched with a call's values: the low-latency calls';
 //     it may pack another such launch with the same values, which launch_pending makes later.
 // The kernels' argument structs are packed by Python (ep/kernels/stream_cuda.py, layout_cuda.py);
 // here they are only patched where a call's values go (the planned calls: into a copy of a struct
@@ -633,7 +633,7 @@ i64 status_clean(i64 words_addr, i64 row_words, i64 width, const py::sequence& s
 
 }  // namespace
 
-// A PreparedLaunch's plan (ep/kernels/launch.py: the same constants): header words (cuLaunchKernel,
+// A PackedLaunch's plan (ep/kernels/launch.py: the same constants): header words (cuLaunchKernel,
 // the function, threads, shared bytes, parameters, varying ones, the pending launch's grid), each
 // parameter's offset, each varying one's (parameter | size << 8 | check << 16 | argument << 24),
 // the packed parameters, then the pending launch's parameters (launch_prepared's `then`).

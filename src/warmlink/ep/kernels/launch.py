@@ -10,7 +10,7 @@ compiled kernel directly, as ``JITFunction.run`` itself does once it has found i
 
 That still costs Triton's launcher (it reads each argument from Python) and a specialization per
 argument: 15-25 us of an eager low-latency call's host time. ``FastLaunch.prepare`` packs a
-compiled kernel's parameters once into a ``PreparedLaunch``, which ``host.cpp``'s
+compiled kernel's parameters once into a ``PackedLaunch``, which ``host.cpp``'s
 ``launch_prepared`` patches with a call's varying values (addresses, sizes) and hands to
 ``cuLaunchKernel``: one compiled call. It checks what the compiled kernel assumed of those values
 (a pointer 16-byte aligned, an int within 32 bits) and declines a call that breaks it, which then
@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-__all__ = ["FastLaunch", "PreparedLaunch", "capturing", "current_stream", "launch", "on_stream"]
+__all__ = ["FastLaunch", "PackedLaunch", "capturing", "current_stream", "launch", "on_stream"]
 
 # The handle of the current stream: the call Triton's own launcher makes (its torch driver's
 # get_current_stream), 1-2 us of host time where ``torch.cuda.current_stream(d).cuda_stream``
@@ -115,14 +115,14 @@ class FastLaunch:
         meta = compiled.launch_metadata(g[:3], stream, *values) if enter is not None else None
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *values)
 
-    def prepare(self, args: tuple, constexprs: dict, num_warps: int, varying: frozenset[str]) -> "PreparedLaunch | None":
+    def prepare(self, args: tuple, constexprs: dict, num_warps: int, varying: frozenset[str]) -> "PackedLaunch | None":
         """The launch of the kernel this ``FastLaunch`` compiled for ``args`` (called once with them
         already), its parameters packed; the parameters named in ``varying`` are read from each
-        call's args (``PreparedLaunch.__call__``), the others are fixed. None where it cannot be prepared:
+        call's args (``PackedLaunch.__call__``), the others are fixed. None where it cannot be prepared:
         no compiled host steps, a kernel that needs what Triton's launcher adds (scratch memory,
         a cooperative or clustered launch), or a varying int that Triton specializes on its value
         (name it in ``triton.jit``'s ``do_not_specialize``). Tensors of a varying arg must keep the
-        dtype they had here: the caller keys its prepared launches by it."""
+        dtype they had here: the caller keys its packed launches by it."""
         from warmlink.ep.kernels import host
 
         names = self.jit.arg_names
@@ -166,9 +166,9 @@ class FastLaunch:
         if any(size != want[1] for (_, size), want in zip(layout, params)):
             return None
         params += [(0, 8, CHECK_NONE, -1)] * (len(layout) - len(params))
-        return PreparedLaunch(host.launch_address(), compiled.function, 32 * meta.num_warps, meta.shared,
-                              [offset for offset, _ in layout], params, module,
-                              getattr(self.jit, "__name__", "kernel"), hooks=self._knobs.runtime)
+        return PackedLaunch(host.launch_address(), compiled.function, 32 * meta.num_warps, meta.shared,
+                            [offset for offset, _ in layout], params, module,
+                            getattr(self.jit, "__name__", "kernel"), hooks=self._knobs.runtime)
 
 
 def param_layout(function: int) -> list[tuple[int, int]] | None:
@@ -186,14 +186,14 @@ def param_layout(function: int) -> list[tuple[int, int]] | None:
     return layout if len(layout) <= PLAN_MAX_PARAMS else None
 
 
-# A PreparedLaunch's plan, int64 words read by host.cpp's launch_prepared (the same constants there)
+# A PackedLaunch's plan, int64 words read by host.cpp's launch_prepared (the same constants there)
 PLAN_MAX_PARAMS, PLAN_MAX_BYTES = 48, 512
 _HEADER, _OFFSETS, _VARY, _BUFFER = 0, 8, 8 + PLAN_MAX_PARAMS, 8 + 2 * PLAN_MAX_PARAMS
 PLAN_WORDS = _BUFFER + 2 * PLAN_MAX_BYTES // 8  # the packed parameters, then a pending launch's
 CHECK_NONE, CHECK_ALIGNED, CHECK_INT32 = 0, 1, 2  # what launch_prepared checks of a varying value
 
 
-class PreparedLaunch:
+class PackedLaunch:
     """A kernel's launch with its parameters packed once; a call gives its arguments, from which
     the varying parameters are read, and the grid.
 
@@ -217,7 +217,7 @@ class PreparedLaunch:
     def __init__(self, launch_fn: int, function: int, threads: int, shared_bytes: int, offsets: list[int],
                  params: list[tuple[int, int, int, int]], compiled, name: str, hooks=None) -> None:
         if len(params) > PLAN_MAX_PARAMS or max((o + 8 for o in offsets), default=0) > PLAN_MAX_BYTES:
-            raise ValueError(f"PreparedLaunch({name}): {len(params)} parameters over {PLAN_MAX_PARAMS}, or over "
+            raise ValueError(f"PackedLaunch({name}): {len(params)} parameters over {PLAN_MAX_PARAMS}, or over "
                              f"{PLAN_MAX_BYTES} bytes")
         plan = (ctypes.c_int64 * PLAN_WORDS)()
         varying = [(i, size, check, arg) for i, (_, size, check, arg) in enumerate(params) if arg >= 0]
@@ -233,7 +233,7 @@ class PreparedLaunch:
         self._launcher, self._pending, self.compiled = compiled.launch_prepared, compiled.launch_pending, compiled
         self.name, self._hooks = name, hooks
 
-    def __call__(self, grid: int, stream: int, args: tuple, then: "PreparedLaunch | None" = None,
+    def __call__(self, grid: int, stream: int, args: tuple, then: "PackedLaunch | None" = None,
                  then_grid: int = 0) -> bool:
         """Launch on ``stream`` with the varying parameters read from ``args`` (the kernel's
         arguments, as ``FastLaunch`` takes them); False, launching nothing, where one breaks what

@@ -5,11 +5,11 @@ regions and poll signal words, with no host synchronisation inside a call.
 A call launches its kernels on the caller's stream and returns: nothing waits on the host, so a
 dispatch + hook + combine + hook can be captured in a CUDA graph and replayed. An eager call's
 latency is its host time plus its kernel's, so each kind of call (phase, flags, parity, id dtype)
-launches through a ``PreparedLaunch`` made after its first launch (ep.kernels.launch): its
+launches through a ``PackedLaunch`` made after its first launch (ep.kernels.launch): its
 parameters packed once, a call's addresses and sizes patched in by compiled code (no Triton
 launcher, no per-argument specialization), the kernels' ints left unspecialized so that one
 compiled kernel serves every call of the kind. A send made so also packs its receive's launch
-(the same kernel arguments, the receive's kind and grid) into the receive's ``PreparedLaunch``,
+(the same kernel arguments, the receive's kind and grid) into the receive's ``PackedLaunch``,
 so that its hook, the latency of a decode step's receive, is the driver's launch and no more:
 that packed launch waits there until the hook, and the rounds rule (Note [Low-latency rounds])
 keeps another send of the kind from packing over it first. The common eager call (the flags
@@ -194,15 +194,15 @@ class DevicePath:
         for ph in (SEND, RECV, BOTH):
             self._grids["dispatch", ph] = [self._grid(ph, n, self._items) for n in tokens]
             self._grids["combine", ph] = [self._grid(ph, self._items, n) for n in tokens]
-        # by kind of call, parity and topk_idx's dtype: its PreparedLaunch, or False where it has none
+        # by kind of call, parity and topk_idx's dtype: its PackedLaunch, or False where it has none
         self._prepared: dict[tuple, object] = {}
-        self._receives: dict[tuple, object] = {}  # a send's kind: its receive's PreparedLaunch, once there is one
+        self._receives: dict[tuple, object] = {}  # a send's kind: its receive's PackedLaunch, once there is one
 
     def _fixed_args(self, p: int, outputs: Outputs) -> tuple[tuple, tuple]:
         """The kernels' arguments that every call of parity ``p`` passes alike (after the call's own):
         the dispatch's, the combine's. Parameters rather than words in device memory, so that a
         program's first load is its state word, not the address of it; they cost an eager call
-        nothing, as a prepared launch packs them once and reads only the call's own arguments."""
+        nothing, as a packed launch packs them once and reads only the call's own arguments."""
         lay = self.layout
         views = outputs.views(p, lay.max_tokens, True, False)
         packed = outputs.views(p, lay.max_tokens, True, True).scales
@@ -236,7 +236,7 @@ class DevicePath:
         n, num_cols = topk_idx.shape
         # any tensor of the dtype stands in for an absent one: the constexprs say it is not read
         cum, waits = cumulative_stats is not None, wait_stats is not None
-        # the call's own arguments: a prepared launch reads those alone and keeps the parity's
+        # the call's own arguments: a packed launch reads those alone and keeps the parity's
         args = (x, topk_idx, cumulative_stats if cum else self.mask, wait_stats if waits else self.state, n, num_cols,
                 tokens, tag)
         kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, topk_idx.dtype)
@@ -263,7 +263,7 @@ class DevicePath:
         """``dispatch`` of a call whose flags and ints ``LowLatencyChecks`` took, in one compiled
         call (``host.cpp``'s ``ll_dispatch_launch``) with the tensors' acceptance
         (``accepts_dispatch``'s): ``(what dispatch returns,)``; None, launching nothing, where the
-        tensors are not taken as they are or the kind of call has no prepared launch yet (as
+        tensors are not taken as they are or the kind of call has no packed launch yet (as
         ``combine_made``)."""
         cum, waits = cumulative_stats is not None, wait_stats is not None
         kind = ("dispatch", phase, fp8, round_scale, ue8m0, cum, waits, p, getattr(topk_idx, "dtype", None))
@@ -312,7 +312,7 @@ class DevicePath:
         (``host.cpp``'s ``ll_combine_launch``) with the tensors' acceptance (``accepts_combine``'s)
         and the output (``out``, or a new BF16 ``[N, H]``): ``(output, what combine returns)``;
         None, launching nothing, where the tensors are not taken as they are or the kind of call
-        has no prepared launch yet (the caller then checks them by name and calls ``combine``)."""
+        has no packed launch yet (the caller then checks them by name and calls ``combine``)."""
         waits = wait_stats is not None
         kind = ("combine", phase, waits, p, getattr(topk_idx, "dtype", None))
         prepared = self._prepared.get(kind)
@@ -338,9 +338,9 @@ class DevicePath:
 
     def _launch(self, kernel, kind: tuple, grid: tuple[int], args: tuple, consts: dict, num_warps: int,
                 varying: frozenset[str], prepared) -> None:
-        """A launch of ``kind`` that its ``PreparedLaunch`` (ep.kernels.launch; ``prepared``, the
+        """A launch of ``kind`` that its ``PackedLaunch`` (ep.kernels.launch; ``prepared``, the
         caller's lookup: made after the kind's first launch) did not make: through ``launch``.
-        The callers try the prepared one first, themselves: an eager call's host time is its
+        The callers try the packed one first, themselves: an eager call's host time is its
         latency."""
         launch(kernel, grid, args, consts, num_warps=num_warps)
         if prepared is None and isinstance(kernel, FastLaunch):

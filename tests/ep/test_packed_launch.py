@@ -1,4 +1,4 @@
-"""``PreparedLaunch`` (ep.kernels.launch) through ``host.cpp``'s ``launch_prepared``, its launches
+"""``PackedLaunch`` (ep.kernels.launch) through ``host.cpp``'s ``launch_prepared``, its launches
 caught by a ctypes function standing in for ``cuLaunchKernel``: every parameter reaches the driver
 at its offset, the fixed ones as packed and the varying ones read from the call's arguments (a
 tensor's address, an int), with the grid, block, shared bytes and stream; a value that breaks what
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.ep._launch_driver import FUNCTION, STREAM, Driver
-from warmlink.ep.kernels.launch import CHECK_ALIGNED, CHECK_INT32, CHECK_NONE, PLAN_MAX_PARAMS, PreparedLaunch
+from warmlink.ep.kernels.launch import CHECK_ALIGNED, CHECK_INT32, CHECK_NONE, PLAN_MAX_PARAMS, PackedLaunch
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -57,7 +57,7 @@ def test_each_parameter_reaches_the_driver_fixed_as_packed_or_read_from_the_call
             fixed = value
         packed.append((fixed, size, CHECK_INT32 if size == 4 else CHECK_NONE, i if varying else -1))
     driver = Driver(sizes)
-    launch = PreparedLaunch(driver.address, FUNCTION, threads, shared, offsets, packed, compiled, "k")
+    launch = PackedLaunch(driver.address, FUNCTION, threads, shared, offsets, packed, compiled, "k")
     assert launch(grid, STREAM, tuple(args))
     (function, grid_xyz, block, shared_bytes, stream, values, extra), = driver.launches
     assert (function, grid_xyz, block, shared_bytes, stream, extra) == (FUNCTION, (grid, 1, 1), (threads, 1, 1), shared,
@@ -73,16 +73,16 @@ def test_each_parameter_reaches_the_driver_fixed_as_packed_or_read_from_the_call
 def test_a_value_that_breaks_what_the_kernel_was_compiled_for_launches_nothing(compiled, check, value, launched):
     size = 4 if check == CHECK_INT32 else 8
     driver = Driver([8, size])
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0, 8], [(7, 8, CHECK_NONE, -1), (0, size, check, 1)],
-                            compiled, "k")
+    launch = PackedLaunch(driver.address, FUNCTION, 128, 0, [0, 8], [(7, 8, CHECK_NONE, -1), (0, size, check, 1)],
+                          compiled, "k")
     assert launch(4, STREAM, ("ignored", value)) is launched
     assert len(driver.launches) == int(launched)
 
 
 def test_a_misaligned_tensor_is_declined_where_the_kernel_assumed_alignment(compiled):
     driver = Driver([8])
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(0, 8, CHECK_ALIGNED, 0)], compiled,
-                            "k")
+    launch = PackedLaunch(driver.address, FUNCTION, 128, 0, [0], [(0, 8, CHECK_ALIGNED, 0)], compiled,
+                          "k")
     base = torch.zeros(64, dtype=torch.bfloat16)
     assert launch(1, STREAM, (base,))
     assert not launch(1, STREAM, (base[1:],))  # 2 bytes past an aligned address
@@ -91,8 +91,8 @@ def test_a_misaligned_tensor_is_declined_where_the_kernel_assumed_alignment(comp
 
 def test_a_driver_error_is_raised_by_its_code_and_a_zero_grid_launches_nothing(compiled):
     driver = Driver([8], error=701)
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
-                            "my_kernel")
+    launch = PackedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
+                          "my_kernel")
     with pytest.raises(RuntimeError, match=r"cuLaunchKernel\(my_kernel, grid 3\): CUDA error 701"):
         launch(3, STREAM, ())
     assert not launch(0, STREAM, ())
@@ -103,8 +103,8 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
     from triton import knobs
 
     driver = Driver([8])
-    launch = PreparedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
-                            "k", hooks=knobs.runtime)
+    launch = PackedLaunch(driver.address, FUNCTION, 128, 0, [0], [(5, 8, CHECK_NONE, -1)], compiled,
+                          "k", hooks=knobs.runtime)
     assert launch(1, STREAM, ())  # no hook set
     for which in ("launch_enter_hook", "launch_exit_hook"):
         saved = getattr(knobs.runtime, which)
@@ -127,14 +127,14 @@ def test_a_set_triton_launch_hook_makes_every_call_decline_so_that_tritons_launc
 def test_too_many_parameters_are_refused_when_prepared(compiled):
     too_many = PLAN_MAX_PARAMS + 1  # (in bytes within the plan's buffer: the count alone is refused)
     with pytest.raises(ValueError, match="parameters"):
-        PreparedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * too_many, 8)), [(0, 8, CHECK_NONE, -1)] * too_many,
-                       compiled, "k")
+        PackedLaunch(0, FUNCTION, 128, 0, list(range(0, 8 * too_many, 8)), [(0, 8, CHECK_NONE, -1)] * too_many,
+                     compiled, "k")
 
 
-def _plan(driver: Driver, function: int, fixed: int, check: int = CHECK_NONE, compiled=None) -> PreparedLaunch:
+def _plan(driver: Driver, function: int, fixed: int, check: int = CHECK_NONE, compiled=None) -> PackedLaunch:
     """Three 8-byte parameters: ``fixed``, argument 0 (a tensor's address) and argument 1 (an int)."""
-    return PreparedLaunch(driver.address, function, 64, 16, [0, 8, 16],
-                          [(fixed, 8, CHECK_NONE, -1), (0, 8, check, 0), (0, 8, CHECK_NONE, 1)], compiled, "k")
+    return PackedLaunch(driver.address, function, 64, 16, [0, 8, 16],
+                        [(fixed, 8, CHECK_NONE, -1), (0, 8, check, 0), (0, 8, CHECK_NONE, 1)], compiled, "k")
 
 
 @settings(max_examples=40, deadline=None)
