@@ -10,6 +10,8 @@
   dies mid-pull inside the version. SYNC ``board``: it syncs on the publisher's version board, as
   a receiver sharing the publisher's /dev/shm does; ``store``: through the store's reader counts,
   as a receiver that cannot open the board does.
+* ``publisher ADDRESS PREFIX SECRET NUMEL``: publish version 1 of a float32 tensor ``w`` of NUMEL
+  elements, ``arange``, over shm, report ``ready``, and keep it published until stdin closes.
 * ``nixl_publisher HOST PREFIX SECRET``: serve a store on HOST only and publish a small model
   (``SHAPES``, version v holding ``model_values(v)``) from host memory over nixl, reporting
   ``ready``; then obey stdin lines: ``update TIMEOUT_S`` (begin_update, write v+1, publish:
@@ -158,6 +160,22 @@ def receiver(address: str, prefix: str, secret: str, numel: int, sync: str) -> N
     say(event="finished")
 
 
+
+def publisher(address: str, prefix: str, secret: str, numel: int) -> None:
+    import torch
+
+    from warmlink.refit import Publisher, TensorLayout
+    from warmlink.rendezvous import Store
+
+    store = Store.connect(address, prefix=prefix, timeout_s=120, secret=secret)
+    pub = Publisher(store, rank=0, world_size=1, backend="shm", timeout_s=120)
+    pub.add("w", torch.arange(numel, dtype=torch.float32), TensorLayout.plain("w", "float32", (numel,)))
+    pub.export()
+    say(event="ready", version=pub.version, **who())
+    sys.stdin.read()
+    pub.close()
+    store.close()
+
 # The model refit across hosts: name -> (shape, dtype); version v holds model_values(v).
 SHAPES = {"embed": ((64, 32), "bfloat16"), "proj": ((32, 32), "float32"), "norm": ((32,), "float32")}
 
@@ -277,6 +295,8 @@ if __name__ == "__main__":
         arena(float(args[0]))
     elif mode == "receiver":
         receiver(args[0], args[1], args[2], int(args[3]), args[4])
+    elif mode == "publisher":
+        publisher(args[0], args[1], args[2], int(args[3]))
     elif mode == "nixl_publisher":
         nixl_publisher(*args)
     elif mode == "nixl_receiver":
@@ -284,5 +304,5 @@ if __name__ == "__main__":
     elif mode == "attacker":
         attacker(*args)
     else:
-        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper, receiver, nixl_publisher, "
-                         "nixl_receiver or attacker")
+        raise SystemExit(f"_ns_child.py: mode={mode!r} is unknown; expected arena, reaper, receiver, publisher, "
+                         "nixl_publisher, nixl_receiver or attacker")

@@ -86,6 +86,24 @@ def default_timeout_s() -> float:
     return seconds
 
 
+def timeout_arg(owner: str, value) -> float:
+    """A ``timeout_s`` argument of ``owner`` (e.g. "Receiver"): finite seconds > 0, or None for
+    ``default_timeout_s()``."""
+    if value is None:
+        return default_timeout_s()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ConfigError(f"{owner}: timeout_s={value!r}; expected finite seconds > 0, or None (WARMLINK_TIMEOUT_S, "
+                          "default 60)")
+    return float(value)
+
+
+def count_arg(owner: str, name: str, value, least: int) -> int:
+    """An int argument ``name`` of ``owner`` that must be at least ``least`` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{owner}: {name}={value!r}; expected an int >= {least}")
+    return value
+
+
 @functools.cache
 def log_level() -> str:
     """``WARMLINK_LOG_LEVEL``: the ``warmlink`` logger's level (default ``WARNING``)."""

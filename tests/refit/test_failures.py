@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import time
 import uuid
@@ -201,6 +202,27 @@ def test_config_errors() -> None:
         Receiver(object(), num_publishers=0)
     with pytest.raises(ConfigError, match="install='inplace'"):
         Receiver(object(), num_publishers=1, install="inplace")
+
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"rank": "0"}, "rank='0'; expected an int"), ({"world_size": 0}, "world_size=0; expected an int >= 1"),
+    ({"rank": True}, "rank=True"), ({"timeout_s": -1}, "timeout_s=-1; expected finite seconds > 0"),
+    ({"timeout_s": 0}, "timeout_s=0"), ({"timeout_s": float("nan")}, "timeout_s=nan"), ({"timeout_s": "5"}, "timeout_s='5'"),
+])
+def test_publisher_arguments_of_the_wrong_kind_are_config_errors(kwargs, says) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"Publisher: {says}")):
+        Publisher(object(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"num_publishers": "2"}, "num_publishers='2'; expected an int >= 1"), ({"num_publishers": 1.0}, "num_publishers=1.0"),
+    ({"max_runs_per_tensor": 0}, "max_runs_per_tensor=0; expected an int >= 1"),
+    ({"timeout_s": 0}, "timeout_s=0; expected finite seconds > 0"), ({"timeout_s": float("inf")}, "timeout_s=inf"),
+])
+def test_receiver_arguments_of_the_wrong_kind_are_config_errors(kwargs, says) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"Receiver: {says}")):
+        Receiver(object(), **{"num_publishers": 1, **kwargs})
 
 
 @pytest.mark.parametrize(

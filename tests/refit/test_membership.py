@@ -31,7 +31,7 @@ from _spawned import CTX, SpawnedWorker, serve
 
 from warmlink import pool
 from warmlink.bench.refit import build_physical
-from warmlink.errors import LayoutError, MetadataError, TransferTimeout
+from warmlink.errors import LayoutError, MetadataError, TransferTimeout, VersionError
 from warmlink.pool import arenas, lease_arena, peers
 from warmlink.refit import Publisher, Receiver, protocol
 from warmlink.refit._parked import release_parked
@@ -569,9 +569,13 @@ def test_receiver_killed_mid_pull_is_reaped_by_begin_update(session, caplog) -> 
     assert {k: v for k, v in leased_after.items() if v != leased_before.get(k, 0)} == {}, "close() kept a lease"
 
 
-def test_begin_update_after_timeout_still_waits_for_a_stalled_reader(store, monkeypatch) -> None:
-    """A reader that is slow, not dead: a retried begin_update must not let the trainer write
-    while it reads (DESIGN invariant 3: the receiver holds the old version or the new, never a mix)."""
+@pytest.mark.parametrize("then", ["begin_update", "publish"])
+def test_after_begin_update_timed_out_on_a_stalled_reader_nothing_is_written_under_it(store, monkeypatch, then) -> None:
+    """A reader that is slow, not dead, and a trainer that goes on after begin_update raised: a
+    retried begin_update waits (and times out) again; a publish() is refused, as it would refresh
+    the published bytes under the reader. The reader installs the old version whole (DESIGN
+    invariant 3: the old version or the new, never a mix); once a begin_update returns, the new
+    version goes out."""
     layout = BIG["w"]
     pub, tensors = _local_publisher(store, BIG, seed=1, timeout_s=5)
     rec, targets = _receiver_here(store, 1, BIG)
@@ -583,23 +587,70 @@ def test_begin_update_after_timeout_still_waits_for_a_stalled_reader(store, monk
         handle = rec.start_refit(version=1)
         with pytest.raises(TransferTimeout):
             pub.begin_update(timeout_s=0.3)
-        retried = None
-        try:
-            pub.begin_update(timeout_s=0.3)  # the reader is still inside: must wait (and time out) again
-            retried = "returned"
-        except TransferTimeout:
-            retried = "timed out"
-        if retried == "returned":  # what a trainer does next: write and publish
-            tensors["w"].copy_(new)
-            pub.publish()
-        handle.wait()
-        whole = torch.equal(targets["w"], old) or torch.equal(targets["w"], new)
-        assert retried == "timed out" and whole, f"retry {retried}; installed a mix: {not whole}"
+        if then == "begin_update":
+            with pytest.raises(TransferTimeout):
+                pub.begin_update(timeout_s=0.3)  # the reader is still inside: it waits (and times out) again
+        else:
+            tensors["w"].copy_(new)  # the trainer's own memory: readers read what publish refreshes
+            with pytest.raises(VersionError, match="begin_update\\(\\) raised before every reader was out"):
+                pub.publish()
+        assert handle.wait().version == 1
+        assert torch.equal(targets["w"], old), "the reader installed a mix of two versions"
+        monkeypatch.setattr(shm, "fault_hook", None)
+        pub.begin_update(timeout_s=10)
+        tensors["w"].copy_(new)
+        assert pub.publish() == 2
+        assert rec.refit(version=2).version == 2 and torch.equal(targets["w"], new)
     finally:
         monkeypatch.setattr(shm, "fault_hook", None)
         rec.close()
         pub.close()
 
+
+def test_a_publish_that_failed_once_its_version_was_out_drains_its_readers_before_the_next_write(
+        store, monkeypatch) -> None:
+    """publish() announced version 2 in its header, then the store failed to take its state: a
+    receiver may already be reading version 2, so the next begin_update waits for it like any
+    update's, and the receiver installs version 2 whole, never bytes of version 3."""
+    layout = BIG["w"]
+    pub, tensors = _local_publisher(store, BIG, seed=1, timeout_s=5)
+    v2, v3 = build_physical(layout, "cpu", 2), build_physical(layout, "cpu", 3)
+    real = protocol.write_state
+
+    def stalled(store_, rank, state):
+        if state.state == "published":
+            raise TransferTimeout("the store stalled (injected)")
+        return real(store_, rank, state)
+
+    rec = None
+    try:
+        pub.begin_update(timeout_s=10)
+        tensors["w"].copy_(v2)
+        monkeypatch.setattr(protocol, "write_state", stalled)
+        with pytest.raises(TransferTimeout, match="injected"):
+            pub.publish()
+        monkeypatch.setattr(protocol, "write_state", real)
+        with pytest.raises(VersionError, match="begin_update\\(\\) was not called"):
+            pub.publish()  # nothing is written without a drain first
+        rec, targets = _receiver_here(store, 1, BIG)
+        monkeypatch.setattr(shm, "CHUNK_NBYTES", 4096)
+        monkeypatch.setattr(shm, "fault_hook", lambda n: time.sleep(0.1))  # 16 chunks: ~1.6 s
+        handle = rec.start_refit()
+        assert handle.report.version == 2  # the header's version, though the store still says "updating"
+        with pytest.raises(TransferTimeout):
+            pub.begin_update(timeout_s=0.3)  # the reader of version 2 is inside
+        assert handle.wait().version == 2
+        assert torch.equal(targets["w"], v2), "the reader installed a mix of two versions"
+        monkeypatch.setattr(shm, "fault_hook", None)
+        pub.begin_update(timeout_s=10)
+        tensors["w"].copy_(v3)
+        assert pub.publish() == 3
+        assert rec.refit(version=3).version == 3 and torch.equal(targets["w"], v3)
+    finally:
+        monkeypatch.setattr(shm, "fault_hook", None)
+        if rec is not None:
+            rec.close()
+        pub.close()
 
 # -- (e) corrupt manifests at the refit boundary ------------------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Readers and arenas of processes in other PID and UTS namespaces sharing this host's /dev/shm
-(containers with ``--ipc=host``): a dead one is reaped, a live one is left alone.
+"""Readers, publishers and arenas of processes in other PID and UTS namespaces sharing this host's
+/dev/shm (containers with ``--ipc=host``): a dead one is reaped, a live one is left alone and
+refit from.
 
 See Note [Process locks] in ``warmlink.pool.liveness`` and Note [Reader slots] in
 ``warmlink.refit.protocol``. The children run under ``unshare --pid --uts`` (root, or a
@@ -122,3 +123,32 @@ def test_reaper_leaves_a_live_peer_in_another_pid_namespace_alone() -> None:
         assert _files(ready["prefix"]) == []
     finally:
         child.close(timeout_s=30)
+
+
+def test_a_live_publisher_in_another_pid_namespace_under_this_hostname_is_refit_from() -> None:
+    """A publisher in a PID namespace of its own under this host's name (a container with
+    ``--ipc=host --uts=host``): its pid names no process here, its process lock (the token its
+    manifest's board carries) says it lives, and refits install its version bit-exact."""
+    pid = free_pid()  # the publisher gets this pid in its namespace; here, no process has it
+    if pid is None:
+        pytest.skip("no free pid in this namespace")
+    with Store("127.0.0.1", 0, is_server=True, prefix=f"nspub-{uuid.uuid4().hex[:8]}", timeout_s=120) as store:
+        child = Child(["publisher", store.address, store.prefix, store.secret, str(NUMEL)],
+                      hostname=socket.gethostname(), last_pid=pid - 1)
+        rec = None
+        try:
+            ready = child.expect("ready")
+            assert ready["ns_pid"] != ready["host_pid"] and ready["hostname"] == socket.gethostname()
+            if liveness.pid_alive(ready["ns_pid"]):
+                pytest.skip(f"pid {ready['ns_pid']} was taken here meanwhile; the case needs it free")
+            target = torch.zeros(NUMEL, dtype=torch.float32)
+            rec = Receiver(store, num_publishers=1, backend="shm", timeout_s=120)
+            rec.add("w", TensorLayout.plain("w", "float32", (NUMEL,)), target)
+            for _ in range(2):  # the first cycle and a warm one
+                target.zero_()
+                assert rec.refit().version == 1
+                assert torch.equal(target, torch.arange(NUMEL, dtype=torch.float32))
+        finally:
+            if rec is not None:
+                rec.close()
+            child.close(timeout_s=30)

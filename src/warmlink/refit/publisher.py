@@ -92,7 +92,8 @@ class Publisher(Closing):
 
     def __init__(self, store, *, rank: int = 0, world_size: int = 1, backend: str | None = None, timeout_s: float | None = None,
                  line_wait_s: float = LINE_WAIT_S) -> None:
-        if not 0 <= rank < world_size:
+        _env.count_arg("Publisher", "world_size", world_size, 1)
+        if _env.count_arg("Publisher", "rank", rank, 0) >= world_size:
             raise ConfigError(f"Publisher: rank={rank!r} out of range; expected 0 <= rank < world_size={world_size}")
         if isinstance(line_wait_s, bool) or not isinstance(line_wait_s, (int, float)) or not 0 <= line_wait_s < float("inf"):
             raise ConfigError(f"Publisher: line_wait_s={line_wait_s!r}; expected a finite number of seconds >= 0")
@@ -100,7 +101,7 @@ class Publisher(Closing):
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.timeout_s = timeout_s if timeout_s is not None else _env.default_timeout_s()
+        self.timeout_s = _env.timeout_arg("Publisher", timeout_s)
         self._backend_arg = backend
         self._entries: dict[str, _Entry] = {}
         self._link = None
@@ -397,7 +398,12 @@ class Publisher(Closing):
         """
         self._check_exported("publish")
         if not self._updating:
-            raise VersionError("Publisher.publish: begin_update() was not called; tensors may be in use by receivers")
+            raise VersionError("Publisher.publish: begin_update() was not called since the last publish (or that "
+                               "publish raised once its version was out); tensors may be in use by receivers")
+        if not self._drained:
+            # (publishing refreshes the published bytes: a reader still inside would read a mix)
+            raise VersionError("Publisher.publish: begin_update() raised before every reader was out; call it again "
+                               "until it returns, then write the tensors and publish")
         if self.device >= 0:
             import torch
 
@@ -405,11 +411,13 @@ class Publisher(Closing):
         self._refresh()
         self.version += 1
         self._say(PUBLISHED)
+        # From here receivers may enter the new version, whatever happens next: if the store or the
+        # board fails below, the next begin_update drains them from the start, as after any publish.
+        self._updating = False
         with self.store.deadline(self.timeout_s):
             protocol.write_state(self.store, self.rank, protocol.VersionState(self.version, "published", self.generation))
         if self._board is not None:
             self._board.publish(self.generation, self.version, self.timeout_s)
-        self._updating = False
         return self.version
 
     def _say(self, state: int) -> None:

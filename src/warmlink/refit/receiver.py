@@ -102,8 +102,8 @@ class Receiver(Closing):
         timeout_s: float | None = None,
         fanout: FanOut | None = None,
     ) -> None:
-        if num_publishers < 1:
-            raise ConfigError(f"Receiver: num_publishers={num_publishers!r}; expected >= 1")
+        _env.count_arg("Receiver", "num_publishers", num_publishers, 1)
+        _env.count_arg("Receiver", "max_runs_per_tensor", max_runs_per_tensor, 1)
         self._install_mode = install_mode(install)  # every install-mode decision is this strategy's
         if fanout is not None and not isinstance(fanout, FanOut):
             raise ConfigError(f"Receiver: fanout={fanout!r}; expected a warmlink.refit.FanOut or None")
@@ -115,7 +115,7 @@ class Receiver(Closing):
         self.install = install
         self.max_runs_per_tensor = max_runs_per_tensor
         self.name_map = dict(name_map) if name_map else None
-        self.timeout_s = timeout_s if timeout_s is not None else _env.default_timeout_s()
+        self.timeout_s = _env.timeout_arg("Receiver", timeout_s)
         self._relay = Relay(fanout, store, self.timeout_s) if fanout is not None else None
         self._device_arg = device
         self._backend_arg = backend

@@ -151,7 +151,10 @@ class SourceSet:
         # The slot key carries the job's store prefix: two jobs in one process never share or evict
         # each other's mappings.
         key = f"{getattr(self.store, 'prefix', '')}:{peer_name}"
-        peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"])
+        # The board's token is the publisher's process lock: it tells whether the publisher lives
+        # where its pid cannot (another PID namespace sharing this /dev/shm; Note [Peer identity and generation])
+        token = parsed.board["token"] if parsed.board is not None else None
+        peer = PeerRef(key, generation, info["host"], info["pid"], info["start_time"], token)
         return _Source(peer, parsed, ReaderBoard.open(parsed.board, info["pid"], peer_name), self.link)
 
     def place(self) -> tuple[str, str] | None:
