@@ -241,12 +241,8 @@ class PackedLaunch:
         launch of a kernel with the same arguments) gets its launch with ``args`` and
         ``then_grid`` packed, which its ``launch_pending`` makes later. Raises ``RuntimeError``
         where the driver refuses the launch."""
-        hooks = self._hooks
-        if hooks is not None:  # (_hook_set, inline: every eager low-latency call asks)
-            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            if ((enter is not None and getattr(enter, "calls", True))
-                    or (leave is not None and getattr(leave, "calls", True))):
-                return False
+        if self._hooks is not None and _launch_hooked(self._hooks):
+            return False
         status = self._launcher(self._addr, grid, stream, args, then._addr if then is not None else 0, then_grid)
         if status == 0:
             return True
@@ -258,8 +254,7 @@ class PackedLaunch:
         """The packed plan's address, for a compiled call that checks its own tensors and launches
         the plan itself (``host.cpp``'s ``ll_combine_launch``: what ``__call__`` then does); 0 while
         a Triton launch hook is set, when every call declines as ``__call__`` does."""
-        hooks = self._hooks
-        if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
+        if self._hooks is not None and _launch_hooked(self._hooks):
             return 0
         return self._addr
 
@@ -267,8 +262,7 @@ class PackedLaunch:
         """Make the launch another's call packed in this one (``__call__``'s ``then``), once, on
         ``stream``; False, launching nothing, where none is pending or a Triton launch hook is set.
         Raises ``RuntimeError`` where the driver refuses the launch."""
-        hooks = self._hooks
-        if hooks is not None and (_hook_set(hooks.launch_enter_hook) or _hook_set(hooks.launch_exit_hook)):
+        if self._hooks is not None and _launch_hooked(self._hooks):
             return False
         status = self._pending(self._addr, stream)
         if status == 0:
@@ -278,9 +272,13 @@ class PackedLaunch:
         raise RuntimeError(f"cuLaunchKernel({self.name}, pending): CUDA error {status}")
 
 
-def _hook_set(hook) -> bool:
-    # None, or Triton's HookChain (always there since Triton 3.5: set when it holds calls), or a callable
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _launch_hooked(hooks) -> bool:
+    """Whether Triton's ``knobs.runtime`` has a launch hook set: each is None, or Triton's HookChain
+    (always there since Triton 3.5: set when it holds calls), or a callable. Every eager
+    low-latency call asks: one call, no more."""
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 def launch(kernel, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 0) -> None:
