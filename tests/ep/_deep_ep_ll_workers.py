@@ -35,7 +35,8 @@ def _normal_round(buffer, case: dict, rank: int, num_ranks: int) -> bool:
 
 def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     """DeepEP's test sequence through ``deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes,
-    low_latency_mode=True, ...)`` sized by its hint: a clean before anything is built, then one
+    low_latency_mode=True, ...)`` sized by its hint (with ``case["deep_eps_hint"]``, called as DeepEP's
+    callers call it, naming no top-k): a clean before anything is built, then one
     dispatch + combine per ``case["calls"]`` (with a normal-mode round after the first when
     ``num_nvl_bytes``), then calls of other shapes (each refused), and a round that still works.
     Returns ``{"rounds": [ll_rounds' entries], "report": {call: "ok" or the error}}``."""
@@ -47,7 +48,10 @@ def deep_ep_ll_rounds(rank: int, num_ranks: int, store, case: dict) -> dict:
     local = experts // num_ranks
     rounds, report = [], {}
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
-        num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts, num_topk=topk)
+        num_rdma_bytes = (deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts)
+                          if case.get("deep_eps_hint")  # as DeepEP's callers size it: no top-k named
+                          else deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts,
+                                                                             num_topk=topk))
         buffer = deep_ep.Buffer(group, case.get("num_nvl_bytes", 0), num_rdma_bytes, low_latency_mode=True,
                                 num_qps_per_rank=local, explicitly_destroy=True, timeout_s=30)
         buffer.clean_low_latency_buffer(tokens, hidden, experts)  # nothing built yet: nothing to clean

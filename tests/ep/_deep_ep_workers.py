@@ -356,17 +356,19 @@ def packed_scales_arrive_bit_for_bit(rank: int, num_ranks: int, store, case: dic
 
 
 def run_snippet(rank: int, num_ranks: int, store, case: dict) -> dict:
-    """``case["code"]`` (the README's snippet) run as written, given a group, this rank's tokens,
-    routing, ``num_experts`` and an expert that doubles its rows; what its last line returns."""
+    """``case["code"]`` (a README snippet) run as written, given a group, this rank's tokens,
+    routing, ``num_experts``, an expert that doubles its rows and other work that does nothing;
+    whether its combined rows and weights (named ``case["combined_w"]``) are right, and the rows
+    this rank received."""
     with gloo_group(rank, num_ranks, case["dist_port"]) as group:
         x, topk_idx, topk_weights = routed(case, rank)
         ns = {"group": group, "x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
-              "num_experts": case["experts"], "experts": lambda rows: rows * 2}
+              "num_experts": case["experts"], "experts": lambda rows: rows * 2, "other_work": lambda: None}
         exec(compile(case["code"], "README.md", "exec"), ns)  # noqa: S102 - the README's own snippet
         where = ranks_of(topk_idx, case["experts"], num_ranks)
         want_x = (x.float() * 2 * where.sum(1, keepdim=True)).to(torch.bfloat16)
         want_w = torch.where(topk_idx >= 0, topk_weights, 0.0)  # each slot comes back once, from its expert's rank
-        ok = torch.equal(ns["combined_x"], want_x) and torch.allclose(ns["combined_topk_weights"], want_w)
+        ok = torch.equal(ns["combined_x"], want_x) and torch.allclose(ns[case["combined_w"]], want_w)
         return {"ok": ok, "received": ns["recv_x"].shape[0]}
 
 

@@ -42,6 +42,9 @@ CASES = {
     "both modes in one Buffer": {
         "tokens": [9, 14], "hidden": 256, "experts": 4, "topk": 2, "masked": 3, "seed": 22, "num_nvl_bytes": 1 << 22,
         "calls": [{"fp8": True}, {"fp8": False, "hook_delay_s": 0.0}]},
+    "top-9, in a budget sized as DeepEP's callers size it": {
+        "tokens": [8, 12], "hidden": 256, "experts": 18, "topk": 9, "masked": 5, "seed": 23, "deep_eps_hint": True,
+        "calls": [{"fp8": True}, {"fp8": False}]},
 }
 
 
@@ -117,18 +120,21 @@ def test_a_rank_gone_before_its_first_call_costs_the_others_a_timeout_not_a_hang
 
 
 def test_a_shape_the_budget_cannot_hold_is_refused_naming_both_before_anything_is_built():
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16)  # DeepEP's call: top-8 assumed
-    assert hint == EPBuffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16) + size_hint(64, 7168, num_ranks=2)
-    buffer = deep_ep.Buffer(_Group(2), 0, hint - 1, low_latency_mode=True, num_qps_per_rank=8)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16)  # DeepEP's call: its widest top-k, 9
+    assert hint == EPBuffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16, num_topk=9) + size_hint(
+        64, 7168, num_ranks=2, num_topk=9)
+    top8 = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16, num_topk=8)
+    assert top8 < hint
+    buffer = deep_ep.Buffer(_Group(2), 0, top8 - 1, low_latency_mode=True, num_qps_per_rank=8)
     x = torch.zeros(64, 7168, dtype=torch.bfloat16)
     idx = torch.zeros(64, 8, dtype=deep_ep.topk_idx_t)
-    with pytest.raises(ConfigError, match=f"need {hint} bytes .*num_rdma_bytes={hint - 1} .*cannot hold them"):
+    with pytest.raises(ConfigError, match=f"need {top8} bytes .*num_rdma_bytes={top8 - 1} .*cannot hold them"):
         buffer.low_latency_dispatch(x, idx, 64, 16)
-    wider = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16, num_topk=9)
+    wider = deep_ep.Buffer.get_low_latency_rdma_size_hint(64, 7168, 2, 16, num_topk=10)
     assert wider > hint
-    with pytest.raises(ConfigError, match=f"9 top-k columns on 2 ranks need {wider} bytes .*num_topk=9"):
+    with pytest.raises(ConfigError, match=f"10 top-k columns on 2 ranks need {wider} bytes .*num_topk=10"):
         deep_ep.Buffer(_Group(2), 0, hint, low_latency_mode=True).low_latency_dispatch(
-            x, torch.zeros(64, 9, dtype=deep_ep.topk_idx_t), 64, 16)
+            x, torch.zeros(64, 10, dtype=deep_ep.topk_idx_t), 64, 16)
     assert buffer.warmlink_low_latency_buffer is None and buffer.warmlink_buffer is None
     with pytest.raises(ConfigError, match="no low_latency_dispatch on this Buffer yet"):
         buffer.low_latency_combine(x, idx, torch.zeros(64, 8), None)

@@ -1,5 +1,6 @@
-"""The README's "DeepEP code, unchanged" section: its snippet runs as written on two ranks, and its
-memory figures are what ``deep_ep.sizing`` computes."""
+"""The README's ep sections: the ``ep.Buffer`` snippet of "MoE dispatch and combine" and that of
+"DeepEP code, unchanged" run as written on two ranks (CPU, shared memory), and the latter's memory
+figures are what ``deep_ep.sizing`` computes."""
 
 from __future__ import annotations
 
@@ -20,9 +21,18 @@ def snippet(marker: str) -> str:
     return found[0]
 
 
+def test_the_ep_buffer_snippet_runs_as_written():
+    # its shapes are the snippet's own: 7168 wide, top-8 of 256 experts
+    case = {"tokens": 24, "hidden": 7168, "experts": 256, "topk": 8, "mask_prob": 0.1, "seed": 11,
+            "dist_port": free_port(), "code": snippet("from warmlink.ep import Buffer\n"), "combined_w": "combined_w"}
+    for got in run_ranks(run_snippet, 2, case=case, timeout_s=180):
+        assert got["ok"] and got["received"] > 0, got
+
+
 def test_the_deep_ep_snippet_runs_as_written():
     case = {"tokens": 20, "hidden": 256, "experts": 8, "topk": 2, "mask_prob": 0.1, "seed": 13,
-            "dist_port": free_port(), "code": snippet("import warmlink.ep.deep_ep as deep_ep")}
+            "dist_port": free_port(), "code": snippet("import warmlink.ep.deep_ep as deep_ep"),
+            "combined_w": "combined_topk_weights"}
     for got in run_ranks(run_snippet, 2, case=case, timeout_s=120):
         assert got["ok"] and got["received"] > 0, got
 

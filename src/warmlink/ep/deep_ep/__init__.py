@@ -15,9 +15,9 @@ from DeepEP, and which arguments are accepted but unused, each docstring says; t
 is in ``deep_ep.sizing`` (``needed_bytes`` sizes a budget that holds a batch in one round; a
 batch larger than the budget holds goes in several, ``deep_ep.rounds``). With
 ``low_latency_mode=True`` the low-latency calls run within ``num_rdma_bytes``
-(``deep_ep.low_latency``; on the host over shm, or on a GPU). Not here, each raising ``ConfigError`` saying why
-(``deep_ep.absent``): internode (RDMA) mode, the low-latency mask buffer and
-``get_local_buffer_tensor`` (warmlink has no ring buffer to expose). Calls made with ``async_finish=True`` run on the communication stream
+(``deep_ep.low_latency``; on the host over shm, or on a GPU), the mask buffer's calls too with
+``enable_shrink=True``. Not here, each raising ``ConfigError`` saying why (``deep_ep.absent``):
+internode (RDMA) mode and ``get_local_buffer_tensor`` (warmlink has no ring buffer to expose). Calls made with ``async_finish=True`` run on the communication stream
 ``get_comm_stream()`` returns, as DeepEP's do.
 """
 

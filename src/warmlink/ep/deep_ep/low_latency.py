@@ -29,6 +29,7 @@ import torch
 
 from warmlink.ep import Buffer as _EPBuffer
 from warmlink.ep.deep_ep import sizing
+from warmlink.ep.deep_ep.sizing import LL_MAX_TOPK
 from warmlink.ep.deep_ep.events import EventOverlap, returned_event
 from warmlink.errors import ConfigError
 
@@ -53,14 +54,16 @@ class LowLatencyCalls:
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int, num_topk: int = 8) -> int:
+                                       num_experts: int, num_topk: int = LL_MAX_TOPK) -> int:
         """Bytes ``num_rdma_bytes`` must hold for low-latency calls of these sizes (DeepEP's hint).
 
         Args:
             num_max_dispatch_tokens_per_rank: T, as the calls pass it. hidden: H, a multiple of 128.
             num_ranks: R. num_experts: E, a multiple of R.
             num_topk: K, the top-k width of the calls (not DeepEP's: its hint reserves a combine
-                row per expert and token; warmlink's reserves one per token and top-k column).
+                row per expert and token; warmlink's reserves one per token and top-k column). By
+                default the widest DeepEP's low-latency kernels take, 9, so that DeepEP's call, which
+                names none, sizes a budget for any top-k it could pass.
 
         Returns:
             Bytes: warmlink's low-latency region and outputs plus the normal-mode slots of the same

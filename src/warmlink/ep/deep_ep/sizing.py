@@ -30,9 +30,10 @@ from warmlink.ep.api.options import stream_defaults
 from warmlink.ep.wire.regions import RegionLayout
 from warmlink.errors import ConfigError
 
-__all__ = ["MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "stream_within", "tokens_within"]
+__all__ = ["LL_MAX_TOPK", "MAX_TOKENS", "built_hidden", "low_latency_bytes", "needed_bytes", "refuse", "stream_within", "tokens_within"]
 
 MAX_TOKENS = 1 << 24  # the most tokens per rank an ep group may be built for (ep.wire.info)
+LL_MAX_TOPK = 9  # the widest top-k DeepEP V1's low-latency kernels take: what its size hint, naming none, holds
 
 
 def built_hidden(hidden: int) -> int:
@@ -96,7 +97,7 @@ def refuse(func: str, budget_bytes: int, num_ranks: int, hidden: int, num_topk: 
 
 
 def low_latency_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int,
-                      num_topk: int = 8) -> int:
+                      num_topk: int = LL_MAX_TOPK) -> int:
     """Bytes of one rank's warmlink Buffer in low-latency mode for these sizes: the low-latency
     region and outputs plus the normal-mode slots of the same Buffer.
 
