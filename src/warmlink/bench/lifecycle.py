@@ -267,14 +267,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=int, default=16, help="tensors in the model (default 16)")
     p.add_argument("--tensor-mib", type=float, default=4.0, help="MiB per bf16 tensor (default 4)")
     p.add_argument("--devices", type=bench_args.devices, default=None,
-                   help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
+                   help="trainer,inference CUDA devices, -1,-1 = CPU over shm (default: 0,1 on two or more GPUs, 0,0 "
+                        "on one (colocated), -1,-1 without)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--backend", choices=("auto", "shm", "cuda_ipc", "nixl"), default="auto",
                    help="transport of both engines (default auto: cuda_ipc on GPUs, shm on CPU); nixl makes a NIXL agent "
                         "per link, the costliest endpoint to create")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart (first lifecycles, phases stacked) here")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the tensor values sent and checked (default 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any process may stall (default 300)")
 
 

@@ -251,11 +251,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-mib", type=float, default=64.0, help="MiB per bf16 tensor (default 64: 1 GiB in all)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)} (default: all)")
     p.add_argument("--devices", type=bench_args.devices, default=None,
-                   help="publisher,receiver CUDA devices (default 0,1; -1,-1 = CPU: shm, gloo)")
+                   help="publisher,receiver CUDA devices, -1,-1 = CPU: shm, gloo (default: 0,1 on two or more GPUs, 0,0 on "
+                        "one, -1,-1 without)")
     p.add_argument("--install", choices=("copy", "swap"), default="copy", help="receiver install mode (default copy)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
     p.add_argument("--plot", default=None, help="write a PNG chart (reconfigure phases per repeat, stacked) here")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the tensor values every method sends and checks (default 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any process may stall (default 300)")
 
 

@@ -55,7 +55,8 @@ _COLUMNS = ["cycle", "connect", "sync", "plan", "alloc", "register", "pull", "tr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=bench_args.fraction, default=None,
-                   help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0; with --hosts see below)")
+                   help="fraction of the 8.8 GB Qwen3-4B shape, in (0, 1] (default 1.0; with --engines on CPU 0.02; "
+                        "with --hosts see below)")
     p.add_argument("--cycles", type=bench_args.int_in(1), default=None,
                    help="refit cycles per scenario (default 5; with --hosts 3)")
     p.add_argument("--scenarios", default=None,
@@ -69,14 +70,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nixl-sweep", default=None, metavar="LIST",
                    help="nixl_rw also runs once per UCX thread count of this comma list, e.g. 0,2,4,8")
     p.add_argument("--devices", type=bench_args.devices, default=None,
-                   help="trainer,inference CUDA devices (default 0,1; -1,-1 = CPU over shm)")
+                   help="trainer,inference CUDA devices, -1,-1 = CPU over shm (default: 0,1 on two or more GPUs, 0,0 "
+                        "on one (colocated), -1,-1 without)")
     p.add_argument("--install", type=_install_list, default=None, metavar="MODES",
                    help="receiver install modes, comma list of direct,swap,copy: warm runs once per mode, the other "
                         "warmlink scenarios with the first (default: direct,swap,copy on one GPU, swap otherwise); with "
                         "--engines: copy and/or swap, each timed in turn (default copy)")
     p.add_argument("--json", dest="json_path", default=None, help="write the JSON record here")
-    p.add_argument("--plot", default=None, help="write a PNG chart here")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write a PNG chart here (refused with --engines)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the tensor values that the warmlink and ipc scenarios and --hosts send and check "
+                        "(default 0); the NCCL baselines send a fixed pattern, and --engines ignores it (seed 0)")
     p.add_argument("--timeout", type=bench_args.positive_float, default=600.0, help="seconds any process may stall (default 600)")
     refit_hosts_cli.add_arguments(p)
 

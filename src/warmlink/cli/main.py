@@ -135,7 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
         "DeepEP's published figures.",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
-    sub.add_parser("doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends")
+    sub.add_parser(
+        "doctor", help="report GPUs, peer access, copy-engine bandwidth and loadable backends",
+        description="What this machine offers warmlink: the Python and torch versions; on GPUs the CUDA and NCCL "
+        "versions, each GPU's name, peer access between every pair, the copy-engine bandwidth from GPU 0 to GPU 1 "
+        "(to itself on one GPU; 256 MiB copies, one way and both ways) and nvidia-smi's topology (NVLink); whether "
+        "each backend (shm, cuda_ipc, nixl) loads, and where NIXL is installed which UCX transports carry its puts "
+        "and gets (a probe in a subprocess, a few seconds); whether ep's host steps run compiled or in Python; every "
+        "WARMLINK_* variable, as set (a secret hidden) or unset. A value warmlink refuses, or a WARMLINK_* name it "
+        "does not read, is also named on stderr, and the exit code is 2.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
 
