@@ -1,6 +1,6 @@
 """Fan-out over shm (Note [Fan-out] in ``refit._relay``, Note [Fan-out tree] in ``refit._members``).
 
-Engine replicas take each version from each other: eight receiver processes get two versions
+Engine replicas take each version from each other: eight receiver processes get each version
 bit-exact while the trainer sends the model once; a relay SIGKILLed mid-version leaves every other
 replica with a whole version or a typed error; a replica joining a running job takes its first
 version from a replica; a relay whose layout differs is refused before any byte moves. Every
