@@ -22,22 +22,31 @@ from warmlink.errors import ConfigError
 
 x_dtypes = st.sampled_from([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 calls = st.tuples(st.integers(1, MAX_EXPERTS), st.integers(0, 1024), x_dtypes, st.booleans(), st.booleans(),
-                  st.integers(0, MAX_WORST_TOKENS), st.booleans())
+                  st.integers(0, MAX_WORST_TOKENS), st.booleans(), st.integers(0, 1 << 40))
 combines = st.tuples(st.integers(0, MAX_HANDLE_ROUND), st.sampled_from([torch.bfloat16, torch.float16]),
                      st.integers(0, MAX_TOPK))
 
 
+def _fields(call) -> tuple:
+    """What a dispatch word holds of ``call``: a cached one's handle round (mod 2**15) in place of
+    its top-k width, which it does not send."""
+    experts, topk, dtype, cached, sm, worst, weights, handle_round = call
+    return experts, handle_round % (MAX_TOPK + 1) if cached else topk, dtype, cached, sm, worst, weights
+
+
 @given(calls)
 def test_describe_reads_back_every_field(call):
-    experts, topk, dtype, cached, sm, worst, weights = call
-    assert describe_call(encode_call(*call)) == (
-        f"(num_experts={experts}, num_topk={topk}, x_dtype={dtype}, topk_weights={weights}, cached={cached}, "
+    experts, topk, dtype, cached, sm, worst, weights = _fields(call)
+    topk = f"handle of dispatch round {topk} (mod {MAX_TOPK + 1})" if cached else f"num_topk={topk}"
+    assert describe_call(encode_call(*call[:7], handle_round=call[7])) == (
+        f"(num_experts={experts}, {topk}, x_dtype={dtype}, topk_weights={weights}, cached={cached}, "
         f"sm_sends={sm}, num_worst_tokens={worst})")
 
 
 @given(calls, calls)
 def test_different_calls_have_different_words(a, b):
-    assert (encode_call(*a) == encode_call(*b)) == (a == b)
+    words = [encode_call(*c[:7], handle_round=c[7]) for c in (a, b)]
+    assert (words[0] == words[1]) == (_fields(a) == _fields(b))
 
 
 @given(combines, combines)

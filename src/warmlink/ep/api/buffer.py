@@ -312,8 +312,8 @@ class Buffer(LowLatencyMethods, Closing):
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("combine")
-        if not isinstance(handle, Handle):
-            raise ConfigError(f"ep.Buffer.combine: handle is a {type(handle).__name__}; expected the Handle from dispatch")
+        if not isinstance(handle, Handle) or handle.owner != self._normal.serial:
+            raise ConfigError(f"ep.Buffer.combine: handle (a {type(handle).__name__}) is not from this Buffer's dispatch")
         if not capturing():  # (a captured call cannot wait for the device)
             handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
         rows, weights = self._checks.combine(x, topk_weights, handle)

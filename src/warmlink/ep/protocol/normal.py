@@ -4,6 +4,9 @@ Note [Round protocol]) and the Buffer's data path (ep.paths.senders: SMs, copy e
 copies, chosen once). ``ep.Buffer`` checks that it is open, picks a call's stream
 (ep.paths.comm_stream) and hands the call here; where the bytes move is the path's.
 
+Over 400 lines: one object owns a round's steps (the fresh orders, the cached, refused and broken
+rounds) and its Notes; split, a round's steps would be read across files again.
+
 A fresh dispatch takes one of two orders, by its path:
 
 - staged (host, copy engines): plan and gather, the counts to the host, publish them and meet
@@ -42,12 +45,24 @@ marked refused (``FreshSend.refused``), and raises its reason after. Its config 
 SM sends it also launches the count exchange with a count per rank that no row matches, so the
 device refuses the round on every rank (the plan's valid flag, Note [SM sends] in ep.paths.sm_pushes):
 no rank pushes a row, and a padded peer that returned at launch gets padding and raises at its
-next call. The round is spent on every rank, and the next call works. A cached dispatch has no
-meeting to refuse in: its bad arguments raise on that rank alone.
+next call. The round is spent on every rank, and the next call works. A cached dispatch refused
+(bad arguments, another Buffer's handle) publishes its round ``REFUSED`` too, with host copies,
+whose receives meet the peers' words before they read a byte, so every peer raises naming it and
+the rounds stay in step; on a device the peers' kernels wait for no word, so there it raises on
+that rank alone.
+
+# Note [Broken rounds]
+A call that times out or loses a peer inside a round leaves the ranks' rounds out of step: this
+rank's round may be one a late peer still joins with other rows, and a round number used again
+would pair two different calls without any word telling them apart. So the first
+``TransferTimeout`` or ``PeerLostError`` of a call or hook breaks the Buffer: every later call
+raises the same error type, naming the first, and a new Buffer is the way on (as in low-latency
+mode, ep.low_latency._runtime).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import NoReturn
@@ -63,10 +78,10 @@ from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Pending, Rounds
 from warmlink.ep.wire import mailbox as mb
-from warmlink.ep.wire.handle import Handle, per_expert_list, plan_from_board
+from warmlink.ep.wire.handle import Handle, next_owner, per_expert_list, plan_from_board
 from warmlink.ep.wire.regions import PARITIES, RegionLayout, area
 from warmlink.ep.wire.words import REFUSED, encode_call, encode_combine
-from warmlink.errors import ConfigError
+from warmlink.errors import ConfigError, PeerLostError, TransferTimeout
 
 __all__ = ["NormalMode"]
 
@@ -97,6 +112,9 @@ class NormalMode:
         self.done_events = done_events
         self.unresolved: Handle | None = None  # the last padded SM dispatch's handle, until resolved
         self.recv_failed = False
+        self.broken: BaseException | None = None  # Note [Broken rounds]
+        self.closed = False  # (a hook after the Buffer's close raises)
+        self.serial = next_owner()  # on the handles it makes
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
 
@@ -105,6 +123,10 @@ class NormalMode:
         """What every call does first: bring a padded dispatch's counts to the host (and raise its
         refusal), refuse a call while a hook is pending, raise an earlier call's bytes that never
         came (ep.wire.flags), and check the peers' words of earlier rounds once they published."""
+        if self.broken is not None:
+            raise type(self.broken)(f"ep.Buffer.{func}: an earlier call failed ({self.broken}); the group's rounds "
+                                    "are out of step (Note [Broken rounds] in ep.protocol.normal): close this Buffer "
+                                    "and build a new one")
         self.resolve()
         self.rounds.check_no_pending(func)
         self.mover.check()
@@ -117,15 +139,21 @@ class NormalMode:
             handle.resolve()
 
     def abandon(self) -> None:
-        """At close: end a pending dispatch's count exchange on the device without waiting for it."""
+        """At close: end a pending dispatch's count exchange on the device without waiting for it; a
+        hook called later raises, reading nothing the close released."""
+        self.closed = True
         handle, self.unresolved = self.unresolved, None
         if handle is not None and handle.pending is not None:
             self.path.abort(handle.round)
 
     # -- dispatch -----------------------------------------------------------------------------------
-    def dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                 expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
+    def dispatch(self, *args):
         """``ep.Buffer.dispatch``'s round (its docstring says what each argument means)."""
+        with self._breaking():
+            return self._dispatch(*args)
+
+    def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                  topk_weights, expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
         t0 = time.perf_counter()
         cached = handle is not None
         try:
@@ -133,24 +161,21 @@ class NormalMode:
                                         num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                                         self.path.by_sm(return_recv_hook))
         except ConfigError as exc:
-            if cached:  # no meeting to refuse in (Note [Refused dispatch])
-                raise
+            if cached:
+                self._refuse_cached(str(exc))
             self.refuse_dispatch(str(exc), return_recv_hook)
         tokens, scales, topk, weights, num_experts, per_rank, in_rank, per_expert, config, _ = args
         num_tokens = tokens.shape[0]
+        if cached:
+            self._check_cached(handle, num_tokens, num_worst_tokens)
         rounds, mover = self.rounds, self.mover
         round_ = rounds.next("dispatch")
         mover.start_round("dispatch", round_)
         phase = f"dispatch.{round_ % PARITIES}"
         parts = (area("recv_x", round_), area("recv_meta", round_))
         if cached:
-            if not isinstance(handle, Handle) or handle.num_tokens != num_tokens:
-                raise ConfigError(f"ep.Buffer.dispatch: handle is for {getattr(handle, 'num_tokens', '?')} tokens; x has {num_tokens}")
-            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
-            if num_worst_tokens not in (0, handle.num_worst_tokens):
-                raise ConfigError(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
-                                  f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
-            config = encode_call(handle.num_experts, 0, tokens.dtype, True, num_worst_tokens=handle.num_worst_tokens)
+            config = encode_call(handle.num_experts, 0, tokens.dtype, True, num_worst_tokens=handle.num_worst_tokens,
+                                 handle_round=handle.round)
             src = Sources(as_words(tokens), scales=scales)
             rounds.wait_readers(round_)  # ranks run at most one round apart: Note [Mailbox rounds]
             rounds.mailbox.publish_dispatch(round_, config)
@@ -187,6 +212,40 @@ class NormalMode:
         result = (recv_x, recv_idx, recv_w, per_expert_list(handle, expert_alignment), handle)
         return self._finish("dispatch", round_, receive, return_recv_hook, result, async_finish)
 
+    def _check_cached(self, handle, num_tokens: int, num_worst_tokens: int) -> None:
+        """A cached dispatch's handle against its call: refused (``_refuse_cached``) where it is
+        not this Buffer's, not for these tokens or not padded alike."""
+        if not isinstance(handle, Handle) or handle.owner != self.serial:
+            self._refuse_cached("ep.Buffer.dispatch: handle is not one this Buffer's dispatch returned; pass the handle "
+                                "of an earlier dispatch on this Buffer")
+        if handle.num_tokens != num_tokens:
+            self._refuse_cached(f"ep.Buffer.dispatch: handle is for {handle.num_tokens} tokens; x has {num_tokens}")
+        handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use, on every rank
+        if num_worst_tokens not in (0, handle.num_worst_tokens):
+            self._refuse_cached(f"ep.Buffer.dispatch: num_worst_tokens={num_worst_tokens}; a cached dispatch pads its "
+                                f"outputs as the dispatch that made its handle did ({handle.num_worst_tokens})")
+
+    def _refuse_cached(self, reason: str) -> NoReturn:
+        """Raise ``ConfigError(reason)`` for a cached dispatch this rank refused; with host copies
+        publish its round ``REFUSED`` and spend it first (Note [Refused dispatch])."""
+        if self.mover.host_ordered:
+            rounds = self.rounds
+            round_ = rounds.next("dispatch")
+            rounds.wait_readers(round_)
+            rounds.mailbox.publish_dispatch(round_, REFUSED)
+            rounds.end("dispatch", round_)
+        raise ConfigError(reason)
+
+    @contextlib.contextmanager
+    def _breaking(self):
+        """A call or hook whose round timed out or lost a peer breaks the Buffer (Note [Broken rounds])."""
+        try:
+            yield
+        except (TransferTimeout, PeerLostError) as exc:
+            if self.broken is None:
+                self.broken = exc
+            raise
+
     def send_fresh(self, call: FreshSend, marks: dict, hook: bool) -> Handle:
         """Send a fresh dispatch in its path's order (module docstring); its handle. Adds host marks to ``marks``."""
         if self.path.by_sm(hook):
@@ -207,7 +266,8 @@ class NormalMode:
         except ConfigError as exc:
             self._refuse_staged(call, str(exc))
         handle = Handle(call.num_experts, num_tokens, call.in_rank, rows, send_counts.tolist(),
-                        num_topk=call.src.topk.shape[1], round=call.round, num_worst_tokens=call.num_worst_tokens)
+                        num_topk=call.src.topk.shape[1], round=call.round, num_worst_tokens=call.num_worst_tokens,
+                        owner=self.serial)
         marks["counts"] = time.perf_counter()
         rounds.wait_readers(call.round)  # before the counts of round n - 2 are replaced: Note [Mailbox rounds]
         rounds.mailbox.publish_dispatch(call.round, call.config, send_counts, expert_counts)
@@ -248,7 +308,7 @@ class NormalMode:
         self.path.launch(call, rows, board, self.timeout_s)
         marks["planned"] = marks["launched"] = time.perf_counter()
         handle = Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
-                        round=round_, num_worst_tokens=call.num_worst_tokens, board=board)
+                        round=round_, num_worst_tokens=call.num_worst_tokens, board=board, owner=self.serial)
         if padded:
             handle.pending = functools.partial(self._complete_sm, handle, call)
             self.unresolved = handle
@@ -301,7 +361,11 @@ class NormalMode:
 
     # -- combine ------------------------------------------------------------------------------------
     def combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
-        """``ep.Buffer.combine``'s round on checked ``rows`` and ``weights``."""
+        """``ep.Buffer.combine``'s round on checked ``rows`` and ``weights`` (and this Buffer's ``handle``)."""
+        with self._breaking():
+            return self._combine(rows, weights, handle, async_finish, return_recv_hook)
+
+    def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
         t0 = time.perf_counter()
         rounds, combiner = self.rounds, self.combiner
         round_ = rounds.next("combine")
@@ -338,9 +402,14 @@ class NormalMode:
         pending = self.rounds.pending = Pending(phase, round_)
 
         def hook() -> None:
-            if not pending.done:
+            if pending.done:
+                return
+            pending.done = True  # a receive that raises spends the hook: the next call raises what broke, if anything
+            if self.closed:
+                raise ConfigError(f"ep.Buffer: the receive hook of {phase} round {round_} was called after the Buffer "
+                                  "was closed")
+            with self._breaking():
                 receive()
-                pending.done = True
 
         return (*result, self.event(slot, async_finish), hook)
 

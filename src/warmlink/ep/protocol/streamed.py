@@ -63,7 +63,7 @@ from warmlink.ep.paths.senders import FreshSend, refused_send
 from warmlink.ep.protocol.checks import Checks
 from warmlink.ep.protocol.rounds import Rounds
 from warmlink.ep.wire import mailbox as mb
-from warmlink.ep.wire.handle import Handle, fill_plan, per_expert_list, plan_from_board, recv_starts
+from warmlink.ep.wire.handle import Handle, fill_plan, next_owner, per_expert_list, plan_from_board, recv_starts
 from warmlink.ep.wire.regions import PARITIES, RegionLayout
 from warmlink.errors import ConfigError, TransferTimeout
 
@@ -94,6 +94,7 @@ class StreamedMode:
         self.last_marks: dict[str, float] = {}
         self.last_phases: dict[str, float] = {}
         self.in_graph = False  # the current call is captured in a CUDA graph (before_call)
+        self.serial = next_owner()  # on the handles it makes
 
     # -- between calls ------------------------------------------------------------------------------
     def before_call(self, func: str) -> None:
@@ -290,7 +291,7 @@ class StreamedMode:
     def _handle(self, call: FreshSend, rows: torch.Tensor, taken: torch.Tensor, board) -> Handle:
         src = call.src
         return Handle(call.num_experts, src.x.shape[0], call.in_rank, rows, None, num_topk=src.topk.shape[1],
-                      num_worst_tokens=call.num_worst_tokens, board=board, taken=taken)
+                      num_worst_tokens=call.num_worst_tokens, board=board, taken=taken, owner=self.serial)
 
     def _wait_board(self):
         """``(plan words, count board)`` of the last eager exchange (copies), waited for on the host;

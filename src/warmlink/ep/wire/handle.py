@@ -19,6 +19,13 @@ from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 __all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board", "recv_starts"]
 
 
+_OWNERS = itertools.count(1)
+
+
+def next_owner() -> int:
+    """A new serial for a Buffer's mode to stamp on the handles it makes (``Handle.owner``)."""
+    return next(_OWNERS)
+
 @dataclass
 class Handle:
     """What a dispatch leaves for its combine and for a cached re-dispatch (opaque to users).
@@ -45,6 +52,7 @@ class Handle:
     num_topk: int = 0
     round: int = 0  # the dispatch round that built it: every rank must combine with the same one
     num_worst_tokens: int = 0  # the rows of its padded outputs (0: exactly num_recv_tokens)
+    owner: int = 0  # the serial of the mode that made it (ep.protocol.normal): a handle serves its own Buffer
     # push bases of cached SM dispatches (host ints), per (Buffer, parity, row words), made on first use (ep.paths.senders)
     sm_bases: dict = field(default_factory=dict, repr=False)
     board: torch.Tensor | None = field(default=None, repr=False)  # [R, board row] int64: the padded round's counts

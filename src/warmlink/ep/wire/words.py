@@ -58,10 +58,15 @@ def _field(func: str, name: str, value: int, most: int) -> int:
 
 
 def encode_call(num_experts: int, num_topk: int, x_dtype: torch.dtype, cached: bool, sm: bool = False,
-                num_worst_tokens: int = 0, weights: bool = False) -> int:
+                num_worst_tokens: int = 0, weights: bool = False, handle_round: int = 0) -> int:
     """The word of a dispatch (``num_topk`` 0 and ``weights`` False for a cached dispatch, which
-    sends no ids). ``x_dtype``: the dtype of the rows sent (``torch.float8_e4m3fn`` for FP8)."""
+    sends no ids). ``x_dtype``: the dtype of the rows sent (``torch.float8_e4m3fn`` for FP8). A
+    cached dispatch's word carries its handle's dispatch round (modulo 2**15, in the top-k field it
+    has no use for): ranks that re-send the handles of different dispatches are told apart, as
+    their combines are."""
     func = "ep.Buffer.dispatch"
+    if cached:
+        num_topk = handle_round & MAX_TOPK
     return ((_field(func, "num_worst_tokens", num_worst_tokens, MAX_WORST_TOKENS) << _WORST_SHIFT)
             | (_field(func, "num_experts", num_experts, (1 << _EXPERT_BITS) - 1) << 20)
             | (_field(func, "num_topk", num_topk, MAX_TOPK) << 5) | (_dtype_code(func, x_dtype) << 3)
@@ -70,7 +75,9 @@ def encode_call(num_experts: int, num_topk: int, x_dtype: torch.dtype, cached: b
 
 def describe_call(word: int) -> str:
     """The fields of a dispatch word, for errors."""
-    return (f"(num_experts={(word >> 20) & ((1 << _EXPERT_BITS) - 1)}, num_topk={(word >> 5) & MAX_TOPK}, "
+    topk = (word >> 5) & MAX_TOPK
+    topk = f"handle of dispatch round {topk} (mod {MAX_TOPK + 1})" if word & 1 else f"num_topk={topk}"
+    return (f"(num_experts={(word >> 20) & ((1 << _EXPERT_BITS) - 1)}, {topk}, "
             f"x_dtype={_DTYPES[(word >> 3) & 3] if (word >> 3) & 3 < len(_DTYPES) else '?'}, "
             f"topk_weights={bool(word & 4)}, cached={bool(word & 1)}, sm_sends={bool(word & 2)}, "
             f"num_worst_tokens={word >> _WORST_SHIFT})")
