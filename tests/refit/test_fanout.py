@@ -399,6 +399,31 @@ def test_a_closed_relay_is_routed_around(job, install):
             rec.close()
 
 
+
+def test_when_a_stars_first_replica_leaves_the_others_gather_around_the_next_not_the_trainer(job):
+    """Degree 1 on one place is a star around member 1 (Note [Fan-out tree]). Once it closed, each
+    member that finds it gone works out its tree without it: member 2 pulls from the trainer, 3
+    and a member joining later (4, whose records still name member 1 first) from member 2, so the
+    trainer still sends each version once."""
+    store, trainer = job
+    recs = _receivers(store, 3, group="star-left")
+    try:
+        for rec, _ in recs:
+            rec.refit()
+        recs[0][0].close()  # member 1 leaves
+        recs += _receivers(store, 1, group="star-left")  # member 4 joins
+        for _ in range(2):  # the version after it left, and one more
+            version = trainer.update()
+            reports = [rec.refit() for rec, _ in recs[1:]]
+            assert [set(rep.pulled_from) for rep in reports] == [{"publishers"}, {"replica 2"}, {"replica 2"}], \
+                [rep.pulled_from for rep in reports]
+            for (rec, targets), rep in zip(recs[1:], reports):
+                assert rep.version == version
+                assert all(torch.equal(targets[n], build_physical(LAYOUTS[n], "cpu", version)) for n in LAYOUTS)
+    finally:
+        for rec, _ in recs:
+            rec.close()
+
 def test_a_replica_whose_source_never_refits_pulls_from_the_trainer_after_stall_s(job):
     store, trainer = job
     recs = _receivers(store, 2, group="stall", stall_s=0.5)
@@ -472,6 +497,11 @@ def test_a_chain_pulls_from_its_own_gpu_then_its_own_host_whatever_the_order_of_
     unknown = {3: ("a", "")}  # records it could not read: the member before it
     assert parent(3, 1, unknown) == 2 and parent(3, 1, None) == 2
     assert [parent(m, 2, places) for m in (2, 3)] == [1, 1]  # a tree keeps the member numbers' shape
+    # members found gone are left out: a star gathers around its next member, a chain skips them
+    assert [parent(m, 1, hosts, gone={1}) for m in range(2, 6)] == [0, 2, 2, 2]  # "b"'s first member heads the chain
+    assert ancestors(5, 1, hosts, gone={2}) == [4, 1, 0] and ancestors(4, 1, hosts, gone={1, 2}) == [3, 0]
+    assert parent(3, 1, None, gone={2}) == 1 and parent(3, 1, None, gone={1, 2}) == 0
+    assert ancestors(5, 2, None, gone={2}) == [1, 0]  # a tree routes around to the gone member's parent
 
 
 def test_a_member_record_with_a_bad_device_host_header_or_regions_is_refused():

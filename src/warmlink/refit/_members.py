@@ -24,9 +24,11 @@ rather than one per replica (8 replicas on 3 hosts: 4 hops, not 8). Three replic
 GPU1, GPU0, GPU1 (the trainer on GPU0) pull 1 <- publishers, 2 <- publishers (a copy within GPU0,
 at HBM speed, from the start of the version rather than behind replica 1), 3 <- 1, not 3 <- 2,
 which would carry the model over GPU0 -> GPU1 a second time. Member 1 pulls from the publishers.
-A parent that is gone (its process died, or it closed) is routed around to its own parent, up to
-the publishers; one that stalls is routed around for that cycle (Note [Fan-out] in
-``refit._relay``). A member joining a running job is the last number: its parent is a replica
+A member that is gone (its process died, or it closed), once a member found it so, is left out of
+that member's tree from then on: its parent is worked out again among the members left (a star
+whose first member left gathers around its next one; a tree routes around to the gone member's
+own parent), so a replica leaving does not send the others to the publishers for the rest of
+the job. One that stalls is routed around for that cycle (Note [Fan-out] in ``refit._relay``). A member joining a running job is the last number: its parent is a replica
 that already holds the current version. The plan is the library's: nothing but the order of
 joining, the places and ``degree`` decides it, so every member works out its own sources alone (a
 record it cannot read counts as a place of its own).
@@ -70,14 +72,16 @@ def member_key(group: str, rank: int, member: int) -> str:
 Place = tuple  # (host, device): where a member's buffers are (``place_of``)
 
 
-def parent(member: int, degree: int, places: dict[int, Place] | None = None) -> int:
+def parent(member: int, degree: int, places: dict[int, Place] | None = None, gone=frozenset()) -> int:
     """The member ``member`` pulls from (0: the publishers), given the ``places`` known of it, of
-    the members before it and (key 0) of the publishers. See Note [Fan-out tree]."""
+    the members before it and (key 0) of the publishers, and the members known ``gone`` (a tree of
+    ``degree`` > 1 routes around those in ``ancestors``). See Note [Fan-out tree]."""
     if member <= 1:
         return 0
     if degree > 1:
         return (member - 2) // degree + 1
-    mine = (places or {}).get(member)
+    places = {m: p for m, p in (places or {}).items() if m not in gone}
+    mine = places.get(member)
     if mine is not None:
         head = _first(member, places, lambda p: p == mine)  # on its own GPU: a star, copies within it
         if head is not None:
@@ -92,7 +96,7 @@ def parent(member: int, degree: int, places: dict[int, Place] | None = None) -> 
             head = _first(member, places, lambda p: p == places[near])
             # one on the publishers' GPU crosses the same link as they, later
             return 0 if places[head][1] and places[head] == places.get(0) else head
-    return member - 1
+    return next((m for m in range(member - 1, 0, -1) if m not in gone), 0)
 
 
 def _first(member: int, places: dict[int, Place], same) -> int | None:
@@ -100,12 +104,14 @@ def _first(member: int, places: dict[int, Place], same) -> int | None:
     return next((m for m in range(1, member) if m in places and same(places[m])), None)
 
 
-def ancestors(member: int, degree: int, places: dict[int, Place] | None = None) -> list[int]:
-    """``member``'s parent, its parent's parent, ... down to member 1, then 0 (the publishers)."""
+def ancestors(member: int, degree: int, places: dict[int, Place] | None = None, gone=frozenset()) -> list[int]:
+    """``member``'s parent, its parent's parent, ... down to 0 (the publishers), leaving out the
+    members known ``gone``."""
     out = []
     while member > 0:
-        member = parent(member, degree, places)
-        out.append(member)
+        member = parent(member, degree, places, gone)
+        if member not in gone:
+            out.append(member)
     return out
 
 

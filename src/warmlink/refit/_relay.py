@@ -168,6 +168,7 @@ class Relay:
         self.timeout_s = timeout_s
         self.member = 0  # this receiver's number in its group, from its first cycle
         self._sources: list[int] = []  # the members it pulls from, in order, then 0 (Note [Fan-out tree])
+        self._places: dict = {}  # the places its tree was worked out from (degree 1)
         self.incarnation = secrets.randbits(63)
         self._link = None
         self._host = None  # the shared-memory link lease of the header's copy on this host, or None
@@ -287,6 +288,7 @@ class Relay:
         places = self._earlier_places() if c.degree == 1 else {}
         if publishers_place is not None:
             places[0] = publishers_place
+        self._places = places
         self._sources = _members.ancestors(member, c.degree, places)
         log.info("fan-out member joined", extra={"group": c.group, "rank": c.rank, "member": self.member,
                                                   "source": self._sources[0]})
@@ -356,9 +358,9 @@ class Relay:
                 job.finished.set()
 
     def _fill(self, job: _Job) -> None:
-        for member in self._sources:  # the last is 0, the publishers
-            if member in self._ups.gone:
-                continue
+        tried: set[int] = set()  # this cycle's, routed around (stalled ones may serve the next)
+        while True:
+            member = next(m for m in self._sources if m not in tried and m not in self._ups.gone)  # 0 comes last
             if member == 0:
                 self._from_publishers(job)
                 return
@@ -368,6 +370,9 @@ class Relay:
             except RouteAround as why:  # the chunks held so far stay: the next source gives the rest
                 log.info("fan-out routes around a replica", extra={"member": self.member, "source": member, "why": str(why),
                                                                    "held": job.held})
+                tried.add(member)
+                if why.gone:  # for good: the tree without it (Note [Fan-out tree] in refit._members)
+                    self._sources = _members.ancestors(self.member, self.config.degree, self._places, self._ups.gone)
 
     def _progress(self, job: _Job, held: int) -> None:
         job.held = held
