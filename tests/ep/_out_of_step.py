@@ -28,7 +28,8 @@ def step_inputs(step: int, num_ranks: int) -> tuple[list, list]:
 
 
 def _outcome(call, want: torch.Tensor | None = None) -> str:
-    """``call()``'s error as ``"Type: message"``, else "ok" (its recv_x equal to ``want``) or "WRONG"."""
+    """``call()``'s error as ``"Type: message"``, else "ok" (its first output, recv_x or the combined
+    rows, equal to ``want``) or "WRONG"."""
     try:
         out = call()
     except Exception as exc:  # noqa: BLE001 - the test compares the type and message
@@ -70,6 +71,13 @@ def out_of_step(rank: int, num_ranks: int, store, case: dict) -> list[str]:
                 theirs = other.dispatch(xs[rank], topk_idx=idxs[rank], num_experts=EXPERTS)
                 log.append(_outcome(cached(0, theirs[4])[1]))
                 log.append(_outcome(lambda: buf.combine(theirs[0].clone(), theirs[4])))
+        elif scenario == "refused_combine":  # rank 1 passes one row too few; then a combine of every rank's rows
+            xs, idxs = step_inputs(0, num_ranks)
+            out = buf.dispatch(xs[rank], topk_idx=idxs[rank], num_experts=EXPERTS)
+            log.append(_outcome(lambda: buf.combine(out[0][:-1] if rank == 1 else out[0], out[4])))
+            ranks = torch.stack([((idxs[rank] // (EXPERTS // num_ranks)) == r).any(1) for r in range(num_ranks)], 1)
+            want = (xs[rank].float() * ranks.sum(1, keepdim=True)).to(torch.bfloat16)  # the sum of its copies
+            log.append(_outcome(lambda: buf.combine(out[0], out[4]), want))
         elif scenario == "stall":  # rank 1 starts step 1's dispatch past the others' timeout
             for step in range(4):
                 want, call = fresh(step)

@@ -1,6 +1,6 @@
 """Ranks whose calls do not line up, over shm (ep.protocol.normal, Note [Refused dispatch] and Note
-[Broken rounds]): cached dispatches of different handles, a cached dispatch one rank refuses, a
-handle of another Buffer, a peer stalled past the timeout. Every call either raises a typed
+[Broken rounds]): cached dispatches of different handles, a cached dispatch or a combine one rank
+refuses, a handle of another Buffer, a peer stalled past the timeout. Every call either raises a typed
 error on every rank it concerns or returns its own step's rows; none returns another step's."""
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ def test_a_cached_dispatch_one_rank_refuses_is_refused_on_every_rank_and_the_nex
     assert logs[1][0] == "ConfigError: ep.Buffer.dispatch: handle is for 4 tokens; x has 3", logs[1]
     for log in (logs[0], logs[2]):
         assert log[0].startswith("RefusedRound") and "ranks [1] refused" in log[0], log
+    assert all(log[1:] == ["ok", "ok"] for log in logs), logs
+
+
+def test_a_combine_one_rank_refuses_is_refused_on_every_rank_and_the_next_works():
+    logs = _run("refused_combine", ranks=3)
+    assert logs[1][0] == "ConfigError: ep: x has 3 rows; expected 4", logs[1]
+    for log in (logs[0], logs[2]):
+        assert log[0].startswith("RefusedRound: ep.Buffer.combine: ranks [1] refused"), log
     assert all(log[1:] == ["ok", "ok"] for log in logs), logs
 
 

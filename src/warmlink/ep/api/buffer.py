@@ -21,7 +21,6 @@ from warmlink import _env
 from warmlink._closing import Closing
 from warmlink.ep.api.options import resolve_device, resolve_options, resolve_stream
 from warmlink.ep.kernels.layout import dispatch_layout
-from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.low_latency import LowLatencyMethods
 from warmlink.ep.paths.combine import Combiner
 from warmlink.ep.paths.comm_stream import INLINE
@@ -307,16 +306,13 @@ class Buffer(LowLatencyMethods, Closing):
             token's sum reads only its own copies (a NaN in one token stays in that token).
 
         Raises:
-            ConfigError: bad shapes or dtypes (before any byte moves), or, on every rank, peers that
+            ConfigError: bad shapes or dtypes, or another Buffer's handle (before any byte moves;
+                with host copies its peers raise too, naming this rank), or, on every rank, peers that
                 combine with another dispatch's handle, another x dtype, or other ``topk_weights``.
             TransferTimeout / PeerLostError: a peer stalled or died.
         """
         self._check_open("combine")
-        if not isinstance(handle, Handle) or handle.owner != self._normal.serial:
-            raise ConfigError(f"ep.Buffer.combine: handle (a {type(handle).__name__}) is not from this Buffer's dispatch")
-        if not capturing():  # (a captured call cannot wait for the device)
-            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
-        rows, weights = self._checks.combine(x, topk_weights, handle)
+        rows, weights = self._normal.combine_args(x, topk_weights, handle)
         if not self._on_comm(async_finish and not return_recv_hook):
             wait_for(previous_event, "combine")
             return self._normal.combine(rows, weights, handle, async_finish, return_recv_hook)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from warmlink.ep.kernels import host
+from warmlink.ep.kernels.launch import capturing
 from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.kernels.steps import words_layout
 from warmlink.ep.wire import mailbox as mb
@@ -236,6 +237,17 @@ class Checks:
             raise ConfigError(f"ep.Buffer.dispatch: num_tokens_per_rank={given.tolist()} but is_token_in_rank holds "
                               f"{sent.tolist()} tokens per rank; pass get_dispatch_layout's outputs for this topk_idx")
         return sent, words[parts["per_expert"]]
+
+    def combine_args(self, x, topk_weights, handle, owner: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``combine``'s, after ``handle``'s: one of this Buffer's dispatches (``owner``: the serial
+        its mode stamps), whose refusal, if any, it raises."""
+        from warmlink.ep.wire.handle import Handle
+
+        if not isinstance(handle, Handle) or handle.owner != owner:
+            raise ConfigError(f"ep.Buffer.combine: handle (a {type(handle).__name__}) is not from this Buffer's dispatch")
+        if not capturing():  # (a captured call cannot wait for the device)
+            handle.resolve()  # a refused padded dispatch's handle raises its refusal at every use
+        return self.combine(x, topk_weights, handle)
 
     def combine(self, x, topk_weights, handle) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(rows, weights or None)`` of a combine: ``x`` and ``topk_weights`` cut to the rows that

@@ -49,7 +49,7 @@ next call. The round is spent on every rank, and the next call works. A cached d
 (bad arguments, another Buffer's handle) publishes its round ``REFUSED`` too, with host copies,
 whose receives meet the peers' words before they read a byte, so every peer raises naming it and
 the rounds stay in step; on a device the peers' kernels wait for no word, so there it raises on
-that rank alone.
+that rank alone. A combine one rank refuses (``combine_args``) goes the same way.
 
 # Note [Broken rounds]
 A call that times out or loses a peer inside a round leaves the ranks' rounds out of step: this
@@ -364,6 +364,21 @@ class NormalMode:
         """``ep.Buffer.combine``'s round on checked ``rows`` and ``weights`` (and this Buffer's ``handle``)."""
         with self._breaking():
             return self._combine(rows, weights, handle, async_finish, return_recv_hook)
+
+    def combine_args(self, x, topk_weights, handle) -> tuple:
+        """``combine``'s arguments, checked (``Checks.combine_args``); with host copies a rank that
+        refuses them publishes its round ``REFUSED`` and spends it, so that its peers raise naming it
+        and the next call lines up (as a refused dispatch, Note [Refused dispatch])."""
+        try:
+            return self.checks.combine_args(x, topk_weights, handle, self.serial)
+        except ConfigError:
+            if self.mover.host_ordered:
+                rounds = self.rounds
+                round_ = rounds.next("combine")
+                rounds.wait_readers(round_, mb.COMBINE)
+                rounds.mailbox.publish_combine(round_, REFUSED)
+                rounds.end("combine", round_)
+            raise
 
     def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
         t0 = time.perf_counter()

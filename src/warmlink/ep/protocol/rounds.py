@@ -194,6 +194,12 @@ class Rounds:
                                       "dispatch with a hook sends through the copy engines, one without through the "
                                       "Buffer's sender)")
             return
+        if mine == REFUSED:  # this rank refused its combine arguments: it raises its own reason
+            return
+        refused = sorted(r for r, theirs in words.items() if r != self.rank and theirs == REFUSED)
+        if refused:
+            raise RefusedRound(f"ep.Buffer.combine: ranks {refused} refused their combine arguments (each raised why); "
+                               "the round is spent on every rank", refused)
         for r, theirs in words.items():  # rows are counted by the handle: all ranks must use the same dispatch's
             if combine_handle_round(theirs) != combine_handle_round(mine):
                 raise ConfigError(f"ep.Buffer.combine: rank {r} combines with the handle of dispatch round "

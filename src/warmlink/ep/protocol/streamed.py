@@ -369,6 +369,11 @@ class StreamedMode:
         raise ConfigError(reason)
 
     # -- combine ------------------------------------------------------------------------------------
+    def combine_args(self, x, topk_weights, handle) -> tuple:
+        """``combine``'s arguments, checked (``Checks.combine_args``); the kernels wait for no word,
+        so a refusal raises on this rank alone (its peers' kernels reach their deadline)."""
+        return self.checks.combine_args(x, topk_weights, handle, self.serial)
+
     def combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
         """``ep.Buffer.combine`` on the stream path, on checked ``rows`` and ``weights``."""
         t0 = time.perf_counter()
