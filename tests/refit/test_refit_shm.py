@@ -359,7 +359,8 @@ def test_publisher_recreated_in_its_process_reuses_mappings(session) -> None:
         _update_publishers(workers, 2, seed=2)  # both ranks at version 2 again
         from warmlink.transport import shm
 
-        live_before = {k for k in shm._mappings.keys() if k[1] in {i["process_id"] for i in infos}}
+        ids = [i["process_id"] for i in infos]  # (a mapping's key adds the process lock token the board names)
+        live_before = {k for k in shm._mappings.keys() if any(k[1] == p or k[1].startswith(p + ":") for p in ids)}
         report = rec.refit(version=2)
         assert bad_tensors(targets, layouts, 2) == []
         assert report.created["plan"] == 0 and report.created["arena"] == 0
