@@ -25,6 +25,7 @@ from warmlink.ep.kernels.layout import dispatch_layout
 from warmlink.ep.kernels.steps import words_layout
 from warmlink.ep.wire import mailbox as mb
 from warmlink.ep.wire.fp8 import num_scales
+from warmlink.ep.wire.handle import Handle
 from warmlink.ep.wire.regions import RegionLayout
 from warmlink.ep.wire.words import encode_call
 from warmlink.errors import ConfigError
@@ -241,8 +242,6 @@ class Checks:
     def combine_args(self, x, topk_weights, handle, owner: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``combine``'s, after ``handle``'s: one of this Buffer's dispatches (``owner``: the serial
         its mode stamps), whose refusal, if any, it raises."""
-        from warmlink.ep.wire.handle import Handle
-
         if not isinstance(handle, Handle) or handle.owner != owner:
             raise ConfigError(f"ep.Buffer.combine: handle (a {type(handle).__name__}) is not from this Buffer's dispatch")
         if not capturing():  # (a captured call cannot wait for the device)

@@ -62,7 +62,6 @@ mode, ep.low_latency._runtime).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from typing import NoReturn
@@ -149,8 +148,11 @@ class NormalMode:
     # -- dispatch -----------------------------------------------------------------------------------
     def dispatch(self, *args):
         """``ep.Buffer.dispatch``'s round (its docstring says what each argument means)."""
-        with self._breaking():
+        try:
             return self._dispatch(*args)
+        except (TransferTimeout, PeerLostError) as exc:
+            self._break(exc)
+            raise
 
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, async_finish, num_experts, return_recv_hook):
@@ -229,22 +231,13 @@ class NormalMode:
         """Raise ``ConfigError(reason)`` for a cached dispatch this rank refused; with host copies
         publish its round ``REFUSED`` and spend it first (Note [Refused dispatch])."""
         if self.mover.host_ordered:
-            rounds = self.rounds
-            round_ = rounds.next("dispatch")
-            rounds.wait_readers(round_)
-            rounds.mailbox.publish_dispatch(round_, REFUSED)
-            rounds.end("dispatch", round_)
+            self.rounds.refuse("dispatch")
         raise ConfigError(reason)
 
-    @contextlib.contextmanager
-    def _breaking(self):
+    def _break(self, exc: BaseException) -> None:
         """A call or hook whose round timed out or lost a peer breaks the Buffer (Note [Broken rounds])."""
-        try:
-            yield
-        except (TransferTimeout, PeerLostError) as exc:
-            if self.broken is None:
-                self.broken = exc
-            raise
+        if self.broken is None:
+            self.broken = exc
 
     def send_fresh(self, call: FreshSend, marks: dict, hook: bool) -> Handle:
         """Send a fresh dispatch in its path's order (module docstring); its handle. Adds host marks to ``marks``."""
@@ -362,8 +355,11 @@ class NormalMode:
     # -- combine ------------------------------------------------------------------------------------
     def combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
         """``ep.Buffer.combine``'s round on checked ``rows`` and ``weights`` (and this Buffer's ``handle``)."""
-        with self._breaking():
+        try:
             return self._combine(rows, weights, handle, async_finish, return_recv_hook)
+        except (TransferTimeout, PeerLostError) as exc:
+            self._break(exc)
+            raise
 
     def combine_args(self, x, topk_weights, handle) -> tuple:
         """``combine``'s arguments, checked (``Checks.combine_args``); with host copies a rank that
@@ -373,11 +369,7 @@ class NormalMode:
             return self.checks.combine_args(x, topk_weights, handle, self.serial)
         except ConfigError:
             if self.mover.host_ordered:
-                rounds = self.rounds
-                round_ = rounds.next("combine")
-                rounds.wait_readers(round_, mb.COMBINE)
-                rounds.mailbox.publish_combine(round_, REFUSED)
-                rounds.end("combine", round_)
+                self.rounds.refuse("combine")
             raise
 
     def _combine(self, rows, weights, handle: Handle, async_finish: bool, return_recv_hook: bool):
@@ -423,8 +415,11 @@ class NormalMode:
             if self.closed:
                 raise ConfigError(f"ep.Buffer: the receive hook of {phase} round {round_} was called after the Buffer "
                                   "was closed")
-            with self._breaking():
+            try:
                 receive()
+            except (TransferTimeout, PeerLostError) as exc:
+                self._break(exc)
+                raise
 
         return (*result, self.event(slot, async_finish), hook)
 

@@ -101,6 +101,19 @@ class Rounds:
         """``round_`` of ``op`` is sent, or spent on every rank (a refusal every rank raised)."""
         self.last[op] = round_
 
+    def refuse(self, op: str) -> None:
+        """This rank refused its next ``op`` (``"dispatch"`` or ``"combine"``) without counts: publish
+        that round ``REFUSED`` and spend it, so that each peer's meet raises naming this rank
+        (ep.protocol.normal, Note [Refused dispatch])."""
+        round_ = self.next(op)
+        field = mb.DISPATCH if op == "dispatch" else mb.COMBINE
+        self.wait_readers(round_, field)
+        if op == "dispatch":
+            self.mailbox.publish_dispatch(round_, REFUSED)
+        else:
+            self.mailbox.publish_combine(round_, REFUSED)
+        self.end(op, round_)
+
     def check_no_pending(self, func: str) -> None:
         if self.pending is not None and not self.pending.done:
             raise ConfigError(f"ep.Buffer.{func}: the receive hook of {self.pending.phase} round "

@@ -16,8 +16,8 @@ import torch
 from warmlink.ep.wire.words import RefusedRound
 from warmlink.errors import ConfigError, MetadataError, TransferTimeout
 
-__all__ = ["Handle", "check_worst_tokens", "fill_plan", "per_expert_list", "plan_from_board", "recv_starts"]
-
+__all__ = ["Handle", "check_worst_tokens", "fill_plan", "next_owner", "per_expert_list", "plan_from_board",
+           "recv_starts"]
 
 _OWNERS = itertools.count(1)
 
@@ -25,6 +25,7 @@ _OWNERS = itertools.count(1)
 def next_owner() -> int:
     """A new serial for a Buffer's mode to stamp on the handles it makes (``Handle.owner``)."""
     return next(_OWNERS)
+
 
 @dataclass
 class Handle:
